@@ -1,0 +1,5 @@
+import sys
+
+from raytrain_ckpt.cli import main
+
+sys.exit(main())

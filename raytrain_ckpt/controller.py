@@ -1,0 +1,210 @@
+"""The driver's controller: an explicit state machine over one worker group at a time.
+
+``step()`` is the only code that branches on the state and ``_set_state()`` the only
+code that changes it. What to do about a failure is decided by ``FailurePolicy`` (pure,
+table-tested); the controller only acts on the decision.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from raytrain_ckpt.spec import JobSpec
+from raytrain_ckpt.worker import Progress, WorkerResult
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Controller",
+    "GroupPoll",
+    "GroupStartError",
+    "WorkerGroup", "Decision", "FailureFacts", "FailurePolicy", "JobResult", "JobState"]
+
+
+class GroupStartError(RuntimeError):
+    """The group could not be placed or could not form its process group in time."""
+
+
+@dataclass(frozen=True)
+class GroupPoll:
+    """One look at the group: finished results, failures, and the slowest rank's step."""
+
+    results: list[WorkerResult] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    min_step: int = 0
+    rank0: Progress | None = None
+    finished: bool = False
+
+
+class WorkerGroup(Protocol):
+    """What the controller needs from a group of training ranks."""
+
+    def start(self) -> None:
+        """Place, create and set up every rank, then start training; raises GroupStartError."""
+
+    def poll(self) -> GroupPoll:
+        """Non-blocking (bounded by the poll interval) look at progress and failures."""
+
+    def shutdown(self) -> None:
+        """Kill every rank and release the resources; safe to call twice."""
+
+
+class JobState(enum.Enum):
+    """Lifecycle of a job. SUCCEEDED and FAILED are terminal."""
+
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED)
+
+
+class Decision(enum.Enum):
+    """What to do after a failure."""
+
+    RESTART = "RESTART"
+    FAIL = "FAIL"
+
+
+@dataclass(frozen=True)
+class FailureFacts:
+    """Everything the failure policy may look at."""
+
+    kind: str  # "start" | "crash" | "hang"
+    restarts_done: int
+    max_restarts: int
+
+
+class FailurePolicy:
+    """Restart the group while the restart budget lasts, then fail the job."""
+
+    def decide(self, facts: FailureFacts) -> Decision:
+        return Decision.RESTART if facts.restarts_done < facts.max_restarts else Decision.FAIL
+
+
+@dataclass
+class JobResult:
+    """The outcome the driver reports and exits with."""
+
+    state: JobState
+    attempts: int
+    results: list[WorkerResult] = field(default_factory=list)
+    error: str | None = None
+    elapsed_s: float = 0.0
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """Rank 0's logged global losses by step."""
+        return self.results[0].losses if self.results else {}
+
+
+GroupFactory = Callable[[JobSpec, int], WorkerGroup]
+
+
+class Controller:
+    """Runs a job to a terminal state: start a group, watch it, restart or finish."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        group_factory: GroupFactory,
+        policy: FailurePolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.spec = spec
+        self._factory = group_factory
+        self._policy = policy or FailurePolicy()
+        self._clock = clock
+        self._sleep = sleep
+        self.state = JobState.STARTING
+        self.attempt = 0
+        self.restarts = 0
+        self.group: WorkerGroup | None = None
+        self.result = JobResult(JobState.STARTING, 0)
+        self._last_step = -1
+        self._last_advance = clock()
+        self._started = clock()
+
+    def run(self) -> JobResult:
+        """Step until terminal; always releases the group."""
+        try:
+            while not self.state.is_terminal:
+                self.step()
+        finally:
+            self._release_group()
+        self.result.elapsed_s = self._clock() - self._started
+        return self.result
+
+    def step(self) -> None:
+        """Advance the state machine by one transition or one poll."""
+        if self.state is JobState.STARTING:
+            self._start_group()
+        elif self.state is JobState.RUNNING:
+            self._watch_group()
+        elif self.state is JobState.RECOVERING:
+            self._release_group()
+            self.attempt += 1
+            self._set_state(JobState.STARTING, f"attempt {self.attempt}")
+
+    def _set_state(self, new: JobState, reason: str) -> None:
+        logger.info("%s -> %s (%s)", self.state.value, new.value, reason)
+        self.state = new
+        self.result.state = new
+
+    def _start_group(self) -> None:
+        self.group = self._factory(self.spec, self.attempt)
+        self.result.attempts = self.attempt + 1
+        try:
+            self.group.start()
+        except GroupStartError as exc:
+            self._on_failure("start", str(exc))
+            return
+        self._last_step, self._last_advance = -1, self._clock()
+        self._set_state(JobState.RUNNING, f"{self.spec.world_size} workers started")
+
+    def _watch_group(self) -> None:
+        assert self.group is not None
+        poll = self.group.poll()
+        if poll.failures:
+            self._on_failure("crash", "\n".join(poll.failures))
+        elif poll.finished:
+            self.result.results = poll.results
+            self._set_state(JobState.SUCCEEDED, f"{poll.min_step} steps done")
+        elif self._hung(poll):
+            self._on_failure("hang", f"no step finished for {self.spec.fault_tolerance.hang_timeout_s:g}s "
+                             f"(fault_tolerance.hang_timeout_s); slowest rank at step {poll.min_step}")
+        else:
+            self._sleep(self.spec.fault_tolerance.poll_interval_s)
+
+    def _hung(self, poll: GroupPoll) -> bool:
+        now = self._clock()
+        if poll.min_step != self._last_step:
+            self._last_step, self._last_advance = poll.min_step, now
+            return False
+        return now - self._last_advance > self.spec.fault_tolerance.hang_timeout_s
+
+    def _on_failure(self, kind: str, message: str) -> None:
+        facts = FailureFacts(kind, self.restarts, self.spec.fault_tolerance.max_restarts)
+        decision = self._policy.decide(facts)
+        logger.error("attempt %d %s failure:\n%s", self.attempt, kind, message)
+        self.result.error = message
+        if decision is Decision.RESTART:
+            self.restarts += 1
+            self._set_state(JobState.RECOVERING, f"{kind}; restart {self.restarts}/{facts.max_restarts}")
+        else:
+            self._set_state(JobState.FAILED, f"{kind}; {self.restarts}/{facts.max_restarts} restarts used")
+
+    def _release_group(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None

@@ -1,0 +1,62 @@
+"""The driver: connect to (or start) Ray, check resources, run the controller."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from raytrain_ckpt.controller import Controller, JobResult
+from raytrain_ckpt.group import RayWorkerGroup
+from raytrain_ckpt.spec import JobSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ResourceError", "run_job"]
+
+
+class ResourceError(ValueError):
+    """The spec asks for more than a cluster that cannot grow has."""
+
+
+def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
+    """Run ``spec`` to completion on the Ray cluster at ``address`` (None: start a local one).
+
+    An already initialised Ray (tests, notebooks) is reused as it is.
+    """
+    started_here = not ray.is_initialized()
+    if started_here:
+        _init_ray(address)
+    try:
+        _check_resources(spec, fixed_size=address is None)
+        logger.info("job %s: %d workers, dp_shard %d, spec %s", spec.name, spec.world_size, spec.dp_size,
+                    spec.spec_hash())
+        return Controller(spec, RayWorkerGroup).run()
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _init_ray(address: str | None) -> None:
+    # Workers of a local cluster start in Ray's session directory; putting the driver's
+    # working directory on their path lets a user factory 'mypkg.models:build' import
+    # the same way it does for the driver.
+    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
+    runtime_env = None if address else {"env_vars": {"PYTHONPATH": path}}
+    ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+
+
+def _check_resources(spec: JobSpec, fixed_size: bool) -> None:
+    res = spec.resources
+    need = {"CPU": spec.world_size * res.cpus_per_worker, "GPU": spec.world_size * res.gpus}
+    have = ray.cluster_resources()
+    short = {k: (v, have.get(k, 0.0)) for k, v in need.items() if v > have.get(k, 0.0) + 1e-9}
+    if not short:
+        return
+    text = ", ".join(f"{v:g} {k} needed, {h:g} in the cluster" for k, (v, h) in short.items())
+    hint = ("lower resources.num_workers or resources.cpus_per_worker (fractions such as 0.5 are allowed)"
+            if "CPU" in short else "lower resources.num_workers or resources.gpus_per_worker, or add GPU nodes")
+    if fixed_size:
+        raise ResourceError(f"resources: {text}; {hint}")
+    logger.warning("resources: %s; waiting up to fault_tolerance.start_timeout_s for the cluster to grow", text)

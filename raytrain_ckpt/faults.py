@@ -1,0 +1,73 @@
+"""Fault injection at named points, for tests and drills.
+
+A fault plan comes from the ``RAYTRAIN_CKPT_FAULTS`` environment variable of the driver,
+which the worker group forwards to every worker. Grammar (``;`` separates faults)::
+
+    KIND@POINT:rank=R,step=S[,attempt=A]
+
+KIND is ``raise`` (a Python exception), ``exit`` (the process dies with no cleanup, like
+a segfault or the OOM killer) or ``hang`` (the rank stops making progress). POINT is
+``step`` (before the optimizer step ``S`` starts). ``attempt`` defaults to 0, so the
+restarted group runs clean unless the plan says otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ENV_VAR", "Fault", "InjectedFault", "maybe_inject", "parse_faults"]
+
+ENV_VAR = "RAYTRAIN_CKPT_FAULTS"
+KINDS = ("raise", "exit", "hang")
+
+
+class InjectedFault(RuntimeError):
+    """The exception that a ``raise`` fault throws."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    point: str
+    rank: int
+    step: int
+    attempt: int = 0
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """Parse a fault plan; raises ValueError naming the bad entry."""
+    faults = []
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        try:
+            head, _, args = entry.partition(":")
+            kind, _, point = head.partition("@")
+            kv = dict(pair.split("=", 1) for pair in args.split(","))
+            fault = Fault(kind, point, int(kv.pop("rank")), int(kv.pop("step")), int(kv.pop("attempt", 0)))
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"{ENV_VAR}: cannot parse {entry!r} ({exc}); expected KIND@step:rank=R,step=S") from None
+        if fault.kind not in KINDS or fault.point != "step" or kv:
+            raise ValueError(f"{ENV_VAR}: bad fault {entry!r}; KIND is one of {KINDS}, POINT is 'step'")
+        faults.append(fault)
+    return faults
+
+
+def maybe_inject(point: str, rank: int, step: int, attempt: int) -> None:
+    """Trigger the planned fault for this point, rank, step and attempt, if any."""
+    text = os.environ.get(ENV_VAR)
+    if not text:
+        return
+    for f in parse_faults(text):
+        if (f.point, f.rank, f.step, f.attempt) != (point, rank, step, attempt):
+            continue
+        logger.warning("injecting fault %s at %s rank %d step %d attempt %d", f.kind, point, rank, step, attempt)
+        if f.kind == "raise":
+            raise InjectedFault(f"injected fault at {point} rank {rank} step {step}")
+        if f.kind == "exit":
+            os._exit(17)
+        while True:  # hang: stop making progress until the controller kills us
+            time.sleep(3600)

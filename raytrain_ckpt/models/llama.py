@@ -1,0 +1,301 @@
+"""A Llama-style decoder-only transformer.
+
+The module layout (one ``TransformerBlock`` per entry of ``Llama.layers``, no
+shared or tied parameters) is chosen so that FSDP2 ``fully_shard`` can wrap
+each block and then the root without any parameter appearing in two groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PRESETS",
+    "Attention",
+    "FeedForward",
+    "Llama",
+    "LlamaConfig",
+    "TransformerBlock",
+    "num_params",
+]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape hyper-parameters of a :class:`Llama` model.
+
+    Attributes:
+        dim: Model (residual stream) width.
+        n_layers: Number of transformer blocks.
+        n_heads: Number of query heads.
+        n_kv_heads: Number of key/value heads (grouped-query attention).
+        vocab_size: Number of token ids.
+        ffn_dim: Hidden width of the SwiGLU feed-forward network.
+        max_seq_len: Longest sequence the RoPE tables cover.
+        norm_eps: Epsilon of the RMSNorm layers.
+        rope_theta: Base of the RoPE frequencies.
+    """
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    ffn_dim: int
+    max_seq_len: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.dim // self.n_heads
+
+    def validate(self) -> None:
+        """Check the cross-field constraints of the shape.
+
+        Raises:
+            ValueError: If a field is non-positive or the head layout is
+                inconsistent; the message names the fields and the fix.
+        """
+        ints = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len")
+        for name in ints:
+            value = getattr(self, name)
+            # bool is an int subclass; a YAML 'true' must not become 1 silently.
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"LlamaConfig.{name} must be an integer, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be positive, got {value}")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive number, got {value!r}")
+        if self.dim % self.n_heads != 0:
+            raise ValueError(
+                f"LlamaConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"
+            )
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"LlamaConfig.n_heads ({self.n_heads}) must be divisible by "
+                f"n_kv_heads ({self.n_kv_heads}) for grouped-query attention"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(
+                f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE; "
+                "change dim or n_heads"
+            )
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    # ~0.85M params, byte-level vocab so it trains on raw text on a CPU.
+    "debug": LlamaConfig(
+        dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=384, max_seq_len=512
+    ),
+    # ~25M params, still byte-level: big enough to show real throughput numbers.
+    "small": LlamaConfig(
+        dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=1536, max_seq_len=1024
+    ),
+    # Llama 3.2 1B shape; untied output, so ~1.5B params instead of 1.24B.
+    "1b": LlamaConfig(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim=8192,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    # Llama 3 8B shape (~8.03B params).
+    "8b": LlamaConfig(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+}
+
+
+def _rope_tables(cfg: LlamaConfig, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compute RoPE cos/sin tables of shape ``[max_seq_len, head_dim]`` in fp32."""
+    half = cfg.head_dim // 2
+    exponents = torch.arange(0, half, device=device, dtype=torch.float32) / half
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
+    positions = torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    # Duplicated so that the table lines up with the rotate-halves layout.
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``[B, T, H, D]`` by position (rotate-halves form)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    # Tables are fp32; cast so bf16 activations stay bf16 under FSDP mixed precision.
+    cos = cos[None, :, None, :].to(x.dtype)
+    sin = sin[None, :, None, :].to(x.dtype)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with rotary position embeddings."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attend over ``x`` of shape ``[B, T, dim]``; returns the same shape."""
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            # Explicit repeat instead of SDPA's enable_gqa: every backend accepts it.
+            k = k.repeat_interleave(rep, dim=2)
+            v = v.repeat_interleave(rep, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU feed-forward network: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the gated MLP to ``x`` of shape ``[..., dim]``."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``h + ffn(norm(h))``."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Run the block on ``x`` of shape ``[B, T, dim]``."""
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Llama-style decoder: embeddings, ``n_layers`` blocks, norm, untied head.
+
+    Args:
+        cfg: Model shape; validated here.
+    """
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = _rope_tables(cfg, self.output.weight.device)
+        # Non-persistent: derived from the config, so they stay out of checkpoints.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise all parameters and the RoPE tables.
+
+        Deterministic given the torch global RNG state: parameters are visited
+        in a fixed order. Projections that write into the residual stream
+        (``wo``, ``w2``) and the output head use std ``0.02 / sqrt(2 * n_layers)``,
+        as in GPT-2. Also recomputes the RoPE buffers so that a model built on
+        the meta device and materialised with ``to_empty`` is fully usable.
+        """
+        std = 0.02
+        scaled = std / math.sqrt(2 * self.cfg.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        for block in self.layers:
+            attn, ffn = block.attention, block.feed_forward
+            for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
+                nn.init.normal_(lin.weight, mean=0.0, std=std)
+            for lin in (attn.wo, ffn.w2):
+                nn.init.normal_(lin.weight, mean=0.0, std=scaled)
+            block.attention_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+        nn.init.normal_(self.output.weight, mean=0.0, std=scaled)
+        self._reset_rope()
+
+    def _reset_rope(self) -> None:
+        """Recompute the RoPE tables in place on the buffers' device."""
+        device = self.rope_cos.device
+        if device.type == "meta":
+            return
+        cos, sin = _rope_tables(self.cfg, device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Compute next-token logits.
+
+        Args:
+            tokens: LongTensor of shape ``[B, T]`` with ``T <= max_seq_len``.
+
+        Returns:
+            Logits of shape ``[B, T, vocab_size]``.
+        """
+        seq = tokens.shape[1]
+        if seq > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq} exceeds max_seq_len {self.cfg.max_seq_len}; "
+                "raise model max_seq_len or shorten data seq_len"
+            )
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.tok_embeddings(tokens)
+        for block in self.layers:
+            h = block(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+def num_params(model: nn.Module) -> int:
+    """Count the parameters of ``model`` (works on the meta device).
+
+    Args:
+        model: Any module; parameters shared between submodules count once.
+
+    Returns:
+        The total number of scalar parameters.
+    """
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,457 @@
+"""Job spec: the one file a user writes, validated at the edge.
+
+Precedence, stated once: CLI ``--set path=value`` > spec file > field defaults.
+Every problem is reported as ``path[=value]: what is wrong; how to fix it``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from raytrain_ckpt.models import PRESETS, describe_model, resolve_factory
+
+__all__ = [
+    "CheckpointSpec",
+    "DataSpec",
+    "FaultToleranceSpec",
+    "JobSpec",
+    "LRSchedulerSpec",
+    "ModelSpec",
+    "OptimizerSpec",
+    "ParallelismSpec",
+    "ResourcesSpec",
+    "SpecError",
+    "TrainingSpec",
+    "load_spec",
+    "parse_overrides",
+]
+
+SPEC_SUFFIXES = (".yaml", ".yml", ".json", ".toml")
+
+
+class SpecError(ValueError):
+    """A user mistake in a job spec: one human-readable line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+class FieldProblems(ValueError):
+    """Cross-field problems raised inside a validator, each with its own field path."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        super().__init__("; ".join(f"{p}: {m}" for p, m in problems))
+        self.problems = problems
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class ModelSpec(_Section):
+    name: str = "debug"
+    """Built-in preset (debug, small, 1b, 8b) or a user factory 'package.module:function' that returns an nn.Module."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Preset fields to change (e.g. n_layers: 2), or keyword arguments passed to the factory."""
+
+    @model_validator(mode="after")
+    def _resolvable(self) -> ModelSpec:
+        if ":" in self.name:
+            try:
+                resolve_factory(self.name)
+            except ValueError as exc:
+                raise FieldProblems([("name", str(exc))]) from None
+            return self
+        if self.name not in PRESETS:
+            raise FieldProblems([("name", f"'{self.name}' is neither a preset ({', '.join(PRESETS)}) "
+                                          "nor a factory path 'package.module:function'")])
+        try:
+            describe_model(self.name, self.overrides)
+        except ValueError as exc:
+            raise FieldProblems([("overrides", str(exc))]) from None
+        return self
+
+
+class DataSpec(_Section):
+    source: Literal["synthetic", "text"] = "synthetic"
+    """synthetic: a seeded, learnable token stream; text: byte-level tokens (vocab 256) from text files."""
+    path: Path | None = None
+    """File or directory of text (source=text only); a relative path is resolved against the spec file's directory."""
+
+    @field_validator("path")
+    @classmethod
+    def _resolve_path(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is None:
+            return None
+        base = (info.context or {}).get("base_dir")
+        path = value.expanduser()
+        if not path.is_absolute() and base is not None:
+            path = Path(base) / path
+        if not path.exists():
+            raise ValueError(f"{value} does not exist (resolved to {path}); point it at a text file or directory")
+        return path.resolve()
+
+    @model_validator(mode="after")
+    def _path_matches_source(self) -> DataSpec:
+        if self.source == "text" and self.path is None:
+            raise FieldProblems([("path", "required when source=text; set it to a text file or directory")])
+        if self.source == "synthetic" and self.path is not None:
+            raise FieldProblems([("path", "only used with source=text; remove it or set data.source=text")])
+        return self
+
+
+class ParallelismSpec(_Section):
+    dp_shard: int = -1
+    """FSDP2 data-parallel shard degree; -1 means every worker not used by other dimensions."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel degree. Only 1 is available in this release."""
+
+    @field_validator("dp_shard")
+    @classmethod
+    def _dp_shard_value(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("must be >= 1, or -1 for 'all remaining workers'")
+        return value
+
+    @field_validator("pp")
+    @classmethod
+    def _pp_available(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("pipeline parallelism is not available in this release; set parallelism.pp=1")
+        return value
+
+
+class OptimizerSpec(_Section):
+    name: Literal["adamw"] = "adamw"
+    """Optimizer. AdamW (torch.optim.AdamW)."""
+    lr: float = Field(3e-4, gt=0)
+    """Peak learning rate, reached at the end of warmup."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2), each in [0, 1)."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.1, ge=0)
+    """Decoupled weight decay."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError(f"each beta must be in [0, 1), got {list(value)}")
+        return value
+
+
+class LRSchedulerSpec(_Section):
+    warmup_steps: int = Field(10, ge=0)
+    """Linear warmup from 0 to optimizer.lr over this many steps."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the decay from the peak to min_lr_ratio * lr at training.steps."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate as a fraction of the peak."""
+
+
+class TrainingSpec(_Section):
+    steps: int = Field(100, ge=1)
+    """Optimizer steps to run."""
+    global_batch_size: int = Field(8, ge=1)
+    """Samples per optimizer step across all data-parallel ranks."""
+    micro_batch_size: int = Field(2, ge=1)
+    """Samples per forward/backward on one rank; gradient accumulation makes up the rest."""
+    seq_len: int = Field(128, ge=2)
+    """Tokens per sample."""
+    seed: int = Field(0, ge=0)
+    """Seed for model init, data order and dropout-free training; same seed and world size give bit-identical runs on CPU."""
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value; null turns clipping off."""
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """FSDP2 parameter dtype for compute: auto = bf16 on GPU, fp32 on CPU. Gradients are reduced in fp32."""
+    log_every_steps: int = Field(10, ge=1)
+    """Rank 0 logs step, loss, tokens/s and step time every this many steps (and the last step)."""
+
+
+class ResourcesSpec(_Section):
+    num_workers: int = Field(2, ge=1)
+    """Training processes (ranks), one Ray actor each."""
+    use_gpu: bool = False
+    """Train on CUDA with NCCL; false trains on CPU with gloo."""
+    cpus_per_worker: float = Field(1.0, gt=0)
+    """CPUs reserved per worker; also sets the worker's torch thread count."""
+    gpus_per_worker: float | None = Field(None, ge=0)
+    """GPUs reserved per worker; default 1 with use_gpu, else 0."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement group strategy for the worker bundles."""
+
+    @property
+    def gpus(self) -> float:
+        """GPUs per worker after defaults."""
+        if self.gpus_per_worker is not None:
+            return self.gpus_per_worker
+        return 1.0 if self.use_gpu else 0.0
+
+    @model_validator(mode="after")
+    def _gpu_consistent(self) -> ResourcesSpec:
+        g = self.gpus_per_worker
+        if g is not None and g > 0 and not self.use_gpu:
+            raise FieldProblems([("gpus_per_worker", f"{g} GPUs requested but use_gpu is false; set resources.use_gpu=true or gpus_per_worker=0")])
+        if g == 0 and self.use_gpu:
+            raise FieldProblems([("gpus_per_worker", "0 with use_gpu=true; each worker needs a GPU share > 0")])
+        return self
+
+
+class CheckpointSpec(_Section):
+    enabled: bool = False
+    """Save checkpoints. Checkpoint saving arrives in the next release; only false is accepted now."""
+    dir: Path = Path("checkpoints")
+    """Root directory for this job's checkpoints (a relative path is resolved against the working directory)."""
+
+    @field_validator("enabled")
+    @classmethod
+    def _enabled_available(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("checkpoint saving is not available in this release; set checkpoint.enabled=false")
+        return value
+
+
+class FaultToleranceSpec(_Section):
+    max_restarts: int = Field(0, ge=0)
+    """Times the whole worker group is rebuilt after a worker failure or hang before the job fails."""
+    hang_timeout_s: float = Field(600.0, gt=0)
+    """A running group that completes no step for this long is treated as hung and torn down."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """Time allowed for resources to be placed and the process group to form."""
+    poll_interval_s: float = Field(1.0, gt=0)
+    """How often the driver polls worker progress and liveness."""
+
+
+class JobSpec(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    """Job name (letters, digits, '_', '.', '-'); names the Ray actors and the checkpoint directory."""
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    """What to train."""
+    data: DataSpec = Field(default_factory=DataSpec)
+    """Where the tokens come from."""
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    """How the model is split across workers."""
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    """Optimizer settings."""
+    lr_scheduler: LRSchedulerSpec = Field(default_factory=LRSchedulerSpec)
+    """Learning-rate schedule: linear warmup, then decay."""
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    """Steps, batch sizes, sequence length, seed, precision."""
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    """Workers and what each reserves."""
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    """Checkpointing."""
+    fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
+    """Restarts and timeouts."""
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return self.resources.num_workers
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree after resolving -1."""
+        if self.parallelism.dp_shard == -1:
+            return self.world_size // self.parallelism.pp
+        return self.parallelism.dp_shard
+
+    def spec_hash(self) -> str:
+        """Stable hash of the resolved spec, for telling runs apart."""
+        text = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        problems = _layout_problems(self) + _batch_problems(self) + _model_data_problems(self)
+        if problems:
+            raise FieldProblems(problems)
+        return self
+
+
+def _layout_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    par, n = spec.parallelism, spec.world_size
+    if par.dp_shard == -1:
+        if n % par.pp:
+            return [("resources.num_workers", f"{n} is not divisible by parallelism.pp={par.pp}")]
+        return []
+    if par.dp_shard * par.pp != n:
+        return [("parallelism.dp_shard", f"dp_shard {par.dp_shard} x pp {par.pp} = {par.dp_shard * par.pp} "
+                 f"does not match resources.num_workers={n}; make the product equal, or set dp_shard=-1")]
+    return []
+
+
+def _batch_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    t, dp = spec.training, spec.dp_size
+    out: list[tuple[str, str]] = []
+    if dp >= 1 and t.global_batch_size % (t.micro_batch_size * dp):
+        out.append(("training.global_batch_size",
+                    f"{t.global_batch_size} is not divisible by micro_batch_size {t.micro_batch_size} x dp {dp}; "
+                    f"use a multiple of {t.micro_batch_size * dp}"))
+    if spec.lr_scheduler.warmup_steps > t.steps:
+        out.append(("lr_scheduler.warmup_steps",
+                    f"{spec.lr_scheduler.warmup_steps} exceeds training.steps={t.steps}; lower it"))
+    return out
+
+
+def _model_data_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    cfg = describe_model(spec.model.name, spec.model.overrides) if ":" not in spec.model.name else None
+    if cfg is None:
+        return []
+    out: list[tuple[str, str]] = []
+    if spec.training.seq_len > cfg.max_seq_len:
+        out.append(("training.seq_len", f"{spec.training.seq_len} exceeds the model context {cfg.max_seq_len} "
+                    f"of '{spec.model.name}'; lower it or set model.overrides.max_seq_len"))
+    if spec.data.source == "text" and cfg.vocab_size < 256:
+        out.append(("model.overrides.vocab_size", f"{cfg.vocab_size} is below 256, the byte-level vocabulary "
+                    "of data.source=text; use vocab_size >= 256"))
+    return out
+
+
+# --- loading -----------------------------------------------------------------
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+    """Read a YAML, JSON or TOML job spec, apply ``--set`` overrides and validate it.
+
+    Args:
+        path: The spec file.
+        overrides: ``dotted.path=value`` strings; values are parsed as YAML scalars/lists.
+
+    Returns:
+        The validated spec.
+
+    Raises:
+        SpecError: The file is missing or unreadable, or the spec is invalid.
+    """
+    path = Path(path)
+    raw = _read_file(path)
+    for dotted, value in parse_overrides(overrides or []):
+        _apply_override(raw, dotted, value)
+    try:
+        return JobSpec.model_validate(raw, context={"base_dir": path.resolve().parent})
+    except ValidationError as exc:
+        raise SpecError(format_validation_error(exc)) from None
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise SpecError([f"{path}: spec file not found; pass the path of a .yaml, .json or .toml job spec"])
+    if path.is_dir():
+        raise SpecError([f"{path}: is a directory; pass a job spec file such as jobs/llama_debug_fsdp.yaml"])
+    if path.suffix not in SPEC_SUFFIXES:
+        raise SpecError([f"{path}: unknown spec format '{path.suffix}'; use one of {', '.join(SPEC_SUFFIXES)}"])
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        elif path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise SpecError([f"{path}: not valid {path.suffix[1:].upper()}: {_one_line(exc)}"]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError([f"{path}: the top level must be a mapping of sections, got {type(data).__name__}"])
+    return data
+
+
+def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
+    """Parse ``a.b.c=value`` strings; the value is read as YAML (numbers, booleans, lists)."""
+    out: list[tuple[str, Any]] = []
+    for item in items:
+        dotted, sep, text = item.partition("=")
+        if not sep or not dotted or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", dotted):
+            raise SpecError([f"--set {item!r}: expected path.to.field=value, e.g. --set training.steps=20"])
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError as exc:
+            raise SpecError([f"--set {item!r}: value is not valid YAML: {_one_line(exc)}"]) from None
+        out.append((dotted, value))
+    return out
+
+
+def _apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = raw
+    for i, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            where = ".".join(keys[: i + 1])
+            raise SpecError([f"--set {dotted}: {where} is a value ({child!r}), not a section"])
+        node = child
+    node[keys[-1]] = value
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+# --- error formatting ----------------------------------------------------------
+
+
+def format_validation_error(exc: ValidationError) -> list[str]:
+    """Turn pydantic errors into ``path[=value]: problem; fix`` lines."""
+    lines: list[str] = []
+    for err in exc.errors(include_url=False):
+        loc = [str(p) for p in err["loc"]]
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, FieldProblems):
+            lines.extend(f"{_join(loc + [p])}: {m}" for p, m in cause.problems)
+        else:
+            lines.append(_format_one(loc, err))
+    return lines
+
+
+def _join(parts: list[str]) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _format_one(loc: list[str], err: dict[str, Any]) -> str:
+    path, kind, msg = _join(loc), err["type"], err["msg"]
+    if kind == "extra_forbidden":
+        return f"{path}: unknown field{_suggest(loc)}"
+    if kind == "missing":
+        return f"{path}: required field is missing"
+    msg = msg.removeprefix("Value error, ")
+    if kind == "literal_error":
+        msg = msg.replace("Input should be", "must be")
+    value = err.get("input")
+    if isinstance(value, (dict, list)) or value is None:
+        return f"{path}: {msg}"
+    return f"{path}={value}: {msg}"
+
+
+def _suggest(loc: list[str]) -> str:
+    model: type[BaseModel] = JobSpec
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return ""
+        model = ann
+    names = list(model.model_fields)
+    close = difflib.get_close_matches(loc[-1], names, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"{hint} (valid fields: {', '.join(names)})"

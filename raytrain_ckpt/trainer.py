@@ -1,0 +1,177 @@
+"""The training loop of one rank, with no Ray in it.
+
+A ``Trainer`` lives inside a process whose default process group is already
+initialised (by a TrainWorker actor, or by torchrun in tests and GPU checks). It reads
+top to bottom: build the model and shard it, then for each step take this rank's slice
+of the global batch, accumulate gradients over micro batches, clip, step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from raytrain_ckpt.data import build_source, local_micro_batches
+from raytrain_ckpt.models import build_model
+from raytrain_ckpt.parallel import apply_fsdp, build_mesh, param_dtype_for
+from raytrain_ckpt.spec import JobSpec, LRSchedulerSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StepReport", "Trainer", "lr_lambda"]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one finished step reports. ``loss`` is the global mean, or None off log steps."""
+
+    step: int
+    loss: float | None
+    step_time_s: float
+    tokens_per_s: float
+    lr: float
+
+
+@dataclass
+class TrainState:
+    """Progress that a checkpoint must capture besides model and optimizer."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    losses: dict[int, float] = field(default_factory=dict)
+
+
+def lr_lambda(sched: LRSchedulerSpec, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the peak LR at optimizer step ``i`` (0-based): warmup, then decay."""
+
+    def factor(i: int) -> float:
+        if i < sched.warmup_steps:
+            return (i + 1) / sched.warmup_steps
+        span = max(1, total_steps - sched.warmup_steps)
+        progress = min(1.0, (i - sched.warmup_steps) / span)
+        floor = sched.min_lr_ratio
+        if sched.decay == "constant":
+            return 1.0
+        if sched.decay == "linear":
+            return 1.0 - (1.0 - floor) * progress
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class Trainer:
+    """One rank's model, optimizer, data and step function."""
+
+    def __init__(self, spec: JobSpec, device: torch.device, log_prefix: Callable[[], str] = lambda: "") -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("Trainer needs an initialised default process group")
+        self.spec = spec
+        self.device = device
+        self.rank = dist.get_rank()
+        self._log_prefix = log_prefix
+        t = spec.training
+        # build model: the same seed on every rank gives the same full init before sharding,
+        # so the initial parameters do not depend on the world size.
+        torch.manual_seed(t.seed)
+        self.mesh = build_mesh(device.type, spec.dp_size)
+        model = build_model(spec.model.name, dict(spec.model.overrides))
+        self.model = apply_fsdp(model.to(device), self.mesh, param_dtype_for(t.mixed_precision, spec.resources.use_gpu))
+        # build optimizer and schedule
+        o = spec.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec.lr_scheduler, t.steps))
+        # build data
+        self.source = build_source(
+            spec.data.source, seq_len=t.seq_len, seed=t.seed, vocab_size=_vocab_size(self.model), path=spec.data.path
+        )
+        self.dp_rank = self.mesh.get_local_rank("dp_shard")
+        self.state = TrainState()
+
+    def train_step(self) -> StepReport:
+        """Run one optimizer step on this rank's share of the global batch."""
+        t = self.spec.training
+        start = time.monotonic()
+        batches = local_micro_batches(
+            self.source, step=self.state.step, global_batch_size=t.global_batch_size,
+            micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.spec.dp_size,
+        )
+        local_loss = torch.zeros((), device=self.device, dtype=torch.float32)
+        for inputs, targets in batches:
+            logits = self.model(inputs.to(self.device))
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+            (loss / len(batches)).backward()
+            local_loss += loss.detach() / len(batches)
+        if t.grad_clip is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.state.step += 1
+        tokens = t.global_batch_size * t.seq_len
+        self.state.tokens_seen += tokens
+        loss_value = self._global_loss(local_loss) if self._is_log_step() else None
+        if loss_value is not None:
+            self.state.losses[self.state.step] = loss_value
+        elapsed = time.monotonic() - start
+        return StepReport(self.state.step, loss_value, elapsed, tokens / elapsed, lr)
+
+    def _is_log_step(self) -> bool:
+        s = self.state.step
+        return s % self.spec.training.log_every_steps == 0 or s == self.spec.training.steps
+
+    def _global_loss(self, local_loss: torch.Tensor) -> float:
+        # Reduce only on log steps: .item() syncs the device, which the other steps avoid.
+        dist.all_reduce(local_loss, op=dist.ReduceOp.SUM)
+        return local_loss.item() / dist.get_world_size()
+
+    def log(self, report: StepReport) -> None:
+        """Rank 0 logs progress on log steps."""
+        if self.rank != 0 or report.loss is None:
+            return
+        logger.info(
+            "%sstep %d/%d loss %.4f lr %.2e tokens/s %.0f step_time %.3fs", self._log_prefix(), report.step,
+            self.spec.training.steps, report.loss, report.lr, report.tokens_per_s, report.step_time_s,
+        )
+
+    def fingerprint(self) -> str:
+        """sha256 over this rank's local parameter and optimizer shards, for bit-exact comparisons."""
+        h = hashlib.sha256()
+        for name, tensor in sorted(_local_tensors(self.model, self.optimizer).items()):
+            h.update(name.encode())
+            h.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+
+def _local_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for name, param in model.named_parameters():
+        out[f"param/{name}"] = _local(param)
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                out[f"optim/{names[id(param)]}/{key}"] = _local(value)
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _vocab_size(model: nn.Module) -> int:
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None:
+        raise ValueError("model has no nn.Embedding; a model must map token ids to logits")
+    return emb.num_embeddings

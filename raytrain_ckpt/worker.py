@@ -1,0 +1,148 @@
+"""TrainWorker: one Ray actor per rank, wrapping a ``Trainer``.
+
+The actor is threaded (``max_concurrency=2``): ``run()`` trains in one thread while
+``progress()`` answers the driver's polls from the other, so reporting progress never
+blocks a training step and a step never waits on the driver.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from raytrain_ckpt.faults import maybe_inject
+from raytrain_ckpt.spec import JobSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Progress", "TrainWorker", "WorkerFailure", "WorkerResult"]
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A worker's last known state, read by the driver's poll."""
+
+    rank: int
+    step: int
+    loss: float | None
+    last_step_at: float  # time.time() of the last finished step (or of setup)
+    phase: str  # "setup" | "training" | "done" | "failed"
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """What ``run()`` returns when the rank finishes every step."""
+
+    rank: int
+    steps: int
+    tokens_seen: int
+    losses: dict[int, float]
+    fingerprint: str
+
+
+class WorkerFailure(RuntimeError):
+    """A rank's exception, with its rank and formatted traceback (picklable across actors)."""
+
+    def __init__(self, rank: int, attempt: int, text: str) -> None:
+        super().__init__(f"rank {rank} (attempt {attempt}) failed:\n{text}")
+        self.rank = rank
+        self.attempt = attempt
+        self.text = text
+
+    def __reduce__(self) -> tuple:
+        return (WorkerFailure, (self.rank, self.attempt, self.text))
+
+
+class TrainWorker:
+    """One training rank. Created by the worker group as a Ray actor."""
+
+    def __init__(self, spec_json: str, rank: int, world_size: int, attempt: int) -> None:
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True)
+        self.spec = JobSpec.model_validate_json(spec_json)
+        self.rank, self.world_size, self.attempt = rank, world_size, attempt
+        self._progress = Progress(rank, 0, None, time.time(), "setup")
+        self._stop = threading.Event()
+        self.trainer = None
+        torch.set_num_threads(max(1, int(self.spec.resources.cpus_per_worker)))
+
+    def _prefix(self) -> str:
+        step = self.trainer.state.step if self.trainer else 0
+        return f"[attempt {self.attempt} rank {self.rank} step {step}] "
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free TCP port, for rank 0 to host the rendezvous."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int, timeout_s: float) -> None:
+        """Join the process group and build model, optimizer and data."""
+        try:
+            self._setup(master_addr, master_port, timeout_s)
+        except Exception:
+            self._progress = Progress(self.rank, 0, None, time.time(), "failed")
+            raise WorkerFailure(self.rank, self.attempt, traceback.format_exc()) from None
+
+    def _setup(self, master_addr: str, master_port: int, timeout_s: float) -> None:
+        from raytrain_ckpt.trainer import Trainer
+
+        use_gpu = self.spec.resources.use_gpu
+        if use_gpu:
+            # Ray sets CUDA_VISIBLE_DEVICES per actor, so the assigned GPU is device 0 here.
+            torch.cuda.set_device(0)
+        device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+        dist.init_process_group(
+            backend="nccl" if use_gpu else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self.trainer = Trainer(self.spec, device, self._prefix)
+        if self.rank == 0:
+            logger.info("%sprocess group ready: %d ranks, backend %s, pid %d", self._prefix(), self.world_size,
+                        dist.get_backend(), os.getpid())
+
+    def run(self) -> WorkerResult:
+        """Train to ``training.steps``; raises WorkerFailure with the traceback on error."""
+        try:
+            return self._run()
+        except Exception:
+            self._progress = Progress(self.rank, self._progress.step, self._progress.loss, time.time(), "failed")
+            raise WorkerFailure(self.rank, self.attempt, traceback.format_exc()) from None
+
+    def _run(self) -> WorkerResult:
+        trainer = self.trainer
+        assert trainer is not None, "setup() must succeed before run()"
+        loss = None
+        while trainer.state.step < self.spec.training.steps and not self._stop.is_set():
+            maybe_inject("step", self.rank, trainer.state.step, self.attempt)
+            report = trainer.train_step()
+            trainer.log(report)
+            loss = report.loss if report.loss is not None else loss
+            self._progress = Progress(self.rank, report.step, loss, time.time(), "training")
+        state = trainer.state
+        self._progress = Progress(self.rank, state.step, loss, time.time(), "done")
+        return WorkerResult(self.rank, state.step, state.tokens_seen, dict(state.losses), trainer.fingerprint())
+
+    def progress(self) -> Progress:
+        """The last finished step; answered from the second actor thread while ``run()`` trains."""
+        return self._progress
+
+    def stop(self) -> None:
+        """Ask ``run()`` to return after the current step."""
+        self._stop.set()

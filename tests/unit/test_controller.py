@@ -1,0 +1,164 @@
+"""The controller state machine, advanced one step at a time against a fake group."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_ckpt.controller import (
+    Controller,
+    Decision,
+    FailureFacts,
+    FailurePolicy,
+    GroupPoll,
+    GroupStartError,
+    JobState,
+)
+from raytrain_ckpt.spec import JobSpec
+from raytrain_ckpt.worker import WorkerResult
+
+
+class FakeWorkerGroup:
+    """A scripted group. Test-only methods: ``fail(rank)``, ``advance(steps)``, ``finish()``."""
+
+    created: list[FakeWorkerGroup] = []
+
+    def __init__(self, spec: JobSpec, attempt: int, start_error: str | None = None) -> None:
+        self.spec, self.attempt, self.start_error = spec, attempt, start_error
+        self.step, self.failures, self.done, self.shut = 0, [], False, 0
+        FakeWorkerGroup.created.append(self)
+
+    def start(self) -> None:
+        if self.start_error:
+            raise GroupStartError(self.start_error)
+
+    def poll(self) -> GroupPoll:
+        results = [WorkerResult(r, self.step, 0, {self.step: 1.0}, "x") for r in range(2)] if self.done else []
+        return GroupPoll(results=results, failures=list(self.failures), min_step=self.step, finished=self.done)
+
+    def shutdown(self) -> None:
+        self.shut += 1
+
+    def fail(self, rank: int) -> None:
+        self.failures.append(f"rank {rank} failed: boom")
+
+    def advance(self, steps: int = 1) -> None:
+        self.step += steps
+
+    def finish(self) -> None:
+        self.done = True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture()
+def make():
+    FakeWorkerGroup.created = []
+
+    def _make(max_restarts: int = 0, hang_timeout_s: float = 10.0, start_errors: tuple[str, ...] = ()):
+        spec = JobSpec(name="t", fault_tolerance={"max_restarts": max_restarts, "hang_timeout_s": hang_timeout_s,
+                                                  "poll_interval_s": 1.0})
+        errors = list(start_errors)
+        clock = Clock()
+
+        def factory(s: JobSpec, attempt: int) -> FakeWorkerGroup:
+            return FakeWorkerGroup(s, attempt, errors.pop(0) if errors else None)
+
+        return Controller(spec, factory, clock=clock, sleep=clock.sleep), clock
+
+    return _make
+
+
+def test_start_run_succeed(make):
+    ctl, _ = make()
+    assert ctl.state is JobState.STARTING
+    ctl.step()
+    assert ctl.state is JobState.RUNNING
+    group = FakeWorkerGroup.created[0]
+    group.advance(3)
+    ctl.step()
+    assert ctl.state is JobState.RUNNING
+    group.finish()
+    ctl.step()
+    assert ctl.state is JobState.SUCCEEDED and ctl.state.is_terminal
+    assert [r.steps for r in ctl.result.results] == [3, 3]
+
+
+def test_worker_failure_without_budget_fails_with_rank_in_error(make):
+    ctl, _ = make(max_restarts=0)
+    ctl.step()
+    FakeWorkerGroup.created[0].fail(1)
+    ctl.step()
+    assert ctl.state is JobState.FAILED
+    assert "rank 1" in ctl.result.error
+
+
+def test_failure_with_budget_restarts_a_new_group(make):
+    ctl, _ = make(max_restarts=1)
+    ctl.step()
+    FakeWorkerGroup.created[0].fail(0)
+    ctl.step()
+    assert ctl.state is JobState.RECOVERING
+    ctl.step()
+    assert ctl.state is JobState.STARTING and FakeWorkerGroup.created[0].shut == 1
+    ctl.step()
+    assert ctl.state is JobState.RUNNING and FakeWorkerGroup.created[1].attempt == 1
+    FakeWorkerGroup.created[1].fail(0)
+    ctl.step()
+    assert ctl.state is JobState.FAILED and ctl.restarts == 1
+
+
+def test_hang_detected_after_timeout_without_progress(make):
+    ctl, clock = make(hang_timeout_s=5.0)
+    ctl.step()
+    group = FakeWorkerGroup.created[0]
+    for _ in range(5):
+        group.advance()
+        ctl.step()
+    assert ctl.state is JobState.RUNNING  # progressing, never hung
+    for _ in range(7):
+        ctl.step()
+    assert ctl.state is JobState.FAILED
+    assert "hang_timeout_s" in ctl.result.error and clock.now >= 5.0
+
+
+def test_start_error_uses_the_restart_budget(make):
+    ctl, _ = make(max_restarts=1, start_errors=("could not reserve",))
+    ctl.step()
+    assert ctl.state is JobState.RECOVERING
+    result = None
+    ctl.step()
+    ctl.step()
+    FakeWorkerGroup.created[1].finish()
+    result = ctl.run()
+    assert result.state is JobState.SUCCEEDED and result.attempts == 2
+
+
+def test_run_always_releases_the_group(make):
+    ctl, _ = make()
+    ctl.step()
+    FakeWorkerGroup.created[0].fail(0)
+    ctl.run()
+    assert FakeWorkerGroup.created[0].shut == 1 and ctl.group is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "done", "budget", "expected"),
+    [
+        ("crash", 0, 0, Decision.FAIL),
+        ("crash", 0, 1, Decision.RESTART),
+        ("crash", 1, 1, Decision.FAIL),
+        ("hang", 2, 3, Decision.RESTART),
+        ("start", 3, 3, Decision.FAIL),
+    ],
+)
+def test_failure_policy_table(kind, done, budget, expected):
+    assert FailurePolicy().decide(FailureFacts(kind, done, budget)) is expected
