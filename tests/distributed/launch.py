@@ -1,0 +1,59 @@
+"""Run a function on N real processes joined in a torch.distributed process group."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue: Any) -> None:
+    try:
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        try:
+            queue.put((rank, "ok", fn(*args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, backend: str = "gloo", timeout_s: float = 300) -> list[Any]:
+    """Call ``fn(*args)`` on ``world`` spawned ranks; return the results ordered by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=timeout_s)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]

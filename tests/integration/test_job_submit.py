@@ -1,0 +1,204 @@
+"""`ray job submit` against a real head started by cluster/start_head.sh.
+
+The head runs as `ray start --head --block` in its own session on free ports with a
+private temp dir and a private token, so it neither sees nor disturbs the local Ray
+that other tests in this session share through ``ray.init()``. It is torn down with a
+SIGTERM to its process group, never with `ray stop` (which would kill every Ray on
+the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+START_HEAD = REPO / "cluster" / "start_head.sh"
+JOB_SPEC = REPO / "jobs" / "llama_debug_fsdp.yaml"
+ENTRYPOINT = ["python", "-m", "raytrain_ckpt", "run", str(JOB_SPEC),
+              "--set", "training.steps=5", "--set", "lr_scheduler.warmup_steps=2",
+              "--set", "training.log_every_steps=1"]
+# The head is sized for the demo job (2 workers x 1 CPU); the entrypoint itself takes none.
+HEAD_CPUS = 2
+
+if shutil.which("ray") is None or sys.platform != "linux":
+    pytest.skip("needs the `ray` CLI and Linux /proc", allow_module_level=True)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Processes whose session is ``sid``: the head and everything it spawned."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name in field 2 may contain spaces; fields after ')' are fixed.
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            pids.append(int(entry))
+    return pids
+
+
+class Head:
+    """A `--block` head in its own session; ``stop()`` is idempotent."""
+
+    def __init__(self) -> None:
+        self.port, self.dashboard_port = _free_ports(2)
+        self.api = f"http://127.0.0.1:{self.dashboard_port}"
+        # Short path on purpose: Ray's unix sockets live under it (limit ~107 chars).
+        self.temp_dir = tempfile.mkdtemp(prefix="rtj-", dir="/tmp")
+        self.token = secrets.token_hex(32)
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH")}
+        # A private token: the test neither reads nor creates ~/.ray/auth_token.
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token)
+        # Whatever runs the job must find this checkout's python and package first.
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        self.env = env
+        self.log_path = os.path.join(self.temp_dir, "start_head.log")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            ["bash", str(START_HEAD), "--block", "--port", str(self.port),
+             "--dashboard-port", str(self.dashboard_port), "--num-cpus", str(HEAD_CPUS),
+             "--temp-dir", self.temp_dir],
+            env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            # Own session: pid == pgid == sid, one handle for every process of this head.
+            start_new_session=True,
+        )
+        self.sid = self.proc.pid
+        self.stopped = False
+
+    def log(self) -> str:
+        self._log.flush()
+        return Path(self.log_path).read_text(errors="replace")[-4000:]
+
+    def get(self, path: str) -> tuple[int, str]:
+        req = urllib.request.Request(self.api + path, headers={"Authorization": f"Bearer {self.token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=3) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        # The jobs endpoint needs the token and the job agent: once it answers, submit works.
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if self.get("/api/jobs/")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"job API at {self.api} not ready after {timeout:.0f}s:\n{self.log()}")
+
+    def ray_cli(self, *args: str, auth: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+        env = dict(self.env)
+        if not auth:
+            env.pop("RAY_AUTH_MODE", None)
+        return subprocess.run(["ray", *args], env=env, capture_output=True, text=True,
+                              timeout=timeout, cwd=REPO)
+
+    def stop(self) -> list[int]:
+        """SIGTERM the process group; returns the pids of this head still alive after."""
+        if self.stopped:
+            return []
+        self.stopped = True
+        try:
+            os.killpg(self.sid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        # start_head.sh caps Ray's SIGTERM drain at 3 s; the rest is process exit.
+        deadline = time.monotonic() + 45
+        while time.monotonic() < deadline and (self.proc.poll() is None or _session_pids(self.sid)):
+            time.sleep(0.5)
+        left = _session_pids(self.sid)
+        if left:
+            # Never leave a stray cluster behind on a shared machine, even when failing.
+            try:
+                os.killpg(self.sid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        self._log.close()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        return left
+
+
+@pytest.fixture
+def head():
+    h = Head()
+    try:
+        h.wait_ready()
+        yield h
+    finally:
+        h.stop()
+
+
+def test_job_submit_runs_the_demo_job_on_a_token_auth_head(head):
+    # The submit client sends the token only with RAY_AUTH_MODE=token in its own
+    # environment, even though the head turned auth on: this is the classic 401.
+    denied = head.ray_cli("job", "list", "--address", head.api, auth=False, timeout=60)
+    assert denied.returncode != 0
+    assert "Missing authentication token" in denied.stdout + denied.stderr
+
+    sub_id = f"rtc-test-{secrets.token_hex(4)}"
+    # --working-dir ships this checkout: the entrypoint runs inside the unpacked copy,
+    # so `python -m raytrain_ckpt` imports it without an install, and the job's Ray
+    # workers get the same copy on their path.
+    done = head.ray_cli("job", "submit", "--address", head.api, "--submission-id", sub_id,
+                        "--working-dir", str(REPO), "--", *ENTRYPOINT, timeout=150)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    assert f"Job '{sub_id}' succeeded" in out, out[-6000:]
+    assert "SUCCEEDED" in out, out[-6000:]
+
+    # `ray job status` exits 0 whatever the job's state, so read what it says.
+    status = head.ray_cli("job", "status", "--address", head.api, sub_id, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert "succeeded" in status.stdout + status.stderr
+    code, body = head.get(f"/api/jobs/{sub_id}")
+    assert code == 200 and json.loads(body)["status"] == "SUCCEEDED", body
+
+    left = head.stop()
+    assert left == [], f"processes of the head survived SIGTERM: {left}"
+    assert _session_pids(head.sid) == []
+
+    # A local Ray this pytest process shares with other tests must be untouched.
+    import ray
+
+    if ray.is_initialized():
+        assert ray.get(ray.put(41)) + 1 == 42
