@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -22,13 +24,15 @@ def _free_port() -> int:
 def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue: Any) -> None:
     try:
         if backend == "nccl":
-            import torch
-
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
         try:
-            queue.put((rank, "ok", fn(*args)))
+            # Serialise to bytes: torch's queue would share tensors through handles that
+            # die with this process before the parent reads them.
+            buf = io.BytesIO()
+            torch.save(fn(*args), buf)
+            queue.put((rank, "ok", buf.getvalue()))
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -50,7 +54,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, backend: str = "gloo", timeo
             rank, status, value = queue.get(timeout=timeout_s)
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=30)
