@@ -161,7 +161,7 @@ class OptimizerSpec(_Section):
 
 class LRSchedulerSpec(_Section):
     warmup_steps: int = Field(10, ge=0)
-    """Linear warmup from 0 to optimizer.lr over this many steps."""
+    """Linear warmup from 0 to optimizer.lr over this many steps (a run shorter than this never reaches the peak)."""
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     """Shape of the decay from the peak to min_lr_ratio * lr at training.steps."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
@@ -307,9 +307,6 @@ def _batch_problems(spec: JobSpec) -> list[tuple[str, str]]:
         out.append(("training.global_batch_size",
                     f"{t.global_batch_size} is not divisible by micro_batch_size {t.micro_batch_size} x dp {dp}; "
                     f"use a multiple of {t.micro_batch_size * dp}"))
-    if spec.lr_scheduler.warmup_steps > t.steps:
-        out.append(("lr_scheduler.warmup_steps",
-                    f"{spec.lr_scheduler.warmup_steps} exceeds training.steps={t.steps}; lower it"))
     return out
 
 

@@ -1,0 +1,166 @@
+"""Job spec validation: every shipped job validates; each bad spec names its field."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raytrain_ckpt.cli import main
+from raytrain_ckpt.spec import JobSpec, SpecError, load_spec
+
+REPO = Path(__file__).resolve().parents[2]
+JOBS = sorted((REPO / "jobs").glob("*.yaml"))
+BASE = {"name": "t", "resources": {"num_workers": 2}, "training": {"global_batch_size": 8, "micro_batch_size": 2}}
+
+
+def _write(tmp_path: Path, data: dict, suffix: str = ".yaml") -> Path:
+    path = tmp_path / f"job{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps(data))
+    else:
+        path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _merge(base: dict, patch: dict) -> dict:
+    out = json.loads(json.dumps(base))
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("job", JOBS, ids=[j.name for j in JOBS])
+def test_every_shipped_job_validates(job):
+    spec = load_spec(job)
+    assert spec.world_size == spec.dp_size * spec.parallelism.pp
+
+
+BAD = [
+    ("typo_section", {"trainig": {"steps": 3}}, "trainig: unknown field; did you mean 'training'?"),
+    ("typo_field", {"training": {"stpes": 3}}, "training.stpes: unknown field; did you mean 'steps'?"),
+    ("wrong_type", {"training": {"steps": "many"}}, "training.steps=many:"),
+    ("negative_steps", {"training": {"steps": -1}}, "training.steps=-1: Input should be greater than or equal to 1"),
+    ("zero_lr", {"optimizer": {"lr": 0}}, "optimizer.lr=0:"),
+    ("bad_beta", {"optimizer": {"betas": [0.9, 1.5]}}, "optimizer.betas: each beta must be in [0, 1)"),
+    ("batch_not_divisible", {"training": {"global_batch_size": 30, "micro_batch_size": 8}, "parallelism": {"dp_shard": 2}},
+     "training.global_batch_size: 30 is not divisible by micro_batch_size 8 x dp 2"),
+    ("degrees_mismatch", {"parallelism": {"dp_shard": 3}},
+     "parallelism.dp_shard: dp_shard 3 x pp 1 = 3 does not match resources.num_workers=2"),
+    ("dp_zero", {"parallelism": {"dp_shard": 0}}, "parallelism.dp_shard=0: must be >= 1, or -1"),
+    ("pp_unavailable", {"parallelism": {"pp": 2}}, "parallelism.pp=2: pipeline parallelism is not available"),
+    ("seq_len_over_context", {"training": {"seq_len": 4096}}, "training.seq_len: 4096 exceeds the model context 512"),
+    ("gpu_without_use_gpu", {"resources": {"gpus_per_worker": 1}},
+     "resources.gpus_per_worker: 1.0 GPUs requested but use_gpu is false"),
+    ("use_gpu_zero_gpus", {"resources": {"use_gpu": True, "gpus_per_worker": 0}}, "resources.gpus_per_worker: 0 with use_gpu"),
+    ("unknown_preset", {"model": {"name": "gpt5"}}, "model.name: 'gpt5' is neither a preset"),
+    ("bad_override", {"model": {"overrides": {"n_layer": 2}}}, "model.overrides: unknown override 'n_layer'"),
+    ("bad_factory_module", {"model": {"name": "no_such_pkg.models:build"}}, "model.name: model factory 'no_such_pkg.models:build': cannot import"),
+    ("bad_factory_attr", {"model": {"name": "tests.user_models:nope"}}, "model.name: model factory 'tests.user_models:nope': module"),
+    ("missing_text_file", {"data": {"source": "text", "path": "nowhere.txt"}}, "data.path=nowhere.txt: nowhere.txt does not exist"),
+    ("text_without_path", {"data": {"source": "text"}}, "data.path: required when source=text"),
+    ("bad_source", {"data": {"source": "parquet"}}, "data.source=parquet: must be 'synthetic' or 'text'"),
+    ("missing_name", {"name": None}, "name:"),
+    ("bad_name", {"name": "my job!"}, "name=my job!: String should match pattern"),
+    ("bad_precision", {"training": {"mixed_precision": "fp8"}}, "training.mixed_precision=fp8: must be 'auto', 'bf16' or 'fp32'"),
+    ("checkpoint_unavailable", {"checkpoint": {"enabled": True}}, "checkpoint.enabled=True: checkpoint saving is not available"),
+    ("zero_workers", {"resources": {"num_workers": 0}}, "resources.num_workers=0:"),
+    ("hang_timeout_zero", {"fault_tolerance": {"hang_timeout_s": 0}}, "fault_tolerance.hang_timeout_s=0:"),
+]
+
+
+@pytest.mark.parametrize(("patch", "expected"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_spec_names_the_field(tmp_path, patch, expected):
+    data = _merge(BASE, patch)
+    if data.get("name") is None:
+        data.pop("name")
+    with pytest.raises(SpecError) as info:
+        load_spec(_write(tmp_path, data))
+    assert any(p.startswith(expected) for p in info.value.problems), info.value.problems
+
+
+def test_bad_table_is_distinct_and_large_enough():
+    assert len({b[2] for b in BAD}) == len(BAD) >= 15
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(SpecError, match="spec file not found"):
+        load_spec(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(bad)
+    txt = tmp_path / "job.txt"
+    txt.write_text("name: x")
+    with pytest.raises(SpecError, match="unknown spec format"):
+        load_spec(txt)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- a\n- b\n")
+    with pytest.raises(SpecError, match="top level must be a mapping"):
+        load_spec(lst)
+
+
+def test_json_and_toml_load_the_same_spec(tmp_path):
+    from_yaml = load_spec(_write(tmp_path, BASE))
+    from_json = load_spec(_write(tmp_path, BASE, ".json"))
+    toml = tmp_path / "job.toml"
+    toml.write_text('name = "t"\n[resources]\nnum_workers = 2\n[training]\nglobal_batch_size = 8\nmicro_batch_size = 2\n')
+    assert from_yaml == from_json == load_spec(toml)
+
+
+def test_overrides_beat_the_file_and_parse_values(tmp_path):
+    path = _write(tmp_path, BASE)
+    spec = load_spec(path, ["training.steps=7", "optimizer.betas=[0.8, 0.9]", "resources.use_gpu=false"])
+    assert spec.training.steps == 7 and spec.optimizer.betas == (0.8, 0.9)
+    with pytest.raises(SpecError, match="training.nope: unknown field"):
+        load_spec(path, ["training.nope=1"])
+    with pytest.raises(SpecError, match="expected path.to.field=value"):
+        load_spec(path, ["training.steps"])
+    with pytest.raises(SpecError, match="name is a value"):
+        load_spec(path, ["name.sub=1"])
+
+
+def test_relative_text_path_resolves_against_the_spec_file(tmp_path):
+    (tmp_path / "corpus.txt").write_text("hello world " * 100)
+    spec = load_spec(_write(tmp_path, _merge(BASE, {"data": {"source": "text", "path": "corpus.txt"}})))
+    assert spec.data.path == (tmp_path / "corpus.txt").resolve()
+
+
+def test_defaults_fill_sections_and_hash_is_stable():
+    a, b = JobSpec(name="x"), JobSpec(name="x")
+    assert a.spec_hash() == b.spec_hash() != JobSpec(name="y").spec_hash()
+    assert a.resources.gpus == 0 and JobSpec(name="g", resources={"use_gpu": True}).resources.gpus == 1
+
+
+def test_cli_validate_prints_one_line_per_error_and_exits_2(tmp_path, capsys):
+    path = _write(tmp_path, _merge(BASE, {"training": {"stpes": 1, "global_batch_size": 30, "micro_batch_size": 8}}))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: training.stpes: unknown field; did you mean 'steps'? (valid fields: steps, "
+                   "global_batch_size, micro_batch_size, seq_len, seed, grad_clip, mixed_precision, log_every_steps)"]
+
+
+def test_cli_validate_and_schema_succeed(capsys):
+    assert main(["validate", "jobs/llama_debug_fsdp.yaml", "--format", "json", "--set", "training.steps=3"]) == 0
+    assert json.loads(capsys.readouterr().out)["training"]["steps"] == 3
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert "training" in schema["properties"] and schema["$defs"]["TrainingSpec"]["properties"]["steps"]["description"]
+
+
+def test_cli_run_with_a_bad_spec_exits_2_without_traceback(tmp_path):
+    path = _write(tmp_path, _merge(BASE, {"parallelism": {"dp_shard": 3}}))
+    proc = subprocess.run([sys.executable, "-m", "raytrain_ckpt", "run", str(path)], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 2
+    assert "parallelism.dp_shard" in proc.stderr and "Traceback" not in proc.stderr
+    bad_flag = subprocess.run([sys.executable, "-m", "raytrain_ckpt", "run"], capture_output=True, text=True,
+                              cwd=REPO, timeout=120)
+    assert bad_flag.returncode == 2 and "Traceback" not in bad_flag.stderr
