@@ -40,7 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.choices["run"].add_argument("--address", default=None,
                                     help="Ray address; default: RAY_ADDRESS, else start a local Ray")
     sub.choices["validate"].add_argument("--format", choices=("yaml", "json"), default="yaml")
-    sub.add_parser("schema", help="print the job spec JSON Schema (for editor completion)")
+    schema = sub.add_parser("schema", help="print the job spec JSON Schema (for editor completion)")
+    schema.add_argument("--format", choices=("json", "markdown"), default="json",
+                        help="json: JSON Schema; markdown: the field reference table in README")
     return p
 
 
@@ -48,7 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``raytrain-ckpt`` and ``python -m raytrain_ckpt``."""
     args = _parser().parse_args(argv)
     if args.command == "schema":
-        print(json.dumps(JobSpec.model_json_schema(), indent=2))
+        if args.format == "markdown":
+            from raytrain_ckpt.spec_reference import spec_reference_markdown
+
+            print(spec_reference_markdown(), end="")
+        else:
+            print(json.dumps(JobSpec.model_json_schema(), indent=2))
         return EXIT_OK
     try:
         spec = load_spec(args.spec, args.overrides)

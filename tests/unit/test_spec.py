@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from raytrain_ckpt.cli import main
 from raytrain_ckpt.spec import JobSpec, SpecError, load_spec
@@ -164,3 +165,26 @@ def test_cli_run_with_a_bad_spec_exits_2_without_traceback(tmp_path):
     bad_flag = subprocess.run([sys.executable, "-m", "raytrain_ckpt", "run"], capture_output=True, text=True,
                               cwd=REPO, timeout=120)
     assert bad_flag.returncode == 2 and "Traceback" not in bad_flag.stderr
+
+
+def test_readme_spec_reference_is_current() -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "update_readme.py"
+    spec = importlib.util.spec_from_file_location("update_readme", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    current = module.README.read_text(encoding="utf-8")
+    assert current == module.render(current), "run: python scripts/update_readme.py"
+
+
+def test_schema_markdown_lists_every_field() -> None:
+    from raytrain_ckpt.spec_reference import spec_reference_markdown
+
+    table = spec_reference_markdown()
+    for section, field in JobSpec.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            for sub in ann.model_fields:
+                assert f"`{section}.{sub}`" in table
