@@ -100,6 +100,8 @@ class JobResult:
     results: list[WorkerResult] = field(default_factory=list)
     error: str | None = None
     elapsed_s: float = 0.0
+    checkpoints: dict | None = None
+    """The CheckpointActor's final status (committed steps, failures), when checkpointing is on."""
 
     @property
     def losses(self) -> dict[int, float]:

@@ -7,7 +7,9 @@ import os
 
 import ray
 
+from raytrain_ckpt.checkpoint.service import CheckpointService
 from raytrain_ckpt.controller import Controller, JobResult
+from raytrain_ckpt.faults import ENV_VAR
 from raytrain_ckpt.group import RayWorkerGroup
 from raytrain_ckpt.spec import JobSpec
 
@@ -32,10 +34,23 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
         _check_resources(spec, fixed_size=address is None)
         logger.info("job %s: %d workers, dp_shard %d, spec %s", spec.name, spec.world_size, spec.dp_size,
                     spec.spec_hash())
-        return Controller(spec, RayWorkerGroup).run()
+        return _run_controller(spec)
     finally:
         if started_here:
             ray.shutdown()
+
+
+def _run_controller(spec: JobSpec) -> JobResult:
+    if not spec.checkpoint.enabled:
+        return Controller(spec, RayWorkerGroup).run()
+    fault_env = {ENV_VAR: os.environ[ENV_VAR]} if os.environ.get(ENV_VAR) else None
+    service = CheckpointService(spec, fault_env)
+    try:
+        result = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service)).run()
+        result.checkpoints = service.status()
+        return result
+    finally:
+        service.shutdown()
 
 
 def _init_ray(address: str | None) -> None:

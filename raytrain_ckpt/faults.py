@@ -7,7 +7,9 @@ which the worker group forwards to every worker. Grammar (``;`` separates faults
 
 KIND is ``raise`` (a Python exception), ``exit`` (the process dies with no cleanup, like
 a segfault or the OOM killer) or ``hang`` (the rank stops making progress). POINT is
-``step`` (before the optimizer step ``S`` starts). ``attempt`` defaults to 0, so the
+``step`` (in the trainer, before step ``S+1`` starts, i.e. after ``S`` steps), ``staged``
+(in the trainer, right after checkpoint ``S`` was staged and handed to the writer) or
+``persist`` (in the node's CheckpointWriter, while it writes rank ``R``'s files of step ``S``). ``attempt`` defaults to 0, so the
 restarted group runs clean unless the plan says otherwise.
 """
 
@@ -24,6 +26,7 @@ __all__ = ["ENV_VAR", "Fault", "InjectedFault", "maybe_inject", "parse_faults"]
 
 ENV_VAR = "RAYTRAIN_CKPT_FAULTS"
 KINDS = ("raise", "exit", "hang")
+POINTS = ("step", "staged", "persist")
 
 
 class InjectedFault(RuntimeError):
@@ -50,8 +53,8 @@ def parse_faults(text: str) -> list[Fault]:
             fault = Fault(kind, point, int(kv.pop("rank")), int(kv.pop("step")), int(kv.pop("attempt", 0)))
         except (ValueError, KeyError) as exc:
             raise ValueError(f"{ENV_VAR}: cannot parse {entry!r} ({exc}); expected KIND@step:rank=R,step=S") from None
-        if fault.kind not in KINDS or fault.point != "step" or kv:
-            raise ValueError(f"{ENV_VAR}: bad fault {entry!r}; KIND is one of {KINDS}, POINT is 'step'")
+        if fault.kind not in KINDS or fault.point not in POINTS or kv:
+            raise ValueError(f"{ENV_VAR}: bad fault {entry!r}; KIND is one of {KINDS}, POINT one of {POINTS}")
         faults.append(fault)
     return faults
 

@@ -12,9 +12,10 @@ import time
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raytrain_ckpt.checkpoint.service import CheckpointService
 from raytrain_ckpt.controller import GroupPoll, GroupStartError
 from raytrain_ckpt.faults import ENV_VAR
 from raytrain_ckpt.spec import JobSpec
@@ -28,9 +29,10 @@ __all__ = ["RayWorkerGroup"]
 class RayWorkerGroup:
     """``num_workers`` TrainWorker actors in one placement group."""
 
-    def __init__(self, spec: JobSpec, attempt: int) -> None:
+    def __init__(self, spec: JobSpec, attempt: int, checkpoints: CheckpointService | None = None) -> None:
         self.spec = spec
         self.attempt = attempt
+        self.checkpoints = checkpoints
         self.workers: list[ray.actor.ActorHandle] = []
         self._runs: dict[ray.ObjectRef, int] = {}
         self._results: dict[int, WorkerResult] = {}
@@ -65,11 +67,27 @@ class RayWorkerGroup:
         # rendezvous at rank 0's node, then set up every rank concurrently
         addr, port = self._get(self.workers[0].address.remote(), deadline, "locate rank 0")
         remaining = max(1.0, deadline - time.monotonic())
-        setups = [w.setup.remote(addr, port, remaining) for w in self.workers]
-        for rank, ref in enumerate(setups):
-            self._get(ref, deadline, f"set up rank {rank}")
+        ckpt = self._checkpoint_args()
+        try:
+            setups = [w.setup.remote(addr, port, remaining, ckpt[rank]) for rank, w in enumerate(self.workers)]
+            for rank, ref in enumerate(setups):
+                self._get(ref, deadline, f"set up rank {rank}")
+        finally:
+            if self.checkpoints is not None:
+                self.checkpoints.release(self.attempt)
         self._runs = {w.run.remote(): rank for rank, w in enumerate(self.workers)}
         logger.info("attempt %d: %d workers training (rendezvous %s:%d)", self.attempt, len(self.workers), addr, port)
+
+    def _checkpoint_args(self) -> list[dict | None]:
+        """Per rank: the CheckpointActor, the writer on the rank's node, and what to resume from."""
+        if self.checkpoints is None:
+            return [None] * self.spec.world_size
+        point = self.checkpoints.acquire(self.attempt)
+        nodes = placement_group_table(self._pg)["bundles_to_node_id"]
+        return [{"actor": self.checkpoints.actor, "writer": self.checkpoints.writer_for(nodes[rank]),
+                 "resume_path": point.path if point else None,
+                 "resume_world_size": point.world_size if point else None}
+                for rank in range(self.spec.world_size)]
 
     def _get(self, ref: ray.ObjectRef, deadline: float, what: str):
         try:

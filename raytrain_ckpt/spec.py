@@ -218,17 +218,57 @@ class ResourcesSpec(_Section):
 
 class CheckpointSpec(_Section):
     enabled: bool = False
-    """Save checkpoints. Checkpoint saving arrives in the next release; only false is accepted now."""
+    """Save checkpoints (and resume from them). false: no checkpoint is written or loaded."""
     dir: Path = Path("checkpoints")
-    """Root directory for this job's checkpoints (a relative path is resolved against the working directory)."""
+    """Root directory; this job's steps go to <dir>/<name>/step-<N>/. A relative path is resolved against the working directory."""
+    mode: Literal["async", "sync"] = "async"
+    """async: stage into shared memory, write in the background, training goes on; sync: training waits for the commit."""
+    interval_steps: int | None = Field(50, ge=1)
+    """Save every this many steps; null saves only on interval_seconds / save_final."""
+    interval_seconds: float | None = Field(None, gt=0)
+    """Also save when this much time passed since the last save; null turns the time trigger off."""
+    keep_latest_k: int | None = Field(3, ge=1)
+    """Keep the newest k committed steps (plus keep_every_n_steps); null keeps every step."""
+    keep_every_n_steps: int | None = Field(None, ge=1)
+    """Also keep every step divisible by this (long-term snapshots); null: none."""
+    resume: str = "latest"
+    """latest: the newest valid step under dir (a fresh start when there is none); none: start fresh; a step number; or a path to a step directory."""
+    save_final: bool = True
+    """Save (and wait for the commit of) the last step when training ends."""
+    on_busy: Literal["wait", "skip"] = "wait"
+    """A save due while the previous one is still writing: wait for it (training stalls), or skip this save (logged)."""
+    verify_on_load: Literal["size", "checksum"] = "size"
+    """Before loading: check file sizes against the manifest, or also their CRC-32 (reads every file)."""
+    commit_timeout_s: float = Field(600.0, gt=0)
+    """How long a synchronous or final save waits for its commit before the job fails."""
+    writer_threads: int = Field(1, ge=1, le=64)
+    """I/O threads per rank in the node's checkpoint writer."""
 
-    @field_validator("enabled")
+    @field_validator("interval_steps", mode="before")
     @classmethod
-    def _enabled_available(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("checkpoint saving is not available in this release; set checkpoint.enabled=false")
+    def _interval_hint(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError("must be >= 1; use checkpoint.enabled=false to turn saving off")
         return value
 
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _resume_int(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else value
+
+    @field_validator("resume")
+    @classmethod
+    def _resume_value(cls, value: str, info: ValidationInfo) -> str:
+        if value in ("latest", "none") or value.isdigit():
+            return value
+        path = Path(value).expanduser()
+        base = (info.context or {}).get("base_dir")
+        if not path.is_absolute() and base is not None and not path.exists():
+            path = Path(base) / path
+        if not path.is_dir():
+            raise ValueError("must be latest, none, a step number, or the path of an existing step directory "
+                             f"(resolved to {path}, which is not a directory)")
+        return str(path.resolve())
 
 class FaultToleranceSpec(_Section):
     max_restarts: int = Field(0, ge=0)

@@ -97,6 +97,8 @@ class Trainer:
         )
         self.dp_rank = self.mesh.get_local_rank("dp_shard")
         self.state = TrainState()
+        # Set by checkpointing: waits for an in-flight staging copy of the parameters.
+        self.before_optimizer_step: Callable[[], None] = lambda: None
 
     def train_step(self) -> StepReport:
         """Run one optimizer step on this rank's share of the global batch."""
@@ -115,6 +117,7 @@ class Trainer:
         if t.grad_clip is not None:
             nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
+        self.before_optimizer_step()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()

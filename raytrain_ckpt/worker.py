@@ -49,6 +49,10 @@ class WorkerResult:
     tokens_seen: int
     losses: dict[int, float]
     fingerprint: str
+    start_step: int = 0
+    """The step this attempt resumed from (0: a fresh start)."""
+    checkpoint: dict[str, float] | None = None
+    """Saves, skipped, aborted, stall_s of this rank (None when checkpointing is off)."""
 
 
 class WorkerFailure(RuntimeError):
@@ -74,6 +78,8 @@ class TrainWorker:
         self._progress = Progress(rank, 0, None, time.time(), "setup")
         self._stop = threading.Event()
         self.trainer = None
+        self.checkpoints = None
+        self.start_step = 0
         torch.set_num_threads(max(1, int(self.spec.resources.cpus_per_worker)))
 
     def _prefix(self) -> str:
@@ -89,10 +95,12 @@ class TrainWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, master_addr: str, master_port: int, timeout_s: float) -> None:
-        """Join the process group and build model, optimizer and data."""
+    def setup(self, master_addr: str, master_port: int, timeout_s: float, ckpt: dict | None = None) -> None:
+        """Join the process group, build model, optimizer and data, and load the resume checkpoint."""
         try:
             self._setup(master_addr, master_port, timeout_s)
+            if ckpt is not None:
+                self._setup_checkpoints(ckpt)
         except Exception:
             self._progress = Progress(self.rank, 0, None, time.time(), "failed")
             raise WorkerFailure(self.rank, self.attempt, traceback.format_exc()) from None
@@ -117,6 +125,23 @@ class TrainWorker:
             logger.info("%sprocess group ready: %d ranks, backend %s, pid %d", self._prefix(), self.world_size,
                         dist.get_backend(), os.getpid())
 
+    def _setup_checkpoints(self, ckpt: dict) -> None:
+        from raytrain_ckpt.checkpoint.client import CheckpointClient
+        from raytrain_ckpt.checkpoint.state import load_app_state
+
+        trainer = self.trainer
+        assert trainer is not None
+        if ckpt["resume_path"] is not None:
+            t0 = time.monotonic()
+            load_app_state(trainer, ckpt["resume_path"], ckpt["resume_world_size"] == self.world_size)
+            self.start_step = trainer.state.step
+            if self.rank == 0:
+                logger.info("%sresumed from %s in %.2fs", self._prefix(), ckpt["resume_path"], time.monotonic() - t0)
+        self.checkpoints = CheckpointClient(self.spec.checkpoint, self.rank, self.attempt, self.spec.training.steps,
+                                            ckpt["actor"], ckpt["writer"], trainer.device)
+        trainer.before_optimizer_step = self.checkpoints.before_optimizer_step
+        self._progress = Progress(self.rank, self.start_step, None, time.time(), "setup")
+
     def run(self) -> WorkerResult:
         """Train to ``training.steps``; raises WorkerFailure with the traceback on error."""
         try:
@@ -128,16 +153,24 @@ class TrainWorker:
     def _run(self) -> WorkerResult:
         trainer = self.trainer
         assert trainer is not None, "setup() must succeed before run()"
+        ckpt = self.checkpoints
         loss = None
         while trainer.state.step < self.spec.training.steps and not self._stop.is_set():
             maybe_inject("step", self.rank, trainer.state.step, self.attempt)
             report = trainer.train_step()
+            if ckpt is not None and ckpt.due(report.step):
+                ckpt.save(trainer)
             trainer.log(report)
             loss = report.loss if report.loss is not None else loss
             self._progress = Progress(self.rank, report.step, loss, time.time(), "training")
+        stats = None
+        if ckpt is not None:
+            ckpt.wait_committed()
+            stats = dict(vars(ckpt.stats))
         state = trainer.state
         self._progress = Progress(self.rank, state.step, loss, time.time(), "done")
-        return WorkerResult(self.rank, state.step, state.tokens_seen, dict(state.losses), trainer.fingerprint())
+        return WorkerResult(self.rank, state.step, state.tokens_seen, dict(state.losses), trainer.fingerprint(),
+                            self.start_step, stats)
 
     def progress(self) -> Progress:
         """The last finished step; answered from the second actor thread while ``run()`` trains."""

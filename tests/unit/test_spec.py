@@ -71,7 +71,12 @@ BAD = [
     ("missing_name", {"name": None}, "name:"),
     ("bad_name", {"name": "my job!"}, "name=my job!: String should match pattern"),
     ("bad_precision", {"training": {"mixed_precision": "fp8"}}, "training.mixed_precision=fp8: must be 'auto', 'bf16' or 'fp32'"),
-    ("checkpoint_unavailable", {"checkpoint": {"enabled": True}}, "checkpoint.enabled=True: checkpoint saving is not available"),
+    ("checkpoint_interval_zero", {"checkpoint": {"interval_steps": 0}},
+     "checkpoint.interval_steps=0: must be >= 1; use checkpoint.enabled=false"),
+    ("checkpoint_resume_missing", {"checkpoint": {"resume": "no/such/step-00000010"}},
+     "checkpoint.resume=no/such/step-00000010: must be latest, none, a step number"),
+    ("checkpoint_on_busy", {"checkpoint": {"on_busy": "queue"}}, "checkpoint.on_busy=queue: must be 'wait' or 'skip'"),
+    ("checkpoint_keep_zero", {"checkpoint": {"keep_latest_k": 0}}, "checkpoint.keep_latest_k=0: "),
     ("zero_workers", {"resources": {"num_workers": 0}}, "resources.num_workers=0:"),
     ("hang_timeout_zero", {"fault_tolerance": {"hang_timeout_s": 0}}, "fault_tolerance.hang_timeout_s=0:"),
 ]

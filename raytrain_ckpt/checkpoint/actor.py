@@ -1,0 +1,248 @@
+"""CheckpointActor: one per job, the DCP coordinator and the registry of committed steps.
+
+It gathers each rank's local save plan and builds the global plan (cached per layout: a
+layout that does not change is planned once per attempt), opens the step's temporary
+directory, collects the writers' results, writes ``.metadata`` and commits the step with the
+manifest. Retention runs here after each commit, off the training path. All of its state
+that matters survives a restart because it is rebuilt from the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+
+from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint, Manifest, Verify, file_crc32
+from raytrain_ckpt.checkpoint.retention import RetentionPolicy
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointActor", "ResumePoint", "StepAborted"]
+
+
+class StepAborted(RuntimeError):
+    """A step that will never commit (a writer or the actor died, or it was aborted)."""
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A verified checkpoint to load, leased to ``holder`` until released."""
+
+    step: int
+    path: str
+    world_size: int
+    samples_seen: int
+
+
+@dataclass
+class _Pending:
+    tmp: Path
+    attempt: int
+    started: float
+    reports: dict[int, tuple[str, list, dict, dict]] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str | None = None
+
+
+@dataclass
+class _Gather:
+    plans: dict[int, SavePlan] = field(default_factory=dict)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    central: list[SavePlan] | None = None
+    plan_id: str = ""
+
+
+class CheckpointActor:
+    """Async Ray actor; see the module docstring. Methods are called by writers, trainers and the driver."""
+
+    def __init__(self, root: str, world_size: int, spec_hash: str, dp_size: int,
+                 keep_latest_k: int | None, keep_every_n_steps: int | None) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.layout = CheckpointLayout(Path(root))
+        self.layout.root.mkdir(parents=True, exist_ok=True)
+        self.world_size, self.dp_size, self.spec_hash = world_size, dp_size, spec_hash
+        self.retention = RetentionPolicy(keep_latest_k, keep_every_n_steps)
+        self.layout.remove_leftover_tmp()
+        self.committed: dict[int, Manifest] = self.layout.valid_steps("size")
+        self.failed: dict[int, str] = {}
+        self.pending: dict[int, _Pending] = {}
+        self.leases: dict[str, int] = {}
+        self._gathers: dict[tuple[int, str], _Gather] = {}
+        self._metadata: dict[str, Metadata] = {}
+        logger.info("checkpoint actor for %s: %d committed step(s) %s", root, len(self.committed),
+                    sorted(self.committed)[-5:])
+
+    async def configure(self, world_size: int, dp_size: int, spec_hash: str) -> None:
+        """Set the layout of the group about to start (it may differ from the one that saved)."""
+        self.world_size, self.dp_size, self.spec_hash = world_size, dp_size, spec_hash
+
+    # --- planning ------------------------------------------------------------------------
+
+    async def plan(self, attempt: int, seq: int, rank: int, local_plan: SavePlan,
+                   timeout_s: float) -> tuple[SavePlan, str]:
+        """Gather every rank's local plan (the ``seq``-th planning of ``attempt``), then return
+        this rank's central plan and the id of the global plan (its cached metadata)."""
+        g = self._gathers.setdefault((attempt, seq), _Gather())
+        g.plans[rank] = local_plan
+        if len(g.plans) == self.world_size and g.central is None:
+            planner = DefaultSavePlanner()
+            ordered = [g.plans[r] for r in range(self.world_size)]
+            central, metadata = planner.create_global_plan(ordered)
+            g.central = FileSystemWriter(self.layout.root).prepare_global_plan(central)
+            g.plan_id = f"{attempt}.{seq}"
+            self._metadata[g.plan_id] = metadata
+            g.ready.set()
+        try:
+            await asyncio.wait_for(g.ready.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise StepAborted(f"save planning: only ranks {sorted(g.plans)} of {self.world_size} arrived "
+                              f"within {timeout_s:g}s") from None
+        assert g.central is not None
+        return g.central[rank], g.plan_id
+
+    # --- saving --------------------------------------------------------------------------
+
+    async def open_step(self, step: int, attempt: int) -> str:
+        """The temporary directory every rank of ``step`` writes into (created on first call)."""
+        if step in self.committed:
+            raise StepAborted(f"step {step} is already committed")
+        p = self.pending.get(step)
+        if p is None or p.error is not None:
+            # No await between the lookup and the insert: concurrent callers must share one directory.
+            p = _Pending(self.layout.new_tmp_dir(step), attempt, time.monotonic())
+            self.pending[step] = p
+            self.failed.pop(step, None)
+        return str(p.tmp)
+
+    async def report(self, step: int, rank: int, attempt: int, plan_id: str, results: list,
+                     files: dict, timings: dict) -> str:
+        """A writer finished rank ``rank`` of ``step``; commits when all ranks are in."""
+        p = self.pending.get(step)
+        if p is None or p.error is not None:
+            raise StepAborted(f"step {step} is not in flight (aborted or the checkpoint actor restarted)")
+        if plan_id not in self._metadata:
+            await self.abort(step, "plan unknown after a checkpoint actor restart")
+            raise StepAborted(f"step {step}: plan {plan_id} unknown; the next save plans again")
+        p.reports[rank] = (plan_id, results, files, timings)
+        if len(p.reports) < self.world_size:
+            return "pending"
+        try:
+            await asyncio.to_thread(self._commit, step, p)
+        except Exception as exc:
+            await self.abort(step, f"commit failed: {exc}")
+            raise
+        return "committed"
+
+    def _commit(self, step: int, p: _Pending) -> None:
+        t0 = time.monotonic()
+        plan_id = next(iter(p.reports.values()))[0]
+        writer = FileSystemWriter(p.tmp, sync_files=True)
+        writer.set_up_storage_writer(True, rank=0)
+        writer.finish(copy.deepcopy(self._metadata[plan_id]), [r[1] for r in p.reports.values()])
+        files: dict[str, dict[str, int]] = {}
+        for _, _, f, _ in p.reports.values():
+            files.update(f)
+        meta = p.tmp / ".metadata"
+        files[".metadata"] = {"size": meta.stat().st_size, "crc32": file_crc32(meta)}
+        timings = [r[3] for r in p.reports.values()]
+        wall = {"stage_s": max(t["stage_s"] for t in timings), "persist_s": max(t["persist_s"] for t in timings),
+                "commit_s": time.monotonic() - t0, "total_s": time.monotonic() - p.started}
+        manifest = Manifest(step=step, world_size=self.world_size, dp_size=self.dp_size, spec_hash=self.spec_hash,
+                            files=files, samples_seen=int(timings[0].get("samples_seen", 0)),
+                            tokens_seen=int(timings[0].get("tokens_seen", 0)), wall=wall)
+        self.layout.commit(p.tmp, manifest)
+        self.committed[step] = manifest
+        del self.pending[step]
+        p.done.set()
+        logger.info("committed step %d: %.1f MB, stage %.3fs persist %.3fs commit %.3fs", step,
+                    manifest.total_bytes / 1e6, wall["stage_s"], wall["persist_s"], wall["commit_s"])
+        self._purge()
+
+    def _purge(self) -> None:
+        doomed = self.retention.to_delete(self.committed, self.leases.values(), self.pending)
+        for step in doomed:
+            self.layout.delete(step)
+            del self.committed[step]
+        if doomed:
+            logger.info("retention removed step(s) %s", doomed)
+
+    async def abort(self, step: int, reason: str) -> None:
+        """Give up on an in-flight step: remove its temporary directory, remember why."""
+        p = self.pending.pop(step, None)
+        self.failed[step] = reason
+        if p is not None:
+            p.error = reason
+            p.done.set()
+            await asyncio.to_thread(shutil.rmtree, p.tmp, True)
+        logger.warning("checkpoint step %d aborted: %s", step, reason)
+
+    async def wait_committed(self, step: int, timeout_s: float) -> None:
+        """Block until ``step`` is committed; raises StepAborted or TimeoutError."""
+        if step in self.committed:
+            return
+        p = self.pending.get(step)
+        if p is None:
+            raise StepAborted(f"step {step} is not in flight: {self.failed.get(step, 'never started')}")
+        await asyncio.wait_for(p.done.wait(), timeout_s)
+        if step not in self.committed:
+            raise StepAborted(f"step {step} aborted: {p.error}")
+
+    # --- loading -------------------------------------------------------------------------
+
+    async def acquire(self, holder: str, resume: str, verify: Verify) -> ResumePoint | None:
+        """Pick and verify the checkpoint to resume from, newest valid first, and lease it.
+
+        ``resume`` is ``latest``, ``none``, a step number or a path to a step directory.
+        A candidate that fails verification is skipped with a warning naming it.
+        """
+        if resume == "none":
+            return None
+        if resume not in ("latest",) and not resume.isdigit():
+            return await asyncio.to_thread(self._point, Path(resume), verify)
+        candidates = sorted(self.committed, reverse=True)
+        if resume.isdigit():
+            candidates = [int(resume)] if int(resume) in self.committed else []
+            if not candidates:
+                raise InvalidCheckpoint(f"checkpoint.resume={resume}: no committed step {resume} in "
+                                        f"{self.layout.root} (have {sorted(self.committed)})")
+        for step in candidates:
+            try:
+                point = await asyncio.to_thread(self._point, self.layout.step_dir(step), verify)
+            except InvalidCheckpoint as exc:
+                logger.warning("not resuming from step %d: %s; trying the previous one", step, exc)
+                self.committed.pop(step, None)
+                continue
+            self.leases[holder] = step
+            return point
+        return None
+
+    def _point(self, path: Path, verify: Verify) -> ResumePoint:
+        m = self.layout.verify(path, verify)
+        return ResumePoint(m.step, str(path), m.world_size, m.samples_seen)
+
+    async def release(self, holder: str) -> None:
+        self.leases.pop(holder, None)
+
+    # --- introspection -------------------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        """Committed, in-flight and failed steps, and active leases."""
+        return {"root": str(self.layout.root), "committed": sorted(self.committed),
+                "in_flight": sorted(self.pending), "failed": dict(self.failed),
+                "leases": dict(Counter(self.leases.values())),
+                "latest": max(self.committed) if self.committed else None}
+
+    async def ping(self) -> bool:
+        return True

@@ -1,0 +1,202 @@
+"""The trainer's side of checkpointing: decide when, plan, stage, hand off.
+
+A save costs the training loop: building the flat state dict, pickling the few non-tensor
+entries, and starting the staging copy. The copy runs while the next forward/backward runs;
+``before_optimizer_step()`` waits for it right before the optimizer changes the parameters.
+Planning with the CheckpointActor is a round trip only when the layout changes (the first
+save of an attempt).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.tensor import DTensor
+
+from raytrain_ckpt.checkpoint.staging import (
+    PinnedCudaStaging,
+    SharedMemoryStaging,
+    Staging,
+    TensorSlot,
+    layout_key,
+    map_buffer,
+    plan_slots,
+)
+from raytrain_ckpt.checkpoint.state import app_state
+from raytrain_ckpt.checkpoint.writer import PersistRequest
+from raytrain_ckpt.faults import maybe_inject
+from raytrain_ckpt.spec import CheckpointSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointClient", "SaveStats"]
+
+
+@dataclass
+class SaveStats:
+    """What checkpointing cost this rank's training loop."""
+
+    saves: int = 0
+    skipped: int = 0
+    aborted: int = 0
+    stall_s: float = 0.0
+    """Seconds the training thread was blocked by checkpointing (planning, staging waits, busy waits)."""
+
+
+@dataclass
+class _Layout:
+    key: str
+    plan_id: str
+    slots: list[TensorSlot]
+    nbytes: int
+    plan: SavePlan
+    buffer_path: str
+    staging: Staging
+
+
+class CheckpointClient:
+    """One per rank; owned by the TrainWorker."""
+
+    def __init__(self, cfg: CheckpointSpec, rank: int, attempt: int, total_steps: int,
+                 actor: Any, writer: Any, device: torch.device) -> None:
+        self.cfg, self.rank, self.attempt, self.total_steps = cfg, rank, attempt, total_steps
+        self.actor, self.writer, self.device = actor, writer, device
+        self.stats = SaveStats()
+        self._layout: _Layout | None = None
+        self._inflight: tuple[int, ray.ObjectRef] | None = None
+        self._last_save_at = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        """Whether the state after ``step`` optimizer steps should be saved (the same answer on every rank)."""
+        c = self.cfg
+        if step == self.total_steps:
+            return c.save_final
+        if c.interval_steps is not None and step % c.interval_steps == 0:
+            return True
+        if c.interval_seconds is None:
+            return False
+        # Clocks differ per rank: agree, or one rank would save a step the others skip.
+        return self._any_rank(time.monotonic() - self._last_save_at >= c.interval_seconds)
+
+    def _any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def before_optimizer_step(self) -> None:
+        """Block until the staging copy is done: the optimizer is about to change what it reads."""
+        if self._layout is not None:
+            self.stats.stall_s += self._layout.staging.wait()
+
+    def save(self, trainer: Any) -> None:
+        """Save the trainer's current state as step ``trainer.state.step`` (collective)."""
+        step = trainer.state.step
+        t0 = time.monotonic()
+        if not self._previous_settled(step):
+            return
+        tensors, objects = self._flatten(trainer)
+        layout = self._ensure_layout(step, tensors, objects)
+        info = {"samples_seen": step * trainer.spec.training.global_batch_size,
+                "tokens_seen": trainer.state.tokens_seen}
+        payload = pickle.dumps(objects)
+
+        def hand_off() -> None:
+            info["stage_s"] = time.monotonic() - t0
+            req = PersistRequest(step, self.rank, self.attempt, layout.plan_id, layout.buffer_path, layout.nbytes,
+                                 layout.slots, payload, layout.plan, info)
+            ray.get(self.writer.accept.remote(req))
+            self._inflight = (step, self.writer.wait.remote(self.rank, step))
+            maybe_inject("staged", self.rank, step, self.attempt)
+
+        self._inflight = None
+        layout.staging.start(tensors, hand_off)
+        self.stats.saves += 1
+        self._last_save_at = time.monotonic()
+        self.stats.stall_s += time.monotonic() - t0
+        if self.cfg.mode == "sync":
+            self.wait_committed()
+
+    def _previous_settled(self, step: int) -> bool:
+        """Apply on_busy to a save still writing; returns False when this save is skipped (on every rank)."""
+        busy = self._inflight is not None and not ray.wait([self._inflight[1]], timeout=0)[0]
+        if self.cfg.on_busy == "skip" and self._any_rank(busy):
+            self.stats.skipped += 1
+            logger.warning("checkpoint step %d skipped: the previous save is still being written "
+                           "(checkpoint.on_busy=skip)", step)
+            return False
+        if self._inflight is not None:
+            t0 = time.monotonic()
+            self._settle(*self._inflight)
+            self.stats.stall_s += time.monotonic() - t0
+        return True
+
+    def _settle(self, step: int, ref: ray.ObjectRef) -> None:
+        """Wait for a hand-off to finish writing; a failed write aborts that step only."""
+        self._inflight = None
+        try:
+            ray.get(ref)
+        except Exception as exc:  # the step is lost, training goes on; the next save retries
+            self.stats.aborted += 1
+            logger.warning("checkpoint step %d aborted, training continues: %s", step, _first_line(exc))
+            self.actor.abort.remote(step, f"rank {self.rank}: {_first_line(exc)}")
+            self._layout = None  # the actor may have lost the plan (restart): plan again
+
+    def _flatten(self, trainer: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(app_state(trainer), is_coordinator=self.rank == 0)
+        self._planner = planner
+        tensors, objects = {}, {}
+        for fqn, value in planner.state_dict.items():
+            if isinstance(value, torch.Tensor):
+                tensors[fqn] = value.to_local() if isinstance(value, DTensor) else value
+            else:
+                objects[fqn] = value
+        return tensors, objects
+
+    def _ensure_layout(self, step: int, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> _Layout:
+        """Reuse the cached plan and buffer unless some rank's layout changed (then all plan again)."""
+        slots, nbytes = plan_slots(tensors)
+        key = layout_key(slots, list(objects))
+        if not self._any_rank(self._layout is None or self._layout.key != key):
+            assert self._layout is not None
+            return self._layout
+        local = self._planner.create_local_plan()
+        central, plan_id = ray.get(self.actor.plan.remote(self.attempt, step, self.rank, local,
+                                                          self.cfg.commit_timeout_s))
+        plan = self._planner.finish_plan(central)
+        path = ray.get(self.writer.allocate.remote(self.rank, self.attempt, nbytes))
+        buffer = map_buffer(Path(path), nbytes)
+        staging: Staging = (PinnedCudaStaging(buffer, slots, self.device) if self.device.type == "cuda"
+                            else SharedMemoryStaging(buffer, slots))
+        self._layout = _Layout(key, plan_id, slots, nbytes, plan, path, staging)
+        logger.info("checkpoint layout %s: %d tensors, %.1f MB staging buffer %s", key, len(slots), nbytes / 1e6, path)
+        return self._layout
+
+    def wait_committed(self) -> None:
+        """Finish the in-flight save and wait for its commit (the final save, or mode=sync)."""
+        self.before_optimizer_step()
+        if self._inflight is None:
+            return
+        step, ref = self._inflight
+        self._settle(step, ref)
+        ray.get(self.actor.wait_committed.remote(step, self.cfg.commit_timeout_s))
+
+    def close(self) -> None:
+        """Wait for the copy thread; leaves the buffer to the writer."""
+        if self._layout is not None:
+            self._layout.staging.wait()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__

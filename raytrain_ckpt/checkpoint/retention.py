@@ -1,0 +1,32 @@
+"""Which committed checkpoint steps to delete: a pure policy, table-tested."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["RetentionPolicy"]
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Keep the newest ``keep_latest_k`` committed steps plus every step divisible by
+    ``keep_every_n_steps``; ``keep_latest_k=None`` keeps everything.
+
+    Never deleted whatever the settings: the newest committed step, a step still being
+    written (``in_flight``) and a step somebody is loading (``leased``).
+    """
+
+    keep_latest_k: int | None
+    keep_every_n_steps: int | None = None
+
+    def to_delete(self, committed: Iterable[int], leased: Iterable[int] = (),
+                  in_flight: Iterable[int] = ()) -> list[int]:
+        steps = sorted(set(committed))
+        if self.keep_latest_k is None or not steps:
+            return []
+        keep = set(steps[-max(self.keep_latest_k, 1):])
+        if self.keep_every_n_steps:
+            keep |= {s for s in steps if s % self.keep_every_n_steps == 0}
+        keep |= set(leased) | set(in_flight)
+        return [s for s in steps if s not in keep]

@@ -1,0 +1,194 @@
+"""Staging: copy a rank's checkpoint tensors into host buffers that outlive the rank.
+
+The buffer is a file in ``/dev/shm`` created by the node's CheckpointWriter; the trainer maps
+it with ``torch.from_file(shared=True)`` and fills it, the writer maps the same file and
+persists it. Allocated once per layout and reused for every save.
+
+* CPU: ``SharedMemoryStaging`` copies on a background thread (``copy_`` releases the GIL), so
+  the copy overlaps the next forward/backward.
+* CUDA: ``PinnedCudaStaging`` page-locks the same mapping with ``cudaHostRegister`` and
+  issues non-blocking device-to-host copies on a side stream.
+
+Either way ``wait()`` must return before the optimizer mutates the parameters; the trainer
+calls it right before ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+__all__ = [
+    "PinnedCudaStaging",
+    "SharedMemoryStaging",
+    "Staging",
+    "TensorSlot",
+    "allocate_buffer",
+    "map_buffer",
+    "plan_slots",
+    "slot_views",
+]
+
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor lives in the staging buffer."""
+
+    fqn: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def plan_slots(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorSlot], int]:
+    """Aligned byte ranges for each tensor, in key order; returns (slots, total bytes)."""
+    slots, offset = [], 0
+    for fqn, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        slots.append(TensorSlot(fqn, t.dtype, tuple(t.shape), offset, nbytes))
+        offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    return slots, max(offset, _ALIGN)
+
+
+def layout_key(slots: list[TensorSlot], object_keys: list[str]) -> str:
+    """Identity of a layout: same key, same buffer and the same DCP plan."""
+    h = hashlib.sha256()
+    for s in slots:
+        h.update(f"{s.fqn}|{s.dtype}|{s.shape}|{s.offset};".encode())
+    h.update("|".join(sorted(object_keys)).encode())
+    return h.hexdigest()[:16]
+
+
+def allocate_buffer(path: Path, nbytes: int) -> None:
+    """Create (or resize) the shared-memory file ``path``."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def map_buffer(path: Path, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over the whole file, shared with every process that maps it."""
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def slot_views(buffer: torch.Tensor, slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
+    """Typed, shaped views of each slot (no copy)."""
+    out = {}
+    for s in slots:
+        raw = buffer[s.offset: s.offset + s.nbytes]
+        out[s.fqn] = raw.view(s.dtype).view(s.shape) if s.nbytes else torch.empty(s.shape, dtype=s.dtype)
+    return out
+
+
+class Staging(Protocol):
+    """Fill the buffer from live tensors without blocking the caller."""
+
+    def start(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None]) -> None:
+        """Begin copying; ``on_done`` runs (on another thread) once the buffer holds the data."""
+
+    def wait(self) -> float:
+        """Block until the copy finished; returns seconds spent blocked. Re-raises copy errors."""
+
+
+class _ThreadedStaging:
+    def __init__(self, buffer: torch.Tensor, slots: list[TensorSlot]) -> None:
+        self.buffer = buffer
+        self.views = slot_views(buffer, slots)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None]) -> None:
+        assert self._thread is None, "wait() for the previous copy first"
+        self._error = None
+        self._thread = threading.Thread(target=self._run, args=(sources, on_done), name="rtc-staging", daemon=True)
+        self._thread.start()
+
+    def _run(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None]) -> None:
+        try:
+            self._copy(sources)
+            on_done()
+        except BaseException as exc:  # surfaced to the training thread by wait()
+            self._error = exc
+
+    def _copy(self, sources: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def wait(self) -> float:
+        if self._thread is None:
+            return 0.0
+        t0 = time.monotonic()
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            raise self._error
+        return time.monotonic() - t0
+
+
+class SharedMemoryStaging(_ThreadedStaging):
+    """CPU: memcpy into the shared buffer on a background thread."""
+
+    def _copy(self, sources: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for fqn, dst in self.views.items():
+                dst.copy_(sources[fqn])
+
+
+class PinnedCudaStaging(_ThreadedStaging):
+    """CUDA: page-lock the shared buffer once, D2H copies on a side stream.
+
+    The copies are enqueued on the side stream after it waits for the current stream (so they
+    see the finished optimizer step); the background thread only waits for the copy event
+    before calling ``on_done``. The optimizer's kernels are ordered after the copies by
+    ``wait()``, which makes the current stream wait on the same event.
+    """
+
+    def __init__(self, buffer: torch.Tensor, slots: list[TensorSlot], device: torch.device) -> None:
+        super().__init__(buffer, slots)
+        self.device = device
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {buffer.numel()} bytes failed with {err}")
+        self._registered = True
+        self.stream = torch.cuda.Stream(device=device)
+        self._event: torch.cuda.Event | None = None
+
+    def start(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None]) -> None:
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream), torch.no_grad():
+            for fqn, dst in self.views.items():
+                src = sources[fqn]
+                dst.copy_(src, non_blocking=True)
+                if src.is_cuda:
+                    src.record_stream(self.stream)
+            self._event = torch.cuda.Event()
+            self._event.record(self.stream)
+        super().start(sources, on_done)
+
+    def _copy(self, sources: dict[str, torch.Tensor]) -> None:
+        assert self._event is not None
+        self._event.synchronize()
+
+    def wait(self) -> float:
+        if self._event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._event)
+        return super().wait()
+
+    def close(self) -> None:
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self._registered = False

@@ -1,0 +1,130 @@
+"""Commit protocol, verification and retention, on real files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint, Manifest, file_crc32
+from raytrain_ckpt.checkpoint.retention import RetentionPolicy
+
+
+def _commit(layout: CheckpointLayout, step: int, payload: bytes = b"x" * 1000) -> Path:
+    tmp = layout.new_tmp_dir(step)
+    files = {}
+    for name, data in (("__0_0.distcp", payload), (".metadata", b"meta")):
+        (tmp / name).write_bytes(data)
+        files[name] = {"size": len(data), "crc32": file_crc32(tmp / name)}
+    return layout.commit(tmp, Manifest(step=step, world_size=2, dp_size=2, spec_hash="h", files=files))
+
+
+def test_commit_then_verify(tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path)
+    final = _commit(layout, 10)
+    assert final.name == "step-00000010"
+    assert not any(".tmp-" in p.name for p in tmp_path.iterdir())
+    assert layout.verify(final, "checksum").step == 10
+    assert list(layout.valid_steps()) == [10]
+
+
+def _truncate(d: Path) -> None:
+    with open(d / "__0_0.distcp", "r+b") as f:
+        f.truncate(10)
+
+
+def _flip_byte(d: Path) -> None:
+    data = bytearray((d / "__0_0.distcp").read_bytes())
+    data[500] ^= 0xFF
+    (d / "__0_0.distcp").write_bytes(bytes(data))
+
+
+def _drop_manifest(d: Path) -> None:
+    (d / "manifest.json").unlink()
+
+
+def _garble_manifest(d: Path) -> None:
+    (d / "manifest.json").write_text("{not json")
+
+
+def _drop_metadata(d: Path) -> None:
+    (d / ".metadata").unlink()
+
+
+@pytest.mark.parametrize(("damage", "level", "needle"), [
+    (_truncate, "size", "truncated"),
+    (_flip_byte, "checksum", "CRC-32"),
+    (_drop_manifest, "size", "no manifest.json"),
+    (_garble_manifest, "size", "unreadable"),
+    (_drop_metadata, "size", ".metadata is missing"),
+])
+def test_damaged_step_is_skipped_and_previous_is_used(tmp_path: Path, damage, level, needle) -> None:
+    layout = CheckpointLayout(tmp_path)
+    _commit(layout, 10)
+    damage(_commit(layout, 20))
+    with pytest.raises(InvalidCheckpoint, match=needle):
+        layout.verify(layout.step_dir(20), level)
+    assert list(layout.valid_steps(level)) == [10]
+
+
+def test_flipped_byte_passes_size_check_but_not_checksum(tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path)
+    _flip_byte(_commit(layout, 5))
+    assert list(layout.valid_steps("size")) == [5]
+    assert list(layout.valid_steps("checksum")) == []
+
+
+def test_empty_dir_file_and_leftover_tmp(tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path)
+    _commit(layout, 1)
+    (tmp_path / "step-00000002").mkdir()                       # empty step dir
+    (tmp_path / "step-00000003").write_text("not a dir")         # a file, not a dir
+    leftover = layout.new_tmp_dir(4)
+    (leftover / "__0_0.distcp").write_bytes(b"partial")
+    assert list(layout.valid_steps()) == [1]
+    assert layout.remove_leftover_tmp() == [leftover]
+    assert not leftover.exists()
+    assert (tmp_path / "step-00000001").is_dir()
+
+
+def test_manifest_for_another_step_is_invalid(tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path)
+    os.rename(_commit(layout, 7), tmp_path / "step-00000008")
+    assert list(layout.valid_steps()) == []
+
+
+def test_commit_moves_a_torn_step_aside_but_never_replaces_a_valid_one(tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path)
+    (tmp_path / "step-00000003").mkdir(parents=True)
+    _commit(layout, 3)
+    assert list(layout.valid_steps()) == [3]
+    assert any(p.name.startswith("step-00000003.invalid-") for p in tmp_path.iterdir())
+    with pytest.raises(FileExistsError):
+        _commit(layout, 3, payload=b"y" * 1000)
+    assert (layout.step_dir(3) / "__0_0.distcp").read_bytes() == b"x" * 1000
+
+
+def test_delete_leaves_no_torn_step(tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path)
+    _commit(layout, 1)
+    _commit(layout, 2)
+    layout.delete(1)
+    assert sorted(layout.step_dirs()) == [2]
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000002"]
+
+
+@pytest.mark.parametrize(("k", "n", "committed", "leased", "in_flight", "expected"), [
+    (None, None, [1, 2, 3], [], [], []),                 # keep everything
+    (2, None, [], [], [], []),
+    (2, None, [10], [], [], []),
+    (2, None, [10, 20, 30, 40], [], [], [10, 20]),
+    (1, None, [10, 20, 30], [], [], [10, 20]),
+    (0, None, [10, 20], [], [], [10]),                  # the newest is never deleted
+    (2, 20, [10, 20, 30, 40, 50], [], [], [10, 30]),     # every 20th kept
+    (1, None, [10, 20, 30], [10], [], [20]),             # leased kept
+    (1, None, [10, 20, 30], [], [20], [10]),             # in flight kept
+    (2, None, [30, 10, 20, 20], [], [], [10]),           # unordered, duplicates
+])
+def test_retention_table(k, n, committed, leased, in_flight, expected) -> None:
+    assert RetentionPolicy(k, n).to_delete(committed, leased, in_flight) == expected
