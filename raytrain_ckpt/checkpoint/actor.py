@@ -51,6 +51,8 @@ class _Pending:
     tmp: Path
     attempt: int
     started: float
+    accepted: set[int] = field(default_factory=set)
+    """Ranks whose staged data a writer holds: they will report unless the writer dies."""
     reports: dict[int, tuple[str, list, dict, dict]] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None
@@ -125,6 +127,27 @@ class CheckpointActor:
             self.pending[step] = p
             self.failed.pop(step, None)
         return str(p.tmp)
+
+    async def accepted(self, step: int, rank: int, attempt: int) -> str:
+        """A writer took over rank ``rank``'s staged data of ``step``; returns the temporary directory."""
+        tmp = await self.open_step(step, attempt)
+        self.pending[step].accepted.add(rank)
+        return tmp
+
+    async def settle(self, timeout_s: float) -> None:
+        """Before a new attempt loads: finish what can finish, abort what cannot.
+
+        A step some rank never handed to a writer can never commit (that trainer is gone):
+        abort it now. A step every rank handed off is waited for, up to ``timeout_s``.
+        """
+        for step, p in list(self.pending.items()):
+            if len(p.accepted) < self.world_size:
+                await self.abort(step, f"ranks {sorted(set(range(self.world_size)) - p.accepted)} never handed it off")
+                continue
+            try:
+                await asyncio.wait_for(p.done.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                await self.abort(step, f"not committed within {timeout_s:g}s of the restart")
 
     async def report(self, step: int, rank: int, attempt: int, plan_id: str, results: list,
                      files: dict, timings: dict) -> str:

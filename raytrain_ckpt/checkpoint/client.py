@@ -74,6 +74,7 @@ class CheckpointClient:
         self.stats = SaveStats()
         self._layout: _Layout | None = None
         self._inflight: tuple[int, ray.ObjectRef] | None = None
+        self._replan = False
         self._last_save_at = time.monotonic()
 
     def due(self, step: int) -> bool:
@@ -114,7 +115,11 @@ class CheckpointClient:
             info["stage_s"] = time.monotonic() - t0
             req = PersistRequest(step, self.rank, self.attempt, layout.plan_id, layout.buffer_path, layout.nbytes,
                                  layout.slots, payload, layout.plan, info)
-            ray.get(self.writer.accept.remote(req))
+            try:
+                ray.get(self.writer.accept.remote(req))
+            except Exception as exc:  # the writer died: this step is lost, training goes on
+                self._aborted(step, exc)
+                return
             self._inflight = (step, self.writer.wait.remote(self.rank, step))
             maybe_inject("staged", self.rank, step, self.attempt)
 
@@ -146,10 +151,13 @@ class CheckpointClient:
         try:
             ray.get(ref)
         except Exception as exc:  # the step is lost, training goes on; the next save retries
-            self.stats.aborted += 1
-            logger.warning("checkpoint step %d aborted, training continues: %s", step, _first_line(exc))
-            self.actor.abort.remote(step, f"rank {self.rank}: {_first_line(exc)}")
-            self._layout = None  # the actor may have lost the plan (restart): plan again
+            self._aborted(step, exc)
+
+    def _aborted(self, step: int, exc: BaseException) -> None:
+        self.stats.aborted += 1
+        logger.warning("checkpoint step %d aborted, training continues: %s", step, _first_line(exc))
+        self.actor.abort.remote(step, f"rank {self.rank}: {_first_line(exc)}")
+        self._replan = True  # a restarted actor or writer lost the plan and the buffer: set up again
 
     def _flatten(self, trainer: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         planner = DefaultSavePlanner()
@@ -167,7 +175,7 @@ class CheckpointClient:
         """Reuse the cached plan and buffer unless some rank's layout changed (then all plan again)."""
         slots, nbytes = plan_slots(tensors)
         key = layout_key(slots, list(objects))
-        if not self._any_rank(self._layout is None or self._layout.key != key):
+        if not self._any_rank(self._replan or self._layout is None or self._layout.key != key):
             assert self._layout is not None
             return self._layout
         local = self._planner.create_local_plan()
@@ -179,6 +187,7 @@ class CheckpointClient:
         staging: Staging = (PinnedCudaStaging(buffer, slots, self.device) if self.device.type == "cuda"
                             else SharedMemoryStaging(buffer, slots))
         self._layout = _Layout(key, plan_id, slots, nbytes, plan, path, staging)
+        self._replan = False
         logger.info("checkpoint layout %s: %d tensors, %.1f MB staging buffer %s", key, len(slots), nbytes / 1e6, path)
         return self._layout
 

@@ -54,6 +54,8 @@ class CheckpointService:
     def acquire(self, attempt: int) -> ResumePoint | None:
         """Verify and lease the checkpoint this attempt loads (None: start fresh)."""
         s = self.spec
+        if attempt > 0:
+            ray.get(self.actor.settle.remote(s.checkpoint.commit_timeout_s))
         ray.get(self.actor.configure.remote(s.world_size, s.dp_size, s.spec_hash()))
         point = ray.get(self.actor.acquire.remote(f"attempt-{attempt}", s.checkpoint.resume
                                                   if attempt == 0 else "latest", s.checkpoint.verify_on_load))
@@ -71,7 +73,15 @@ class CheckpointService:
         return ray.get(self.actor.status.remote())
 
     def shutdown(self) -> None:
-        """Free staging memory and stop the actors (in-flight saves were awaited by the workers)."""
+        """Let handed-off saves commit, free staging memory, stop the actors.
+
+        A job that failed may leave a step that every rank handed to a writer: it is still
+        committed (bounded by checkpoint.commit_timeout_s), so the next run resumes from it.
+        """
+        try:
+            ray.get(self.actor.settle.remote(self.spec.checkpoint.commit_timeout_s))
+        except Exception as exc:  # the actor is gone: nothing in flight can commit anyway
+            logger.warning("could not settle in-flight checkpoints: %s", exc)
         for w in self._writers.values():
             try:
                 ray.get(w.release_all.remote(), timeout=30)

@@ -78,6 +78,7 @@ class CheckpointWriter:
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rtc-writer")
         self._jobs: dict[tuple[int, int], Future] = {}
         self._running: dict[tuple[int, int], PersistRequest] = {}
+        self._tmp: dict[tuple[int, int], str] = {}
         self._buffers: dict[str, int] = {}
         self._newest_attempt = 0
 
@@ -98,9 +99,10 @@ class CheckpointWriter:
         return str(path)
 
     def release_all(self) -> None:
-        """Unlink every staging file (the job is over)."""
-        for p in list(self._buffers):
-            self._unlink(p)
+        """Unlink every staging file of this job on this node (the job is over), including those
+        a previous incarnation of this actor created."""
+        for p in shm_dir().glob(f"rtc-{self.job}-a*-rank*.buf"):
+            self._unlink(str(p))
 
     def _unlink(self, path: str) -> None:
         Path(path).unlink(missing_ok=True)
@@ -111,6 +113,7 @@ class CheckpointWriter:
 
         From this return on the step no longer depends on the trainer process.
         """
+        self._tmp[(req.rank, req.step)] = ray.get(self.coordinator.accepted.remote(req.step, req.rank, req.attempt))
         self._running[(req.rank, req.step)] = req
         self._jobs[(req.rank, req.step)] = self._pool.submit(self._persist_and_forget, req)
 
@@ -129,7 +132,7 @@ class CheckpointWriter:
 
     def _persist(self, req: PersistRequest) -> str:
         t0 = time.monotonic()
-        tmp = Path(ray.get(self.coordinator.open_step.remote(req.step, req.attempt)))
+        tmp = Path(self._tmp.pop((req.rank, req.step)))
         staged: dict[str, Any] = slot_views(map_buffer(Path(req.buffer_path), req.buffer_bytes), req.slots)
         staged.update(pickle.loads(req.objects))
         writer = FileSystemWriter(tmp, thread_count=self.io_threads, sync_files=True, overwrite=False)

@@ -1,0 +1,113 @@
+"""The CheckpointActor's bookkeeping, driven directly (no Ray): leases, rebuild from storage,
+settling in-flight steps; and shared-memory staging round trips."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_ckpt.checkpoint.actor import CheckpointActor, StepAborted
+from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint
+from raytrain_ckpt.checkpoint.staging import SharedMemoryStaging, allocate_buffer, map_buffer, plan_slots, slot_views
+from tests.unit.test_checkpoint_layout import _commit
+
+
+def _actor(root: Path, k: int | None = 1) -> CheckpointActor:
+    return CheckpointActor(str(root), world_size=2, spec_hash="h", dp_size=2, keep_latest_k=k, keep_every_n_steps=None)
+
+
+def test_restarted_actor_rebuilds_its_state_from_storage(tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path)
+    _commit(layout, 5)
+    _commit(layout, 10)
+    (tmp_path / "step-00000012").mkdir()                    # torn: no manifest
+    leftover = layout.new_tmp_dir(15)
+    actor = _actor(tmp_path)
+    status = asyncio.run(actor.status())
+    assert status["committed"] == [5, 10] and status["latest"] == 10
+    assert not leftover.exists()
+
+
+def test_leased_step_survives_retention_until_released(tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path)
+    _commit(layout, 1)
+    _commit(layout, 2)
+    actor = _actor(tmp_path, k=1)
+
+    async def scenario() -> list[int]:
+        point = await actor.acquire("loader", "1", "checksum")
+        assert point is not None and point.step == 1
+        actor.committed[3] = layout.verify(_commit(layout, 3))
+        actor._purge()                                      # 2 goes; 1 is leased, 3 is newest
+        assert sorted(actor.committed) == [1, 3]
+        await actor.release("loader")
+        actor._purge()
+        return sorted(actor.committed)
+
+    assert asyncio.run(scenario()) == [3]
+    assert sorted(layout.step_dirs()) == [3]
+
+
+def test_acquire_skips_a_corrupt_latest_and_names_it(tmp_path: Path, caplog) -> None:
+    layout = CheckpointLayout(tmp_path)
+    _commit(layout, 1)
+    (_commit(layout, 2) / "__0_0.distcp").write_bytes(b"y" * 1000)   # same size, other bytes
+    actor = _actor(tmp_path, k=None)
+    point = asyncio.run(actor.acquire("a", "latest", "checksum"))
+    assert point is not None and point.step == 1
+    assert "step 2" in caplog.text and "CRC-32" in caplog.text
+    with pytest.raises(InvalidCheckpoint, match="no committed step 7"):
+        asyncio.run(actor.acquire("b", "7", "size"))
+    assert asyncio.run(actor.acquire("c", "none", "size")) is None
+
+
+def test_settle_aborts_a_step_that_a_rank_never_handed_off(tmp_path: Path) -> None:
+    actor = _actor(tmp_path)
+
+    async def scenario() -> dict:
+        tmp = await actor.accepted(7, rank=0, attempt=0)     # rank 1 died before its hand-off
+        assert Path(tmp).is_dir()
+        await actor.settle(timeout_s=5)
+        with pytest.raises(StepAborted):
+            await actor.wait_committed(7, timeout_s=1)
+        assert not Path(tmp).exists()
+        return await actor.status()
+
+    status = asyncio.run(scenario())
+    assert status["in_flight"] == [] and "never handed it off" in status["failed"][7]
+
+
+def test_shared_memory_staging_round_trip_through_a_second_mapping(tmp_path: Path) -> None:
+    tensors = {"w": torch.randn(33, 7), "b": torch.arange(5, dtype=torch.int64), "h": torch.randn(4).half(),
+               "empty": torch.zeros(0)}
+    slots, nbytes = plan_slots(tensors)
+    assert all(s.offset % 64 == 0 for s in slots)
+    path = tmp_path / "buf"
+    allocate_buffer(path, nbytes)
+    staging = SharedMemoryStaging(map_buffer(path, nbytes), slots)
+    done: list[bool] = []
+    staging.start(tensors, lambda: done.append(True))
+    staging.wait()
+    assert done == [True]
+    other = slot_views(map_buffer(path, nbytes), slots)      # what the writer process sees
+    for k, v in tensors.items():
+        assert torch.equal(other[k], v) and other[k].dtype == v.dtype
+    tensors["w"].add_(1.0)                                    # the staged copy does not follow the live tensor
+    assert not torch.equal(other["w"], tensors["w"])
+
+
+def test_staging_error_reaches_the_training_thread(tmp_path: Path) -> None:
+    tensors = {"w": torch.randn(4, 4)}
+    slots, nbytes = plan_slots(tensors)
+    allocate_buffer(tmp_path / "buf", nbytes)
+    staging = SharedMemoryStaging(map_buffer(tmp_path / "buf", nbytes), slots)
+
+    def boom() -> None:
+        raise RuntimeError("hand-off failed")
+
+    staging.start(tensors, boom)
+    with pytest.raises(RuntimeError, match="hand-off failed"):
+        staging.wait()
