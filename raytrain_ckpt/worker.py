@@ -151,6 +151,8 @@ class TrainWorker:
             raise WorkerFailure(self.rank, self.attempt, traceback.format_exc()) from None
 
     def _run(self) -> WorkerResult:
+        from raytrain_ckpt.checkpoint.state import app_state
+
         trainer = self.trainer
         assert trainer is not None, "setup() must succeed before run()"
         ckpt = self.checkpoints
@@ -159,7 +161,9 @@ class TrainWorker:
             maybe_inject("step", self.rank, trainer.state.step, self.attempt)
             report = trainer.train_step()
             if ckpt is not None and ckpt.due(report.step):
-                ckpt.save(trainer)
+                ckpt.save(report.step, app_state(trainer),
+                          {"samples_seen": report.step * self.spec.training.global_batch_size,
+                           "tokens_seen": trainer.state.tokens_seen})
             trainer.log(report)
             loss = report.loss if report.loss is not None else loss
             self._progress = Progress(self.rank, report.step, loss, time.time(), "training")

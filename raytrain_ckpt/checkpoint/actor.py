@@ -181,6 +181,7 @@ class CheckpointActor:
         files[".metadata"] = {"size": meta.stat().st_size, "crc32": file_crc32(meta)}
         timings = [r[3] for r in p.reports.values()]
         wall = {"stage_s": max(t["stage_s"] for t in timings), "persist_s": max(t["persist_s"] for t in timings),
+                "write_s": max(t.get("write_s", 0.0) for t in timings),
                 "commit_s": time.monotonic() - t0, "total_s": time.monotonic() - p.started}
         manifest = Manifest(step=step, world_size=self.world_size, dp_size=self.dp_size, spec_hash=self.spec_hash,
                             files=files, samples_seen=int(timings[0].get("samples_seen", 0)),

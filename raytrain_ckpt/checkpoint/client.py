@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
+from raytrain_ckpt.checkpoint.actor import StepAborted
 from raytrain_ckpt.checkpoint.staging import (
     PinnedCudaStaging,
     SharedMemoryStaging,
@@ -32,7 +33,6 @@ from raytrain_ckpt.checkpoint.staging import (
     map_buffer,
     plan_slots,
 )
-from raytrain_ckpt.checkpoint.state import app_state
 from raytrain_ckpt.checkpoint.writer import PersistRequest
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.spec import CheckpointSpec
@@ -99,16 +99,18 @@ class CheckpointClient:
         if self._layout is not None:
             self.stats.stall_s += self._layout.staging.wait()
 
-    def save(self, trainer: Any) -> None:
-        """Save the trainer's current state as step ``trainer.state.step`` (collective)."""
-        step = trainer.state.step
+    def save(self, step: int, state: dict[str, Any], info: dict[str, float] | None = None) -> None:
+        """Save ``state`` (a DCP state dict of live tensors, e.g. ``app_state(trainer)``) as ``step``.
+
+        Collective: every rank calls it for the same steps. ``info`` (samples_seen,
+        tokens_seen) goes into the manifest.
+        """
         t0 = time.monotonic()
         if not self._previous_settled(step):
             return
-        tensors, objects = self._flatten(trainer)
+        tensors, objects = self._flatten(state)
         layout = self._ensure_layout(step, tensors, objects)
-        info = {"samples_seen": step * trainer.spec.training.global_batch_size,
-                "tokens_seen": trainer.state.tokens_seen}
+        info = dict(info or {})
         payload = pickle.dumps(objects)
 
         def hand_off() -> None:
@@ -140,18 +142,18 @@ class CheckpointClient:
                            "(checkpoint.on_busy=skip)", step)
             return False
         if self._inflight is not None:
-            t0 = time.monotonic()
-            self._settle(*self._inflight)
-            self.stats.stall_s += time.monotonic() - t0
+            self._settle(*self._inflight)  # counted in save()'s stall
         return True
 
-    def _settle(self, step: int, ref: ray.ObjectRef) -> None:
+    def _settle(self, step: int, ref: ray.ObjectRef) -> bool:
         """Wait for a hand-off to finish writing; a failed write aborts that step only."""
         self._inflight = None
         try:
             ray.get(ref)
         except Exception as exc:  # the step is lost, training goes on; the next save retries
             self._aborted(step, exc)
+            return False
+        return True
 
     def _aborted(self, step: int, exc: BaseException) -> None:
         self.stats.aborted += 1
@@ -159,9 +161,9 @@ class CheckpointClient:
         self.actor.abort.remote(step, f"rank {self.rank}: {_first_line(exc)}")
         self._replan = True  # a restarted actor or writer lost the plan and the buffer: set up again
 
-    def _flatten(self, trainer: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def _flatten(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         planner = DefaultSavePlanner()
-        planner.set_up_planner(app_state(trainer), is_coordinator=self.rank == 0)
+        planner.set_up_planner(state, is_coordinator=self.rank == 0)
         self._planner = planner
         tensors, objects = {}, {}
         for fqn, value in planner.state_dict.items():
@@ -197,8 +199,13 @@ class CheckpointClient:
         if self._inflight is None:
             return
         step, ref = self._inflight
-        self._settle(step, ref)
-        ray.get(self.actor.wait_committed.remote(step, self.cfg.commit_timeout_s))
+        if not self._settle(step, ref):
+            return
+        try:
+            ray.get(self.actor.wait_committed.remote(step, self.cfg.commit_timeout_s))
+        except StepAborted as exc:  # another rank's write failed; the earlier steps stay valid
+            self.stats.aborted += 1
+            logger.warning("checkpoint step %d did not commit: %s", step, _first_line(exc))
 
     def close(self) -> None:
         """Wait for the copy thread; leaves the buffer to the writer."""

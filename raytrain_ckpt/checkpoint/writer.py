@@ -74,6 +74,8 @@ class CheckpointWriter:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.job = job
         self.coordinator = coordinator
+        # Persisting is background work: let the training processes win the cores.
+        os.nice(10)
         self.io_threads = io_threads
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rtc-writer")
         self._jobs: dict[tuple[int, int], Future] = {}
@@ -139,9 +141,10 @@ class CheckpointWriter:
         writer.set_up_storage_writer(False, rank=req.rank)
         maybe_inject("persist", req.rank, req.step, req.attempt)
         results = writer.write_data(req.plan, _StagedPlanner(staged)).wait()
+        t_write = time.monotonic() - t0
         prefix = req.plan.storage_data.prefix
         files = {p.name: {"size": p.stat().st_size, "crc32": file_crc32(p)}
                  for p in tmp.iterdir() if p.name.startswith(prefix)}
-        timings = {**req.info, "persist_s": time.monotonic() - t0}
+        timings = {**req.info, "persist_s": time.monotonic() - t0, "write_s": t_write}
         return ray.get(self.coordinator.report.remote(req.step, req.rank, req.attempt, req.plan_id,
                                                       results, files, timings))

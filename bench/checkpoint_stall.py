@@ -1,0 +1,244 @@
+"""Checkpoint stall benchmark: what a save costs the training loop, and how fast it is durable.
+
+The same state (``--mb`` MB per rank of FSDP-style DTensor shards, ``--ranks`` ranks on a
+gloo process group, each rank a Ray actor) is saved by
+
+* ``dcp.save``                      synchronous DCP
+* ``dcp.async_save(thread)``        DCP async, stage then write in a thread of the trainer
+* ``dcp.async_save(process)``       DCP async, stage then write in a background process
+* ``raytrain_ckpt``                 shared-memory staging overlapped with compute, written
+                                    by the node's CheckpointWriter, committed by the
+                                    CheckpointActor (manifest + atomic rename)
+
+and for each it prints: the stall (time the training thread was blocked), the time to a
+durable checkpoint, stall / memcpy of the state, durable throughput / raw write+fsync of the
+same bytes, and the step-time slowdown of a compute loop while the save persists. Each mode
+runs ``--reps`` times; the last repetition is reported (the first pays one-off setup: plan,
+buffer allocation, background process start), and the first is shown in brackets.
+
+    .venv/bin/python bench/checkpoint_stall.py [--mb 256] [--ranks 2] [--dir bench/out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import ray
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+MODES = ("dcp.save", "dcp.async_save(thread)", "dcp.async_save(process)", "raytrain_ckpt")
+
+
+class BenchRank:
+    """One rank: a sharded state, a compute loop standing in for forward/backward, and the savers."""
+
+    def __init__(self, rank: int, world: int, mb: int, out: str, step_ms: float) -> None:
+        self.rank, self.world, self.mb, self.out = rank, world, mb, Path(out)
+        self.step_ms = step_ms
+        torch.set_num_threads(1)
+
+    def address(self) -> tuple[str, int]:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, addr: str, port: int) -> int:
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=self.rank,
+                                world_size=self.world, timeout=datetime.timedelta(seconds=600))
+        mesh = init_device_mesh("cpu", (self.world,))
+        n_tensors, rows = 16, 1024
+        cols = max(1, self.mb * 2**20 * self.world // (n_tensors * rows * 4))
+        torch.manual_seed(0)
+        self.state = {"model": {f"layer{i}.weight": distribute_tensor(torch.randn(rows, cols), mesh, [Shard(0)])
+                                for i in range(n_tensors)}}
+        self.local = [t.to_local() for t in self.state["model"].values()]
+        self.a = torch.randn(256, 256)
+        self._calibrate()
+        return sum(t.numel() * t.element_size() for t in self.local)
+
+    def _calibrate(self) -> None:
+        t0, n = time.perf_counter(), 0
+        while time.perf_counter() - t0 < 0.3:
+            self.a @ self.a
+            n += 1
+        self.mm_per_step = max(1, int(n / (time.perf_counter() - t0) * self.step_ms / 1000))
+
+    def _step(self, before_update=None) -> float:
+        t0 = time.perf_counter()
+        for _ in range(self.mm_per_step):  # "forward/backward": reads parameters, allocates
+            self.a @ self.a
+        if before_update is not None:
+            before_update()
+        self.local[0][0, :8].add_(1e-6)  # "optimizer step": mutates the state
+        return time.perf_counter() - t0
+
+    def baseline(self, steps: int) -> float:
+        dist.barrier()
+        return statistics.median(self._step() for _ in range(steps))
+
+    def floors(self) -> dict[str, float]:
+        """memcpy of the local state, and raw write+fsync of the same bytes (all ranks at once)."""
+        dst = [torch.empty_like(t) for t in self.local]
+        for d, s in zip(dst, self.local):  # fault the pages in first: staging buffers are reused
+            d.copy_(s)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for d, s in zip(dst, self.local):
+            d.copy_(s)
+        memcpy = time.perf_counter() - t0
+        raw = self.out / f"raw-{self.rank}.bin"
+        dist.barrier()
+        t0 = time.perf_counter()
+        with open(raw, "wb") as f:
+            for s in self.local:
+                f.write(memoryview(s.numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+        dist.barrier()
+        write = time.perf_counter() - t0
+        raw.unlink()
+        return {"memcpy_s": memcpy, "write_fsync_s": write}
+
+    def run(self, mode: str, rep: int, ckpt: dict | None) -> dict[str, float]:
+        path = self.out / f"{mode.replace('(', '-').replace(')', '')}-{rep}"
+        dist.barrier()
+        t0 = time.perf_counter()
+        done, stall_extra = self._start(mode, path, rep, ckpt)
+        stall = time.perf_counter() - t0
+        steps: list[float] = []
+        waits = [0.0]
+        hook = None
+        if mode == "raytrain_ckpt":
+            def hook() -> None:
+                w0 = time.perf_counter()
+                self.client.before_optimizer_step()
+                waits[0] += time.perf_counter() - w0
+        while not done():
+            steps.append(self._step(hook))
+            hook = None if mode != "raytrain_ckpt" else hook
+        durable = time.perf_counter() - t0
+        dist.barrier()
+        return {"stall_s": stall + stall_extra + waits[0], "durable_s": durable,
+                "step_s": statistics.mean(steps) if steps else float("nan"), "steps": len(steps)}
+
+    def _start(self, mode: str, path: Path, rep: int, ckpt: dict | None):
+        if mode == "dcp.save":
+            dcp.save(self.state, checkpoint_id=str(path))
+            return (lambda: True), 0.0
+        if mode.startswith("dcp.async_save"):
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            kind = AsyncCheckpointerType.PROCESS if "process" in mode else AsyncCheckpointerType.THREAD
+            fut = dcp.async_save(self.state, checkpoint_id=str(path), async_checkpointer_type=kind)
+            return fut.done, 0.0
+        return self._start_ours(rep, ckpt)
+
+    def _start_ours(self, rep: int, ckpt: dict):
+        from raytrain_ckpt.checkpoint.client import CheckpointClient
+        from raytrain_ckpt.spec import CheckpointSpec
+
+        if rep == 0:
+            cfg = CheckpointSpec(enabled=True, dir=self.out, keep_latest_k=None)
+            self.client = CheckpointClient(cfg, self.rank, 0, 10**9, ckpt["actor"], ckpt["writer"],
+                                           torch.device("cpu"))
+        step = rep + 1
+        self.client.save(step, self.state)
+        ref = []
+
+        def done() -> bool:
+            if not ref:
+                if self.client._inflight is None:  # the hand-off thread has not finished staging yet
+                    return False
+                ref.append(self.client.actor.wait_committed.remote(step, 600))
+            return bool(ray.wait(ref, timeout=0)[0])
+
+        return done, 0.0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb", type=int, default=256, help="state size per rank in MB (default 256)")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--step-ms", type=float, default=50.0, help="compute per training step (default 50 ms)")
+    p.add_argument("--dir", default="bench/out", help="where checkpoints are written (a real disk, not tmpfs)")
+    p.add_argument("--modes", default=",".join(MODES))
+    args = p.parse_args()
+    out = Path(args.dir).resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    ray.init(num_cpus=args.ranks + 1, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+    try:
+        _bench(args, out)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _bench(args: argparse.Namespace, out: Path) -> None:
+    from raytrain_ckpt.checkpoint.service import CheckpointService
+    from raytrain_ckpt.spec import JobSpec
+
+    spec = JobSpec.model_validate({"name": "bench", "resources": {"num_workers": args.ranks},
+                                   "checkpoint": {"enabled": True, "dir": str(out), "keep_latest_k": None}})
+    service = CheckpointService(spec)
+    node = ray.get_runtime_context().get_node_id()
+    ckpt = {"actor": service.actor, "writer": service.writer_for(node)}
+    ranks = [ray.remote(BenchRank).options(num_cpus=1).remote(r, args.ranks, args.mb, str(out), args.step_ms)
+             for r in range(args.ranks)]
+    addr, port = ray.get(ranks[0].address.remote())
+    nbytes = ray.get([r.setup.remote(addr, port) for r in ranks])
+    floors = ray.get([r.floors.remote() for r in ranks])
+    memcpy = max(f["memcpy_s"] for f in floors)
+    raw = max(f["write_fsync_s"] for f in floors)
+    base = statistics.median(ray.get([r.baseline.remote(20) for r in ranks]))
+    total = sum(nbytes)
+    print(f"state: {args.ranks} ranks x {nbytes[0] / 2**20:.0f} MiB = {total / 2**20:.0f} MiB; "
+          f"step compute {base * 1e3:.1f} ms; torch {torch.__version__}, {os.cpu_count()} cores")
+    print(f"floors: memcpy {memcpy:.3f} s ({nbytes[0] / memcpy / 2**30:.2f} GiB/s per rank); raw write+fsync "
+          f"{raw:.3f} s ({total / raw / 2**20:.0f} MiB/s all ranks) to {out}")
+    print()
+    head = f"{'mode':<24} {'stall s':>14} {'durable s':>14} {'stall/memcpy':>13} {'tput/raw':>9} {'slowdown':>9}"
+    print(head)
+    print("-" * len(head))
+    for mode in args.modes.split(","):
+        reps = [_rep(ranks, mode, i, ckpt) for i in range(args.reps)]
+        first, last = reps[0], reps[-1]
+        slowdown = last["step_s"] / base - 1 if last["steps"] else float("nan")
+        print(f"{mode:<24} {last['stall_s']:>6.3f} [{first['stall_s']:>5.2f}] {last['durable_s']:>6.3f} "
+              f"[{first['durable_s']:>5.2f}] {last['stall_s'] / memcpy:>13.2f} {raw / last['durable_s']:>9.2f} "
+              f"{slowdown * 100:>8.1f}%")
+    print()
+    manifests = sorted((out / "bench").glob("step-*/manifest.json"))
+    if manifests:
+        wall = json.loads(manifests[-1].read_text())["wall"]
+        print("raytrain_ckpt, last save: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(wall.items())))
+    print("stall: training thread blocked (max over ranks); durable: until the checkpoint is complete on disk;")
+    print("tput/raw: (bytes / durable) / (bytes / raw write+fsync); slowdown: mean step time while persisting")
+    print("vs. the step time without a save (nan: no step ran while persisting). [first repetition]")
+    service.shutdown()
+
+
+def _rep(ranks: list, mode: str, rep: int, ckpt: dict) -> dict[str, float]:
+    res = ray.get([r.run.remote(mode, rep, ckpt) for r in ranks])
+    steps = [x for x in res if x["steps"]]
+    return {"stall_s": max(x["stall_s"] for x in res), "durable_s": max(x["durable_s"] for x in res),
+            "step_s": statistics.mean(x["step_s"] for x in steps) if steps else float("nan"),
+            "steps": sum(x["steps"] for x in res)}
+
+
+if __name__ == "__main__":
+    main()
