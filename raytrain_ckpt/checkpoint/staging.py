@@ -22,13 +22,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 __all__ = [
     "PinnedCudaStaging",
     "SharedMemoryStaging",
+    "StagedPlanner",
     "Staging",
     "TensorSlot",
     "allocate_buffer",
@@ -91,6 +94,18 @@ def slot_views(buffer: torch.Tensor, slots: list[TensorSlot]) -> dict[str, torch
         raw = buffer[s.offset: s.offset + s.nbytes]
         out[s.fqn] = raw.view(s.dtype).view(s.shape) if s.nbytes else torch.empty(s.shape, dtype=s.dtype)
     return out
+
+
+class StagedPlanner(DefaultSavePlanner):
+    """A DCP save planner that resolves write items from staged buffers (by FQN) instead of
+    the live state dict: lets a process that never held the model write its shards."""
+
+    def __init__(self, staged: dict[str, Any]) -> None:
+        super().__init__()
+        self.staged = staged
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self.staged[index.fqn]
 
 
 class Staging(Protocol):

@@ -20,12 +20,10 @@ from typing import Any
 
 import ray
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.layout import file_crc32
-from raytrain_ckpt.checkpoint.staging import TensorSlot, allocate_buffer, map_buffer, slot_views
+from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, map_buffer, slot_views
 from raytrain_ckpt.faults import maybe_inject
 
 logger = logging.getLogger(__name__)
@@ -54,17 +52,6 @@ class PersistRequest:
     plan: SavePlan
     info: dict[str, float]
     """stage_s, samples_seen, tokens_seen: recorded in the manifest."""
-
-
-class _StagedPlanner(DefaultSavePlanner):
-    """Resolves DCP write items from the staged buffer instead of the live state dict."""
-
-    def __init__(self, staged: dict[str, Any]) -> None:
-        super().__init__()
-        self.staged = staged
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        return self.staged[index.fqn]
 
 
 class CheckpointWriter:
@@ -140,7 +127,7 @@ class CheckpointWriter:
         writer = FileSystemWriter(tmp, thread_count=self.io_threads, sync_files=True, overwrite=False)
         writer.set_up_storage_writer(False, rank=req.rank)
         maybe_inject("persist", req.rank, req.step, req.attempt)
-        results = writer.write_data(req.plan, _StagedPlanner(staged)).wait()
+        results = writer.write_data(req.plan, StagedPlanner(staged)).wait()
         t_write = time.monotonic() - t0
         prefix = req.plan.storage_data.prefix
         files = {p.name: {"size": p.stat().st_size, "crc32": file_crc32(p)}
