@@ -80,8 +80,16 @@ def _run(spec: JobSpec, address: str | None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if result.state.value == "SUCCEEDED":
+        start = result.results[0].start_step if result.results else 0
+        resumed = f", resumed at step {start}" if start else ""
+        if start >= spec.training.steps:
+            print(f"job {spec.name} SUCCEEDED: already complete, the checkpoint at step {start} is the final one "
+                  "(use --set checkpoint.resume=none --set checkpoint.dir=... to train again)")
+            return EXIT_OK
         print(f"job {spec.name} SUCCEEDED: {len(result.losses)} logged steps, final loss "
-              f"{_final(result.losses)}, {result.attempts} attempt(s), {result.elapsed_s:.1f}s")
+              f"{_final(result.losses)}, {result.attempts} attempt(s){resumed}, {result.elapsed_s:.1f}s")
+        if result.checkpoints:
+            print(f"checkpoints in {result.checkpoints['root']}: committed steps {result.checkpoints['committed']}")
         return EXIT_OK
     print(f"job {spec.name} FAILED after {result.attempts} attempt(s):\n{result.error}", file=sys.stderr)
     return EXIT_FAILED

@@ -6,7 +6,8 @@ which the worker group forwards to every worker. Grammar (``;`` separates faults
     KIND@POINT:rank=R,step=S[,attempt=A]
 
 KIND is ``raise`` (a Python exception), ``exit`` (the process dies with no cleanup, like
-a segfault or the OOM killer) or ``hang`` (the rank stops making progress). POINT is
+a segfault or the OOM killer), ``hang`` (the rank stops making progress) or ``slow``
+(a 3 s delay, then it carries on: a slow disk or a straggler). POINT is
 ``step`` (in the trainer, before step ``S+1`` starts, i.e. after ``S`` steps), ``staged``
 (in the trainer, right after checkpoint ``S`` was staged and handed to the writer) or
 ``persist`` (in the node's CheckpointWriter, while it writes rank ``R``'s files of step ``S``). ``attempt`` defaults to 0, so the
@@ -25,7 +26,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["ENV_VAR", "Fault", "InjectedFault", "maybe_inject", "parse_faults"]
 
 ENV_VAR = "RAYTRAIN_CKPT_FAULTS"
-KINDS = ("raise", "exit", "hang")
+KINDS = ("raise", "exit", "hang", "slow")
+SLOW_S = 3.0
 POINTS = ("step", "staged", "persist")
 
 
@@ -72,5 +74,8 @@ def maybe_inject(point: str, rank: int, step: int, attempt: int) -> None:
             raise InjectedFault(f"injected fault at {point} rank {rank} step {step}")
         if f.kind == "exit":
             os._exit(17)
+        if f.kind == "slow":  # a slow disk or a straggler: delay, then carry on
+            time.sleep(SLOW_S)
+            return
         while True:  # hang: stop making progress until the controller kills us
             time.sleep(3600)

@@ -106,7 +106,7 @@ class CheckpointClient:
         tokens_seen) goes into the manifest.
         """
         t0 = time.monotonic()
-        if not self._previous_settled(step):
+        if not self._previous_settled(step, final=step == self.total_steps):
             return
         tensors, objects = self._flatten(state)
         layout = self._ensure_layout(step, tensors, objects)
@@ -133,10 +133,13 @@ class CheckpointClient:
         if self.cfg.mode == "sync":
             self.wait_committed()
 
-    def _previous_settled(self, step: int) -> bool:
-        """Apply on_busy to a save still writing; returns False when this save is skipped (on every rank)."""
+    def _previous_settled(self, step: int, final: bool) -> bool:
+        """Apply on_busy to a save still writing; returns False when this save is skipped (on every rank).
+
+        The final save is never skipped: it waits.
+        """
         busy = self._inflight is not None and not ray.wait([self._inflight[1]], timeout=0)[0]
-        if self.cfg.on_busy == "skip" and self._any_rank(busy):
+        if self.cfg.on_busy == "skip" and not final and self._any_rank(busy):
             self.stats.skipped += 1
             logger.warning("checkpoint step %d skipped: the previous save is still being written "
                            "(checkpoint.on_busy=skip)", step)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 DEMO = "jobs/llama_debug_fsdp.yaml"
 BASE = ["training.log_every_steps=1", "lr_scheduler.warmup_steps=2", "checkpoint.enabled=true",
-        "checkpoint.interval_steps=5", "checkpoint.keep_latest_k=null"]
+        "checkpoint.interval_steps=5", "checkpoint.keep_latest_k=null", "fault_tolerance.max_restarts=0"]
 
 
 def _spec(ckpt_dir: Path, *extra: str):
@@ -148,3 +148,19 @@ def test_sync_mode_commits_before_training_goes_on(ray_cluster, tmp_path):
     result = _ok(run_job(_spec(tmp_path, "training.steps=10", "checkpoint.mode=sync")))
     assert result.checkpoints["committed"] == [5, 10]
     assert all(r.checkpoint["saves"] == 2 for r in result.results)
+
+
+@pytest.mark.parametrize("on_busy", ["skip", "wait"])
+def test_save_due_while_the_previous_is_writing(ray_cluster, tmp_path, monkeypatch, on_busy):
+    # the writer of rank 0 takes 3 s more for step 2, while a save is due every step
+    monkeypatch.setenv(ENV_VAR, "slow@persist:rank=0,step=2")
+    result = _ok(run_job(_spec(tmp_path, "training.steps=8", "checkpoint.interval_steps=1",
+                               f"checkpoint.on_busy={on_busy}")))
+    committed = result.checkpoints["committed"]
+    skipped = [r.checkpoint["skipped"] for r in result.results]
+    if on_busy == "skip":
+        assert skipped[0] >= 1 and len(set(skipped)) == 1, result.checkpoints   # every rank skipped the same saves
+        # which saves were skipped depends on write speed; the final save is never skipped
+        assert 8 in committed and len(committed) == 8 - skipped[0], (skipped, result.checkpoints)
+    else:
+        assert skipped == [0, 0] and committed == list(range(1, 9))

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 DEMO = "jobs/llama_debug_fsdp.yaml"
 SHORT = ["training.steps=6", "training.log_every_steps=1", "lr_scheduler.warmup_steps=2",
-         "resources.cpus_per_worker=1"]
+         "resources.cpus_per_worker=1", "checkpoint.enabled=false", "fault_tolerance.max_restarts=0"]
 
 
 def _spec(*extra: str):
