@@ -243,6 +243,8 @@ class CheckpointSpec(_Section):
     """How long a synchronous or final save waits for its commit before the job fails."""
     writer_threads: int = Field(1, ge=1, le=64)
     """I/O threads per rank in the node's checkpoint writer."""
+    writer_nice: int = Field(10, ge=0, le=19)
+    """CPU priority (nice) of the checkpoint writer process: higher leaves more CPU to training and makes saves durable later."""
 
     @field_validator("interval_steps", mode="before")
     @classmethod

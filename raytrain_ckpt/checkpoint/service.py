@@ -48,7 +48,8 @@ class CheckpointService:
                 name=f"rtc-writer-{self.spec.name}-{node_id[:12]}", num_cpus=0, max_concurrency=64,
                 max_restarts=-1, max_task_retries=0, runtime_env=self._env,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(_safe(self.spec.name), self.actor, self.spec.checkpoint.writer_threads)
+            ).remote(_safe(self.spec.name), self.actor, self.spec.checkpoint.writer_threads,
+                     self.spec.checkpoint.writer_nice)
         return self._writers[node_id]
 
     def acquire(self, attempt: int) -> ResumePoint | None:

@@ -57,12 +57,12 @@ class PersistRequest:
 class CheckpointWriter:
     """Per-node writer actor (threaded actor; writes run on its own thread pool)."""
 
-    def __init__(self, job: str, coordinator: Any, io_threads: int = 1) -> None:
+    def __init__(self, job: str, coordinator: Any, io_threads: int = 1, nice: int = 10) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.job = job
         self.coordinator = coordinator
         # Persisting is background work: let the training processes win the cores.
-        os.nice(10)
+        os.nice(nice)
         self.io_threads = io_threads
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rtc-writer")
         self._jobs: dict[tuple[int, int], Future] = {}
