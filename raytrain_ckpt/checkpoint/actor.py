@@ -267,6 +267,3 @@ class CheckpointActor:
                 "in_flight": sorted(self.pending), "failed": dict(self.failed),
                 "leases": dict(Counter(self.leases.values())),
                 "latest": max(self.committed) if self.committed else None}
-
-    async def ping(self) -> bool:
-        return True

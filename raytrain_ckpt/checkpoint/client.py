@@ -210,11 +210,6 @@ class CheckpointClient:
             self.stats.aborted += 1
             logger.warning("checkpoint step %d did not commit: %s", step, _first_line(exc))
 
-    def close(self) -> None:
-        """Wait for the copy thread; leaves the buffer to the writer."""
-        if self._layout is not None:
-            self._layout.staging.wait()
-
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()

@@ -15,6 +15,7 @@ calls it right before ``optimizer.step()``.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import os
 import threading
@@ -118,7 +119,7 @@ class Staging(Protocol):
         """Block until the copy finished; returns seconds spent blocked. Re-raises copy errors."""
 
 
-class _ThreadedStaging:
+class _ThreadedStaging(abc.ABC):
     def __init__(self, buffer: torch.Tensor, slots: list[TensorSlot]) -> None:
         self.buffer = buffer
         self.views = slot_views(buffer, slots)
@@ -138,8 +139,9 @@ class _ThreadedStaging:
         except BaseException as exc:  # surfaced to the training thread by wait()
             self._error = exc
 
+    @abc.abstractmethod
     def _copy(self, sources: dict[str, torch.Tensor]) -> None:
-        raise NotImplementedError
+        """Runs on the staging thread; returns once the buffer holds the data."""
 
     def wait(self) -> float:
         if self._thread is None:
