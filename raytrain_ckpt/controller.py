@@ -102,6 +102,8 @@ class JobResult:
     elapsed_s: float = 0.0
     checkpoints: dict | None = None
     """The CheckpointActor's final status (committed steps, failures), when checkpointing is on."""
+    events: list[tuple[float, str]] = field(default_factory=list)
+    """(time.time(), what) of every failure detected and every group start and start-up."""
 
     @property
     def losses(self) -> dict[int, float]:
@@ -164,6 +166,7 @@ class Controller:
         self.result.state = new
 
     def _start_group(self) -> None:
+        self.result.events.append((time.time(), f"attempt {self.attempt} starting"))
         self.group = self._factory(self.spec, self.attempt)
         self.result.attempts = self.attempt + 1
         try:
@@ -172,6 +175,7 @@ class Controller:
             self._on_failure("start", str(exc))
             return
         self._last_step, self._last_advance = -1, self._clock()
+        self.result.events.append((time.time(), f"attempt {self.attempt} running"))
         self._set_state(JobState.RUNNING, f"{self.spec.world_size} workers started")
 
     def _watch_group(self) -> None:
@@ -198,6 +202,7 @@ class Controller:
     def _on_failure(self, kind: str, message: str) -> None:
         facts = FailureFacts(kind, self.restarts, self.spec.fault_tolerance.max_restarts)
         decision = self._policy.decide(facts)
+        self.result.events.append((time.time(), f"attempt {self.attempt} {kind} detected"))
         logger.error("attempt %d %s failure:\n%s", self.attempt, kind, message)
         self.result.error = message
         if decision is Decision.RESTART:

@@ -9,7 +9,7 @@ import ray
 
 from raytrain_ckpt.checkpoint.service import CheckpointService
 from raytrain_ckpt.controller import Controller, JobResult
-from raytrain_ckpt.faults import ENV_VAR
+from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.group import RayWorkerGroup
 from raytrain_ckpt.spec import JobSpec
 
@@ -43,8 +43,7 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
 def _run_controller(spec: JobSpec) -> JobResult:
     if not spec.checkpoint.enabled:
         return Controller(spec, RayWorkerGroup).run()
-    fault_env = {ENV_VAR: os.environ[ENV_VAR]} if os.environ.get(ENV_VAR) else None
-    service = CheckpointService(spec, fault_env)
+    service = CheckpointService(spec, fault_env() or None)
     try:
         result = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service)).run()
         result.checkpoints = service.status()

@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["ENV_VAR", "Fault", "InjectedFault", "maybe_inject", "parse_faults"]
 
 ENV_VAR = "RAYTRAIN_CKPT_FAULTS"
+STAMP_VAR = "RAYTRAIN_CKPT_FAULT_STAMP"
+"""If set, an ``exit`` fault first writes its wall-clock time to this file (recovery benchmarks)."""
 KINDS = ("raise", "exit", "hang", "slow")
 SLOW_S = 3.0
 POINTS = ("step", "staged", "persist")
@@ -61,6 +63,18 @@ def parse_faults(text: str) -> list[Fault]:
     return faults
 
 
+def fault_env() -> dict[str, str]:
+    """The fault settings of this process, to forward to the actors it creates."""
+    return {k: os.environ[k] for k in (ENV_VAR, STAMP_VAR) if os.environ.get(k)}
+
+
+def _stamp() -> None:
+    path = os.environ.get(STAMP_VAR)
+    if path:
+        with open(path, "w") as f:
+            f.write(repr(time.time()))
+
+
 def maybe_inject(point: str, rank: int, step: int, attempt: int) -> None:
     """Trigger the planned fault for this point, rank, step and attempt, if any."""
     text = os.environ.get(ENV_VAR)
@@ -73,6 +87,7 @@ def maybe_inject(point: str, rank: int, step: int, attempt: int) -> None:
         if f.kind == "raise":
             raise InjectedFault(f"injected fault at {point} rank {rank} step {step}")
         if f.kind == "exit":
+            _stamp()
             os._exit(17)
         if f.kind == "slow":  # a slow disk or a straggler: delay, then carry on
             time.sleep(SLOW_S)

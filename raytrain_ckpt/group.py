@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain_ckpt.checkpoint.service import CheckpointService
 from raytrain_ckpt.controller import GroupPoll, GroupStartError
-from raytrain_ckpt.faults import ENV_VAR
+from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.spec import JobSpec
 from raytrain_ckpt.worker import Progress, TrainWorker, WorkerFailure, WorkerResult
 
@@ -55,7 +55,7 @@ class RayWorkerGroup:
         actor_cls = ray.remote(TrainWorker)
         spec_json = self.spec.model_dump_json()
         # A fault plan set on the driver reaches every worker (see raytrain_ckpt.faults).
-        env = {ENV_VAR: os.environ[ENV_VAR]} if os.environ.get(ENV_VAR) else {}
+        env = fault_env()
         for rank in range(self.spec.world_size):
             strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank)
             self.workers.append(

@@ -53,6 +53,8 @@ class WorkerResult:
     """The step this attempt resumed from (0: a fresh start)."""
     checkpoint: dict[str, float] | None = None
     """Saves, skipped, aborted, stall_s of this rank (None when checkpointing is off)."""
+    timings: dict[str, float] | None = None
+    """This attempt's setup: pg_init_s, build_s, load_s, and first_step_at (time.time())."""
 
 
 class WorkerFailure(RuntimeError):
@@ -80,6 +82,7 @@ class TrainWorker:
         self.trainer = None
         self.checkpoints = None
         self.start_step = 0
+        self.timings: dict[str, float] = {}
         torch.set_num_threads(max(1, int(self.spec.resources.cpus_per_worker)))
 
     def _prefix(self) -> str:
@@ -113,6 +116,7 @@ class TrainWorker:
             # Ray sets CUDA_VISIBLE_DEVICES per actor, so the assigned GPU is device 0 here.
             torch.cuda.set_device(0)
         device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+        t0 = time.monotonic()
         dist.init_process_group(
             backend="nccl" if use_gpu else "gloo",
             init_method=f"tcp://{master_addr}:{master_port}",
@@ -120,7 +124,10 @@ class TrainWorker:
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        self.timings["pg_init_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
         self.trainer = Trainer(self.spec, device, self._prefix)
+        self.timings["build_s"] = time.monotonic() - t0
         if self.rank == 0:
             logger.info("%sprocess group ready: %d ranks, backend %s, pid %d", self._prefix(), self.world_size,
                         dist.get_backend(), os.getpid())
@@ -134,6 +141,7 @@ class TrainWorker:
         if ckpt["resume_path"] is not None:
             t0 = time.monotonic()
             load_app_state(trainer, ckpt["resume_path"], ckpt["resume_world_size"] == self.world_size)
+            self.timings["load_s"] = time.monotonic() - t0
             self.start_step = trainer.state.step
             if self.rank == 0:
                 logger.info("%sresumed from %s in %.2fs", self._prefix(), ckpt["resume_path"], time.monotonic() - t0)
@@ -167,6 +175,7 @@ class TrainWorker:
             trainer.log(report)
             loss = report.loss if report.loss is not None else loss
             self._progress = Progress(self.rank, report.step, loss, time.time(), "training")
+            self.timings.setdefault("first_step_at", self._progress.last_step_at)
         stats = None
         if ckpt is not None:
             ckpt.wait_committed()
@@ -174,7 +183,7 @@ class TrainWorker:
         state = trainer.state
         self._progress = Progress(self.rank, state.step, loss, time.time(), "done")
         return WorkerResult(self.rank, state.step, state.tokens_seen, dict(state.losses), trainer.fingerprint(),
-                            self.start_step, stats)
+                            self.start_step, stats, dict(self.timings))
 
     def progress(self) -> Progress:
         """The last finished step; answered from the second actor thread while ``run()`` trains."""

@@ -1,0 +1,150 @@
+"""Recovery benchmark: from a killed rank to the first completed step after resuming.
+
+The same job (the demo's ~1M-param Llama, FSDP2 over 2 CPU workers, a DCP checkpoint every 5
+steps) loses rank 1 to ``os._exit`` before step 13, once, and resumes from step 10:
+
+* raytrain_ckpt: ``run_job`` with ``fault_tolerance.max_restarts=1``;
+* Ray Train: ``TorchTrainer`` running the same ``Trainer`` with ``FailureConfig(max_failures=1)``,
+  saving with ``dcp.save`` + ``ray.train.report(checkpoint=...)`` and loading from
+  ``ray.train.get_checkpoint()`` (needs ``pip install "ray[train]"``; skipped when missing).
+
+Printed: kill -> first step after resume, with raytrain_ckpt's breakdown, and the ratio.
+
+    .venv/bin/python bench/recovery.py [--reps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+
+from raytrain_ckpt.faults import ENV_VAR, STAMP_VAR
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = REPO / "jobs" / "llama_debug_fsdp.yaml"
+KILL_STEP, STEPS = 12, 16
+
+
+def _overrides(ckpt_dir: str) -> list[str]:
+    return ["training.steps=%d" % STEPS, f"checkpoint.dir={ckpt_dir}", "checkpoint.interval_steps=5",
+            "checkpoint.resume=none", "fault_tolerance.max_restarts=1", "fault_tolerance.poll_interval_s=0.1",
+            "training.log_every_steps=100"]
+
+
+def ours(tmp: Path) -> dict[str, float]:
+    from raytrain_ckpt.driver import run_job
+    from raytrain_ckpt.spec import load_spec
+
+    stamp = tmp / "kill"
+    os.environ[STAMP_VAR] = str(stamp)
+    os.environ[ENV_VAR] = f"exit@step:rank=1,step={KILL_STEP}"
+    try:
+        result = run_job(load_spec(SPEC, _overrides(str(tmp / "ckpt"))))
+    finally:
+        del os.environ[ENV_VAR]
+    assert result.state.value == "SUCCEEDED" and result.results[0].start_step == 10, result.error
+    kill = float(stamp.read_text())
+    ev = {what: t for t, what in result.events}
+    timings = [r.timings for r in result.results]
+    setup = max(t["pg_init_s"] + t["build_s"] + t["load_s"] for t in timings)
+    first = max(t["first_step_at"] for t in timings)
+    return {
+        "total": first - kill,
+        "detect": ev["attempt 0 crash detected"] - kill,
+        "teardown": ev["attempt 1 starting"] - ev["attempt 0 crash detected"],
+        "place+spawn": ev["attempt 1 running"] - ev["attempt 1 starting"] - setup,
+        "pg_init": max(t["pg_init_s"] for t in timings),
+        "build": max(t["build_s"] for t in timings),
+        "ckpt_load": max(t["load_s"] for t in timings),
+        "first_step": first - ev["attempt 1 running"],
+    }
+
+
+def _ray_train_loop(config: dict) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from ray import train
+
+    from raytrain_ckpt.checkpoint.state import app_state, load_app_state
+    from raytrain_ckpt.spec import JobSpec
+    from raytrain_ckpt.trainer import Trainer
+
+    torch.set_num_threads(1)
+    spec = JobSpec.model_validate_json(config["spec"])
+    trainer = Trainer(spec, torch.device("cpu"))
+    resumed = train.get_checkpoint()
+    if resumed is not None:
+        with resumed.as_directory() as d:
+            load_app_state(trainer, d, same_world_size=True)
+    rank = train.get_context().get_world_rank()
+    marker = Path(config["tmp"]) / "killed"
+    while trainer.state.step < spec.training.steps:
+        if rank == 1 and trainer.state.step == KILL_STEP and not marker.exists():
+            marker.write_text("1")
+            (Path(config["tmp"]) / "rt-kill").write_text(repr(time.time()))
+            os._exit(17)
+        trainer.train_step()
+        if resumed is not None and rank == 0 and not (Path(config["tmp"]) / "rt-first").exists():
+            (Path(config["tmp"]) / "rt-first").write_text(repr(time.time()))
+        step = trainer.state.step
+        if step % 5 == 0:
+            d = Path(config["tmp"]) / f"rt-step-{step}"
+            dcp.save(app_state(trainer), checkpoint_id=str(d))
+            ckpt = train.Checkpoint.from_directory(str(d)) if rank == 0 else None
+            train.report({"step": step}, checkpoint=ckpt)
+
+
+def ray_train(tmp: Path) -> dict[str, float] | None:
+    try:
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+    except ImportError:
+        return None
+    from raytrain_ckpt.spec import load_spec
+
+    spec = load_spec(SPEC, _overrides(str(tmp / "unused")))
+    trainer = TorchTrainer(
+        _ray_train_loop,
+        train_loop_config={"spec": spec.model_dump_json(), "tmp": str(tmp)},
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=str(tmp / "storage"), name="recovery",
+                             failure_config=FailureConfig(max_failures=1)),
+    )
+    trainer.fit()
+    return {"total": float((tmp / "rt-first").read_text()) - float((tmp / "rt-kill").read_text())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=2)
+    args = p.parse_args()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    rows: dict[str, list[dict[str, float]]] = {"raytrain_ckpt": [], "Ray Train": []}
+    for _ in range(args.reps):
+        with tempfile.TemporaryDirectory() as d:
+            rows["raytrain_ckpt"].append(ours(Path(d)))
+        with tempfile.TemporaryDirectory() as d:
+            r = ray_train(Path(d))
+            if r is not None:
+                rows["Ray Train"].append(r)
+    ray.shutdown()
+    print(f"kill rank 1 before step {KILL_STEP + 1}, resume from step 10; median of {args.reps} runs, seconds")
+    med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in rows.items() if runs}
+    for name, m in med.items():
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in m.items() if k != "total")
+        print(f"{name:<14} kill -> first step after resume {m['total']:6.2f}" + (f"  ({parts})" if parts else ""))
+    if len(med) == 2:
+        print(f"ratio raytrain_ckpt / Ray Train: {med['raytrain_ckpt']['total'] / med['Ray Train']['total']:.2f}")
+    else:
+        print('Ray Train not installed: pip install "ray[train]" to compare')
+
+
+if __name__ == "__main__":
+    main()
