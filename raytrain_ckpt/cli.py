@@ -91,7 +91,9 @@ def _run(spec: JobSpec, address: str | None) -> int:
         if result.checkpoints:
             print(f"checkpoints in {result.checkpoints['root']}: committed steps {result.checkpoints['committed']}")
         return EXIT_OK
-    print(f"job {spec.name} FAILED after {result.attempts} attempt(s):\n{result.error}", file=sys.stderr)
+    summary = "".join(f"\n  {line}" for line in result.failures)
+    print(f"job {spec.name} FAILED after {result.attempts} attempt(s); failures:{summary}\nlast error:\n{result.error}",
+          file=sys.stderr)
     return EXIT_FAILED
 
 

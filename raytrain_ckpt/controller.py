@@ -23,7 +23,7 @@ __all__ = [
     "Controller",
     "GroupPoll",
     "GroupStartError",
-    "WorkerGroup", "Decision", "FailureFacts", "FailurePolicy", "JobResult", "JobState"]
+    "WorkerGroup", "Decision", "FailureFacts", "FailurePolicy", "JobResult", "JobState", "elastic_world_size"]
 
 
 class GroupStartError(RuntimeError):
@@ -82,13 +82,33 @@ class FailureFacts:
     kind: str  # "start" | "crash" | "hang"
     restarts_done: int
     max_restarts: int
+    recent_failures: int | None = None
+    """Failures inside fault_tolerance.failure_window_s, this one included (None: no window)."""
 
 
 class FailurePolicy:
-    """Restart the group while the restart budget lasts, then fail the job."""
+    """Restart while the budget lasts, then fail the job.
+
+    The budget is ``max_restarts`` failures over the whole job, or, with a failure window, at
+    most ``max_restarts`` failures inside any window (a job that fails rarely runs forever).
+    """
 
     def decide(self, facts: FailureFacts) -> Decision:
+        if facts.recent_failures is not None:
+            return Decision.RESTART if facts.recent_failures <= facts.max_restarts else Decision.FAIL
         return Decision.RESTART if facts.restarts_done < facts.max_restarts else Decision.FAIL
+
+
+def elastic_world_size(requested: int, min_workers: int, fit: int, global_batch: int, micro_batch: int) -> int | None:
+    """The largest world size <= ``fit`` and >= ``min_workers`` that keeps the global batch.
+
+    The global batch must stay a multiple of micro_batch x dp, so a shrink adds gradient
+    accumulation instead of changing the optimization. None: no such size.
+    """
+    for n in range(min(requested, fit), min_workers - 1, -1):
+        if n >= 1 and global_batch % (micro_batch * n) == 0:
+            return n
+    return None
 
 
 @dataclass
@@ -102,6 +122,8 @@ class JobResult:
     elapsed_s: float = 0.0
     checkpoints: dict | None = None
     """The CheckpointActor's final status (committed steps, failures), when checkpointing is on."""
+    failures: list[str] = field(default_factory=list)
+    """One line per failure, in order: ``attempt A kind: first line of the error``."""
     events: list[tuple[float, str]] = field(default_factory=list)
     """(time.time(), what) of every failure detected and every group start and start-up."""
 
@@ -138,6 +160,7 @@ class Controller:
         self._last_step = -1
         self._last_advance = clock()
         self._started = clock()
+        self._failure_times: list[float] = []
 
     def run(self) -> JobResult:
         """Step until terminal; always releases the group."""
@@ -157,6 +180,7 @@ class Controller:
             self._watch_group()
         elif self.state is JobState.RECOVERING:
             self._release_group()
+            self._sleep(self.spec.fault_tolerance.restart_backoff_s)
             self.attempt += 1
             self._set_state(JobState.STARTING, f"attempt {self.attempt}")
 
@@ -200,7 +224,14 @@ class Controller:
         return now - self._last_advance > self.spec.fault_tolerance.hang_timeout_s
 
     def _on_failure(self, kind: str, message: str) -> None:
-        facts = FailureFacts(kind, self.restarts, self.spec.fault_tolerance.max_restarts)
+        ft = self.spec.fault_tolerance
+        now = self._clock()
+        self._failure_times.append(now)
+        recent = None
+        if ft.failure_window_s is not None:
+            recent = sum(1 for t in self._failure_times if now - t <= ft.failure_window_s)
+        facts = FailureFacts(kind, self.restarts, ft.max_restarts, recent)
+        self.result.failures.append(f"attempt {self.attempt} {kind}: {_headline(message)}")
         decision = self._policy.decide(facts)
         self.result.events.append((time.time(), f"attempt {self.attempt} {kind} detected"))
         logger.error("attempt %d %s failure:\n%s", self.attempt, kind, message)
@@ -209,9 +240,18 @@ class Controller:
             self.restarts += 1
             self._set_state(JobState.RECOVERING, f"{kind}; restart {self.restarts}/{facts.max_restarts}")
         else:
-            self._set_state(JobState.FAILED, f"{kind}; {self.restarts}/{facts.max_restarts} restarts used")
+            self._set_state(JobState.FAILED, f"{kind}; {self.restarts}/{facts.max_restarts} restarts used"
+                            + (f", {recent} failures within {ft.failure_window_s:g}s" if recent is not None else ""))
 
     def _release_group(self) -> None:
         if self.group is not None:
             self.group.shutdown()
             self.group = None
+
+
+def _headline(message: str) -> str:
+    """The line of an error that says what happened (a traceback's last line)."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "(no message)"
+    return lines[0] if "Traceback" not in message else f"{lines[0]} {lines[-1]}"

@@ -27,7 +27,7 @@ __all__ = ["ENV_VAR", "Fault", "InjectedFault", "maybe_inject", "parse_faults"]
 
 ENV_VAR = "RAYTRAIN_CKPT_FAULTS"
 STAMP_VAR = "RAYTRAIN_CKPT_FAULT_STAMP"
-"""If set, an ``exit`` fault first writes its wall-clock time to this file (recovery benchmarks)."""
+"""If set, an ``exit`` or ``hang`` fault first writes its wall-clock time to this file (recovery benchmarks)."""
 KINDS = ("raise", "exit", "hang", "slow")
 SLOW_S = 3.0
 POINTS = ("step", "staged", "persist")
@@ -92,5 +92,6 @@ def maybe_inject(point: str, rank: int, step: int, attempt: int) -> None:
         if f.kind == "slow":  # a slow disk or a straggler: delay, then carry on
             time.sleep(SLOW_S)
             return
+        _stamp()
         while True:  # hang: stop making progress until the controller kills us
             time.sleep(3600)

@@ -16,7 +16,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain_ckpt.checkpoint.service import CheckpointService
-from raytrain_ckpt.controller import GroupPoll, GroupStartError
+from raytrain_ckpt.controller import GroupPoll, GroupStartError, elastic_world_size
 from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.spec import JobSpec
 from raytrain_ckpt.worker import Progress, TrainWorker, WorkerFailure, WorkerResult
@@ -42,15 +42,9 @@ class RayWorkerGroup:
         """Reserve bundles, create the actors, rendezvous, and start ``run()`` on every rank."""
         ft, res = self.spec.fault_tolerance, self.spec.resources
         deadline = time.monotonic() + ft.start_timeout_s
-        # build placement group
+        # build placement group (smaller, when elastic and the full group does not fit in time)
         bundle = {"CPU": res.cpus_per_worker, **({"GPU": res.gpus} if res.gpus else {})}
-        self._pg = placement_group([dict(bundle)] * self.spec.world_size, strategy=res.placement_strategy)
-        if not self._pg.wait(timeout_seconds=ft.start_timeout_s):
-            raise GroupStartError(
-                f"could not reserve {self.spec.world_size} x {bundle} within fault_tolerance.start_timeout_s="
-                f"{ft.start_timeout_s:g}s; the cluster has {ray.available_resources()} available. "
-                "Lower resources.num_workers / cpus_per_worker or add nodes."
-            )
+        self._pg = self._place(bundle, deadline)
         # build actors
         actor_cls = ray.remote(TrainWorker)
         spec_json = self.spec.model_dump_json()
@@ -78,11 +72,39 @@ class RayWorkerGroup:
         self._runs = {w.run.remote(): rank for rank, w in enumerate(self.workers)}
         logger.info("attempt %d: %d workers training (rendezvous %s:%d)", self.attempt, len(self.workers), addr, port)
 
+    def _place(self, bundle: dict[str, float], deadline: float):
+        ft, res = self.spec.fault_tolerance, self.spec.resources
+        elastic = res.min_workers is not None and res.min_workers < self.spec.world_size
+        wait_s = min(ft.placement_timeout_s, ft.start_timeout_s) if elastic else ft.start_timeout_s
+        pg = placement_group([dict(bundle)] * self.spec.world_size, strategy=res.placement_strategy)
+        if pg.wait(timeout_seconds=wait_s):
+            return pg
+        remove_placement_group(pg)
+        if elastic:
+            fit = min(int(ray.available_resources().get(k, 0.0) // v) for k, v in bundle.items() if v > 0)
+            t = self.spec.training
+            n = elastic_world_size(self.spec.world_size, res.min_workers, fit, t.global_batch_size, t.micro_batch_size)
+            if n is not None and n < self.spec.world_size:
+                logger.warning("attempt %d: %d workers could not be placed within fault_tolerance.placement_timeout_s="
+                               "%gs; %d fit: continuing with %d workers (dp %d, global batch %d, %d micro-batches "
+                               "per rank)", self.attempt, self.spec.world_size, wait_s, fit, n, n, t.global_batch_size,
+                               t.global_batch_size // (t.micro_batch_size * n))
+                self.spec = self.spec.with_workers(n)
+                pg = placement_group([dict(bundle)] * n, strategy=res.placement_strategy)
+                if pg.wait(timeout_seconds=max(0.1, deadline - time.monotonic())):
+                    return pg
+                remove_placement_group(pg)
+        raise GroupStartError(
+            f"could not reserve {self.spec.world_size} x {bundle} within {wait_s:g}s; the cluster has "
+            f"{ray.available_resources()} available. Lower resources.num_workers / cpus_per_worker, add nodes, "
+            "or set resources.min_workers to allow a smaller group."
+        )
+
     def _checkpoint_args(self) -> list[dict | None]:
         """Per rank: the CheckpointActor, the writer on the rank's node, and what to resume from."""
         if self.checkpoints is None:
             return [None] * self.spec.world_size
-        point = self.checkpoints.acquire(self.attempt)
+        point = self.checkpoints.acquire(self.attempt, self.spec)
         nodes = placement_group_table(self._pg)["bundles_to_node_id"]
         return [{"actor": self.checkpoints.actor, "writer": self.checkpoints.writer_for(nodes[rank]),
                  "resume_path": point.path if point else None,

@@ -190,6 +190,8 @@ class TrainingSpec(_Section):
 class ResourcesSpec(_Section):
     num_workers: int = Field(2, ge=1)
     """Training processes (ranks), one Ray actor each."""
+    min_workers: int | None = Field(None, ge=1)
+    """Elastic floor: when num_workers cannot be placed within fault_tolerance.placement_timeout_s, train on the largest data-parallel size >= this that keeps the global batch (null: never shrink)."""
     use_gpu: bool = False
     """Train on CUDA with NCCL; false trains on CPU with gloo."""
     cpus_per_worker: float = Field(1.0, gt=0)
@@ -208,6 +210,9 @@ class ResourcesSpec(_Section):
 
     @model_validator(mode="after")
     def _gpu_consistent(self) -> ResourcesSpec:
+        if self.min_workers is not None and self.min_workers > self.num_workers:
+            raise FieldProblems([("min_workers", f"{self.min_workers} exceeds num_workers={self.num_workers}; "
+                                                 "set it to at most num_workers, or null to never shrink")])
         g = self.gpus_per_worker
         if g is not None and g > 0 and not self.use_gpu:
             raise FieldProblems([("gpus_per_worker", f"{g} GPUs requested but use_gpu is false; set resources.use_gpu=true or gpus_per_worker=0")])
@@ -274,11 +279,17 @@ class CheckpointSpec(_Section):
 
 class FaultToleranceSpec(_Section):
     max_restarts: int = Field(0, ge=0)
-    """Times the whole worker group is rebuilt after a worker failure or hang before the job fails."""
+    """Times the whole worker group is rebuilt after a worker failure or hang before the job fails (within failure_window_s, if set)."""
+    failure_window_s: float | None = Field(None, gt=0)
+    """Count only failures within this many seconds against max_restarts; null counts every failure of the job."""
+    restart_backoff_s: float = Field(0.0, ge=0)
+    """Wait this long after tearing a failed group down before building the next one."""
     hang_timeout_s: float = Field(600.0, gt=0)
     """A running group that completes no step for this long is treated as hung and torn down."""
     start_timeout_s: float = Field(300.0, gt=0)
     """Time allowed for resources to be placed and the process group to form."""
+    placement_timeout_s: float = Field(60.0, gt=0)
+    """With resources.min_workers: how long to wait for the full group before shrinking it."""
     poll_interval_s: float = Field(1.0, gt=0)
     """How often the driver polls worker progress and liveness."""
 
@@ -316,6 +327,13 @@ class JobSpec(_Section):
         if self.parallelism.dp_shard == -1:
             return self.world_size // self.parallelism.pp
         return self.parallelism.dp_shard
+
+    def with_workers(self, n: int) -> JobSpec:
+        """The same job on ``n`` workers (pure data parallel): the elastic layout after a shrink."""
+        return self.model_copy(update={
+            "resources": self.resources.model_copy(update={"num_workers": n}),
+            "parallelism": self.parallelism.model_copy(update={"dp_shard": n}),
+        })
 
     def spec_hash(self) -> str:
         """Stable hash of the resolved spec, for telling runs apart."""

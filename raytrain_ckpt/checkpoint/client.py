@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
+from ray.exceptions import ActorUnavailableError, RayError
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
@@ -109,7 +111,11 @@ class CheckpointClient:
         if not self._previous_settled(step, final=step == self.total_steps):
             return
         tensors, objects = self._flatten(state)
-        layout = self._ensure_layout(step, tensors, objects)
+        try:
+            layout = self._ensure_layout(step, tensors, objects)
+        except (RayError, StepAborted) as exc:  # writer or actor gone for good: lose this save, not the run
+            self._aborted(step, exc)
+            return
         info = dict(info or {})
         payload = pickle.dumps(objects)
 
@@ -118,7 +124,7 @@ class CheckpointClient:
             req = PersistRequest(step, self.rank, self.attempt, layout.plan_id, layout.buffer_path, layout.nbytes,
                                  layout.slots, payload, layout.plan, info)
             try:
-                ray.get(self.writer.accept.remote(req))
+                _get_restarting(lambda: self.writer.accept.remote(req))
             except Exception as exc:  # the writer died: this step is lost, training goes on
                 self._aborted(step, exc)
                 return
@@ -187,7 +193,7 @@ class CheckpointClient:
         central, plan_id = ray.get(self.actor.plan.remote(self.attempt, step, self.rank, local,
                                                           self.cfg.commit_timeout_s))
         plan = self._planner.finish_plan(central)
-        path = ray.get(self.writer.allocate.remote(self.rank, self.attempt, nbytes))
+        path = _get_restarting(lambda: self.writer.allocate.remote(self.rank, self.attempt, nbytes))
         buffer = map_buffer(Path(path), nbytes)
         staging: Staging = (PinnedCudaStaging(buffer, slots, self.device) if self.device.type == "cuda"
                             else SharedMemoryStaging(buffer, slots))
@@ -209,6 +215,22 @@ class CheckpointClient:
         except StepAborted as exc:  # another rank's write failed; the earlier steps stay valid
             self.stats.aborted += 1
             logger.warning("checkpoint step %d did not commit: %s", step, _first_line(exc))
+
+
+RESTART_WAIT_S = 30.0
+"""How long a call waits for a restarting writer before the save is given up."""
+
+
+def _get_restarting(call: Callable[[], ray.ObjectRef]) -> Any:
+    """``ray.get(call())``, retried while the actor is restarting (after a crash Ray brings it back)."""
+    deadline = time.monotonic() + RESTART_WAIT_S
+    while True:
+        try:
+            return ray.get(call())
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _first_line(exc: BaseException) -> str:

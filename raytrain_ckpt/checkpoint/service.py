@@ -52,9 +52,12 @@ class CheckpointService:
                      self.spec.checkpoint.writer_nice)
         return self._writers[node_id]
 
-    def acquire(self, attempt: int) -> ResumePoint | None:
-        """Verify and lease the checkpoint this attempt loads (None: start fresh)."""
-        s = self.spec
+    def acquire(self, attempt: int, spec: JobSpec) -> ResumePoint | None:
+        """Verify and lease the checkpoint this attempt loads (None: start fresh).
+
+        ``spec`` is the attempt's layout (an elastic restart may run fewer workers).
+        """
+        s = spec
         if attempt > 0:
             ray.get(self.actor.settle.remote(s.checkpoint.commit_timeout_s))
         ray.get(self.actor.configure.remote(s.world_size, s.dp_size, s.spec_hash()))

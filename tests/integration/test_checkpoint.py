@@ -16,7 +16,7 @@ import torch
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout
 from raytrain_ckpt.controller import JobResult, JobState
 from raytrain_ckpt.driver import run_job
-from raytrain_ckpt.faults import ENV_VAR
+from raytrain_ckpt.faults import ENV_VAR, STAMP_VAR
 from raytrain_ckpt.spec import load_spec
 
 pytestmark = pytest.mark.integration
@@ -56,6 +56,19 @@ def test_killed_rank_resumes_bit_exact(reference, tmp_path, monkeypatch, fault, 
     # and so is every loss after the resume point
     assert result.losses == {s: v for s, v in reference.losses.items() if s > resumed_at}
     assert resumed_at in result.checkpoints["committed"] and 20 in result.checkpoints["committed"]
+
+
+def test_hung_rank_is_detected_in_time_and_the_job_resumes_bit_exact(reference, tmp_path, monkeypatch):
+    stamp = tmp_path / "hang-started"
+    monkeypatch.setenv(ENV_VAR, "hang@step:rank=1,step=12")
+    monkeypatch.setenv(STAMP_VAR, str(stamp))
+    result = _ok(run_job(_spec(tmp_path, "training.steps=20", "fault_tolerance.max_restarts=1",
+                               "fault_tolerance.hang_timeout_s=4", "fault_tolerance.poll_interval_s=0.5")))
+    detected = next(t for t, what in result.events if what == "attempt 0 hang detected")
+    # the slowest rank's last step was reported at or before the hang began
+    assert detected - float(stamp.read_text()) <= 4 + 0.5 + 3.0
+    assert all(r.start_step == 10 for r in result.results)
+    assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference.results]
 
 
 def test_killed_writer_aborts_only_that_step(ray_cluster, reference, tmp_path, monkeypatch):

@@ -71,3 +71,13 @@ def test_hung_worker_is_detected(ray_cluster, monkeypatch):
 def test_more_workers_than_the_cluster_has_is_a_user_error(ray_cluster):
     with pytest.raises(ResourceError, match="resources:.*CPU needed"):
         run_job(_spec("resources.num_workers=8", "parallelism.dp_shard=8", "training.global_batch_size=32"))
+
+
+def test_spent_budget_fails_with_a_summary_of_every_failure(ray_cluster, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "exit@step:rank=1,step=2;raise@step:rank=0,step=3,attempt=1")
+    result = run_job(_spec("fault_tolerance.max_restarts=1"))
+    assert result.state is JobState.FAILED and result.attempts == 2
+    assert len(result.failures) == 2
+    assert result.failures[0].startswith("attempt 0 crash: rank 1 (attempt 0): worker process died")
+    assert result.failures[1].startswith("attempt 1 crash: rank 0 (attempt 1) failed")
+    assert "InjectedFault" in result.failures[1]

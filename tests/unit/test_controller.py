@@ -12,6 +12,7 @@ from raytrain_ckpt.controller import (
     GroupPoll,
     GroupStartError,
     JobState,
+    elastic_world_size,
 )
 from raytrain_ckpt.spec import JobSpec
 from raytrain_ckpt.worker import WorkerResult
@@ -63,9 +64,10 @@ class Clock:
 def make():
     FakeWorkerGroup.created = []
 
-    def _make(max_restarts: int = 0, hang_timeout_s: float = 10.0, start_errors: tuple[str, ...] = ()):
+    def _make(max_restarts: int = 0, hang_timeout_s: float = 10.0, start_errors: tuple[str, ...] = (),
+              **ft: float):
         spec = JobSpec(name="t", fault_tolerance={"max_restarts": max_restarts, "hang_timeout_s": hang_timeout_s,
-                                                  "poll_interval_s": 1.0})
+                                                  "poll_interval_s": 1.0, **ft})
         errors = list(start_errors)
         clock = Clock()
 
@@ -162,3 +164,69 @@ def test_run_always_releases_the_group(make):
 )
 def test_failure_policy_table(kind, done, budget, expected):
     assert FailurePolicy().decide(FailureFacts(kind, done, budget)) is expected
+
+
+@pytest.mark.parametrize(
+    ("done", "budget", "recent", "expected"),
+    [
+        (5, 1, 1, Decision.RESTART),   # many failures, but only this one inside the window
+        (5, 1, 2, Decision.FAIL),
+        (0, 0, 1, Decision.FAIL),
+        (0, 2, 2, Decision.RESTART),
+    ],
+)
+def test_failure_policy_window_table(done, budget, recent, expected):
+    assert FailurePolicy().decide(FailureFacts("crash", done, budget, recent)) is expected
+
+
+def _crash_now(ctl: Controller) -> None:
+    ctl.group.fail(1)
+    ctl.step()
+
+
+def test_failure_window_forgives_old_failures_and_backoff_waits(make):
+    ctl, clock = make(max_restarts=1, failure_window_s=100.0, restart_backoff_s=7.0)
+    ctl.step()                                   # STARTING -> RUNNING
+    _crash_now(ctl)
+    assert ctl.state is JobState.RECOVERING
+    before = clock.now
+    ctl.step()                                   # RECOVERING -> STARTING, after the backoff
+    assert ctl.state is JobState.STARTING and clock.now - before == 7.0
+    ctl.step()
+    clock.now += 500.0                           # the first failure leaves the window
+    _crash_now(ctl)
+    assert ctl.state is JobState.RECOVERING      # a second failure, but only one in the window
+    ctl.step()
+    ctl.step()
+    _crash_now(ctl)                              # two inside the window: the budget of 1 is spent
+    assert ctl.state is JobState.FAILED
+    assert len(ctl.result.failures) == 3
+    assert all(line.startswith(f"attempt {i} crash: rank 1 failed") for i, line in enumerate(ctl.result.failures))
+
+
+def test_without_window_two_crashes_spend_a_budget_of_one(make):
+    ctl, clock = make(max_restarts=1)
+    ctl.step()
+    _crash_now(ctl)
+    ctl.step()
+    ctl.step()
+    clock.now += 10_000.0
+    _crash_now(ctl)
+    assert ctl.state is JobState.FAILED
+    assert [f.split(":")[0] for f in ctl.result.failures] == ["attempt 0 crash", "attempt 1 crash"]
+
+
+@pytest.mark.parametrize(
+    ("requested", "min_workers", "fit", "gbs", "mbs", "expected"),
+    [
+        (4, 2, 4, 16, 2, 4),      # everything fits: no shrink
+        (4, 2, 3, 16, 2, 2),      # 3 fit, but 16 is not a multiple of 2 x 3: 2
+        (4, 2, 3, 12, 2, 3),      # 12 = 2 x 3 x 2: 3 workers, 2 micro-batches each
+        (4, 3, 2, 16, 2, None),   # fewer than min_workers fit
+        (4, 1, 0, 16, 2, None),   # nothing fits
+        (8, 1, 5, 8, 1, 4),
+        (2, 1, 1, 16, 4, 1),
+    ],
+)
+def test_elastic_world_size_table(requested, min_workers, fit, gbs, mbs, expected):
+    assert elastic_world_size(requested, min_workers, fit, gbs, mbs) == expected

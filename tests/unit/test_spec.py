@@ -76,6 +76,8 @@ BAD = [
     ("checkpoint_resume_missing", {"checkpoint": {"resume": "no/such/step-00000010"}},
      "checkpoint.resume=no/such/step-00000010: must be latest, none, a step number"),
     ("checkpoint_on_busy", {"checkpoint": {"on_busy": "queue"}}, "checkpoint.on_busy=queue: must be 'wait' or 'skip'"),
+    ("min_workers_above_num", {"resources": {"num_workers": 2, "min_workers": 3}},
+     "resources.min_workers: 3 exceeds num_workers=2"),
     ("checkpoint_keep_zero", {"checkpoint": {"keep_latest_k": 0}}, "checkpoint.keep_latest_k=0: "),
     ("zero_workers", {"resources": {"num_workers": 0}}, "resources.num_workers=0:"),
     ("hang_timeout_zero", {"fault_tolerance": {"hang_timeout_s": 0}}, "fault_tolerance.hang_timeout_s=0:"),
