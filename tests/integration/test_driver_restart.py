@@ -1,0 +1,69 @@
+"""The driver dies (SIGKILL to it and the local Ray it started), the same job is submitted
+again, and it resumes from the latest valid step: the final checkpoint is bit-identical to
+an uninterrupted run's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cli(ckpt_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "raytrain_ckpt", "run", "jobs/llama_debug_fsdp.yaml",
+            "--set", "training.steps=30", "--set", f"checkpoint.dir={ckpt_dir}", "--set", "checkpoint.interval_steps=5",
+            "--set", "checkpoint.keep_latest_k=null", "--set", "training.log_every_steps=1"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAYTRAIN_CKPT_")}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def _final_state(ckpt_dir: Path, tmp: Path) -> dict:
+    out = tmp / f"{ckpt_dir.name}.pt"
+    dcp_to_torch_save(ckpt_dir / "llama-debug-fsdp" / "step-00000030", out)
+    return torch.load(out, weights_only=False)
+
+
+def test_resubmitting_after_the_driver_died_resumes_bit_exact(tmp_path):
+    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
+    ref = subprocess.run(_cli(clean), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    driver = subprocess.Popen(_cli(crashed), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    step15 = crashed / "llama-debug-fsdp" / "step-00000015"
+    deadline = time.monotonic() + 240
+    while not step15.exists() and time.monotonic() < deadline and driver.poll() is None:
+        time.sleep(0.2)
+    assert step15.exists(), "the first run never committed step 15"
+    os.killpg(driver.pid, signal.SIGKILL)  # the driver and every process of the Ray it started
+    driver.wait(timeout=30)
+    assert not (crashed / "llama-debug-fsdp" / "step-00000030").exists()
+
+    again = subprocess.run(_cli(crashed), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed at step" in again.stdout, again.stdout
+    resumed = int(again.stdout.split("resumed at step ")[1].split(",")[0])
+    assert 15 <= resumed < 30
+
+    a, b = _final_state(clean, tmp_path), _final_state(crashed, tmp_path)
+    for section in ("model", "optim"):
+        assert a[section].keys() == b[section].keys()
+        for k, v in a[section].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, b[section][k]), (section, k)
+    assert a["train"] == b["train"]
