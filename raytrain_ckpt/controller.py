@@ -39,6 +39,8 @@ class GroupPoll:
     min_step: int = 0
     rank0: Progress | None = None
     finished: bool = False
+    process_died: bool = False
+    """A rank's process (or its node) is gone, rather than a rank raising an exception."""
 
 
 class WorkerGroup(Protocol):
@@ -79,7 +81,7 @@ class Decision(enum.Enum):
 class FailureFacts:
     """Everything the failure policy may look at."""
 
-    kind: str  # "start" | "crash" | "hang"
+    kind: str  # "start" | "crash" (a process or node died) | "exception" | "hang"
     restarts_done: int
     max_restarts: int
     recent_failures: int | None = None
@@ -93,7 +95,12 @@ class FailurePolicy:
     most ``max_restarts`` failures inside any window (a job that fails rarely runs forever).
     """
 
+    def __init__(self, retry_on: tuple[str, ...] = ("start", "crash", "exception", "hang")) -> None:
+        self.retry_on = retry_on
+
     def decide(self, facts: FailureFacts) -> Decision:
+        if facts.kind not in self.retry_on:
+            return Decision.FAIL
         if facts.recent_failures is not None:
             return Decision.RESTART if facts.recent_failures <= facts.max_restarts else Decision.FAIL
         return Decision.RESTART if facts.restarts_done < facts.max_restarts else Decision.FAIL
@@ -149,7 +156,7 @@ class Controller:
     ) -> None:
         self.spec = spec
         self._factory = group_factory
-        self._policy = policy or FailurePolicy()
+        self._policy = policy or FailurePolicy(tuple(spec.fault_tolerance.retry_on))
         self._clock = clock
         self._sleep = sleep
         self.state = JobState.STARTING
@@ -206,7 +213,7 @@ class Controller:
         assert self.group is not None
         poll = self.group.poll()
         if poll.failures:
-            self._on_failure("crash", "\n".join(poll.failures))
+            self._on_failure("crash" if poll.process_died else "exception", "\n".join(poll.failures))
         elif poll.finished:
             self.result.results = poll.results
             self._set_state(JobState.SUCCEEDED, f"{poll.min_step} steps done")

@@ -10,7 +10,9 @@ a segfault or the OOM killer), ``hang`` (the rank stops making progress) or ``sl
 (a 3 s delay, then it carries on: a slow disk or a straggler). POINT is
 ``step`` (in the trainer, before step ``S+1`` starts, i.e. after ``S`` steps), ``staged``
 (in the trainer, right after checkpoint ``S`` was staged and handed to the writer) or
-``persist`` (in the node's CheckpointWriter, while it writes rank ``R``'s files of step ``S``). ``attempt`` defaults to 0, so the
+``persist`` (in the node's CheckpointWriter, while it writes rank ``R``'s files of step ``S``)
+or ``commit`` (in the CheckpointActor, after ``.metadata`` and before the manifest of step
+``S``; use ``rank=0``). ``attempt`` defaults to 0, so the
 restarted group runs clean unless the plan says otherwise.
 """
 
@@ -30,7 +32,7 @@ STAMP_VAR = "RAYTRAIN_CKPT_FAULT_STAMP"
 """If set, an ``exit`` or ``hang`` fault first writes its wall-clock time to this file (recovery benchmarks)."""
 KINDS = ("raise", "exit", "hang", "slow")
 SLOW_S = 3.0
-POINTS = ("step", "staged", "persist")
+POINTS = ("step", "staged", "persist", "commit")
 
 
 class InjectedFault(RuntimeError):

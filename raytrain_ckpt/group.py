@@ -125,6 +125,7 @@ class RayWorkerGroup:
     def poll(self) -> GroupPoll:
         """Collect finished runs and failures, then read every rank's progress."""
         failures: list[str] = []
+        died = False
         pending = [r for r in self._runs if self._runs[r] not in self._results]
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
         for ref in ready:
@@ -135,12 +136,14 @@ class RayWorkerGroup:
                 # Ray wraps the worker's exception; its cause carries the clean traceback.
                 failures.append(str(getattr(exc, "cause", None) or exc))
             except RayActorError as exc:
+                died = True
                 failures.insert(0, f"rank {rank} (attempt {self.attempt}): worker process died: {_first_line(exc)}")
         progress = self._progress()
         finished = len(self._results) == len(self.workers)
         return GroupPoll(
             results=[self._results[r] for r in sorted(self._results)],
             failures=failures,
+            process_died=died,
             min_step=min((p.step for p in progress.values()), default=0),
             rank0=progress.get(0),
             finished=finished,

@@ -282,6 +282,9 @@ class FaultToleranceSpec(_Section):
     """Times the whole worker group is rebuilt after a worker failure or hang before the job fails (within failure_window_s, if set)."""
     failure_window_s: float | None = Field(None, gt=0)
     """Count only failures within this many seconds against max_restarts; null counts every failure of the job."""
+    retry_on: list[Literal["crash", "exception", "hang", "start"]] = Field(
+        default_factory=lambda: ["crash", "exception", "hang", "start"])
+    """Failures that restart the group: crash (a rank's process or node died), exception (a rank raised), hang, start (the group could not be placed or formed). Others fail the job at once."""
     restart_backoff_s: float = Field(0.0, ge=0)
     """Wait this long after tearing a failed group down before building the next one."""
     hang_timeout_s: float = Field(600.0, gt=0)

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint, Manifest, Verify, file_crc32
 from raytrain_ckpt.checkpoint.retention import RetentionPolicy
+from raytrain_ckpt.faults import maybe_inject
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,7 @@ class CheckpointActor:
         manifest = Manifest(step=step, world_size=self.world_size, dp_size=self.dp_size, spec_hash=self.spec_hash,
                             files=files, samples_seen=int(timings[0].get("samples_seen", 0)),
                             tokens_seen=int(timings[0].get("tokens_seen", 0)), wall=wall)
+        maybe_inject("commit", 0, step, p.attempt)
         self.layout.commit(p.tmp, manifest)
         self.committed[step] = manifest
         del self.pending[step]

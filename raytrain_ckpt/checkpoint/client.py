@@ -190,8 +190,8 @@ class CheckpointClient:
             assert self._layout is not None
             return self._layout
         local = self._planner.create_local_plan()
-        central, plan_id = ray.get(self.actor.plan.remote(self.attempt, step, self.rank, local,
-                                                          self.cfg.commit_timeout_s))
+        central, plan_id = _get_restarting(
+            lambda: self.actor.plan.remote(self.attempt, step, self.rank, local, self.cfg.commit_timeout_s))
         plan = self._planner.finish_plan(central)
         path = _get_restarting(lambda: self.writer.allocate.remote(self.rank, self.attempt, nbytes))
         buffer = map_buffer(Path(path), nbytes)

@@ -83,6 +83,17 @@ def test_killed_writer_aborts_only_that_step(ray_cluster, reference, tmp_path, m
     assert not any(".tmp-" in p.name for p in (tmp_path / "llama-debug-fsdp").iterdir())
 
 
+def test_checkpoint_actor_killed_during_commit(ray_cluster, reference, tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "exit@commit:rank=0,step=10")
+    result = _ok(run_job(_spec(tmp_path, "training.steps=20")))
+    assert result.attempts == 1
+    committed = result.checkpoints["committed"]
+    assert 10 not in committed and {5, 15, 20} <= set(committed)   # 5 rebuilt from disk after the restart
+    assert not (tmp_path / "llama-debug-fsdp" / "step-00000010").exists()
+    assert not any(".tmp-" in p.name for p in (tmp_path / "llama-debug-fsdp").iterdir())
+    assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference.results]
+
+
 def test_killed_checkpoint_actor_recovers_from_storage(ray_cluster, tmp_path):
     import ray
 

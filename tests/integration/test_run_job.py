@@ -79,5 +79,5 @@ def test_spent_budget_fails_with_a_summary_of_every_failure(ray_cluster, monkeyp
     assert result.state is JobState.FAILED and result.attempts == 2
     assert len(result.failures) == 2
     assert result.failures[0].startswith("attempt 0 crash: rank 1 (attempt 0): worker process died")
-    assert result.failures[1].startswith("attempt 1 crash: rank 0 (attempt 1) failed")
+    assert result.failures[1].startswith("attempt 1 exception: rank 0 (attempt 1) failed")
     assert "InjectedFault" in result.failures[1]

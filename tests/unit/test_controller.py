@@ -19,13 +19,13 @@ from raytrain_ckpt.worker import WorkerResult
 
 
 class FakeWorkerGroup:
-    """A scripted group. Test-only methods: ``fail(rank)``, ``advance(steps)``, ``finish()``."""
+    """A scripted group. Test-only methods: ``fail(rank)``, ``kill(rank)``, ``advance(steps)``, ``finish()``."""
 
     created: list[FakeWorkerGroup] = []
 
     def __init__(self, spec: JobSpec, attempt: int, start_error: str | None = None) -> None:
         self.spec, self.attempt, self.start_error = spec, attempt, start_error
-        self.step, self.failures, self.done, self.shut = 0, [], False, 0
+        self.step, self.failures, self.done, self.shut, self.died = 0, [], False, 0, False
         FakeWorkerGroup.created.append(self)
 
     def start(self) -> None:
@@ -34,13 +34,18 @@ class FakeWorkerGroup:
 
     def poll(self) -> GroupPoll:
         results = [WorkerResult(r, self.step, 0, {self.step: 1.0}, "x") for r in range(2)] if self.done else []
-        return GroupPoll(results=results, failures=list(self.failures), min_step=self.step, finished=self.done)
+        return GroupPoll(results=results, failures=list(self.failures), min_step=self.step, finished=self.done,
+                         process_died=self.died)
 
     def shutdown(self) -> None:
         self.shut += 1
 
     def fail(self, rank: int) -> None:
         self.failures.append(f"rank {rank} failed: boom")
+
+    def kill(self, rank: int) -> None:
+        self.failures.append(f"rank {rank}: worker process died")
+        self.died = True
 
     def advance(self, steps: int = 1) -> None:
         self.step += steps
@@ -201,17 +206,19 @@ def test_failure_window_forgives_old_failures_and_backoff_waits(make):
     _crash_now(ctl)                              # two inside the window: the budget of 1 is spent
     assert ctl.state is JobState.FAILED
     assert len(ctl.result.failures) == 3
-    assert all(line.startswith(f"attempt {i} crash: rank 1 failed") for i, line in enumerate(ctl.result.failures))
+    assert all(line.startswith(f"attempt {i} exception: rank 1 failed") for i, line in enumerate(ctl.result.failures))
 
 
 def test_without_window_two_crashes_spend_a_budget_of_one(make):
     ctl, clock = make(max_restarts=1)
     ctl.step()
-    _crash_now(ctl)
+    ctl.group.kill(1)
+    ctl.step()
     ctl.step()
     ctl.step()
     clock.now += 10_000.0
-    _crash_now(ctl)
+    ctl.group.kill(0)
+    ctl.step()
     assert ctl.state is JobState.FAILED
     assert [f.split(":")[0] for f in ctl.result.failures] == ["attempt 0 crash", "attempt 1 crash"]
 
@@ -230,3 +237,23 @@ def test_without_window_two_crashes_spend_a_budget_of_one(make):
 )
 def test_elastic_world_size_table(requested, min_workers, fit, gbs, mbs, expected):
     assert elastic_world_size(requested, min_workers, fit, gbs, mbs) == expected
+
+
+@pytest.mark.parametrize(
+    ("kind", "retry_on", "expected"),
+    [
+        ("exception", ("crash", "hang"), Decision.FAIL),      # a bug in user code: do not burn restarts
+        ("crash", ("crash", "hang"), Decision.RESTART),
+        ("hang", ("crash",), Decision.FAIL),
+        ("start", ("start", "crash", "exception", "hang"), Decision.RESTART),
+    ],
+)
+def test_failure_policy_retries_only_listed_kinds(kind, retry_on, expected):
+    assert FailurePolicy(retry_on).decide(FailureFacts(kind, 0, 3)) is expected
+
+
+def test_exception_not_in_retry_on_fails_at_once(make):
+    ctl, _ = make(max_restarts=3, retry_on=["crash"])
+    ctl.step()
+    _crash_now(ctl)                              # the fake group reports an exception, not a dead process
+    assert ctl.state is JobState.FAILED and ctl.result.failures[0].startswith("attempt 0 exception")
