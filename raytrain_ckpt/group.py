@@ -55,8 +55,8 @@ class RayWorkerGroup:
             self.workers.append(
                 actor_cls.options(
                     num_cpus=res.cpus_per_worker, num_gpus=res.gpus, max_concurrency=2,
-                    scheduling_strategy=strategy, runtime_env={"env_vars": env} if env else None,
-                ).remote(spec_json, rank, self.spec.world_size, self.attempt)
+                    scheduling_strategy=strategy,
+                ).remote(spec_json, rank, self.spec.world_size, self.attempt, env)
             )
         # rendezvous at rank 0's node, then set up every rank concurrently
         addr, port = self._get(self.workers[0].address.remote(), deadline, "locate rank 0")

@@ -73,8 +73,12 @@ class WorkerFailure(RuntimeError):
 class TrainWorker:
     """One training rank. Created by the worker group as a Ray actor."""
 
-    def __init__(self, spec_json: str, rank: int, world_size: int, attempt: int) -> None:
+    def __init__(self, spec_json: str, rank: int, world_size: int, attempt: int,
+                 fault_env: dict[str, str] | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True)
+        # Passed as an argument, not a runtime_env: an actor with its own runtime_env cannot use
+        # Ray's prestarted worker processes, which makes every restart slower.
+        os.environ.update(fault_env or {})
         self.spec = JobSpec.model_validate_json(spec_json)
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self._progress = Progress(rank, 0, None, time.time(), "setup")
