@@ -246,6 +246,8 @@ class CheckpointSpec(_Section):
     """Before loading: check file sizes against the manifest, or also their CRC-32 (reads every file)."""
     commit_timeout_s: float = Field(600.0, gt=0)
     """How long a synchronous or final save waits for its commit before the job fails."""
+    settle_timeout_s: float = Field(60.0, gt=0)
+    """Before a restart (and when a failed job ends): how long to wait for steps that every rank handed to a writer to commit; a step still unfinished then (its writer may have died with its node) is aborted."""
     writer_threads: int = Field(1, ge=1, le=64)
     """I/O threads per rank in the node's checkpoint writer."""
     writer_nice: int = Field(10, ge=0, le=19)

@@ -59,7 +59,7 @@ class CheckpointService:
         """
         s = spec
         if attempt > 0:
-            ray.get(self.actor.settle.remote(s.checkpoint.commit_timeout_s))
+            ray.get(self.actor.settle.remote(s.checkpoint.settle_timeout_s))
         ray.get(self.actor.configure.remote(s.world_size, s.dp_size, s.spec_hash()))
         point = ray.get(self.actor.acquire.remote(f"attempt-{attempt}", s.checkpoint.resume
                                                   if attempt == 0 else "latest", s.checkpoint.verify_on_load))
@@ -80,10 +80,10 @@ class CheckpointService:
         """Let handed-off saves commit, free staging memory, stop the actors.
 
         A job that failed may leave a step that every rank handed to a writer: it is still
-        committed (bounded by checkpoint.commit_timeout_s), so the next run resumes from it.
+        committed (bounded by checkpoint.settle_timeout_s), so the next run resumes from it.
         """
         try:
-            ray.get(self.actor.settle.remote(self.spec.checkpoint.commit_timeout_s))
+            ray.get(self.actor.settle.remote(self.spec.checkpoint.settle_timeout_s))
         except Exception as exc:  # the actor is gone: nothing in flight can commit anyway
             logger.warning("could not settle in-flight checkpoints: %s", exc)
         for w in self._writers.values():
