@@ -115,7 +115,7 @@ class BenchRank:
         path = self.out / f"{mode.replace('(', '-').replace(')', '')}-{rep}"
         dist.barrier()
         t0 = time.perf_counter()
-        done, stall_extra = self._start(mode, path, rep, ckpt)
+        done = self._start(mode, path, rep, ckpt)
         stall = time.perf_counter() - t0
         steps: list[float] = []
         waits = [0.0]
@@ -127,22 +127,21 @@ class BenchRank:
                 waits[0] += time.perf_counter() - w0
         while not done():
             steps.append(self._step(hook))
-            hook = None if mode != "raytrain_ckpt" else hook
         durable = time.perf_counter() - t0
         dist.barrier()
-        return {"stall_s": stall + stall_extra + waits[0], "durable_s": durable,
+        return {"stall_s": stall + waits[0], "durable_s": durable,
                 "step_s": statistics.mean(steps) if steps else float("nan"), "steps": len(steps)}
 
     def _start(self, mode: str, path: Path, rep: int, ckpt: dict | None):
         if mode == "dcp.save":
             dcp.save(self.state, checkpoint_id=str(path))
-            return (lambda: True), 0.0
+            return lambda: True
         if mode.startswith("dcp.async_save"):
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
             kind = AsyncCheckpointerType.PROCESS if "process" in mode else AsyncCheckpointerType.THREAD
             fut = dcp.async_save(self.state, checkpoint_id=str(path), async_checkpointer_type=kind)
-            return fut.done, 0.0
+            return fut.done
         return self._start_ours(rep, ckpt)
 
     def _start_ours(self, rep: int, ckpt: dict):
@@ -164,7 +163,7 @@ class BenchRank:
                 ref.append(self.client.actor.wait_committed.remote(step, 600))
             return bool(ray.wait(ref, timeout=0)[0])
 
-        return done, 0.0
+        return done
 
 
 def main() -> None:

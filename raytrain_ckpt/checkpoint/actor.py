@@ -151,7 +151,7 @@ class CheckpointActor:
                 await self.abort(step, f"not committed within {timeout_s:g}s of the restart")
 
     async def report(self, step: int, rank: int, attempt: int, plan_id: str, results: list,
-                     files: dict, timings: dict) -> str:
+                     files: dict, info: dict) -> str:
         """A writer finished rank ``rank`` of ``step``; commits when all ranks are in."""
         p = self.pending.get(step)
         if p is None or p.error is not None:
@@ -159,7 +159,7 @@ class CheckpointActor:
         if plan_id not in self._metadata:
             await self.abort(step, "plan unknown after a checkpoint actor restart")
             raise StepAborted(f"step {step}: plan {plan_id} unknown; the next save plans again")
-        p.reports[rank] = (plan_id, results, files, timings)
+        p.reports[rank] = (plan_id, results, files, info)
         if len(p.reports) < self.world_size:
             return "pending"
         try:
@@ -180,13 +180,13 @@ class CheckpointActor:
             files.update(f)
         meta = p.tmp / ".metadata"
         files[".metadata"] = {"size": meta.stat().st_size, "crc32": file_crc32(meta)}
-        timings = [r[3] for r in p.reports.values()]
-        wall = {"stage_s": max(t["stage_s"] for t in timings), "persist_s": max(t["persist_s"] for t in timings),
-                "write_s": max(t.get("write_s", 0.0) for t in timings),
+        infos = [r[3] for r in p.reports.values()]
+        wall = {"stage_s": max(t["stage_s"] for t in infos), "persist_s": max(t["persist_s"] for t in infos),
+                "write_s": max(t.get("write_s", 0.0) for t in infos),
                 "commit_s": time.monotonic() - t0, "total_s": time.monotonic() - p.started}
         manifest = Manifest(step=step, world_size=self.world_size, dp_size=self.dp_size, spec_hash=self.spec_hash,
-                            files=files, samples_seen=int(timings[0].get("samples_seen", 0)),
-                            tokens_seen=int(timings[0].get("tokens_seen", 0)), wall=wall)
+                            files=files, samples_seen=int(infos[0].get("samples_seen", 0)),
+                            tokens_seen=int(infos[0].get("tokens_seen", 0)), wall=wall)
         maybe_inject("commit", 0, step, p.attempt)
         self.layout.commit(p.tmp, manifest)
         self.committed[step] = manifest

@@ -132,6 +132,6 @@ class CheckpointWriter:
         prefix = req.plan.storage_data.prefix
         files = {p.name: {"size": p.stat().st_size, "crc32": file_crc32(p)}
                  for p in tmp.iterdir() if p.name.startswith(prefix)}
-        timings = {**req.info, "persist_s": time.monotonic() - t0, "write_s": t_write}
+        info = {**req.info, "persist_s": time.monotonic() - t0, "write_s": t_write}
         return ray.get(self.coordinator.report.remote(req.step, req.rank, req.attempt, req.plan_id,
-                                                      results, files, timings))
+                                                      results, files, info))
