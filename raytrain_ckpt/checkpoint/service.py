@@ -3,8 +3,10 @@ picks the resume point for each attempt, and cleans up at the end of the job."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -17,7 +19,7 @@ from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointService", "actor_name"]
+__all__ = ["CheckpointService", "actor_name", "buffer_prefix"]
 
 
 def actor_name(job: str) -> str:
@@ -48,7 +50,7 @@ class CheckpointService:
                 name=f"rtc-writer-{self.spec.name}-{node_id[:12]}", num_cpus=0, max_concurrency=64,
                 max_restarts=-1, max_task_retries=0, runtime_env=self._env,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(_safe(self.spec.name), self.actor, self.spec.checkpoint.writer_threads,
+            ).remote(buffer_prefix(self.spec.name, self.root), self.actor, self.spec.checkpoint.writer_threads,
                      self.spec.checkpoint.writer_nice)
         return self._writers[node_id]
 
@@ -95,5 +97,9 @@ class CheckpointService:
         ray.kill(self.actor, no_restart=True)
 
 
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+def buffer_prefix(job: str, root: Path) -> str:
+    """Names this job's staging files in /dev/shm. The checkpoint root is part of it: two jobs
+    of the same name writing to different directories on one node must not share buffers (the
+    end of one would unlink the other's)."""
+    digest = hashlib.sha1(str(root).encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}-{digest}"
