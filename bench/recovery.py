@@ -3,7 +3,10 @@
 The same job (the demo's ~1M-param Llama, FSDP2 over 2 CPU workers, a DCP checkpoint every 5
 steps) loses rank 1 to ``os._exit`` before step 13, once, and resumes from step 10:
 
-* raytrain_ckpt: ``run_job`` with ``fault_tolerance.max_restarts=1``;
+* raytrain_ckpt: ``run_job`` with ``fault_tolerance.max_restarts=1``, as configured by default
+  (the surviving rank's process and the placement group are kept, a warm spare takes rank 1);
+* raytrain_ckpt, no reuse: the same with ``fault_tolerance.reuse_workers=false`` (every process
+  and the placement group are rebuilt), to show what the reuse saves;
 * Ray Train: ``TorchTrainer`` running the same ``Trainer`` with ``FailureConfig(max_failures=1)``,
   saving with ``dcp.save`` + ``ray.train.report(checkpoint=...)`` and loading from
   ``ray.train.get_checkpoint()`` (needs ``pip install "ray[train]"``; skipped when missing).
@@ -37,7 +40,7 @@ def _overrides(ckpt_dir: str) -> list[str]:
             "training.log_every_steps=100"]
 
 
-def ours(tmp: Path) -> dict[str, float]:
+def ours(tmp: Path, reuse: bool = True) -> dict[str, float]:
     from raytrain_ckpt.driver import run_job
     from raytrain_ckpt.spec import load_spec
 
@@ -45,7 +48,8 @@ def ours(tmp: Path) -> dict[str, float]:
     os.environ[STAMP_VAR] = str(stamp)
     os.environ[ENV_VAR] = f"exit@step:rank=1,step={KILL_STEP}"
     try:
-        result = run_job(load_spec(SPEC, _overrides(str(tmp / "ckpt"))))
+        overrides = _overrides(str(tmp / "ckpt")) + [f"fault_tolerance.reuse_workers={str(reuse).lower()}"]
+        result = run_job(load_spec(SPEC, overrides))
     finally:
         del os.environ[ENV_VAR]
     assert result.state.value == "SUCCEEDED" and result.results[0].start_step == 10, result.error
@@ -58,11 +62,12 @@ def ours(tmp: Path) -> dict[str, float]:
         "total": first - kill,
         "detect": ev["attempt 0 crash detected"] - kill,
         "teardown": ev["attempt 1 starting"] - ev["attempt 0 crash detected"],
-        "place+spawn": ev["attempt 1 running"] - ev["attempt 1 starting"] - setup,
+        "place+start": ev["attempt 1 running"] - ev["attempt 1 starting"] - setup,
         "pg_init": max(t["pg_init_s"] for t in timings),
         "build": max(t["build_s"] for t in timings),
         "ckpt_load": max(t["load_s"] for t in timings),
         "first_step": first - ev["attempt 1 running"],
+        "reused": sum(1 for r in result.results if len(r.served) > 1 or r.was_spare),
     }
 
 
@@ -126,10 +131,12 @@ def main() -> None:
     args = p.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-    rows: dict[str, list[dict[str, float]]] = {"raytrain_ckpt": [], "Ray Train": []}
+    rows: dict[str, list[dict[str, float]]] = {"raytrain_ckpt": [], "  no reuse": [], "Ray Train": []}
     for _ in range(args.reps):
         with tempfile.TemporaryDirectory() as d:
             rows["raytrain_ckpt"].append(ours(Path(d)))
+        with tempfile.TemporaryDirectory() as d:
+            rows["  no reuse"].append(ours(Path(d), reuse=False))
         with tempfile.TemporaryDirectory() as d:
             r = ray_train(Path(d))
             if r is not None:
@@ -138,10 +145,11 @@ def main() -> None:
     print(f"kill rank 1 before step {KILL_STEP + 1}, resume from step 10; median of {args.reps} runs, seconds")
     med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in rows.items() if runs}
     for name, m in med.items():
-        parts = ", ".join(f"{k} {v:.2f}" for k, v in m.items() if k != "total")
+        parts = ", ".join(f"{k} {v:.0f}" if k == "reused" else f"{k} {v:.2f}" for k, v in m.items() if k != "total")
         print(f"{name:<14} kill -> first step after resume {m['total']:6.2f}" + (f"  ({parts})" if parts else ""))
-    if len(med) == 2:
-        print(f"ratio raytrain_ckpt / Ray Train: {med['raytrain_ckpt']['total'] / med['Ray Train']['total']:.2f}")
+    if "Ray Train" in med:
+        for name in ("raytrain_ckpt", "  no reuse"):
+            print(f"ratio {name.strip()} / Ray Train: {med[name]['total'] / med['Ray Train']['total']:.2f}")
     else:
         print('Ray Train not installed: pip install "ray[train]" to compare')
 

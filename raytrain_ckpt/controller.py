@@ -52,8 +52,9 @@ class WorkerGroup(Protocol):
     def poll(self) -> GroupPoll:
         """Non-blocking (bounded by the poll interval) look at progress and failures."""
 
-    def shutdown(self) -> None:
-        """Kill every rank and release the resources; safe to call twice."""
+    def shutdown(self, keep_warm: bool = False) -> None:
+        """Release the ranks; safe to call twice. ``keep_warm``: keep what can serve the next
+        attempt (placement group, processes that reset cleanly), kill the rest."""
 
 
 class JobState(enum.Enum):
@@ -95,8 +96,18 @@ class FailurePolicy:
     most ``max_restarts`` failures inside any window (a job that fails rarely runs forever).
     """
 
-    def __init__(self, retry_on: tuple[str, ...] = ("start", "crash", "exception", "hang")) -> None:
+    def __init__(self, retry_on: tuple[str, ...] = ("start", "crash", "exception", "hang"),
+                 reuse_workers: bool = True) -> None:
         self.retry_on = retry_on
+        self.reuse_workers = reuse_workers
+
+    def keep_warm(self, kind: str) -> bool:
+        """Whether a restart after a ``kind`` failure may reuse the surviving processes.
+
+        After a crash or an exception the survivors' collectives fail and they can leave the
+        step; after a hang they sit in a collective with the hung rank and are replaced.
+        """
+        return self.reuse_workers and kind in ("crash", "exception")
 
     def decide(self, facts: FailureFacts) -> Decision:
         if facts.kind not in self.retry_on:
@@ -156,7 +167,8 @@ class Controller:
     ) -> None:
         self.spec = spec
         self._factory = group_factory
-        self._policy = policy or FailurePolicy(tuple(spec.fault_tolerance.retry_on))
+        ft = spec.fault_tolerance
+        self._policy = policy or FailurePolicy(tuple(ft.retry_on), ft.reuse_workers)
         self._clock = clock
         self._sleep = sleep
         self.state = JobState.STARTING
@@ -168,6 +180,7 @@ class Controller:
         self._last_advance = clock()
         self._started = clock()
         self._failure_times: list[float] = []
+        self._last_failure = ""
 
     def run(self) -> JobResult:
         """Step until terminal; always releases the group."""
@@ -186,7 +199,7 @@ class Controller:
         elif self.state is JobState.RUNNING:
             self._watch_group()
         elif self.state is JobState.RECOVERING:
-            self._release_group()
+            self._release_group(keep_warm=self._policy.keep_warm(self._last_failure))
             self._sleep(self.spec.fault_tolerance.restart_backoff_s)
             self.attempt += 1
             self._set_state(JobState.STARTING, f"attempt {self.attempt}")
@@ -238,6 +251,7 @@ class Controller:
         if ft.failure_window_s is not None:
             recent = sum(1 for t in self._failure_times if now - t <= ft.failure_window_s)
         facts = FailureFacts(kind, self.restarts, ft.max_restarts, recent)
+        self._last_failure = kind
         self.result.failures.append(f"attempt {self.attempt} {kind}: {_headline(message)}")
         decision = self._policy.decide(facts)
         self.result.events.append((time.time(), f"attempt {self.attempt} {kind} detected"))
@@ -250,9 +264,9 @@ class Controller:
             self._set_state(JobState.FAILED, f"{kind}; {self.restarts}/{facts.max_restarts} restarts used"
                             + (f", {recent} failures within {ft.failure_window_s:g}s" if recent is not None else ""))
 
-    def _release_group(self) -> None:
+    def _release_group(self, keep_warm: bool = False) -> None:
         if self.group is not None:
-            self.group.shutdown()
+            self.group.shutdown(keep_warm=keep_warm)
             self.group = None
 
 

@@ -11,6 +11,7 @@ from raytrain_ckpt.checkpoint.service import CheckpointService
 from raytrain_ckpt.controller import Controller, JobResult
 from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.group import RayWorkerGroup
+from raytrain_ckpt.pool import WorkerPool
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -41,15 +42,17 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
 
 
 def _run_controller(spec: JobSpec) -> JobResult:
-    if not spec.checkpoint.enabled:
-        return Controller(spec, RayWorkerGroup).run()
-    service = CheckpointService(spec, fault_env() or None)
+    pool = WorkerPool(spec, fault_env() or None)
+    service = CheckpointService(spec, fault_env() or None) if spec.checkpoint.enabled else None
     try:
-        result = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service)).run()
-        result.checkpoints = service.status()
+        result = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool)).run()
+        if service is not None:
+            result.checkpoints = service.status()
         return result
     finally:
-        service.shutdown()
+        pool.close()
+        if service is not None:
+            service.shutdown()
 
 
 def _init_ray(address: str | None) -> None:

@@ -8,7 +8,8 @@ which the worker group forwards to every worker. Grammar (``;`` separates faults
 KIND is ``raise`` (a Python exception), ``exit`` (the process dies with no cleanup, like
 a segfault or the OOM killer), ``hang`` (the rank stops making progress) or ``slow``
 (a 3 s delay, then it carries on: a slow disk or a straggler). POINT is
-``step`` (in the trainer, before step ``S+1`` starts, i.e. after ``S`` steps), ``staged``
+``step`` (in the trainer, before step ``S+1`` starts, i.e. after ``S`` steps), ``staging``
+(on the trainer's staging thread, halfway through copying checkpoint ``S``), ``staged``
 (in the trainer, right after checkpoint ``S`` was staged and handed to the writer) or
 ``persist`` (in the node's CheckpointWriter, while it writes rank ``R``'s files of step ``S``)
 or ``commit`` (in the CheckpointActor, after ``.metadata`` and before the manifest of step
@@ -32,7 +33,7 @@ STAMP_VAR = "RAYTRAIN_CKPT_FAULT_STAMP"
 """If set, an ``exit`` or ``hang`` fault first writes its wall-clock time to this file (recovery benchmarks)."""
 KINDS = ("raise", "exit", "hang", "slow")
 SLOW_S = 3.0
-POINTS = ("step", "staged", "persist", "commit")
+POINTS = ("step", "staging", "staged", "persist", "commit")
 
 
 class InjectedFault(RuntimeError):

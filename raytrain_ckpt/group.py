@@ -7,17 +7,17 @@ so the state machine is unit-tested with a fake and driven by this class in prod
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain_ckpt.checkpoint.service import CheckpointService
 from raytrain_ckpt.controller import GroupPoll, GroupStartError, elastic_world_size
 from raytrain_ckpt.faults import fault_env
+from raytrain_ckpt.pool import WorkerPool, bundle_nodes, kill_actor
 from raytrain_ckpt.spec import JobSpec
 from raytrain_ckpt.worker import Progress, TrainWorker, WorkerFailure, WorkerResult
 
@@ -29,48 +29,84 @@ __all__ = ["RayWorkerGroup"]
 class RayWorkerGroup:
     """``num_workers`` TrainWorker actors in one placement group."""
 
-    def __init__(self, spec: JobSpec, attempt: int, checkpoints: CheckpointService | None = None) -> None:
+    def __init__(self, spec: JobSpec, attempt: int, checkpoints: CheckpointService | None = None,
+                 pool: WorkerPool | None = None) -> None:
         self.spec = spec
         self.attempt = attempt
         self.checkpoints = checkpoints
+        self.pool = pool
         self.workers: list[ray.actor.ActorHandle] = []
         self._runs: dict[ray.ObjectRef, int] = {}
         self._results: dict[int, WorkerResult] = {}
         self._pg = None
+        self.reused = 0
+        """Ranks of this attempt served by a kept or spare process instead of a new one."""
+        self._spares_started = False
 
     def start(self) -> None:
         """Reserve bundles, create the actors, rendezvous, and start ``run()`` on every rank."""
         ft, res = self.spec.fault_tolerance, self.spec.resources
         deadline = time.monotonic() + ft.start_timeout_s
-        # build placement group (smaller, when elastic and the full group does not fit in time)
+        # build placement group: the kept one, or a new one (smaller, when elastic and the
+        # full group does not fit in time)
+        kept = self.pool.take(self.spec.world_size) if self.pool is not None else None
         bundle = {"CPU": res.cpus_per_worker, **({"GPU": res.gpus} if res.gpus else {})}
-        self._pg = self._place(bundle, deadline)
-        # build actors
-        actor_cls = ray.remote(TrainWorker)
-        spec_json = self.spec.model_dump_json()
-        # A fault plan set on the driver reaches every worker (see raytrain_ckpt.faults).
-        env = fault_env()
-        for rank in range(self.spec.world_size):
-            strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank)
-            self.workers.append(
-                actor_cls.options(
-                    num_cpus=res.cpus_per_worker, num_gpus=res.gpus, max_concurrency=2,
-                    scheduling_strategy=strategy,
-                ).remote(spec_json, rank, self.spec.world_size, self.attempt, env)
-            )
+        self._pg, survivors = kept if kept is not None else (self._place(bundle, deadline), {})
+        # build actors: survivors keep their rank, spares and new processes fill the gaps
+        self.workers = self._assign_workers(survivors, deadline)
         # rendezvous at rank 0's node, then set up every rank concurrently
         addr, port = self._get(self.workers[0].address.remote(), deadline, "locate rank 0")
-        remaining = max(1.0, deadline - time.monotonic())
         ckpt = self._checkpoint_args()
         try:
-            setups = [w.setup.remote(addr, port, remaining, ckpt[rank]) for rank, w in enumerate(self.workers)]
+            setups = [w.setup.remote(addr, port, ckpt[rank]) for rank, w in enumerate(self.workers)]
             for rank, ref in enumerate(setups):
                 self._get(ref, deadline, f"set up rank {rank}")
         finally:
             if self.checkpoints is not None:
                 self.checkpoints.release(self.attempt)
         self._runs = {w.run.remote(): rank for rank, w in enumerate(self.workers)}
-        logger.info("attempt %d: %d workers training (rendezvous %s:%d)", self.attempt, len(self.workers), addr, port)
+        logger.info("attempt %d: %d workers training (%d reused; rendezvous %s:%d)", self.attempt,
+                    len(self.workers), self.reused, addr, port)
+
+    def _assign_workers(self, survivors: dict[int, ray.actor.ActorHandle],
+                        deadline: float) -> list[ray.actor.ActorHandle]:
+        """One actor per rank: a kept survivor, else a spare on the rank's node, else a new process.
+
+        A kept or spare process that turns out dead when assigned is replaced by a new one:
+        reuse only ever saves time, it never fails a start.
+        """
+        spec_json = self.spec.model_dump_json()
+        nodes = bundle_nodes(self._pg)
+        workers: dict[int, ray.actor.ActorHandle] = {}
+        assigns: dict[ray.ObjectRef, int] = {}
+        for rank in range(self.spec.world_size):
+            actor = survivors.get(rank)
+            if actor is None and self.pool is not None and not self.spec.resources.use_gpu:
+                actor = self.pool.spare_for(nodes[rank])
+            if actor is None:
+                workers[rank] = self._new_worker(rank)
+                continue
+            workers[rank] = actor
+            assigns[actor.assign.remote(spec_json, rank, self.spec.world_size, self.attempt)] = rank
+        for ref, rank in assigns.items():
+            try:
+                self._get(ref, deadline, f"assign rank {rank} to a kept worker")
+                self.reused += 1
+            except GroupStartError as exc:
+                logger.warning("attempt %d: kept worker for rank %d unusable (%s); starting a new one",
+                               self.attempt, rank, exc)
+                kill_actor(workers[rank])
+                workers[rank] = self._new_worker(rank)
+        return [workers[r] for r in range(self.spec.world_size)]
+
+    def _new_worker(self, rank: int) -> ray.actor.ActorHandle:
+        """A new TrainWorker process in bundle ``rank`` of the placement group."""
+        res = self.spec.resources
+        strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank)
+        # A fault plan set on the driver reaches every worker (see raytrain_ckpt.faults).
+        return ray.remote(TrainWorker).options(
+            num_cpus=res.cpus_per_worker, num_gpus=res.gpus, max_concurrency=2, scheduling_strategy=strategy,
+        ).remote(self.spec.model_dump_json(), rank, self.spec.world_size, self.attempt, fault_env())
 
     def _place(self, bundle: dict[str, float], deadline: float):
         ft, res = self.spec.fault_tolerance, self.spec.resources
@@ -105,7 +141,7 @@ class RayWorkerGroup:
         if self.checkpoints is None:
             return [None] * self.spec.world_size
         point = self.checkpoints.acquire(self.attempt, self.spec)
-        nodes = placement_group_table(self._pg)["bundles_to_node_id"]
+        nodes = bundle_nodes(self._pg)
         return [{"actor": self.checkpoints.actor, "writer": self.checkpoints.writer_for(nodes[rank]),
                  "resume_path": point.path if point else None,
                  "resume_world_size": point.world_size if point else None}
@@ -140,6 +176,7 @@ class RayWorkerGroup:
                 failures.insert(0, f"rank {rank} (attempt {self.attempt}): worker process died: {_first_line(exc)}")
         progress = self._progress()
         finished = len(self._results) == len(self.workers)
+        self._maybe_start_spares(progress)
         return GroupPoll(
             results=[self._results[r] for r in sorted(self._results)],
             failures=failures,
@@ -148,6 +185,15 @@ class RayWorkerGroup:
             rank0=progress.get(0),
             finished=finished,
         )
+
+    def _maybe_start_spares(self, progress: dict[int, Progress]) -> None:
+        """Start spares once every rank finished a step: a spare importing torch while the group
+        sets up or loads would take CPU from the very restart it is meant to speed up."""
+        if self._spares_started or self.pool is None or self._pg is None:
+            return
+        if len(progress) == len(self.workers) and all(p.phase in ("training", "done") for p in progress.values()):
+            self._spares_started = True
+            self.pool.replenish(self._pg)
 
     def _progress(self) -> dict[int, Progress]:
         refs = {w.progress.remote(): rank for rank, w in enumerate(self.workers) if rank not in self._results}
@@ -162,17 +208,62 @@ class RayWorkerGroup:
                 pass
         return out
 
-    def shutdown(self) -> None:
-        """Kill the actors (no Ray-level restart: the controller decides) and free the bundles."""
-        for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception as exc:  # already dead: nothing left to release
-                logger.debug("kill failed: %s", exc)
-        self.workers = []
-        if self._pg is not None:
+    def shutdown(self, keep_warm: bool = False) -> None:
+        """Kill the actors (no Ray-level restart: the controller decides) and free the bundles.
+
+        With ``keep_warm`` (a restart after a crash or exception) and a pool, the placement
+        group and every rank that leaves the failed step and resets within
+        ``fault_tolerance.drain_timeout_s`` are kept for the next attempt; only the rest is killed.
+        """
+        survivors = self._drain() if keep_warm and self.pool is not None and self._pg is not None else {}
+        for rank, w in enumerate(self.workers):
+            if rank not in survivors:
+                kill_actor(w)
+        if survivors:
+            assert self.pool is not None
+            self.pool.keep(self._pg, survivors)
+            logger.info("attempt %d: keeping rank(s) %s for the next attempt", self.attempt, sorted(survivors))
+        elif self._pg is not None:
             remove_placement_group(self._pg)
-            self._pg = None
+        self.workers = []
+        self._pg = None
+
+    def _drain(self) -> dict[int, ray.actor.ActorHandle]:
+        """Reset every rank whose run() ends before the drain timeout; returns those that reset cleanly.
+
+        A rank whose own code failed leaves its peers blocked in a collective with it;
+        resetting it first (closing its connections) is what unblocks them, so reset as soon
+        as each run ends rather than after all of them.
+        """
+        deadline = time.monotonic() + self.spec.fault_tolerance.drain_timeout_s
+        running = dict(self._runs)
+        resets: dict[ray.ObjectRef, int] = {}
+        while running and time.monotonic() < deadline:
+            ended, _ = ray.wait(list(running), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ended:
+                rank = running.pop(ref)
+                if _ended_alive(ref):
+                    resets[self.workers[rank].reset.remote()] = rank
+        survivors = {}
+        done, _ = ray.wait(list(resets), num_returns=len(resets), timeout=max(0.1, deadline - time.monotonic()))
+        for ref in done:
+            try:
+                ray.get(ref)
+                survivors[resets[ref]] = self.workers[resets[ref]]
+            except Exception as exc:  # a rank that cannot reset is replaced, not reused
+                logger.warning("rank %d could not reset and is replaced: %s", resets[ref], _first_line(exc))
+        return survivors
+
+
+def _ended_alive(ref: ray.ObjectRef) -> bool:
+    """Whether a finished run() ref came from a process that is still alive."""
+    try:
+        ray.get(ref)
+    except RayActorError:
+        return False
+    except Exception:  # the rank raised (often because a peer died): the process itself is fine
+        return True
+    return True
 
 
 def _first_line(exc: BaseException) -> str:

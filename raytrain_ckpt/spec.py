@@ -290,13 +290,19 @@ class FaultToleranceSpec(_Section):
     restart_backoff_s: float = Field(0.0, ge=0)
     """Wait this long after tearing a failed group down before building the next one."""
     hang_timeout_s: float = Field(600.0, gt=0)
-    """A running group that completes no step for this long is treated as hung and torn down."""
+    """A running group that completes no step for this long is treated as hung and torn down; also the timeout of every collective (at least 60 s)."""
     start_timeout_s: float = Field(300.0, gt=0)
     """Time allowed for resources to be placed and the process group to form."""
     placement_timeout_s: float = Field(60.0, gt=0)
     """With resources.min_workers: how long to wait for the full group before shrinking it."""
     poll_interval_s: float = Field(1.0, gt=0)
     """How often the driver polls worker progress and liveness."""
+    reuse_workers: bool = True
+    """After a crash or exception on a node that is still alive: keep the placement group and the surviving ranks' processes for the restart and replace only the dead ranks (false: rebuild every process)."""
+    spare_workers: int = Field(1, ge=0, le=64)
+    """Idle worker processes (torch already imported, no Ray resources held) kept ready to replace a crashed rank on their node; CPU jobs with max_restarts > 0 only. 0: start replacements on demand."""
+    drain_timeout_s: float = Field(5.0, gt=0)
+    """With reuse_workers: how long surviving ranks get to leave the failed step and release their process group before they are killed and replaced instead."""
 
 
 class JobSpec(_Section):

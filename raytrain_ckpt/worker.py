@@ -3,11 +3,18 @@
 The actor is threaded (``max_concurrency=2``): ``run()`` trains in one thread while
 ``progress()`` answers the driver's polls from the other, so reporting progress never
 blocks a training step and a step never waits on the driver.
+
+A worker process outlives an attempt when it can: after a peer crashed, ``reset()`` drops
+the trainer and the process group, and ``assign()`` gives the same process its place in the
+next attempt (torch imported, Ray worker started, CPU caches warm). An idle spare is a
+TrainWorker that was never assigned (``rank == -1``) and only ran ``warm()``.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
+import importlib
 import logging
 import os
 import socket
@@ -27,6 +34,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["Progress", "TrainWorker", "WorkerFailure", "WorkerResult"]
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+MIN_COLLECTIVE_TIMEOUT_S = 60.0
+SPARE_RANK = -1
+"""The rank of an idle spare worker that no attempt has assigned yet."""
+_WARM_MODULES = ("raytrain_ckpt.trainer", "raytrain_ckpt.checkpoint.client", "raytrain_ckpt.checkpoint.state",
+                 "torch.distributed.checkpoint", "torch.distributed.fsdp")
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,10 @@ class WorkerResult:
     """Saves, skipped, aborted, stall_s of this rank (None when checkpointing is off)."""
     timings: dict[str, float] | None = None
     """This attempt's setup: pg_init_s, build_s, load_s, and first_step_at (time.time())."""
+    served: tuple[int, ...] = ()
+    """Every attempt this process was assigned, in order: (0, 1) is a rank kept across a restart."""
+    was_spare: bool = False
+    """The process started as an idle spare before it took this rank."""
 
 
 class WorkerFailure(RuntimeError):
@@ -79,15 +95,50 @@ class TrainWorker:
         # Passed as an argument, not a runtime_env: an actor with its own runtime_env cannot use
         # Ray's prestarted worker processes, which makes every restart slower.
         os.environ.update(fault_env or {})
-        self.spec = JobSpec.model_validate_json(spec_json)
-        self.rank, self.world_size, self.attempt = rank, world_size, attempt
-        self._progress = Progress(rank, 0, None, time.time(), "setup")
-        self._stop = threading.Event()
         self.trainer = None
         self.checkpoints = None
+        self.served: list[int] = []
+        self.was_spare = rank == SPARE_RANK
+        self.assign(spec_json, rank, world_size, attempt)
+
+    def assign(self, spec_json: str, rank: int, world_size: int, attempt: int) -> None:
+        """Take rank ``rank`` of attempt ``attempt`` (a fresh, reset or spare process)."""
+        assert self.trainer is None, "reset() before assigning a new attempt"
+        self.spec = JobSpec.model_validate_json(spec_json)
+        self.rank, self.world_size, self.attempt = rank, world_size, attempt
+        if rank != SPARE_RANK:
+            self.served.append(attempt)
+        self._progress = Progress(rank, 0, None, time.time(), "setup")
+        self._stop = threading.Event()
         self.start_step = 0
         self.timings: dict[str, float] = {}
         torch.set_num_threads(max(1, int(self.spec.resources.cpus_per_worker)))
+
+    def warm(self) -> int:
+        """Import what setup() needs, so a spare that takes over a rank starts training sooner."""
+        for name in _WARM_MODULES:
+            importlib.import_module(name)
+        return os.getpid()
+
+    def reset(self) -> None:
+        """Leave the finished or failed attempt: stop staging, drop the trainer, destroy the process group.
+
+        Destroying the process group closes this rank's connections, so a peer still blocked
+        in a collective with it fails at once instead of waiting for the collective timeout.
+        """
+        self._stop.set()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+        if self.trainer is not None:
+            from raytrain_ckpt.parallel import release_mesh
+
+            release_mesh(self.trainer.mesh)
+        self.trainer = None
+        self.checkpoints = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+        self._progress = Progress(self.rank, 0, None, time.time(), "setup")
 
     def _prefix(self) -> str:
         step = self.trainer.state.step if self.trainer else 0
@@ -102,17 +153,19 @@ class TrainWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, master_addr: str, master_port: int, timeout_s: float, ckpt: dict | None = None) -> None:
+    def setup(self, master_addr: str, master_port: int, ckpt: dict | None = None) -> None:
         """Join the process group, build model, optimizer and data, and load the resume checkpoint."""
         try:
-            self._setup(master_addr, master_port, timeout_s)
+            self._setup(master_addr, master_port)
             if ckpt is not None:
                 self._setup_checkpoints(ckpt)
+            return
         except Exception:
-            self._progress = Progress(self.rank, 0, None, time.time(), "failed")
-            raise WorkerFailure(self.rank, self.attempt, traceback.format_exc()) from None
+            text = traceback.format_exc()
+        self._progress = Progress(self.rank, 0, None, time.time(), "failed")
+        raise _failure(self.rank, self.attempt, text)
 
-    def _setup(self, master_addr: str, master_port: int, timeout_s: float) -> None:
+    def _setup(self, master_addr: str, master_port: int) -> None:
         from raytrain_ckpt.trainer import Trainer
 
         use_gpu = self.spec.resources.use_gpu
@@ -121,12 +174,16 @@ class TrainWorker:
             torch.cuda.set_device(0)
         device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
         t0 = time.monotonic()
+        # The same timeout bounds every collective: a rank whose peer hangs fails on its own
+        # after about hang_timeout_s instead of torch's default 30 minutes (never below a
+        # floor that leaves the rendezvous room on a loaded machine).
+        collective_s = max(self.spec.fault_tolerance.hang_timeout_s, MIN_COLLECTIVE_TIMEOUT_S)
         dist.init_process_group(
             backend="nccl" if use_gpu else "gloo",
             init_method=f"tcp://{master_addr}:{master_port}",
             rank=self.rank,
             world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=collective_s),
         )
         self.timings["pg_init_s"] = time.monotonic() - t0
         t0 = time.monotonic()
@@ -159,8 +216,9 @@ class TrainWorker:
         try:
             return self._run()
         except Exception:
-            self._progress = Progress(self.rank, self._progress.step, self._progress.loss, time.time(), "failed")
-            raise WorkerFailure(self.rank, self.attempt, traceback.format_exc()) from None
+            text = traceback.format_exc()
+        self._progress = Progress(self.rank, self._progress.step, self._progress.loss, time.time(), "failed")
+        raise _failure(self.rank, self.attempt, text)
 
     def _run(self) -> WorkerResult:
         from raytrain_ckpt.checkpoint.state import app_state
@@ -187,7 +245,7 @@ class TrainWorker:
         state = trainer.state
         self._progress = Progress(self.rank, state.step, loss, time.time(), "done")
         return WorkerResult(self.rank, state.step, state.tokens_seen, dict(state.losses), trainer.fingerprint(),
-                            self.start_step, stats, dict(self.timings))
+                            self.start_step, stats, dict(self.timings), tuple(self.served), self.was_spare)
 
     def progress(self) -> Progress:
         """The last finished step; answered from the second actor thread while ``run()`` trains."""
@@ -196,3 +254,13 @@ class TrainWorker:
     def stop(self) -> None:
         """Ask ``run()`` to return after the current step."""
         self._stop.set()
+
+
+def _failure(rank: int, attempt: int, text: str) -> WorkerFailure:
+    """The exception to raise for a failed rank, built outside the ``except`` block on purpose.
+
+    Raised inside it, it would chain the original exception, whose traceback keeps every
+    frame alive: the trainer, its FSDP state and through them the process group, whose
+    connections then stay open after ``reset()`` and keep peers blocked in a collective.
+    """
+    return WorkerFailure(rank, attempt, text)

@@ -132,7 +132,7 @@ class CheckpointClient:
             maybe_inject("staged", self.rank, step, self.attempt)
 
         self._inflight = None
-        layout.staging.start(tensors, hand_off)
+        layout.staging.start(tensors, hand_off, lambda: maybe_inject("staging", self.rank, step, self.attempt))
         self.stats.saves += 1
         self._last_save_at = time.monotonic()
         self.stats.stall_s += time.monotonic() - t0
@@ -201,6 +201,22 @@ class CheckpointClient:
         self._replan = False
         logger.info("checkpoint layout %s: %d tensors, %.1f MB staging buffer %s", key, len(slots), nbytes / 1e6, path)
         return self._layout
+
+    def close(self) -> None:
+        """Leave the attempt: let a running staging copy finish and release the buffer mapping.
+
+        A step already handed to the writer is the writer's and the actor's business now.
+        """
+        if self._layout is None:
+            return
+        try:
+            self._layout.staging.wait()
+        except Exception as exc:  # the attempt is over; a failed copy only loses an uncommitted save
+            logger.debug("staging copy failed while leaving the attempt: %s", exc)
+        close = getattr(self._layout.staging, "close", None)
+        if close is not None:
+            close()
+        self._layout = None
 
     def wait_committed(self) -> None:
         """Finish the in-flight save and wait for its commit (the final save, or mode=sync)."""

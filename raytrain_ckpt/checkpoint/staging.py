@@ -112,8 +112,12 @@ class StagedPlanner(DefaultSavePlanner):
 class Staging(Protocol):
     """Fill the buffer from live tensors without blocking the caller."""
 
-    def start(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None]) -> None:
-        """Begin copying; ``on_done`` runs (on another thread) once the buffer holds the data."""
+    def start(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None],
+              midway: Callable[[], None] | None = None) -> None:
+        """Begin copying; ``on_done`` runs (on another thread) once the buffer holds the data.
+
+        ``midway`` runs on the copying thread when about half of the tensors are copied (the
+        ``staging`` fault-injection point)."""
 
     def wait(self) -> float:
         """Block until the copy finished; returns seconds spent blocked. Re-raises copy errors."""
@@ -126,21 +130,24 @@ class _ThreadedStaging(abc.ABC):
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def start(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None]) -> None:
+    def start(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None],
+              midway: Callable[[], None] | None = None) -> None:
         assert self._thread is None, "wait() for the previous copy first"
         self._error = None
-        self._thread = threading.Thread(target=self._run, args=(sources, on_done), name="rtc-staging", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(sources, on_done, midway or (lambda: None)),
+                                        name="rtc-staging", daemon=True)
         self._thread.start()
 
-    def _run(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None]) -> None:
+    def _run(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None],
+             midway: Callable[[], None]) -> None:
         try:
-            self._copy(sources)
+            self._copy(sources, midway)
             on_done()
         except BaseException as exc:  # surfaced to the training thread by wait()
             self._error = exc
 
     @abc.abstractmethod
-    def _copy(self, sources: dict[str, torch.Tensor]) -> None:
+    def _copy(self, sources: dict[str, torch.Tensor], midway: Callable[[], None]) -> None:
         """Runs on the staging thread; returns once the buffer holds the data."""
 
     def wait(self) -> float:
@@ -157,9 +164,12 @@ class _ThreadedStaging(abc.ABC):
 class SharedMemoryStaging(_ThreadedStaging):
     """CPU: memcpy into the shared buffer on a background thread."""
 
-    def _copy(self, sources: dict[str, torch.Tensor]) -> None:
+    def _copy(self, sources: dict[str, torch.Tensor], midway: Callable[[], None]) -> None:
+        half = len(self.views) // 2
         with torch.no_grad():
-            for fqn, dst in self.views.items():
+            for i, (fqn, dst) in enumerate(self.views.items()):
+                if i == half:
+                    midway()
                 dst.copy_(sources[fqn])
 
 
@@ -183,7 +193,8 @@ class PinnedCudaStaging(_ThreadedStaging):
         self.stream = torch.cuda.Stream(device=device)
         self._event: torch.cuda.Event | None = None
 
-    def start(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None]) -> None:
+    def start(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None],
+              midway: Callable[[], None] | None = None) -> None:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream), torch.no_grad():
@@ -194,10 +205,11 @@ class PinnedCudaStaging(_ThreadedStaging):
                     src.record_stream(self.stream)
             self._event = torch.cuda.Event()
             self._event.record(self.stream)
-        super().start(sources, on_done)
+        super().start(sources, on_done, midway)
 
-    def _copy(self, sources: dict[str, torch.Tensor]) -> None:
+    def _copy(self, sources: dict[str, torch.Tensor], midway: Callable[[], None]) -> None:
         assert self._event is not None
+        midway()  # the copies are enqueued and (usually) still running
         self._event.synchronize()
 
     def wait(self) -> float:

@@ -11,7 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["apply_fsdp", "build_mesh", "param_dtype_for"]
+__all__ = ["apply_fsdp", "build_mesh", "param_dtype_for", "release_mesh"]
 
 
 def build_mesh(device_type: str, dp_shard: int) -> DeviceMesh:
@@ -46,3 +46,23 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype) -> 
     fully_shard(model, mesh=mesh, mp_policy=mp)
     logger.debug("fully_shard applied to %d blocks and the root", len(children))
     return model
+
+
+def release_mesh(mesh: DeviceMesh) -> None:
+    """Drop the process groups a mesh holds, so ``destroy_process_group`` really closes them.
+
+    A DeviceMesh keeps its ProcessGroup objects in a registry shared with its root mesh, and
+    meshes live on in DTensor's sharding-propagation cache after the model is gone. Without
+    this, a rank leaving a failed attempt keeps its gloo connections open and a peer blocked
+    in a collective with it waits for the full collective timeout.
+    """
+    from torch.distributed.tensor import DTensor
+
+    root_of = getattr(mesh, "_get_root_mesh", None)
+    for m in {id(x): x for x in (mesh, root_of() if root_of else None) if x is not None}.values():
+        registry = getattr(m, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+    propagate = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    if hasattr(propagate, "cache_clear"):
+        propagate.cache_clear()

@@ -41,21 +41,27 @@ def reference(ray_cluster, tmp_path_factory) -> JobResult:
     return _ok(run_job(_spec(tmp_path_factory.mktemp("ref"), "training.steps=20")))
 
 
-@pytest.mark.parametrize(("fault", "resumed_at"), [
-    ("exit@step:rank=1,step=12", 10),    # between checkpoints: steps 11-12 are replayed
-    ("exit@step:rank=0,step=17", 15),
-    ("exit@staged:rank=0,step=10", 10),  # the trainer dies right after handing step 10 off
+@pytest.mark.parametrize(("fault", "resumed_at", "dead"), [
+    ("exit@step:rank=1,step=12", 10, 1),      # between checkpoints: steps 11-12 are replayed
+    ("exit@step:rank=0,step=17", 15, 0),
+    ("exit@staged:rank=0,step=10", 10, 0),    # the trainer dies right after handing step 10 off
+    ("exit@staging:rank=0,step=10", 5, 0),    # ... or halfway through staging it: step 10 never commits
+    ("raise@step:rank=1,step=12", 10, None),  # an exception: no process died
 ])
-def test_killed_rank_resumes_bit_exact(reference, tmp_path, monkeypatch, fault, resumed_at):
+def test_killed_rank_resumes_bit_exact(reference, tmp_path, monkeypatch, fault, resumed_at, dead):
     monkeypatch.setenv(ENV_VAR, fault)
     result = _ok(run_job(_spec(tmp_path, "training.steps=20", "fault_tolerance.max_restarts=1")))
-    assert result.attempts == 2 and "worker process died" in (result.error or "")
+    assert result.attempts == 2
+    assert ("worker process died" in (result.error or "")) is (dead is not None)
     assert all(r.start_step == resumed_at for r in result.results)
     # parameters and optimizer state after step 20 are bit-identical to the uninterrupted run
     assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference.results]
     # and so is every loss after the resume point
     assert result.losses == {s: v for s, v in reference.losses.items() if s > resumed_at}
     assert resumed_at in result.checkpoints["committed"] and 20 in result.checkpoints["committed"]
+    # every process that survived was kept and reused; a dead rank was replaced by the warm spare
+    for r in result.results:
+        assert (r.served, r.was_spare) == (((1,), True) if r.rank == dead else ((0, 1), False)), r
 
 
 def test_hung_rank_is_detected_in_time_and_the_job_resumes_bit_exact(reference, tmp_path, monkeypatch):

@@ -26,6 +26,7 @@ class FakeWorkerGroup:
     def __init__(self, spec: JobSpec, attempt: int, start_error: str | None = None) -> None:
         self.spec, self.attempt, self.start_error = spec, attempt, start_error
         self.step, self.failures, self.done, self.shut, self.died = 0, [], False, 0, False
+        self.kept_warm: list[bool] = []
         FakeWorkerGroup.created.append(self)
 
     def start(self) -> None:
@@ -37,8 +38,9 @@ class FakeWorkerGroup:
         return GroupPoll(results=results, failures=list(self.failures), min_step=self.step, finished=self.done,
                          process_died=self.died)
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep_warm: bool = False) -> None:
         self.shut += 1
+        self.kept_warm.append(keep_warm)
 
     def fail(self, rank: int) -> None:
         self.failures.append(f"rank {rank} failed: boom")
@@ -257,3 +259,36 @@ def test_exception_not_in_retry_on_fails_at_once(make):
     ctl.step()
     _crash_now(ctl)                              # the fake group reports an exception, not a dead process
     assert ctl.state is JobState.FAILED and ctl.result.failures[0].startswith("attempt 0 exception")
+
+
+@pytest.mark.parametrize(("kind", "reuse", "expected"), [
+    ("crash", True, True),
+    ("exception", True, True),
+    ("hang", True, False),   # the survivors sit in a collective with the hung rank
+    ("start", True, False),
+    ("crash", False, False),
+])
+def test_keep_warm_table(kind, reuse, expected):
+    assert FailurePolicy(reuse_workers=reuse).keep_warm(kind) is expected
+
+
+@pytest.mark.parametrize(("inject", "kept"), [("kill", True), ("fail", True), ("hang", False)])
+def test_restart_keeps_survivors_warm_only_after_crash_or_exception(make, inject, kept):
+    ctl, clock = make(max_restarts=1, hang_timeout_s=5.0)
+    ctl.step()
+    first = FakeWorkerGroup.created[0]
+    if inject == "hang":
+        for _ in range(7):
+            ctl.step()
+    else:
+        getattr(first, inject)(1)
+        ctl.step()
+    assert ctl.state is JobState.RECOVERING
+    ctl.step()
+    assert first.kept_warm == [kept]
+    ctl.step()
+    second = FakeWorkerGroup.created[1]
+    second.finish()
+    ctl.run()
+    assert ctl.state is JobState.SUCCEEDED
+    assert second.kept_warm == [False]  # the end of the job releases everything
