@@ -4,7 +4,7 @@ A ``Trainer`` lives inside a process whose default process group is already
 initialised (by a TrainWorker actor, or by torchrun in tests and GPU checks). It reads
 top to bottom: build the model and shard it, then for each step take this rank's slice
 of the global batch, accumulate gradients over micro batches (or run the pipeline schedule
-over them, see ``pipeline_trainer``), clip, step.
+over them, see ``parallel/pipeline.py``), clip, step.
 """
 
 from __future__ import annotations
