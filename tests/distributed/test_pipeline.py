@@ -83,9 +83,17 @@ def _merged(ranks: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
+USER = ("model.name=tests.user_models:staged_mlp_lm",)
+
+
 @pytest.fixture(scope="module")
-def reference() -> dict:
-    return run_ranks(train, 1, {"ref": _spec(1)})[0]["ref"]
+def references() -> dict:
+    return run_ranks(train, 1, {"ref": _spec(1), "user": _spec(1, *USER)})[0]
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> dict:
+    return references["ref"]
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +102,8 @@ def pp_runs(tmp_path_factory) -> tuple[Path, list[dict]]:
     path = tmp_path_factory.mktemp("pp2") / "step-2"
     specs = {name: _spec(2, "parallelism.pp=2", f"parallelism.pp_schedule={name}", *extra)
              for name, extra in SCHEDULES.items()}
+    # a user model (layers ModuleDict, forward skips None) split at an explicit point
+    specs["user"] = _spec(2, "parallelism.pp=2", "parallelism.pp_split_points=[layers.3]", *USER)
     return path, run_ranks(train, 2, specs, "1f1b", str(path))
 
 
@@ -108,6 +118,20 @@ def test_every_schedule_matches_the_single_process_reference(reference, pp_runs)
         assert set(state) == set(reference["state"]), name
         for key, tensor in reference["state"].items():
             torch.testing.assert_close(state[key], tensor, rtol=2e-4, atol=2e-5, msg=lambda m, k=key: f"{name} {k}: {m}")
+
+
+def test_a_user_model_split_at_a_point_matches_its_reference(references, pp_runs):
+    _, ranks = pp_runs
+    ref = references["user"]
+    for step, loss in ref["losses"].items():
+        assert ranks[0]["user"]["losses"][step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    # stage 0 holds the embedding and layers 0-2, stage 1 layer 3 and the head
+    assert {k.split("/")[1].split(".")[0] for k in ranks[1]["user"]["state"]} == {"layers", "head"}
+    assert not any(k.startswith("param/layers.3") for k in ranks[0]["user"]["state"])
+    state = _merged([r["user"]["state"] for r in ranks])
+    assert set(state) == set(ref["state"])
+    for key, tensor in ref["state"].items():
+        torch.testing.assert_close(state[key], tensor, rtol=2e-4, atol=2e-5)
 
 
 def test_resume_at_the_same_layout_is_bit_identical(pp_runs):
