@@ -117,14 +117,16 @@ class FailurePolicy:
         return Decision.RESTART if facts.restarts_done < facts.max_restarts else Decision.FAIL
 
 
-def elastic_world_size(requested: int, min_workers: int, fit: int, global_batch: int, micro_batch: int) -> int | None:
+def elastic_world_size(requested: int, min_workers: int, fit: int, global_batch: int, micro_batch: int,
+                       pp: int = 1) -> int | None:
     """The largest world size <= ``fit`` and >= ``min_workers`` that keeps the global batch.
 
     The global batch must stay a multiple of micro_batch x dp, so a shrink adds gradient
-    accumulation instead of changing the optimization. None: no such size.
+    accumulation instead of changing the optimization. Only dp shrinks: the world stays a
+    multiple of the pipeline degree ``pp`` (dp = world / pp). None: no such size.
     """
     for n in range(min(requested, fit), min_workers - 1, -1):
-        if n >= 1 and global_batch % (micro_batch * n) == 0:
+        if n >= pp and n % pp == 0 and global_batch % (micro_batch * (n // pp)) == 0:
             return n
     return None
 

@@ -33,8 +33,8 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
         _init_ray(address)
     try:
         _check_resources(spec, fixed_size=address is None)
-        logger.info("job %s: %d workers, dp_shard %d, spec %s", spec.name, spec.world_size, spec.dp_size,
-                    spec.spec_hash())
+        logger.info("job %s: %d workers, dp_shard %d, pp %d, spec %s", spec.name, spec.world_size, spec.dp_size,
+                    spec.parallelism.pp, spec.spec_hash())
         return _run_controller(spec)
     finally:
         if started_here:

@@ -119,12 +119,14 @@ class RayWorkerGroup:
         if elastic:
             fit = min(int(ray.available_resources().get(k, 0.0) // v) for k, v in bundle.items() if v > 0)
             t = self.spec.training
-            n = elastic_world_size(self.spec.world_size, res.min_workers, fit, t.global_batch_size, t.micro_batch_size)
+            n = elastic_world_size(self.spec.world_size, res.min_workers, fit, t.global_batch_size, t.micro_batch_size,
+                                   self.spec.parallelism.pp)
             if n is not None and n < self.spec.world_size:
                 logger.warning("attempt %d: %d workers could not be placed within fault_tolerance.placement_timeout_s="
                                "%gs; %d fit: continuing with %d workers (dp %d, global batch %d, %d micro-batches "
-                               "per rank)", self.attempt, self.spec.world_size, wait_s, fit, n, n, t.global_batch_size,
-                               t.global_batch_size // (t.micro_batch_size * n))
+                               "per rank)", self.attempt, self.spec.world_size, wait_s, fit, n,
+                               n // self.spec.parallelism.pp, t.global_batch_size,
+                               self.spec.with_workers(n).local_microbatches)
                 self.spec = self.spec.with_workers(n)
                 pg = placement_group([dict(bundle)] * n, strategy=res.placement_strategy)
                 if pg.wait(timeout_seconds=max(0.1, deadline - time.monotonic())):

@@ -122,7 +122,15 @@ class ParallelismSpec(_Section):
     dp_shard: int = -1
     """FSDP2 data-parallel shard degree; -1 means every worker not used by other dimensions."""
     pp: int = Field(1, ge=1)
-    """Pipeline-parallel degree. Only 1 is available in this release."""
+    """Pipeline-parallel degree: the model is split into pp stages (x virtual_stages) across workers; world = pp x dp_shard."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    """Pipeline schedule (pp > 1): gpipe (all forwards, then all backwards), 1f1b, or interleaved_1f1b (virtual_stages chunks per rank)."""
+    virtual_stages: int = Field(1, ge=1)
+    """Model chunks per pipeline rank; >= 2 only with pp_schedule=interleaved_1f1b (pp x virtual_stages stages in all)."""
+    microbatches: int | None = Field(None, ge=1)
+    """Pipeline micro-batches per optimizer step on each data-parallel rank; null: global_batch_size / (micro_batch_size x dp). When set it must equal that."""
+    pp_split_points: list[str] = Field(default_factory=list)
+    """Layer FQNs where a new stage starts, e.g. [layers.2] (pp x virtual_stages - 1 of them); empty: balance layers by parameter count."""
 
     @field_validator("dp_shard")
     @classmethod
@@ -131,12 +139,9 @@ class ParallelismSpec(_Section):
             raise ValueError("must be >= 1, or -1 for 'all remaining workers'")
         return value
 
-    @field_validator("pp")
-    @classmethod
-    def _pp_available(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("pipeline parallelism is not available in this release; set parallelism.pp=1")
-        return value
+    @model_validator(mode="after")
+    def _pipeline_fields(self) -> ParallelismSpec:
+        return _check_pipeline_fields(self)
 
 
 class OptimizerSpec(_Section):
@@ -340,11 +345,22 @@ class JobSpec(_Section):
         return self.parallelism.dp_shard
 
     def with_workers(self, n: int) -> JobSpec:
-        """The same job on ``n`` workers (pure data parallel): the elastic layout after a shrink."""
+        """The same job on ``n`` workers (a multiple of pp): the elastic layout after a shrink.
+
+        Only the data-parallel degree shrinks; the pipeline keeps its stages, and the global
+        batch stays, so each rank accumulates (or pipelines) more micro-batches.
+        """
         return self.model_copy(update={
             "resources": self.resources.model_copy(update={"num_workers": n}),
-            "parallelism": self.parallelism.model_copy(update={"dp_shard": n}),
+            "parallelism": self.parallelism.model_copy(
+                update={"dp_shard": n // self.parallelism.pp, "microbatches": None}),
         })
+
+    @property
+    def local_microbatches(self) -> int:
+        """Micro-batches per optimizer step on one data-parallel rank (the pipeline's microbatches)."""
+        t = self.training
+        return t.global_batch_size // (t.micro_batch_size * self.dp_size)
 
     def spec_hash(self) -> str:
         """Stable hash of the resolved spec, for telling runs apart."""
@@ -354,6 +370,8 @@ class JobSpec(_Section):
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
         problems = _layout_problems(self) + _batch_problems(self) + _model_data_problems(self)
+        if not problems:
+            problems = _pipeline_problems(self)
         if problems:
             raise FieldProblems(problems)
         return self
@@ -363,7 +381,8 @@ def _layout_problems(spec: JobSpec) -> list[tuple[str, str]]:
     par, n = spec.parallelism, spec.world_size
     if par.dp_shard == -1:
         if n % par.pp:
-            return [("resources.num_workers", f"{n} is not divisible by parallelism.pp={par.pp}")]
+            return [("resources.num_workers", f"{n} is not divisible by parallelism.pp={par.pp}; "
+                     f"use a multiple of {par.pp} workers, or another pp")]
         return []
     if par.dp_shard * par.pp != n:
         return [("parallelism.dp_shard", f"dp_shard {par.dp_shard} x pp {par.pp} = {par.dp_shard * par.pp} "
@@ -393,6 +412,73 @@ def _model_data_problems(spec: JobSpec) -> list[tuple[str, str]]:
         out.append(("model.overrides.vocab_size", f"{cfg.vocab_size} is below 256, the byte-level vocabulary "
                     "of data.source=text; use vocab_size >= 256"))
     return out
+
+
+# --- pipeline parallelism -------------------------------------------------------
+
+
+def _check_pipeline_fields(par: ParallelismSpec) -> ParallelismSpec:
+    problems: list[tuple[str, str]] = []
+    interleaved = par.pp_schedule == "interleaved_1f1b"
+    if par.virtual_stages > 1 and not interleaved:
+        problems.append(("virtual_stages", f"{par.virtual_stages} needs pp_schedule=interleaved_1f1b "
+                         f"(now {par.pp_schedule}); set virtual_stages=1 or pp_schedule=interleaved_1f1b"))
+    if interleaved and par.virtual_stages < 2:
+        problems.append(("virtual_stages", "interleaved_1f1b needs virtual_stages >= 2 (chunks per rank); "
+                         "set it, or use pp_schedule=1f1b for one stage per rank"))
+    if par.pp == 1 and (par.virtual_stages > 1 or par.pp_split_points):
+        field = "virtual_stages" if par.virtual_stages > 1 else "pp_split_points"
+        problems.append((field, "only used with pipeline parallelism; set parallelism.pp >= 2 or remove it"))
+    stages = par.pp * par.virtual_stages
+    if par.pp_split_points and len(par.pp_split_points) != stages - 1:
+        problems.append(("pp_split_points", f"{len(par.pp_split_points)} points for {stages} stages "
+                         f"(pp {par.pp} x virtual_stages {par.virtual_stages}); give {stages - 1}, or none to balance"))
+    if problems:
+        raise FieldProblems(problems)
+    return par
+
+
+def _pipeline_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    """Degrees, layers, micro-batches and batch sizes that a pipeline needs to fit."""
+    par, t = spec.parallelism, spec.training
+    out: list[tuple[str, str]] = []
+    m = spec.local_microbatches
+    if par.microbatches is not None and par.microbatches != m:
+        out.append(("parallelism.microbatches", f"{par.microbatches} does not match global_batch_size "
+                    f"{t.global_batch_size} / (micro_batch_size {t.micro_batch_size} x dp {spec.dp_size}) = {m}; "
+                    f"set it to {m}, or null, or change training.micro_batch_size"))
+    if par.pp == 1:
+        return out
+    stages = par.pp * par.virtual_stages
+    cfg = describe_model(spec.model.name, spec.model.overrides) if ":" not in spec.model.name else None
+    if cfg is not None and cfg.n_layers < stages:
+        out.append(("parallelism.pp", f"{stages} stages (pp {par.pp} x virtual_stages {par.virtual_stages}) "
+                    f"but '{spec.model.name}' has {cfg.n_layers} layers; each stage needs a layer: lower pp or "
+                    f"virtual_stages, or raise model.overrides.n_layers"))
+    if cfg is not None:
+        out += _split_point_problems(par.pp_split_points, cfg.n_layers)
+    if par.pp_schedule == "1f1b" and m < par.pp:
+        out.append(("training.micro_batch_size", f"1f1b needs at least pp={par.pp} micro-batches per step, "
+                    f"got {m} (global_batch_size {t.global_batch_size} / (micro_batch_size {t.micro_batch_size} "
+                    f"x dp {spec.dp_size})); lower micro_batch_size or raise global_batch_size"))
+    rounds = max(1, m // par.pp)
+    if par.pp_schedule == "interleaved_1f1b" and m % rounds:
+        out.append(("training.micro_batch_size", f"interleaved_1f1b needs the {m} micro-batches per step to be a "
+                    f"multiple of {rounds} (rounds of pp={par.pp}); use a multiple of pp={par.pp} micro-batches"))
+    return out
+
+
+def _split_point_problems(points: list[str], n_layers: int) -> list[tuple[str, str]]:
+    starts = []
+    for point in points:
+        prefix, _, key = point.partition(".")
+        if prefix != "layers" or not key.isdigit() or not 0 < int(key) < n_layers:
+            return [("parallelism.pp_split_points", f"{point!r} is not a layer a stage can start at; use "
+                     f"'layers.<i>' with 1 <= i < n_layers={n_layers}")]
+        starts.append(int(key))
+    if starts != sorted(set(starts)):
+        return [("parallelism.pp_split_points", f"{points} must be increasing and distinct")]
+    return []
 
 
 # --- loading -----------------------------------------------------------------

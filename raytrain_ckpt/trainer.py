@@ -3,7 +3,8 @@
 A ``Trainer`` lives inside a process whose default process group is already
 initialised (by a TrainWorker actor, or by torchrun in tests and GPU checks). It reads
 top to bottom: build the model and shard it, then for each step take this rank's slice
-of the global batch, accumulate gradients over micro batches, clip, step.
+of the global batch, accumulate gradients over micro batches (or run the pipeline schedule
+over them, see ``parallel/pipeline.py``), clip, step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 from raytrain_ckpt.data import build_source, local_micro_batches
 from raytrain_ckpt.models import build_model
 from raytrain_ckpt.parallel import apply_fsdp, build_mesh, param_dtype_for
+from raytrain_ckpt.parallel.pipeline import Pipeline, clip_grad_norm_
 from raytrain_ckpt.spec import JobSpec, LRSchedulerSpec
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,11 @@ def lr_lambda(sched: LRSchedulerSpec, total_steps: int) -> Callable[[int], float
     return factor
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss of ``[B, T, V]`` logits against ``[B, T]`` targets, in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 class Trainer:
     """One rank's model, optimizer, data and step function."""
 
@@ -79,26 +86,53 @@ class Trainer:
         self.rank = dist.get_rank()
         self._log_prefix = log_prefix
         t = spec.training
-        # build model: the same seed on every rank gives the same full init before sharding,
-        # so the initial parameters do not depend on the world size.
+        # build model: the same seed on every rank gives the same full init before sharding
+        # (and before a pipeline stage drops what it does not own), so the initial parameters
+        # do not depend on the layout.
         torch.manual_seed(t.seed)
-        self.mesh = build_mesh(device.type, spec.dp_size)
+        par = spec.parallelism
+        self.mesh = build_mesh(device.type, spec.dp_size, par.pp)
         model = build_model(spec.model.name, dict(spec.model.overrides))
-        self.model = apply_fsdp(model.to(device), self.mesh, param_dtype_for(t.mixed_precision, spec.resources.use_gpu))
-        # build optimizer and schedule
+        vocab_size = _vocab_size(model)
+        param_dtype = param_dtype_for(t.mixed_precision, spec.resources.use_gpu)
+        self.pipeline: Pipeline | None = None
+        if par.pp == 1:
+            self.model_parts = [apply_fsdp(model.to(device), self.mesh, param_dtype)]
+        else:
+            self.pipeline = Pipeline(spec, model, self.mesh, device, param_dtype, cross_entropy)
+            self.model_parts = self.pipeline.parts
+        # build optimizer and schedule: one of each per model chunk (a pipeline rank may hold
+        # several); they step together, so every chunk's schedule is at the same step.
         o = spec.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec.lr_scheduler, t.steps))
+        self.optimizers = [
+            torch.optim.AdamW(part.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+            for part in self.model_parts
+        ]
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec.lr_scheduler, t.steps))
+                           for opt in self.optimizers]
         # build data
         self.source = build_source(
-            spec.data.source, seq_len=t.seq_len, seed=t.seed, vocab_size=_vocab_size(self.model), path=spec.data.path
+            spec.data.source, seq_len=t.seq_len, seed=t.seed, vocab_size=vocab_size, path=spec.data.path
         )
         self.dp_rank = self.mesh.get_local_rank("dp_shard")
         self.state = TrainState()
         # Set by checkpointing: waits for an in-flight staging copy of the parameters.
         self.before_optimizer_step: Callable[[], None] = lambda: None
+
+    @property
+    def model(self) -> nn.Module:
+        """The model chunk of this rank (the first one when a pipeline rank holds several)."""
+        return self.model_parts[0]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of ``model`` (see ``optimizers`` for every chunk's)."""
+        return self.optimizers[0]
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        """The LR schedule of ``model`` (see ``schedulers`` for every chunk's)."""
+        return self.schedulers[0]
 
     def train_step(self) -> StepReport:
         """Run one optimizer step on this rank's share of the global batch."""
@@ -108,19 +142,18 @@ class Trainer:
             self.source, step=self.state.step, global_batch_size=t.global_batch_size,
             micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.spec.dp_size,
         )
-        local_loss = torch.zeros((), device=self.device, dtype=torch.float32)
-        for inputs, targets in batches:
-            logits = self.model(inputs.to(self.device))
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
-            (loss / len(batches)).backward()
-            local_loss += loss.detach() / len(batches)
+        if self.pipeline is not None:
+            local_loss = self.pipeline.forward_backward(batches)
+        else:
+            local_loss = self._forward_backward(batches)
         if t.grad_clip is not None:
-            nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+            self._clip(t.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.before_optimizer_step()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        for opt, sched in zip(self.optimizers, self.schedulers, strict=True):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
         self.state.step += 1
         tokens = t.global_batch_size * t.seq_len
         self.state.tokens_seen += tokens
@@ -130,14 +163,33 @@ class Trainer:
         elapsed = time.monotonic() - start
         return StepReport(self.state.step, loss_value, elapsed, tokens / elapsed, lr)
 
+    def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Gradient accumulation over micro batches; returns this rank's mean loss."""
+        local_loss = torch.zeros((), device=self.device, dtype=torch.float32)
+        for inputs, targets in batches:
+            logits = self.model(inputs.to(self.device))
+            loss = cross_entropy(logits, targets.to(self.device))
+            (loss / len(batches)).backward()
+            local_loss += loss.detach() / len(batches)
+        return local_loss
+
+    def _clip(self, max_norm: float) -> None:
+        if self.pipeline is None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            return
+        params = [p for part in self.model_parts for p in part.parameters()]
+        clip_grad_norm_(params, max_norm, self.pipeline.group)
+
     def _is_log_step(self) -> bool:
         s = self.state.step
         return s % self.spec.training.log_every_steps == 0 or s == self.spec.training.steps
 
     def _global_loss(self, local_loss: torch.Tensor) -> float:
         # Reduce only on log steps: .item() syncs the device, which the other steps avoid.
+        # With a pipeline only the last stage's ranks (one per dp shard) hold a loss; the
+        # others add zero, so every rank gets the same mean and rank 0 can log it.
         dist.all_reduce(local_loss, op=dist.ReduceOp.SUM)
-        return local_loss.item() / dist.get_world_size()
+        return local_loss.item() / self.spec.dp_size
 
     def log(self, report: StepReport) -> None:
         """Rank 0 logs progress on log steps."""
@@ -151,7 +203,10 @@ class Trainer:
     def fingerprint(self) -> str:
         """sha256 over this rank's local parameter and optimizer shards, for bit-exact comparisons."""
         h = hashlib.sha256()
-        for name, tensor in sorted(_local_tensors(self.model, self.optimizer).items()):
+        tensors: dict[str, torch.Tensor] = {}
+        for part, opt in zip(self.model_parts, self.optimizers, strict=True):
+            tensors.update(_local_tensors(part, opt))
+        for name, tensor in sorted(tensors.items()):
             h.update(name.encode())
             h.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()

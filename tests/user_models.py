@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["not_a_module", "tiny_mlp_lm"]
+__all__ = ["not_a_module", "staged_mlp_lm", "tiny_mlp_lm"]
 
 
 class _ResidualMLP(nn.Module):
@@ -51,6 +51,29 @@ def tiny_mlp_lm(vocab_size: int = 256, dim: int = 32, n_layers: int = 2) -> nn.M
         The module.
     """
     return _TinyMLPLM(vocab_size, dim, n_layers)
+
+
+class _StagedMLPLM(nn.Module):
+    """The same model written to be split into pipeline stages: ``layers`` is a ModuleDict
+    and forward skips the parts a stage does not hold (None)."""
+
+    def __init__(self, vocab_size: int, dim: int, n_layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleDict({str(i): _ResidualMLP(dim) for i in range(n_layers)})
+        self.head = nn.Linear(dim, vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (or a previous stage's hidden state) to logits (or this stage's hidden state)."""
+        h = self.embed(x) if self.embed is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.head(h) if self.head is not None else h
+
+
+def staged_mlp_lm(vocab_size: int = 256, dim: int = 32, n_layers: int = 4) -> nn.Module:
+    """A tiny MLP language model that pipeline parallelism can split (see ``_StagedMLPLM``)."""
+    return _StagedMLPLM(vocab_size, dim, n_layers)
 
 
 def not_a_module() -> object:

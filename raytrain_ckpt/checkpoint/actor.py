@@ -186,7 +186,8 @@ class CheckpointActor:
                 "commit_s": time.monotonic() - t0, "total_s": time.monotonic() - p.started}
         manifest = Manifest(step=step, world_size=self.world_size, dp_size=self.dp_size, spec_hash=self.spec_hash,
                             files=files, samples_seen=int(infos[0].get("samples_seen", 0)),
-                            tokens_seen=int(infos[0].get("tokens_seen", 0)), wall=wall)
+                            tokens_seen=int(infos[0].get("tokens_seen", 0)), wall=wall,
+                            pp_size=self.world_size // self.dp_size)  # the spec makes world = pp x dp
         maybe_inject("commit", 0, step, p.attempt)
         self.layout.commit(p.tmp, manifest)
         self.committed[step] = manifest

@@ -65,6 +65,8 @@ class Manifest:
     """Timings of the save: stage_s, persist_s, commit_s, total_s."""
     created_unix: float = 0.0
     format: int = MANIFEST_FORMAT
+    pp_size: int = 1
+    """Pipeline-parallel degree of the saving job (world_size = pp_size x dp_size); 1 in older manifests."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)

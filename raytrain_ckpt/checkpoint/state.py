@@ -5,27 +5,40 @@ Keys (a standard DCP checkpoint; plain ``dcp.load`` / ``dcp_to_torch_save`` read
     model.<fqn>                       FSDP2 DTensor shards
     optim.state.<fqn>.<exp_avg|...>   optimizer state, flattened and FQN-keyed
     optim.param_groups.<fqn>.<lr|...>
-    scheduler                         LR scheduler state_dict
+    scheduler                         LR scheduler state_dict (without pipeline parallelism)
+    scheduler.stage<s>                one per pipeline stage (model chunk) s
     train                             {"step", "tokens_seen", "samples_seen", "world_size"}
-    rng.rank<r>.cpu / .cuda / .python RNG states of every rank (restored at the same world size)
+    rng.rank<r>.cpu / .cuda / .python RNG states of every rank (restored at the same layout)
+
+A pipeline stage keeps the full model's FQNs, so each rank saves only its stages' entries and
+none collide; DCP's global plan puts them all into one checkpoint that any layout can load.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from raytrain_ckpt.checkpoint.layout import MANIFEST, Manifest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["app_state", "load_app_state"]
+__all__ = ["CheckpointMismatch", "app_state", "load_app_state"]
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_SCHEDULER = "scheduler"
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint whose entries do not fit this model: refused instead of loading garbage."""
 
 
 def _rng_state(rank: int) -> dict[str, Any]:
@@ -36,18 +49,40 @@ def _rng_state(rank: int) -> dict[str, Any]:
     return out
 
 
+def _scheduler_keys(trainer: Any) -> list[str]:
+    """One key per model chunk: ``scheduler`` without a pipeline, ``scheduler.stage<s>`` with one."""
+    pipeline = getattr(trainer, "pipeline", None)
+    if pipeline is None:
+        return [_SCHEDULER]
+    return [f"{_SCHEDULER}.stage{s}" for s in pipeline.stage_ids]
+
+
+def _parts_state(trainer: Any) -> tuple[dict[str, Any], dict[str, Any], list[tuple[set[str], set[str]]]]:
+    """Model and optimizer state of every chunk, merged (FQNs are disjoint), and each chunk's keys."""
+    model_sd: dict[str, Any] = {}
+    optim_sd: dict[str, Any] = {}
+    keys = []
+    for part, opt in zip(trainer.model_parts, trainer.optimizers, strict=True):
+        m, o = get_state_dict(part, opt, options=_OPTIONS)
+        keys.append((set(m), set(o)))
+        model_sd.update(m)
+        optim_sd.update(o)
+    return model_sd, optim_sd, keys
+
+
 def app_state(trainer: Any) -> dict[str, Any]:
     """The full state of a ``Trainer`` as a DCP state dict (live tensors, no copies)."""
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_OPTIONS)
+    model_sd, optim_sd, _ = _parts_state(trainer)
     t = trainer.state
     sd: dict[str, Any] = {
         "model": model_sd,
         "optim": optim_sd,
-        "scheduler": trainer.scheduler.state_dict(),
         "train": {"step": t.step, "tokens_seen": t.tokens_seen,
                   "samples_seen": t.step * trainer.spec.training.global_batch_size,
                   "world_size": dist.get_world_size()},
     }
+    for key, sched in zip(_scheduler_keys(trainer), trainer.schedulers, strict=True):
+        sd[key] = sched.state_dict()
     sd.update(_rng_state(trainer.rank))
     return sd
 
@@ -55,21 +90,74 @@ def app_state(trainer: Any) -> dict[str, Any]:
 def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
     """Load a checkpoint into a freshly built ``Trainer`` (collective: every rank calls it).
 
-    DCP reshards the model and optimizer to the current layout. RNG states are per rank, so
-    they are restored only when the world size matches the one that saved them.
+    DCP reshards the model and optimizer to the current layout by FQN, across dp and pp
+    degrees. Entries this rank needs that the checkpoint lacks, or holds with another shape,
+    raise ``CheckpointMismatch`` before anything is loaded. RNG states are per rank, so they
+    are restored only at the layout that saved them (same world size and pipeline degree).
     """
-    sd = app_state(trainer)
-    if not same_world_size:
-        sd = {k: v for k, v in sd.items() if not k.startswith("rng.")}
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    model_sd, optim_sd, keys = _parts_state(trainer)
+    _check_fits(path, saved, model_sd, optim_sd)
+    sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd,
+                          "train": {"step": 0, "tokens_seen": 0, "samples_seen": 0, "world_size": 0}}
+    sources = [_scheduler_source(key, saved, path) for key in _scheduler_keys(trainer)]
+    for source, sched in zip(sources, trainer.schedulers, strict=True):
+        sd[source] = sched.state_dict()
+    same_layout = same_world_size and _saved_pp(path) in (None, trainer.spec.parallelism.pp)
+    if same_layout:
+        sd.update(_rng_state(trainer.rank))
     dcp.load(sd, checkpoint_id=path)
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=sd["model"],
-                   optim_state_dict=sd["optim"], options=_OPTIONS)
-    trainer.scheduler.load_state_dict(sd["scheduler"])
+    for part, opt, (mkeys, okeys) in zip(trainer.model_parts, trainer.optimizers, keys, strict=True):
+        set_state_dict(part, opt, model_state_dict={k: sd["model"][k] for k in mkeys},
+                       optim_state_dict={k: sd["optim"][k] for k in okeys}, options=_OPTIONS)
+    for source, sched in zip(sources, trainer.schedulers, strict=True):
+        sched.load_state_dict(sd[source])
     trainer.state.step = int(sd["train"]["step"])
     trainer.state.tokens_seen = int(sd["train"]["tokens_seen"])
-    if same_world_size:
+    if same_layout:
         r = trainer.rank
         torch.set_rng_state(sd[f"rng.rank{r}.cpu"])
         random.setstate(sd[f"rng.rank{r}.python"])
         if f"rng.rank{r}.cuda" in sd:
             torch.cuda.set_rng_state(sd[f"rng.rank{r}.cuda"])
+
+
+def _scheduler_source(key: str, saved: dict[str, Any], path: str) -> str:
+    """The saved scheduler state a chunk loads: its own, else the checkpoint's first one.
+
+    Every chunk's schedule steps once per optimizer step, so all saved schedule states are
+    equal and any of them continues a chunk of another layout correctly.
+    """
+    for candidate in (key, _SCHEDULER, f"{_SCHEDULER}.stage0"):
+        if f"{candidate}.last_epoch" in saved:
+            return candidate
+    raise CheckpointMismatch(f"checkpoint {path} has no LR scheduler state ({key}); it was not written by "
+                             "raytrain_ckpt. Resume from another step or set checkpoint.resume=none")
+
+
+def _check_fits(path: str, saved: dict[str, Any], model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+    """Refuse a checkpoint that lacks this rank's entries or holds them with other shapes."""
+    wanted = {f"model.{k}": v for k, v in model_sd.items()} | {f"optim.{k}": v for k, v in optim_sd.items()}
+    missing = sorted(k for k in wanted if k not in saved)
+    if missing:
+        raise CheckpointMismatch(
+            f"checkpoint {path} cannot be loaded into this model: {len(missing)} entries this rank needs are not "
+            f"in it (e.g. {missing[0]}); it was saved from a model with other parameter names (another model, or a "
+            "pipeline split hook that renames parameters). Resume with the model that saved it, or set "
+            "checkpoint.resume=none")
+    for key, value in wanted.items():
+        meta = saved[key]
+        if isinstance(value, torch.Tensor) and isinstance(meta, TensorStorageMetadata):
+            if tuple(meta.size) != tuple(value.shape):
+                raise CheckpointMismatch(
+                    f"checkpoint {path}: {key} has shape {tuple(meta.size)} there and {tuple(value.shape)} in this "
+                    "model; the model's shape changed (model.name / model.overrides). Resume with the same model "
+                    "shape, or set checkpoint.resume=none")
+
+
+def _saved_pp(path: str) -> int | None:
+    """The pipeline degree that saved ``path`` (1 for manifests older than pipelining), None without a manifest."""
+    mpath = Path(path) / MANIFEST
+    if not mpath.is_file():
+        return None
+    return Manifest.from_json(mpath.read_text(encoding="utf-8")).pp_size

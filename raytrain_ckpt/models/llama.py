@@ -224,7 +224,9 @@ class Llama(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        # A ModuleDict keyed "0", "1", ... has the same FQNs as a ModuleList (layers.3.x), but a
+        # pipeline stage can drop the blocks it does not own without renumbering the others.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = _rope_tables(cfg, self.output.weight.device)
@@ -246,7 +248,7 @@ class Llama(nn.Module):
         std = 0.02
         scaled = std / math.sqrt(2 * self.cfg.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        for block in self.layers:
+        for block in self.layers.values():
             attn, ffn = block.attention, block.feed_forward
             for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
                 nn.init.normal_(lin.weight, mean=0.0, std=std)
@@ -270,6 +272,10 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Compute next-token logits.
 
+        A pipeline stage holds only some of the modules (the others are None): without
+        ``tok_embeddings`` the input is the previous stage's hidden state ``[B, T, dim]``,
+        without ``norm``/``output`` the hidden state is returned.
+
         Args:
             tokens: LongTensor of shape ``[B, T]`` with ``T <= max_seq_len``.
 
@@ -283,10 +289,12 @@ class Llama(nn.Module):
                 "raise model max_seq_len or shorten data seq_len"
             )
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        h = self.tok_embeddings(tokens)
-        for block in self.layers:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for block in self.layers.values():
             h = block(h, cos, sin)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
 
 def num_params(model: nn.Module) -> int:

@@ -1,4 +1,4 @@
-"""Parallelism: device mesh and FSDP2 sharding."""
+"""Parallelism: device mesh, FSDP2 sharding and pipeline stages."""
 
 from raytrain_ckpt.parallel.fsdp import apply_fsdp, build_mesh, param_dtype_for, release_mesh
 

@@ -14,13 +14,16 @@ logger = logging.getLogger(__name__)
 __all__ = ["apply_fsdp", "build_mesh", "param_dtype_for", "release_mesh"]
 
 
-def build_mesh(device_type: str, dp_shard: int) -> DeviceMesh:
-    """A 1-D mesh over the data-parallel shard dimension.
+def build_mesh(device_type: str, dp_shard: int, pp: int = 1) -> DeviceMesh:
+    """A 1-D ``(dp_shard,)`` mesh, or ``(pp, dp_shard)`` with pipeline parallelism.
 
-    Pipeline parallelism will add a leading ``pp`` dimension; the names are fixed now so
-    that checkpoints and logs already speak of ``dp_shard``.
+    Rank ``r`` is pipeline rank ``r // dp_shard`` and shard ``r % dp_shard``: the ranks of
+    one stage are consecutive, so on a multi-GPU node FSDP's collectives stay within a node
+    and only the pipeline's point-to-point sends cross nodes.
     """
-    return init_device_mesh(device_type, (dp_shard,), mesh_dim_names=("dp_shard",))
+    if pp == 1:
+        return init_device_mesh(device_type, (dp_shard,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device_type, (pp, dp_shard), mesh_dim_names=("pp", "dp_shard"))
 
 
 def param_dtype_for(mixed_precision: str, use_gpu: bool) -> torch.dtype:

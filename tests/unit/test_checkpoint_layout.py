@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint, Manifest, file_crc32
+from raytrain_ckpt.checkpoint.layout import MANIFEST, CheckpointLayout, InvalidCheckpoint, Manifest, file_crc32
 from raytrain_ckpt.checkpoint.retention import RetentionPolicy
 
 
@@ -128,3 +129,11 @@ def test_delete_leaves_no_torn_step(tmp_path: Path) -> None:
 ])
 def test_retention_table(k, n, committed, leased, in_flight, expected) -> None:
     assert RetentionPolicy(k, n).to_delete(committed, leased, in_flight) == expected
+
+
+def test_manifests_written_before_pipelining_read_as_pp_1(tmp_path: Path) -> None:
+    path = _commit(CheckpointLayout(tmp_path), 5)
+    data = json.loads((path / MANIFEST).read_text())
+    assert data["pp_size"] == 1
+    del data["pp_size"]  # what an older release wrote
+    assert Manifest.from_json(json.dumps(data)).pp_size == 1

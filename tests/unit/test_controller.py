@@ -242,6 +242,19 @@ def test_elastic_world_size_table(requested, min_workers, fit, gbs, mbs, expecte
 
 
 @pytest.mark.parametrize(
+    ("requested", "min_workers", "fit", "gbs", "mbs", "pp", "expected"),
+    [
+        (4, 2, 3, 16, 2, 2, 2),    # pp=2: 3 fit, but the world must be a multiple of pp: 2 (dp 1)
+        (8, 2, 7, 16, 2, 2, 4),    # 6 = pp 2 x dp 3 fits, but 16 is not a multiple of 2 x 3: 4 (dp 2)
+        (6, 3, 5, 12, 1, 3, 3),    # pp=3: dp 1
+        (4, 2, 1, 16, 2, 2, None), # not even one full pipeline fits
+    ],
+)
+def test_elastic_world_size_keeps_the_pipeline(requested, min_workers, fit, gbs, mbs, pp, expected):
+    assert elastic_world_size(requested, min_workers, fit, gbs, mbs, pp) == expected
+
+
+@pytest.mark.parametrize(
     ("kind", "retry_on", "expected"),
     [
         ("exception", ("crash", "hang"), Decision.FAIL),      # a bug in user code: do not burn restarts

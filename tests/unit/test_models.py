@@ -119,8 +119,8 @@ def test_init_is_deterministic_under_manual_seed() -> None:
 def test_init_weights_values() -> None:
     model = _tiny()
     assert torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
-    wq = model.layers[0].attention.wq.weight
-    wo = model.layers[0].attention.wo.weight
+    wq = model.layers["0"].attention.wq.weight
+    wo = model.layers["0"].attention.wo.weight
     assert 0.015 < wq.std().item() < 0.025
     # Residual projections are scaled down by 1/sqrt(2 * n_layers) = 0.5.
     assert 0.0075 < wo.std().item() < 0.0125
@@ -154,7 +154,7 @@ def test_meta_materialisation_matches_eager() -> None:
 def test_gqa_head_layouts(n_kv_heads: int) -> None:
     model = _tiny(n_kv_heads=n_kv_heads)
     head_dim = TINY.dim // TINY.n_heads
-    assert model.layers[0].attention.wk.weight.shape == (n_kv_heads * head_dim, TINY.dim)
+    assert model.layers["0"].attention.wk.weight.shape == (n_kv_heads * head_dim, TINY.dim)
     assert model(torch.randint(0, TINY.vocab_size, (2, 5))).shape == (2, 5, TINY.vocab_size)
 
 

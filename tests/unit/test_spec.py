@@ -44,6 +44,14 @@ def test_every_shipped_job_validates(job):
     assert spec.world_size == spec.dp_size * spec.parallelism.pp
 
 
+def test_with_workers_shrinks_only_data_parallel():
+    spec = JobSpec.model_validate(_merge(BASE, {"resources": {"num_workers": 4}, "training": {"global_batch_size": 16},
+                                                "parallelism": {"pp": 2, "microbatches": 4}}))
+    small = spec.with_workers(2)
+    assert (small.world_size, small.parallelism.pp, small.dp_size) == (2, 2, 1)
+    assert small.training.global_batch_size == 16 and small.local_microbatches == 8
+
+
 BAD = [
     ("typo_section", {"trainig": {"steps": 3}}, "trainig: unknown field; did you mean 'training'?"),
     ("typo_field", {"training": {"stpes": 3}}, "training.stpes: unknown field; did you mean 'steps'?"),
@@ -56,7 +64,26 @@ BAD = [
     ("degrees_mismatch", {"parallelism": {"dp_shard": 3}},
      "parallelism.dp_shard: dp_shard 3 x pp 1 = 3 does not match resources.num_workers=2"),
     ("dp_zero", {"parallelism": {"dp_shard": 0}}, "parallelism.dp_shard=0: must be >= 1, or -1"),
-    ("pp_unavailable", {"parallelism": {"pp": 2}}, "parallelism.pp=2: pipeline parallelism is not available"),
+    ("pp_too_many_stages", {"parallelism": {"pp": 2, "virtual_stages": 4, "pp_schedule": "interleaved_1f1b"}},
+     "parallelism.pp: 8 stages (pp 2 x virtual_stages 4) but 'debug' has 4 layers"),
+    ("pp_virtual_needs_interleaved", {"parallelism": {"pp": 2, "virtual_stages": 2}},
+     "parallelism.virtual_stages: 2 needs pp_schedule=interleaved_1f1b"),
+    ("pp_interleaved_needs_virtual", {"parallelism": {"pp": 2, "pp_schedule": "interleaved_1f1b"}},
+     "parallelism.virtual_stages: interleaved_1f1b needs virtual_stages >= 2"),
+    ("pp_virtual_without_pp", {"parallelism": {"virtual_stages": 2, "pp_schedule": "interleaved_1f1b"}},
+     "parallelism.virtual_stages: only used with pipeline parallelism"),
+    ("pp_microbatches_mismatch", {"parallelism": {"pp": 2, "microbatches": 3}},
+     "parallelism.microbatches: 3 does not match global_batch_size 8 / (micro_batch_size 2 x dp 1) = 4"),
+    ("pp_1f1b_too_few_microbatches", {"parallelism": {"pp": 2}, "training": {"global_batch_size": 2}},
+     "training.micro_batch_size: 1f1b needs at least pp=2 micro-batches per step, got 1"),
+    ("pp_split_points_count", {"parallelism": {"pp": 2, "pp_split_points": ["layers.1", "layers.2"]}},
+     "parallelism.pp_split_points: 2 points for 2 stages"),
+    ("pp_split_point_not_a_layer", {"parallelism": {"pp": 2, "pp_split_points": ["layers.9"]}},
+     "parallelism.pp_split_points: 'layers.9' is not a layer a stage can start at"),
+    ("pp_degrees_mismatch", {"parallelism": {"pp": 2, "dp_shard": 2}},
+     "parallelism.dp_shard: dp_shard 2 x pp 2 = 4 does not match resources.num_workers=2"),
+    ("pp_workers_not_divisible", {"resources": {"num_workers": 3}, "parallelism": {"pp": 2}},
+     "resources.num_workers: 3 is not divisible by parallelism.pp=2"),
     ("seq_len_over_context", {"training": {"seq_len": 4096}}, "training.seq_len: 4096 exceeds the model context 512"),
     ("gpu_without_use_gpu", {"resources": {"gpus_per_worker": 1}},
      "resources.gpus_per_worker: 1.0 GPUs requested but use_gpu is false"),
