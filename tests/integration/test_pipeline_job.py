@@ -42,6 +42,8 @@ def test_killed_stage_restarts_the_group_and_finishes_bit_exact(reference, tmp_p
     assert all(r.start_step == 4 for r in result.results)
     assert [r.fingerprint for r in result.results] == [r.fingerprint for r in ref.results]
     assert result.losses == {s: v for s, v in ref.losses.items() if s > 4}
+    # the first stage's process was kept; the warm spare took the last stage
+    assert [(r.served, r.was_spare) for r in result.results] == [((0, 1), False), ((1,), True)]
 
 
 def test_pp_checkpoint_resumes_as_pure_fsdp(reference, tmp_path):
