@@ -8,6 +8,9 @@ Keys (a standard DCP checkpoint; plain ``dcp.load`` / ``dcp_to_torch_save`` read
     scheduler                         LR scheduler state_dict
     train                             {"step", "tokens_seen", "samples_seen", "world_size"}
     rng.rank<r>.cpu / .cuda / .python RNG states of every rank (restored at the same world size)
+
+A checkpoint with ``model.*`` keys only (written by ``raytrain-ckpt import``) loads as
+pretrained weights: the model is loaded, the optimizer, schedule and step start fresh.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,9 @@ def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
     DCP reshards the model and optimizer to the current layout. RNG states are per rank, so
     they are restored only when the world size matches the one that saved them.
     """
+    if _model_only(path):
+        _load_model_only(trainer, path)
+        return
     sd = app_state(trainer)
     if not same_world_size:
         sd = {k: v for k, v in sd.items() if not k.startswith("rng.")}
@@ -73,3 +81,16 @@ def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
         random.setstate(sd[f"rng.rank{r}.python"])
         if f"rng.rank{r}.cuda" in sd:
             torch.cuda.set_rng_state(sd[f"rng.rank{r}.cuda"])
+
+
+def _model_only(path: str) -> bool:
+    keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    return not any(k.startswith("train.") for k in keys)
+
+
+def _load_model_only(trainer: Any, path: str) -> None:
+    """Pretrained weights: the model only; optimizer, schedule, step and RNG stay as built (step 0)."""
+    model_sd = get_model_state_dict(trainer.model)
+    dcp.load({"model": model_sd}, checkpoint_id=path)
+    set_model_state_dict(trainer.model, model_sd)
+    logger.info("loaded model-only checkpoint %s: starting at step 0 with a fresh optimizer", path)
