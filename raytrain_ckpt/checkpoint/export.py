@@ -50,7 +50,7 @@ from raytrain_ckpt.spec import JobSpec
 logger = logging.getLogger(__name__)
 
 __all__ = ["DTYPES", "ConversionError", "ExportResult", "export_checkpoint", "final_export", "hf_config", "hf_name", "our_name",
-           "parse_size", "progress_bar", "resolve_step"]
+           "parse_size", "peak_rss_bytes", "progress_bar", "resolve_step"]
 
 Format = Literal["hf", "torch"]
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -91,7 +91,7 @@ class ExportResult:
     peak_tensor_bytes: int
     """Most bytes of tensor data held in process memory at once (a read tensor and its cast)."""
     max_rss_bytes: int
-    """Peak resident set size of this process (``getrusage``), the interpreter and torch included."""
+    """Peak resident set size of this process, the interpreter and torch included."""
     seconds: float
     source: Path = field(default_factory=Path)
 
@@ -103,6 +103,18 @@ def _rename(name: str, to_hf: bool) -> str | None:
         if m:
             return dst.format(**m.groupdict())
     return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS: ``VmHWM`` (reset by exec, unlike ``getrusage``'s ``ru_maxrss``,
+    which a child started by a large parent inherits)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass  # not Linux: fall back to getrusage
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def hf_name(fqn: str) -> str:
@@ -450,7 +462,7 @@ def _export_leased(step_dir: Path, manifest: Manifest, out: Path, fmt: Format, d
         else:
             n, nbytes = _write_torch(reader, tmp, dtype, with_optimizer)
         files = sorted(p.name for p in tmp.iterdir())
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    rss = peak_rss_bytes()
     result = ExportResult(manifest.step, out, files, n, nbytes, reader.peak, rss, time.monotonic() - t0, step_dir)
     logger.info("exported step %d (%s, %d tensors, %.1f MB) to %s in %.2fs; peak tensor memory %.1f MB, "
                 "max RSS %.0f MB", result.step, fmt, n, nbytes / 1e6, out, result.seconds, reader.peak / 1e6,

@@ -128,7 +128,7 @@ def test_torch_export_import_resume_keeps_the_parameters(trained, tmp_path):
 
 
 def test_export_holds_its_step_while_the_job_saves_and_purges(ray_cluster, tmp_path, monkeypatch):
-    spec = load_spec(DEMO, [*BASE, f"checkpoint.dir={tmp_path}", "training.steps=40", "checkpoint.interval_steps=1",
+    spec = load_spec(DEMO, [*BASE, f"checkpoint.dir={tmp_path}", "training.steps=20", "checkpoint.interval_steps=1",
                             "checkpoint.keep_latest_k=1", "checkpoint.mode=sync"])
     layout = CheckpointLayout(tmp_path / spec.name)
     done: list[JobResult] = []
