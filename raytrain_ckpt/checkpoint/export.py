@@ -30,9 +30,9 @@ import sys
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,8 +49,8 @@ from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DTYPES", "ConversionError", "ExportResult", "export_checkpoint", "final_export", "hf_config", "hf_name", "our_name",
-           "parse_size", "peak_rss_bytes", "progress_bar", "resolve_step"]
+__all__ = ["DTYPES", "ConversionError", "ExportResult", "export_checkpoint", "final_export", "hf_config", "hf_name",
+           "our_name", "parse_size", "peak_rss_bytes", "progress_bar", "resolve_step"]
 
 Format = Literal["hf", "torch"]
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -93,7 +93,8 @@ class ExportResult:
     max_rss_bytes: int
     """Peak resident set size of this process, the interpreter and torch included."""
     seconds: float
-    source: Path = field(default_factory=Path)
+    source: Path
+    """The step directory that was exported."""
 
 
 def _rename(name: str, to_hf: bool) -> str | None:
