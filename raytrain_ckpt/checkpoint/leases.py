@@ -59,7 +59,8 @@ def purge_lock(root: Path) -> Iterator[None]:
 
 
 def file_leased_steps(root: Path, ttl_s: float = LEASE_TTL_S, now: float | None = None) -> set[int]:
-    """Steps named by fresh lease files under ``root``; stale or unreadable ones are logged and ignored."""
+    """Steps named by fresh lease files under ``root``. A stale one (its holder is gone) is removed;
+    an unreadable one (being written right now) is skipped."""
     d = Path(root) / LEASE_DIR
     if not d.is_dir():
         return set()
@@ -76,7 +77,8 @@ def file_leased_steps(root: Path, ttl_s: float = LEASE_TTL_S, now: float | None 
             logger.debug("ignoring lease file %s: %s", path, exc)
             continue
         if age > ttl_s:
-            logger.warning("ignoring stale lease %s on step %d (no heartbeat for %.0fs)", path.name, step, age)
+            logger.warning("removing stale lease %s on step %d (no heartbeat for %.0fs)", path.name, step, age)
+            path.unlink(missing_ok=True)
             continue
         out.add(step)
     return out

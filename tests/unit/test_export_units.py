@@ -49,9 +49,9 @@ def test_a_stale_lease_protects_nothing(tmp_path: Path) -> None:
     with FileLease(tmp_path, 1, heartbeat_s=3600) as lease:
         old = time.time() - LEASE_TTL_S - 1
         os.utime(lease.path, (old, old))                     # a holder that died without releasing
+        assert file_leased_steps(tmp_path, now=old + LEASE_TTL_S - 1) == {1}
         assert file_leased_steps(tmp_path) == set()
-        os.utime(lease.path)                                 # a heartbeat makes it fresh again
-        assert file_leased_steps(tmp_path) == {1}
+        assert not lease.path.exists()                       # and its file is cleaned up
 
 
 def test_a_lease_on_a_purged_step_fails_and_leaves_no_file(tmp_path: Path) -> None:
