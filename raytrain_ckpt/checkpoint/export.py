@@ -10,8 +10,10 @@ and written. Peak memory is about the largest tensor (twice, for the cast), what
   read, so each shard is written front to back, one tensor at a time.
 - ``torch``: ``model.pt``, ``{fqn: tensor}`` as ``format_utils.dcp_to_torch_save`` gives for
   the ``model`` part; with the optimizer ``{"model": {...}, "optim": {...}}`` (the flattened,
-  FQN-keyed optimizer state dict). ``torch.save`` needs every tensor at once, so they are
-  staged in file-backed scratch memory (``torch.from_file``) that the OS pages out as needed.
+  FQN-keyed optimizer state dict). ``torch.save`` needs every tensor at once, so the file is
+  written in its zip format directly (``torch._C.PyTorchFileWriter``, what ``torch.save`` uses):
+  the pickle refers to storages by record name and each storage record is written as its
+  tensor is read.
 
 The output is written to ``<out>.tmp-<id>`` and renamed to ``<out>`` at the end: a directory
 named ``<out>`` is always a complete export.
@@ -19,9 +21,12 @@ named ``<out>`` is always a complete export.
 
 from __future__ import annotations
 
+import collections
+import io
 import json
 import logging
 import os
+import pickle
 import re
 import resource
 import shutil
@@ -55,6 +60,10 @@ __all__ = ["DTYPES", "ConversionError", "ExportResult", "export_checkpoint", "fi
 Format = Literal["hf", "torch"]
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_STORAGE_TYPES: dict[torch.dtype, type] = {
+    torch.float32: torch.FloatStorage, torch.bfloat16: torch.BFloat16Storage, torch.float16: torch.HalfStorage,
+    torch.float64: torch.DoubleStorage, torch.int64: torch.LongStorage, torch.int32: torch.IntStorage,
+}
 _HF_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _STEP_RE = re.compile(r"^step-(\d+)$")
 # Our FQN -> the Hugging Face LlamaForCausalLM name. Our RoPE is the rotate-halves form, the
@@ -316,39 +325,71 @@ def _write_hf(reader: _Reader, tmp: Path, cfg: LlamaConfig, dtype: torch.dtype, 
 # --- torch -----------------------------------------------------------------------------
 
 
-def _scratch_copy(reader: _Reader, key: str, dtype: torch.dtype | None, scratch: Path) -> torch.Tensor:
-    """Read ``key`` and move it into file-backed memory, so the process holds one tensor at a time."""
-    t = reader.read(key, dtype)
-    path = scratch / f"{len(list(scratch.iterdir())):06d}.bin"
-    backed = torch.from_file(str(path), shared=True, size=t.numel(), dtype=t.dtype).view(t.shape)
-    backed.copy_(t)
-    reader.release(t)
-    return backed
+class _Storage:
+    """Stands for a storage in the pickle; its bytes are written after ``data.pkl``."""
+
+    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _LazyTensor:
+    """Pickles exactly as a contiguous CPU tensor of ``shape`` over ``storage`` would."""
+
+    def __init__(self, storage: _Storage, shape: tuple[int, ...]) -> None:
+        self.storage, self.shape = storage, shape
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        stride = torch.empty(self.shape, device="meta").stride()
+        return (torch._utils._rebuild_tensor_v2,
+                (self.storage, 0, torch.Size(self.shape), stride, False, collections.OrderedDict()))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> tuple | None:
+        if isinstance(obj, _Storage):
+            return ("storage", _STORAGE_TYPES[obj.dtype], obj.key, "cpu", obj.numel)
+        return None
+
+
+def _stream_torch_save(path: Path, obj: Any, tensors: list[tuple[str, str, torch.dtype | None]],
+                       reader: _Reader, bar: Any) -> None:
+    """Write ``obj`` in ``torch.save``'s zip format, reading each (record, key, cast) tensor only when
+    its record is written: the pickle goes first and refers to storages by record name, the same
+    layout ``torch.save`` produces, so ``torch.load`` (``weights_only``, ``mmap``) reads it."""
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(obj)
+    writer = torch._C.PyTorchFileWriter(str(path))
+    writer.write_record("data.pkl", buf.getvalue(), len(buf.getvalue()))
+    writer.write_record("byteorder", sys.byteorder.encode(), len(sys.byteorder))
+    for record, key, cast in tensors:
+        t = reader.read(key, cast).contiguous()
+        storage = t.untyped_storage()
+        writer.write_record(f"data/{record}", storage, storage.nbytes())
+        reader.release(t)
+        bar.update(1)
+    writer.write_end_of_file()
 
 
 def _write_torch(reader: _Reader, tmp: Path, dtype: torch.dtype, with_optimizer: bool) -> tuple[int, int]:
-    scratch = tmp / ".scratch"
-    scratch.mkdir()
-    model_keys = sorted(reader.tensor_keys("model."))
-    optim_keys = sorted(reader.tensor_keys("optim.")) if with_optimizer else []
-    bar = progress_bar(len(model_keys) + len(optim_keys), "export torch")
-    model: dict[str, Any] = {}
-    for key in model_keys:
-        model[key.removeprefix("model.")] = _scratch_copy(reader, key, dtype, scratch)
-        bar.update(1)
+    plan: list[tuple[str, str, torch.dtype | None]] = []
+
+    def lazy(key: str, cast: torch.dtype | None) -> _LazyTensor:
+        md = reader.tensor_keys(key)[key]
+        record = str(len(plan))
+        plan.append((record, key, cast))
+        return _LazyTensor(_Storage(record, cast or md.properties.dtype, md.size.numel()), tuple(md.size))
+
+    model = {k.removeprefix("model."): lazy(k, dtype) for k in sorted(reader.tensor_keys("model."))}
     obj: dict[str, Any] = model
     if with_optimizer:
         # Optimizer moments stay in the dtype they were saved in: a cast would change the optimization.
-        optim: dict[str, Any] = {}
-        for key in optim_keys:
-            optim[key.removeprefix("optim.")] = _scratch_copy(reader, key, None, scratch)
-            bar.update(1)
+        optim: dict[str, Any] = {k.removeprefix("optim."): lazy(k, None) for k in sorted(reader.tensor_keys("optim."))}
         optim.update(_bytes_entries(reader, "optim."))
         obj = {"model": model, "optim": optim}
+    bar = progress_bar(len(plan), "export torch")
+    _stream_torch_save(tmp / "model.pt", obj, plan, reader, bar)
     bar.close()
-    torch.save(obj, tmp / "model.pt")
-    shutil.rmtree(scratch)
-    return len(model_keys) + len(optim_keys), (tmp / "model.pt").stat().st_size
+    return len(plan), (tmp / "model.pt").stat().st_size
 
 
 def _bytes_entries(reader: _Reader, prefix: str) -> dict[str, Any]:
