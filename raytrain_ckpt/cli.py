@@ -124,7 +124,8 @@ def _add_conversion_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from raytrain_ckpt.checkpoint.export import ConversionError, export_checkpoint, parse_size
+    from raytrain_ckpt.checkpoint.export import export_checkpoint, parse_size
+    from raytrain_ckpt.checkpoint.formats import ConversionError
     from raytrain_ckpt.checkpoint.importer import import_checkpoint
     from raytrain_ckpt.models import describe_model
 

@@ -21,16 +21,12 @@ named ``<out>`` is always a complete export.
 
 from __future__ import annotations
 
-import collections
-import io
 import json
 import logging
 import os
-import pickle
 import re
 import resource
 import shutil
-import struct
 import sys
 import time
 import uuid
@@ -46,6 +42,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from raytrain_ckpt.checkpoint.formats import (ConversionError, hf_config, hf_name, lazy_tensor,
+                                              plan_shards, safetensors_header, stream_torch_save)
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint, Manifest, Verify
 from raytrain_ckpt.checkpoint.leases import FileLease
 from raytrain_ckpt.models import describe_model
@@ -54,40 +52,12 @@ from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DTYPES", "ConversionError", "ExportResult", "export_checkpoint", "final_export", "hf_config", "hf_name",
-           "our_name", "parse_size", "peak_rss_bytes", "progress_bar", "resolve_step"]
+__all__ = ["DTYPES", "ExportResult", "export_checkpoint", "final_export", "parse_size", "peak_rss_bytes",
+           "progress_bar", "resolve_step"]
 
 Format = Literal["hf", "torch"]
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-_STORAGE_TYPES: dict[torch.dtype, type] = {
-    torch.float32: torch.FloatStorage, torch.bfloat16: torch.BFloat16Storage, torch.float16: torch.HalfStorage,
-    torch.float64: torch.DoubleStorage, torch.int64: torch.LongStorage, torch.int32: torch.IntStorage,
-}
-_HF_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _STEP_RE = re.compile(r"^step-(\d+)$")
-# Our FQN -> the Hugging Face LlamaForCausalLM name. Our RoPE is the rotate-halves form, the
-# same as HF's rotate_half, so q/k need no permutation.
-_HF_NAMES: list[tuple[str, str]] = [
-    ("tok_embeddings.weight", "model.embed_tokens.weight"),
-    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("output.weight", "lm_head.weight"),
-]
-
-
-class ConversionError(ValueError):
-    """A bad export or import request, or an unusable checkpoint: one line saying what and how to fix it."""
-
-
 @dataclass
 class ExportResult:
     """What an export wrote and what it cost."""
@@ -106,15 +76,6 @@ class ExportResult:
     """The step directory that was exported."""
 
 
-def _rename(name: str, to_hf: bool) -> str | None:
-    for ours, hf in _HF_NAMES:
-        src, dst = (ours, hf) if to_hf else (hf, ours)
-        m = re.fullmatch(re.escape(src).replace(r"\{i\}", r"(?P<i>\d+)"), name)
-        if m:
-            return dst.format(**m.groupdict())
-    return None
-
-
 def peak_rss_bytes() -> int:
     """This process's peak RSS: ``VmHWM`` (reset by exec, unlike ``getrusage``'s ``ru_maxrss``,
     which a child started by a large parent inherits)."""
@@ -125,35 +86,6 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass  # not Linux: fall back to getrusage
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def hf_name(fqn: str) -> str:
-    """The Hugging Face Llama name of one of our built-in model's parameter FQNs."""
-    name = _rename(fqn, to_hf=True)
-    if name is None:
-        raise ConversionError(f"parameter {fqn!r} has no Hugging Face Llama name: --format hf exports only the built-in "
-                          "Llama; use --format torch")
-    return name
-
-
-def our_name(name: str) -> str:
-    """The inverse of :func:`hf_name`."""
-    fqn = _rename(name, to_hf=False)
-    if fqn is None:
-        raise ConversionError(f"tensor {name!r} is not a Hugging Face Llama parameter of the built-in model")
-    return fqn
-
-
-def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """``config.json`` for ``LlamaForCausalLM`` with this model's shape."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "rope_scaling": None, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": False, "initializer_range": 0.02, "torch_dtype": _HF_DTYPE[dtype],
-    }
 
 
 def parse_size(text: str) -> int:
@@ -269,44 +201,17 @@ def _hf_entries(reader: _Reader, cfg: LlamaConfig) -> list[tuple[str, str, tuple
     return [(hf_name(k), f"model.{k}", shape) for k, shape in expected.items()]
 
 
-def _plan_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
-    """Consecutive groups of entry indices, each at most ``max_bytes`` unless one tensor is larger."""
-    shards: list[list[int]] = [[]]
-    used = 0
-    for i, n in enumerate(sizes):
-        if shards[-1] and used + n > max_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(i)
-        used += n
-    return shards
-
-
-def _safetensors_header(items: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> bytes:
-    """The length-prefixed JSON header of a safetensors file whose tensors follow in ``items`` order."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    for name, shape in items:
-        n = itemsize * int(torch.Size(shape).numel())
-        header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    return struct.pack("<Q", len(raw)) + raw
-
-
 def _write_hf(reader: _Reader, tmp: Path, cfg: LlamaConfig, dtype: torch.dtype, max_shard: int) -> tuple[int, int]:
     entries = _hf_entries(reader, cfg)
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = [itemsize * int(torch.Size(shape).numel()) for _, _, shape in entries]
-    shards = _plan_shards(sizes, max_shard)
+    shards = plan_shards(sizes, max_shard)
     weight_map: dict[str, str] = {}
     bar = progress_bar(len(entries), "export hf")
     for s, idx in enumerate(shards, 1):
         fname = f"model-{s:05d}-of-{len(shards):05d}.safetensors"
         with open(tmp / fname, "wb") as f:
-            f.write(_safetensors_header([(entries[i][0], entries[i][2]) for i in idx], dtype))
+            f.write(safetensors_header([(entries[i][0], entries[i][2]) for i in idx], dtype))
             for i in idx:
                 t = reader.read(entries[i][1], dtype).contiguous()
                 f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -325,59 +230,13 @@ def _write_hf(reader: _Reader, tmp: Path, cfg: LlamaConfig, dtype: torch.dtype, 
 # --- torch -----------------------------------------------------------------------------
 
 
-class _Storage:
-    """Stands for a storage in the pickle; its bytes are written after ``data.pkl``."""
-
-    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
-        self.key, self.dtype, self.numel = key, dtype, numel
-
-
-class _LazyTensor:
-    """Pickles exactly as a contiguous CPU tensor of ``shape`` over ``storage`` would."""
-
-    def __init__(self, storage: _Storage, shape: tuple[int, ...]) -> None:
-        self.storage, self.shape = storage, shape
-
-    def __reduce_ex__(self, protocol: int) -> tuple:
-        stride = torch.empty(self.shape, device="meta").stride()
-        return (torch._utils._rebuild_tensor_v2,
-                (self.storage, 0, torch.Size(self.shape), stride, False, collections.OrderedDict()))
-
-
-class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> tuple | None:
-        if isinstance(obj, _Storage):
-            return ("storage", _STORAGE_TYPES[obj.dtype], obj.key, "cpu", obj.numel)
-        return None
-
-
-def _stream_torch_save(path: Path, obj: Any, tensors: list[tuple[str, str, torch.dtype | None]],
-                       reader: _Reader, bar: Any) -> None:
-    """Write ``obj`` in ``torch.save``'s zip format, reading each (record, key, cast) tensor only when
-    its record is written: the pickle goes first and refers to storages by record name, the same
-    layout ``torch.save`` produces, so ``torch.load`` (``weights_only``, ``mmap``) reads it."""
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=2).dump(obj)
-    writer = torch._C.PyTorchFileWriter(str(path))
-    writer.write_record("data.pkl", buf.getvalue(), len(buf.getvalue()))
-    writer.write_record("byteorder", sys.byteorder.encode(), len(sys.byteorder))
-    for record, key, cast in tensors:
-        t = reader.read(key, cast).contiguous()
-        storage = t.untyped_storage()
-        writer.write_record(f"data/{record}", storage, storage.nbytes())
-        reader.release(t)
-        bar.update(1)
-    writer.write_end_of_file()
-
-
 def _write_torch(reader: _Reader, tmp: Path, dtype: torch.dtype, with_optimizer: bool) -> tuple[int, int]:
     plan: list[tuple[str, str, torch.dtype | None]] = []
 
-    def lazy(key: str, cast: torch.dtype | None) -> _LazyTensor:
+    def lazy(key: str, cast: torch.dtype | None) -> Any:
         md = reader.tensor_keys(key)[key]
-        record = str(len(plan))
-        plan.append((record, key, cast))
-        return _LazyTensor(_Storage(record, cast or md.properties.dtype, md.size.numel()), tuple(md.size))
+        plan.append((str(len(plan)), key, cast))
+        return lazy_tensor(plan[-1][0], cast or md.properties.dtype, tuple(md.size))
 
     model = {k.removeprefix("model."): lazy(k, dtype) for k in sorted(reader.tensor_keys("model."))}
     obj: dict[str, Any] = model
@@ -387,7 +246,15 @@ def _write_torch(reader: _Reader, tmp: Path, dtype: torch.dtype, with_optimizer:
         optim.update(_bytes_entries(reader, "optim."))
         obj = {"model": model, "optim": optim}
     bar = progress_bar(len(plan), "export torch")
-    _stream_torch_save(tmp / "model.pt", obj, plan, reader, bar)
+
+    def records() -> Iterator[tuple[str, torch.Tensor]]:
+        for record, key, cast in plan:
+            t = reader.read(key, cast)
+            yield record, t
+            reader.release(t)
+            bar.update(1)
+
+    stream_torch_save(tmp / "model.pt", obj, records())
     bar.close()
     return len(plan), (tmp / "model.pt").stat().st_size
 

@@ -20,7 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from raytrain_ckpt.checkpoint.export import ConversionError, progress_bar, our_name
+from raytrain_ckpt.checkpoint.export import progress_bar
+from raytrain_ckpt.checkpoint.formats import ConversionError, our_name
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout, Manifest, file_crc32
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,8 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from raytrain_ckpt.checkpoint import export as export_mod
-from raytrain_ckpt.checkpoint.export import export_checkpoint, hf_name
+from raytrain_ckpt.checkpoint.export import export_checkpoint
+from raytrain_ckpt.checkpoint.formats import ConversionError, hf_name
 from raytrain_ckpt.checkpoint.importer import import_checkpoint
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout
 from raytrain_ckpt.cli import main
@@ -153,7 +154,7 @@ def test_export_holds_its_step_while_the_job_saves_and_purges(ray_cluster, tmp_p
         try:
             result = export_checkpoint(layout.step_dir(step), tmp_path / "out", "torch", "fp32")
             break
-        except export_mod.ConversionError as exc:
+        except ConversionError as exc:
             assert "removed" in str(exc) or "not a valid" in str(exc), exc
     assert result is not None
     # while leased, newer steps committed and retention (keep 1) purged all but the newest and ours

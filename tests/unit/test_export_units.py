@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from raytrain_ckpt.checkpoint.actor import CheckpointActor
-from raytrain_ckpt.checkpoint.export import (ConversionError, _plan_shards, _safetensors_header, export_checkpoint,
-                                             hf_name, our_name, parse_size)
+from raytrain_ckpt.checkpoint.export import export_checkpoint, parse_size
+from raytrain_ckpt.checkpoint.formats import ConversionError, hf_name, our_name, plan_shards, safetensors_header
 from raytrain_ckpt.checkpoint.importer import import_checkpoint
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint
 from raytrain_ckpt.checkpoint.leases import LEASE_TTL_S, FileLease, file_leased_steps
@@ -83,7 +83,7 @@ def test_hf_names_round_trip_and_unknown_names_are_refused() -> None:
 
 
 def test_shard_plan_and_sizes() -> None:
-    assert _plan_shards([4, 4, 4, 10, 1], 8) == [[0, 1], [2], [3], [4]]
+    assert plan_shards([4, 4, 4, 10, 1], 8) == [[0, 1], [2], [3], [4]]
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 << 20 and parse_size("17") == 17
     with pytest.raises(ConversionError, match="max-shard-size"):
         parse_size("lots")
@@ -92,7 +92,7 @@ def test_shard_plan_and_sizes() -> None:
 def test_streamed_safetensors_header_reads_with_the_library(tmp_path: Path) -> None:
     a, b = torch.randn(3, 5).to(torch.bfloat16), torch.randn(7).to(torch.bfloat16)
     with open(tmp_path / "x.safetensors", "wb") as f:
-        f.write(_safetensors_header([("a", (3, 5)), ("b", (7,))], torch.bfloat16))
+        f.write(safetensors_header([("a", (3, 5)), ("b", (7,))], torch.bfloat16))
         for t in (a, b):
             f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     got = load_file(tmp_path / "x.safetensors")
