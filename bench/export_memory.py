@@ -6,7 +6,7 @@ each in a fresh process so its max RSS is its own, and prints the model size, th
 bytes the exporter held, the process's max RSS and the baseline RSS of a process that only
 imports torch and the exporter.
 
-    .venv/bin/python bench/export_memory.py [--preset small] [--layers N] [--dir bench/out/export]
+    .venv/bin/python bench/export_memory.py [--preset small] [--layers N] [--vocab N] [--dir bench/out/export]
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ _CHILD = """
 import json, sys
 from raytrain_ckpt.checkpoint.export import export_checkpoint, peak_rss_bytes
 from raytrain_ckpt.models import describe_model
-fmt, step, out, preset, layers = sys.argv[1:6]
+fmt, step, out, preset, overrides = sys.argv[1:6]
 if fmt == "baseline":
     print(json.dumps({"max_rss": peak_rss_bytes()}))
     sys.exit()
-cfg = describe_model(preset, {"n_layers": int(layers)} if int(layers) else {}) if fmt == "hf" else None
+cfg = describe_model(preset, json.loads(overrides)) if fmt == "hf" else None
 r = export_checkpoint(step, out, fmt, "bf16" if fmt == "hf" else "fp32", cfg, max_shard_bytes=10**9)
 print(json.dumps({"seconds": r.seconds, "peak": r.peak_tensor_bytes, "max_rss": r.max_rss_bytes,
                   "bytes": r.bytes_written, "files": len(r.files)}))
@@ -39,6 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
     ap.add_argument("--layers", type=int, default=None, help="override the preset's n_layers")
+    ap.add_argument("--vocab", type=int, default=None, help="override the preset's vocab_size")
     ap.add_argument("--dir", default="bench/out/export")
     args = ap.parse_args()
     from raytrain_ckpt.checkpoint.importer import import_checkpoint
@@ -47,7 +48,7 @@ def main() -> None:
     work = Path(args.dir).resolve()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    overrides = {"n_layers": args.layers} if args.layers else {}
+    overrides = {k: v for k, v in (("n_layers", args.layers), ("vocab_size", args.vocab)) if v}
     model = build_model(args.preset, overrides)
     torch.save(model.state_dict(), work / "model.pt")
     size = sum(t.nbytes for t in model.state_dict().values())
@@ -59,7 +60,7 @@ def main() -> None:
     print(f"{'format':10} {'seconds':>8} {'out MB':>8} {'files':>6} {'peak tensor MB':>15} {'max RSS MB':>11}")
     for fmt in ("baseline", "hf", "torch"):
         res = subprocess.run([sys.executable, "-c", _CHILD, fmt, str(step), str(work / f"out-{fmt}"), args.preset,
-                              str(args.layers or 0)],
+                              json.dumps(overrides)],
                              capture_output=True, text=True, check=True)
         r = json.loads(res.stdout.strip().splitlines()[-1])
         if fmt == "baseline":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import io
 import json
+import os
 import pickle
 import re
 import struct
@@ -159,10 +160,13 @@ def stream_torch_save(path: Path, obj: Any, records: Iterable[tuple[str, torch.T
     reads it. ``records`` may be a generator that reads each tensor just before it is written."""
     buf = io.BytesIO()
     _Pickler(buf, protocol=2).dump(obj)
-    writer = torch._C.PyTorchFileWriter(str(path))
-    writer.write_record("data.pkl", buf.getvalue(), len(buf.getvalue()))
-    writer.write_record("byteorder", sys.byteorder.encode(), len(sys.byteorder))
-    for record, tensor in records:
-        storage = tensor.contiguous().untyped_storage()
-        writer.write_record(f"data/{record}", storage, storage.nbytes())
-    writer.write_end_of_file()
+    with open(path, "wb") as f:
+        writer = torch._C.PyTorchFileWriter(f)  # a file object: we fsync it before the rename
+        writer.write_record("data.pkl", buf.getvalue(), len(buf.getvalue()))
+        writer.write_record("byteorder", sys.byteorder.encode(), len(sys.byteorder))
+        for record, tensor in records:
+            storage = tensor.contiguous().untyped_storage()
+            writer.write_record(f"data/{record}", storage, storage.nbytes())
+        writer.write_end_of_file()
+        f.flush()
+        os.fsync(f.fileno())
