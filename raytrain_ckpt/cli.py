@@ -1,4 +1,4 @@
-"""Command line: ``raytrain-ckpt run | validate | schema``.
+"""Command line: ``raytrain-ckpt run | validate | schema | export | import``.
 
 Exit codes: 0 success, 1 the job failed, 2 a user mistake (bad spec, bad flag, not enough
 resources). User mistakes print one line per problem and never a traceback.
@@ -43,12 +43,15 @@ def _parser() -> argparse.ArgumentParser:
     schema = sub.add_parser("schema", help="print the job spec JSON Schema (for editor completion)")
     schema.add_argument("--format", choices=("json", "markdown"), default="json",
                         help="json: JSON Schema; markdown: the field reference table in README")
+    _add_conversion_commands(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``raytrain-ckpt`` and ``python -m raytrain_ckpt``."""
     args = _parser().parse_args(argv)
+    if args.command in ("export", "import"):
+        return _convert(args)
     if args.command == "schema":
         if args.format == "markdown":
             from raytrain_ckpt.spec_reference import spec_reference_markdown
@@ -95,6 +98,64 @@ def _run(spec: JobSpec, address: str | None) -> int:
     print(f"job {spec.name} FAILED after {result.attempts} attempt(s); failures:{summary}\nlast error:\n{result.error}",
           file=sys.stderr)
     return EXIT_FAILED
+
+
+# --- export / import ---------------------------------------------------------------
+
+
+def _add_conversion_commands(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("export", help="write a committed step as HF safetensors or a torch.save file")
+    e.add_argument("ckpt", help="a step directory (.../step-00000040), or a job's checkpoint root (its newest valid step)")
+    e.add_argument("--format", choices=("hf", "torch"), default="hf",
+                   help="hf: safetensors shards + index + config.json (built-in Llama); torch: one model.pt")
+    e.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="cast the weights to this (default: bf16 for hf, fp32 for torch)")
+    e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    e.add_argument("--spec", default=None, help="the job spec the checkpoint was trained with (needed for hf)")
+    e.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a field of --spec, as with run")
+    e.add_argument("--with-optimizer", action="store_true", help="torch only: add the optimizer state")
+    e.add_argument("--max-shard-size", default="5GB", help="hf only: size bound of one safetensors file")
+    e.add_argument("--verify", choices=("size", "checksum"), default="size",
+                   help="check the step against its manifest by file sizes, or also CRC-32")
+    i = sub.add_parser("import", help="a torch.save file or HF safetensors directory -> a committed step 0")
+    i.add_argument("file", help="torch.save file of a model state_dict, or a directory of *.safetensors")
+    i.add_argument("--to", required=True, help="directory to write step-00000000/ into")
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from raytrain_ckpt.checkpoint.export import export_checkpoint, parse_size
+    from raytrain_ckpt.checkpoint.formats import ConversionError
+    from raytrain_ckpt.checkpoint.importer import import_checkpoint
+    from raytrain_ckpt.models import describe_model
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "import":
+            r = import_checkpoint(args.file, args.to)
+            print(f"imported {r.tensors} tensors into {r.path}; resume from it with "
+                  f"--set checkpoint.resume={r.path}")
+            return EXIT_OK
+        cfg = None
+        if args.spec is not None:
+            spec = load_spec(args.spec, args.overrides)
+            cfg = describe_model(spec.model.name, spec.model.overrides)
+            if cfg is None and args.format == "hf":
+                raise ConversionError(f"--format hf: model.name={spec.model.name} is a user factory with no "
+                                      "Hugging Face names; use --format torch")
+        dtype = args.dtype or ("bf16" if args.format == "hf" else "fp32")
+        r = export_checkpoint(args.ckpt, args.out, args.format, dtype, cfg, args.with_optimizer,
+                              parse_size(args.max_shard_size), args.verify)
+    except SpecError as exc:
+        for line in exc.problems:
+            print(f"error: {line}", file=sys.stderr)
+        return EXIT_USAGE
+    except ConversionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"exported step {r.step} to {r.out}: {r.tensors} tensors, {r.bytes_written / 1e6:.1f} MB in "
+          f"{r.seconds:.2f}s; peak tensor memory {r.peak_tensor_bytes / 1e6:.1f} MB, max RSS {r.max_rss_bytes / 1e6:.0f} MB")
+    return EXIT_OK
 
 
 def _final(losses: dict[int, float]) -> str:

@@ -48,6 +48,11 @@ def _run_controller(spec: JobSpec) -> JobResult:
         result = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool)).run()
         if service is not None:
             result.checkpoints = service.status()
+        if service is not None and spec.checkpoint.final_export is not None and result.state.value == "SUCCEEDED":
+            from raytrain_ckpt.checkpoint.export import final_export
+
+            out = final_export(spec, service.root)  # leased by a lease file, while the actor still runs
+            result.checkpoints["final_export"] = str(out) if out is not None else None
         return result
     finally:
         pool.close()

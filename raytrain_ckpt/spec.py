@@ -31,6 +31,7 @@ __all__ = [
     "CheckpointSpec",
     "DataSpec",
     "FaultToleranceSpec",
+    "FinalExportSpec",
     "JobSpec",
     "LRSchedulerSpec",
     "ModelSpec",
@@ -226,6 +227,15 @@ class ResourcesSpec(_Section):
         return self
 
 
+class FinalExportSpec(_Section):
+    format: Literal["hf", "torch"] = "hf"
+    """hf: Hugging Face safetensors shards + index + config.json (built-in Llama only); torch: one torch.save file of the weights."""
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """What the exported weights are cast to."""
+    dir: Path | None = None
+    """Output directory (must not exist or be empty); null: <checkpoint.dir>/<name>/export-step-<N>."""
+
+
 class CheckpointSpec(_Section):
     enabled: bool = False
     """Save checkpoints (and resume from them). false: no checkpoint is written or loaded."""
@@ -257,6 +267,8 @@ class CheckpointSpec(_Section):
     """I/O threads per rank in the node's checkpoint writer."""
     writer_nice: int = Field(10, ge=0, le=19)
     """CPU priority (nice) of the checkpoint writer process: higher leaves more CPU to training and makes saves durable later."""
+    final_export: FinalExportSpec | None = None
+    """After the last step commits, the driver exports it once: format (hf or torch), dtype (bf16, fp16, fp32), dir (null: <checkpoint.dir>/<name>/export-step-<N>); null: no export."""
 
     @field_validator("interval_steps", mode="before")
     @classmethod
@@ -372,6 +384,7 @@ class JobSpec(_Section):
         problems = _layout_problems(self) + _batch_problems(self) + _model_data_problems(self)
         if not problems:
             problems = _pipeline_problems(self)
+        problems += _final_export_problems(self)
         if problems:
             raise FieldProblems(problems)
         return self
@@ -478,6 +491,19 @@ def _split_point_problems(points: list[str], n_layers: int) -> list[tuple[str, s
         starts.append(int(key))
     if starts != sorted(set(starts)):
         return [("parallelism.pp_split_points", f"{points} must be increasing and distinct")]
+    return []
+
+
+def _final_export_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    cfg = spec.checkpoint
+    if cfg.final_export is None:
+        return []
+    if not cfg.enabled or not cfg.save_final:
+        return [("checkpoint.final_export", "exports the final checkpoint; set checkpoint.enabled=true and "
+                 "checkpoint.save_final=true, or remove final_export")]
+    if cfg.final_export.format == "hf" and ":" in spec.model.name:
+        return [("checkpoint.final_export.format", f"hf needs the built-in Llama; model.name={spec.model.name} is a "
+                 "user factory with no Hugging Face names; use format torch")]
     return []
 
 

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint, Manifest, Verify, file_crc32
+from raytrain_ckpt.checkpoint.leases import file_leased_steps, purge_lock
 from raytrain_ckpt.checkpoint.retention import RetentionPolicy
 from raytrain_ckpt.faults import maybe_inject
 
@@ -198,10 +199,13 @@ class CheckpointActor:
         self._purge()
 
     def _purge(self) -> None:
-        doomed = self.retention.to_delete(self.committed, self.leases.values(), self.pending)
-        for step in doomed:
-            self.layout.delete(step)
-            del self.committed[step]
+        # Under the lease lock: an exporter outside the job either sees its step gone or we see its lease file.
+        with purge_lock(self.layout.root):
+            leased = [*self.leases.values(), *file_leased_steps(self.layout.root)]
+            doomed = self.retention.to_delete(self.committed, leased, self.pending)
+            for step in doomed:
+                self.layout.delete(step)
+                del self.committed[step]
         if doomed:
             logger.info("retention removed step(s) %s", doomed)
 

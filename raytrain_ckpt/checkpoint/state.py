@@ -12,6 +12,9 @@ Keys (a standard DCP checkpoint; plain ``dcp.load`` / ``dcp_to_torch_save`` read
 
 A pipeline stage keeps the full model's FQNs, so each rank saves only its stages' entries and
 none collide; DCP's global plan puts them all into one checkpoint that any layout can load.
+
+A checkpoint with ``model.*`` keys only (written by ``raytrain-ckpt import``) loads as
+pretrained weights: the model is loaded, the optimizer, schedule and step start fresh.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from raytrain_ckpt.checkpoint.layout import MANIFEST, Manifest
 
@@ -96,6 +100,9 @@ def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
     are restored only at the layout that saved them (same world size and pipeline degree).
     """
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if not any(k.startswith("train.") for k in saved):
+        _load_model_only(trainer, path, saved)
+        return
     model_sd, optim_sd, keys = _parts_state(trainer)
     _check_fits(path, saved, model_sd, optim_sd)
     sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd,
@@ -161,3 +168,13 @@ def _saved_pp(path: str) -> int | None:
     if not mpath.is_file():
         return None
     return Manifest.from_json(mpath.read_text(encoding="utf-8")).pp_size
+
+
+def _load_model_only(trainer: Any, path: str, saved: dict[str, Any]) -> None:
+    """Pretrained weights: the model only; optimizer, schedule, step and RNG stay as built (step 0)."""
+    for part in trainer.model_parts:
+        model_sd = get_model_state_dict(part)
+        _check_fits(path, saved, model_sd, {})
+        dcp.load({"model": model_sd}, checkpoint_id=path)
+        set_model_state_dict(part, model_sd)
+    logger.info("loaded model-only checkpoint %s: starting at step 0 with a fresh optimizer", path)

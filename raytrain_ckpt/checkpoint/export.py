@@ -1,0 +1,402 @@
+"""Export a committed step as Hugging Face safetensors or a single ``torch.save`` file.
+
+The export streams: one tensor at a time is read from the DCP checkpoint (DCP loads a single
+key into a pre-allocated full-size tensor, in one process, without a process group), cast,
+and written. Peak memory is about the largest tensor (twice, for the cast), whatever the model.
+
+- ``hf``: ``model-0000i-of-0000N.safetensors`` sharded by size, ``model.safetensors.index.json``
+  (``metadata.total_size``, ``weight_map``) and ``config.json``, tensors under the Hugging Face
+  Llama names. The safetensors header is computed from the DCP metadata before any data is
+  read, so each shard is written front to back, one tensor at a time.
+- ``torch``: ``model.pt``, ``{fqn: tensor}`` as ``format_utils.dcp_to_torch_save`` gives for
+  the ``model`` part; with the optimizer ``{"model": {...}, "optim": {...}}`` (the flattened,
+  FQN-keyed optimizer state dict). ``torch.save`` needs every tensor at once, so the file is
+  written in its zip format directly (``torch._C.PyTorchFileWriter``, what ``torch.save`` uses):
+  the pickle refers to storages by record name and each storage record is written as its
+  tensor is read.
+
+The output is written to ``<out>.tmp-<id>`` and renamed to ``<out>`` at the end: a directory
+named ``<out>`` is always a complete export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import resource
+import shutil
+import sys
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from raytrain_ckpt.checkpoint.formats import (ConversionError, hf_config, hf_name, lazy_tensor,
+                                              plan_shards, safetensors_header, stream_torch_save)
+from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint, Manifest, Verify
+from raytrain_ckpt.checkpoint.leases import FileLease
+from raytrain_ckpt.models import describe_model
+from raytrain_ckpt.models.llama import Llama, LlamaConfig
+from raytrain_ckpt.spec import JobSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DTYPES", "ExportResult", "export_checkpoint", "final_export", "parse_size", "peak_rss_bytes",
+           "progress_bar", "resolve_step"]
+
+Format = Literal["hf", "torch"]
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_STEP_RE = re.compile(r"^step-(\d+)$")
+@dataclass
+class ExportResult:
+    """What an export wrote and what it cost."""
+
+    step: int
+    out: Path
+    files: list[str]
+    tensors: int
+    bytes_written: int
+    peak_tensor_bytes: int
+    """Most bytes of tensor data held in process memory at once (a read tensor and its cast)."""
+    max_rss_bytes: int
+    """Peak resident set size of this process, the interpreter and torch included."""
+    seconds: float
+    source: Path
+    """The step directory that was exported."""
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS: ``VmHWM`` (reset by exec, unlike ``getrusage``'s ``ru_maxrss``,
+    which a child started by a large parent inherits)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass  # not Linux: fall back to getrusage
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"500MB"``, ``"64KiB"`` or a byte count -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if m is None:
+        raise ConversionError(f"--max-shard-size={text}: not a size; use e.g. 5GB, 500MB or a byte count")
+    unit = (m.group(2) or "B").upper()
+    base = 1024 if "I" in unit else 1000
+    power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
+    return int(float(m.group(1)) * base**power)
+
+
+# --- which step ----------------------------------------------------------------------
+
+
+def resolve_step(ckpt: Path, verify: Verify = "size") -> tuple[Path, Manifest]:
+    """A step directory (verified), or the newest valid step of a job's checkpoint root."""
+    ckpt = Path(ckpt).expanduser().resolve()
+    if not ckpt.exists():
+        raise ConversionError(f"{ckpt}: no such checkpoint; pass a step directory (.../step-00000040) "
+                          "or a job's checkpoint root")
+    if _STEP_RE.match(ckpt.name):
+        try:
+            return ckpt, CheckpointLayout(ckpt.parent).verify(ckpt, verify)
+        except InvalidCheckpoint as exc:
+            raise ConversionError(f"{ckpt} is not a valid committed checkpoint: {exc}") from None
+    valid = CheckpointLayout(ckpt).valid_steps(verify)
+    if not valid:
+        raise ConversionError(f"{ckpt}: no valid committed step-N directory in it; pass a step directory "
+                          "or a job's checkpoint root")
+    step = max(valid)
+    return CheckpointLayout(ckpt).step_dir(step), valid[step]
+
+
+# --- reading one tensor at a time ----------------------------------------------------
+
+
+class _Reader:
+    """Reads single keys of a DCP checkpoint as full tensors, and tracks how much it holds."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.meta: Metadata = FileSystemReader(str(path)).read_metadata()
+        except Exception as exc:  # noqa: BLE001 - any unreadable .metadata is a bad checkpoint here
+            raise ConversionError(f"{path}/.metadata is unreadable ({type(exc).__name__}: {exc}); "
+                              "the checkpoint is corrupt") from None
+        self.held = 0
+        self.peak = 0
+
+    def tensor_keys(self, prefix: str) -> dict[str, TensorStorageMetadata]:
+        return {k: v for k, v in self.meta.state_dict_metadata.items()
+                if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+
+    def bytes_keys(self, prefix: str) -> list[str]:
+        return [k for k, v in self.meta.state_dict_metadata.items()
+                if k.startswith(prefix) and isinstance(v, BytesStorageMetadata)]
+
+    def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full tensor ``key``, cast to ``dtype`` (None: as saved)."""
+        md = self.tensor_keys(key)[key]
+        out = torch.empty(md.size, dtype=md.properties.dtype)
+        self._track(out.nbytes)
+        self.load({key: out})
+        if dtype is not None and dtype != out.dtype:
+            cast = out.to(dtype)
+            self._track(cast.nbytes)
+            self.held -= out.nbytes
+            out = cast
+        return out
+
+    def load(self, state: dict[str, Any]) -> None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # DCP warns that no process group is used: intended here
+                dcp.load(state, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
+        except Exception as exc:  # noqa: BLE001 - a shard that does not read back is a torn checkpoint
+            raise ConversionError(f"{self.path}: reading {', '.join(list(state)[:3])} failed "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); the checkpoint is torn "
+                              "or corrupt; export another step") from None
+
+    def release(self, t: torch.Tensor) -> None:
+        self.held -= t.nbytes
+
+    def _track(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+
+def progress_bar(total: int, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not sys.stderr.isatty(), leave=False)
+
+
+# --- hf --------------------------------------------------------------------------------
+
+
+def _hf_entries(reader: _Reader, cfg: LlamaConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(hf name, checkpoint key, shape) in the model's parameter order, checked against ``cfg``."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Llama(cfg).state_dict().items()}
+    saved = {k.removeprefix("model."): tuple(v.size) for k, v in reader.tensor_keys("model.").items()}
+    if set(saved) != set(expected):
+        missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+        raise ConversionError(f"the checkpoint's model does not match the spec's model: missing {missing[:3]}, "
+                          f"unexpected {extra[:3]}; pass the spec the job ran with (--spec, --set)")
+    for name, shape in expected.items():
+        if saved[name] != shape:
+            raise ConversionError(f"{name}: checkpoint shape {list(saved[name])}, spec model shape {list(shape)}; "
+                              "pass the spec the job ran with (--spec, --set model.overrides...)")
+    return [(hf_name(k), f"model.{k}", shape) for k, shape in expected.items()]
+
+
+def _write_hf(reader: _Reader, tmp: Path, cfg: LlamaConfig, dtype: torch.dtype, max_shard: int) -> tuple[int, int]:
+    entries = _hf_entries(reader, cfg)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = [itemsize * int(torch.Size(shape).numel()) for _, _, shape in entries]
+    shards = plan_shards(sizes, max_shard)
+    weight_map: dict[str, str] = {}
+    bar = progress_bar(len(entries), "export hf")
+    for s, idx in enumerate(shards, 1):
+        fname = f"model-{s:05d}-of-{len(shards):05d}.safetensors"
+        with open(tmp / fname, "wb") as f:
+            f.write(safetensors_header([(entries[i][0], entries[i][2]) for i in idx], dtype))
+            for i in idx:
+                t = reader.read(entries[i][1], dtype).contiguous()
+                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+                reader.release(t)
+                weight_map[entries[i][0]] = fname
+                bar.update(1)
+            f.flush()
+            os.fsync(f.fileno())
+    bar.close()
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True), encoding="utf-8")
+    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2), encoding="utf-8")
+    return len(entries), sum(sizes)
+
+
+# --- torch -----------------------------------------------------------------------------
+
+
+def _write_torch(reader: _Reader, tmp: Path, dtype: torch.dtype, with_optimizer: bool) -> tuple[int, int]:
+    plan: list[tuple[str, str, torch.dtype | None]] = []
+
+    def lazy(key: str, cast: torch.dtype | None) -> Any:
+        md = reader.tensor_keys(key)[key]
+        plan.append((str(len(plan)), key, cast))
+        return lazy_tensor(plan[-1][0], cast or md.properties.dtype, tuple(md.size))
+
+    model = {k.removeprefix("model."): lazy(k, dtype) for k in sorted(reader.tensor_keys("model."))}
+    obj: dict[str, Any] = model
+    if with_optimizer:
+        # Optimizer moments stay in the dtype they were saved in: a cast would change the optimization.
+        optim: dict[str, Any] = {k.removeprefix("optim."): lazy(k, None) for k in sorted(reader.tensor_keys("optim."))}
+        optim.update(_bytes_entries(reader, "optim."))
+        obj = {"model": model, "optim": optim}
+    bar = progress_bar(len(plan), "export torch")
+
+    def records() -> Iterator[tuple[str, torch.Tensor]]:
+        for record, key, cast in plan:
+            t = reader.read(key, cast)
+            yield record, t
+            reader.release(t)
+            bar.update(1)
+
+    stream_torch_save(tmp / "model.pt", obj, records())
+    bar.close()
+    return len(plan), (tmp / "model.pt").stat().st_size
+
+
+def _bytes_entries(reader: _Reader, prefix: str) -> dict[str, Any]:
+    """Non-tensor entries (e.g. ``param_groups.<fqn>.lr``) under ``prefix``, unprefixed."""
+    keys = reader.bytes_keys(prefix)
+    if not keys:
+        return {}
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+
+    loaded: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(loaded, storage_reader=FileSystemReader(str(reader.path)),
+                 planner=_EmptyStateDictLoadPlanner(keys=set(keys)), no_dist=True)
+    return {k.removeprefix(prefix): v for k, v in _flatten(loaded).items() if k in keys}
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# --- the export ------------------------------------------------------------------------
+
+
+@contextmanager
+def _staged_output(out: Path) -> Iterator[Path]:
+    """A temporary sibling of ``out`` renamed to ``out`` on success and removed on failure."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConversionError(f"--out {out} exists and is not empty; pass a new directory (an export never "
+                          "overwrites files)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    os.rename(tmp, out)
+
+
+def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "bf16",
+                      model_cfg: LlamaConfig | None = None, with_optimizer: bool = False,
+                      max_shard_bytes: int = 5 * 10**9, verify: Verify = "size",
+                      lease_root: Path | None = None) -> ExportResult:
+    """Export one committed step, holding a lease on it against the job's retention.
+
+    Args:
+        ckpt: A step directory, or a job's checkpoint root (its newest valid step).
+        out: Output directory; must not exist or be empty.
+        fmt: ``hf`` or ``torch``.
+        dtype: ``bf16``, ``fp16`` or ``fp32``: what the weights are cast to.
+        model_cfg: The built-in Llama's shape (required for ``hf``: names and ``config.json``).
+        with_optimizer: ``torch`` only: add the optimizer state.
+        max_shard_bytes: ``hf`` only: size bound of one safetensors file.
+        verify: How the step is checked before reading: ``size`` or ``checksum``.
+        lease_root: Where the lease file goes (default: the step's parent, the job's checkpoint root).
+
+    Raises:
+        ConversionError: Bad arguments or a missing, invalid or torn checkpoint.
+    """
+    _check_args(fmt, dtype, model_cfg, with_optimizer)
+    t0 = time.monotonic()
+    step_dir, manifest = resolve_step(ckpt, verify)
+    root = Path(lease_root) if lease_root is not None else step_dir.parent
+    try:
+        lease = FileLease(root, manifest.step).__enter__()
+    except InvalidCheckpoint as exc:
+        raise ConversionError(str(exc)) from None
+    try:
+        return _export_leased(step_dir, manifest, Path(out).expanduser().resolve(), fmt, DTYPES[dtype], model_cfg,
+                              with_optimizer, max_shard_bytes, verify, t0)
+    finally:
+        lease.__exit__(None, None, None)
+
+
+def _check_args(fmt: str, dtype: str, model_cfg: LlamaConfig | None, with_optimizer: bool) -> None:
+    if fmt not in ("hf", "torch"):
+        raise ConversionError(f"--format={fmt}: use hf or torch")
+    if dtype not in DTYPES:
+        raise ConversionError(f"--dtype={dtype}: use one of {', '.join(DTYPES)}")
+    if fmt == "hf" and model_cfg is None:
+        raise ConversionError("--format hf needs the built-in Llama's shape: pass the job spec with --spec (a user "
+                          "factory model has no Hugging Face mapping; use --format torch)")
+    if fmt == "hf" and with_optimizer:
+        raise ConversionError("--with-optimizer works with --format torch only (HF safetensors hold weights)")
+
+
+def _export_leased(step_dir: Path, manifest: Manifest, out: Path, fmt: Format, dtype: torch.dtype,
+                   model_cfg: LlamaConfig | None, with_optimizer: bool, max_shard: int, verify: Verify,
+                   t0: float) -> ExportResult:
+    # Verified again under the lease: retention may have raced us before the lease was taken.
+    try:
+        CheckpointLayout(step_dir.parent).verify(step_dir, verify)
+    except InvalidCheckpoint as exc:
+        raise ConversionError(f"{step_dir} is not a valid committed checkpoint: {exc}") from None
+    reader = _Reader(step_dir)
+    if not reader.tensor_keys("model."):
+        raise ConversionError(f"{step_dir} holds no model.* tensors; it is not a raytrain_ckpt checkpoint")
+    with _staged_output(out) as tmp:
+        if fmt == "hf":
+            assert model_cfg is not None
+            n, nbytes = _write_hf(reader, tmp, model_cfg, dtype, max_shard)
+        else:
+            n, nbytes = _write_torch(reader, tmp, dtype, with_optimizer)
+        files = sorted(p.name for p in tmp.iterdir())
+    rss = peak_rss_bytes()
+    result = ExportResult(manifest.step, out, files, n, nbytes, reader.peak, rss, time.monotonic() - t0, step_dir)
+    logger.info("exported step %d (%s, %d tensors, %.1f MB) to %s in %.2fs; peak tensor memory %.1f MB, "
+                "max RSS %.0f MB", result.step, fmt, n, nbytes / 1e6, out, result.seconds, reader.peak / 1e6,
+                rss / 1e6)
+    return result
+
+
+def final_export(spec: JobSpec, root: Path) -> Path | None:
+    """``checkpoint.final_export``: export the newest committed step under ``root`` once (driver side).
+
+    A failure is logged with the command that retries it; the trained checkpoint stays as it is.
+    """
+    fe = spec.checkpoint.final_export
+    if fe is None:
+        return None
+    try:
+        step_dir, manifest = resolve_step(root)
+        out = Path(fe.dir).expanduser() if fe.dir is not None else root / f"export-step-{manifest.step:08d}"
+        if out.is_dir() and (out / ("model.pt" if fe.format == "torch" else "config.json")).exists():
+            logger.info("final export: %s already holds an export; not exporting again", out)
+            return out
+        result = export_checkpoint(step_dir, out, fe.format, fe.dtype, describe_model(spec.model.name,
+                                   spec.model.overrides) if fe.format == "hf" else None)
+    except (ConversionError, OSError) as exc:
+        logger.error("final export failed: %s; retry with: raytrain-ckpt export <step dir> --format %s --dtype %s "
+                     "--out DIR", exc, fe.format, fe.dtype)
+        return None
+    return result.out

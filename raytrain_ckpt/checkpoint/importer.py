@@ -1,0 +1,107 @@
+"""Import pretrained weights (a ``torch.save`` file or an HF safetensors directory) as a committed step.
+
+``import FILE --to DIR`` writes ``DIR/step-00000000/``: a DCP checkpoint holding only
+``model.<fqn>`` tensors, with a manifest, committed atomically like any saved step. A job
+resumes from it with ``checkpoint.resume: DIR/step-00000000`` (or by importing into
+``<checkpoint.dir>/<job name>`` and resuming ``latest``); it loads the model only and starts
+at step 0 with a fresh optimizer (see ``checkpoint/state.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from raytrain_ckpt.checkpoint.export import progress_bar
+from raytrain_ckpt.checkpoint.formats import ConversionError, our_name
+from raytrain_ckpt.checkpoint.layout import CheckpointLayout, Manifest, file_crc32
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ImportResult", "import_checkpoint"]
+
+_INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class ImportResult:
+    """The committed step an import wrote."""
+
+    path: Path
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+def _read_torch(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        # mmap: the tensors stay file-backed until DCP writes them, whatever the file's size.
+        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's input problem
+        raise ConversionError(f"{path}: not a readable torch.save file ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:200]})") from None
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
+        obj = obj["model"]  # an export made --with-optimizer: the optimizer is not imported
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ConversionError(f"{path}: expected a dict of parameter name -> tensor (a model state_dict), "
+                          f"got {type(obj).__name__}")
+    return obj
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConversionError(f"{path}: no *.safetensors files in it; pass an HF model directory or a torch.save file")
+    out: dict[str, torch.Tensor] = {}
+    bar = progress_bar(0, "import hf")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                bar.total = (bar.total or 0) + len(st.keys())
+                for name in st.keys():
+                    out[our_name(name)] = st.get_tensor(name)
+                    bar.update(1)
+        except (SafetensorError, OSError) as exc:
+            raise ConversionError(f"{f}: not a readable safetensors file ({exc})") from None
+    bar.close()
+    return out
+
+
+def import_checkpoint(src: Path, to: Path) -> ImportResult:
+    """Write the weights in ``src`` as the committed step 0 under ``to``.
+
+    Raises:
+        ConversionError: A missing or unreadable source, or ``to`` already holds a step 0.
+    """
+    t0 = time.monotonic()
+    src, to = Path(src).expanduser().resolve(), Path(to).expanduser().resolve()
+    if not src.exists():
+        raise ConversionError(f"{src}: no such file or directory; pass a torch.save file or an HF safetensors directory")
+    layout = CheckpointLayout(to)
+    if layout.step_dir(0).exists():
+        raise ConversionError(f"--to {to} already holds {layout.step_dir(0).name}; pass another directory "
+                          "(a checkpoint is never overwritten)")
+    model = _read_safetensors(src) if src.is_dir() else _read_torch(src)
+    tmp = layout.new_tmp_dir(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group is used: intended here
+        dcp.save({"model": model}, storage_writer=FileSystemWriter(str(tmp), sync_files=True), no_dist=True)
+    files = {p.name: {"size": p.stat().st_size, "crc32": file_crc32(p)} for p in tmp.iterdir() if p.is_file()}
+    origin = hashlib.sha256(str(src).encode()).hexdigest()[:8]
+    manifest = Manifest(step=0, world_size=1, dp_size=1, spec_hash=f"import-{origin}", files=files)
+    final = layout.commit(tmp, manifest)
+    result = ImportResult(final, len(model), sum(t.nbytes for t in model.values()), time.monotonic() - t0)
+    logger.info("imported %d tensors (%.1f MB) from %s as %s in %.2fs", result.tensors, result.bytes / 1e6, src,
+                final, result.seconds)
+    return result
+

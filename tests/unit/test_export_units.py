@@ -1,0 +1,134 @@
+"""Export/import pieces without a job: lease files against retention, HF names, shard
+planning, the streaming safetensors writer, and the final_export spec checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raytrain_ckpt.checkpoint.actor import CheckpointActor
+from raytrain_ckpt.checkpoint.export import export_checkpoint, parse_size
+from raytrain_ckpt.checkpoint.formats import ConversionError, hf_name, our_name, plan_shards, safetensors_header
+from raytrain_ckpt.checkpoint.importer import import_checkpoint
+from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint
+from raytrain_ckpt.checkpoint.leases import LEASE_TTL_S, FileLease, file_leased_steps
+from raytrain_ckpt.models import build_model, describe_model
+from raytrain_ckpt.spec import SpecError, load_spec
+from tests.unit.test_checkpoint_layout import _commit
+
+
+def _actor(root: Path) -> CheckpointActor:
+    return CheckpointActor(str(root), world_size=2, spec_hash="h", dp_size=2, keep_latest_k=1, keep_every_n_steps=None)
+
+
+def test_file_lease_keeps_a_step_from_retention_until_released(tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path)
+    _commit(layout, 1)
+    actor = _actor(tmp_path)
+    with FileLease(tmp_path, 1) as lease:
+        assert file_leased_steps(tmp_path) == {1}
+        for step in (2, 3):
+            actor.committed[step] = layout.verify(_commit(layout, step))
+            actor._purge()
+        assert sorted(layout.step_dirs()) == [1, 3]          # 2 purged, 1 leased, 3 newest
+    assert not lease.path.exists() and file_leased_steps(tmp_path) == set()
+    actor._purge()
+    assert sorted(layout.step_dirs()) == [3]
+
+
+def test_a_stale_lease_protects_nothing(tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path)
+    _commit(layout, 1)
+    with FileLease(tmp_path, 1, heartbeat_s=3600) as lease:
+        old = time.time() - LEASE_TTL_S - 1
+        os.utime(lease.path, (old, old))                     # a holder that died without releasing
+        assert file_leased_steps(tmp_path, now=old + LEASE_TTL_S - 1) == {1}
+        assert file_leased_steps(tmp_path) == set()
+        assert not lease.path.exists()                       # and its file is cleaned up
+
+
+def test_a_lease_on_a_purged_step_fails_and_leaves_no_file(tmp_path: Path) -> None:
+    with pytest.raises(InvalidCheckpoint, match="removed"):
+        FileLease(tmp_path, 7).__enter__()
+    assert not list((tmp_path / "leases").glob("*.json"))
+
+
+def test_an_actor_lease_and_a_file_lease_both_count(tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path)
+    for step in (1, 2, 3):
+        _commit(layout, step)
+    actor = _actor(tmp_path)
+    asyncio.run(actor.acquire("loader", "1", "size"))
+    with FileLease(tmp_path, 2):
+        actor._purge()
+        assert sorted(layout.step_dirs()) == [1, 2, 3]
+
+
+def test_hf_names_round_trip_and_unknown_names_are_refused() -> None:
+    fqns = list(build_model("debug", {"n_layers": 2}).state_dict())
+    names = [hf_name(f) for f in fqns]
+    assert "model.layers.1.self_attn.k_proj.weight" in names and "lm_head.weight" in names
+    assert [our_name(n) for n in names] == fqns
+    with pytest.raises(ConversionError, match="--format torch"):
+        hf_name("net.0.weight")
+    with pytest.raises(ConversionError):
+        our_name("model.layers.0.self_attn.rotary_emb.inv_freq")
+
+
+def test_shard_plan_and_sizes() -> None:
+    assert plan_shards([4, 4, 4, 10, 1], 8) == [[0, 1], [2], [3], [4]]
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 << 20 and parse_size("17") == 17
+    with pytest.raises(ConversionError, match="max-shard-size"):
+        parse_size("lots")
+
+
+def test_streamed_safetensors_header_reads_with_the_library(tmp_path: Path) -> None:
+    a, b = torch.randn(3, 5).to(torch.bfloat16), torch.randn(7).to(torch.bfloat16)
+    with open(tmp_path / "x.safetensors", "wb") as f:
+        f.write(safetensors_header([("a", (3, 5)), ("b", (7,))], torch.bfloat16))
+        for t in (a, b):
+            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    got = load_file(tmp_path / "x.safetensors")
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
+
+
+def test_hf_export_refuses_a_spec_of_another_shape(tmp_path: Path) -> None:
+    torch.save(build_model("debug", {"n_layers": 1}).state_dict(), tmp_path / "m.pt")
+    step = import_checkpoint(tmp_path / "m.pt", tmp_path / "imp").path
+    assert json.loads((step / "manifest.json").read_text())["step"] == 0
+    with pytest.raises(ConversionError, match="does not match the spec"):
+        export_checkpoint(step, tmp_path / "o", "hf", "bf16", describe_model("debug"))
+    with pytest.raises(ConversionError, match="with-optimizer"):
+        export_checkpoint(step, tmp_path / "o", "hf", "bf16", describe_model("debug", {"n_layers": 1}), True)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("extra", "problem"), [
+    (["checkpoint.enabled=false"], "checkpoint.final_export: exports the final checkpoint"),
+    (["model.name=tests.user_models:tiny_mlp_lm"], "checkpoint.final_export.format: hf needs the built-in Llama"),
+])
+def test_final_export_spec_problems(extra: list[str], problem: str) -> None:
+    with pytest.raises(SpecError) as exc:
+        load_spec("jobs/llama_debug_fsdp.yaml", ["checkpoint.final_export.format=hf", *extra])
+    assert any(p.startswith(problem) for p in exc.value.problems), exc.value.problems
+
+
+def test_hf_export_gives_the_same_logits_in_transformers(tmp_path: Path) -> None:
+    """Skipped unless ``transformers`` is installed (it is not a dependency)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = build_model("debug", {"n_layers": 2}).eval()
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    step = import_checkpoint(tmp_path / "m.pt", tmp_path / "imp").path
+    export_checkpoint(step, tmp_path / "hf", "hf", "fp32", describe_model("debug", {"n_layers": 2}))
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, 256, (2, 64))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
