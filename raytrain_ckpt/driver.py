@@ -11,6 +11,7 @@ from raytrain_ckpt.checkpoint.service import CheckpointService
 from raytrain_ckpt.controller import Controller, JobResult
 from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.group import RayWorkerGroup
+from raytrain_ckpt.metrics import ControllerMetrics
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -42,10 +43,11 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
 
 def _run_controller(spec: JobSpec) -> JobResult:
     if not spec.checkpoint.enabled:
-        return Controller(spec, RayWorkerGroup).run()
+        return Controller(spec, RayWorkerGroup, observer=ControllerMetrics(spec.name)).run()
     service = CheckpointService(spec, fault_env() or None)
     try:
-        result = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service)).run()
+        result = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service),
+                            observer=ControllerMetrics(spec.name, service.actor)).run()
         result.checkpoints = service.status()
         return result
     finally:

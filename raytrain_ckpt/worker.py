@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_ckpt.faults import maybe_inject
+from raytrain_ckpt.metrics import TrainerMetrics
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class TrainWorker:
         self.checkpoints = None
         self.start_step = 0
         self.timings: dict[str, float] = {}
+        self.metrics = TrainerMetrics(self.spec.name, rank)
         torch.set_num_threads(max(1, int(self.spec.resources.cpus_per_worker)))
 
     def _prefix(self) -> str:
@@ -177,6 +179,7 @@ class TrainWorker:
                           {"samples_seen": report.step * self.spec.training.global_batch_size,
                            "tokens_seen": trainer.state.tokens_seen})
             trainer.log(report)
+            self.metrics.after_step(report, ckpt)
             loss = report.loss if report.loss is not None else loss
             self._progress = Progress(self.rank, report.step, loss, time.time(), "training")
             self.timings.setdefault("first_step_at", self._progress.last_step_at)
