@@ -1,8 +1,9 @@
 """Screenshot of the Ray dashboard's actor list while a raytrain_ckpt job runs.
 
-Starts a private head with the dashboard (``cluster/start_head.sh`` on free ports), runs the
-demo model with checkpoints every 5 steps and rank 0 made to hang after step 12 (so the job
-stays up in a known state), waits for the commit of step 10, then has headless Chromium
+Starts a private one-node cluster with the dashboard (``cluster/local_cluster.py`` on a free
+port, without token auth: the dashboard's web page would otherwise ask for the token), runs
+the demo model with checkpoints every 5 steps and rank 0 made to hang after step 12 (so the
+job stays up in a known state), waits for the commit of step 10, then has headless Chromium
 (Debian package ``chromium``) render the actors page to a PNG, and stops everything it
 started. Usage::
 
@@ -36,7 +37,7 @@ def _free_port() -> int:
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYTRAIN_CKPT_FAULTS")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.update(RAY_AUTH_MODE="token", PYTHONPATH=str(REPO), **extra)
+    env.update(RAY_AUTH_MODE="disabled", PYTHONPATH=str(REPO), **extra)
     return env
 
 
@@ -46,7 +47,7 @@ def _wait_for(path: Path, text: str, timeout_s: float, proc: subprocess.Popen) -
         if path.is_file() and text in path.read_text(errors="replace"):
             return
         if proc.poll() is not None:
-            raise RuntimeError(f"driver exited {proc.returncode}; see {path}")
+            raise RuntimeError(f"process {proc.pid} exited {proc.returncode} while waiting for {path}")
         time.sleep(1)
     raise TimeoutError(f"{text!r} not in {path} after {timeout_s:g}s")
 
@@ -70,16 +71,16 @@ def main() -> int:
     p.add_argument("--budget-ms", type=int, default=20000, help="Chromium virtual time for the page to render")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="rts-", dir="/tmp"))
-    dash = _free_port()
-    head = [str(REPO / "cluster" / "start_head.sh"), "--port", str(_free_port()), "--dashboard-port", str(dash),
-            "--num-cpus", "4", "--temp-dir", str(tmp / "head")]
-    subprocess.run(head, check=True, env=_env(), stdout=subprocess.DEVNULL)
+    dash, address_file = _free_port(), tmp / "address"
+    cluster = subprocess.Popen(
+        [sys.executable, str(REPO / "cluster" / "local_cluster.py"), "--workers", "0", "--head-cpus", "4",
+         "--dashboard-port", str(dash), "--no-auth", "--temp-dir", str(tmp / "ray"),
+         "--address-file", str(address_file)],
+        env=_env(), stdout=open(tmp / "cluster.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     driver = None
     try:
-        gcs = next((tmp / "head").glob("session_latest/gcs_server_port_*")).read_text().strip()
-        from ray.util import get_node_ip_address
-
-        env = _env(RAY_ADDRESS=f"{get_node_ip_address()}:{gcs}", RAYTRAIN_CKPT_FAULTS="hang@step:rank=0,step=12")
+        _wait_for(address_file, ":", 180, cluster)
+        env = _env(RAY_ADDRESS=address_file.read_text().strip(), RAYTRAIN_CKPT_FAULTS="hang@step:rank=0,step=12")
         log = tmp / "driver.log"
         cmd = [sys.executable, "-m", "raytrain_ckpt", "run", "jobs/llama_debug_fsdp.yaml", "--set", "training.steps=20",
                "--set", "checkpoint.interval_steps=5", "--set", f"checkpoint.dir={tmp / 'ckpt'}",
@@ -96,8 +97,8 @@ def main() -> int:
         if driver is not None and driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
             driver.wait()
-        subprocess.run([str(REPO / "cluster" / "start_head.sh"), "--stop", "--temp-dir", str(tmp / "head")],
-                       env=_env(), check=False)
+        cluster.send_signal(signal.SIGTERM)  # local_cluster.py removes every node it started
+        cluster.wait(timeout=120)
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

@@ -199,3 +199,7 @@ class TrainWorker:
     def stop(self) -> None:
         """Ask ``run()`` to return after the current step."""
         self._stop.set()
+
+    def __repr__(self) -> str:
+        # Shown in the Ray dashboard's actor list and as the log prefix (Ray evaluates it once).
+        return f"TrainWorker({self.spec.name} rank {self.rank}/{self.world_size} attempt {self.attempt})"
