@@ -334,6 +334,8 @@ class ControllerMetrics:
         self._restarts = 0
         self._state = ""
         self._started = time.time()
+        self._attempt = 0
+        self._pending: Any = None
 
     def __call__(self, ctrl: Controller) -> None:
         state = ctrl.state.value
@@ -350,14 +352,31 @@ class ControllerMetrics:
             record("job_restarts_total", ctrl.restarts - self._restarts, {**self._tags, "cause": causes[-1]})
             self._restarts = ctrl.restarts
         poll = ctrl.last_poll
-        step = poll.rank0.step if poll is not None and poll.rank0 is not None else None
+        step = poll.min_step if poll is not None else None  # the slowest rank: what all ranks have trained
         info = {"state": state, "attempt": ctrl.attempt, "restarts": ctrl.restarts,
                 "failures": dict(Counter(causes)), "train_step": step}
         if self.actor is not None:
-            self.actor.note_job.remote(info)
-        elif step is not None:  # no checkpoints: everything since the start is at risk
+            self._note(info)
+        elif step is not None:  # no checkpoints: everything this attempt trained is at risk
+            if ctrl.attempt != self._attempt:
+                self._attempt, self._started = ctrl.attempt, time.time()
             record("work_at_risk_steps", step, self._tags)
             record("work_at_risk_seconds", time.time() - self._started, self._tags)
+
+
+    def _note(self, info: dict[str, Any]) -> None:
+        """Send ``info`` to the CheckpointActor unless the previous note is still on its way
+        (a restarting actor must not queue up one call per poll)."""
+        import ray
+
+        if self._pending is not None:
+            if not ray.wait([self._pending], timeout=0)[0]:
+                return
+            try:
+                ray.get(self._pending)
+            except Exception as exc:  # the actor is restarting or gone; the next note retries
+                logger.debug("progress note not delivered: %s", exc)
+        self._pending = self.actor.note_job.remote(info)
 
 
 def failure_cause(line: str) -> str:

@@ -96,3 +96,41 @@ def test_status_watch_refreshes(tmp_path, capsys):
     assert ckpt_inspect.run(args, refreshes=2) == 0
     out = capsys.readouterr().out
     assert out.count("checkpoints in") == 2 and "resume point: none (a fresh start)" in out
+
+
+def test_controller_observer_counts_failures_and_restarts_by_cause(monkeypatch):
+    from raytrain_ckpt import metrics
+    from raytrain_ckpt.controller import Controller, JobState
+    from raytrain_ckpt.spec import JobSpec
+    from tests.unit.test_controller import FakeWorkerGroup
+
+    recorded: list[tuple[str, float, dict]] = []
+    monkeypatch.setattr(metrics, "record", lambda name, value, tags: recorded.append((name, value, dict(tags))))
+    groups: list[FakeWorkerGroup] = []
+
+    def factory(spec: JobSpec, attempt: int) -> FakeWorkerGroup:
+        groups.append(FakeWorkerGroup(spec, attempt))
+        return groups[-1]
+
+    spec = JobSpec(name="obs", fault_tolerance={"max_restarts": 2})
+    ctrl = Controller(spec, factory, sleep=lambda s: None, observer=metrics.ControllerMetrics("obs"))
+    ctrl.step()  # STARTING -> RUNNING
+    groups[-1].advance(3)
+    ctrl.step()  # a poll: step 3 and no checkpoints, so 3 steps at risk
+    groups[-1].kill(1)
+    ctrl.step()  # RUNNING -> RECOVERING (crash)
+    ctrl.step()  # -> STARTING
+    ctrl.step()  # -> RUNNING, attempt 1
+    groups[-1].fail(0)
+    ctrl.step()  # exception
+    assert ctrl.state is JobState.RECOVERING and ctrl.restarts == 2
+
+    def values(name: str, **tags: str) -> list[float]:
+        return [v for n, v, t in recorded if n == name and tags.items() <= t.items()]
+
+    assert values("job_failures_total", cause="crash") == [1] and values("job_failures_total", cause="exception") == [1]
+    assert values("job_restarts_total", cause="crash") == [1] and values("job_restarts_total", cause="exception") == [1]
+    assert values("job_attempt")[-1] == 1
+    assert values("job_state", state="RECOVERING")[-1] == 1 and values("job_state", state="RUNNING")[-1] == 0
+    at_risk = values("work_at_risk_steps")
+    assert at_risk[0] == 3 and at_risk[-1] == 0  # without checkpoints a restart starts over
