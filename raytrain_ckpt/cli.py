@@ -1,4 +1,4 @@
-"""Command line: ``raytrain-ckpt run | validate | schema | export | import``.
+"""Command line: ``raytrain-ckpt run | validate | schema | status | ls | verify | export | import``.
 
 Exit codes: 0 success, 1 the job failed, 2 a user mistake (bad spec, bad flag, not enough
 resources). User mistakes print one line per problem and never a traceback.
@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     schema.add_argument("--format", choices=("json", "markdown"), default="json",
                         help="json: JSON Schema; markdown: the field reference table in README")
     _add_conversion_commands(sub)
+    # checkpoint progress and checks: status, ls, verify (raytrain_ckpt/inspect.py)
+    from raytrain_ckpt import inspect as ckpt_inspect
+
+    ckpt_inspect.add_parsers(sub)
     return p
 
 
@@ -52,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command in ("export", "import"):
         return _convert(args)
+    if args.command in ("status", "ls", "verify"):
+        from raytrain_ckpt import inspect as ckpt_inspect
+
+        return ckpt_inspect.run(args)
     if args.command == "schema":
         if args.format == "markdown":
             from raytrain_ckpt.spec_reference import spec_reference_markdown

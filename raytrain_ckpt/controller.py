@@ -166,6 +166,7 @@ class Controller:
         policy: FailurePolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        observer: Callable[[Controller], None] | None = None,
     ) -> None:
         self.spec = spec
         self._factory = group_factory
@@ -183,6 +184,9 @@ class Controller:
         self._started = clock()
         self._failure_times: list[float] = []
         self._last_failure = ""
+        self._observer = observer
+        self.last_poll: GroupPoll | None = None
+        """The latest poll of the running group (read by the observer)."""
 
     def run(self) -> JobResult:
         """Step until terminal; always releases the group."""
@@ -205,6 +209,8 @@ class Controller:
             self._sleep(self.spec.fault_tolerance.restart_backoff_s)
             self.attempt += 1
             self._set_state(JobState.STARTING, f"attempt {self.attempt}")
+        if self._observer is not None:  # metrics: called after every transition or poll
+            self._observer(self)
 
     def _set_state(self, new: JobState, reason: str) -> None:
         logger.info("%s -> %s (%s)", self.state.value, new.value, reason)
@@ -226,7 +232,7 @@ class Controller:
 
     def _watch_group(self) -> None:
         assert self.group is not None
-        poll = self.group.poll()
+        poll = self.last_poll = self.group.poll()
         if poll.failures:
             self._on_failure("crash" if poll.process_died else "exception", "\n".join(poll.failures))
         elif poll.finished:

@@ -11,6 +11,7 @@ from raytrain_ckpt.checkpoint.service import CheckpointService
 from raytrain_ckpt.controller import Controller, JobResult
 from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.group import RayWorkerGroup
+from raytrain_ckpt.metrics import ControllerMetrics
 from raytrain_ckpt.pool import WorkerPool
 from raytrain_ckpt.spec import JobSpec
 
@@ -44,8 +45,9 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
 def _run_controller(spec: JobSpec) -> JobResult:
     pool = WorkerPool(spec, fault_env() or None)
     service = CheckpointService(spec, fault_env() or None) if spec.checkpoint.enabled else None
+    observer = ControllerMetrics(spec.name, service.actor if service is not None else None)
     try:
-        result = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool)).run()
+        result = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool), observer=observer).run()
         if service is not None:
             result.checkpoints = service.status()
         if service is not None and spec.checkpoint.final_export is not None and result.state.value == "SUCCEEDED":

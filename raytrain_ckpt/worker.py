@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_ckpt.faults import maybe_inject
+from raytrain_ckpt.metrics import TrainerMetrics
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class TrainWorker:
         self._stop = threading.Event()
         self.start_step = 0
         self.timings: dict[str, float] = {}
+        self.metrics = TrainerMetrics(self.spec.name, rank)
         torch.set_num_threads(max(1, int(self.spec.resources.cpus_per_worker)))
 
     def warm(self) -> int:
@@ -235,6 +237,7 @@ class TrainWorker:
                           {"samples_seen": report.step * self.spec.training.global_batch_size,
                            "tokens_seen": trainer.state.tokens_seen})
             trainer.log(report)
+            self.metrics.after_step(report, ckpt)
             loss = report.loss if report.loss is not None else loss
             self._progress = Progress(self.rank, report.step, loss, time.time(), "training")
             self.timings.setdefault("first_step_at", self._progress.last_step_at)
@@ -254,6 +257,13 @@ class TrainWorker:
     def stop(self) -> None:
         """Ask ``run()`` to return after the current step."""
         self._stop.set()
+
+    def __repr__(self) -> str:
+        # Shown in the Ray dashboard's actor list and as the log prefix. Ray evaluates it once,
+        # when the actor starts, so it names only what never changes: a kept process keeps its
+        # rank across attempts, a spare is named as one (log lines carry the live attempt and rank).
+        who = "spare" if self.was_spare else f"rank {self.rank}/{self.world_size}"
+        return f"TrainWorker({self.spec.name} {who})"
 
 
 def _failure(rank: int, attempt: int, text: str) -> WorkerFailure:

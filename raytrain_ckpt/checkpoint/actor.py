@@ -28,6 +28,7 @@ from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint,
 from raytrain_ckpt.checkpoint.leases import file_leased_steps, purge_lock
 from raytrain_ckpt.checkpoint.retention import RetentionPolicy
 from raytrain_ckpt.faults import maybe_inject
+from raytrain_ckpt.metrics import CheckpointMetrics, inflight_phase
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class _Gather:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     central: list[SavePlan] | None = None
     plan_id: str = ""
+    started: float = field(default_factory=time.monotonic)
 
 
 class CheckpointActor:
@@ -85,6 +87,11 @@ class CheckpointActor:
         self.leases: dict[str, int] = {}
         self._gathers: dict[tuple[int, str], _Gather] = {}
         self._metadata: dict[str, Metadata] = {}
+        # progress reporting: metrics, `raytrain-ckpt status`, the actor's repr
+        self.metrics = CheckpointMetrics(self.layout.root.name)
+        self.stalls: dict[int, dict[int, float]] = {}
+        self.job_info: dict[str, Any] = {}
+        self.metrics.start(self.committed)
         logger.info("checkpoint actor for %s: %d committed step(s) %s", root, len(self.committed),
                     sorted(self.committed)[-5:])
 
@@ -108,6 +115,7 @@ class CheckpointActor:
             g.plan_id = f"{attempt}.{seq}"
             self._metadata[g.plan_id] = metadata
             g.ready.set()
+            self.metrics.planned(time.monotonic() - g.started)
         try:
             await asyncio.wait_for(g.ready.wait(), timeout_s)
         except asyncio.TimeoutError:
@@ -134,6 +142,7 @@ class CheckpointActor:
         """A writer took over rank ``rank``'s staged data of ``step``; returns the temporary directory."""
         tmp = await self.open_step(step, attempt)
         self.pending[step].accepted.add(rank)
+        self._progress()
         return tmp
 
     async def settle(self, timeout_s: float) -> None:
@@ -161,6 +170,7 @@ class CheckpointActor:
             await self.abort(step, "plan unknown after a checkpoint actor restart")
             raise StepAborted(f"step {step}: plan {plan_id} unknown; the next save plans again")
         p.reports[rank] = (plan_id, results, files, info)
+        self._progress()
         if len(p.reports) < self.world_size:
             return "pending"
         try:
@@ -184,7 +194,7 @@ class CheckpointActor:
         infos = [r[3] for r in p.reports.values()]
         wall = {"stage_s": max(t["stage_s"] for t in infos), "persist_s": max(t["persist_s"] for t in infos),
                 "write_s": max(t.get("write_s", 0.0) for t in infos),
-                "commit_s": time.monotonic() - t0, "total_s": time.monotonic() - p.started}
+                "commit_s": time.monotonic() - t0, "total_s": time.monotonic() - p.started, **self._stall(step)}
         manifest = Manifest(step=step, world_size=self.world_size, dp_size=self.dp_size, spec_hash=self.spec_hash,
                             files=files, samples_seen=int(infos[0].get("samples_seen", 0)),
                             tokens_seen=int(infos[0].get("tokens_seen", 0)), wall=wall,
@@ -196,7 +206,9 @@ class CheckpointActor:
         p.done.set()
         logger.info("committed step %d: %.1f MB, stage %.3fs persist %.3fs commit %.3fs", step,
                     manifest.total_bytes / 1e6, wall["stage_s"], wall["persist_s"], wall["commit_s"])
+        self.metrics.committed(manifest)
         self._purge()
+        self._progress()
 
     def _purge(self) -> None:
         # Under the lease lock: an exporter outside the job either sees its step gone or we see its lease file.
@@ -208,6 +220,7 @@ class CheckpointActor:
                 del self.committed[step]
         if doomed:
             logger.info("retention removed step(s) %s", doomed)
+            self.metrics.purged(len(doomed))
 
     async def abort(self, step: int, reason: str) -> None:
         """Give up on an in-flight step: remove its temporary directory, remember why."""
@@ -217,6 +230,8 @@ class CheckpointActor:
             p.error = reason
             p.done.set()
             await asyncio.to_thread(shutil.rmtree, p.tmp, True)
+            self.metrics.aborted()
+            self._progress()
         logger.warning("checkpoint step %d aborted: %s", step, reason)
 
     async def wait_committed(self, step: int, timeout_s: float) -> None:
@@ -269,8 +284,57 @@ class CheckpointActor:
     # --- introspection -------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:
-        """Committed, in-flight and failed steps, and active leases."""
+        """Committed, in-flight and failed steps, active leases, and (for ``raytrain-ckpt status``)
+        each committed step's manifest summary, the in-flight step's phase, the job's state and
+        the work at risk."""
+        return self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
+        step, phase, ranks = self._inflight()
         return {"root": str(self.layout.root), "committed": sorted(self.committed),
                 "in_flight": sorted(self.pending), "failed": dict(self.failed),
                 "leases": dict(Counter(self.leases.values())),
-                "latest": max(self.committed) if self.committed else None}
+                "latest": max(self.committed) if self.committed else None,
+                "job": self.layout.root.name, "world_size": self.world_size,
+                "steps": {s: {"bytes": m.total_bytes, "wall": {**m.wall, **self._stall(s)},
+                              "created_unix": m.created_unix} for s, m in self.committed.items()},
+                "inflight": {"step": step, "phase": phase, "ranks": ranks},
+                "job_info": dict(self.job_info), "at_risk": self.metrics.at_risk()}
+
+    # --- progress reporting --------------------------------------------------------------
+
+    async def record_stall(self, step: int, rank: int, seconds: float) -> None:
+        """A rank's training thread was blocked ``seconds`` by the save of ``step``."""
+        self.stalls.setdefault(step, {})[rank] = seconds
+        for old in sorted(self.stalls)[:-64]:  # bounded: only recent steps are shown
+            del self.stalls[old]
+
+    def _stall(self, step: int) -> dict[str, float]:
+        by_rank = self.stalls.get(step, {})
+        return {"stall_s": max(list(by_rank.values()))} if by_rank else {}
+
+    async def note_job(self, info: dict[str, Any]) -> None:
+        """The driver's view after each controller step: state, attempt, failures, training step."""
+        self.job_info = info
+        self.metrics.at_risk(info.get("train_step"))
+
+    def _progress(self) -> None:
+        step, phase, ranks = self._inflight()
+        self.metrics.progress(step, phase, ranks, self.world_size)
+
+    def _inflight(self) -> tuple[int | None, str, dict[int, int]]:
+        """The newest step in flight, its phase, and each rank's progress (1 handed off, 2 written)."""
+        planning = [s for (_, s), g in list(self._gathers.items()) if not g.ready.is_set()]
+        if not self.pending:
+            return (max(planning), "planning", {}) if planning else (None, "idle", {})
+        step = max(self.pending)
+        p = self.pending[step]
+        ranks = {r: 1 for r in p.accepted} | {r: 2 for r in p.reports}
+        return step, inflight_phase(step in planning, len(p.accepted), len(p.reports), self.world_size), ranks
+
+    def __repr__(self) -> str:
+        # Ray shows this in the dashboard's actor list; it evaluates it once, when the actor
+        # (re)starts, so it is the state found in storage then.
+        from raytrain_ckpt.inspect import summary_line
+
+        return f"CheckpointActor({self.layout.root.name}: {summary_line(self._snapshot())})"

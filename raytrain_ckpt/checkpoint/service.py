@@ -19,7 +19,11 @@ from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointService", "actor_name", "buffer_prefix"]
+__all__ = ["NAMESPACE", "CheckpointService", "actor_name", "buffer_prefix"]
+
+NAMESPACE = "raytrain_ckpt"
+"""Ray namespace of a job's named actors, whatever namespace the driver runs in, so that
+another process (``raytrain-ckpt status --job``) finds them by name."""
 
 
 def actor_name(job: str) -> str:
@@ -36,7 +40,8 @@ class CheckpointService:
         self.root = (cfg.dir.expanduser().resolve() / spec.name)
         env = {"env_vars": fault_env} if fault_env else None
         self.actor = ray.remote(CheckpointActor).options(
-            name=actor_name(spec.name), num_cpus=0, max_restarts=-1, max_task_retries=0, runtime_env=env,
+            name=actor_name(spec.name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1, max_task_retries=0,
+            runtime_env=env,
         ).remote(str(self.root), spec.world_size, spec.spec_hash(), spec.dp_size, cfg.keep_latest_k,
                  cfg.keep_every_n_steps)
         self._writers: dict[str, Any] = {}
@@ -47,8 +52,8 @@ class CheckpointService:
         if node_id not in self._writers:
             cls = ray.remote(CheckpointWriter)
             self._writers[node_id] = cls.options(
-                name=f"rtc-writer-{self.spec.name}-{node_id[:12]}", num_cpus=0, max_concurrency=64,
-                max_restarts=-1, max_task_retries=0, runtime_env=self._env,
+                name=f"rtc-writer-{self.spec.name}-{node_id[:12]}", namespace=NAMESPACE, num_cpus=0,
+                max_concurrency=64, max_restarts=-1, max_task_retries=0, runtime_env=self._env,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             ).remote(buffer_prefix(self.spec.name, self.root), self.actor, self.spec.checkpoint.writer_threads,
                      self.spec.checkpoint.writer_nice)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from raytrain_ckpt.checkpoint.layout import file_crc32
 from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, map_buffer, slot_views
 from raytrain_ckpt.faults import maybe_inject
+from raytrain_ckpt.metrics import WriterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class CheckpointWriter:
         self._tmp: dict[tuple[int, int], str] = {}
         self._buffers: dict[str, int] = {}
         self._newest_attempt = 0
+        self.metrics = WriterMetrics(job.rsplit("-", 1)[0], ray.get_runtime_context().get_node_id()[:12])
 
     def allocate(self, rank: int, attempt: int, nbytes: int) -> str:
         """Create the rank's staging file for this attempt (reused across its saves).
@@ -133,5 +135,6 @@ class CheckpointWriter:
         files = {p.name: {"size": p.stat().st_size, "crc32": file_crc32(p)}
                  for p in tmp.iterdir() if p.name.startswith(prefix)}
         info = {**req.info, "persist_s": time.monotonic() - t0, "write_s": t_write}
+        self.metrics.wrote(req.rank, sum(f["size"] for f in files.values()), info["persist_s"])
         return ray.get(self.coordinator.report.remote(req.step, req.rank, req.attempt, req.plan_id,
                                                       results, files, info))

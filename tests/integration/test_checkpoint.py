@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout
+from raytrain_ckpt.checkpoint.service import NAMESPACE, actor_name
 from raytrain_ckpt.controller import JobResult, JobState
 from raytrain_ckpt.driver import run_job
 from raytrain_ckpt.faults import ENV_VAR, STAMP_VAR
@@ -111,7 +112,7 @@ def test_killed_checkpoint_actor_recovers_from_storage(ray_cluster, tmp_path):
     while not (root / "step-00000010").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert (root / "step-00000010").exists(), "no commit within 120 s"
-    ray.kill(ray.get_actor("rtc-ckpt-llama-debug-fsdp"), no_restart=False)
+    ray.kill(ray.get_actor(actor_name("llama-debug-fsdp"), namespace=NAMESPACE), no_restart=False)
     job.join(timeout=300)
     result = _ok(box["r"])
     # the restarted actor rebuilt 5 and 10 from disk and went on committing

@@ -1,0 +1,107 @@
+"""Screenshot of the Ray dashboard's actor list while a raytrain_ckpt job runs.
+
+Starts a private one-node cluster with the dashboard (``cluster/local_cluster.py`` on a free
+port, without token auth: the dashboard's web page would otherwise ask for the token), runs
+the demo model with checkpoints every 5 steps and rank 0 made to hang after step 12 (so the
+job stays up in a known state), waits for the commit of step 10, then has headless Chromium
+(Debian package ``chromium``) render the actors page to a PNG, and stops everything it
+started. Usage::
+
+    .venv/bin/python bench/dashboard_screenshot.py --out docs/dashboard_actors.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+logger = logging.getLogger("dashboard_screenshot")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYTRAIN_CKPT_FAULTS")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(RAY_AUTH_MODE="disabled", PYTHONPATH=str(REPO), **extra)
+    return env
+
+
+def _wait_for(path: Path, text: str, timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.is_file() and text in path.read_text(errors="replace"):
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"process {proc.pid} exited {proc.returncode} while waiting for {path}")
+        time.sleep(1)
+    raise TimeoutError(f"{text!r} not in {path} after {timeout_s:g}s")
+
+
+def _screenshot(url: str, out: Path, budget_ms: int) -> None:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        raise SystemExit("chromium not found: apt-get install -y chromium")
+    with tempfile.TemporaryDirectory(prefix="rtc-chromium-") as profile:
+        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                        f"--user-data-dir={profile}", "--window-size=1700,1000",
+                        f"--virtual-time-budget={budget_ms}", f"--screenshot={out}", url],
+                       check=True, capture_output=True, timeout=180)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "dashboard_actors.png")
+    p.add_argument("--page", default="#/actors", help="dashboard route to render")
+    p.add_argument("--budget-ms", type=int, default=20000, help="Chromium virtual time for the page to render")
+    args = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="rts-", dir="/tmp"))
+    dash, address_file = _free_port(), tmp / "address"
+    cluster = subprocess.Popen(
+        [sys.executable, str(REPO / "cluster" / "local_cluster.py"), "--workers", "0", "--head-cpus", "4",
+         "--dashboard-port", str(dash), "--no-auth", "--temp-dir", str(tmp / "ray"),
+         "--address-file", str(address_file)],
+        env=_env(), stdout=open(tmp / "cluster.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    driver = None
+    try:
+        _wait_for(address_file, ":", 180, cluster)
+        env = _env(RAY_ADDRESS=address_file.read_text().strip(), RAYTRAIN_CKPT_FAULTS="hang@step:rank=0,step=12")
+        log = tmp / "driver.log"
+        cmd = [sys.executable, "-m", "raytrain_ckpt", "run", "jobs/llama_debug_fsdp.yaml", "--set", "training.steps=20",
+               "--set", "checkpoint.interval_steps=5", "--set", f"checkpoint.dir={tmp / 'ckpt'}",
+               "--set", "fault_tolerance.hang_timeout_s=600"]
+        with open(log, "w") as f:
+            driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        _wait_for(log, "committed step 10", 300, driver)
+        time.sleep(5)  # let the dashboard's actor table catch up
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        _screenshot(f"http://127.0.0.1:{dash}/{args.page}", args.out, args.budget_ms)
+        logger.info("wrote %s (%d bytes)", args.out, args.out.stat().st_size)
+    finally:
+        if driver is not None and driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        cluster.send_signal(signal.SIGTERM)  # local_cluster.py removes every node it started
+        cluster.wait(timeout=120)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

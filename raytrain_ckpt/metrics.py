@@ -1,0 +1,385 @@
+"""Every metric raytrain_ckpt exports, and the small recorders that emit them.
+
+Metrics go through ``ray.util.metrics``: each process records into Ray's per-node metrics
+agent, which serves them in Prometheus format on the node's ``metrics_export_port`` (Ray
+prefixes every name with ``ray_``). ``METRICS`` is the one list of names, kinds, tags and
+help texts; the Grafana dashboard in ``cluster/`` is tested against it.
+
+Who emits what:
+
+* ``TrainerMetrics`` (each TrainWorker): step, loss, tokens/s, step time, checkpoint stall.
+* ``CheckpointMetrics`` (the CheckpointActor): committed and in-flight step, phase and
+  per-rank progress, phase durations, bytes, throughput, purges, aborts, work at risk.
+* ``WriterMetrics`` (each node's CheckpointWriter): bytes and write time per rank.
+* ``ControllerMetrics`` (the driver, called after every controller step): state, attempt,
+  failures and restarts by cause, and the training step it polled.
+
+Recording never raises into the caller: a metrics problem must not stop training.
+
+Ray's metrics agent drops a gauge value once it has been scraped, and a process reports only
+the values recorded since its last report (Ray 2.60), so a gauge that is set once (the
+committed step of a job that stopped saving) would vanish from Prometheus. Each process
+therefore re-records its gauges' last values on a background thread every
+``keepalive_interval_s()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from raytrain_ckpt.checkpoint.layout import Manifest
+    from raytrain_ckpt.controller import Controller
+    from raytrain_ckpt.trainer import StepReport
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["METRICS", "PHASES", "CheckpointMetrics", "ControllerMetrics", "MetricDef", "TrainerMetrics",
+           "WriterMetrics", "exported_names", "inflight_phase"]
+
+Kind = Literal["gauge", "counter", "histogram"]
+SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+PHASES = ("idle", "planning", "staging", "writing", "committing")
+"""Phases of the in-flight step, in order (``raytrain_ckpt_checkpoint_inflight_phase`` has one series each)."""
+PREFIX = "raytrain_ckpt_"
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """One exported metric: its name (without Ray's ``ray_`` prefix), kind, tags and help text."""
+
+    name: str
+    kind: Kind
+    help: str
+    tags: tuple[str, ...] = ("job",)
+    boundaries: tuple[float, ...] = SECONDS
+
+
+def _m(name: str, kind: Kind, help_text: str, *tags: str) -> MetricDef:
+    return MetricDef(PREFIX + name, kind, help_text, ("job", *tags))
+
+
+METRICS: dict[str, MetricDef] = {m.name.removeprefix(PREFIX): m for m in (
+    # trainer side
+    _m("train_step", "gauge", "Last finished optimizer step of a rank.", "rank"),
+    _m("train_loss", "gauge", "Global mean loss at the last logging step (rank 0)."),
+    _m("train_tokens_per_second", "gauge", "Tokens per second of the last step (whole job, seen by a rank).", "rank"),
+    _m("train_step_seconds", "gauge", "Wall time of the last step of a rank.", "rank"),
+    _m("checkpoint_stall_seconds", "histogram", "Seconds one save blocked a rank's training thread.", "rank"),
+    _m("checkpoint_last_stall_seconds", "gauge", "Seconds the last save blocked a rank's training thread.", "rank"),
+    # checkpoint actor
+    _m("checkpoint_committed_step", "gauge", "Newest committed checkpoint step (-1: none)."),
+    _m("checkpoint_last_commit_timestamp_seconds", "gauge", "Unix time of the newest commit (0: none)."),
+    _m("checkpoint_inflight_step", "gauge", "Step being saved (-1: none)."),
+    _m("checkpoint_inflight_phase", "gauge", "1 for the phase the in-flight step is in, 0 for the others.",
+       "phase"),
+    _m("checkpoint_inflight_ranks", "gauge", "Ranks of the in-flight step that reached a stage (handed_off, "
+       "written).", "stage"),
+    _m("checkpoint_rank_progress", "gauge", "Per rank, for the in-flight step: 0 staging, 1 handed off to its "
+       "writer, 2 written.", "rank"),
+    _m("checkpoint_phase_seconds", "histogram", "Duration of a save phase (plan, stage, write, persist, commit, "
+       "total).", "phase"),
+    _m("checkpoint_last_bytes", "gauge", "Bytes of the newest committed step (every file its manifest lists)."),
+    _m("checkpoint_bytes_written_total", "counter", "Bytes of every step committed by this job."),
+    _m("checkpoint_throughput_bytes_per_second", "gauge", "Bytes of the newest step divided by its save time "
+       "(hand-off of the first rank to the commit)."),
+    _m("checkpoint_commits_total", "counter", "Steps committed."),
+    _m("checkpoint_aborted_total", "counter", "Steps aborted (a writer died, a commit failed, a restart)."),
+    _m("checkpoint_purged_total", "counter", "Committed steps removed by retention."),
+    _m("work_at_risk_seconds", "gauge", "Seconds since the newest commit (since the job started when none): "
+       "the training time a failure now would repeat."),
+    _m("work_at_risk_steps", "gauge", "Steps trained since the newest committed step."),
+    # writer
+    _m("checkpoint_rank_bytes_written_total", "counter", "Bytes of shard files a node's writer wrote for a rank.",
+       "rank", "node"),
+    _m("checkpoint_rank_write_seconds", "gauge", "Seconds a writer took to write, fsync and checksum a rank's "
+       "files of the last step.", "rank", "node"),
+    # controller
+    _m("job_state", "gauge", "1 for the controller's current state, 0 for the others.", "state"),
+    _m("job_attempt", "gauge", "Attempt number of the running worker group (0: the first)."),
+    _m("job_failures_total", "counter", "Worker group failures, by cause (crash, exception, hang, start).",
+       "cause"),
+    _m("job_restarts_total", "counter", "Worker group restarts, by the cause of the failure.", "cause"),
+)}
+
+
+def exported_names() -> set[str]:
+    """Every series name Prometheus sees: ``ray_`` + name, ``_bucket``/``_sum``/``_count`` for histograms."""
+    out = set()
+    for m in METRICS.values():
+        base = "ray_" + m.name
+        out |= {base + s for s in ("_bucket", "_sum", "_count")} if m.kind == "histogram" else {base}
+    return out
+
+
+_objects: dict[str, Any] = {}
+_warned = False
+_gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+_lock = threading.Lock()
+_create_lock = threading.Lock()
+_keepalive: threading.Thread | None = None
+
+
+def keepalive_interval_s() -> float:
+    """Half of Ray's metrics report interval (``RAY_metrics_report_interval_ms``, default 10 s)."""
+    report_ms = float(os.environ.get("RAY_metrics_report_interval_ms", "10000"))
+    return min(5.0, max(0.2, report_ms / 2000.0))
+
+
+def _keep_gauges_alive() -> None:
+    while True:
+        time.sleep(keepalive_interval_s())
+        with _lock:
+            values = list(_gauges.items())
+        for (name, tags), value in values:
+            _set(name, value, dict(tags))
+
+
+def _warn_once(name: str, exc: Exception) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        logger.warning("could not record metric %s (further errors in this process are not logged): %s: %s",
+                       name, type(exc).__name__, exc)
+
+
+def _set(name: str, value: float, tags: dict[str, str]) -> None:
+    try:
+        _metric(name).set(value, tags=tags)
+    except Exception as exc:  # metrics are best effort: never fail a training step or a commit over them
+        _warn_once(name, exc)
+
+
+def _metric(name: str) -> Any:
+    with _create_lock:  # the keepalive thread records too: create each metric once
+        return _objects.get(name) or _objects.setdefault(name, _create(METRICS[name]))
+
+
+def _create(d: MetricDef) -> Any:
+    from ray.util import metrics as rm
+
+    if d.kind == "gauge":
+        return rm.Gauge(d.name, d.help, tag_keys=d.tags)
+    if d.kind == "counter":
+        return rm.Counter(d.name, d.help, tag_keys=d.tags)
+    return rm.Histogram(d.name, d.help, boundaries=list(d.boundaries), tag_keys=d.tags)
+
+
+def record(name: str, value: float, tags: dict[str, str]) -> None:
+    """Set a gauge, add to a counter or observe a histogram, by the metric's kind."""
+    global _keepalive
+    tags = {k: str(v) for k, v in tags.items()}
+    if METRICS[name].kind == "gauge":
+        with _lock:
+            _gauges[(name, tuple(sorted(tags.items())))] = float(value)
+            if _keepalive is None:
+                _keepalive = threading.Thread(target=_keep_gauges_alive, name="rtc-metrics", daemon=True)
+                _keepalive.start()
+        _set(name, float(value), tags)
+        return
+    try:
+        obj = _metric(name)
+        if METRICS[name].kind == "counter":
+            if value > 0:
+                obj.inc(float(value), tags=tags)
+        else:
+            obj.observe(float(value), tags=tags)
+    except Exception as exc:  # metrics are best effort: never fail a training step or a commit over them
+        _warn_once(name, exc)
+
+
+def inflight_phase(planning: bool, handed_off: int, written: int, world_size: int) -> str:
+    """The phase of a step from what the CheckpointActor knows of it."""
+    if written >= world_size:
+        return "committing"
+    if handed_off >= world_size:
+        return "writing"
+    if handed_off > 0 or not planning:
+        return "staging"
+    return "planning"
+
+
+class TrainerMetrics:
+    """Per rank: training progress after every step, and the stall each save cost."""
+
+    def __init__(self, job: str, rank: int) -> None:
+        self.job, self.rank = job, rank
+        self._tags = {"job": job, "rank": str(rank)}
+        self._saves = 0
+        self._stall = 0.0
+
+    def after_step(self, report: StepReport, ckpt: Any | None) -> None:
+        """Record ``report``; with checkpointing, the stall of a save made at this step.
+
+        The stall of a save is what ``save()`` blocked the training thread (flatten, planning,
+        a busy previous save); it is also sent to the CheckpointActor, which keeps it in the
+        step's manifest (``wall.stall_s``, max over ranks).
+        """
+        record("train_step", report.step, self._tags)
+        record("train_step_seconds", report.step_time_s, self._tags)
+        record("train_tokens_per_second", report.tokens_per_s, self._tags)
+        if report.loss is not None and self.rank == 0:
+            record("train_loss", report.loss, {"job": self.job})
+        if ckpt is None:
+            return
+        stats = ckpt.stats
+        stall, self._stall = stats.stall_s - self._stall, stats.stall_s
+        if stats.saves > self._saves:
+            self._saves = stats.saves
+            record("checkpoint_stall_seconds", stall, self._tags)
+            record("checkpoint_last_stall_seconds", stall, self._tags)
+            ckpt.actor.record_stall.remote(report.step, self.rank, stall)
+
+
+class WriterMetrics:
+    """Per node: what the writer wrote for each rank."""
+
+    def __init__(self, job: str, node: str) -> None:
+        self.job, self.node = job, node
+
+    def wrote(self, rank: int, nbytes: int, seconds: float) -> None:
+        tags = {"job": self.job, "rank": str(rank), "node": self.node}
+        record("checkpoint_rank_bytes_written_total", nbytes, tags)
+        record("checkpoint_rank_write_seconds", seconds, tags)
+
+
+class CheckpointMetrics:
+    """The CheckpointActor's view: steps, phases, bytes, and the work a failure would lose."""
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self._tags = {"job": job}
+        self.train_step = 0
+        """The newest training step the driver reported (``note_job``)."""
+        self.started = time.time()
+        self.commit_unix = 0.0
+        self.committed_step = -1
+        self._ranks: set[int] = set()
+
+    def start(self, committed: dict[int, Manifest]) -> None:
+        """Publish what storage holds when the actor (re)starts."""
+        if committed:
+            newest = committed[max(committed)]
+            self.committed_step, self.commit_unix = newest.step, newest.created_unix
+        record("checkpoint_committed_step", self.committed_step, self._tags)
+        record("checkpoint_last_commit_timestamp_seconds", self.commit_unix, self._tags)
+        self.progress(None, "idle", {}, 0)
+
+    def progress(self, step: int | None, phase: str, ranks: dict[int, int], world_size: int) -> None:
+        """The in-flight step (None: none), its phase and each rank's progress (0, 1, 2)."""
+        record("checkpoint_inflight_step", -1 if step is None else step, self._tags)
+        for p in PHASES:
+            record("checkpoint_inflight_phase", int(p == phase), {**self._tags, "phase": p})
+        values = list(ranks.values())
+        record("checkpoint_inflight_ranks", sum(v >= 1 for v in values), {**self._tags, "stage": "handed_off"})
+        record("checkpoint_inflight_ranks", sum(v >= 2 for v in values), {**self._tags, "stage": "written"})
+        self._ranks |= set(range(world_size))
+        for rank in sorted(self._ranks):
+            record("checkpoint_rank_progress", ranks.get(rank, 0), {**self._tags, "rank": str(rank)})
+
+    def planned(self, seconds: float) -> None:
+        record("checkpoint_phase_seconds", seconds, {**self._tags, "phase": "plan"})
+
+    def committed(self, manifest: Manifest) -> None:
+        """A step committed: its phases, size and throughput; it is the new resume point."""
+        for phase in ("stage", "write", "persist", "commit", "total"):
+            if f"{phase}_s" in manifest.wall:
+                record("checkpoint_phase_seconds", manifest.wall[f"{phase}_s"], {**self._tags, "phase": phase})
+        nbytes = manifest.total_bytes
+        record("checkpoint_last_bytes", nbytes, self._tags)
+        record("checkpoint_bytes_written_total", nbytes, self._tags)
+        record("checkpoint_commits_total", 1, self._tags)
+        total = manifest.wall.get("total_s", 0.0)
+        if total > 0:
+            record("checkpoint_throughput_bytes_per_second", nbytes / total, self._tags)
+        if manifest.step >= self.committed_step:
+            self.committed_step, self.commit_unix = manifest.step, manifest.created_unix
+            record("checkpoint_committed_step", manifest.step, self._tags)
+            record("checkpoint_last_commit_timestamp_seconds", manifest.created_unix, self._tags)
+        self.at_risk()
+
+    def aborted(self) -> None:
+        record("checkpoint_aborted_total", 1, self._tags)
+
+    def purged(self, count: int) -> None:
+        record("checkpoint_purged_total", count, self._tags)
+
+    def at_risk(self, train_step: int | None = None) -> dict[str, float]:
+        """Seconds and steps since the newest commit; recorded and returned."""
+        if train_step is not None:
+            self.train_step = train_step
+        since = self.commit_unix or self.started
+        risk = {"seconds": max(0.0, time.time() - since),
+                "steps": max(0, self.train_step - max(self.committed_step, 0))}
+        record("work_at_risk_seconds", risk["seconds"], self._tags)
+        record("work_at_risk_steps", risk["steps"], self._tags)
+        return risk
+
+
+class ControllerMetrics:
+    """Called by the Controller after every ``step()`` (its observer); also forwards the job's
+    state and training step to the CheckpointActor, which turns them into work at risk."""
+
+    def __init__(self, job: str, checkpoint_actor: Any | None = None) -> None:
+        self.job = job
+        self.actor = checkpoint_actor
+        self._tags = {"job": job}
+        self._failures = 0
+        self._restarts = 0
+        self._state = ""
+        self._started = time.time()
+        self._attempt = 0
+        self._pending: Any = None
+
+    def __call__(self, ctrl: Controller) -> None:
+        state = ctrl.state.value
+        if state != self._state:
+            self._state = state
+            for s in ("STARTING", "RUNNING", "RECOVERING", "SUCCEEDED", "FAILED"):
+                record("job_state", int(s == state), {**self._tags, "state": s})
+        record("job_attempt", ctrl.attempt, self._tags)
+        causes = [failure_cause(line) for line in ctrl.result.failures]
+        for cause in causes[self._failures:]:
+            record("job_failures_total", 1, {**self._tags, "cause": cause})
+        self._failures = len(causes)
+        if ctrl.restarts > self._restarts and causes:
+            record("job_restarts_total", ctrl.restarts - self._restarts, {**self._tags, "cause": causes[-1]})
+            self._restarts = ctrl.restarts
+        poll = ctrl.last_poll
+        step = poll.min_step if poll is not None else None  # the slowest rank: what all ranks have trained
+        info = {"state": state, "attempt": ctrl.attempt, "restarts": ctrl.restarts,
+                "failures": dict(Counter(causes)), "train_step": step}
+        if self.actor is not None:
+            self._note(info)
+        elif step is not None:  # no checkpoints: everything this attempt trained is at risk
+            if ctrl.attempt != self._attempt:
+                self._attempt, self._started = ctrl.attempt, time.time()
+            record("work_at_risk_steps", step, self._tags)
+            record("work_at_risk_seconds", time.time() - self._started, self._tags)
+
+
+    def _note(self, info: dict[str, Any]) -> None:
+        """Send ``info`` to the CheckpointActor unless the previous note is still on its way
+        (a restarting actor must not queue up one call per poll)."""
+        import ray
+
+        if self._pending is not None:
+            if not ray.wait([self._pending], timeout=0)[0]:
+                return
+            try:
+                ray.get(self._pending)
+            except Exception as exc:  # the actor is restarting or gone; the next note retries
+                logger.debug("progress note not delivered: %s", exc)
+        self._pending = self.actor.note_job.remote(info)
+
+
+def failure_cause(line: str) -> str:
+    """The cause in a controller failure summary ``attempt A CAUSE: headline``."""
+    parts = line.split(":", 1)[0].split()
+    return parts[2] if len(parts) >= 3 else "unknown"

@@ -1,0 +1,136 @@
+"""The metric catalogue, the Grafana dashboard built on it, and the pure parts of progress reporting."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from raytrain_ckpt.cli import main
+from raytrain_ckpt.inspect import summary_line
+from raytrain_ckpt.metrics import METRICS, PHASES, exported_names, failure_cause, inflight_phase
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "grafana_dashboard.json"
+_NAME = re.compile(r"\bray_[a-z0-9_]+")
+_SELECTOR = re.compile(r"\b(ray_[a-z0-9_]+)\{([^}]*)\}")
+
+
+def _queries(dashboard: dict) -> list[str]:
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    return exprs + [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+
+
+def test_every_dashboard_query_names_an_exported_metric():
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = _queries(dashboard)
+    assert len(queries) >= 20
+    names = exported_names()
+    for expr in queries:
+        used = _NAME.findall(expr)
+        assert used, f"query names no metric: {expr}"
+        unknown = set(used) - names
+        assert not unknown, f"{expr}: {sorted(unknown)} are not defined in raytrain_ckpt/metrics.py"
+
+
+def test_dashboard_selectors_use_only_tags_the_metric_has():
+    tags = {n: METRICS[n.removeprefix("ray_raytrain_ckpt_").removesuffix(s)].tags
+            for n in exported_names() for s in ("_bucket", "_sum", "_count", "") if n.endswith(s)
+            and n.removeprefix("ray_raytrain_ckpt_").removesuffix(s) in METRICS}
+    for expr in _queries(json.loads(DASHBOARD.read_text())):
+        for name, selector in _SELECTOR.findall(expr):
+            labels = {part.split("=")[0].strip(" !~") for part in selector.split(",") if part}
+            assert labels <= set(tags[name]) | {"le"}, f"{expr}: {name} has tags {tags[name]}"
+
+
+def test_every_metric_is_on_the_dashboard():
+    text = DASHBOARD.read_text()
+    missing = [m.name for m in METRICS.values() if f"ray_{m.name}" not in text]
+    assert not missing, f"metrics with no panel: {missing}"
+
+
+def test_metric_definitions_are_well_formed():
+    for short, m in METRICS.items():
+        assert m.name == f"raytrain_ckpt_{short}" and re.fullmatch(r"[a-z][a-z0-9_]*", m.name)
+        assert m.help.endswith(".") and m.tags[0] == "job"
+        assert (m.kind == "counter") == m.name.endswith("_total")
+
+
+@pytest.mark.parametrize("planning, handed_off, written, phase", [
+    (True, 0, 0, "planning"), (False, 0, 0, "staging"), (True, 1, 0, "staging"), (False, 3, 0, "staging"),
+    (False, 4, 0, "writing"), (False, 4, 3, "writing"), (False, 4, 4, "committing"),
+])
+def test_inflight_phase(planning, handed_off, written, phase):
+    assert inflight_phase(planning, handed_off, written, world_size=4) == phase
+    assert phase in PHASES
+
+
+def test_summary_line_and_failure_cause():
+    status = {"latest": 120, "world_size": 4, "inflight": {"step": 130, "phase": "writing",
+                                                          "ranks": {0: 2, 1: 2, 2: 2, 3: 1}}}
+    assert summary_line(status) == "committed=120 inflight=130 writing 3/4 ranks"
+    assert summary_line({**status, "latest": None, "inflight": {"step": None, "phase": "idle", "ranks": {}}}) == \
+        "committed=- inflight=-"
+    assert failure_cause("attempt 2 hang: no step finished for 600s") == "hang"
+    assert failure_cause("garbled") == "unknown"
+
+
+def test_inspect_commands_reject_bad_paths(tmp_path, capsys):
+    assert main(["verify", str(tmp_path / "step-00000001")]) == 2
+    assert "no such step directory" in capsys.readouterr().err
+    assert main(["status"]) == 2
+    assert main(["status", str(tmp_path), "--job", "x"]) == 2
+    assert main(["ls", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error:") == 3
+
+
+def test_status_watch_refreshes(tmp_path, capsys):
+    import argparse
+
+    from raytrain_ckpt import inspect as ckpt_inspect
+
+    args = argparse.Namespace(command="status", dir=str(tmp_path), job=None, address=None, watch=0.01, json=False,
+                              checksum=False)
+    assert ckpt_inspect.run(args, refreshes=2) == 0
+    out = capsys.readouterr().out
+    assert out.count("checkpoints in") == 2 and "resume point: none (a fresh start)" in out
+
+
+def test_controller_observer_counts_failures_and_restarts_by_cause(monkeypatch):
+    from raytrain_ckpt import metrics
+    from raytrain_ckpt.controller import Controller, JobState
+    from raytrain_ckpt.spec import JobSpec
+    from tests.unit.test_controller import FakeWorkerGroup
+
+    recorded: list[tuple[str, float, dict]] = []
+    monkeypatch.setattr(metrics, "record", lambda name, value, tags: recorded.append((name, value, dict(tags))))
+    groups: list[FakeWorkerGroup] = []
+
+    def factory(spec: JobSpec, attempt: int) -> FakeWorkerGroup:
+        groups.append(FakeWorkerGroup(spec, attempt))
+        return groups[-1]
+
+    spec = JobSpec(name="obs", fault_tolerance={"max_restarts": 2})
+    ctrl = Controller(spec, factory, sleep=lambda s: None, observer=metrics.ControllerMetrics("obs"))
+    ctrl.step()  # STARTING -> RUNNING
+    groups[-1].advance(3)
+    ctrl.step()  # a poll: step 3 and no checkpoints, so 3 steps at risk
+    groups[-1].kill(1)
+    ctrl.step()  # RUNNING -> RECOVERING (crash)
+    ctrl.step()  # -> STARTING
+    ctrl.step()  # -> RUNNING, attempt 1
+    groups[-1].fail(0)
+    ctrl.step()  # exception
+    assert ctrl.state is JobState.RECOVERING and ctrl.restarts == 2
+
+    def values(name: str, **tags: str) -> list[float]:
+        return [v for n, v, t in recorded if n == name and tags.items() <= t.items()]
+
+    assert values("job_failures_total", cause="crash") == [1] and values("job_failures_total", cause="exception") == [1]
+    assert values("job_restarts_total", cause="crash") == [1] and values("job_restarts_total", cause="exception") == [1]
+    assert values("job_attempt")[-1] == 1
+    assert values("job_state", state="RECOVERING")[-1] == 1 and values("job_state", state="RUNNING")[-1] == 0
+    at_risk = values("work_at_risk_steps")
+    assert at_risk[0] == 3 and at_risk[-1] == 0  # without checkpoints a restart starts over
