@@ -79,6 +79,7 @@ class CheckpointActor:
         self.layout = CheckpointLayout(Path(root))
         self.layout.root.mkdir(parents=True, exist_ok=True)
         self.world_size, self.dp_size, self.spec_hash = world_size, dp_size, spec_hash
+        self.model: dict[str, Any] | None = None
         self.retention = RetentionPolicy(keep_latest_k, keep_every_n_steps)
         self.layout.remove_leftover_tmp()
         self.committed: dict[int, Manifest] = self.layout.valid_steps("size")
@@ -95,9 +96,12 @@ class CheckpointActor:
         logger.info("checkpoint actor for %s: %d committed step(s) %s", root, len(self.committed),
                     sorted(self.committed)[-5:])
 
-    async def configure(self, world_size: int, dp_size: int, spec_hash: str) -> None:
-        """Set the layout of the group about to start (it may differ from the one that saved)."""
+    async def configure(self, world_size: int, dp_size: int, spec_hash: str,
+                        model: dict[str, Any] | None = None) -> None:
+        """Set the layout of the group about to start (it may differ from the one that saved)
+        and the model section recorded in every manifest."""
         self.world_size, self.dp_size, self.spec_hash = world_size, dp_size, spec_hash
+        self.model = model
 
     # --- planning ------------------------------------------------------------------------
 
@@ -198,7 +202,8 @@ class CheckpointActor:
         manifest = Manifest(step=step, world_size=self.world_size, dp_size=self.dp_size, spec_hash=self.spec_hash,
                             files=files, samples_seen=int(infos[0].get("samples_seen", 0)),
                             tokens_seen=int(infos[0].get("tokens_seen", 0)), wall=wall,
-                            pp_size=self.world_size // self.dp_size)  # the spec makes world = pp x dp
+                            pp_size=self.world_size // self.dp_size,  # the spec makes world = pp x dp
+                            model=self.model)
         maybe_inject("commit", 0, step, p.attempt)
         self.layout.commit(p.tmp, manifest)
         self.committed[step] = manifest

@@ -326,9 +326,11 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
     Raises:
         ConversionError: Bad arguments or a missing, invalid or torn checkpoint.
     """
-    _check_args(fmt, dtype, model_cfg, with_optimizer)
     t0 = time.monotonic()
     step_dir, manifest = resolve_step(ckpt, verify)
+    if model_cfg is None and fmt == "hf" and manifest.model is not None:
+        model_cfg = _manifest_model(manifest)
+    _check_args(fmt, dtype, model_cfg, with_optimizer)
     root = Path(lease_root) if lease_root is not None else step_dir.parent
     try:
         lease = FileLease(root, manifest.step).__enter__()
@@ -341,13 +343,24 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
         lease.__exit__(None, None, None)
 
 
+def _manifest_model(manifest: Manifest) -> LlamaConfig | None:
+    """The built-in Llama shape the manifest records (None: a user factory model)."""
+    model = manifest.model or {}
+    try:
+        return describe_model(model.get("name", ""), model.get("overrides") or {})
+    except ValueError as exc:
+        raise ConversionError(f"step {manifest.step}: the manifest's model {model} is not usable: {exc}; "
+                              "pass the job spec with --spec") from None
+
+
 def _check_args(fmt: str, dtype: str, model_cfg: LlamaConfig | None, with_optimizer: bool) -> None:
     if fmt not in ("hf", "torch"):
         raise ConversionError(f"--format={fmt}: use hf or torch")
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype={dtype}: use one of {', '.join(DTYPES)}")
     if fmt == "hf" and model_cfg is None:
-        raise ConversionError("--format hf needs the built-in Llama's shape: pass the job spec with --spec (a user "
+        raise ConversionError("--format hf needs the built-in Llama's shape, which this step's manifest does not "
+                          "record (imported weights, or an older checkpoint): pass the job spec with --spec (a user "
                           "factory model has no Hugging Face mapping; use --format torch)")
     if fmt == "hf" and with_optimizer:
         raise ConversionError("--with-optimizer works with --format torch only (HF safetensors hold weights)")

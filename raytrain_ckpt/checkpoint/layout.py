@@ -67,6 +67,9 @@ class Manifest:
     format: int = MANIFEST_FORMAT
     pp_size: int = 1
     """Pipeline-parallel degree of the saving job (world_size = pp_size x dp_size); 1 in older manifests."""
+    model: dict[str, Any] | None = None
+    """The job's ``model`` section (name, overrides), so an export can name tensors and write a
+    config without the spec; None in older manifests and imported weights."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)

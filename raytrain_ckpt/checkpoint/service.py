@@ -14,7 +14,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ckpt.checkpoint.actor import CheckpointActor, ResumePoint
 from raytrain_ckpt.checkpoint.writer import CheckpointWriter
-from raytrain_ckpt.faults import ENV_VAR
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -67,7 +66,7 @@ class CheckpointService:
         s = spec
         if attempt > 0:
             ray.get(self.actor.settle.remote(s.checkpoint.settle_timeout_s))
-        ray.get(self.actor.configure.remote(s.world_size, s.dp_size, s.spec_hash()))
+        ray.get(self.actor.configure.remote(s.world_size, s.dp_size, s.spec_hash(), s.model.model_dump(mode="json")))
         point = ray.get(self.actor.acquire.remote(f"attempt-{attempt}", s.checkpoint.resume
                                                   if attempt == 0 else "latest", s.checkpoint.verify_on_load))
         if point is None:

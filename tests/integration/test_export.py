@@ -87,7 +87,9 @@ def test_final_export_and_cli_hf_export_equal_the_checkpoint(trained, tmp_path):
     assert final == step.parent / "export-step-00000006"
     assert "lm_head.weight" in _check_hf(final, full, torch.float16)
     out = tmp_path / "hf"
-    assert main(["export", str(step.parent), "--out", str(out), "--spec", DEMO, "--max-shard-size", "500KB"]) == 0
+    # no --spec: the manifest records the job's model section
+    assert CheckpointLayout(step.parent).read_manifest(step).model == {"name": "debug", "overrides": {}}
+    assert main(["export", str(step.parent), "--out", str(out), "--max-shard-size", "500KB"]) == 0
     tensors = _check_hf(out, full, torch.bfloat16)
     assert len(list(out.glob("*.safetensors"))) > 1
     # and an HF directory imports back under our names

@@ -1,29 +1,15 @@
-"""Job spec: the one file a user writes, validated at the edge.
+"""The sections of a job spec: one pydantic model each, a docstring under every field.
 
-Precedence, stated once: CLI ``--set path=value`` > spec file > field defaults.
-Every problem is reported as ``path[=value]: what is wrong; how to fix it``.
+Checks that involve one section only live here (field and model validators); checks across
+sections live with ``JobSpec`` in ``job.py``.
 """
 
 from __future__ import annotations
 
-import difflib
-import hashlib
-import json
-import re
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from raytrain_ckpt.models import PRESETS, describe_model, resolve_factory
 
@@ -31,8 +17,8 @@ __all__ = [
     "CheckpointSpec",
     "DataSpec",
     "FaultToleranceSpec",
+    "FieldProblems",
     "FinalExportSpec",
-    "JobSpec",
     "LRSchedulerSpec",
     "ModelSpec",
     "OptimizerSpec",
@@ -40,11 +26,7 @@ __all__ = [
     "ResourcesSpec",
     "SpecError",
     "TrainingSpec",
-    "load_spec",
-    "parse_overrides",
 ]
-
-SPEC_SUFFIXES = (".yaml", ".yml", ".json", ".toml")
 
 
 class SpecError(ValueError):
@@ -322,114 +304,6 @@ class FaultToleranceSpec(_Section):
     """With reuse_workers: how long surviving ranks get to leave the failed step and release their process group before they are killed and replaced instead."""
 
 
-class JobSpec(_Section):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-    """Job name (letters, digits, '_', '.', '-'); names the Ray actors and the checkpoint directory."""
-    model: ModelSpec = Field(default_factory=ModelSpec)
-    """What to train."""
-    data: DataSpec = Field(default_factory=DataSpec)
-    """Where the tokens come from."""
-    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
-    """How the model is split across workers."""
-    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
-    """Optimizer settings."""
-    lr_scheduler: LRSchedulerSpec = Field(default_factory=LRSchedulerSpec)
-    """Learning-rate schedule: linear warmup, then decay."""
-    training: TrainingSpec = Field(default_factory=TrainingSpec)
-    """Steps, batch sizes, sequence length, seed, precision."""
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    """Workers and what each reserves."""
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    """Checkpointing."""
-    fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
-    """Restarts and timeouts."""
-
-    @property
-    def world_size(self) -> int:
-        """Number of ranks."""
-        return self.resources.num_workers
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel degree after resolving -1."""
-        if self.parallelism.dp_shard == -1:
-            return self.world_size // self.parallelism.pp
-        return self.parallelism.dp_shard
-
-    def with_workers(self, n: int) -> JobSpec:
-        """The same job on ``n`` workers (a multiple of pp): the elastic layout after a shrink.
-
-        Only the data-parallel degree shrinks; the pipeline keeps its stages, and the global
-        batch stays, so each rank accumulates (or pipelines) more micro-batches.
-        """
-        return self.model_copy(update={
-            "resources": self.resources.model_copy(update={"num_workers": n}),
-            "parallelism": self.parallelism.model_copy(
-                update={"dp_shard": n // self.parallelism.pp, "microbatches": None}),
-        })
-
-    @property
-    def local_microbatches(self) -> int:
-        """Micro-batches per optimizer step on one data-parallel rank (the pipeline's microbatches)."""
-        t = self.training
-        return t.global_batch_size // (t.micro_batch_size * self.dp_size)
-
-    def spec_hash(self) -> str:
-        """Stable hash of the resolved spec, for telling runs apart."""
-        text = json.dumps(self.model_dump(mode="json"), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-    @model_validator(mode="after")
-    def _consistent(self) -> JobSpec:
-        problems = _layout_problems(self) + _batch_problems(self) + _model_data_problems(self)
-        if not problems:
-            problems = _pipeline_problems(self)
-        problems += _final_export_problems(self)
-        if problems:
-            raise FieldProblems(problems)
-        return self
-
-
-def _layout_problems(spec: JobSpec) -> list[tuple[str, str]]:
-    par, n = spec.parallelism, spec.world_size
-    if par.dp_shard == -1:
-        if n % par.pp:
-            return [("resources.num_workers", f"{n} is not divisible by parallelism.pp={par.pp}; "
-                     f"use a multiple of {par.pp} workers, or another pp")]
-        return []
-    if par.dp_shard * par.pp != n:
-        return [("parallelism.dp_shard", f"dp_shard {par.dp_shard} x pp {par.pp} = {par.dp_shard * par.pp} "
-                 f"does not match resources.num_workers={n}; make the product equal, or set dp_shard=-1")]
-    return []
-
-
-def _batch_problems(spec: JobSpec) -> list[tuple[str, str]]:
-    t, dp = spec.training, spec.dp_size
-    out: list[tuple[str, str]] = []
-    if dp >= 1 and t.global_batch_size % (t.micro_batch_size * dp):
-        out.append(("training.global_batch_size",
-                    f"{t.global_batch_size} is not divisible by micro_batch_size {t.micro_batch_size} x dp {dp}; "
-                    f"use a multiple of {t.micro_batch_size * dp}"))
-    return out
-
-
-def _model_data_problems(spec: JobSpec) -> list[tuple[str, str]]:
-    cfg = describe_model(spec.model.name, spec.model.overrides) if ":" not in spec.model.name else None
-    if cfg is None:
-        return []
-    out: list[tuple[str, str]] = []
-    if spec.training.seq_len > cfg.max_seq_len:
-        out.append(("training.seq_len", f"{spec.training.seq_len} exceeds the model context {cfg.max_seq_len} "
-                    f"of '{spec.model.name}'; lower it or set model.overrides.max_seq_len"))
-    if spec.data.source == "text" and cfg.vocab_size < 256:
-        out.append(("model.overrides.vocab_size", f"{cfg.vocab_size} is below 256, the byte-level vocabulary "
-                    "of data.source=text; use vocab_size >= 256"))
-    return out
-
-
-# --- pipeline parallelism -------------------------------------------------------
-
-
 def _check_pipeline_fields(par: ParallelismSpec) -> ParallelismSpec:
     problems: list[tuple[str, str]] = []
     interleaved = par.pp_schedule == "interleaved_1f1b"
@@ -449,189 +323,3 @@ def _check_pipeline_fields(par: ParallelismSpec) -> ParallelismSpec:
     if problems:
         raise FieldProblems(problems)
     return par
-
-
-def _pipeline_problems(spec: JobSpec) -> list[tuple[str, str]]:
-    """Degrees, layers, micro-batches and batch sizes that a pipeline needs to fit."""
-    par, t = spec.parallelism, spec.training
-    out: list[tuple[str, str]] = []
-    m = spec.local_microbatches
-    if par.microbatches is not None and par.microbatches != m:
-        out.append(("parallelism.microbatches", f"{par.microbatches} does not match global_batch_size "
-                    f"{t.global_batch_size} / (micro_batch_size {t.micro_batch_size} x dp {spec.dp_size}) = {m}; "
-                    f"set it to {m}, or null, or change training.micro_batch_size"))
-    if par.pp == 1:
-        return out
-    stages = par.pp * par.virtual_stages
-    cfg = describe_model(spec.model.name, spec.model.overrides) if ":" not in spec.model.name else None
-    if cfg is not None and cfg.n_layers < stages:
-        out.append(("parallelism.pp", f"{stages} stages (pp {par.pp} x virtual_stages {par.virtual_stages}) "
-                    f"but '{spec.model.name}' has {cfg.n_layers} layers; each stage needs a layer: lower pp or "
-                    f"virtual_stages, or raise model.overrides.n_layers"))
-    if cfg is not None:
-        out += _split_point_problems(par.pp_split_points, cfg.n_layers)
-    if par.pp_schedule == "1f1b" and m < par.pp:
-        out.append(("training.micro_batch_size", f"1f1b needs at least pp={par.pp} micro-batches per step, "
-                    f"got {m} (global_batch_size {t.global_batch_size} / (micro_batch_size {t.micro_batch_size} "
-                    f"x dp {spec.dp_size})); lower micro_batch_size or raise global_batch_size"))
-    rounds = max(1, m // par.pp)
-    if par.pp_schedule == "interleaved_1f1b" and m % rounds:
-        out.append(("training.micro_batch_size", f"interleaved_1f1b needs the {m} micro-batches per step to be a "
-                    f"multiple of {rounds} (rounds of pp={par.pp}); use a multiple of pp={par.pp} micro-batches"))
-    return out
-
-
-def _split_point_problems(points: list[str], n_layers: int) -> list[tuple[str, str]]:
-    starts = []
-    for point in points:
-        prefix, _, key = point.partition(".")
-        if prefix != "layers" or not key.isdigit() or not 0 < int(key) < n_layers:
-            return [("parallelism.pp_split_points", f"{point!r} is not a layer a stage can start at; use "
-                     f"'layers.<i>' with 1 <= i < n_layers={n_layers}")]
-        starts.append(int(key))
-    if starts != sorted(set(starts)):
-        return [("parallelism.pp_split_points", f"{points} must be increasing and distinct")]
-    return []
-
-
-def _final_export_problems(spec: JobSpec) -> list[tuple[str, str]]:
-    cfg = spec.checkpoint
-    if cfg.final_export is None:
-        return []
-    if not cfg.enabled or not cfg.save_final:
-        return [("checkpoint.final_export", "exports the final checkpoint; set checkpoint.enabled=true and "
-                 "checkpoint.save_final=true, or remove final_export")]
-    if cfg.final_export.format == "hf" and ":" in spec.model.name:
-        return [("checkpoint.final_export.format", f"hf needs the built-in Llama; model.name={spec.model.name} is a "
-                 "user factory with no Hugging Face names; use format torch")]
-    return []
-
-
-# --- loading -----------------------------------------------------------------
-
-
-def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
-    """Read a YAML, JSON or TOML job spec, apply ``--set`` overrides and validate it.
-
-    Args:
-        path: The spec file.
-        overrides: ``dotted.path=value`` strings; values are parsed as YAML scalars/lists.
-
-    Returns:
-        The validated spec.
-
-    Raises:
-        SpecError: The file is missing or unreadable, or the spec is invalid.
-    """
-    path = Path(path)
-    raw = _read_file(path)
-    for dotted, value in parse_overrides(overrides or []):
-        _apply_override(raw, dotted, value)
-    try:
-        return JobSpec.model_validate(raw, context={"base_dir": path.resolve().parent})
-    except ValidationError as exc:
-        raise SpecError(format_validation_error(exc)) from None
-
-
-def _read_file(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise SpecError([f"{path}: spec file not found; pass the path of a .yaml, .json or .toml job spec"])
-    if path.is_dir():
-        raise SpecError([f"{path}: is a directory; pass a job spec file such as jobs/llama_debug_fsdp.yaml"])
-    if path.suffix not in SPEC_SUFFIXES:
-        raise SpecError([f"{path}: unknown spec format '{path.suffix}'; use one of {', '.join(SPEC_SUFFIXES)}"])
-    text = path.read_text(encoding="utf-8")
-    try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        elif path.suffix == ".toml":
-            data = tomllib.loads(text)
-        else:
-            data = yaml.safe_load(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise SpecError([f"{path}: not valid {path.suffix[1:].upper()}: {_one_line(exc)}"]) from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise SpecError([f"{path}: the top level must be a mapping of sections, got {type(data).__name__}"])
-    return data
-
-
-def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
-    """Parse ``a.b.c=value`` strings; the value is read as YAML (numbers, booleans, lists)."""
-    out: list[tuple[str, Any]] = []
-    for item in items:
-        dotted, sep, text = item.partition("=")
-        if not sep or not dotted or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", dotted):
-            raise SpecError([f"--set {item!r}: expected path.to.field=value, e.g. --set training.steps=20"])
-        try:
-            value = yaml.safe_load(text) if text != "" else ""
-        except yaml.YAMLError as exc:
-            raise SpecError([f"--set {item!r}: value is not valid YAML: {_one_line(exc)}"]) from None
-        out.append((dotted, value))
-    return out
-
-
-def _apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    node = raw
-    for i, key in enumerate(keys[:-1]):
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
-            where = ".".join(keys[: i + 1])
-            raise SpecError([f"--set {dotted}: {where} is a value ({child!r}), not a section"])
-        node = child
-    node[keys[-1]] = value
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
-
-
-# --- error formatting ----------------------------------------------------------
-
-
-def format_validation_error(exc: ValidationError) -> list[str]:
-    """Turn pydantic errors into ``path[=value]: problem; fix`` lines."""
-    lines: list[str] = []
-    for err in exc.errors(include_url=False):
-        loc = [str(p) for p in err["loc"]]
-        cause = (err.get("ctx") or {}).get("error")
-        if isinstance(cause, FieldProblems):
-            lines.extend(f"{_join(loc + [p])}: {m}" for p, m in cause.problems)
-        else:
-            lines.append(_format_one(loc, err))
-    return lines
-
-
-def _join(parts: list[str]) -> str:
-    return ".".join(p for p in parts if p)
-
-
-def _format_one(loc: list[str], err: dict[str, Any]) -> str:
-    path, kind, msg = _join(loc), err["type"], err["msg"]
-    if kind == "extra_forbidden":
-        return f"{path}: unknown field{_suggest(loc)}"
-    if kind == "missing":
-        return f"{path}: required field is missing"
-    msg = msg.removeprefix("Value error, ")
-    if kind == "literal_error":
-        msg = msg.replace("Input should be", "must be")
-    value = err.get("input")
-    if isinstance(value, (dict, list)) or value is None:
-        return f"{path}: {msg}"
-    return f"{path}={value}: {msg}"
-
-
-def _suggest(loc: list[str]) -> str:
-    model: type[BaseModel] = JobSpec
-    for part in loc[:-1]:
-        field = model.model_fields.get(part)
-        ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return ""
-        model = ann
-    names = list(model.model_fields)
-    close = difflib.get_close_matches(loc[-1], names, n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    return f"{hint} (valid fields: {', '.join(names)})"
