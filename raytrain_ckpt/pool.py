@@ -90,8 +90,9 @@ class WorkerPool:
     def replenish(self, pg: PlacementGroup) -> None:
         """Start spares (without waiting) until the job has ``fault_tolerance.spare_workers`` of them,
         spread over the nodes of ``pg``'s bundles."""
-        want = self.spec.fault_tolerance.spare_workers
-        if want == 0 or self.spec.resources.use_gpu or self.spec.fault_tolerance.max_restarts == 0:
+        ft = self.spec.fault_tolerance
+        want = ft.spare_workers
+        if want == 0 or not ft.reuse_workers or ft.max_restarts == 0 or self.spec.resources.use_gpu:
             return
         nodes = list(dict.fromkeys(bundle_nodes(pg)))
         have = sum(len(v) for v in self._spares.values())
