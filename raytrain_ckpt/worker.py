@@ -165,7 +165,10 @@ class TrainWorker:
         except Exception:
             text = traceback.format_exc()
         self._progress = Progress(self.rank, 0, None, time.time(), "failed")
-        raise _failure(self.rank, self.attempt, text)
+        # Raised here, outside the except block, on purpose: raised inside it, it would chain the
+        # original exception, whose traceback keeps every frame alive (the trainer, its FSDP state
+        # and the process group, whose connections then stay open after reset()).
+        raise WorkerFailure(self.rank, self.attempt, text)
 
     def _setup(self, master_addr: str, master_port: int) -> None:
         from raytrain_ckpt.trainer import Trainer
@@ -220,7 +223,7 @@ class TrainWorker:
         except Exception:
             text = traceback.format_exc()
         self._progress = Progress(self.rank, self._progress.step, self._progress.loss, time.time(), "failed")
-        raise _failure(self.rank, self.attempt, text)
+        raise WorkerFailure(self.rank, self.attempt, text)  # outside the except block: see setup()
 
     def _run(self) -> WorkerResult:
         from raytrain_ckpt.checkpoint.state import app_state
@@ -264,13 +267,3 @@ class TrainWorker:
         # rank across attempts, a spare is named as one (log lines carry the live attempt and rank).
         who = "spare" if self.was_spare else f"rank {self.rank}/{self.world_size}"
         return f"TrainWorker({self.spec.name} {who})"
-
-
-def _failure(rank: int, attempt: int, text: str) -> WorkerFailure:
-    """The exception to raise for a failed rank, built outside the ``except`` block on purpose.
-
-    Raised inside it, it would chain the original exception, whose traceback keeps every
-    frame alive: the trainer, its FSDP state and through them the process group, whose
-    connections then stay open after ``reset()`` and keep peers blocked in a collective.
-    """
-    return WorkerFailure(rank, attempt, text)

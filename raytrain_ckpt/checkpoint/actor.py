@@ -316,7 +316,7 @@ class CheckpointActor:
 
     def _stall(self, step: int) -> dict[str, float]:
         by_rank = self.stalls.get(step, {})
-        return {"stall_s": max(list(by_rank.values()))} if by_rank else {}
+        return {"stall_s": max(by_rank.values())} if by_rank else {}
 
     async def note_job(self, info: dict[str, Any]) -> None:
         """The driver's view after each controller step: state, attempt, failures, training step."""

@@ -3,10 +3,7 @@ picks the resume point for each attempt, and cleans up at the end of the job."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -18,7 +15,7 @@ from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NAMESPACE", "CheckpointService", "actor_name", "buffer_prefix"]
+__all__ = ["NAMESPACE", "CheckpointService", "actor_name"]
 
 NAMESPACE = "raytrain_ckpt"
 """Ray namespace of a job's named actors, whatever namespace the driver runs in, so that
@@ -54,7 +51,7 @@ class CheckpointService:
                 name=f"rtc-writer-{self.spec.name}-{node_id[:12]}", namespace=NAMESPACE, num_cpus=0,
                 max_concurrency=64, max_restarts=-1, max_task_retries=0, runtime_env=self._env,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(buffer_prefix(self.spec.name, self.root), self.actor, self.spec.checkpoint.writer_threads,
+            ).remote(self.spec.name, str(self.root), self.actor, self.spec.checkpoint.writer_threads,
                      self.spec.checkpoint.writer_nice)
         return self._writers[node_id]
 
@@ -99,11 +96,3 @@ class CheckpointService:
                 logger.warning("could not release staging buffers: %s", exc)
             ray.kill(w, no_restart=True)
         ray.kill(self.actor, no_restart=True)
-
-
-def buffer_prefix(job: str, root: Path) -> str:
-    """Names this job's staging files in /dev/shm. The checkpoint root is part of it: two jobs
-    of the same name writing to different directories on one node must not share buffers (the
-    end of one would unlink the other's)."""
-    digest = hashlib.sha1(str(root).encode()).hexdigest()[:8]
-    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}-{digest}"

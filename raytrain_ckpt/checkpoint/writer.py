@@ -9,9 +9,11 @@ committed.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pickle
+import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,7 +31,15 @@ from raytrain_ckpt.metrics import WriterMetrics
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointWriter", "PersistRequest", "shm_dir"]
+__all__ = ["CheckpointWriter", "PersistRequest", "buffer_prefix", "shm_dir"]
+
+
+def buffer_prefix(job: str, root: str) -> str:
+    """Names a job's staging files in /dev/shm. The checkpoint root is part of it: two jobs
+    of the same name writing to different directories on one node must not share buffers (the
+    end of one would unlink the other's)."""
+    digest = hashlib.sha1(root.encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}-{digest}"
 
 
 def shm_dir() -> Path:
@@ -58,9 +68,9 @@ class PersistRequest:
 class CheckpointWriter:
     """Per-node writer actor (threaded actor; writes run on its own thread pool)."""
 
-    def __init__(self, job: str, coordinator: Any, io_threads: int = 1, nice: int = 10) -> None:
+    def __init__(self, job: str, root: str, coordinator: Any, io_threads: int = 1, nice: int = 10) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.job = job
+        self.prefix = buffer_prefix(job, root)
         self.coordinator = coordinator
         # Persisting is background work: let the training processes win the cores.
         os.nice(nice)
@@ -71,7 +81,7 @@ class CheckpointWriter:
         self._tmp: dict[tuple[int, int], str] = {}
         self._buffers: dict[str, int] = {}
         self._newest_attempt = 0
-        self.metrics = WriterMetrics(job.rsplit("-", 1)[0], ray.get_runtime_context().get_node_id()[:12])
+        self.metrics = WriterMetrics(job, ray.get_runtime_context().get_node_id()[:12])
 
     def allocate(self, rank: int, attempt: int, nbytes: int) -> str:
         """Create the rank's staging file for this attempt (reused across its saves).
@@ -79,7 +89,7 @@ class CheckpointWriter:
         A restarted group gets new files: a write handed off by the previous attempt may still
         be reading its old buffer, which is unlinked once that write is done.
         """
-        path = shm_dir() / f"rtc-{self.job}-a{attempt}-rank{rank}.buf"
+        path = shm_dir() / f"rtc-{self.prefix}-a{attempt}-rank{rank}.buf"
         allocate_buffer(path, nbytes)
         self._buffers[str(path)] = attempt
         self._newest_attempt = max(self._newest_attempt, attempt)
@@ -92,7 +102,7 @@ class CheckpointWriter:
     def release_all(self) -> None:
         """Unlink every staging file of this job on this node (the job is over), including those
         a previous incarnation of this actor created."""
-        for p in shm_dir().glob(f"rtc-{self.job}-a*-rank*.buf"):
+        for p in shm_dir().glob(f"rtc-{self.prefix}-a*-rank*.buf"):
             self._unlink(str(p))
 
     def _unlink(self, path: str) -> None:
