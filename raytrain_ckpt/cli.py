@@ -1,4 +1,5 @@
-"""Command line: ``raytrain-ckpt run | validate | schema | status | ls | verify | export | import``.
+"""Command line: ``raytrain-ckpt run | validate | schema | status | ls | verify | export | import |
+clean-buffers | prepare-data``.
 
 Exit codes: 0 success, 1 the job failed, 2 a user mistake (bad spec, bad flag, not enough
 resources). User mistakes print one line per problem and never a traceback.
@@ -8,15 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import sys
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import yaml
+from raytrain_ckpt.logs import setup_logging
 
-from raytrain_ckpt.spec import JobSpec, SpecError, load_spec
-
-logger = logging.getLogger("raytrain_ckpt")
+if TYPE_CHECKING:
+    from raytrain_ckpt.spec import JobSpec
 
 __all__ = ["main"]
 
@@ -48,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     from raytrain_ckpt import inspect as ckpt_inspect
 
     ckpt_inspect.add_parsers(sub)
+    from raytrain_ckpt import clean_buffers
+
+    clean_buffers.add_parser(sub)
+    from raytrain_ckpt import prepare
+
+    prepare.add_parser(sub)
     return p
 
 
@@ -56,10 +63,23 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command in ("export", "import"):
         return _convert(args)
+    if args.command == "clean-buffers":
+        from raytrain_ckpt import clean_buffers
+
+        return clean_buffers.run(args)
+    if args.command == "prepare-data":
+        from raytrain_ckpt import prepare
+
+        return prepare.run(args)
     if args.command in ("status", "ls", "verify"):
         from raytrain_ckpt import inspect as ckpt_inspect
 
         return ckpt_inspect.run(args)
+    # Only the commands that read a spec import it (pydantic and the spec models): status, ls
+    # and verify start faster without.
+    from raytrain_ckpt import api
+    from raytrain_ckpt.spec import JobSpec, SpecError
+
     if args.command == "schema":
         if args.format == "markdown":
             from raytrain_ckpt.spec_reference import spec_reference_markdown
@@ -68,25 +88,44 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(json.dumps(JobSpec.model_json_schema(), indent=2))
         return EXIT_OK
+    _factories_importable(args.spec)
     try:
-        spec = load_spec(args.spec, args.overrides)
+        spec = api.resolve_spec(args.spec, args.overrides)
     except SpecError as exc:
         for line in exc.problems:
             print(f"error: {line}", file=sys.stderr)
         return EXIT_USAGE
     if args.command == "validate":
+        import yaml
+
         dump = spec.model_dump(mode="json")
         print(json.dumps(dump, indent=2) if args.format == "json" else yaml.safe_dump(dump, sort_keys=False), end="")
         return EXIT_OK
     return _run(spec, args.address)
 
 
-def _run(spec: JobSpec, address: str | None) -> int:
-    from raytrain_ckpt.driver import ResourceError, run_job
+def _factories_importable(spec_path: str) -> None:
+    """Let ``model.name: pkg.module:fn`` name a module beside the spec file or in the working directory.
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ``python -m`` puts the working directory on sys.path and a console script does not; both
+    should find the same factories. Appended, so installed packages win over local files, and
+    exported in PYTHONPATH, which the driver hands to the workers of a local Ray.
+    """
+    dirs = [os.path.dirname(os.path.abspath(spec_path)), os.getcwd()]
+    for d in dirs:
+        if d not in sys.path:
+            sys.path.append(d)
+    current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(current + [d for d in dirs if d not in current])
+
+
+def _run(spec: JobSpec, address: str | None) -> int:
+    from raytrain_ckpt import api
+    from raytrain_ckpt.driver import ResourceError
+
+    setup_logging()
     try:
-        result = run_job(spec, address=address or os.environ.get("RAY_ADDRESS"))
+        result = api.run(spec, address=address)
     except ResourceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -124,36 +163,25 @@ def _add_conversion_commands(sub: argparse._SubParsersAction) -> None:
                    help="override a field of --spec, as with run")
     e.add_argument("--with-optimizer", action="store_true", help="torch only: add the optimizer state")
     e.add_argument("--max-shard-size", default="5GB", help="hf only: size bound of one safetensors file")
-    e.add_argument("--verify", choices=("size", "checksum"), default="size",
-                   help="check the step against its manifest by file sizes, or also CRC-32")
+    e.add_argument("--verify", choices=("size", "checksum"), default="checksum",
+                   help="check the step against its manifest: checksums (default), or file sizes only")
     i = sub.add_parser("import", help="a torch.save file or HF safetensors directory -> a committed step 0")
     i.add_argument("file", help="torch.save file of a model state_dict, or a directory of *.safetensors")
     i.add_argument("--to", required=True, help="directory to write step-00000000/ into")
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from raytrain_ckpt.checkpoint.export import export_checkpoint, parse_size
-    from raytrain_ckpt.checkpoint.formats import ConversionError
-    from raytrain_ckpt.checkpoint.importer import import_checkpoint
-    from raytrain_ckpt.models import describe_model
+    """``export`` / ``import``: paths checked first (exit 2), a failure while converting is one line (exit 1)."""
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from raytrain_ckpt.checkpoint.formats import ConversionError
+    from raytrain_ckpt.events import headline
+    from raytrain_ckpt.spec import SpecError
+
+    setup_logging()
     try:
-        if args.command == "import":
-            r = import_checkpoint(args.file, args.to)
-            print(f"imported {r.tensors} tensors into {r.path}; resume from it with "
-                  f"--set checkpoint.resume={r.path}")
-            return EXIT_OK
-        cfg = None
-        if args.spec is not None:
-            spec = load_spec(args.spec, args.overrides)
-            cfg = describe_model(spec.model.name, spec.model.overrides)
-            if cfg is None and args.format == "hf":
-                raise ConversionError(f"--format hf: model.name={spec.model.name} is a user factory with no "
-                                      "Hugging Face names; use --format torch")
-        dtype = args.dtype or ("bf16" if args.format == "hf" else "fp32")
-        r = export_checkpoint(args.ckpt, args.out, args.format, dtype, cfg, args.with_optimizer,
-                              parse_size(args.max_shard_size), args.verify)
+        _check_conversion_paths(args)
+        return _import(args) if args.command == "import" else _export(args)
     except SpecError as exc:
         for line in exc.problems:
             print(f"error: {line}", file=sys.stderr)
@@ -161,9 +189,72 @@ def _convert(args: argparse.Namespace) -> int:
     except ConversionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as exc:
+        print(f"error: {args.command}: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported, not swallowed: a damaged shard
+        # surfaces as whatever torch or DCP raise (DCP's CheckpointException is a BaseException)
+        cause = _root_cause(exc)
+        source = args.file if args.command == "import" else args.ckpt
+        print(f"error: {args.command} of {source} failed while reading it ({type(cause).__name__}: "
+              f"{headline(str(cause))[:200]}); check its files with: raytrain-ckpt verify <step directory>", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _check_conversion_paths(args: argparse.Namespace) -> None:
+    """Refuse special files as input (reading a FIFO blocks) and outputs that cannot be created."""
+    from raytrain_ckpt.checkpoint.formats import ConversionError
+    from raytrain_ckpt.spec.environment import writable_dir_problem
+
+    source, out, flag = (args.file, args.to, "--to") if args.command == "import" else (args.ckpt, args.out, "--out")
+    path = Path(source).expanduser()
+    if path.exists() and not (path.is_file() or path.is_dir()):
+        raise ConversionError(f"{source}: not a regular file or directory (a device, FIFO or socket)")
+    if args.command == "export" and path.exists() and not path.is_dir():
+        raise ConversionError(f"{source}: not a directory; pass a step directory (.../step-00000040) or a job's "
+                              "checkpoint root")
+    problem = writable_dir_problem(Path(out).expanduser())
+    if problem:
+        raise ConversionError(f"{flag} {out}: {problem}; pass a new directory in a writable place")
+
+
+def _import(args: argparse.Namespace) -> int:
+    from raytrain_ckpt.checkpoint.importer import import_checkpoint
+
+    r = import_checkpoint(args.file, args.to)
+    print(f"imported {r.tensors} tensors into {r.path}; resume from it with --set checkpoint.resume={r.path}")
+    return EXIT_OK
+
+
+def _export(args: argparse.Namespace) -> int:
+    from raytrain_ckpt.checkpoint.export import export_checkpoint, parse_size
+    from raytrain_ckpt.checkpoint.formats import ConversionError
+    from raytrain_ckpt.models import describe_model
+    from raytrain_ckpt.spec import load_spec
+
+    cfg = None
+    if args.spec is not None:
+        spec = load_spec(args.spec, args.overrides)
+        cfg = describe_model(spec.model.name, spec.model.overrides)
+        if cfg is None and args.format == "hf":
+            raise ConversionError(f"--format hf: model.name={spec.model.name} is a user factory with no "
+                                  "Hugging Face names; use --format torch")
+    dtype = args.dtype or ("bf16" if args.format == "hf" else "fp32")
+    r = export_checkpoint(args.ckpt, args.out, args.format, dtype, cfg, args.with_optimizer,
+                          parse_size(args.max_shard_size), args.verify)
     print(f"exported step {r.step} to {r.out}: {r.tensors} tensors, {r.bytes_written / 1e6:.1f} MB in "
           f"{r.seconds:.2f}s; peak tensor memory {r.peak_tensor_bytes / 1e6:.1f} MB, max RSS {r.max_rss_bytes / 1e6:.0f} MB")
     return EXIT_OK
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's CheckpointException (which only names the ranks)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            return first[0]
+    return exc
 
 
 def _final(losses: dict[int, float]) -> str:

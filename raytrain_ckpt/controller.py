@@ -10,20 +10,18 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from raytrain_ckpt.events import Failure, FailureKind, WorkerResult, headline
 from raytrain_ckpt.spec import JobSpec
-from raytrain_ckpt.worker import Progress, WorkerResult
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "Controller",
-    "GroupPoll",
-    "GroupStartError",
-    "WorkerGroup", "Decision", "FailureFacts", "FailurePolicy", "JobResult", "JobState", "elastic_world_size"]
+__all__ = ["Controller", "Decision", "FailureFacts", "FailurePolicy", "GroupPoll", "GroupStartError", "JobResult",
+           "JobState", "WorkerGroup", "elastic_world_size"]
 
 
 class GroupStartError(RuntimeError):
@@ -35,12 +33,10 @@ class GroupPoll:
     """One look at the group: finished results, failures, and the slowest rank's step."""
 
     results: list[WorkerResult] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    """Every rank failure seen by this poll ("crash" or "exception"), crashes first."""
     min_step: int = 0
-    rank0: Progress | None = None
     finished: bool = False
-    process_died: bool = False
-    """A rank's process (or its node) is gone, rather than a rank raising an exception."""
 
 
 class WorkerGroup(Protocol):
@@ -82,7 +78,7 @@ class Decision(enum.Enum):
 class FailureFacts:
     """Everything the failure policy may look at."""
 
-    kind: str  # "start" | "crash" (a process or node died) | "exception" | "hang"
+    kind: FailureKind
     restarts_done: int
     max_restarts: int
     recent_failures: int | None = None
@@ -101,7 +97,7 @@ class FailurePolicy:
         self.retry_on = retry_on
         self.reuse_workers = reuse_workers
 
-    def keep_warm(self, kind: str) -> bool:
+    def keep_warm(self, kind: FailureKind | None) -> bool:
         """Whether a restart after a ``kind`` failure may reuse the surviving processes.
 
         After a crash or an exception the survivors' collectives fail and they can leave the
@@ -142,8 +138,8 @@ class JobResult:
     elapsed_s: float = 0.0
     checkpoints: dict | None = None
     """The CheckpointActor's final status (committed steps, failures), when checkpointing is on."""
-    failures: list[str] = field(default_factory=list)
-    """One line per failure, in order: ``attempt A kind: first line of the error``."""
+    failures: list[Failure] = field(default_factory=list)
+    """Every failure that ended an attempt, in order."""
     events: list[tuple[float, str]] = field(default_factory=list)
     """(time.time(), what) of every failure detected and every group start and start-up."""
 
@@ -183,7 +179,7 @@ class Controller:
         self._last_advance = clock()
         self._started = clock()
         self._failure_times: list[float] = []
-        self._last_failure = ""
+        self._last_failure: FailureKind | None = None
         self._observer = observer
         self.last_poll: GroupPoll | None = None
         """The latest poll of the running group (read by the observer)."""
@@ -212,6 +208,24 @@ class Controller:
         if self._observer is not None:  # metrics: called after every transition or poll
             self._observer(self)
 
+    def summary(self) -> dict[str, Any]:
+        """The job at a glance, for ``raytrain-ckpt status --job``: state, attempt, restarts,
+        failures by kind, and the slowest rank's step (what every rank has trained)."""
+        poll = self.last_poll
+        return {"state": self.state.value, "attempt": self.attempt, "restarts": self.restarts,
+                "failures": dict(Counter(f.kind for f in self.result.failures)),
+                "train_step": poll.min_step if poll is not None else None}
+
+    def reject(self, kind: str, message: str) -> None:
+        """Fail a job whose workers finished but whose outcome is not what was asked for
+        (its final checkpoint did not commit): the result says why, the exit code is 1."""
+        assert self.state is JobState.SUCCEEDED, self.state
+        self.result.failures.append(Failure(self.attempt, kind, None, headline(message), message))
+        self.result.events.append((time.time(), f"attempt {self.attempt} {kind} rejected"))
+        logger.error("attempt %d finished, but %s", self.attempt, message)
+        self.result.error = message
+        self._set_state(JobState.FAILED, kind)
+
     def _set_state(self, new: JobState, reason: str) -> None:
         logger.info("%s -> %s (%s)", self.state.value, new.value, reason)
         self.state = new
@@ -224,7 +238,7 @@ class Controller:
         try:
             self.group.start()
         except GroupStartError as exc:
-            self._on_failure("start", str(exc))
+            self._on_failure(Failure(self.attempt, "start", None, headline(str(exc)), str(exc)))
             return
         self._last_step, self._last_advance = -1, self._clock()
         self.result.events.append((time.time(), f"attempt {self.attempt} running"))
@@ -234,13 +248,16 @@ class Controller:
         assert self.group is not None
         poll = self.last_poll = self.group.poll()
         if poll.failures:
-            self._on_failure("crash" if poll.process_died else "exception", "\n".join(poll.failures))
+            first = poll.failures[0]
+            self._on_failure(Failure(self.attempt, first.kind, first.rank, first.headline,
+                                     "\n".join(f.detail or str(f) for f in poll.failures)))
         elif poll.finished:
             self.result.results = poll.results
             self._set_state(JobState.SUCCEEDED, f"{poll.min_step} steps done")
         elif self._hung(poll):
-            self._on_failure("hang", f"no step finished for {self.spec.fault_tolerance.hang_timeout_s:g}s "
-                             f"(fault_tolerance.hang_timeout_s); slowest rank at step {poll.min_step}")
+            text = (f"no step finished for {self.spec.fault_tolerance.hang_timeout_s:g}s "
+                    f"(fault_tolerance.hang_timeout_s); slowest rank at step {poll.min_step}")
+            self._on_failure(Failure(self.attempt, "hang", None, text, text))
         else:
             self._sleep(self.spec.fault_tolerance.poll_interval_s)
 
@@ -251,8 +268,8 @@ class Controller:
             return False
         return now - self._last_advance > self.spec.fault_tolerance.hang_timeout_s
 
-    def _on_failure(self, kind: str, message: str) -> None:
-        ft = self.spec.fault_tolerance
+    def _on_failure(self, failure: Failure) -> None:
+        ft, kind = self.spec.fault_tolerance, failure.kind
         now = self._clock()
         self._failure_times.append(now)
         recent = None
@@ -260,11 +277,11 @@ class Controller:
             recent = sum(1 for t in self._failure_times if now - t <= ft.failure_window_s)
         facts = FailureFacts(kind, self.restarts, ft.max_restarts, recent)
         self._last_failure = kind
-        self.result.failures.append(f"attempt {self.attempt} {kind}: {_headline(message)}")
+        self.result.failures.append(failure)
         decision = self._policy.decide(facts)
         self.result.events.append((time.time(), f"attempt {self.attempt} {kind} detected"))
-        logger.error("attempt %d %s failure:\n%s", self.attempt, kind, message)
-        self.result.error = message
+        logger.error("attempt %d %s failure:\n%s", self.attempt, kind, failure.detail or failure.headline)
+        self.result.error = failure.detail or failure.headline
         if decision is Decision.RESTART:
             self.restarts += 1
             self._set_state(JobState.RECOVERING, f"{kind}; restart {self.restarts}/{facts.max_restarts}")
@@ -277,10 +294,3 @@ class Controller:
             self.group.shutdown(keep_warm=keep_warm)
             self.group = None
 
-
-def _headline(message: str) -> str:
-    """The line of an error that says what happened (a traceback's last line)."""
-    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
-    if not lines:
-        return "(no message)"
-    return lines[0] if "Traceback" not in message else f"{lines[0]} {lines[-1]}"

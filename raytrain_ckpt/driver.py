@@ -8,7 +8,8 @@ import os
 import ray
 
 from raytrain_ckpt.checkpoint.service import CheckpointService
-from raytrain_ckpt.controller import Controller, JobResult
+from raytrain_ckpt.controller import Controller, JobResult, JobState
+from raytrain_ckpt.dashboard import install_dashboard
 from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.group import RayWorkerGroup
 from raytrain_ckpt.metrics import ControllerMetrics
@@ -34,6 +35,7 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
         _init_ray(address)
     try:
         _check_resources(spec, fixed_size=address is None)
+        install_dashboard()
         logger.info("job %s: %d workers, dp_shard %d, pp %d, spec %s", spec.name, spec.world_size, spec.dp_size,
                     spec.parallelism.pp, spec.spec_hash())
         return _run_controller(spec)
@@ -45,11 +47,23 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
 def _run_controller(spec: JobSpec) -> JobResult:
     pool = WorkerPool(spec, fault_env() or None)
     service = CheckpointService(spec, fault_env() or None) if spec.checkpoint.enabled else None
-    observer = ControllerMetrics(spec.name, service.actor if service is not None else None)
+    metrics = ControllerMetrics(spec.name, checkpointing=service is not None)
+
+    def observe(ctrl: Controller) -> None:
+        metrics(ctrl)
+        if service is not None:
+            service.note_job(ctrl.summary())
+
     try:
-        result = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool), observer=observer).run()
+        controller = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool), observer=observe)
+        result = controller.run()
         if service is not None:
             result.checkpoints = service.status()
+            finished = result.state is JobState.SUCCEEDED
+            problem = service.unsaved(result.results, result.checkpoints) if finished else None
+            result.checkpoints["save_error"] = problem
+            if problem is not None:
+                controller.reject("checkpoint", problem)
         if service is not None and spec.checkpoint.final_export is not None and result.state.value == "SUCCEEDED":
             from raytrain_ckpt.checkpoint.export import final_export
 

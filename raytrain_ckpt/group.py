@@ -16,10 +16,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain_ckpt.checkpoint.service import CheckpointService
 from raytrain_ckpt.controller import GroupPoll, GroupStartError, elastic_world_size
+from raytrain_ckpt.events import Failure, Progress, WorkerResult, headline
 from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.pool import WorkerPool, bundle_nodes, kill_actor
 from raytrain_ckpt.spec import JobSpec
-from raytrain_ckpt.worker import Progress, TrainWorker, WorkerFailure, WorkerResult
+from raytrain_ckpt.worker import TrainWorker, WorkerFailure
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +163,7 @@ class RayWorkerGroup:
 
     def poll(self) -> GroupPoll:
         """Collect finished runs and failures, then read every rank's progress."""
-        failures: list[str] = []
-        died = False
+        failures: list[Failure] = []
         pending = [r for r in self._runs if self._runs[r] not in self._results]
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
         for ref in ready:
@@ -172,19 +172,18 @@ class RayWorkerGroup:
                 self._results[rank] = ray.get(ref)
             except WorkerFailure as exc:
                 # Ray wraps the worker's exception; its cause carries the clean traceback.
-                failures.append(str(getattr(exc, "cause", None) or exc))
+                cause = getattr(exc, "cause", None) or exc
+                failures.append(Failure(self.attempt, "exception", rank, headline(cause.text), str(cause)))
             except RayActorError as exc:
-                died = True
-                failures.insert(0, f"rank {rank} (attempt {self.attempt}): worker process died: {_first_line(exc)}")
+                what = f"worker process died: {headline(str(exc))}"
+                failures.insert(0, Failure(self.attempt, "crash", rank, what, f"rank {rank}: {what}\n{exc}"))
         progress = self._progress()
         finished = len(self._results) == len(self.workers)
         self._maybe_start_spares(progress)
         return GroupPoll(
             results=[self._results[r] for r in sorted(self._results)],
             failures=failures,
-            process_died=died,
             min_step=min((p.step for p in progress.values()), default=0),
-            rank0=progress.get(0),
             finished=finished,
         )
 
@@ -253,7 +252,7 @@ class RayWorkerGroup:
                 ray.get(ref)
                 survivors[resets[ref]] = self.workers[resets[ref]]
             except Exception as exc:  # a rank that cannot reset is replaced, not reused
-                logger.warning("rank %d could not reset and is replaced: %s", resets[ref], _first_line(exc))
+                logger.warning("rank %d could not reset and is replaced: %s", resets[ref], headline(str(exc)))
         return survivors
 
 
@@ -267,6 +266,3 @@ def _ended_alive(ref: ray.ObjectRef) -> bool:
         return True
     return True
 
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -2,7 +2,7 @@
 
 ``status --job NAME`` asks the job's live CheckpointActor (named ``rtc-ckpt-<job>`` in the
 ``raytrain_ckpt`` Ray namespace); ``status DIR`` and ``ls DIR`` read the manifests on disk;
-``verify DIR/step-N`` checks every file's size and CRC-32. Exit codes: 0 fine, 1 ``verify``
+``verify DIR/step-N`` checks every file's size and checksum. Exit codes: 0 fine, 1 ``verify``
 found the step torn or corrupt, 2 a user mistake (a missing path, no such job, a bad flag).
 """
 
@@ -12,24 +12,27 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_ckpt.checkpoint.layout import MANIFEST, CheckpointLayout, InvalidCheckpoint, Verify
+from raytrain_ckpt.checkpoint.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, Verify,
+                                             parse_entry, step_name)
+from raytrain_ckpt.checkpoint.summary import phase_text, summary_line
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepRow", "add_parsers", "run", "scan", "summary_line", "verify_step"]
+__all__ = ["StepRow", "add_parsers", "run", "scan", "verify_step"]
 
 EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
-_ENTRY_RE = re.compile(r"^step-(\d+)(?:\.(tmp|invalid)-[0-9a-f]+)?$")
-_CHUNK = 8 << 20
+_ASIDE: dict[EntryKind, tuple[str, str]] = {
+    EntryKind.TMP: ("torn", "no manifest: being written, or left by a crash"),
+    EntryKind.INVALID: ("moved-aside", "an invalid step-N moved aside by a re-save"),
+    EntryKind.ABANDONED: ("abandoned", "a step of an abandoned timeline, moved aside; never loaded"),
+}
 
 
 class UsageError(ValueError):
@@ -43,35 +46,32 @@ class StepRow:
     step: int
     name: str
     status: str
-    """valid, in-flight, torn (never committed), corrupt (fails its manifest), moved-aside, aborted."""
+    """valid, in-flight, torn (never committed), corrupt (fails its manifest), moved-aside, abandoned, aborted."""
     bytes: int | None = None
     save_s: float | None = None
     stall_s: float | None = None
     age_s: float | None = None
     detail: str = ""
+    eval_loss: float | None = None
+    """Validation loss recorded in the manifest, when an evaluation fell on this step."""
 
 
 # --- offline: a checkpoint directory -------------------------------------------------------
 
 def scan(root: Path, level: Verify = "size", now: float | None = None) -> list[StepRow]:
-    """Every step entry under a job's checkpoint root, with its status (file sizes, or also CRC-32, checked)."""
+    """Every step entry under a job's checkpoint root, with its status (file sizes, or also checksums, checked)."""
     layout, now = CheckpointLayout(root), now or time.time()
     rows = []
-    entries = sorted(root.iterdir(), key=lambda p: p.name)
+    entries = layout.entries()
     bar = _progress_bar(len(entries), "checksum", unit="dir") if level == "checksum" else None
-    for entry in entries:
+    for entry, path in entries:
         if bar is not None:
             bar.update(1)
-        m = _ENTRY_RE.match(entry.name)
-        if m is None:
-            continue
-        step, kind = int(m.group(1)), m.group(2)
-        if kind == "tmp":
-            rows.append(StepRow(step, entry.name, "torn", detail="no manifest: being written, or left by a crash"))
-        elif kind == "invalid":
-            rows.append(StepRow(step, entry.name, "moved-aside", detail="an invalid step-N moved aside by a re-save"))
+        if entry.kind.is_loadable:
+            rows.append(_row(layout, path, entry.step, level, now))
         else:
-            rows.append(_row(layout, entry, step, level, now))
+            status, detail = _ASIDE[entry.kind]
+            rows.append(StepRow(entry.step, entry.name, status, detail=detail))
     if bar is not None:
         bar.close()
     return rows
@@ -84,7 +84,7 @@ def _row(layout: CheckpointLayout, path: Path, step: int, level: Verify, now: fl
         status = "torn" if not (path / MANIFEST).is_file() else "corrupt"
         return StepRow(step, path.name, status, detail=str(exc))
     return StepRow(step, path.name, "valid", m.total_bytes, m.wall.get("total_s"), m.wall.get("stall_s"),
-                   now - m.created_unix if m.created_unix else None)
+                   now - m.created_unix if m.created_unix else None, eval_loss=m.eval_loss)
 
 
 def resume_point(rows: list[StepRow]) -> StepRow | None:
@@ -94,37 +94,13 @@ def resume_point(rows: list[StepRow]) -> StepRow | None:
 
 
 def verify_step(path: Path, progress: Callable[[int], None] = lambda n: None) -> list[str]:
-    """Every problem of a step directory against its manifest (sizes and CRC-32); [] means valid."""
+    """Every problem of a step directory against its manifest (sizes and checksums); [] means valid."""
     layout = CheckpointLayout(path.parent)
     try:
         manifest = layout.read_manifest(path)
     except InvalidCheckpoint as exc:
         return [str(exc)]
-    problems = []
-    m = _ENTRY_RE.match(path.name)
-    if m is None or int(m.group(1)) != manifest.step or m.group(2):
-        problems.append(f"{path.name} holds the manifest of step {manifest.step} (not a committed step-N name)")
-    if ".metadata" not in manifest.files:
-        problems.append("the manifest lists no .metadata")
-    for name, want in sorted(manifest.files.items()):
-        problems += _check_file(path / name, want, progress)
-    return problems
-
-
-def _check_file(path: Path, want: dict[str, int], progress: Callable[[int], None]) -> list[str]:
-    if not path.is_file():
-        progress(want["size"])
-        return [f"{path.name} is missing"]
-    size = path.stat().st_size
-    if size != want["size"]:
-        progress(want["size"])
-        return [f"{path.name} has {size} bytes, the manifest says {want['size']} (truncated or overwritten)"]
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            progress(len(chunk))
-    return [] if crc == want["crc32"] else [f"{path.name} fails its CRC-32 check (corrupt)"]
+    return list(layout.problems(path, manifest, "checksum", progress))
 
 
 # --- live: a running job's CheckpointActor -------------------------------------------------
@@ -133,11 +109,15 @@ def live_status(job: str, address: str | None) -> dict[str, Any]:
     """The CheckpointActor's status of a running job; raises UsageError when there is none."""
     import ray
 
-    from raytrain_ckpt.checkpoint.service import NAMESPACE, actor_name
+    from raytrain_ckpt.checkpoint.names import NAMESPACE, actor_name
 
     if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", namespace=NAMESPACE,
-                 logging_level=logging.WARNING, log_to_driver=False)
+        target = address or os.environ.get("RAY_ADDRESS") or "auto"
+        try:
+            ray.init(address=target, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+        except ConnectionError as exc:
+            raise UsageError(f"--job {job}: cannot reach a Ray cluster at {target} ({_one_line(exc)}); start one, "
+                             "or pass --address / RAY_ADDRESS") from None
     try:
         actor = ray.get_actor(actor_name(job), namespace=NAMESPACE)
     except ValueError:
@@ -146,34 +126,22 @@ def live_status(job: str, address: str | None) -> dict[str, Any]:
     return ray.get(actor.status.remote(), timeout=30)
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200]
+
+
 def live_rows(status: dict[str, Any], now: float | None = None) -> list[StepRow]:
     now = now or time.time()
-    rows = [StepRow(int(s), f"step-{int(s):08d}", "valid", info["bytes"], info["wall"].get("total_s"),
+    rows = [StepRow(int(s), step_name(int(s)), "valid", info["bytes"], info["wall"].get("total_s"),
                     info["wall"].get("stall_s"), now - info["created_unix"] if info["created_unix"] else None)
             for s, info in status["steps"].items()]
-    rows += [StepRow(int(s), f"step-{int(s):08d}", "aborted", detail=reason) for s, reason in status["failed"].items()
+    rows += [StepRow(int(s), step_name(int(s)), "aborted", detail=reason) for s, reason in status["failed"].items()
              if int(s) not in status["steps"]]
     inflight = status["inflight"]
     if inflight["step"] is not None:
-        rows.append(StepRow(inflight["step"], f"step-{inflight['step']:08d}", "in-flight",
-                            detail=_phase_text(inflight, status["world_size"])))
+        rows.append(StepRow(inflight["step"], step_name(inflight["step"]), "in-flight",
+                            detail=phase_text(inflight, status["world_size"])))
     return sorted(rows, key=lambda r: r.step)
-
-
-def _phase_text(inflight: dict[str, Any], world_size: int) -> str:
-    values = list(inflight["ranks"].values())
-    done = {"staging": sum(v >= 1 for v in values), "writing": sum(v >= 2 for v in values)}
-    n = done.get(inflight["phase"], world_size if inflight["phase"] == "committing" else 0)
-    return f"{inflight['phase']} {n}/{world_size} ranks"
-
-
-def summary_line(status: dict[str, Any]) -> str:
-    """``committed=120 inflight=130 writing 3/4 ranks``: the one-line view of a CheckpointActor."""
-    text = f"committed={status['latest'] if status['latest'] is not None else '-'}"
-    inflight = status["inflight"]
-    if inflight["step"] is None:
-        return text + " inflight=-"
-    return text + f" inflight={inflight['step']} {_phase_text(inflight, status['world_size'])}"
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -241,28 +209,26 @@ def add_parsers(sub: Any) -> None:
     st.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
                     help="refresh every SECONDS (default 2) until Ctrl-C")
     st.add_argument("--json", action="store_true", help="print JSON (for scripts)")
-    st.add_argument("--checksum", action="store_true", help="with a directory: also check every file's CRC-32")
+    st.add_argument("--checksum", action="store_true", help="with a directory: also check every file's checksum")
     ls = sub.add_parser("ls", help="list the steps of a checkpoint directory with their status")
     ls.add_argument("dir", help="a job's checkpoint root (checkpoint.dir/<job name>)")
     ls.add_argument("--json", action="store_true", help="print JSON (for scripts)")
-    ls.add_argument("--checksum", action="store_true", help="also check every file's CRC-32 (reads every file)")
-    v = sub.add_parser("verify", help="check every file of a step against its manifest (size and CRC-32)")
+    ls.add_argument("--checksum", action="store_true", help="also check every file's checksum (reads every file)")
+    v = sub.add_parser("verify", help="check every file of a step against its manifest (size and checksum)")
     v.add_argument("step_dir", help="a step directory, e.g. checkpoints/llama-debug-fsdp/step-00000040")
     v.add_argument("--json", action="store_true", help="print JSON (for scripts)")
 
 
-COMMANDS = ("status", "ls", "verify")
-
-
 def run(args: argparse.Namespace, refreshes: int | None = None) -> int:
-    """Run one of COMMANDS; user mistakes print one line and return 2."""
+    """Run ``status``, ``ls`` or ``verify``; user mistakes print one line and return 2."""
     try:
         if args.command == "verify":
             return _verify(Path(args.step_dir), args.json)
         if args.command == "ls":
             rows = scan(_root(args.dir), "checksum" if args.checksum else "size")
             print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else
-                  "\n".join(f"{r.name:<34} {r.status:<11} {_fmt(r.bytes, 'bytes'):>10}  {r.detail}" for r in rows))
+                  "\n".join(f"{r.name:<34} {r.status:<11} {_fmt(r.bytes, 'bytes'):>10} {_eval_text(r):>12}  {r.detail}"
+                            for r in rows))
             return EXIT_OK
         if args.job is not None and args.dir is not None:
             raise UsageError("status: give either a checkpoint directory or --job, not both")
@@ -270,6 +236,13 @@ def run(args: argparse.Namespace, refreshes: int | None = None) -> int:
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as exc:  # a path that cannot be read (permissions, a vanished mount): one line, not a traceback
+        print(f"error: {args.command}: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_BAD
+
+
+def _eval_text(row: StepRow) -> str:
+    return f"eval {row.eval_loss:.4f}" if row.eval_loss is not None else "eval -"
 
 
 def _status(args: argparse.Namespace, refreshes: int | None) -> int:
@@ -291,7 +264,7 @@ def _status(args: argparse.Namespace, refreshes: int | None) -> int:
 def _verify(path: Path, as_json: bool) -> int:
     if not path.is_dir():
         raise UsageError(f"{path}: no such step directory; pass one like checkpoints/<job>/step-00000040")
-    if _ENTRY_RE.match(path.name) is None:
+    if parse_entry(path.name) is None:
         raise UsageError(f"{path}: not a step directory (expected a name like step-00000040)")
     total = _manifest_bytes(path)
     bar = _progress_bar(total, f"verify {path.name}")
@@ -304,7 +277,7 @@ def _verify(path: Path, as_json: bool) -> int:
     if as_json:
         print(json.dumps({"path": str(path), "status": status, "problems": problems}, indent=1))
     else:
-        print(f"{path}: {status.upper()}" + ("" if problems else f" (every file's size and CRC-32 match, "
+        print(f"{path}: {status.upper()}" + ("" if problems else f" (every file's size and checksum match, "
                                                                   f"{total / 1e6:.1f} MB)"))
         for p in problems:
             print(f"  {p}")

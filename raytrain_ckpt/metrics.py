@@ -7,7 +7,7 @@ help texts; the Grafana dashboard in ``cluster/`` is tested against it.
 
 Who emits what:
 
-* ``TrainerMetrics`` (each TrainWorker): step, loss, tokens/s, step time, checkpoint stall.
+* ``TrainerMetrics`` (each TrainWorker): step, loss, eval loss, tokens/s, step time, checkpoint stall.
 * ``CheckpointMetrics`` (the CheckpointActor): committed and in-flight step, phase and
   per-rank progress, phase durations, bytes, throughput, purges, aborts, work at risk.
 * ``WriterMetrics`` (each node's CheckpointWriter): bytes and write time per rank.
@@ -29,7 +29,6 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -69,6 +68,7 @@ METRICS: dict[str, MetricDef] = {m.name.removeprefix(PREFIX): m for m in (
     # trainer side
     _m("train_step", "gauge", "Last finished optimizer step of a rank.", "rank"),
     _m("train_loss", "gauge", "Global mean loss at the last logging step (rank 0)."),
+    _m("eval_loss", "gauge", "Validation loss on the held-out samples at the last eval step (rank 0)."),
     _m("train_tokens_per_second", "gauge", "Tokens per second of the last step (whole job, seen by a rank).", "rank"),
     _m("train_step_seconds", "gauge", "Wall time of the last step of a rank.", "rank"),
     _m("checkpoint_stall_seconds", "histogram", "Seconds one save blocked a rank's training thread.", "rank"),
@@ -212,29 +212,24 @@ class TrainerMetrics:
         self.job, self.rank = job, rank
         self._tags = {"job": job, "rank": str(rank)}
         self._saves = 0
-        self._stall = 0.0
 
     def after_step(self, report: StepReport, ckpt: Any | None) -> None:
-        """Record ``report``; with checkpointing, the stall of a save made at this step.
-
-        The stall of a save is what ``save()`` blocked the training thread (flatten, planning,
-        a busy previous save); it is also sent to the CheckpointActor, which keeps it in the
-        step's manifest (``wall.stall_s``, max over ranks).
-        """
+        """Record ``report``; with checkpointing, the stall of a save made at this step
+        (what ``save()`` blocked the training thread: flatten, planning, a busy previous save)."""
         record("train_step", report.step, self._tags)
         record("train_step_seconds", report.step_time_s, self._tags)
         record("train_tokens_per_second", report.tokens_per_s, self._tags)
         if report.loss is not None and self.rank == 0:
             record("train_loss", report.loss, {"job": self.job})
+        if report.eval_loss is not None and self.rank == 0:
+            record("eval_loss", report.eval_loss, {"job": self.job})
         if ckpt is None:
             return
         stats = ckpt.stats
-        stall, self._stall = stats.stall_s - self._stall, stats.stall_s
         if stats.saves > self._saves:
             self._saves = stats.saves
-            record("checkpoint_stall_seconds", stall, self._tags)
-            record("checkpoint_last_stall_seconds", stall, self._tags)
-            ckpt.actor.record_stall.remote(report.step, self.rank, stall)
+            record("checkpoint_stall_seconds", stats.last_stall_s, self._tags)
+            record("checkpoint_last_stall_seconds", stats.last_stall_s, self._tags)
 
 
 class WriterMetrics:
@@ -323,19 +318,19 @@ class CheckpointMetrics:
 
 
 class ControllerMetrics:
-    """Called by the Controller after every ``step()`` (its observer); also forwards the job's
-    state and training step to the CheckpointActor, which turns them into work at risk."""
+    """Called by the Controller after every ``step()`` (its observer): state, attempt, failures
+    and restarts by kind; without checkpointing also the work at risk (with it, the
+    CheckpointActor records that from the job notes the driver sends it)."""
 
-    def __init__(self, job: str, checkpoint_actor: Any | None = None) -> None:
+    def __init__(self, job: str, checkpointing: bool = False) -> None:
         self.job = job
-        self.actor = checkpoint_actor
+        self.checkpointing = checkpointing
         self._tags = {"job": job}
         self._failures = 0
         self._restarts = 0
         self._state = ""
         self._started = time.time()
         self._attempt = 0
-        self._pending: Any = None
 
     def __call__(self, ctrl: Controller) -> None:
         state = ctrl.state.value
@@ -344,42 +339,16 @@ class ControllerMetrics:
             for s in ("STARTING", "RUNNING", "RECOVERING", "SUCCEEDED", "FAILED"):
                 record("job_state", int(s == state), {**self._tags, "state": s})
         record("job_attempt", ctrl.attempt, self._tags)
-        causes = [failure_cause(line) for line in ctrl.result.failures]
-        for cause in causes[self._failures:]:
-            record("job_failures_total", 1, {**self._tags, "cause": cause})
-        self._failures = len(causes)
-        if ctrl.restarts > self._restarts and causes:
-            record("job_restarts_total", ctrl.restarts - self._restarts, {**self._tags, "cause": causes[-1]})
+        failures = ctrl.result.failures
+        for failure in failures[self._failures:]:
+            record("job_failures_total", 1, {**self._tags, "cause": failure.kind})
+        self._failures = len(failures)
+        if ctrl.restarts > self._restarts and failures:
+            record("job_restarts_total", ctrl.restarts - self._restarts, {**self._tags, "cause": failures[-1].kind})
             self._restarts = ctrl.restarts
         poll = ctrl.last_poll
-        step = poll.min_step if poll is not None else None  # the slowest rank: what all ranks have trained
-        info = {"state": state, "attempt": ctrl.attempt, "restarts": ctrl.restarts,
-                "failures": dict(Counter(causes)), "train_step": step}
-        if self.actor is not None:
-            self._note(info)
-        elif step is not None:  # no checkpoints: everything this attempt trained is at risk
+        if poll is not None and not self.checkpointing:  # everything this attempt trained is at risk
             if ctrl.attempt != self._attempt:
                 self._attempt, self._started = ctrl.attempt, time.time()
-            record("work_at_risk_steps", step, self._tags)
+            record("work_at_risk_steps", poll.min_step, self._tags)  # the slowest rank: what all ranks trained
             record("work_at_risk_seconds", time.time() - self._started, self._tags)
-
-
-    def _note(self, info: dict[str, Any]) -> None:
-        """Send ``info`` to the CheckpointActor unless the previous note is still on its way
-        (a restarting actor must not queue up one call per poll)."""
-        import ray
-
-        if self._pending is not None:
-            if not ray.wait([self._pending], timeout=0)[0]:
-                return
-            try:
-                ray.get(self._pending)
-            except Exception as exc:  # the actor is restarting or gone; the next note retries
-                logger.debug("progress note not delivered: %s", exc)
-        self._pending = self.actor.note_job.remote(info)
-
-
-def failure_cause(line: str) -> str:
-    """The cause in a controller failure summary ``attempt A CAUSE: headline``."""
-    parts = line.split(":", 1)[0].split()
-    return parts[2] if len(parts) >= 3 else "unknown"

@@ -21,15 +21,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from raytrain_ckpt.data import build_source, local_micro_batches
-from raytrain_ckpt.models import build_model
+from raytrain_ckpt.data import TokenSource, build_data, local_micro_batches
+from raytrain_ckpt.models import build_model, resolve_factory
 from raytrain_ckpt.parallel import apply_fsdp, build_mesh, param_dtype_for
 from raytrain_ckpt.parallel.pipeline import Pipeline, clip_grad_norm_
-from raytrain_ckpt.spec import JobSpec, LRSchedulerSpec
+from raytrain_ckpt.spec import JobSpec, LRSchedulerSpec, OptimizerSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepReport", "Trainer", "lr_lambda"]
+__all__ = ["StepReport", "Trainer", "build_loss", "build_optimizer", "lr_lambda"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class StepReport:
     step_time_s: float
     tokens_per_s: float
     lr: float
+    eval_loss: float | None = None
+    """Validation loss after this step, on eval steps only."""
 
 
 @dataclass
@@ -50,6 +54,7 @@ class TrainState:
     step: int = 0
     tokens_seen: int = 0
     losses: dict[int, float] = field(default_factory=dict)
+    eval_losses: dict[int, float] = field(default_factory=dict)
 
 
 def lr_lambda(sched: LRSchedulerSpec, total_steps: int) -> Callable[[int], float]:
@@ -75,6 +80,39 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def build_loss(name: str) -> LossFn:
+    """``cross_entropy`` or the user function ``name`` ('package.module:fn'), checked on each call."""
+    if name == "cross_entropy":
+        return cross_entropy
+    fn = resolve_factory(name, "loss function")
+
+    def checked(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = fn(logits, targets)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            raise ValueError(f"training.loss={name!r} returned {type(loss).__name__}"
+                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; "
+                             "it must return a scalar floating-point tensor (reduce the loss, e.g. .mean())")
+        return loss.reshape(())
+
+    return checked
+
+
+def build_optimizer(o: OptimizerSpec, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer named by the spec over ``params``."""
+    if o.name == "adamw":
+        return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    factory = resolve_factory(o.name, "optimizer factory")
+    try:
+        opt = factory(params, lr=o.lr, **o.kwargs)
+    except TypeError as exc:
+        raise ValueError(f"optimizer.name={o.name!r} rejected (params, lr={o.lr}, **{o.kwargs}): {exc}") from None
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ValueError(f"optimizer.name={o.name!r} returned {type(opt).__name__}, expected a torch.optim.Optimizer")
+    return opt
+
+
 class Trainer:
     """One rank's model, optimizer, data and step function."""
 
@@ -94,26 +132,25 @@ class Trainer:
         self.mesh = build_mesh(device.type, spec.dp_size, par.pp)
         model = build_model(spec.model.name, dict(spec.model.overrides))
         vocab_size = _vocab_size(model)
+        self.loss_fn = build_loss(t.loss)
         param_dtype = param_dtype_for(t.mixed_precision, spec.resources.use_gpu)
         self.pipeline: Pipeline | None = None
         if par.pp == 1:
             self.model_parts = [apply_fsdp(model.to(device), self.mesh, param_dtype)]
         else:
-            self.pipeline = Pipeline(spec, model, self.mesh, device, param_dtype, cross_entropy)
+            self.pipeline = Pipeline(spec, model, self.mesh, device, param_dtype, self.loss_fn)
             self.model_parts = self.pipeline.parts
         # build optimizer and schedule: one of each per model chunk (a pipeline rank may hold
         # several); they step together, so every chunk's schedule is at the same step.
-        o = spec.optimizer
-        self.optimizers = [
-            torch.optim.AdamW(part.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-            for part in self.model_parts
-        ]
+        self.optimizers = [build_optimizer(spec.optimizer, list(part.parameters())) for part in self.model_parts]
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec.lr_scheduler, t.steps))
                            for opt in self.optimizers]
         # build data
-        self.source = build_source(
-            spec.data.source, seq_len=t.seq_len, seed=t.seed, vocab_size=vocab_size, path=spec.data.path
-        )
+        d = spec.data
+        self.data = build_data(source=d.source, path=d.path, dtype=d.dtype, eval_path=d.eval_path,
+                               eval_fraction=d.eval_fraction, bos_id=d.bos_id, kwargs=dict(d.kwargs),
+                               seq_len=t.seq_len, seed=t.seed, vocab_size=vocab_size)
+        self.source: TokenSource = self.data.train
         self.dp_rank = self.mesh.get_local_rank("dp_shard")
         self.state = TrainState()
         # Set by checkpointing: waits for an in-flight staging copy of the parameters.
@@ -123,11 +160,6 @@ class Trainer:
     def model(self) -> nn.Module:
         """The model chunk of this rank (the first one when a pipeline rank holds several)."""
         return self.model_parts[0]
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer of ``model`` (see ``optimizers`` for every chunk's)."""
-        return self.optimizers[0]
 
     @property
     def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
@@ -161,14 +193,39 @@ class Trainer:
         if loss_value is not None:
             self.state.losses[self.state.step] = loss_value
         elapsed = time.monotonic() - start
-        return StepReport(self.state.step, loss_value, elapsed, tokens / elapsed, lr)
+        eval_loss = self.evaluate() if self._is_eval_step() else None
+        if eval_loss is not None:
+            self.state.eval_losses[self.state.step] = eval_loss
+        return StepReport(self.state.step, loss_value, elapsed, tokens / elapsed, lr, eval_loss)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the held-out samples ``[0, batches x global_batch_size)``: the same
+        samples at every call and on every layout (each rank takes its slice of every batch)."""
+        ev, t = self.spec.eval, self.spec.training
+        assert ev is not None and self.data.eval is not None, "the spec requires held-out data with eval"
+        total = torch.zeros((), device=self.device, dtype=torch.float32)
+        for b in range(ev.batches):
+            batches = local_micro_batches(
+                self.data.eval, step=b, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                dp_rank=self.dp_rank, dp_size=self.spec.dp_size, start_index=self.data.eval_offset,
+            )
+            if self.pipeline is not None:
+                total += self.pipeline.evaluate(batches)
+                continue
+            for inputs, targets in batches:
+                logits = self.model(inputs.to(self.device))
+                total += self.loss_fn(logits, targets.to(self.device)).detach().float() / len(batches)
+        # As in _global_loss: with a pipeline only the last stage's ranks hold a loss, the others add 0.
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total.item() / (self.spec.dp_size * ev.batches)
 
     def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Gradient accumulation over micro batches; returns this rank's mean loss."""
         local_loss = torch.zeros((), device=self.device, dtype=torch.float32)
         for inputs, targets in batches:
             logits = self.model(inputs.to(self.device))
-            loss = cross_entropy(logits, targets.to(self.device))
+            loss = self.loss_fn(logits, targets.to(self.device))
             (loss / len(batches)).backward()
             local_loss += loss.detach() / len(batches)
         return local_loss
@@ -179,6 +236,10 @@ class Trainer:
             return
         params = [p for part in self.model_parts for p in part.parameters()]
         clip_grad_norm_(params, max_norm, self.pipeline.group)
+
+    def _is_eval_step(self) -> bool:
+        ev, s = self.spec.eval, self.state.step
+        return ev is not None and (s % ev.every_steps == 0 or s == self.spec.training.steps)
 
     def _is_log_step(self) -> bool:
         s = self.state.step
@@ -193,7 +254,12 @@ class Trainer:
 
     def log(self, report: StepReport) -> None:
         """Rank 0 logs progress on log steps."""
-        if self.rank != 0 or report.loss is None:
+        if self.rank != 0:
+            return
+        if report.eval_loss is not None:
+            logger.info("%sstep %d/%d eval_loss %.4f", self._log_prefix(), report.step, self.spec.training.steps,
+                        report.eval_loss)
+        if report.loss is None:
             return
         logger.info(
             "%sstep %d/%d loss %.4f lr %.2e tokens/s %.0f step_time %.3fs", self._log_prefix(), report.step,

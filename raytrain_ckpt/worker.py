@@ -21,57 +21,25 @@ import socket
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from raytrain_ckpt.events import Progress, WorkerResult
 from raytrain_ckpt.faults import maybe_inject
+from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import TrainerMetrics
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Progress", "TrainWorker", "WorkerFailure", "WorkerResult"]
+__all__ = ["TrainWorker", "WorkerFailure"]
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 MIN_COLLECTIVE_TIMEOUT_S = 60.0
 SPARE_RANK = -1
 """The rank of an idle spare worker that no attempt has assigned yet."""
 _WARM_MODULES = ("raytrain_ckpt.trainer", "raytrain_ckpt.checkpoint.client", "raytrain_ckpt.checkpoint.state",
                  "torch.distributed.checkpoint", "torch.distributed.fsdp")
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A worker's last known state, read by the driver's poll."""
-
-    rank: int
-    step: int
-    loss: float | None
-    last_step_at: float  # time.time() of the last finished step (or of setup)
-    phase: str  # "setup" | "training" | "done" | "failed"
-
-
-@dataclass(frozen=True)
-class WorkerResult:
-    """What ``run()`` returns when the rank finishes every step."""
-
-    rank: int
-    steps: int
-    tokens_seen: int
-    losses: dict[int, float]
-    fingerprint: str
-    start_step: int = 0
-    """The step this attempt resumed from (0: a fresh start)."""
-    checkpoint: dict[str, float] | None = None
-    """Saves, skipped, aborted, stall_s of this rank (None when checkpointing is off)."""
-    timings: dict[str, float] | None = None
-    """This attempt's setup: pg_init_s, build_s, load_s, and first_step_at (time.time())."""
-    served: tuple[int, ...] = ()
-    """Every attempt this process was assigned, in order: (0, 1) is a rank kept across a restart."""
-    was_spare: bool = False
-    """The process started as an idle spare before it took this rank."""
 
 
 class WorkerFailure(RuntimeError):
@@ -92,7 +60,7 @@ class TrainWorker:
 
     def __init__(self, spec_json: str, rank: int, world_size: int, attempt: int,
                  fault_env: dict[str, str] | None = None) -> None:
-        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=True)
+        setup_logging(force=True)
         # Passed as an argument, not a runtime_env: an actor with its own runtime_env cannot use
         # Ray's prestarted worker processes, which makes every restart slower.
         os.environ.update(fault_env or {})
@@ -236,9 +204,11 @@ class TrainWorker:
             maybe_inject("step", self.rank, trainer.state.step, self.attempt)
             report = trainer.train_step()
             if ckpt is not None and ckpt.due(report.step):
-                ckpt.save(report.step, app_state(trainer),
-                          {"samples_seen": report.step * self.spec.training.global_batch_size,
-                           "tokens_seen": trainer.state.tokens_seen})
+                info = {"samples_seen": report.step * self.spec.training.global_batch_size,
+                        "tokens_seen": trainer.state.tokens_seen}
+                if report.eval_loss is not None:
+                    info["eval_loss"] = report.eval_loss
+                ckpt.save(report.step, app_state(trainer), info)
             trainer.log(report)
             self.metrics.after_step(report, ckpt)
             loss = report.loss if report.loss is not None else loss
@@ -256,10 +226,6 @@ class TrainWorker:
     def progress(self) -> Progress:
         """The last finished step; answered from the second actor thread while ``run()`` trains."""
         return self._progress
-
-    def stop(self) -> None:
-        """Ask ``run()`` to return after the current step."""
-        self._stop.set()
 
     def __repr__(self) -> str:
         # Shown in the Ray dashboard's actor list and as the log prefix. Ray evaluates it once,

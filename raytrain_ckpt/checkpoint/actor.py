@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
+import os
 import shutil
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,15 +27,18 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint, Manifest, Verify, file_crc32
-from raytrain_ckpt.checkpoint.leases import file_leased_steps, purge_lock
+from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint, Manifest, Verify, describe_file
+from raytrain_ckpt.checkpoint.leases import LeaseFiles, purge_lock
 from raytrain_ckpt.checkpoint.retention import RetentionPolicy
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.metrics import CheckpointMetrics, inflight_phase
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointActor", "ResumePoint", "StepAborted"]
+__all__ = ["GROUP_FILE", "CheckpointActor", "ResumePoint", "StepAborted"]
+
+GROUP_FILE = ".group.json"
+"""The layout of the group last configured, under the job's root (not a step: nothing scans it)."""
 
 
 class StepAborted(RuntimeError):
@@ -73,20 +79,23 @@ class _Gather:
 class CheckpointActor:
     """Async Ray actor; see the module docstring. Methods are called by writers, trainers and the driver."""
 
-    def __init__(self, root: str, world_size: int, spec_hash: str, dp_size: int,
-                 keep_latest_k: int | None, keep_every_n_steps: int | None) -> None:
+    def __init__(self, root: str, retention: RetentionPolicy) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.layout = CheckpointLayout(Path(root))
         self.layout.root.mkdir(parents=True, exist_ok=True)
-        self.world_size, self.dp_size, self.spec_hash = world_size, dp_size, spec_hash
-        self.model: dict[str, Any] | None = None
-        self.retention = RetentionPolicy(keep_latest_k, keep_every_n_steps)
+        self.retention = retention
+        # The group's layout arrives with configure(); a restarted actor reads the last one back.
+        self.world_size, self.dp_size, self.spec_hash, self.model = 0, 0, "", None
+        self._load_group()
         self.layout.remove_leftover_tmp()
         self.committed: dict[int, Manifest] = self.layout.valid_steps("size")
         self.failed: dict[int, str] = {}
         self.pending: dict[int, _Pending] = {}
         self.leases: dict[str, int] = {}
-        self._gathers: dict[tuple[int, str], _Gather] = {}
+        self.lease_files = LeaseFiles(self.layout.root)  # exporters' leases, judged live by our own clock
+        self.purge_errors = 0
+        """Retention deletes that failed (logged); the commits they followed stand."""
+        self._gathers: dict[tuple[int, int], _Gather] = {}
         self._metadata: dict[str, Metadata] = {}
         # progress reporting: metrics, `raytrain-ckpt status`, the actor's repr
         self.metrics = CheckpointMetrics(self.layout.root.name)
@@ -99,24 +108,43 @@ class CheckpointActor:
     async def configure(self, world_size: int, dp_size: int, spec_hash: str,
                         model: dict[str, Any] | None = None) -> None:
         """Set the layout of the group about to start (it may differ from the one that saved)
-        and the model section recorded in every manifest."""
-        self.world_size, self.dp_size, self.spec_hash = world_size, dp_size, spec_hash
-        self.model = model
+        and the model section recorded in every manifest.
+
+        Kept in ``.group.json`` under the root: Ray restarts a crashed actor with its
+        constructor arguments only, and saves in flight need the group's world size.
+        """
+        self.world_size, self.dp_size, self.spec_hash, self.model = world_size, dp_size, spec_hash, model
+        text = json.dumps({"world_size": world_size, "dp_size": dp_size, "spec_hash": spec_hash, "model": model})
+        tmp = self.layout.root / f"{GROUP_FILE}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, self.layout.root / GROUP_FILE)
+
+    def _load_group(self) -> None:
+        path = self.layout.root / GROUP_FILE
+        if not path.is_file():
+            return
+        try:
+            g = json.loads(path.read_text(encoding="utf-8"))
+            self.world_size, self.dp_size, self.spec_hash, self.model = (
+                int(g["world_size"]), int(g["dp_size"]), str(g["spec_hash"]), g.get("model"))
+        except (ValueError, KeyError, TypeError) as exc:  # unreadable: the next configure() rewrites it
+            logger.warning("ignoring %s: %s", path, exc)
 
     # --- planning ------------------------------------------------------------------------
 
-    async def plan(self, attempt: int, seq: int, rank: int, local_plan: SavePlan,
+    async def plan(self, attempt: int, step: int, rank: int, local_plan: SavePlan,
                    timeout_s: float) -> tuple[SavePlan, str]:
-        """Gather every rank's local plan (the ``seq``-th planning of ``attempt``), then return
-        this rank's central plan and the id of the global plan (its cached metadata)."""
-        g = self._gathers.setdefault((attempt, seq), _Gather())
+        """Gather every rank's local plan for the save of ``step`` in ``attempt`` (the first save
+        of a layout; later saves reuse it), then return this rank's central plan and the id of
+        the global plan (its cached metadata)."""
+        g = self._gathers.setdefault((attempt, step), _Gather())
         g.plans[rank] = local_plan
         if len(g.plans) == self.world_size and g.central is None:
             planner = DefaultSavePlanner()
             ordered = [g.plans[r] for r in range(self.world_size)]
             central, metadata = planner.create_global_plan(ordered)
             g.central = FileSystemWriter(self.layout.root).prepare_global_plan(central)
-            g.plan_id = f"{attempt}.{seq}"
+            g.plan_id = f"{attempt}.{step}"
             self._metadata[g.plan_id] = metadata
             g.ready.set()
             self.metrics.planned(time.monotonic() - g.started)
@@ -182,6 +210,8 @@ class CheckpointActor:
         except Exception as exc:
             await self.abort(step, f"commit failed: {exc}")
             raise
+        # The step is durable from here on: whatever retention does cannot make it an abort.
+        await asyncio.to_thread(self._purge)
         return "committed"
 
     def _commit(self, step: int, p: _Pending) -> None:
@@ -194,7 +224,7 @@ class CheckpointActor:
         for _, _, f, _ in p.reports.values():
             files.update(f)
         meta = p.tmp / ".metadata"
-        files[".metadata"] = {"size": meta.stat().st_size, "crc32": file_crc32(meta)}
+        files[".metadata"] = describe_file(meta)
         infos = [r[3] for r in p.reports.values()]
         wall = {"stage_s": max(t["stage_s"] for t in infos), "persist_s": max(t["persist_s"] for t in infos),
                 "write_s": max(t.get("write_s", 0.0) for t in infos),
@@ -203,7 +233,7 @@ class CheckpointActor:
                             files=files, samples_seen=int(infos[0].get("samples_seen", 0)),
                             tokens_seen=int(infos[0].get("tokens_seen", 0)), wall=wall,
                             pp_size=self.world_size // self.dp_size,  # the spec makes world = pp x dp
-                            model=self.model)
+                            model=self.model, eval_loss=infos[0].get("eval_loss"))
         maybe_inject("commit", 0, step, p.attempt)
         self.layout.commit(p.tmp, manifest)
         self.committed[step] = manifest
@@ -212,20 +242,48 @@ class CheckpointActor:
         logger.info("committed step %d: %.1f MB, stage %.3fs persist %.3fs commit %.3fs", step,
                     manifest.total_bytes / 1e6, wall["stage_s"], wall["persist_s"], wall["commit_s"])
         self.metrics.committed(manifest)
-        self._purge()
         self._progress()
 
     def _purge(self) -> None:
-        # Under the lease lock: an exporter outside the job either sees its step gone or we see its lease file.
-        with purge_lock(self.layout.root):
-            leased = [*self.leases.values(), *file_leased_steps(self.layout.root)]
-            doomed = self.retention.to_delete(self.committed, leased, self.pending)
-            for step in doomed:
-                self.layout.delete(step)
+        """Apply retention after a commit. Never raises: the commit it follows is durable; an
+        error is logged and counted, and the purge after the next commit tries again."""
+        try:
+            self._drop_missing()
+            # Under the lease lock: an exporter outside the job either sees its step gone or we see its lease file.
+            with purge_lock(self.layout.root):
+                leased = [*self.leases.values(), *self.lease_files.leased_steps()]
+                doomed = self.retention.to_delete(self.committed, leased, self.pending,
+                                                  {s: m.eval_loss for s, m in self.committed.items()})
+                removed = [step for step in doomed if self._delete(step)]
+        except Exception as exc:  # see the docstring: retention is retried, the commit stands
+            self.purge_errors += 1
+            logger.error("retention failed (%d failure(s) so far), steps kept for now: %s", self.purge_errors, exc)
+            return
+        if removed:
+            logger.info("retention removed step(s) %s", removed)
+            self.metrics.purged(len(removed))
+
+    def _delete(self, step: int) -> bool:
+        """Delete one committed step; a failure is logged and counted, and the step stays registered."""
+        try:
+            self.layout.delete(step)
+        except FileNotFoundError:
+            logger.warning("checkpoint step %d vanished from %s (removed by hand?); dropped from the registry",
+                           step, self.layout.root)
+        except OSError as exc:  # retried after the next commit; the step is still registered and on disk
+            self.purge_errors += 1
+            logger.error("retention could not delete step %d (%d failure(s) so far): %s", step, self.purge_errors, exc)
+            return False
+        del self.committed[step]
+        return True
+
+    def _drop_missing(self) -> None:
+        """Forget committed steps whose directory is gone: retention must count what is on disk."""
+        for step in sorted(self.committed):
+            if not self.layout.step_dir(step).is_dir():
+                logger.warning("checkpoint step %d vanished from %s (removed by hand?); dropped from the registry",
+                               step, self.layout.root)
                 del self.committed[step]
-        if doomed:
-            logger.info("retention removed step(s) %s", doomed)
-            self.metrics.purged(len(doomed))
 
     async def abort(self, step: int, reason: str) -> None:
         """Give up on an in-flight step: remove its temporary directory, remember why."""
@@ -279,6 +337,38 @@ class CheckpointActor:
             return point
         return None
 
+    async def begin(self, holder: str, resume: str, verify: Verify) -> ResumePoint | None:
+        """Acquire the run's starting point (see ``acquire``) and make it the head of the timeline.
+
+        Every committed step of this root that is not on the new timeline is moved aside to
+        ``step-N.abandoned-<id>``: the steps newer than a step of this root, or all of them when
+        the run starts fresh or from another root's step. Otherwise retention would delete the
+        new run's steps (it keeps the highest numbers), a new step would meet an old one of the
+        same number, and a restart would resume the abandoned run.
+        """
+        point = await self.acquire(holder, resume, verify)
+        own = point is not None and Path(point.path).resolve() == self.layout.step_dir(point.step).resolve()
+        head = point.step if own and point is not None else -1
+        await asyncio.to_thread(self._abandon_after, head, resume)
+        return point
+
+    def _abandon_after(self, head: int, resume: str) -> None:
+        newer = [s for s in sorted(self.committed) if s > head]
+        if not newer:
+            return
+        with purge_lock(self.layout.root):  # an exporter holds its step by a lease file
+            leased = sorted(set(newer) & self.lease_files.leased_steps())
+            if leased:
+                raise InvalidCheckpoint(f"checkpoint.resume={resume}: step(s) {leased} are being exported and "
+                                        "would be moved aside; wait for the export to finish and start again")
+            tag = uuid.uuid4().hex[:8]
+            moved = [self.layout.abandon(s, tag).name for s in newer]
+        for s in newer:
+            del self.committed[s]
+        logger.warning("checkpoint.resume=%s starts a new timeline%s: %d newer committed step(s) moved aside, "
+                       "kept and never loaded: %s", resume, f" at step {head}" if head >= 0 else "", len(moved),
+                       ", ".join(moved))
+
     def _point(self, path: Path, verify: Verify) -> ResumePoint:
         m = self.layout.verify(path, verify)
         return ResumePoint(m.step, str(path), m.world_size, m.samples_seen)
@@ -298,7 +388,7 @@ class CheckpointActor:
         step, phase, ranks = self._inflight()
         return {"root": str(self.layout.root), "committed": sorted(self.committed),
                 "in_flight": sorted(self.pending), "failed": dict(self.failed),
-                "leases": dict(Counter(self.leases.values())),
+                "purge_errors": self.purge_errors, "leases": dict(Counter(self.leases.values())),
                 "latest": max(self.committed) if self.committed else None,
                 "job": self.layout.root.name, "world_size": self.world_size,
                 "steps": {s: {"bytes": m.total_bytes, "wall": {**m.wall, **self._stall(s)},
@@ -338,8 +428,10 @@ class CheckpointActor:
         return step, inflight_phase(step in planning, len(p.accepted), len(p.reports), self.world_size), ranks
 
     def __repr__(self) -> str:
-        # Ray shows this in the dashboard's actor list; it evaluates it once, when the actor
-        # (re)starts, so it is the state found in storage then.
-        from raytrain_ckpt.inspect import summary_line
+        # Ray shows this in the dashboard's actor list but computes it once, when the actor
+        # (re)starts, so it names only what stays true and says where live progress is.
+        import ray
 
-        return f"CheckpointActor({self.layout.root.name}: {summary_line(self._snapshot())})"
+        node = ray.get_runtime_context().get_node_id()[:12] if ray.is_initialized() else "-"
+        job = self.layout.root.name
+        return f"CheckpointActor(job={job} root={self.layout.root} node={node}; live: raytrain-ckpt status --job {job})"

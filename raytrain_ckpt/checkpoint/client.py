@@ -36,12 +36,36 @@ from raytrain_ckpt.checkpoint.staging import (
     plan_slots,
 )
 from raytrain_ckpt.checkpoint.writer import PersistRequest
+from raytrain_ckpt.events import headline
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.spec import CheckpointSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointClient", "SaveStats"]
+__all__ = ["CheckpointClient", "SaveSchedule", "SaveStats"]
+
+
+@dataclass(frozen=True)
+class SaveSchedule:
+    """When a step is saved: a pure decision, table-tested.
+
+    ``interval_steps`` decides for every step, the last one included; ``save_final`` only adds
+    a save of the last step; the time trigger (``clock_due``: ``interval_seconds`` passed on
+    some rank) adds a save of any step.
+    """
+
+    total_steps: int
+    interval_steps: int | None
+    save_final: bool
+
+    def by_step(self, step: int) -> bool:
+        """Due whatever the clock says (the same answer on every rank, no collective)."""
+        if self.interval_steps is not None and step % self.interval_steps == 0:
+            return True
+        return self.save_final and step == self.total_steps
+
+    def due(self, step: int, clock_due: bool = False) -> bool:
+        return self.by_step(step) or clock_due
 
 
 @dataclass
@@ -53,6 +77,8 @@ class SaveStats:
     aborted: int = 0
     stall_s: float = 0.0
     """Seconds the training thread was blocked by checkpointing (planning, staging waits, busy waits)."""
+    last_stall_s: float = 0.0
+    """The part of ``stall_s`` since the save before the latest one (metrics, the step's manifest)."""
 
 
 @dataclass
@@ -74,6 +100,8 @@ class CheckpointClient:
         self.cfg, self.rank, self.attempt, self.total_steps = cfg, rank, attempt, total_steps
         self.actor, self.writer, self.device = actor, writer, device
         self.stats = SaveStats()
+        self._stall_reported = 0.0
+        self.schedule = SaveSchedule(total_steps, cfg.interval_steps, cfg.save_final)
         self._layout: _Layout | None = None
         self._inflight: tuple[int, ray.ObjectRef] | None = None
         self._replan = False
@@ -81,15 +109,11 @@ class CheckpointClient:
 
     def due(self, step: int) -> bool:
         """Whether the state after ``step`` optimizer steps should be saved (the same answer on every rank)."""
-        c = self.cfg
-        if step == self.total_steps:
-            return c.save_final
-        if c.interval_steps is not None and step % c.interval_steps == 0:
-            return True
-        if c.interval_seconds is None:
-            return False
+        if self.schedule.by_step(step) or self.cfg.interval_seconds is None:
+            return self.schedule.due(step)
         # Clocks differ per rank: agree, or one rank would save a step the others skip.
-        return self._any_rank(time.monotonic() - self._last_save_at >= c.interval_seconds)
+        elapsed = time.monotonic() - self._last_save_at
+        return self.schedule.due(step, self._any_rank(elapsed >= self.cfg.interval_seconds))
 
     def _any_rank(self, flag: bool) -> bool:
         t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
@@ -138,6 +162,12 @@ class CheckpointClient:
         self.stats.stall_s += time.monotonic() - t0
         if self.cfg.mode == "sync":
             self.wait_committed()
+        self._report_stall(step)
+
+    def _report_stall(self, step: int) -> None:
+        """The actor keeps each step's stall in its manifest (``wall.stall_s``, max over ranks)."""
+        self.stats.last_stall_s, self._stall_reported = self.stats.stall_s - self._stall_reported, self.stats.stall_s
+        self.actor.record_stall.remote(step, self.rank, self.stats.last_stall_s)
 
     def _previous_settled(self, step: int, final: bool) -> bool:
         """Apply on_busy to a save still writing; returns False when this save is skipped (on every rank).
@@ -166,8 +196,8 @@ class CheckpointClient:
 
     def _aborted(self, step: int, exc: BaseException) -> None:
         self.stats.aborted += 1
-        logger.warning("checkpoint step %d aborted, training continues: %s", step, _first_line(exc))
-        self.actor.abort.remote(step, f"rank {self.rank}: {_first_line(exc)}")
+        logger.warning("checkpoint step %d aborted, training continues: %s", step, headline(str(exc)))
+        self.actor.abort.remote(step, f"rank {self.rank}: {headline(str(exc))}")
         self._replan = True  # a restarted actor or writer lost the plan and the buffer: set up again
 
     def _flatten(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -230,7 +260,7 @@ class CheckpointClient:
             ray.get(self.actor.wait_committed.remote(step, self.cfg.commit_timeout_s))
         except StepAborted as exc:  # another rank's write failed; the earlier steps stay valid
             self.stats.aborted += 1
-            logger.warning("checkpoint step %d did not commit: %s", step, _first_line(exc))
+            logger.warning("checkpoint step %d did not commit: %s", step, headline(str(exc)))
 
 
 RESTART_WAIT_S = 30.0
@@ -248,7 +278,3 @@ def _get_restarting(call: Callable[[], ray.ObjectRef]) -> Any:
                 raise
             time.sleep(0.2)
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[-1] if text else type(exc).__name__

@@ -15,8 +15,13 @@ and written. Peak memory is about the largest tensor (twice, for the cast), what
   the pickle refers to storages by record name and each storage record is written as its
   tensor is read.
 
-The output is written to ``<out>.tmp-<id>`` and renamed to ``<out>`` at the end: a directory
-named ``<out>`` is always a complete export.
+The step is verified against its manifest first (checksums by default): a corrupt step is
+refused, never exported. DCP's ``.metadata`` is read with the restricted unpickler of
+``checkpoint/metadata.py``: nothing in the checkpoint is executed.
+
+The output is written to ``<out>.tmp-<id>``, every file and the directory fsynced, and renamed
+to ``<out>`` at the end (the parent fsynced): a directory named ``<out>`` is always a complete,
+durable export.
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from raytrain_ckpt.checkpoint.formats import (ConversionError, hf_config, hf_name, lazy_tensor,
                                               plan_shards, safetensors_header, stream_torch_save)
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint, Manifest, Verify
+from raytrain_ckpt.checkpoint.layout import (CheckpointLayout, InvalidCheckpoint, Manifest, Verify, fsync_dir,
+                                             parse_entry, step_name)
+from raytrain_ckpt.checkpoint.metadata import SafeFileSystemReader, SafeLoadPlanner, empty_safe_planner
 from raytrain_ckpt.checkpoint.leases import FileLease
 from raytrain_ckpt.models import describe_model
 from raytrain_ckpt.models.llama import Llama, LlamaConfig
@@ -57,7 +63,6 @@ __all__ = ["DTYPES", "ExportResult", "export_checkpoint", "final_export", "parse
 
 Format = Literal["hf", "torch"]
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_STEP_RE = re.compile(r"^step-(\d+)$")
 @dataclass
 class ExportResult:
     """What an export wrote and what it cost."""
@@ -102,13 +107,17 @@ def parse_size(text: str) -> int:
 # --- which step ----------------------------------------------------------------------
 
 
-def resolve_step(ckpt: Path, verify: Verify = "size") -> tuple[Path, Manifest]:
+def resolve_step(ckpt: Path, verify: Verify = "checksum") -> tuple[Path, Manifest]:
     """A step directory (verified), or the newest valid step of a job's checkpoint root."""
     ckpt = Path(ckpt).expanduser().resolve()
     if not ckpt.exists():
         raise ConversionError(f"{ckpt}: no such checkpoint; pass a step directory (.../step-00000040) "
                           "or a job's checkpoint root")
-    if _STEP_RE.match(ckpt.name):
+    entry = parse_entry(ckpt.name)
+    if entry is not None and not entry.kind.is_loadable:
+        raise ConversionError(f"{ckpt} is a {entry.kind.value} entry, not a committed step (never loaded or "
+                              "exported); pass a step-N directory")
+    if entry is not None:
         try:
             return ckpt, CheckpointLayout(ckpt.parent).verify(ckpt, verify)
         except InvalidCheckpoint as exc:
@@ -130,10 +139,11 @@ class _Reader:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.meta: Metadata = FileSystemReader(str(path)).read_metadata()
-        except Exception as exc:  # noqa: BLE001 - any unreadable .metadata is a bad checkpoint here
-            raise ConversionError(f"{path}/.metadata is unreadable ({type(exc).__name__}: {exc}); "
-                              "the checkpoint is corrupt") from None
+            self.meta: Metadata = SafeFileSystemReader(str(path)).read_metadata()
+        except InvalidCheckpoint as exc:
+            raise ConversionError(f"{path} is not a valid committed checkpoint: {exc}") from None
+        except OSError as exc:
+            raise ConversionError(f"{path}/.metadata is unreadable ({exc}); the checkpoint is corrupt") from None
         self.held = 0
         self.peak = 0
 
@@ -162,7 +172,8 @@ class _Reader:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # DCP warns that no process group is used: intended here
-                dcp.load(state, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
+                dcp.load(state, storage_reader=SafeFileSystemReader(str(self.path)), planner=SafeLoadPlanner(),
+                         no_dist=True)
         except Exception as exc:  # noqa: BLE001 - a shard that does not read back is a torn checkpoint
             raise ConversionError(f"{self.path}: reading {', '.join(list(state)[:3])} failed "
                               f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); the checkpoint is torn "
@@ -222,9 +233,16 @@ def _write_hf(reader: _Reader, tmp: Path, cfg: LlamaConfig, dtype: torch.dtype, 
             os.fsync(f.fileno())
     bar.close()
     index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True), encoding="utf-8")
-    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2), encoding="utf-8")
+    _write_durably(tmp / "model.safetensors.index.json", json.dumps(index, indent=2, sort_keys=True))
+    _write_durably(tmp / "config.json", json.dumps(hf_config(cfg, dtype), indent=2))
     return len(entries), sum(sizes)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # --- torch -----------------------------------------------------------------------------
@@ -264,13 +282,11 @@ def _bytes_entries(reader: _Reader, prefix: str) -> dict[str, Any]:
     keys = reader.bytes_keys(prefix)
     if not keys:
         return {}
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-
     loaded: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(loaded, storage_reader=FileSystemReader(str(reader.path)),
-                 planner=_EmptyStateDictLoadPlanner(keys=set(keys)), no_dist=True)
+        dcp.load(loaded, storage_reader=SafeFileSystemReader(str(reader.path)),
+                 planner=empty_safe_planner(set(keys)), no_dist=True)
     return {k.removeprefix(prefix): v for k, v in _flatten(loaded).items() if k in keys}
 
 
@@ -301,14 +317,16 @@ def _staged_output(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fsync_dir(tmp)  # every file in it was fsynced as it was written
     if out.exists():
         out.rmdir()  # empty, checked above
     os.rename(tmp, out)
+    fsync_dir(out.parent)
 
 
 def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "bf16",
                       model_cfg: LlamaConfig | None = None, with_optimizer: bool = False,
-                      max_shard_bytes: int = 5 * 10**9, verify: Verify = "size",
+                      max_shard_bytes: int = 5 * 10**9, verify: Verify = "checksum",
                       lease_root: Path | None = None) -> ExportResult:
     """Export one committed step, holding a lease on it against the job's retention.
 
@@ -320,7 +338,7 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
         model_cfg: The built-in Llama's shape (required for ``hf``: names and ``config.json``).
         with_optimizer: ``torch`` only: add the optimizer state.
         max_shard_bytes: ``hf`` only: size bound of one safetensors file.
-        verify: How the step is checked before reading: ``size`` or ``checksum``.
+        verify: How the step is checked before reading: ``checksum`` (default) or ``size``.
         lease_root: Where the lease file goes (default: the step's parent, the job's checkpoint root).
 
     Raises:
@@ -338,7 +356,7 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
         raise ConversionError(str(exc)) from None
     try:
         return _export_leased(step_dir, manifest, Path(out).expanduser().resolve(), fmt, DTYPES[dtype], model_cfg,
-                              with_optimizer, max_shard_bytes, verify, t0)
+                              with_optimizer, max_shard_bytes, t0)
     finally:
         lease.__exit__(None, None, None)
 
@@ -367,11 +385,12 @@ def _check_args(fmt: str, dtype: str, model_cfg: LlamaConfig | None, with_optimi
 
 
 def _export_leased(step_dir: Path, manifest: Manifest, out: Path, fmt: Format, dtype: torch.dtype,
-                   model_cfg: LlamaConfig | None, with_optimizer: bool, max_shard: int, verify: Verify,
+                   model_cfg: LlamaConfig | None, with_optimizer: bool, max_shard: int,
                    t0: float) -> ExportResult:
-    # Verified again under the lease: retention may have raced us before the lease was taken.
+    # Verified again under the lease: retention may have raced us before the lease was taken. A
+    # deletion shows in the sizes; the checksums were read by resolve_step already.
     try:
-        CheckpointLayout(step_dir.parent).verify(step_dir, verify)
+        CheckpointLayout(step_dir.parent).verify(step_dir, "size")
     except InvalidCheckpoint as exc:
         raise ConversionError(f"{step_dir} is not a valid committed checkpoint: {exc}") from None
     reader = _Reader(step_dir)
@@ -402,7 +421,7 @@ def final_export(spec: JobSpec, root: Path) -> Path | None:
         return None
     try:
         step_dir, manifest = resolve_step(root)
-        out = Path(fe.dir).expanduser() if fe.dir is not None else root / f"export-step-{manifest.step:08d}"
+        out = Path(fe.dir).expanduser() if fe.dir is not None else root / f"export-{step_name(manifest.step)}"
         if out.is_dir() and (out / ("model.pt" if fe.format == "torch" else "config.json")).exists():
             logger.info("final export: %s already holds an export; not exporting again", out)
             return out

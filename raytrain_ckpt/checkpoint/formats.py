@@ -162,11 +162,19 @@ def stream_torch_save(path: Path, obj: Any, records: Iterable[tuple[str, torch.T
     _Pickler(buf, protocol=2).dump(obj)
     with open(path, "wb") as f:
         writer = torch._C.PyTorchFileWriter(f)  # a file object: we fsync it before the rename
-        writer.write_record("data.pkl", buf.getvalue(), len(buf.getvalue()))
-        writer.write_record("byteorder", sys.byteorder.encode(), len(sys.byteorder))
-        for record, tensor in records:
-            storage = tensor.contiguous().untyped_storage()
-            writer.write_record(f"data/{record}", storage, storage.nbytes())
+        try:
+            writer.write_record("data.pkl", buf.getvalue(), len(buf.getvalue()))
+            writer.write_record("byteorder", sys.byteorder.encode(), len(sys.byteorder))
+            for record, tensor in records:
+                storage = tensor.contiguous().untyped_storage()
+                writer.write_record(f"data/{record}", storage, storage.nbytes())
+        except BaseException:
+            # An unfinished writer finishes the zip in its C++ destructor. The traceback keeps it
+            # alive until after `f` is closed, and that write to a closed file raises inside the
+            # destructor, which aborts the process. Finish it now, while `f` is open; the caller
+            # removes the partial file.
+            writer.write_end_of_file()
+            raise
         writer.write_end_of_file()
         f.flush()
         os.fsync(f.fileno())

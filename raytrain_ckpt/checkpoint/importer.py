@@ -22,13 +22,12 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from raytrain_ckpt.checkpoint.export import progress_bar
 from raytrain_ckpt.checkpoint.formats import ConversionError, our_name
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout, Manifest, file_crc32
+from raytrain_ckpt.checkpoint.layout import CheckpointLayout, Manifest, describe_file
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ImportResult", "import_checkpoint"]
 
-_INDEX = "model.safetensors.index.json"
 
 
 @dataclass
@@ -96,7 +95,7 @@ def import_checkpoint(src: Path, to: Path) -> ImportResult:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that no process group is used: intended here
         dcp.save({"model": model}, storage_writer=FileSystemWriter(str(tmp), sync_files=True), no_dist=True)
-    files = {p.name: {"size": p.stat().st_size, "crc32": file_crc32(p)} for p in tmp.iterdir() if p.is_file()}
+    files = {p.name: describe_file(p) for p in tmp.iterdir() if p.is_file()}
     origin = hashlib.sha256(str(src).encode()).hexdigest()[:8]
     manifest = Manifest(step=0, world_size=1, dp_size=1, spec_hash=f"import-{origin}", files=files)
     final = layout.commit(tmp, manifest)

@@ -3,12 +3,20 @@
 An exporter may run in another process, even on another machine, with no Ray connection to
 the job's CheckpointActor. So the lease lives on the storage both already share::
 
-    <checkpoint root>/leases/<holder>.json    {"step": N, "holder": ..., "pid": ..., "host": ...}
-    <checkpoint root>/leases/.lock           flock'ed while a lease is taken and while purging
+    <checkpoint root>/leases/<holder>.json    {"step": N, "beat": B, "pid": ..., "host": ...}
+    <checkpoint root>/leases/.lock           flock'ed while a lease is taken or beats, and while purging
 
-The CheckpointActor's retention never deletes a step named by a fresh lease file. A lease is
-fresh while its file's mtime is within ``LEASE_TTL_S``; the holder touches it every
-``HEARTBEAT_S``, so a crashed exporter pins its step for at most ``LEASE_TTL_S``.
+The CheckpointActor's retention never deletes a step named by a live lease file. Liveness never
+compares two machines' clocks: the holder rewrites its file with ``beat`` one higher every
+``HEARTBEAT_S``, and a reader (``LeaseFiles``, kept by the actor) remembers, per file, the beat
+it last saw and when it saw it change, on the reader's own monotonic clock. A file whose beat
+has not changed for ``LEASE_TTL_S`` of that clock is stale: its holder died, and it is removed.
+So a crashed exporter pins its step for at most ``LEASE_TTL_S`` after the reader last saw it
+beat (or first saw it, for a reader that just started).
+
+A heartbeat that fails (the shared file system hiccups) is retried at the next beat; only the
+lease file being gone ends it (a reader judged it stale and removed it), and that is logged:
+the step is no longer protected.
 
 The race between "decide to read step N" and "retention deletes N" is closed by the lock:
 taking a lease writes the file and checks that the step still exists while holding it, and the
@@ -27,7 +35,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -35,13 +43,14 @@ from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HEARTBEAT_S", "LEASE_DIR", "LEASE_TTL_S", "FileLease", "file_leased_steps", "purge_lock"]
+__all__ = ["HEARTBEAT_S", "LEASE_DIR", "LEASE_TTL_S", "FileLease", "LeaseFiles", "file_leased_steps", "purge_lock"]
 
 LEASE_DIR = "leases"
 LEASE_TTL_S = 60.0
-"""A lease file not touched for this long is stale (its holder died) and no longer protects its step."""
+"""A lease file whose beat a reader has not seen change for this long (by the reader's clock) is
+stale (its holder died) and no longer protects its step."""
 HEARTBEAT_S = 5.0
-"""How often a holder touches its lease file."""
+"""How often a holder bumps its lease file's beat."""
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+\.json$")
 
 
@@ -58,29 +67,60 @@ def purge_lock(root: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def file_leased_steps(root: Path, ttl_s: float = LEASE_TTL_S, now: float | None = None) -> set[int]:
-    """Steps named by fresh lease files under ``root``. A stale one (its holder is gone) is removed;
-    an unreadable one (being written right now) is skipped."""
-    d = Path(root) / LEASE_DIR
+class LeaseFiles:
+    """The lease files under one checkpoint root, as one reader sees them over time.
+
+    Stateful: liveness is "the beat changed within ``ttl_s`` of this reader's ``clock``", so the
+    same instance must read the leases every time (the CheckpointActor keeps one).
+    """
+
+    def __init__(self, root: Path, ttl_s: float = LEASE_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.root, self.ttl_s, self._clock = Path(root), ttl_s, clock
+        self._seen: dict[str, tuple[int, float]] = {}
+        """file name -> (the beat last read, this reader's time when it last changed)"""
+
+    def leased_steps(self) -> set[int]:
+        """Steps named by live lease files. A stale one is removed; an unreadable one (being
+        replaced right now, or garbage) is skipped. Call it holding ``purge_lock``."""
+        d = self.root / LEASE_DIR
+        now = self._clock()
+        read = _read_leases(d)
+        self._seen = {name: seen for name, seen in self._seen.items() if name in read}
+        out: set[int] = set()
+        for name, (step, beat) in read.items():
+            last_beat, changed_at = self._seen.get(name, (None, now))
+            if beat != last_beat:
+                self._seen[name] = (beat, now)
+            elif now - changed_at > self.ttl_s:
+                logger.warning("removing stale lease %s on step %d (beat %d unchanged for %.0fs)", name, step,
+                               beat, now - changed_at)
+                (d / name).unlink(missing_ok=True)
+                del self._seen[name]
+                continue
+            out.add(step)
+        return out
+
+
+def file_leased_steps(root: Path) -> set[int]:
+    """Steps named by the lease files under ``root`` as a reader seeing them for the first time
+    judges them: all live (staleness takes a ``LeaseFiles`` that watches them over time)."""
+    return LeaseFiles(root).leased_steps()
+
+
+def _read_leases(d: Path) -> dict[str, tuple[int, int]]:
+    """file name -> (step, beat) of every readable lease file in ``d``."""
     if not d.is_dir():
-        return set()
-    now = time.time() if now is None else now
-    out: set[int] = set()
+        return {}
+    out = {}
     for path in d.iterdir():
         if not _NAME_RE.match(path.name):
             continue
         try:
-            age = now - path.stat().st_mtime
-            step = int(json.loads(path.read_text(encoding="utf-8"))["step"])
+            body = json.loads(path.read_text(encoding="utf-8"))
+            out[path.name] = (int(body["step"]), int(body.get("beat", 0)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            # Being written or removed right now, or garbage: it protects nothing.
+            # Removed right now, or garbage: it protects nothing.
             logger.debug("ignoring lease file %s: %s", path, exc)
-            continue
-        if age > ttl_s:
-            logger.warning("removing stale lease %s on step %d (no heartbeat for %.0fs)", path.name, step, age)
-            path.unlink(missing_ok=True)
-            continue
-        out.add(step)
     return out
 
 
@@ -93,16 +133,16 @@ class FileLease:
     def __init__(self, root: Path, step: int, holder: str = "export", heartbeat_s: float = HEARTBEAT_S) -> None:
         self.root, self.step, self.heartbeat_s = Path(root), step, heartbeat_s
         self.path = self.root / LEASE_DIR / f"{holder}-{uuid.uuid4().hex[:8]}.json"
+        self.beats = 0
+        """Heartbeats written so far (the ``beat`` in the file)."""
+        self.failed_beats = 0
+        """Heartbeats that failed (and were retried at the next one)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> FileLease:
-        body = json.dumps({"step": self.step, "pid": os.getpid(), "host": socket.gethostname(),
-                           "created_unix": time.time()})
         with purge_lock(self.root):
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(body, encoding="utf-8")
-            os.rename(tmp, self.path)
+            self._write()
             if not CheckpointLayout(self.root).step_dir(self.step).is_dir():
                 self.path.unlink(missing_ok=True)
                 raise InvalidCheckpoint(f"step {self.step} under {self.root} was removed (by retention?) before it "
@@ -112,13 +152,33 @@ class FileLease:
         logger.debug("leased step %d under %s (%s)", self.step, self.root, self.path.name)
         return self
 
+    def _write(self, beat: int = 0) -> None:
+        # Replaced whole (rename), so a reader never sees half a file.
+        body = json.dumps({"step": self.step, "beat": beat, "pid": os.getpid(), "host": socket.gethostname()})
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(body, encoding="utf-8")
+        os.rename(tmp, self.path)
+
+    def _bump(self) -> bool:
+        """One heartbeat; False when the lease file is gone (a reader removed it as stale)."""
+        with purge_lock(self.root):  # a reader removing the file and our rewrite never interleave
+            if not self.path.exists():
+                return False
+            self._write(self.beats + 1)
+        self.beats += 1
+        return True
+
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                os.utime(self.path)
-            except OSError as exc:  # removed under us: nothing left to keep fresh
-                logger.warning("lease %s heartbeat failed: %s", self.path.name, exc)
-                return
+                if not self._bump():
+                    logger.warning("lease %s was removed (judged stale): step %d is no longer protected from "
+                                   "retention", self.path.name, self.step)
+                    return
+            except OSError as exc:  # transient (a shared file system hiccup): the next beat tries again
+                self.failed_beats += 1
+                logger.warning("lease %s heartbeat failed, retrying in %gs: %s", self.path.name,
+                               self.heartbeat_s, exc)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()

@@ -4,12 +4,16 @@ picks the resume point for each attempt, and cleans up at the end of the job."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ckpt.checkpoint.actor import CheckpointActor, ResumePoint
+from raytrain_ckpt.checkpoint.names import NAMESPACE, ActorByName, actor_name, writer_name
+from raytrain_ckpt.checkpoint.client import SaveSchedule
+from raytrain_ckpt.checkpoint.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.writer import CheckpointWriter
 from raytrain_ckpt.spec import JobSpec
 
@@ -17,41 +21,35 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["NAMESPACE", "CheckpointService", "actor_name"]
 
-NAMESPACE = "raytrain_ckpt"
-"""Ray namespace of a job's named actors, whatever namespace the driver runs in, so that
-another process (``raytrain-ckpt status --job``) finds them by name."""
-
-
-def actor_name(job: str) -> str:
-    """The CheckpointActor's Ray name for a job (``raytrain-ckpt status`` finds it by this)."""
-    return f"rtc-ckpt-{job}"
-
-
 class CheckpointService:
     """Job-scoped: lives as long as the driver, across every attempt of the worker group."""
 
     def __init__(self, spec: JobSpec, fault_env: dict[str, str] | None = None) -> None:
         self.spec = spec
+        self.started_unix = time.time()
         cfg = spec.checkpoint
         self.root = (cfg.dir.expanduser().resolve() / spec.name)
         env = {"env_vars": fault_env} if fault_env else None
         self.actor = ray.remote(CheckpointActor).options(
             name=actor_name(spec.name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1, max_task_retries=0,
             runtime_env=env,
-        ).remote(str(self.root), spec.world_size, spec.spec_hash(), spec.dp_size, cfg.keep_latest_k,
-                 cfg.keep_every_n_steps)
+        ).remote(str(self.root), RetentionPolicy(cfg.keep_latest_k, cfg.keep_every_n_steps, cfg.keep_best_k))
         self._writers: dict[str, Any] = {}
         self._env = env
+        self._note: ray.ObjectRef | None = None
+        self._start: str | None = None
+        """The checkpoint attempt 0 loaded (None: a fresh start)."""
 
     def writer_for(self, node_id: str) -> Any:
         """The CheckpointWriter pinned to ``node_id`` (created on first use)."""
         if node_id not in self._writers:
             cls = ray.remote(CheckpointWriter)
             self._writers[node_id] = cls.options(
-                name=f"rtc-writer-{self.spec.name}-{node_id[:12]}", namespace=NAMESPACE, num_cpus=0,
+                name=writer_name(self.spec.name, node_id), namespace=NAMESPACE, num_cpus=0,
                 max_concurrency=64, max_restarts=-1, max_task_retries=0, runtime_env=self._env,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(self.spec.name, str(self.root), self.actor, self.spec.checkpoint.writer_threads,
+            ).remote(self.spec.name, str(self.root), ActorByName(actor_name(self.spec.name)),
+                     self.spec.checkpoint.writer_threads,
                      self.spec.checkpoint.writer_nice)
         return self._writers[node_id]
 
@@ -64,8 +62,15 @@ class CheckpointService:
         if attempt > 0:
             ray.get(self.actor.settle.remote(s.checkpoint.settle_timeout_s))
         ray.get(self.actor.configure.remote(s.world_size, s.dp_size, s.spec_hash(), s.model.model_dump(mode="json")))
-        point = ray.get(self.actor.acquire.remote(f"attempt-{attempt}", s.checkpoint.resume
-                                                  if attempt == 0 else "latest", s.checkpoint.verify_on_load))
+        holder, verify = f"attempt-{attempt}", s.checkpoint.verify_on_load
+        if attempt == 0:
+            point = ray.get(self.actor.begin.remote(holder, s.checkpoint.resume, verify))
+            self._start = point.path if point is not None else None
+        else:
+            # The newest step of this run's timeline; before its first commit, where the run began.
+            point = ray.get(self.actor.acquire.remote(holder, "latest", verify))
+            if point is None and self._start is not None:
+                point = ray.get(self.actor.acquire.remote(holder, self._start, verify))
         if point is None:
             logger.info("attempt %d: no checkpoint to resume from under %s; starting at step 0", attempt, self.root)
         else:
@@ -73,11 +78,44 @@ class CheckpointService:
                         point.path, point.world_size)
         return point
 
+    def unsaved(self, results: list[Any], status: dict[str, Any]) -> str | None:
+        """Why a finished job's checkpoints are not what it asked for, or None.
+
+        Two cases fail the job: the save of the last step was due (by the interval or
+        save_final) and did not commit; or saves were attempted and none of them committed
+        (the trained state exists nowhere). ``results`` are the workers' WorkerResults.
+        """
+        total = self.spec.training.steps
+        cfg = self.spec.checkpoint
+        trained = bool(results) and results[0].start_step < total
+        failed: dict[int, str] = status["failed"]
+        if trained and SaveSchedule(total, cfg.interval_steps, cfg.save_final).by_step(total) \
+                and total not in status["committed"]:
+            return f"the final checkpoint (step {total}) did not commit: {failed.get(total, 'it was never saved')}"
+        new = [s for s, info in status["steps"].items() if info["created_unix"] >= self.started_unix]
+        if failed and not new:
+            reasons = "; ".join(f"step {s}: {why}" for s, why in sorted(failed.items()))
+            return f"no checkpoint of this run committed, {len(failed)} save(s) failed ({reasons})"
+        return None
+
     def release(self, attempt: int) -> None:
         self.actor.release.remote(f"attempt-{attempt}")
 
     def status(self) -> dict[str, Any]:
         return ray.get(self.actor.status.remote())
+
+    def note_job(self, info: dict[str, Any]) -> None:
+        """Tell the CheckpointActor the job's state and training step (it turns them into work at
+        risk and ``status --job``), unless the previous note is still on its way: a restarting
+        actor must not queue up one call per poll."""
+        if self._note is not None:
+            if not ray.wait([self._note], timeout=0)[0]:
+                return
+            try:
+                ray.get(self._note)
+            except Exception as exc:  # the actor is restarting or gone; the next note retries
+                logger.debug("job note not delivered: %s", exc)
+        self._note = self.actor.note_job.remote(info)
 
     def shutdown(self) -> None:
         """Let handed-off saves commit, free staging memory, stop the actors.

@@ -1,8 +1,9 @@
 """Staging: copy a rank's checkpoint tensors into host buffers that outlive the rank.
 
 The buffer is a file in ``/dev/shm`` created by the node's CheckpointWriter; the trainer maps
-it with ``torch.from_file(shared=True)`` and fills it, the writer maps the same file and
-persists it. Allocated once per layout and reused for every save.
+it (``mmap``, shared) and fills it, the writer maps the same file and persists it. Allocated
+once per layout and reused for every save. How the file is created, checked before it is
+mapped, and tied to a live owner is ``checkpoint/buffers.py``.
 
 * CPU: ``SharedMemoryStaging`` copies on a background thread (``copy_`` releases the GIL), so
   the copy overlaps the next forward/backward.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import mmap
 import os
 import threading
 import time
@@ -28,6 +30,8 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, open_buffer
 
 __all__ = [
     "PinnedCudaStaging",
@@ -74,18 +78,28 @@ def layout_key(slots: list[TensorSlot], object_keys: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def allocate_buffer(path: Path, nbytes: int) -> None:
-    """Create (or resize) the shared-memory file ``path``."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-    finally:
-        os.close(fd)
+def allocate_buffer(path: Path, nbytes: int) -> OwnedBuffer:
+    """Create the shared-memory file ``path`` (exclusively, mode 0600) and own it until ``remove()``.
+
+    Raises StagingFileError when the name is taken by anything but an orphaned buffer of ours
+    (see ``checkpoint/buffers.py``).
+    """
+    return OwnedBuffer.create(path, nbytes)
 
 
 def map_buffer(path: Path, nbytes: int) -> torch.Tensor:
-    """A uint8 tensor over the whole file, shared with every process that maps it."""
-    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+    """A uint8 tensor over the first ``nbytes`` of the file, shared with every process that maps it.
+
+    The file is checked before it is mapped (no symlink; a regular file of ours, mode 0600,
+    large enough); raises StagingFileError otherwise.
+    """
+    fd = open_buffer(path, nbytes)
+    try:
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)  # the mapping keeps the file alive
+    # The tensor holds a reference to the mapping, which is unmapped when the last view goes.
+    return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 def slot_views(buffer: torch.Tensor, slots: list[TensorSlot]) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from raytrain_ckpt.checkpoint.layout import MANIFEST, Manifest
+from raytrain_ckpt.checkpoint.metadata import SafeFileSystemReader, SafeLoadPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
     raise ``CheckpointMismatch`` before anything is loaded. RNG states are per rank, so they
     are restored only at the layout that saved them (same world size and pipeline degree).
     """
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = SafeFileSystemReader(path).read_metadata().state_dict_metadata
     if not any(k.startswith("train.") for k in saved):
         _load_model_only(trainer, path, saved)
         return
@@ -113,7 +114,7 @@ def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
     same_layout = same_world_size and _saved_pp(path) in (None, trainer.spec.parallelism.pp)
     if same_layout:
         sd.update(_rng_state(trainer.rank))
-    dcp.load(sd, checkpoint_id=path)
+    dcp.load(sd, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
     for part, opt, (mkeys, okeys) in zip(trainer.model_parts, trainer.optimizers, keys, strict=True):
         set_state_dict(part, opt, model_state_dict={k: sd["model"][k] for k in mkeys},
                        optim_state_dict={k: sd["optim"][k] for k in okeys}, options=_OPTIONS)
@@ -175,6 +176,6 @@ def _load_model_only(trainer: Any, path: str, saved: dict[str, Any]) -> None:
     for part in trainer.model_parts:
         model_sd = get_model_state_dict(part)
         _check_fits(path, saved, model_sd, {})
-        dcp.load({"model": model_sd}, checkpoint_id=path)
+        dcp.load({"model": model_sd}, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
         set_model_state_dict(part, model_sd)
     logger.info("loaded model-only checkpoint %s: starting at step 0 with a fresh optimizer", path)

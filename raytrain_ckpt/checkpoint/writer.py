@@ -23,15 +23,17 @@ from typing import Any
 import ray
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
 
-from raytrain_ckpt.checkpoint.layout import file_crc32
+from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, shm_dir, sweep_orphans
+from raytrain_ckpt.checkpoint.layout import describe_file
 from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, map_buffer, slot_views
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.metrics import WriterMetrics
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointWriter", "PersistRequest", "buffer_prefix", "shm_dir"]
+__all__ = ["CheckpointWriter", "PersistRequest", "buffer_prefix", "check_written", "shm_dir"]
 
 
 def buffer_prefix(job: str, root: str) -> str:
@@ -42,9 +44,23 @@ def buffer_prefix(job: str, root: str) -> str:
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}-{digest}"
 
 
-def shm_dir() -> Path:
-    """Where staging buffers live: /dev/shm when present (RAM-backed), else the temp dir."""
-    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+def check_written(plan: SavePlan, results: list[WriteResult], sizes: dict[str, int]) -> None:
+    """Raise OSError unless every planned write has a result whose bytes are all in its file.
+
+    DCP's I/O threads other than the caller's drop their exceptions (ENOSPC, EIO): what they
+    failed to write is then missing from ``results`` and its file is short. Without this check
+    the short file's real size and CRC-32 would go into the manifest of a step that cannot load.
+    ``sizes``: file name -> bytes on disk, for the files of this rank.
+    """
+    missing = {item.index for item in plan.items} - {r.index for r in results}
+    if missing or len(results) != len(plan.items):
+        raise OSError(f"{len(missing)} of {len(plan.items)} planned writes have no result ({len(results)} results): "
+                      "an I/O thread failed (disk full? I/O error? see the writer's log)")
+    for r in results:
+        where = r.storage_data
+        size, end = sizes.get(where.relative_path, -1), where.offset + where.length
+        if size < end:
+            raise OSError(f"{where.relative_path}: {size} bytes on disk, the write of {r.index.fqn} ends at {end}")
 
 
 @dataclass(frozen=True)
@@ -79,9 +95,13 @@ class CheckpointWriter:
         self._jobs: dict[tuple[int, int], Future] = {}
         self._running: dict[tuple[int, int], PersistRequest] = {}
         self._tmp: dict[tuple[int, int], str] = {}
-        self._buffers: dict[str, int] = {}
+        self._buffers: dict[str, tuple[OwnedBuffer, int]] = {}
+        """path -> (the buffer, held with its ownership lock; the attempt it was allocated for)"""
         self._newest_attempt = 0
         self.metrics = WriterMetrics(job, ray.get_runtime_context().get_node_id()[:12])
+        # Buffers of writers that died (this job's previous incarnation, a job whose driver was
+        # killed) hold RAM until someone removes them; a live writer's buffers are left alone.
+        sweep_orphans(shm_dir())
 
     def allocate(self, rank: int, attempt: int, nbytes: int) -> str:
         """Create the rank's staging file for this attempt (reused across its saves).
@@ -90,24 +110,29 @@ class CheckpointWriter:
         be reading its old buffer, which is unlinked once that write is done.
         """
         path = shm_dir() / f"rtc-{self.prefix}-a{attempt}-rank{rank}.buf"
-        allocate_buffer(path, nbytes)
-        self._buffers[str(path)] = attempt
+        held = self._buffers.get(str(path))
+        if held is None:
+            self._buffers[str(path)] = (allocate_buffer(path, nbytes), attempt)
+        else:  # a new layout in the same attempt
+            held[0].resize(nbytes)
         self._newest_attempt = max(self._newest_attempt, attempt)
         busy = {j.buffer_path for j in self._running.values()}
-        for old, a in list(self._buffers.items()):
+        for old, (_, a) in list(self._buffers.items()):
             if a < self._newest_attempt and old not in busy:
                 self._unlink(old)
         return str(path)
 
     def release_all(self) -> None:
-        """Unlink every staging file of this job on this node (the job is over), including those
-        a previous incarnation of this actor created."""
-        for p in shm_dir().glob(f"rtc-{self.prefix}-a*-rank*.buf"):
-            self._unlink(str(p))
+        """Unlink every staging file this writer owns (the job is over), and any orphan: those a
+        previous incarnation of this actor created are orphans since it died."""
+        for path in list(self._buffers):
+            self._unlink(path)
+        sweep_orphans(shm_dir())
 
     def _unlink(self, path: str) -> None:
-        Path(path).unlink(missing_ok=True)
-        self._buffers.pop(path, None)
+        held = self._buffers.pop(path, None)
+        if held is not None:
+            held[0].remove()
 
     def accept(self, req: PersistRequest) -> None:
         """Take over a staged step and start writing it; returns as soon as the request is held here.
@@ -140,9 +165,10 @@ class CheckpointWriter:
         writer.set_up_storage_writer(False, rank=req.rank)
         maybe_inject("persist", req.rank, req.step, req.attempt)
         results = writer.write_data(req.plan, StagedPlanner(staged)).wait()
+        check_written(req.plan, results, {p.name: p.stat().st_size for p in tmp.iterdir()})
         t_write = time.monotonic() - t0
         prefix = req.plan.storage_data.prefix
-        files = {p.name: {"size": p.stat().st_size, "crc32": file_crc32(p)}
+        files = {p.name: describe_file(p)
                  for p in tmp.iterdir() if p.name.startswith(prefix)}
         info = {**req.info, "persist_s": time.monotonic() - t0, "write_s": t_write}
         self.metrics.wrote(req.rank, sum(f["size"] for f in files.values()), info["persist_s"])

@@ -14,11 +14,11 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["TEXT_SUFFIXES", "ByteTextTokens", "SyntheticTokens", "TokenSource", "build_source"]
-
-TEXT_SUFFIXES: frozenset[str] = frozenset({".txt", ".md", ".rst", ".py", ".yaml", ".toml", ".json"})
 
 _MASK64 = (1 << 64) - 1
 _SEPARATOR = b"\n"

@@ -13,11 +13,12 @@ import dataclasses
 import importlib
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+from raytrain_ckpt.models.config import PRESETS, LlamaConfig
 
-from raytrain_ckpt.models.llama import PRESETS, Llama, LlamaConfig
+if TYPE_CHECKING:  # torch is imported when a model is built, not when a spec is checked
+    from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -26,12 +27,13 @@ __all__ = ["build_model", "describe_model", "resolve_factory"]
 _FORMAT_HINT = "expected 'package.module:function'"
 
 
-def resolve_factory(path: str) -> Callable[..., nn.Module]:
+def resolve_factory(path: str, kind: str = "model factory") -> Callable[..., Any]:
     """Import and return the callable named by ``path``.
 
     Args:
         path: ``"package.module:callable"``; the attribute part may be dotted
             (``"pkg.mod:Class.create"``).
+        kind: What the callable is, for messages (``"model factory"``, ``"data.source"``...).
 
     Returns:
         The callable object (not yet called).
@@ -41,27 +43,27 @@ def resolve_factory(path: str) -> Callable[..., nn.Module]:
             attribute is missing or the object is not callable.
     """
     if not isinstance(path, str) or path.count(":") != 1:
-        raise ValueError(f"model factory {path!r}: {_FORMAT_HINT}")
+        raise ValueError(f"{kind} {path!r}: {_FORMAT_HINT}")
     module_name, attr_path = path.split(":")
     if not module_name or not attr_path:
-        raise ValueError(f"model factory {path!r}: {_FORMAT_HINT}")
+        raise ValueError(f"{kind} {path!r}: {_FORMAT_HINT}")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import-time error is a user error here
         raise ValueError(
-            f"model factory {path!r}: cannot import module {module_name!r} "
+            f"{kind} {path!r}: cannot import module {module_name!r} "
             f"({type(exc).__name__}: {exc}); check that it is installed or on PYTHONPATH"
         ) from None
     obj: Any = module
     for part in attr_path.split("."):
         if not hasattr(obj, part):
             raise ValueError(
-                f"model factory {path!r}: module {module_name!r} has no attribute {attr_path!r}"
+                f"{kind} {path!r}: module {module_name!r} has no attribute {attr_path!r}"
             )
         obj = getattr(obj, part)
     if not callable(obj):
         raise ValueError(
-            f"model factory {path!r}: {attr_path!r} is a {type(obj).__name__}, not a callable"
+            f"{kind} {path!r}: {attr_path!r} is a {type(obj).__name__}, not a callable"
         )
     return obj
 
@@ -129,6 +131,10 @@ def build_model(name: str, overrides: Mapping[str, Any] | None = None) -> nn.Mod
         ValueError: For unknown names, bad overrides, unresolvable factories or
             a factory that does not return an ``nn.Module``.
     """
+    from torch import nn
+
+    from raytrain_ckpt.models.llama import Llama
+
     overrides = dict(overrides or {})
     if name in PRESETS:
         return Llama(_preset_config(name, overrides))

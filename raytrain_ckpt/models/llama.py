@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from raytrain_ckpt.models.config import PRESETS, LlamaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -26,106 +27,6 @@ __all__ = [
     "TransformerBlock",
     "num_params",
 ]
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Shape hyper-parameters of a :class:`Llama` model.
-
-    Attributes:
-        dim: Model (residual stream) width.
-        n_layers: Number of transformer blocks.
-        n_heads: Number of query heads.
-        n_kv_heads: Number of key/value heads (grouped-query attention).
-        vocab_size: Number of token ids.
-        ffn_dim: Hidden width of the SwiGLU feed-forward network.
-        max_seq_len: Longest sequence the RoPE tables cover.
-        norm_eps: Epsilon of the RMSNorm layers.
-        rope_theta: Base of the RoPE frequencies.
-    """
-
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
-    ffn_dim: int
-    max_seq_len: int
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-
-    @property
-    def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.dim // self.n_heads
-
-    def validate(self) -> None:
-        """Check the cross-field constraints of the shape.
-
-        Raises:
-            ValueError: If a field is non-positive or the head layout is
-                inconsistent; the message names the fields and the fix.
-        """
-        ints = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len")
-        for name in ints:
-            value = getattr(self, name)
-            # bool is an int subclass; a YAML 'true' must not become 1 silently.
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"LlamaConfig.{name} must be an integer, got {value!r}")
-            if value <= 0:
-                raise ValueError(f"LlamaConfig.{name} must be positive, got {value}")
-        for name in ("norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"LlamaConfig.{name} must be a positive number, got {value!r}")
-        if self.dim % self.n_heads != 0:
-            raise ValueError(
-                f"LlamaConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"
-            )
-        if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
-                f"LlamaConfig.n_heads ({self.n_heads}) must be divisible by "
-                f"n_kv_heads ({self.n_kv_heads}) for grouped-query attention"
-            )
-        if self.head_dim % 2 != 0:
-            raise ValueError(
-                f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE; "
-                "change dim or n_heads"
-            )
-
-
-PRESETS: dict[str, LlamaConfig] = {
-    # ~0.85M params, byte-level vocab so it trains on raw text on a CPU.
-    "debug": LlamaConfig(
-        dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=384, max_seq_len=512
-    ),
-    # ~25M params, still byte-level: big enough to show real throughput numbers.
-    "small": LlamaConfig(
-        dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=1536, max_seq_len=1024
-    ),
-    # Llama 3.2 1B shape; untied output, so ~1.5B params instead of 1.24B.
-    "1b": LlamaConfig(
-        dim=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        vocab_size=128256,
-        ffn_dim=8192,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
-    # Llama 3 8B shape (~8.03B params).
-    "8b": LlamaConfig(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        vocab_size=128256,
-        ffn_dim=14336,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
-}
 
 
 def _rope_tables(cfg: LlamaConfig, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -212,12 +213,19 @@ class Pipeline:
         The schedule splits the concatenated batch back into the same micro-batches (equal
         contiguous chunks), so the pipeline sees exactly what gradient accumulation would.
         """
+        return self._run(batches, self.schedule.step, return_outputs=False)
+
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward only over this dp rank's micro-batches; their mean loss (0 off the last stage)."""
+        return self._run(batches, self.schedule.eval)
+
+    def _run(self, batches: list[tuple[torch.Tensor, torch.Tensor]], run: Callable[..., Any],
+             **kwargs: Any) -> torch.Tensor:
         inputs = torch.cat([x for x, _ in batches]).to(self.device)
         targets = torch.cat([y for _, y in batches]).to(self.device)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
-        self.schedule.step(*args, target=targets if self.has_last else None,
-                           losses=losses if self.has_last else None, return_outputs=False)
+        run(*args, target=targets if self.has_last else None, losses=losses if self.has_last else None, **kwargs)
         if not self.has_last:
             return torch.zeros((), device=self.device, dtype=torch.float32)
         return torch.stack([loss.detach().float() for loss in losses]).mean()

@@ -11,6 +11,7 @@ from raytrain_ckpt.models import describe_model
 from raytrain_ckpt.spec.sections import (
     CheckpointSpec,
     DataSpec,
+    EvalSpec,
     FaultToleranceSpec,
     FieldProblems,
     LRSchedulerSpec,
@@ -20,6 +21,7 @@ from raytrain_ckpt.spec.sections import (
     ResourcesSpec,
     TrainingSpec,
     _Section,
+    is_ascii_digits,
 )
 
 __all__ = ["JobSpec"]
@@ -40,6 +42,8 @@ class JobSpec(_Section):
     """Learning-rate schedule: linear warmup, then decay."""
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     """Steps, batch sizes, sequence length, seed, precision."""
+    eval: EvalSpec | None = None
+    """Validation loss on held-out data (data.eval_path or data.eval_fraction; synthetic data has its own): every_steps, batches; null: no evaluation."""
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     """Workers and what each reserves."""
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
@@ -87,7 +91,7 @@ class JobSpec(_Section):
         problems = _layout_problems(self) + _batch_problems(self) + _model_data_problems(self)
         if not problems:
             problems = _pipeline_problems(self)
-        problems += _final_export_problems(self)
+        problems += _final_export_problems(self) + _eval_problems(self)
         if problems:
             raise FieldProblems(problems)
         return self
@@ -124,6 +128,17 @@ def _model_data_problems(spec: JobSpec) -> list[tuple[str, str]]:
     if spec.training.seq_len > cfg.max_seq_len:
         out.append(("training.seq_len", f"{spec.training.seq_len} exceeds the model context {cfg.max_seq_len} "
                     f"of '{spec.model.name}'; lower it or set model.overrides.max_seq_len"))
+    if spec.data.source == "tokens":
+        from raytrain_ckpt.data.tokens import TokenCorpus  # numpy and torch: only for token jobs
+
+        # Opening the shards is cheap (a stat and a memory map each) and catches a wrong dtype
+        # or a tokenizer larger than the model before any worker starts.
+        for name, path in (("data.path", spec.data.path), ("data.eval_path", spec.data.eval_path)):
+            try:
+                if path is not None:
+                    TokenCorpus(path, spec.data.dtype, cfg.vocab_size)
+            except ValueError as exc:
+                out.append((name, str(exc)))
     if spec.data.source == "text" and cfg.vocab_size < 256:
         out.append(("model.overrides.vocab_size", f"{cfg.vocab_size} is below 256, the byte-level vocabulary "
                     "of data.source=text; use vocab_size >= 256"))
@@ -167,13 +182,26 @@ def _split_point_problems(points: list[str], n_layers: int) -> list[tuple[str, s
     starts = []
     for point in points:
         prefix, _, key = point.partition(".")
-        if prefix != "layers" or not key.isdigit() or not 0 < int(key) < n_layers:
+        if prefix != "layers" or not is_ascii_digits(key) or not 0 < int(key) < n_layers:
             return [("parallelism.pp_split_points", f"{point!r} is not a layer a stage can start at; use "
                      f"'layers.<i>' with 1 <= i < n_layers={n_layers}")]
         starts.append(int(key))
     if starts != sorted(set(starts)):
         return [("parallelism.pp_split_points", f"{points} must be increasing and distinct")]
     return []
+
+
+def _eval_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    d, out = spec.data, []
+    if spec.eval is not None:
+        if d.source == "text":
+            out.append(("eval", "data.source=text has no held-out split; use data.source=tokens (see prepare-data) "
+                        "or remove eval"))
+        elif d.source != "synthetic" and d.eval_path is None and d.eval_fraction is None:
+            out.append(("eval", "needs held-out data: set data.eval_path or data.eval_fraction"))
+    if spec.checkpoint.keep_best_k is not None and spec.eval is None:
+        out.append(("checkpoint.keep_best_k", "ranks steps by eval loss; add an eval section or remove keep_best_k"))
+    return out
 
 
 def _final_export_problems(spec: JobSpec) -> list[tuple[str, str]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from raytrain_ckpt.spec.environment import environment_problems
 from raytrain_ckpt.spec.job import JobSpec
 from raytrain_ckpt.spec.sections import FieldProblems, SpecError
 
@@ -20,6 +22,65 @@ __all__ = ["format_validation_error", "load_spec", "parse_overrides"]
 
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".json", ".toml")
+MAX_SPEC_BYTES = 1 << 20
+"""A job spec is a page of settings; a bigger file is a wrong path (a log, a dataset, /dev/zero)."""
+MAX_DEPTH = 32
+"""Deepest nesting of sections, lists and mappings a spec may have (the schema needs 3)."""
+MAX_VALUES = 100_000
+"""Most values a spec may hold once YAML aliases are expanded: bounds an alias bomb before it expands."""
+
+
+class _Limits(ValueError):
+    """The document is nested too deep or holds too many values; the message says which."""
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that counts each node with its aliases expanded and bounds the nesting.
+
+    The count is taken while composing, before any Python object is built, so ``&a [*a, *a, ...]``
+    chains are refused at the limit instead of expanding in whatever walks the result later.
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._sizes: dict[int, int] = {}
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        alias = self.check_event(yaml.AliasEvent)
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise _Limits(f"nested deeper than {MAX_DEPTH} levels; a job spec needs 3 (section, field, value)")
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if alias:
+            if id(node) not in self._sizes:
+                raise _Limits("a YAML alias refers to its own anchor (a recursive structure)")
+            return node
+        children = node.value if isinstance(node, yaml.SequenceNode) else (
+            [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
+        size = 1 + sum(self._sizes[id(c)] for c in children)
+        if size > MAX_VALUES:
+            raise _Limits(f"more than {MAX_VALUES} values once YAML aliases (*name) are expanded; write the "
+                          "values out, a job spec is small")
+        self._sizes[id(node)] = size
+        return node
+
+
+# YAML 1.1 (PyYAML) reads 1e-4 as a string: a float needs a dot there. Specs are written the
+# YAML 1.2 / JSON way (lr: 3e-4), so numbers in exponent form without a dot are floats too.
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def _yaml_load(text: str) -> Any:
+    loader = _SpecLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 # --- loading -----------------------------------------------------------------
@@ -36,40 +97,89 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
         The validated spec.
 
     Raises:
-        SpecError: The file is missing or unreadable, or the spec is invalid.
+        SpecError: The file is missing or unreadable, the spec is invalid, or it does not fit
+            this machine (see ``environment.py``).
     """
     path = Path(path)
     raw = _read_file(path)
     for dotted, value in parse_overrides(overrides or []):
         _apply_override(raw, dotted, value)
     try:
-        return JobSpec.model_validate(raw, context={"base_dir": path.resolve().parent})
+        spec = JobSpec.model_validate(raw, context={"base_dir": path.resolve().parent})
     except ValidationError as exc:
         raise SpecError(format_validation_error(exc)) from None
+    problems = environment_problems(spec)
+    if problems:
+        raise SpecError([f"{where}: {what}" for where, what in problems])
+    return spec
 
 
 def _read_file(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise SpecError([f"{path}: spec file not found; pass the path of a .yaml, .json or .toml job spec"])
-    if path.is_dir():
-        raise SpecError([f"{path}: is a directory; pass a job spec file such as jobs/llama_debug_fsdp.yaml"])
-    if path.suffix not in SPEC_SUFFIXES:
-        raise SpecError([f"{path}: unknown spec format '{path.suffix}'; use one of {', '.join(SPEC_SUFFIXES)}"])
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
+    kind = path.suffix[1:].upper()
     try:
         if path.suffix == ".json":
             data = json.loads(text)
         elif path.suffix == ".toml":
             data = tomllib.loads(text)
         else:
-            data = yaml.safe_load(text)
+            data = _yaml_load(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise SpecError([f"{path}: not valid {path.suffix[1:].upper()}: {_one_line(exc)}"]) from None
+        raise SpecError([f"{path}: not valid {kind}: {_one_line(exc)}"]) from None
+    except _Limits as exc:
+        raise SpecError([f"{path}: {exc}"]) from None
+    except RecursionError:
+        raise SpecError([f"{path}: nested deeper than {MAX_DEPTH} levels; a job spec needs 3 "
+                         "(section, field, value)"]) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise SpecError([f"{path}: the top level must be a mapping of sections, got {type(data).__name__}"])
+    _check_values(data, "", path)
     return data
+
+
+def _read_text(path: Path) -> str:
+    """The file's text, after checking it is a small regular UTF-8 file (never blocks on a FIFO or device)."""
+    hint = "pass the path of a .yaml, .json or .toml job spec"
+    try:
+        st = path.stat()
+    except OSError as exc:
+        what = "spec file not found" if isinstance(exc, FileNotFoundError) else exc.strerror
+        raise SpecError([f"{path}: {what}; {hint}"]) from None
+    if path.is_dir():
+        raise SpecError([f"{path}: is a directory; pass a job spec file such as jobs/llama_debug_fsdp.yaml"])
+    if path.suffix not in SPEC_SUFFIXES:
+        raise SpecError([f"{path}: unknown spec format '{path.suffix}'; use one of {', '.join(SPEC_SUFFIXES)}"])
+    if not path.is_file():
+        raise SpecError([f"{path}: not a regular file (a device, FIFO or socket); {hint}"])
+    if st.st_size > MAX_SPEC_BYTES:
+        raise SpecError([f"{path}: {st.st_size} bytes, more than a job spec's {MAX_SPEC_BYTES}; {hint}"])
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise SpecError([f"{path}: cannot read it ({exc.strerror}); {hint}"]) from None
+    except UnicodeDecodeError as exc:
+        raise SpecError([f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                         "save the spec as UTF-8"]) from None
+
+
+def _check_values(value: Any, where: str, path: Path | str) -> None:
+    """Refuse non-finite floats anywhere (also inside model.overrides) and nesting past MAX_DEPTH.
+
+    Iterative, so that a deep JSON or TOML document is reported instead of exhausting the stack.
+    """
+    stack: list[tuple[Any, str, int]] = [(value, where, 0)]
+    while stack:
+        item, at, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise SpecError([f"{path}: {at or 'the spec'} is nested deeper than {MAX_DEPTH} levels; "
+                             "a job spec needs 3 (section, field, value)"])
+        if isinstance(item, float) and not math.isfinite(item):
+            raise SpecError([f"{at}={item}: must be a finite number (inf and nan are never valid settings); "
+                             "give a number"])
+        children = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
+        stack.extend((v, _join([at, str(k)]), depth + 1) for k, v in children)
 
 
 def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
@@ -80,9 +190,10 @@ def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
         if not sep or not dotted or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", dotted):
             raise SpecError([f"--set {item!r}: expected path.to.field=value, e.g. --set training.steps=20"])
         try:
-            value = yaml.safe_load(text) if text != "" else ""
-        except yaml.YAMLError as exc:
+            value = _yaml_load(text) if text != "" else ""
+        except (yaml.YAMLError, _Limits, RecursionError) as exc:
             raise SpecError([f"--set {item!r}: value is not valid YAML: {_one_line(exc)}"]) from None
+        _check_values(value, dotted, "--set")
         out.append((dotted, value))
     return out
 
@@ -129,6 +240,8 @@ def _format_one(loc: list[str], err: dict[str, Any]) -> str:
         return f"{path}: unknown field{_suggest(loc)}"
     if kind == "missing":
         return f"{path}: required field is missing"
+    if kind in _TYPE_HINTS:
+        return f"{path}={err.get('input')}: {_TYPE_HINTS[kind]} (got {type(err.get('input')).__name__})"
     msg = msg.removeprefix("Value error, ")
     if kind == "literal_error":
         msg = msg.replace("Input should be", "must be")
@@ -136,6 +249,15 @@ def _format_one(loc: list[str], err: dict[str, Any]) -> str:
     if isinstance(value, (dict, list)) or value is None:
         return f"{path}: {msg}"
     return f"{path}={value}: {msg}"
+
+
+_TYPE_HINTS = {
+    "int_type": "must be a whole number such as 10, without quotes, a decimal point or true/false",
+    "float_type": "must be a number such as 0.5, without quotes or true/false",
+    "bool_type": "must be true or false",
+    "string_type": "must be text; quote it",
+    "finite_number": "must be a finite number (inf and nan are never valid settings); give a number",
+}
 
 
 def _suggest(loc: list[str]) -> str:

@@ -11,11 +11,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES
 from raytrain_ckpt.models import PRESETS, describe_model, resolve_factory
 
 __all__ = [
     "CheckpointSpec",
     "DataSpec",
+    "EvalSpec",
     "FaultToleranceSpec",
     "FieldProblems",
     "FinalExportSpec",
@@ -46,7 +48,10 @@ class FieldProblems(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+    # strict: `steps: true` or `steps: 1.5` is a mistake, not 1; allow_inf_nan: `.inf` is never a setting.
+    # Paths and the betas pair opt out of strictness per field (a str is a fine path, a list a fine pair).
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True, strict=True,
+                              allow_inf_nan=False)
 
 
 class ModelSpec(_Section):
@@ -73,32 +78,114 @@ class ModelSpec(_Section):
         return self
 
 
+_BUILTIN_SOURCES = ("synthetic", "text", "tokens")
+
+
+def _resolve_existing(value: Path | None, info: ValidationInfo, what: str) -> Path | None:
+    """Resolve a relative path against the spec file's directory; it must exist."""
+    if value is None:
+        return None
+    base = (info.context or {}).get("base_dir")
+    path = value.expanduser()
+    if not path.is_absolute() and base is not None:
+        path = Path(base) / path
+    if not path.exists():
+        raise ValueError(f"{value} does not exist (resolved to {path}); point it at {what}")
+    return path.resolve()
+
+
+def _check_import_path(value: str, kind: str) -> str | None:
+    """None when ``value`` names an importable callable, else why not."""
+    try:
+        resolve_factory(value, kind)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 class DataSpec(_Section):
-    source: Literal["synthetic", "text"] = "synthetic"
-    """synthetic: a seeded, learnable token stream; text: byte-level tokens (vocab 256) from text files."""
-    path: Path | None = None
-    """File or directory of text (source=text only); a relative path is resolved against the spec file's directory."""
+    source: str = "synthetic"
+    """synthetic: a seeded, learnable token stream; text: byte-level tokens (vocab 256) from text files; tokens: pre-tokenized shards (.bin flat arrays of data.dtype, or .npy), memory-mapped; or a factory 'package.module:function' returning a map-style dataset of token-id sequences."""
+    path: Path | None = Field(None, strict=False)
+    """File or directory of text (source=text) or of token shards (source=tokens); a relative path is resolved against the spec file's directory."""
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    """Token type of .bin shards (source=tokens); .npy shards carry their own."""
+    bos_id: int | None = Field(None, ge=0)
+    """Token id put before every sample (its window is then seq_len tokens of the data); null: none."""
+    eval_path: Path | None = Field(None, strict=False)
+    """Held-out token shards for evaluation (source=tokens), read like path; null: see eval_fraction."""
+    eval_fraction: float | None = Field(None, gt=0, lt=1)
+    """Carve this fraction of the samples (the last windows of the corpus, or the last dataset items) off as the held-out split; training never sees them."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of a data.source factory."""
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, value: str) -> str:
+        if value in _BUILTIN_SOURCES:
+            return value
+        if ":" not in value:
+            raise ValueError(f"must be {', '.join(_BUILTIN_SOURCES)} or a dataset factory 'package.module:function'")
+        why = _check_import_path(value, "data.source factory")
+        if why:
+            raise ValueError(why)
+        return value
 
     @field_validator("path")
     @classmethod
     def _resolve_path(cls, value: Path | None, info: ValidationInfo) -> Path | None:
-        if value is None:
-            return None
-        base = (info.context or {}).get("base_dir")
-        path = value.expanduser()
-        if not path.is_absolute() and base is not None:
-            path = Path(base) / path
-        if not path.exists():
-            raise ValueError(f"{value} does not exist (resolved to {path}); point it at a text file or directory")
-        return path.resolve()
+        path = _resolve_existing(value, info, "a text file, a token shard or a directory of them")
+        problem = _text_path_problem(path) if path is not None and info.data.get("source") == "text" else None
+        if problem:
+            raise ValueError(f"{problem}; point it at a text file or a directory of them")
+        return path
+
+    @field_validator("eval_path")
+    @classmethod
+    def _resolve_eval_path(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        return _resolve_existing(value, info, "a token shard or a directory of shards")
 
     @model_validator(mode="after")
     def _path_matches_source(self) -> DataSpec:
-        if self.source == "text" and self.path is None:
-            raise FieldProblems([("path", "required when source=text; set it to a text file or directory")])
-        if self.source == "synthetic" and self.path is not None:
-            raise FieldProblems([("path", "only used with source=text; remove it or set data.source=text")])
+        problems = _data_problems(self)
+        if problems:
+            raise FieldProblems(problems)
         return self
+
+    @property
+    def is_factory(self) -> bool:
+        """source names a user dataset factory."""
+        return self.source not in _BUILTIN_SOURCES
+
+
+def _data_problems(d: DataSpec) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    if d.is_factory:
+        if d.path is not None or d.eval_path is not None:
+            out.append(("path", "a data.source factory reads its own data; remove path/eval_path"))
+        return out
+    if d.source in ("text", "tokens") and d.path is None:
+        out.append(("path", f"required when source={d.source}; set it to a file or directory"))
+    if d.source == "synthetic" and d.path is not None:
+        out.append(("path", "only used with source=text or tokens; remove it or set data.source"))
+    if d.eval_path is not None and d.source != "tokens":
+        out.append(("eval_path", "only used with source=tokens; use eval_fraction to hold out part of the data"))
+    if d.eval_path is not None and d.eval_fraction is not None:
+        out.append(("eval_fraction", "set either eval_path or eval_fraction, not both"))
+    if d.source in ("synthetic", "text") and d.eval_fraction is not None:
+        out.append(("eval_fraction", f"not supported with source={d.source}; use source=tokens or a factory"))
+    if d.kwargs:
+        out.append(("kwargs", "only used with a data.source factory; remove it"))
+    if d.bos_id is not None and d.source != "tokens":
+        out.append(("bos_id", f"not used with source={d.source}; use source=tokens or a factory, or remove it"))
+    return out
+
+
+class EvalSpec(_Section):
+    every_steps: int = Field(..., ge=1)
+    """Compute the validation loss after every this many steps (and after the last one)."""
+    batches: int = Field(4, ge=1)
+    """Held-out global batches (training.global_batch_size samples each) per evaluation: the same samples every time, on every layout."""
 
 
 class ParallelismSpec(_Section):
@@ -128,16 +215,34 @@ class ParallelismSpec(_Section):
 
 
 class OptimizerSpec(_Section):
-    name: Literal["adamw"] = "adamw"
-    """Optimizer. AdamW (torch.optim.AdamW)."""
+    name: str = "adamw"
+    """adamw (torch.optim.AdamW), sgd (torch.optim.SGD), or a factory 'package.module:function' called as f(params, lr=lr, **kwargs) that returns a torch.optim.Optimizer."""
     lr: float = Field(3e-4, gt=0)
     """Peak learning rate, reached at the end of warmup."""
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = Field((0.9, 0.95), strict=False)
     """AdamW (beta1, beta2), each in [0, 1)."""
     eps: float = Field(1e-8, gt=0)
     """AdamW epsilon."""
     weight_decay: float = Field(0.1, ge=0)
-    """Decoupled weight decay."""
+    """Decoupled weight decay (adamw), L2 penalty (sgd)."""
+    momentum: float = Field(0.9, ge=0, lt=1)
+    """SGD momentum (sgd only)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of an optimizer factory (besides lr)."""
+
+    @model_validator(mode="after")
+    def _known_optimizer(self) -> OptimizerSpec:
+        if self.name in ("adamw", "sgd"):
+            if self.kwargs:
+                raise FieldProblems([("kwargs", "only used with an optimizer factory; remove it")])
+            return self
+        if ":" not in self.name:
+            raise FieldProblems([("name", f"'{self.name}' is neither adamw, sgd nor a factory path "
+                                          "'package.module:function'")])
+        why = _check_import_path(self.name, "optimizer factory")
+        if why:
+            raise FieldProblems([("name", why)])
+        return self
 
     @field_validator("betas")
     @classmethod
@@ -165,7 +270,7 @@ class TrainingSpec(_Section):
     """Samples per forward/backward on one rank; gradient accumulation makes up the rest."""
     seq_len: int = Field(128, ge=2)
     """Tokens per sample."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, lt=2**63)
     """Seed for model init, data order and dropout-free training; same seed and world size give bit-identical runs on CPU."""
     grad_clip: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm to this value; null turns clipping off."""
@@ -173,6 +278,20 @@ class TrainingSpec(_Section):
     """FSDP2 parameter dtype for compute: auto = bf16 on GPU, fp32 on CPU. Gradients are reduced in fp32."""
     log_every_steps: int = Field(10, ge=1)
     """Rank 0 logs step, loss, tokens/s and step time every this many steps (and the last step)."""
+    loss: str = "cross_entropy"
+    """cross_entropy (next-token, fp32), or a function 'package.module:fn' called as fn(logits [B, T, V], targets [B, T]) that returns a scalar tensor."""
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_importable(cls, value: str) -> str:
+        if value == "cross_entropy":
+            return value
+        if ":" not in value:
+            raise ValueError(f"'{value}' is neither cross_entropy nor a function path 'package.module:fn'")
+        why = _check_import_path(value, "loss function")
+        if why:
+            raise ValueError(why)
+        return value
 
 
 class ResourcesSpec(_Section):
@@ -214,14 +333,14 @@ class FinalExportSpec(_Section):
     """hf: Hugging Face safetensors shards + index + config.json (built-in Llama only); torch: one torch.save file of the weights."""
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     """What the exported weights are cast to."""
-    dir: Path | None = None
+    dir: Path | None = Field(None, strict=False)
     """Output directory (must not exist or be empty); null: <checkpoint.dir>/<name>/export-step-<N>."""
 
 
 class CheckpointSpec(_Section):
     enabled: bool = False
     """Save checkpoints (and resume from them). false: no checkpoint is written or loaded."""
-    dir: Path = Path("checkpoints")
+    dir: Path = Field(Path("checkpoints"), strict=False)
     """Root directory; this job's steps go to <dir>/<name>/step-<N>/. A relative path is resolved against the working directory."""
     mode: Literal["async", "sync"] = "async"
     """async: stage into shared memory, write in the background, training goes on; sync: training waits for the commit."""
@@ -233,14 +352,16 @@ class CheckpointSpec(_Section):
     """Keep the newest k committed steps (plus keep_every_n_steps); null keeps every step."""
     keep_every_n_steps: int | None = Field(None, ge=1)
     """Also keep every step divisible by this (long-term snapshots); null: none."""
+    keep_best_k: int | None = Field(None, ge=1)
+    """Also keep the k committed steps with the lowest eval loss (needs the eval section; a step is saved with its eval loss when both fall on it); null: none."""
     resume: str = "latest"
     """latest: the newest valid step under dir (a fresh start when there is none); none: start fresh; a step number; or a path to a step directory."""
     save_final: bool = True
     """Save (and wait for the commit of) the last step when training ends."""
     on_busy: Literal["wait", "skip"] = "wait"
     """A save due while the previous one is still writing: wait for it (training stalls), or skip this save (logged)."""
-    verify_on_load: Literal["size", "checksum"] = "size"
-    """Before loading: check file sizes against the manifest, or also their CRC-32 (reads every file)."""
+    verify_on_load: Literal["size", "checksum"] = "checksum"
+    """Before loading: check every file's size and checksum against the manifest (reads every file, CRC-32C at several GB/s), or sizes only (a flipped bit is then loaded)."""
     commit_timeout_s: float = Field(600.0, gt=0)
     """How long a synchronous or final save waits for its commit before the job fails."""
     settle_timeout_s: float = Field(60.0, gt=0)
@@ -267,7 +388,7 @@ class CheckpointSpec(_Section):
     @field_validator("resume")
     @classmethod
     def _resume_value(cls, value: str, info: ValidationInfo) -> str:
-        if value in ("latest", "none") or value.isdigit():
+        if value in ("latest", "none") or is_ascii_digits(value):
             return value
         path = Path(value).expanduser()
         base = (info.context or {}).get("base_dir")
@@ -302,6 +423,22 @@ class FaultToleranceSpec(_Section):
     """Idle worker processes (torch already imported, no Ray resources held) kept ready to replace a crashed rank on their node; CPU jobs with max_restarts > 0 and reuse_workers only. 0: start replacements on demand."""
     drain_timeout_s: float = Field(5.0, gt=0)
     """With reuse_workers: how long surviving ranks get to leave the failed step and release their process group before they are killed and replaced instead."""
+
+
+def is_ascii_digits(text: str) -> bool:
+    """``"40"`` but not ``"\u00b2"``: str.isdigit alone accepts Unicode digits that int() rejects."""
+    return text.isascii() and text.isdigit()
+
+
+def _text_path_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be the text corpus (a device, a FIFO, a directory without text files), or None."""
+    if path.is_file():
+        return None
+    if not path.is_dir():
+        return f"{path} is not a regular file or a directory (a device, FIFO or socket)"
+    if not any(p.is_file() and p.suffix.lower() in TEXT_SUFFIXES for p in path.rglob("*")):
+        return f"directory {path} has no text files (suffixes {', '.join(sorted(TEXT_SUFFIXES))})"
+    return None
 
 
 def _check_pipeline_fields(par: ParallelismSpec) -> ParallelismSpec:

@@ -47,7 +47,7 @@ def main(ckpt_dir: str) -> None:
     job.join(timeout=400)
     r = box["result"]
     print(json.dumps({
-        "state": r.state.value, "attempts": r.attempts, "error": r.error, "failures": r.failures,
+        "state": r.state.value, "attempts": r.attempts, "error": r.error, "failures": [str(f) for f in r.failures],
         "world_sizes": [len(r.results)], "start_steps": [x.start_step for x in r.results],
         "losses": {str(k): v for k, v in r.losses.items()}, "committed": (r.checkpoints or {}).get("committed"),
         "committed_before_loss": removed_at_committed,

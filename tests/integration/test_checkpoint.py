@@ -127,7 +127,7 @@ def test_corrupt_latest_step_is_skipped_on_resume(ray_cluster, tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the checksum catches it
     shard.write_bytes(bytes(data))
-    result = _ok(run_job(_spec(tmp_path, "training.steps=12", "checkpoint.verify_on_load=checksum")))
+    result = _ok(run_job(_spec(tmp_path, "training.steps=12")))  # checksum verification is the default
     assert all(r.start_step == 5 for r in result.results)
     # the corrupt step was moved aside when step 10 was saved again, never loaded or deleted
     assert any(p.name.startswith("step-00000010.invalid-") for p in step10.parent.iterdir())
@@ -195,3 +195,45 @@ def test_save_due_while_the_previous_is_writing(ray_cluster, tmp_path, monkeypat
         assert 8 in committed and len(committed) == 8 - skipped[0], (skipped, result.checkpoints)
     else:
         assert skipped == [0, 0] and committed == list(range(1, 9))
+
+
+@pytest.mark.parametrize(("faults", "extra", "why"), [
+    # the save of the last step fails: the job fails, the earlier step stays
+    ("raise@persist:rank=0,step=10", ["checkpoint.interval_steps=5"], "the final checkpoint (step 10) did not commit"),
+    # the last step is not due, but no save of the run committed
+    ("raise@persist:rank=0,step=4;raise@persist:rank=1,step=8",
+     ["checkpoint.interval_steps=4", "checkpoint.save_final=false"], "no checkpoint of this run committed"),
+])
+def test_a_run_whose_saves_did_not_commit_fails(ray_cluster, tmp_path, monkeypatch, faults, extra, why):
+    monkeypatch.setenv(ENV_VAR, faults)
+    result = run_job(_spec(tmp_path, "training.steps=10", *extra))
+    assert result.state is JobState.FAILED, result.checkpoints
+    assert why in (result.error or "") and why in result.checkpoints["save_error"]
+    assert any(str(f).startswith("attempt 0 checkpoint: ") for f in result.failures), result.failures
+    assert all(r.steps == 10 for r in result.results)     # training itself finished
+
+
+def test_resuming_an_older_step_starts_a_new_timeline(reference, tmp_path, monkeypatch):
+    root = tmp_path / "llama-debug-fsdp"
+    keep2 = "checkpoint.keep_latest_k=2"
+    # the reference's step 5 (a 20-step run that dies after it) ...
+    monkeypatch.setenv(ENV_VAR, "exit@step:rank=0,step=6")
+    assert run_job(_spec(tmp_path, "training.steps=20", keep2)).state is JobState.FAILED
+    # ... and an abandoned run from it on other data, so that its step 10 differs from the reference's
+    monkeypatch.setenv(ENV_VAR, "exit@step:rank=0,step=11")
+    assert run_job(_spec(tmp_path, "training.steps=20", keep2, "training.seed=1")).state is JobState.FAILED
+    assert sorted(CheckpointLayout(root).step_dirs()) == [5, 10]
+    monkeypatch.setenv(ENV_VAR, "exit@step:rank=1,step=12")
+    result = _ok(run_job(_spec(tmp_path, "training.steps=20", keep2, "checkpoint.resume=5",
+                               "fault_tolerance.max_restarts=1")))
+    # the restart resumed from the new run's step 10, not the abandoned one: bit-exact with the reference
+    assert all(r.start_step == 10 for r in result.results)
+    assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference.results]
+    assert result.losses == {s: v for s, v in reference.losses.items() if s > 10}
+    assert result.checkpoints["committed"] == [15, 20] and result.checkpoints["failed"] == {}
+    # the abandoned step 10 is kept aside, intact, never deleted
+    aside = [p for p in root.iterdir() if p.name.startswith("step-00000010.abandoned-")]
+    assert len(aside) == 1
+    manifest = CheckpointLayout(root).read_manifest(aside[0])
+    assert manifest.step == 10 and all((aside[0] / name).stat().st_size == f.size
+                                       for name, f in manifest.files.items())

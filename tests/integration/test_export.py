@@ -179,8 +179,9 @@ def _wait(cond, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("damage", ["missing", "no_manifest", "truncated", "corrupt_metadata", "not_pt"])
-def test_cli_rejects_bad_checkpoints_with_one_line(trained, tmp_path, capsys, damage):
+@pytest.mark.parametrize("damage", ["missing", "no_manifest", "truncated", "flipped_shard", "corrupt_metadata",
+                                    "not_pt"])
+def test_cli_rejects_bad_checkpoints_with_one_line(trained, tmp_path, cli_stderr, damage):
     import shutil
 
     _, step, _ = trained
@@ -194,6 +195,11 @@ def test_cli_rejects_bad_checkpoints_with_one_line(trained, tmp_path, capsys, da
     elif damage == "truncated":
         shard = next(bad.glob("*.distcp"))
         shard.write_bytes(shard.read_bytes()[:100])
+    elif damage == "flipped_shard":
+        shard = next(bad.glob("*.distcp"))
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01               # same size: only the checksum finds it
+        shard.write_bytes(bytes(data))
     elif damage == "corrupt_metadata":
         meta = bad / ".metadata"
         meta.write_bytes(b"\0" * meta.stat().st_size)   # same size: only reading it finds out
@@ -201,6 +207,6 @@ def test_cli_rejects_bad_checkpoints_with_one_line(trained, tmp_path, capsys, da
         (tmp_path / "x.pt").write_text("not a checkpoint")
         args = ["import", str(tmp_path / "x.pt"), "--to", str(tmp_path / "imp")]
     assert main(args) == 2
-    err = capsys.readouterr().err
+    err = cli_stderr()
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob("o.tmp-*"))

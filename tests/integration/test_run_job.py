@@ -78,6 +78,8 @@ def test_spent_budget_fails_with_a_summary_of_every_failure(ray_cluster, monkeyp
     result = run_job(_spec("fault_tolerance.max_restarts=1"))
     assert result.state is JobState.FAILED and result.attempts == 2
     assert len(result.failures) == 2
-    assert result.failures[0].startswith("attempt 0 crash: rank 1 (attempt 0): worker process died")
-    assert result.failures[1].startswith("attempt 1 exception: rank 0 (attempt 1) failed")
-    assert "InjectedFault" in result.failures[1]
+    crash, exc = result.failures
+    assert (crash.attempt, crash.kind, crash.rank) == (0, "crash", 1)
+    assert crash.headline.startswith("worker process died")
+    assert (exc.attempt, exc.kind, exc.rank) == (1, "exception", 0)
+    assert "InjectedFault" in exc.headline and "Traceback" in exc.detail

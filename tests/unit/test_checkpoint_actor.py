@@ -1,22 +1,93 @@
-"""The CheckpointActor's bookkeeping, driven directly (no Ray): leases, rebuild from storage,
-settling in-flight steps; and shared-memory staging round trips."""
+"""The CheckpointActor's bookkeeping, driven directly (no Ray): real saves through plan and
+report, retention after a step was deleted by hand, the timeline a run starts, leases, rebuild
+from storage, settling in-flight steps; and shared-memory staging round trips."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from raytrain_ckpt.checkpoint.actor import CheckpointActor, StepAborted
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint
+from raytrain_ckpt.checkpoint.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.staging import SharedMemoryStaging, allocate_buffer, map_buffer, plan_slots, slot_views
 from tests.unit.test_checkpoint_layout import _commit
 
 
 def _actor(root: Path, k: int | None = 1) -> CheckpointActor:
-    return CheckpointActor(str(root), world_size=2, spec_hash="h", dp_size=2, keep_latest_k=k, keep_every_n_steps=None)
+    actor = CheckpointActor(str(root), RetentionPolicy(k))
+    asyncio.run(actor.configure(world_size=2, dp_size=2, spec_hash="h"))
+    return actor
+
+
+async def _save(actor: CheckpointActor, step: int, attempt: int = 0) -> str:
+    """One real save of a single-rank group: plan with the actor, write DCP files, report."""
+    state = {"w": torch.arange(64.0) + step, "step": step}
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    central, plan_id = await actor.plan(attempt, step, 0, planner.create_local_plan(), timeout_s=5)
+    plan = planner.finish_plan(central)
+    tmp = Path(await actor.accepted(step, 0, attempt))
+    writer = FileSystemWriter(tmp, sync_files=False)
+    writer.set_up_storage_writer(False, rank=0)
+    results = writer.write_data(plan, planner).wait()
+    files = {p.name: {"size": p.stat().st_size, "crc32": zlib.crc32(p.read_bytes())} for p in tmp.iterdir()}
+    return await actor.report(step, 0, attempt, plan_id, results, files, {"stage_s": 0.0, "persist_s": 0.0})
+
+
+def _single_rank_actor(root: Path, k: int | None) -> CheckpointActor:
+    actor = CheckpointActor(str(root), RetentionPolicy(k))
+    asyncio.run(actor.configure(world_size=1, dp_size=1, spec_hash="h"))
+    return actor
+
+
+def test_a_step_removed_by_hand_is_dropped_and_retention_converges(tmp_path: Path, caplog) -> None:
+    actor = _single_rank_actor(tmp_path, k=2)
+    layout = CheckpointLayout(tmp_path)
+
+    async def scenario() -> list[str]:
+        outcomes = [await _save(actor, 1), await _save(actor, 2)]
+        shutil.rmtree(layout.step_dir(1))                   # an operator frees space by hand
+        for step in (3, 4, 5):
+            outcomes.append(await _save(actor, step))
+        return outcomes
+
+    assert asyncio.run(scenario()) == ["committed"] * 5
+    assert "step 1 vanished" in caplog.text
+    status = asyncio.run(actor.status())
+    assert status["committed"] == [4, 5] and status["failed"] == {} and status["purge_errors"] == 0
+    assert sorted(layout.valid_steps("checksum")) == [4, 5]   # the disk follows the policy again
+
+
+@pytest.mark.parametrize(("resume", "kept", "aside"), [
+    ("40", [20, 40], [60, 80]),        # an older step of this root: the newer ones leave the timeline
+    ("latest", [20, 40, 60, 80], []),
+    ("none", [], [20, 40, 60, 80]),    # a fresh start is a new timeline too
+    ("other", [], [20, 40, 60, 80]),   # another root's step: nothing of this root is on its timeline
+])
+def test_begin_moves_steps_off_the_new_timeline_aside(tmp_path: Path, caplog, resume, kept, aside) -> None:
+    root, other = tmp_path / "job", tmp_path / "other"
+    layout = CheckpointLayout(root)
+    for step in (20, 40, 60, 80):
+        _commit(layout, step)
+    if resume == "other":
+        resume = str(_commit(CheckpointLayout(other), 50))
+    actor = _actor(root, k=1)
+    asyncio.run(actor.begin("attempt-0", resume, "checksum"))
+    assert sorted(actor.committed) == kept
+    moved = sorted(p.name for p in root.iterdir() if ".abandoned-" in p.name)
+    assert [int(n[5:13]) for n in moved] == aside
+    assert all(layout.read_manifest(root / n).step == int(n[5:13]) for n in moved)   # kept intact
+    assert all(n in caplog.text for n in moved)
+    # a restarted actor rebuilds the same timeline from storage; the steps aside are never loaded
+    assert sorted(_actor(root, k=1).committed) == kept
 
 
 def test_restarted_actor_rebuilds_its_state_from_storage(tmp_path: Path) -> None:

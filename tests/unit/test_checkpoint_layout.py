@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint.metadata import Metadata
 
-from raytrain_ckpt.checkpoint.layout import MANIFEST, CheckpointLayout, InvalidCheckpoint, Manifest, file_crc32
+from raytrain_ckpt.checkpoint.layout import MANIFEST, CheckpointLayout, InvalidCheckpoint, Manifest, describe_file
 from raytrain_ckpt.checkpoint.retention import RetentionPolicy
+
+METADATA = pickle.dumps(Metadata(state_dict_metadata={}))
+"""A real (empty) DCP ``.metadata``: verification unpickles it with the restricted unpickler."""
 
 
 def _commit(layout: CheckpointLayout, step: int, payload: bytes = b"x" * 1000) -> Path:
     tmp = layout.new_tmp_dir(step)
     files = {}
-    for name, data in (("__0_0.distcp", payload), (".metadata", b"meta")):
+    for name, data in (("__0_0.distcp", payload), (".metadata", METADATA)):
         (tmp / name).write_bytes(data)
-        files[name] = {"size": len(data), "crc32": file_crc32(tmp / name)}
+        files[name] = describe_file(tmp / name)
     return layout.commit(tmp, Manifest(step=step, world_size=2, dp_size=2, spec_hash="h", files=files))
 
 

@@ -14,8 +14,8 @@ from raytrain_ckpt.controller import (
     JobState,
     elastic_world_size,
 )
+from raytrain_ckpt.events import Failure, WorkerResult
 from raytrain_ckpt.spec import JobSpec
-from raytrain_ckpt.worker import WorkerResult
 
 
 class FakeWorkerGroup:
@@ -25,7 +25,8 @@ class FakeWorkerGroup:
 
     def __init__(self, spec: JobSpec, attempt: int, start_error: str | None = None) -> None:
         self.spec, self.attempt, self.start_error = spec, attempt, start_error
-        self.step, self.failures, self.done, self.shut, self.died = 0, [], False, 0, False
+        self.step, self.done, self.shut = 0, False, 0
+        self.failures: list[Failure] = []
         self.kept_warm: list[bool] = []
         FakeWorkerGroup.created.append(self)
 
@@ -35,19 +36,18 @@ class FakeWorkerGroup:
 
     def poll(self) -> GroupPoll:
         results = [WorkerResult(r, self.step, 0, {self.step: 1.0}, "x") for r in range(2)] if self.done else []
-        return GroupPoll(results=results, failures=list(self.failures), min_step=self.step, finished=self.done,
-                         process_died=self.died)
+        return GroupPoll(results=results, failures=list(self.failures), min_step=self.step, finished=self.done)
 
     def shutdown(self, keep_warm: bool = False) -> None:
         self.shut += 1
         self.kept_warm.append(keep_warm)
 
     def fail(self, rank: int) -> None:
-        self.failures.append(f"rank {rank} failed: boom")
+        self.failures.append(Failure(self.attempt, "exception", rank, "RuntimeError: boom",
+                                     f"rank {rank} failed:\nTraceback (most recent call last):\nRuntimeError: boom"))
 
     def kill(self, rank: int) -> None:
-        self.failures.append(f"rank {rank}: worker process died")
-        self.died = True
+        self.failures.insert(0, Failure(self.attempt, "crash", rank, "worker process died"))
 
     def advance(self, steps: int = 1) -> None:
         self.step += steps
@@ -99,6 +99,18 @@ def test_start_run_succeed(make):
     ctl.step()
     assert ctl.state is JobState.SUCCEEDED and ctl.state.is_terminal
     assert [r.steps for r in ctl.result.results] == [3, 3]
+
+
+def test_a_finished_job_whose_final_checkpoint_did_not_commit_is_rejected(make):
+    ctl, _ = make()
+    ctl.step()
+    FakeWorkerGroup.created[0].finish()
+    ctl.step()
+    assert ctl.state is JobState.SUCCEEDED
+    ctl.reject("checkpoint", "the final checkpoint (step 3) did not commit: disk full")
+    assert ctl.state is JobState.FAILED and ctl.result.state is JobState.FAILED
+    assert ctl.result.error == "the final checkpoint (step 3) did not commit: disk full"
+    assert [str(f) for f in ctl.result.failures] == ["attempt 0 checkpoint: the final checkpoint (step 3) did not commit: disk full"]
 
 
 def test_worker_failure_without_budget_fails_with_rank_in_error(make):
@@ -208,7 +220,9 @@ def test_failure_window_forgives_old_failures_and_backoff_waits(make):
     _crash_now(ctl)                              # two inside the window: the budget of 1 is spent
     assert ctl.state is JobState.FAILED
     assert len(ctl.result.failures) == 3
-    assert all(line.startswith(f"attempt {i} exception: rank 1 failed") for i, line in enumerate(ctl.result.failures))
+    assert [(f.attempt, f.kind, f.rank, f.headline) for f in ctl.result.failures] == \
+        [(i, "exception", 1, "RuntimeError: boom") for i in range(3)]
+    assert str(ctl.result.failures[0]) == "attempt 0 exception: rank 1: RuntimeError: boom"
 
 
 def test_without_window_two_crashes_spend_a_budget_of_one(make):
@@ -222,7 +236,7 @@ def test_without_window_two_crashes_spend_a_budget_of_one(make):
     ctl.group.kill(0)
     ctl.step()
     assert ctl.state is JobState.FAILED
-    assert [f.split(":")[0] for f in ctl.result.failures] == ["attempt 0 crash", "attempt 1 crash"]
+    assert [(f.attempt, f.kind, f.rank) for f in ctl.result.failures] == [(0, "crash", 1), (1, "crash", 0)]
 
 
 @pytest.mark.parametrize(
@@ -271,7 +285,7 @@ def test_exception_not_in_retry_on_fails_at_once(make):
     ctl, _ = make(max_restarts=3, retry_on=["crash"])
     ctl.step()
     _crash_now(ctl)                              # the fake group reports an exception, not a dead process
-    assert ctl.state is JobState.FAILED and ctl.result.failures[0].startswith("attempt 0 exception")
+    assert ctl.state is JobState.FAILED and ctl.result.failures[0].kind == "exception"
 
 
 @pytest.mark.parametrize(("kind", "reuse", "expected"), [

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import time
 from pathlib import Path
 
 import pytest
@@ -18,14 +16,17 @@ from raytrain_ckpt.checkpoint.export import export_checkpoint, parse_size
 from raytrain_ckpt.checkpoint.formats import ConversionError, hf_name, our_name, plan_shards, safetensors_header
 from raytrain_ckpt.checkpoint.importer import import_checkpoint
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint
-from raytrain_ckpt.checkpoint.leases import LEASE_TTL_S, FileLease, file_leased_steps
+from raytrain_ckpt.checkpoint.leases import LEASE_TTL_S, FileLease, LeaseFiles, file_leased_steps
+from raytrain_ckpt.checkpoint.retention import RetentionPolicy
 from raytrain_ckpt.models import build_model, describe_model
 from raytrain_ckpt.spec import SpecError, load_spec
 from tests.unit.test_checkpoint_layout import _commit
 
 
 def _actor(root: Path) -> CheckpointActor:
-    return CheckpointActor(str(root), world_size=2, spec_hash="h", dp_size=2, keep_latest_k=1, keep_every_n_steps=None)
+    actor = CheckpointActor(str(root), RetentionPolicy(1))
+    asyncio.run(actor.configure(world_size=2, dp_size=2, spec_hash="h"))
+    return actor
 
 
 def test_file_lease_keeps_a_step_from_retention_until_released(tmp_path: Path) -> None:
@@ -46,11 +47,14 @@ def test_file_lease_keeps_a_step_from_retention_until_released(tmp_path: Path) -
 def test_a_stale_lease_protects_nothing(tmp_path: Path) -> None:
     layout = CheckpointLayout(tmp_path)
     _commit(layout, 1)
-    with FileLease(tmp_path, 1, heartbeat_s=3600) as lease:
-        old = time.time() - LEASE_TTL_S - 1
-        os.utime(lease.path, (old, old))                     # a holder that died without releasing
-        assert file_leased_steps(tmp_path, now=old + LEASE_TTL_S - 1) == {1}
-        assert file_leased_steps(tmp_path) == set()
+    clock = [0.0]
+    reader = LeaseFiles(tmp_path, clock=lambda: clock[0])   # the actor's own clock
+    with FileLease(tmp_path, 1, heartbeat_s=3600) as lease:  # a holder that stopped beating
+        assert reader.leased_steps() == {1}
+        clock[0] += LEASE_TTL_S - 1
+        assert reader.leased_steps() == {1}
+        clock[0] += 2
+        assert reader.leased_steps() == set()
         assert not lease.path.exists()                       # and its file is cleaned up
 
 

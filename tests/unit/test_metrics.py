@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from raytrain_ckpt.cli import main
-from raytrain_ckpt.inspect import summary_line
-from raytrain_ckpt.metrics import METRICS, PHASES, exported_names, failure_cause, inflight_phase
+from raytrain_ckpt.checkpoint.summary import summary_line
+from raytrain_ckpt.metrics import METRICS, PHASES, exported_names, inflight_phase
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "grafana_dashboard.json"
 _NAME = re.compile(r"\bray_[a-z0-9_]+")
@@ -66,14 +66,12 @@ def test_inflight_phase(planning, handed_off, written, phase):
     assert phase in PHASES
 
 
-def test_summary_line_and_failure_cause():
+def test_summary_line():
     status = {"latest": 120, "world_size": 4, "inflight": {"step": 130, "phase": "writing",
                                                           "ranks": {0: 2, 1: 2, 2: 2, 3: 1}}}
     assert summary_line(status) == "committed=120 inflight=130 writing 3/4 ranks"
     assert summary_line({**status, "latest": None, "inflight": {"step": None, "phase": "idle", "ranks": {}}}) == \
         "committed=- inflight=-"
-    assert failure_cause("attempt 2 hang: no step finished for 600s") == "hang"
-    assert failure_cause("garbled") == "unknown"
 
 
 def test_inspect_commands_reject_bad_paths(tmp_path, capsys):
@@ -134,3 +132,9 @@ def test_controller_observer_counts_failures_and_restarts_by_cause(monkeypatch):
     assert values("job_state", state="RECOVERING")[-1] == 1 and values("job_state", state="RUNNING")[-1] == 0
     at_risk = values("work_at_risk_steps")
     assert at_risk[0] == 3 and at_risk[-1] == 0  # without checkpoints a restart starts over
+
+
+def test_the_packaged_dashboard_is_the_one_in_cluster():
+    from raytrain_ckpt.dashboard import packaged_dashboard
+
+    assert packaged_dashboard().read_bytes() == DASHBOARD.read_bytes()

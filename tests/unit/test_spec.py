@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,7 +95,7 @@ BAD = [
     ("bad_factory_attr", {"model": {"name": "tests.user_models:nope"}}, "model.name: model factory 'tests.user_models:nope': module"),
     ("missing_text_file", {"data": {"source": "text", "path": "nowhere.txt"}}, "data.path=nowhere.txt: nowhere.txt does not exist"),
     ("text_without_path", {"data": {"source": "text"}}, "data.path: required when source=text"),
-    ("bad_source", {"data": {"source": "parquet"}}, "data.source=parquet: must be 'synthetic' or 'text'"),
+    ("bad_source", {"data": {"source": "parquet"}}, "data.source=parquet: must be synthetic, text, tokens or a dataset factory"),
     ("missing_name", {"name": None}, "name:"),
     ("bad_name", {"name": "my job!"}, "name=my job!: String should match pattern"),
     ("bad_precision", {"training": {"mixed_precision": "fp8"}}, "training.mixed_precision=fp8: must be 'auto', 'bf16' or 'fp32'"),
@@ -108,17 +109,148 @@ BAD = [
     ("checkpoint_keep_zero", {"checkpoint": {"keep_latest_k": 0}}, "checkpoint.keep_latest_k=0: "),
     ("zero_workers", {"resources": {"num_workers": 0}}, "resources.num_workers=0:"),
     ("hang_timeout_zero", {"fault_tolerance": {"hang_timeout_s": 0}}, "fault_tolerance.hang_timeout_s=0:"),
+    # strict types: a bool or a float is never an int
+    ("steps_bool", {"training": {"steps": True}}, "training.steps=True: must be a whole number"),
+    ("steps_float", {"training": {"steps": 1e40}}, "training.steps=1e+40: must be a whole number"),
+    ("lr_bool", {"optimizer": {"lr": True}}, "optimizer.lr=True: must be a number"),
+    # non-finite floats anywhere, model.overrides included
+    ("lr_inf", {"optimizer": {"lr": float("inf")}}, "optimizer.lr=inf: must be a finite number"),
+    ("hang_timeout_inf", {"fault_tolerance": {"hang_timeout_s": float("inf")}},
+     "fault_tolerance.hang_timeout_s=inf: must be a finite number"),
+    ("override_nan", {"model": {"overrides": {"norm_eps": float("nan")}}}, "model.overrides.norm_eps=nan: must be"),
+    ("seed_past_int64", {"training": {"seed": 2**63}}, "training.seed=9223372036854775808: Input should be less"),
+    ("resume_unicode_digit", {"checkpoint": {"resume": "\u00b2"}}, "checkpoint.resume=\u00b2: must be latest, none"),
+    ("split_point_unicode_digit", {"parallelism": {"pp": 2, "pp_split_points": ["layers.\u00b2"]}},
+     "parallelism.pp_split_points: 'layers.\u00b2' is not a layer"),
+    # paths the job writes or reads (@TMP: the test's directory, holding a file 'afile' and 'empty_dir/')
+    ("checkpoint_dir_is_file", {"checkpoint": {"enabled": True, "dir": "@TMP/afile"}},
+     "checkpoint.dir=@TMP/afile: exists and is not a directory"),
+    ("checkpoint_dir_dev_null", {"checkpoint": {"enabled": True, "dir": "/dev/null"}},
+     "checkpoint.dir=/dev/null: exists and is not a directory"),
+    ("checkpoint_dir_under_file", {"checkpoint": {"enabled": True, "dir": "@TMP/afile/ckpt"}},
+     "checkpoint.dir=@TMP/afile/ckpt: @TMP/afile is a file, so nothing can be created under it"),
+    ("checkpoint_dir_not_writable", {"checkpoint": {"enabled": True, "dir": "/proc/self/ckpt"}},
+     "checkpoint.dir=/proc/self/ckpt: /proc/self is not writable"),
+    ("final_export_dir_is_file", {"checkpoint": {"enabled": True, "dir": "@TMP/ck", "final_export": {
+        "format": "torch", "dir": "@TMP/afile"}}}, "checkpoint.final_export.dir=@TMP/afile: exists and is not a"),
+    ("data_dev_zero", {"data": {"source": "text", "path": "/dev/zero"}},
+     "data.path=/dev/zero: /dev/zero is not a regular file or a directory"),
+    ("data_dir_without_text", {"data": {"source": "text", "path": "@TMP/empty_dir"}},
+     "data.path=@TMP/empty_dir: directory @TMP/empty_dir has no text files"),
+    # parameters + gradients + AdamW state of a 10-billion-token vocabulary fit no host
+    ("model_too_large", {"model": {"overrides": {"vocab_size": 10**10}}}, "model.name: 'debug' needs about"),
 ]
+
+
+def _at_tmp(value, tmp: Path):
+    """``value`` with every "@TMP" in its strings replaced by ``tmp``."""
+    if isinstance(value, dict):
+        return {k: _at_tmp(v, tmp) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_at_tmp(v, tmp) for v in value]
+    return value.replace("@TMP", str(tmp)) if isinstance(value, str) else value
+
+
+def _bad_spec_file(tmp_path: Path, patch: dict) -> Path:
+    (tmp_path / "afile").write_text("not a directory")
+    (tmp_path / "empty_dir").mkdir(exist_ok=True)
+    data = _merge(BASE, _at_tmp(patch, tmp_path))
+    if data.get("name") is None:
+        data.pop("name")
+    return _write(tmp_path, data)
 
 
 @pytest.mark.parametrize(("patch", "expected"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_spec_names_the_field(tmp_path, patch, expected):
-    data = _merge(BASE, patch)
-    if data.get("name") is None:
-        data.pop("name")
     with pytest.raises(SpecError) as info:
-        load_spec(_write(tmp_path, data))
+        load_spec(_bad_spec_file(tmp_path, patch))
+    expected = expected.replace("@TMP", str(tmp_path))
     assert any(p.startswith(expected) for p in info.value.problems), info.value.problems
+
+
+CLI_CASES = ["steps_bool", "lr_inf", "seed_past_int64", "resume_unicode_digit", "checkpoint_dir_dev_null",
+             "data_dev_zero", "model_too_large"]
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_bad_spec_through_the_real_cli_exits_2_with_one_line(tmp_path, case):
+    patch, expected = next(b[1:] for b in BAD if b[0] == case)
+    proc = _cli("validate", _bad_spec_file(tmp_path, patch))
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {expected.replace('@TMP', str(tmp_path))}"), lines
+
+
+def _cli(*args, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "raytrain_ckpt", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=300, env=env)
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels + 1):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return "name: t\nmodel:\n  overrides:\n" + "".join(f"    {line}\n" for line in lines)
+
+
+BAD_FILES = [
+    ("alias_bomb", "job.yaml", _alias_bomb().encode(), "values once YAML aliases (*name) are expanded"),
+    ("not_utf8", "job.yaml", b"name: t\xff\n", "not UTF-8 text (byte 0xff at offset 7); save the spec as UTF-8"),
+    ("deep_yaml", "job.yaml", b"name: " + b"[" * 20000 + b"]" * 20000 + b"\n", "nested deeper than 32 levels"),
+    ("deep_json", "job.json", b'{"name": ' + b"[" * 20000 + b"]" * 20000 + b"}", "nested deeper than 32 levels"),
+    ("json_nan", "job.json", b'{"name": "t", "optimizer": {"lr": NaN}}', "optimizer.lr=nan: must be a finite number"),
+    ("toml_inf", "job.toml", b'name = "t"\n[training]\nsteps = inf\n', "training.steps=inf: must be a finite"),
+    ("too_big", "job.yaml", b"# " + b"x" * (1 << 21) + b"\n", "more than a job spec's"),
+]
+
+
+@pytest.mark.parametrize(("name", "data", "expected"), [b[1:] for b in BAD_FILES], ids=[b[0] for b in BAD_FILES])
+def test_bad_spec_file_is_refused_in_one_line(tmp_path, name, data, expected):
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert len(info.value.problems) == 1 and expected in info.value.problems[0], info.value.problems
+
+
+def test_alias_bomb_deep_file_and_fifo_through_the_real_cli(tmp_path):
+    bomb, deep, fifo = tmp_path / "bomb.yaml", tmp_path / "deep.yaml", tmp_path / "fifo.yaml"
+    bomb.write_text(_alias_bomb())
+    deep.write_text("name: " + "[" * 20000 + "]" * 20000 + "\n")
+    os.mkfifo(fifo)  # reading it would block forever: refused before it is opened
+    for path, expected in ((bomb, "YAML aliases"), (deep, "nested deeper"), (fifo, "not a regular file")):
+        proc = _cli("validate", path)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert len(proc.stderr.splitlines()) == 1 and expected in proc.stderr
+
+
+def test_override_values_are_bounded_too(tmp_path):
+    path = _write(tmp_path, BASE)
+    with pytest.raises(SpecError, match="optimizer.lr=inf: must be a finite number"):
+        load_spec(path, ["optimizer.lr=.inf"])
+    with pytest.raises(SpecError, match="training.steps=True: must be a whole number"):
+        load_spec(path, ["training.steps=true"])
+    assert load_spec(path, ["training.steps=10", "optimizer.lr=1"]).training.steps == 10
+
+
+def test_checkpoint_dir_on_a_read_only_mount_is_refused(tmp_path):
+    """A read-only bind mount: as root, permission bits never refuse a write, a read-only mount does."""
+    src, ro = tmp_path / "src", tmp_path / "ro"
+    src.mkdir(), ro.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(src), str(ro)], capture_output=True).returncode == 0
+    if not mounted:
+        pytest.skip("mount --bind needs CAP_SYS_ADMIN")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True).returncode:
+            pytest.skip("cannot remount read-only here")
+        path = _write(tmp_path, _merge(BASE, {"checkpoint": {"enabled": True, "dir": str(ro / "ckpt")}}))
+        with pytest.raises(SpecError) as info:
+            load_spec(path)
+        assert info.value.problems == [f"checkpoint.dir={ro / 'ckpt'}: {ro} is not writable (a read-only "
+                                       "filesystem); point it at a writable directory (on a cluster: storage "
+                                       "every node mounts)"]
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)
 
 
 def test_bad_table_is_distinct_and_large_enough():
@@ -179,7 +311,7 @@ def test_cli_validate_prints_one_line_per_error_and_exits_2(tmp_path, capsys):
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: training.stpes: unknown field; did you mean 'steps'? (valid fields: steps, "
-                   "global_batch_size, micro_batch_size, seq_len, seed, grad_clip, mixed_precision, log_every_steps)"]
+                   "global_batch_size, micro_batch_size, seq_len, seed, grad_clip, mixed_precision, log_every_steps, loss)"]
 
 
 def test_cli_validate_and_schema_succeed(capsys):
@@ -222,3 +354,42 @@ def test_schema_markdown_lists_every_field() -> None:
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             for sub in ann.model_fields:
                 assert f"`{section}.{sub}`" in table
+
+
+def test_console_script_finds_a_factory_in_the_working_directory(tmp_path):
+    """``raytrain-ckpt validate jobs/custom_model.yaml`` from the repository root: a console script puts
+    its own bin directory first on sys.path, not the working directory."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "raytrain_ckpt").symlink_to(REPO / "raytrain_ckpt")  # the package alone, not tests/
+    script = tmp_path / "bin" / "raytrain-ckpt"
+    script.parent.mkdir()
+    script.write_text("import sys\nfrom raytrain_ckpt.cli import main\nsys.exit(main())\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "pkg")}
+    proc = subprocess.run([sys.executable, str(script), "validate", "jobs/custom_model.yaml"], capture_output=True,
+                          text=True, cwd=REPO, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert yaml.safe_load(proc.stdout)["model"]["name"] == "tests.user_models:tiny_mlp_lm"
+
+
+def test_gpu_job_checkpoints_to_the_shared_mount_of_both_cluster_configs():
+    spec = load_spec(REPO / "jobs" / "llama_8b_gpu.yaml")
+    ckpt = spec.checkpoint
+    assert ckpt.enabled and ckpt.mode == "async" and ckpt.resume == "latest" and ckpt.keep_latest_k
+    assert spec.fault_tolerance.max_restarts >= 1
+    shared = Path("/mnt/shared")
+    assert shared in ckpt.dir.parents
+    launcher = yaml.safe_load((REPO / "cluster" / "ray-cluster.yaml").read_text())
+    assert any(f" {shared}" in cmd and "mount" in cmd for cmd in launcher["initialization_commands"])
+    docs = list(yaml.safe_load_all((REPO / "cluster" / "kuberay-rayjob.yaml").read_text()))
+    pvc = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    job = next(d for d in docs if d["kind"] == "RayJob")
+    cluster = job["spec"]["rayClusterSpec"]
+    pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
+    for pod in pods:
+        claims = {v["name"] for v in pod["volumes"] if v.get("persistentVolumeClaim", {}).get("claimName")
+                  == pvc["metadata"]["name"]}
+        mounts = {m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"] if m["name"] in claims}
+        assert mounts == {str(shared)}
+    assert f"checkpoint.dir={shared}/" in job["spec"]["entrypoint"]
+    assert "checkpoint.enabled=true" in job["spec"]["entrypoint"]

@@ -1,0 +1,200 @@
+"""Staging buffer files: created safely in a shared directory, tied to a live owner, swept when orphaned.
+
+A staging buffer is a file ``rtc-*.buf`` in ``shm_dir()`` (``/dev/shm``: world-writable, names
+predictable). Three rules keep it safe:
+
+* **Created exclusively**: ``O_CREAT|O_EXCL|O_NOFOLLOW``, mode 0600. A name already taken (a
+  planted symlink, a file someone else made) is never followed, truncated or adopted.
+* **Opened checked**: a process mapping an existing buffer opens it with ``O_NOFOLLOW`` and
+  requires a regular file, owned by our uid, mode 0600, at least the expected size.
+* **Owned by a live process**: the creator keeps the file open with an exclusive ``flock`` for
+  as long as the buffer exists and unlinks it before closing. The kernel drops the lock when
+  the owner dies, however it dies (SIGKILL included), so a buffer whose lock can be taken is an
+  orphan: the sweep (a writer starting, ``raytrain-ckpt clean-buffers``) removes it. A buffer
+  whose owner is alive is never removed by anyone but its owner.
+
+Between ``open(O_EXCL)`` and ``flock`` a sweeper could take the lock of a file that was just
+created. Only a lock holder unlinks a buffer, and only while the name still points at the inode
+it locked; the creator checks the same after taking its lock and creates again when its file
+was swept from under it. So nothing is lost, and nothing live is removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BUFFER_GLOB", "SHM_DIR_ENV", "Orphan", "OwnedBuffer", "StagingFileError", "open_buffer", "shm_dir", "sweep_orphans"]
+
+SHM_DIR_ENV = "RAYTRAIN_CKPT_SHM_DIR"
+"""Environment variable naming another directory for staging buffers (read by each writer's process)."""
+BUFFER_GLOB = "rtc-*.buf"
+"""Every staging buffer's name matches this (the sweep looks at nothing else)."""
+_MODE = 0o600
+_CREATE_TRIES = 3
+"""Creating a buffer again after a sweeper removed it mid-creation: bounded, it takes a racing sweep each time."""
+
+
+class StagingFileError(RuntimeError):
+    """A staging buffer's path holds something we did not create, or cannot be created."""
+
+
+def shm_dir() -> Path:
+    """Where staging buffers live: ``$RAYTRAIN_CKPT_SHM_DIR`` when set, else /dev/shm when present
+    (RAM-backed), else the temp dir."""
+    if os.environ.get(SHM_DIR_ENV):
+        return Path(os.environ[SHM_DIR_ENV])
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """A buffer whose owner is dead."""
+
+    path: Path
+    nbytes: int
+
+
+class OwnedBuffer:
+    """A buffer file this process created and holds the ownership lock of; ``remove()`` ends it."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self._fd = path, fd
+
+    @classmethod
+    def create(cls, path: Path, nbytes: int) -> OwnedBuffer:
+        """Create ``path`` exclusively (mode 0600, ``nbytes`` long) and take its ownership lock.
+
+        An orphan at ``path`` (ours, owner dead) is removed first. Raises StagingFileError when
+        the name is taken by anything else: a symlink, another user's file, a file with other
+        permissions, or a buffer whose owner is alive.
+        """
+        path = Path(path)
+        for _ in range(_CREATE_TRIES):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, _MODE)
+            except FileExistsError:
+                if _remove_if_orphan(path) is None and os.path.lexists(path):
+                    raise StagingFileError(_taken(path)) from None
+                continue
+            # The umask may have cleared bits of 0600; a buffer is exactly owner read/write.
+            os.fchmod(fd, _MODE)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _same_file(fd, path):
+                os.ftruncate(fd, nbytes)
+                return cls(path, fd)
+            os.close(fd)  # a sweep removed our fresh file before we locked it: create it again
+        raise StagingFileError(_taken(path))
+
+    def resize(self, nbytes: int) -> None:
+        """Grow or shrink the buffer (a new layout reusing the same name)."""
+        os.ftruncate(self._fd, nbytes)
+
+    def remove(self) -> None:
+        """Unlink the file, then drop the lock (in that order: a named buffer is never unlocked)."""
+        if self._fd < 0:
+            return
+        if _same_file(self._fd, self.path):
+            self.path.unlink()
+        os.close(self._fd)
+        self._fd = -1
+
+
+def open_buffer(path: Path, nbytes: int) -> int:
+    """Open an existing buffer for mapping; returns a read-write fd the caller closes.
+
+    Raises StagingFileError unless ``path`` is a regular file (not a symlink), owned by our uid,
+    mode 0600 and at least ``nbytes`` long (mapping past its end would crash on access).
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        what = "is a symlink" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
+        raise StagingFileError(f"staging buffer {path} {what}; it must be a file created by the "
+                               "job's CheckpointWriter") from None
+    st = os.fstat(fd)
+    problem = _not_ours(st) or (f"holds {st.st_size} bytes, expected {nbytes}" if st.st_size < nbytes else "")
+    if problem:
+        os.close(fd)
+        raise StagingFileError(f"staging buffer {path} {problem}; refusing to map it (only files the job's "
+                               "CheckpointWriter created are mapped)")
+    return fd
+
+
+def sweep_orphans(directory: Path | None = None, dry_run: bool = False) -> list[Orphan]:
+    """Remove every orphaned buffer in ``directory`` (default ``shm_dir()``), of any job of our uid.
+
+    With ``dry_run`` nothing is removed; returns what was (or would be) removed.
+    """
+    out = []
+    for path in sorted(Path(directory or shm_dir()).glob(BUFFER_GLOB)):
+        orphan = _remove_if_orphan(path, dry_run)
+        if orphan is not None:
+            out.append(orphan)
+    if out and not dry_run:
+        logger.info("removed %d orphaned staging buffer(s), %.1f MB: %s", len(out),
+                    sum(o.nbytes for o in out) / 1e6, ", ".join(o.path.name for o in out))
+    return out
+
+
+def _remove_if_orphan(path: Path, dry_run: bool = False) -> Orphan | None:
+    """Unlink ``path`` if it is a buffer of ours whose owner is dead; None when it is not (or is gone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:  # gone, a symlink, or not ours to open: not an orphan of ours
+        return None
+    try:
+        st = os.fstat(fd)
+        if _not_ours(st):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # its owner is alive
+            return None
+        if not _same_file(fd, path):  # removed or replaced since we opened it
+            return None
+        if not dry_run:
+            path.unlink()
+        return Orphan(path, st.st_size)
+    finally:
+        os.close(fd)
+
+
+def _not_ours(st: os.stat_result) -> str:
+    """Why a buffer file with this stat was not created by us ("" when it could have been)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not {os.geteuid()}"
+    if stat.S_IMODE(st.st_mode) != _MODE:
+        return f"has mode {stat.S_IMODE(st.st_mode):o}, not 600"
+    return ""
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _taken(path: Path) -> str:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"staging buffer {path} could not be created: it was removed {_CREATE_TRIES} times while creating it"
+    why = _not_ours(st) or "is in use by a live process (another writer of the same job and directory?)"
+    return (f"staging buffer {path} already exists and {why}; it was not created by this job's CheckpointWriter "
+            f"and is left untouched. Remove it (or run `raytrain-ckpt clean-buffers` for orphans) and retry")

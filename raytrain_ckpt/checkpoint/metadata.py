@@ -1,0 +1,125 @@
+"""Reading DCP checkpoints without running anything they contain.
+
+DCP's ``.metadata`` is a pickle, and DCP loads non-tensor entries (``BytesStorageMetadata``:
+optimizer hyper-parameters, the step, Python RNG state) with ``torch.load(weights_only=False)``.
+Unpickling is code execution, and a checkpoint directory is data: anyone who can write to it
+would otherwise run code in every process that resumes, exports or inspects it.
+
+- ``.metadata`` goes through ``SafeUnpickler``, which resolves only the globals a DCP metadata
+  file needs (the ``torch.distributed.checkpoint`` metadata dataclasses, ``torch.Size``, torch
+  dtypes and layouts, paths, builtin containers) and refuses any other with ``UnsafeCheckpoint``
+  naming it. ``SafeFileSystemReader`` is DCP's ``FileSystemReader`` with that unpickler; every
+  load in this project uses it.
+- Non-tensor entries go through ``torch.load(weights_only=True)`` (``SafeLoadPlanner``), whose
+  restricted unpickler allows tensors and primitive containers only.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint._traverse import set_element
+
+from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, UnsafeCheckpoint
+
+__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "SafeUnpickler", "empty_safe_planner", "read_metadata"]
+
+_ALLOWED: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch": frozenset({"Size"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # looks a torch.layout up by name
+    "pathlib": frozenset({"Path", "PosixPath", "PurePath", "PurePosixPath"}),
+    "collections": frozenset({"OrderedDict"}),
+    "builtins": frozenset({"set", "frozenset", "bytearray", "complex", "slice"}),
+}
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the globals DCP metadata is made of."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpoint(f"refers to {module}.{name}, which DCP metadata never contains; refusing to "
+                               "unpickle it (a checkpoint is data and is never executed)")
+
+
+def load_metadata(stream: IO[bytes], where: str) -> Metadata:
+    """Unpickle DCP metadata from ``stream`` with ``SafeUnpickler``; raises InvalidCheckpoint."""
+    try:
+        metadata = SafeUnpickler(stream).load()
+    except UnsafeCheckpoint as exc:
+        raise UnsafeCheckpoint(f"{where} {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any failure to unpickle means a damaged file
+        raise InvalidCheckpoint(f"{where} is unreadable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(metadata, Metadata):
+        raise InvalidCheckpoint(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+def read_metadata(step_dir: Path) -> Metadata:
+    """The DCP metadata of a step directory, read safely."""
+    path = Path(step_dir) / ".metadata"
+    try:
+        with open(path, "rb") as f:
+            return load_metadata(f, str(path))
+    except OSError as exc:
+        raise InvalidCheckpoint(f"{path} is unreadable ({exc})") from None
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` whose ``read_metadata`` never runs code from the file."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # Same file choice as the base class (a rank-local ``__<rank>.metadata`` where DCP asks for one).
+        locate = getattr(self, "_get_metadata_path", None)
+        path = locate(kwargs.get("rank")) if locate is not None else self.fs.concat_path(self.path, ".metadata")
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = load_metadata(f, str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _load_bytes_safely(planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO) -> None:
+    # DefaultLoadPlanner.load_bytes with weights_only=True: tensors and primitive containers only.
+    try:
+        obj = torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpoint(f"entry {read_item.dest_index.fqn} is not plain data, refused: "
+                               f"{str(exc).splitlines()[0][:200]}") from None
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], obj)
+    else:
+        planner.state_dict[read_item.dest_index.fqn] = obj
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading non-tensor entries without running code."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        _load_bytes_safely(self, read_item, value)
+
+
+class _SafeEmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        _load_bytes_safely(self, read_item, value)
+
+
+def empty_safe_planner(keys: set[str]) -> DefaultLoadPlanner:
+    """A planner that rebuilds ``keys`` from the metadata alone (no pre-allocated state dict), safely."""
+    return _SafeEmptyStateDictLoadPlanner(keys=keys)

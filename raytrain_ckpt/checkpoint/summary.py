@@ -1,0 +1,24 @@
+"""The one-line view of a CheckpointActor's status, shared by ``raytrain-ckpt status`` and the actor's logs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["phase_text", "summary_line"]
+
+
+def phase_text(inflight: dict[str, Any], world_size: int) -> str:
+    """``writing 3/4 ranks``: the in-flight step's phase and how many ranks are through it."""
+    values = list(inflight["ranks"].values())
+    done = {"staging": sum(v >= 1 for v in values), "writing": sum(v >= 2 for v in values)}
+    n = done.get(inflight["phase"], world_size if inflight["phase"] == "committing" else 0)
+    return f"{inflight['phase']} {n}/{world_size} ranks"
+
+
+def summary_line(status: dict[str, Any]) -> str:
+    """``committed=120 inflight=130 writing 3/4 ranks``: the one-line view of a CheckpointActor."""
+    text = f"committed={status['latest'] if status['latest'] is not None else '-'}"
+    inflight = status["inflight"]
+    if inflight["step"] is None:
+        return text + " inflight=-"
+    return text + f" inflight={inflight['step']} {phase_text(inflight, status['world_size'])}"

@@ -1,0 +1,84 @@
+"""What the training ranks tell the controller: progress, results and failures, as plain data.
+
+These records cross from the TrainWorker actors (``worker.py``) through the worker group
+(``group.py``) to the controller and the metrics; keeping them here, free of torch and Ray,
+lets the controller and its tests import them without either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Failure", "FailureKind", "Progress", "WorkerResult", "headline"]
+
+FailureKind = Literal["start", "crash", "exception", "hang", "checkpoint"]
+"""start: the group could not be placed or formed; crash: a rank's process (or its node) died;
+exception: a rank raised; hang: no rank finished a step within ``fault_tolerance.hang_timeout_s``.
+The same names as ``fault_tolerance.retry_on``."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A worker's last known state, read by the driver's poll."""
+
+    rank: int
+    step: int
+    loss: float | None
+    last_step_at: float  # time.time() of the last finished step (or of setup)
+    phase: str  # "setup" | "training" | "done" | "failed"
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """What ``TrainWorker.run()`` returns when the rank finishes every step."""
+
+    rank: int
+    steps: int
+    tokens_seen: int
+    losses: dict[int, float]
+    fingerprint: str
+    start_step: int = 0
+    """The step this attempt resumed from (0: a fresh start)."""
+    checkpoint: dict[str, float] | None = None
+    """Saves, skipped, aborted, stall_s of this rank (None when checkpointing is off)."""
+    timings: dict[str, float] | None = None
+    """This attempt's setup: pg_init_s, build_s, load_s, and first_step_at (time.time())."""
+    served: tuple[int, ...] = ()
+    """Every attempt this process was assigned, in order: (0, 1) is a rank kept across a restart."""
+    was_spare: bool = False
+    """The process started as an idle spare before it took this rank."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failure of a worker group, as the controller saw it."""
+
+    attempt: int
+    kind: FailureKind
+    rank: int | None
+    """The rank that failed first (None: the whole group, e.g. a start or a hang)."""
+    headline: str
+    """The line that says what happened (an exception's type and message)."""
+    detail: str = ""
+    """The full text (tracebacks of every failed rank), for the log and ``JobResult.error``."""
+
+    def __str__(self) -> str:
+        who = f"rank {self.rank}: " if self.rank is not None else ""
+        return f"attempt {self.attempt} {self.kind}: {who}{self.headline}"
+
+
+def headline(text: str) -> str:
+    """The line of an error message that says what happened.
+
+    A traceback's last line names the exception, so a text with a traceback (Python's, or the
+    one Ray prints for a remote task) gives its first line (who failed) and its last; any
+    other text gives its first line.
+    """
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "(no message)"
+    if not any(ln.startswith(("Traceback (most recent call last)", 'File "')) for ln in lines):
+        return lines[0]
+    first = "" if lines[0].startswith("Traceback") else lines[0] + " "
+    return first + lines[-1]

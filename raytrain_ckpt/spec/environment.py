@@ -1,0 +1,120 @@
+"""Checks of a valid spec against the machine that loads it: paths it will write, memory it needs.
+
+They run where the spec enters (``load_spec``: the CLI's ``validate`` and ``run``, the driver),
+not in the pydantic validators, because a worker re-validates the spec on its own node and
+must not judge the driver's paths or RAM. A spec for a cluster is best validated where its
+driver runs (the head node), which sees the same shared ``checkpoint.dir`` as the workers.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from raytrain_ckpt.models import describe_model
+from raytrain_ckpt.spec.job import JobSpec
+
+__all__ = ["STATE_BYTES_PER_PARAM", "environment_problems", "host_memory_bytes", "train_state_bytes"]
+
+STATE_BYTES_PER_PARAM = 16
+"""fp32 parameter, fp32 gradient, and AdamW's two fp32 moments; activations come on top."""
+
+
+def environment_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    """Every ``(field path, message)`` about directories the job writes and memory it needs."""
+    out: list[tuple[str, str]] = []
+    ckpt = spec.checkpoint
+    if ckpt.enabled:
+        problem = writable_dir_problem(ckpt.dir.expanduser())
+        if problem:
+            out.append((f"checkpoint.dir={ckpt.dir}", f"{problem}; point it at a writable directory "
+                                          "(on a cluster: storage every node mounts)"))
+    if ckpt.final_export is not None and ckpt.final_export.dir is not None:
+        problem = _export_dir_problem(ckpt.final_export.dir.expanduser())
+        if problem:
+            out.append((f"checkpoint.final_export.dir={ckpt.final_export.dir}",
+                        f"{problem}; point it at a new or empty directory, or null for <checkpoint.dir>/<name>"))
+    out += _memory_problems(spec)
+    return out
+
+
+def writable_dir_problem(path: Path) -> str | None:
+    """Why a directory cannot be created or written at ``path``, or None.
+
+    An existing path must be a directory we can write; a missing one is created later, so its
+    nearest existing ancestor must be such a directory. ``os.access`` answers EROFS for a
+    read-only mount even for root, which ignores permission bits.
+    """
+    path = Path(os.path.abspath(path))
+    if path.exists() and not path.is_dir():
+        return "exists and is not a directory (a file or a device)"
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, so nothing can be created under it"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        why = "a read-only filesystem" if _read_only(probe) else "no write permission"
+        return f"{probe} is not writable ({why})"
+    return None
+
+
+def _export_dir_problem(path: Path) -> str | None:
+    if path.is_dir() and any(path.iterdir()):
+        return "exists and is not empty (an export never overwrites)"
+    return writable_dir_problem(path)
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError as exc:
+        return exc.errno == errno.EROFS
+
+
+# --- memory -------------------------------------------------------------------------
+
+
+def train_state_bytes(spec: JobSpec) -> int | None:
+    """Bytes of parameters, gradients and optimizer state one rank holds; None for a user factory.
+
+    FSDP2 shards every tensor over the data-parallel ranks and a pipeline splits the layers
+    over its stages, so each rank holds about 1/world_size of the model's training state.
+    """
+    cfg = describe_model(spec.model.name, spec.model.overrides)
+    if cfg is None:
+        return None
+    import torch  # only a built-in model's size needs it; `validate` of other specs stays torch-free
+
+    from raytrain_ckpt.models.llama import Llama, num_params
+
+    with torch.device("meta"):  # shapes only: no memory is allocated
+        params = num_params(Llama(cfg))
+    return params * STATE_BYTES_PER_PARAM // spec.world_size
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _memory_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    per_rank = train_state_bytes(spec)
+    if per_rank is None:
+        return []
+    if spec.resources.use_gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            return []  # the driver often has no GPU: the workers' devices are unknown here
+        limit, what = torch.cuda.get_device_properties(0).total_memory, "GPU memory of this machine's GPU 0"
+    else:
+        limit, what = host_memory_bytes(), "RAM of this machine"
+    if per_rank <= limit:
+        return []
+    gib = 1 << 30
+    return [("model.name", f"'{spec.model.name}' needs about {per_rank / gib:.1f} GiB per rank for parameters, "
+                           f"gradients and AdamW state ({STATE_BYTES_PER_PARAM} bytes x parameters / "
+                           f"{spec.world_size} ranks), more than the {limit / gib:.1f} GiB {what}; use more "
+                           "workers (resources.num_workers), GPUs, or a smaller model")]

@@ -1,0 +1,104 @@
+"""A full disk on a real filesystem: a tmpfs mounted in a private mount namespace over the
+checkpoint directory (needs root and unshare). With two writer threads per rank the save that
+runs out of space aborts, the older steps stay intact, training goes on, and the next save
+after the space came back commits."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = Path(__file__).with_name("disk_full_job.py")
+TMPFS_SIZE = "48M"
+"""Room for 4 steps of the debug model (11.5 MB each) when nothing else is there."""
+
+
+def _isolated(command: str) -> list[str]:
+    return ["unshare", "-m", "sh", "-c", command]
+
+
+@pytest.fixture
+def tmpfs_ok(tmp_path) -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to mount a private tmpfs")
+    probe = subprocess.run(_isolated(f"mount -t tmpfs -o size=1M tmpfs {tmp_path}"), capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a private mount namespace: {probe.stderr.strip()}")
+
+
+def test_disk_full_aborts_that_step_only_and_a_later_save_commits(tmpfs_ok, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    command = f"mount -t tmpfs -o size={TMPFS_SIZE} tmpfs {ckpt} && exec {sys.executable} {SCRIPT} {ckpt}"
+    out = subprocess.run(_isolated(command), capture_output=True, text=True, timeout=600, cwd=SCRIPT.parents[2])
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    r = json.loads(lines[-1])
+    assert r["events"]["full_seen"], r                       # the disk really ran full
+    assert r["state"] == "SUCCEEDED", r
+    # the save that hit ENOSPC never committed; the one before and the ones after did, and verify
+    assert "10" in r["failed"] and 10 not in r["committed"], r
+    assert {5, 15, 20} <= set(r["committed"]), r
+    assert r["valid_checksum"] == r["committed"], r
+    assert set(r["loads"].values()) == {"ok"}, r["loads"]  # and every one of them loads
+    assert not any(".tmp-" in name for name in r["entries"]), r
+    assert r["steps"] == [20, 20]                          # training went on to the end
+
+
+CHECK_CODE = """
+import json, shutil, sys
+from pathlib import Path
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from raytrain_ckpt.checkpoint.writer import check_written
+
+disk = Path(sys.argv[1])
+seen = {"raised": 0, "dropped": 0, "caught": 0}
+for attempt in range(20):
+    out = disk / f"try{attempt}"
+    out.mkdir()
+    state = {"a": torch.ones(256 * 1024), "b": torch.ones(256 * 1024)}   # 1 MiB each, 1.5 MiB of disk
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    writer = FileSystemWriter(out, thread_count=2, sync_files=True)
+    writer.set_up_storage_writer(True, rank=0)
+    central = writer.prepare_global_plan(planner.create_global_plan([planner.create_local_plan()])[0])[0]
+    plan = planner.finish_plan(central)
+    try:
+        results = writer.write_data(plan, planner).wait()
+    except Exception:                         # OSError, or torch.save's RuntimeError on a short write
+        seen["raised"] += 1                   # the calling thread hit ENOSPC: DCP raises it
+    else:
+        seen["dropped"] += 1                  # only a helper thread failed: DCP returned as if done
+        try:
+            check_written(plan, results, {p.name: p.stat().st_size for p in out.iterdir()})
+        except OSError:
+            seen["caught"] += 1
+    shutil.rmtree(out)
+    if seen["dropped"] >= 2:
+        break
+print(json.dumps(seen))
+"""
+
+
+def test_a_write_error_in_a_dcp_helper_thread_is_caught(tmpfs_ok, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    code = tmp_path / "check.py"
+    code.write_text(CHECK_CODE)
+    command = f"mount -t tmpfs -o size=1536K tmpfs {disk} && exec {sys.executable} {code} {disk}"
+    out = subprocess.run(_isolated(command), capture_output=True, text=True, timeout=300, cwd=SCRIPT.parents[2])
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    seen = json.loads(lines[-1])
+    # DCP dropped a helper thread's ENOSPC at least once, and every such write was caught
+    assert seen["dropped"] >= 1 and seen["caught"] == seen["dropped"], seen

@@ -1,0 +1,84 @@
+"""The token-shard job on a real local Ray: a corpus prepared from this project's docs, eval
+losses in the manifests and in ``ls``, best-checkpoint retention, and an exact resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from raytrain_ckpt.checkpoint.layout import CheckpointLayout
+from raytrain_ckpt.cli import main
+from raytrain_ckpt.controller import JobResult, JobState
+from raytrain_ckpt.driver import run_job
+from raytrain_ckpt.faults import ENV_VAR
+from raytrain_ckpt.prepare import prepare_data
+from raytrain_ckpt.spec import load_spec
+
+pytestmark = pytest.mark.integration
+
+JOB = "jobs/llama_debug_tokens.yaml"
+REPO = Path(__file__).resolve().parents[2]
+SHORT = ["training.steps=8", "training.log_every_steps=1", "lr_scheduler.warmup_steps=2",
+         "eval.every_steps=2", "eval.batches=1", "checkpoint.interval_steps=2", "fault_tolerance.max_restarts=0"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tokens-docs")
+    meta = prepare_data([REPO / "docs", REPO / "README.md"], out, vocab_size=512, workers=2, progress=False)
+    assert meta["vocab_size"] == 512
+    return out
+
+
+def _spec(corpus: Path, ckpt: Path, *extra: str):
+    return load_spec(JOB, [*SHORT, f"data.path={corpus}", f"checkpoint.dir={ckpt}", *extra])
+
+
+def _ok(result: JobResult) -> JobResult:
+    assert result.state is JobState.SUCCEEDED, result.error
+    return result
+
+
+def _eval_losses(root: Path) -> dict[int, float | None]:
+    return {s: m.eval_loss for s, m in CheckpointLayout(root).valid_steps("size").items()}
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, corpus, tmp_path_factory) -> tuple[JobResult, Path]:
+    ckpt = tmp_path_factory.mktemp("ref")
+    return _ok(run_job(_spec(corpus, ckpt, "checkpoint.keep_latest_k=null"))), ckpt / "llama-debug-tokens"
+
+
+def test_eval_loss_is_recorded_in_every_saved_step_and_shown_by_ls(reference, capsys):
+    result, root = reference
+    losses = _eval_losses(root)
+    assert sorted(losses) == [2, 4, 6, 8]
+    assert all(v is not None and v > 0 for v in losses.values())
+    assert losses[8] < losses[2]  # held-out loss falls as the model learns the docs
+    assert sorted(result.losses) == list(range(1, 9))
+    capsys.readouterr()
+    assert main(["ls", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any("step-00000008" in line and f"eval {losses[8]:.4f}" in line for line in lines), lines
+
+
+def test_keep_best_k_keeps_the_lowest_eval_loss_besides_the_newest(reference, corpus, tmp_path):
+    _, ref_root = reference
+    _ok(run_job(_spec(corpus, tmp_path, "checkpoint.keep_latest_k=1", "checkpoint.keep_best_k=1")))
+    ref = _eval_losses(ref_root)
+    best = min(ref, key=lambda s: (ref[s], s))
+    assert sorted(_eval_losses(tmp_path / "llama-debug-tokens")) == sorted({8, best})
+
+
+def test_killed_rank_resumes_exactly(reference, corpus, tmp_path, monkeypatch):
+    ref, ref_root = reference
+    monkeypatch.setenv(ENV_VAR, "exit@step:rank=1,step=5")
+    result = _ok(run_job(_spec(corpus, tmp_path, "checkpoint.keep_latest_k=null", "fault_tolerance.max_restarts=1")))
+    assert result.attempts == 2 and all(r.start_step == 4 for r in result.results)
+    assert [r.fingerprint for r in result.results] == [r.fingerprint for r in ref.results]
+    assert {s: v for s, v in result.losses.items() if s > 4} == {s: v for s, v in ref.losses.items() if s > 4}
+    assert _eval_losses(tmp_path / "llama-debug-tokens") == _eval_losses(ref_root)
+    manifest = json.loads((tmp_path / "llama-debug-tokens" / "step-00000008" / "manifest.json").read_text())
+    assert manifest["eval_loss"] == _eval_losses(ref_root)[8]

@@ -1,0 +1,97 @@
+"""The real CLI on bad, special and unusable paths: one ``error:`` line, a non-zero exit, no traceback.
+
+Every case runs ``python -m raytrain_ckpt`` in a subprocess on real files: a FIFO, /dev/null,
+a path under a regular file (ENOTDIR), /proc entries, and a checkpoint whose shard is damaged
+after its manifest check (the torch export used to abort the process there).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args: object, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "raytrain_ckpt", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=300, env=env)
+
+
+def _assert_one_error_line(proc: subprocess.CompletedProcess, code: int) -> str:
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr and "Aborted" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, Path]:
+    """A committed step 0 (made by the real ``import``), a FIFO, and a regular file."""
+    tmp = tmp_path_factory.mktemp("cli")
+    torch.save({"a.weight": torch.randn(64, 64), "b": torch.randn(1000)}, tmp / "w.pt")
+    made = _cli("import", tmp / "w.pt", "--to", tmp / "ckpt")
+    assert made.returncode == 0, made.stderr
+    os.mkfifo(tmp / "fifo")
+    (tmp / "afile").write_text("a regular file")
+    return {"tmp": tmp, "ckpt": tmp / "ckpt", "step": tmp / "ckpt" / "step-00000000", "weights": tmp / "w.pt",
+            "fifo": tmp / "fifo", "afile": tmp / "afile"}
+
+
+CASES = [
+    # (id, argv with {name} placeholders, exit code, text in the error line)
+    ("ls_fifo", ["ls", "{fifo}"], 2, "not a directory"),
+    ("ls_dev_null", ["ls", "/dev/null"], 2, "not a directory"),
+    ("ls_under_file", ["ls", "{afile}/x"], 2, "not a directory"),
+    ("ls_proc_file", ["ls", "/proc/self/status"], 2, "not a directory"),
+    ("verify_fifo", ["verify", "{fifo}"], 2, "no such step directory"),
+    ("verify_under_file", ["verify", "{afile}/step-00000001"], 2, "no such step directory"),
+    ("status_dev_null", ["status", "/dev/null"], 2, "not a directory"),
+    ("import_fifo", ["import", "{fifo}", "--to", "{tmp}/out-a"], 2, "not a regular file or directory"),
+    ("import_dev_null", ["import", "/dev/null", "--to", "{tmp}/out-b"], 2, "not a regular file or directory"),
+    ("import_proc_file", ["import", "/proc/self/status", "--to", "{tmp}/out-c"], 2, "not a readable torch.save file"),
+    ("import_to_under_file", ["import", "{weights}", "--to", "{afile}/x"], 2, "is a file, so nothing can be created"),
+    ("import_to_dev_null", ["import", "{weights}", "--to", "/dev/null"], 2, "exists and is not a directory"),
+    ("import_to_proc", ["import", "{weights}", "--to", "/proc/self/x"], 2, "is not writable"),
+    ("export_fifo", ["export", "{fifo}", "--format", "torch", "--out", "{tmp}/out-d"], 2, "not a regular file"),
+    ("export_file", ["export", "{afile}", "--format", "torch", "--out", "{tmp}/out-e"], 2, "not a directory"),
+    ("export_out_under_file", ["export", "{ckpt}", "--format", "torch", "--out", "{afile}/x"], 2,
+     "is a file, so nothing can be created"),
+    ("export_out_dev_null", ["export", "{ckpt}", "--format", "torch", "--out", "/dev/null"], 2,
+     "exists and is not a directory"),
+    ("export_out_proc", ["export", "{step}", "--format", "torch", "--out", "/proc/self/x"], 2, "is not writable"),
+]
+
+
+@pytest.mark.parametrize(("argv", "code", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_path_gives_one_line_and_exit_code(paths, argv, code, expected):
+    line = _assert_one_error_line(_cli(*[a.format(**paths) for a in argv]), code)
+    assert expected in line, line
+
+
+def test_torch_export_of_a_damaged_shard_fails_cleanly(paths, tmp_path):
+    """Same-size garbage that gets past the manifest check (``--verify size``; the default checksum
+    check refuses it up front) fails to read mid-write: exit 1, not SIGABRT."""
+    step = tmp_path / "job" / "step-00000000"
+    step.parent.mkdir()
+    subprocess.run(["cp", "-r", str(paths["step"]), str(step)], check=True)
+    shard = next(step.glob("*.distcp"))
+    shard.write_bytes(os.urandom(shard.stat().st_size))
+    out = tmp_path / "out"
+    line = _assert_one_error_line(_cli("export", step, "--format", "torch", "--verify", "size", "--out", out), 1)
+    assert "failed while reading it" in line and "raytrain-ckpt verify" in line, line
+    assert not out.exists() and not list(tmp_path.glob("out.tmp-*")), "a failed export leaves no output"
+
+
+def test_export_of_a_good_step_still_works(paths, tmp_path):
+    proc = _cli("export", paths["ckpt"], "--format", "torch", "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    assert torch.equal(state["b"], torch.load(paths["weights"], weights_only=True)["b"])

@@ -1,0 +1,129 @@
+"""Best-checkpoint retention, the eval / data / loss / optimizer spec fields, and user parts by import path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from raytrain_ckpt.checkpoint.retention import RetentionPolicy
+from raytrain_ckpt.cli import main
+from raytrain_ckpt.spec import SpecError, load_spec
+from raytrain_ckpt.spec.sections import OptimizerSpec
+from raytrain_ckpt.trainer import build_loss, build_optimizer
+
+NAN = float("nan")
+
+# (keep_latest_k, keep_best_k, committed, eval losses, expected deletions)
+BEST_TABLE = [
+    (1, None, [10, 20, 30], {10: 1.0, 20: 0.5}, [10, 20]),             # off: losses ignored
+    (1, 1, [10, 20, 30], {10: 1.0, 20: 0.5, 30: 0.9}, [10]),           # best (20) + newest (30)
+    (1, 2, [10, 20, 30, 40], {10: 1.0, 20: 0.5, 30: 0.7}, [10]),       # 40 has no loss: kept as newest only
+    (1, 1, [10, 20, 30], {}, [10, 20]),                                 # no losses: nothing is "best"
+    (1, 1, [10, 20, 30], {10: 0.5, 20: 0.5}, [20]),                     # tie: the older step was best first
+    (1, 1, [10, 20, 30], {10: NAN, 20: 0.8}, [10]),                     # NaN never ranks as best
+    (2, 1, [10, 20, 30, 40], {10: 0.1, 20: 0.2, 30: 0.3}, [20]),       # best overlaps nothing: 10 + newest two
+    (None, 1, [10, 20], {10: 0.1}, []),                                 # keep everything
+    (1, 3, [10], {10: 0.1}, []),
+]
+
+
+@pytest.mark.parametrize("latest,best,committed,losses,expected", BEST_TABLE)
+def test_keep_best_k(latest, best, committed, losses, expected):
+    policy = RetentionPolicy(latest, keep_best_k=best)
+    assert policy.to_delete(committed, eval_losses=losses) == expected
+
+
+def test_keep_best_does_not_override_leases_or_in_flight():
+    policy = RetentionPolicy(1, keep_best_k=1)
+    assert policy.to_delete([10, 20, 30, 40], leased=[20], in_flight=[30], eval_losses={10: 0.1}) == []
+
+
+BASE = {"name": "t", "resources": {"num_workers": 2}, "training": {"global_batch_size": 8, "micro_batch_size": 2}}
+
+
+def _spec(tmp_path: Path, **sections) -> Path:
+    data = json.loads(json.dumps(BASE))
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _problems(tmp_path: Path, **sections) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        load_spec(_spec(tmp_path, **sections))
+    return info.value.problems
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> Path:
+    root = tmp_path / "shards"
+    root.mkdir()
+    (np.arange(5000) % 256).astype(np.uint16).tofile(root / "a.bin")
+    return root
+
+
+BAD = [
+    ({"data": {"source": "tests.user_data:missing"}}, "data.source=tests.user_data:missing: data.source factory 'tests.user_data:missing': module 'tests.user_data' has no attribute"),
+    ({"data": {"source": "no_such_pkg.mod:f"}}, "cannot import module 'no_such_pkg.mod'"),
+    ({"optimizer": {"name": "adam"}}, "optimizer.name: 'adam' is neither adamw, sgd nor a factory path"),
+    ({"optimizer": {"name": "tests.user_data:nothing"}}, "optimizer.name: optimizer factory 'tests.user_data:nothing'"),
+    ({"optimizer": {"kwargs": {"nesterov": True}}}, "optimizer.kwargs: only used with an optimizer factory"),
+    ({"training": {"loss": "mse"}}, "training.loss=mse: 'mse' is neither cross_entropy"),
+    ({"training": {"loss": "tests.user_data:nothing"}}, "loss function 'tests.user_data:nothing'"),
+    ({"eval": {"every_steps": 0}}, "eval.every_steps=0"),
+    ({"checkpoint": {"keep_best_k": 2}}, "checkpoint.keep_best_k: ranks steps by eval loss; add an eval section"),
+    ({"data": {"source": "tokens"}}, "data.path: required when source=tokens"),
+    ({"data": {"eval_fraction": 0.1}}, "data.eval_fraction: not supported with source=synthetic"),
+    ({"data": {"bos_id": 1}}, "data.bos_id: not used with source=synthetic"),
+]
+
+
+@pytest.mark.parametrize("sections,expected", BAD)
+def test_bad_fields_name_the_field(tmp_path, sections, expected):
+    problems = _problems(tmp_path, **sections)
+    assert any(expected in p for p in problems), problems
+
+
+def test_eval_needs_held_out_data(tmp_path, shards):
+    problems = _problems(tmp_path, data={"source": "tokens", "path": str(shards)}, eval={"every_steps": 2})
+    assert any(p.startswith("eval: needs held-out data: set data.eval_path or data.eval_fraction") for p in problems)
+
+
+def test_validate_checks_the_prepared_vocab_against_the_model(tmp_path, shards, capsys):
+    (shards / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 4096}))
+    path = _spec(tmp_path, data={"source": "tokens", "path": str(shards)},
+                 model={"overrides": {"vocab_size": 512}})
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vocab_size 4096 (meta.json) but the model has 512" in err[0]
+    assert "set model.overrides.vocab_size >= 4096" in err[0]
+
+
+def test_valid_tokens_spec_with_eval(tmp_path, shards):
+    spec = load_spec(_spec(tmp_path, data={"source": "tokens", "path": str(shards), "eval_fraction": 0.1},
+                           eval={"every_steps": 5, "batches": 2}, checkpoint={"keep_best_k": 1}))
+    assert spec.eval is not None and spec.eval.batches == 2 and spec.data.path == shards.resolve()
+
+
+def test_user_loss_is_called_and_checked():
+    logits, targets = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))
+    builtin = build_loss("cross_entropy")(logits, targets)
+    assert build_loss("tests.user_data:scaled_cross_entropy")(logits, targets) == pytest.approx(2 * float(builtin))
+    with pytest.raises(ValueError, match=r"returned Tensor\(6,\); it must return a scalar floating-point tensor"):
+        build_loss("tests.user_data:unreduced_loss")(logits, targets)
+
+
+def test_optimizers_by_name_and_factory():
+    params = [torch.nn.Parameter(torch.ones(3))]
+    assert isinstance(build_optimizer(OptimizerSpec(name="sgd", lr=0.1), params), torch.optim.SGD)
+    opt = build_optimizer(OptimizerSpec(name="tests.user_data:plain_sgd", lr=0.1, kwargs={"momentum": 0.5}), params)
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.5
+    with pytest.raises(ValueError, match=r"returned list, expected a torch.optim.Optimizer"):
+        build_optimizer(OptimizerSpec(name="tests.user_data:not_an_optimizer", lr=0.1), params)

@@ -1,0 +1,166 @@
+"""Export lease liveness: judged by the reader's own clock from the holder's beat counter, never
+by comparing file times written on another machine; heartbeats survive transient errors.
+Readers get an injected clock; one test kills a real exporter process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from raytrain_ckpt.checkpoint.layout import CheckpointLayout
+from raytrain_ckpt.checkpoint.leases import LEASE_DIR, FileLease, LeaseFiles
+from tests.unit.test_checkpoint_layout import _commit
+
+REPO = Path(__file__).resolve().parents[2]
+TTL = 60.0
+
+
+class Clock:
+    """The reader's monotonic clock, advanced by hand."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _write_lease(root: Path, name: str, step: int, beat: int, mtime: float | None = None) -> Path:
+    d = root / LEASE_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{name}.json"
+    path.write_text(json.dumps({"step": step, "beat": beat}), encoding="utf-8")
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+    return path
+
+
+def _until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+# (reader clock advance before this read, beat in the file at this read, step pinned after the read)
+_TABLE = [
+    pytest.param([(0, 0, True), (TTL - 1, 0, True), (2, 0, False)], id="no beat for longer than ttl: stale"),
+    pytest.param([(0, 0, True), (TTL - 1, 1, True), (TTL - 1, 2, True), (TTL - 1, 3, True)],
+                 id="beats keep it live far past ttl"),
+    pytest.param([(0, 5, True), (TTL - 1, 6, True), (TTL - 1, 6, True), (2, 6, False)],
+                 id="ttl counts from the last change seen"),
+    pytest.param([(0, 7, True), (TTL + 5, 7, False)], id="a reader's first sight counts as a beat"),
+    pytest.param([(0, 3, True), (TTL + 5, 2, True)], id="any change is a beat (a restarted holder counts down)"),
+]
+
+
+@pytest.mark.parametrize("reads", _TABLE)
+def test_liveness_table(tmp_path: Path, reads: list[tuple[float, int, bool]]) -> None:
+    clock = Clock()
+    reader = LeaseFiles(tmp_path, ttl_s=TTL, clock=clock)
+    for advance, beat, pinned in reads:
+        clock.t += advance
+        path = _write_lease(tmp_path, "export-x", 4, beat)
+        assert (reader.leased_steps() == {4}) is pinned
+        assert path.exists() is pinned       # a stale lease file is removed
+
+
+def test_holder_clock_far_behind_does_not_make_a_beating_lease_stale(tmp_path: Path) -> None:
+    # The exporter's host clock is an hour behind: its file times are an hour old when written.
+    clock = Clock()
+    reader = LeaseFiles(tmp_path, ttl_s=TTL, clock=clock)
+    for beat in range(3):
+        _write_lease(tmp_path, "export-x", 4, beat, mtime=time.time() - 3600)
+        assert reader.leased_steps() == {4}
+        clock.t += TTL / 2
+
+
+def test_holder_clock_far_ahead_does_not_pin_a_dead_lease_forever(tmp_path: Path) -> None:
+    clock = Clock()
+    reader = LeaseFiles(tmp_path, ttl_s=TTL, clock=clock)
+    path = _write_lease(tmp_path, "export-x", 4, 9, mtime=time.time() + 3600)
+    assert reader.leased_steps() == {4}
+    clock.t += TTL + 1
+    assert reader.leased_steps() == set() and not path.exists()
+
+
+def test_leases_are_judged_one_by_one(tmp_path: Path) -> None:
+    clock = Clock()
+    reader = LeaseFiles(tmp_path, ttl_s=TTL, clock=clock)
+    _write_lease(tmp_path, "a", 1, 0)
+    _write_lease(tmp_path, "b", 2, 0)
+    assert reader.leased_steps() == {1, 2}
+    clock.t += TTL + 1
+    _write_lease(tmp_path, "b", 2, 1)
+    assert reader.leased_steps() == {2}
+
+
+def test_heartbeat_bumps_the_beat_and_survives_a_transient_error(tmp_path: Path) -> None:
+    _commit(CheckpointLayout(tmp_path), 1)
+    with FileLease(tmp_path, 1, heartbeat_s=0.01) as lease:
+        _until(lambda: lease.beats >= 2, "two heartbeats")
+        blocker = lease.path.with_suffix(".tmp")
+        blocker.mkdir()                                  # a real OSError on every write while it is there
+        _until(lambda: lease.failed_beats >= 1, "a failing beat")
+        stuck, failed = lease.beats, lease.failed_beats
+        _until(lambda: lease.failed_beats >= failed + 2, "more failing beats")
+        assert lease.beats == stuck and json.loads(lease.path.read_text())["beat"] == stuck
+        blocker.rmdir()
+        _until(lambda: json.loads(lease.path.read_text())["beat"] >= stuck + 2, "beating again after the error")
+        assert lease._thread is not None and lease._thread.is_alive()
+    assert not lease.path.exists()
+
+
+def test_heartbeat_ends_when_the_lease_file_is_removed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _commit(CheckpointLayout(tmp_path), 1)
+    caplog.set_level(logging.WARNING, logger="raytrain_ckpt.checkpoint.leases")
+    with FileLease(tmp_path, 1, heartbeat_s=0.01) as lease:
+        lease.path.unlink()                              # what a reader does to a stale lease
+        assert lease._thread is not None
+        lease._thread.join(timeout=30)
+        assert not lease._thread.is_alive() and not lease.path.exists()   # not written back
+    assert "no longer protected" in caplog.text
+
+
+_EXPORTER = """
+import sys, threading
+from raytrain_ckpt.checkpoint.leases import FileLease
+with FileLease(sys.argv[1], 1, heartbeat_s=0.02):
+    print("leased", flush=True)
+    threading.Event().wait()
+"""
+
+
+def test_a_killed_exporters_lease_stops_pinning_after_ttl_of_the_readers_clock(tmp_path: Path) -> None:
+    _commit(CheckpointLayout(tmp_path), 1)
+    p = subprocess.Popen([sys.executable, "-c", _EXPORTER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "leased"
+        clock = Clock()
+        reader = LeaseFiles(tmp_path, ttl_s=TTL, clock=clock)
+        (path,) = (tmp_path / LEASE_DIR).glob("*.json")
+        for _ in range(3):                               # alive: it pins however far the reader's clock runs
+            beat = json.loads(path.read_text())["beat"]
+            assert reader.leased_steps() == {1}
+            clock.t += TTL + 1
+            _until(lambda: json.loads(path.read_text())["beat"] != beat, "the exporter's next beat")
+            assert reader.leased_steps() == {1}
+        os.utime(path, (time.time() + 3600,) * 2)        # whatever its file time says
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    assert reader.leased_steps() == {1}                  # the last beat seen now starts its ttl
+    clock.t += TTL - 1
+    assert reader.leased_steps() == {1}
+    clock.t += 2
+    assert reader.leased_steps() == set() and not path.exists()

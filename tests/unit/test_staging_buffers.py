@@ -1,0 +1,176 @@
+"""Staging buffer files: exclusive creation, checked mapping, and the ownership lock that lets
+orphans of dead processes be swept while live buffers are never touched. Real files, real
+processes (SIGKILLed), the real CLI; every sweep runs in a private directory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, StagingFileError, sweep_orphans
+from raytrain_ckpt.checkpoint.staging import allocate_buffer, map_buffer
+
+REPO = Path(__file__).resolve().parents[2]
+_HOLDER = """
+import sys
+from pathlib import Path
+from raytrain_ckpt.checkpoint.buffers import OwnedBuffer
+held = [OwnedBuffer.create(Path(p), 4096 * (i + 1)) for i, p in enumerate(sys.argv[1:])]
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def _holder(*paths: Path) -> subprocess.Popen:
+    """A real process that creates and owns buffers at ``paths``; returns once they exist."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER, *map(str, paths)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=env)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+def _kill(p: subprocess.Popen) -> None:
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "raytrain_ckpt", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+@pytest.fixture
+def umask_0() -> Iterator[None]:
+    old = os.umask(0)
+    yield
+    os.umask(old)
+
+
+def test_created_buffers_are_0600_whatever_the_umask(tmp_path: Path, umask_0: None) -> None:
+    buf = allocate_buffer(tmp_path / "rtc-a.buf", 1000)
+    assert _mode(buf.path) == 0o600 and os.stat(buf.path).st_size == 1000
+    buf.remove()
+    assert not buf.path.exists()
+
+
+def test_a_symlink_planted_at_the_name_is_not_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 100)
+    link = tmp_path / "rtc-a.buf"
+    link.symlink_to(victim)
+    with pytest.raises(StagingFileError, match="rtc-a.buf already exists and is a symlink"):
+        allocate_buffer(link, 1 << 20)
+    assert victim.read_bytes() == b"precious" * 100 and link.is_symlink()
+
+
+def test_a_pre_created_world_readable_file_is_not_adopted(tmp_path: Path) -> None:
+    path = tmp_path / "rtc-a.buf"
+    path.write_bytes(b"x" * 10)
+    os.chmod(path, 0o644)
+    with pytest.raises(StagingFileError, match="has mode 644, not 600"):
+        allocate_buffer(path, 1 << 20)
+    assert path.read_bytes() == b"x" * 10 and _mode(path) == 0o644
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid needs root")
+def test_another_users_file_is_neither_adopted_nor_mapped(tmp_path: Path) -> None:
+    path = tmp_path / "rtc-a.buf"
+    path.write_bytes(b"\0" * 4096)
+    os.chmod(path, 0o600)
+    os.chown(path, 65534, 65534)
+    with pytest.raises(StagingFileError, match="is owned by uid 65534"):
+        allocate_buffer(path, 4096)
+    with pytest.raises(StagingFileError, match="is owned by uid 65534"):
+        map_buffer(path, 4096)
+    assert path.exists()
+
+
+def test_mapping_refuses_a_symlink_a_loose_mode_and_a_short_file(tmp_path: Path) -> None:
+    buf = allocate_buffer(tmp_path / "rtc-a.buf", 4096)
+    link = tmp_path / "rtc-link.buf"
+    link.symlink_to(buf.path)
+    with pytest.raises(StagingFileError, match="is a symlink"):
+        map_buffer(link, 4096)
+    with pytest.raises(StagingFileError, match="holds 4096 bytes, expected 8192"):
+        map_buffer(buf.path, 8192)
+    os.chmod(buf.path, 0o644)
+    with pytest.raises(StagingFileError, match="has mode 644"):
+        map_buffer(buf.path, 4096)
+    os.chmod(buf.path, 0o600)
+    assert map_buffer(buf.path, 4096).numel() == 4096
+
+
+def test_a_live_owners_name_is_an_error_a_dead_owners_is_reclaimed(tmp_path: Path) -> None:
+    path = tmp_path / "rtc-a.buf"
+    holder = _holder(path)
+    try:
+        with pytest.raises(StagingFileError, match="in use by a live process"):
+            allocate_buffer(path, 4096)
+        assert path.exists()
+    finally:
+        _kill(holder)
+    buf = allocate_buffer(path, 100)       # the dead owner's file is an orphan: replaced, not reused
+    assert os.stat(path).st_size == 100 and _mode(path) == 0o600
+    buf.remove()
+
+
+def test_sweep_removes_a_killed_processs_buffers_and_leaves_a_live_ones(tmp_path: Path) -> None:
+    dead = [tmp_path / "rtc-jobA-a0-rank0.buf", tmp_path / "rtc-jobA-a0-rank1.buf"]
+    alive = [tmp_path / "rtc-jobB-a0-rank0.buf"]
+    not_ours = tmp_path / "rtc-loose.buf"
+    not_ours.write_bytes(b"y")                 # 0644: never created by a writer, never swept
+    a, b = _holder(*dead), _holder(*alive)
+    try:
+        assert sweep_orphans(tmp_path) == []   # both owners alive
+        _kill(a)
+        assert sorted(o.path for o in sweep_orphans(tmp_path, dry_run=True)) == dead
+        assert all(p.exists() for p in dead)
+        removed = sweep_orphans(tmp_path)
+        assert sorted((o.path, o.nbytes) for o in removed) == [(dead[0], 4096), (dead[1], 8192)]
+        assert not any(p.exists() for p in dead) and alive[0].exists() and not_ours.exists()
+    finally:
+        _kill(b)
+
+
+def test_clean_buffers_command_lists_then_removes_only_orphans(tmp_path: Path) -> None:
+    dead, alive = tmp_path / "rtc-jobA-a1-rank0.buf", tmp_path / "rtc-jobB-a0-rank0.buf"
+    a, b = _holder(dead), _holder(alive)
+    try:
+        _kill(a)
+        dry = _cli("clean-buffers", "--dry-run", "--dir", str(tmp_path))
+        assert dry.returncode == 0, dry.stderr
+        assert f"would remove {dead} (0.0 MB)" in dry.stdout and str(alive) not in dry.stdout
+        assert dead.exists()
+        real = _cli("clean-buffers", "--dir", str(tmp_path))
+        assert real.returncode == 0, real.stderr
+        assert f"removed {dead} (0.0 MB)" in real.stdout and "removed 1 orphaned staging buffer(s)" in real.stdout
+        assert not dead.exists() and alive.exists()
+    finally:
+        _kill(b)
+
+
+def test_clean_buffers_with_a_missing_dir_is_a_usage_error(tmp_path: Path) -> None:
+    r = _cli("clean-buffers", "--dir", str(tmp_path / "nope"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not a directory" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_remove_leaves_a_file_that_replaced_ours_alone(tmp_path: Path) -> None:
+    buf = OwnedBuffer.create(tmp_path / "rtc-a.buf", 64)
+    buf.path.unlink()
+    buf.path.write_bytes(b"someone else's")
+    buf.remove()
+    assert buf.path.read_bytes() == b"someone else's"
