@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -20,3 +21,17 @@ def ray_cluster():
              log_to_driver=True)
     yield ray
     ray.shutdown()
+
+
+# Ray forwards actors' log lines to the driver's stderr on its own schedule, so a test that runs
+# the CLI in the same process after a Ray job may find them mixed into what it captured.
+_RAY_FORWARDED = re.compile(r"^(\x1b\[\d+m)?\((raylet[^)]*|\w+(\(.*\))? pid=\d+[^)]*)\)")
+
+
+@pytest.fixture
+def cli_stderr(capsys):
+    """What the CLI itself wrote to stderr, without lines Ray forwarded from actors."""
+    def read() -> str:
+        err = capsys.readouterr().err
+        return "".join(line for line in err.splitlines(keepends=True) if not _RAY_FORWARDED.match(line))
+    return read
