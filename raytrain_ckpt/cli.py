@@ -2,7 +2,8 @@
 clean-buffers | prepare-data``.
 
 Exit codes: 0 success, 1 the job failed, 2 a user mistake (bad spec, bad flag, not enough
-resources). User mistakes print one line per problem and never a traceback.
+resources, a checkpoint.dir that not every node shares). User mistakes print one line per
+problem and never a traceback.
 """
 
 from __future__ import annotations
@@ -121,12 +122,13 @@ def _factories_importable(spec_path: str) -> None:
 
 def _run(spec: JobSpec, address: str | None) -> int:
     from raytrain_ckpt import api
+    from raytrain_ckpt.checkpoint.probe import StorageNotShared
     from raytrain_ckpt.driver import ResourceError
 
     setup_logging()
     try:
         result = api.run(spec, address=address)
-    except ResourceError as exc:
+    except (ResourceError, StorageNotShared) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if result.state.value == "SUCCEEDED":
@@ -140,11 +142,20 @@ def _run(spec: JobSpec, address: str | None) -> int:
               f"{_final(result.losses)}, {result.attempts} attempt(s){resumed}, {result.elapsed_s:.1f}s")
         if result.checkpoints:
             print(f"checkpoints in {result.checkpoints['root']}: committed steps {result.checkpoints['committed']}")
+            _print_failed_saves(result.checkpoints)
         return EXIT_OK
     summary = "".join(f"\n  {line}" for line in result.failures)
     print(f"job {spec.name} FAILED after {result.attempts} attempt(s); failures:{summary}\nlast error:\n{result.error}",
           file=sys.stderr)
     return EXIT_FAILED
+
+
+def _print_failed_saves(checkpoints: dict) -> None:
+    from raytrain_ckpt.checkpoint.summary import failed_saves_text
+
+    text = failed_saves_text(checkpoints)
+    if text is not None:
+        print(f"warning: {text}", file=sys.stderr)
 
 
 # --- export / import ---------------------------------------------------------------

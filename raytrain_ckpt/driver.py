@@ -8,6 +8,7 @@ import os
 import ray
 
 from raytrain_ckpt.checkpoint.service import CheckpointService
+from raytrain_ckpt.checkpoint.summary import failed_saves_text
 from raytrain_ckpt.controller import Controller, JobResult, JobState
 from raytrain_ckpt.dashboard import install_dashboard
 from raytrain_ckpt.faults import fault_env
@@ -48,6 +49,7 @@ def _run_controller(spec: JobSpec) -> JobResult:
     pool = WorkerPool(spec, fault_env() or None)
     service = CheckpointService(spec, fault_env() or None) if spec.checkpoint.enabled else None
     metrics = ControllerMetrics(spec.name, checkpointing=service is not None)
+    _warn_restarts_without_checkpoints(spec)
 
     def observe(ctrl: Controller) -> None:
         metrics(ctrl)
@@ -55,6 +57,8 @@ def _run_controller(spec: JobSpec) -> JobResult:
             service.note_job(ctrl.summary())
 
     try:
+        if service is not None:
+            service.preflight()  # a checkpoint root some node cannot share fails here, before training
         controller = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool), observer=observe)
         result = controller.run()
         if service is not None:
@@ -64,6 +68,7 @@ def _run_controller(spec: JobSpec) -> JobResult:
             result.checkpoints["save_error"] = problem
             if problem is not None:
                 controller.reject("checkpoint", problem)
+            _warn_failed_saves(result.checkpoints)
         if service is not None and spec.checkpoint.final_export is not None and result.state.value == "SUCCEEDED":
             from raytrain_ckpt.checkpoint.export import final_export
 
@@ -74,6 +79,20 @@ def _run_controller(spec: JobSpec) -> JobResult:
         pool.close()
         if service is not None:
             service.shutdown()
+
+
+def _warn_restarts_without_checkpoints(spec: JobSpec) -> None:
+    if not spec.checkpoint.enabled and spec.fault_tolerance.max_restarts > 0:
+        logger.warning("fault_tolerance.max_restarts=%d but checkpoint.enabled=false: every restart begins again "
+                       "at step 0; set checkpoint.enabled=true to resume from the latest checkpoint",
+                       spec.fault_tolerance.max_restarts)
+
+
+def _warn_failed_saves(checkpoints: dict) -> None:
+    """A job that ends with its newest saves failed says so, even when it succeeded."""
+    text = failed_saves_text(checkpoints)
+    if text is not None:
+        logger.warning("checkpoints: %s", text)
 
 
 def _init_ray(address: str | None) -> None:

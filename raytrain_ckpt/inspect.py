@@ -21,7 +21,7 @@ from typing import Any
 
 from raytrain_ckpt.checkpoint.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, Verify,
                                              parse_entry, step_name)
-from raytrain_ckpt.checkpoint.summary import phase_text, summary_line
+from raytrain_ckpt.checkpoint.summary import failed_saves_text, phase_text, summary_line
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,11 @@ def status_report(target: str | None, job: str | None, address: str | None,
         head = (f"job {st['job']}: {info.get('state', '?')}, attempt {info.get('attempt', 0)}, training step "
                 f"{info.get('train_step', '?')}; {summary_line(st)}; work at risk {risk['steps']} steps, "
                 f"{risk['seconds']:.0f}s")
-        data = {"root": root, "job": info, "summary": summary_line(st), "at_risk": risk}
+        failing = failed_saves_text(st)
+        if failing is not None:
+            head += f"\nsaves failing: {failing}"
+        data = {"root": root, "job": info, "summary": summary_line(st), "at_risk": risk,
+                "failed_saves": st.get("failed_saves")}
     else:
         root = _root(target)
         rows = scan(root, level)

@@ -9,7 +9,8 @@ Who emits what:
 
 * ``TrainerMetrics`` (each TrainWorker): step, loss, eval loss, tokens/s, step time, checkpoint stall.
 * ``CheckpointMetrics`` (the CheckpointActor): committed and in-flight step, phase and
-  per-rank progress, phase durations, bytes, throughput, purges, aborts, work at risk.
+  per-rank progress, phase durations, bytes, throughput, purges, aborts, failed saves (in a
+  row and in all), work at risk.
 * ``WriterMetrics`` (each node's CheckpointWriter): bytes and write time per rank.
 * ``ControllerMetrics`` (the driver, called after every controller step): state, attempt,
   failures and restarts by cause, and the training step it polled.
@@ -92,6 +93,10 @@ METRICS: dict[str, MetricDef] = {m.name.removeprefix(PREFIX): m for m in (
     _m("checkpoint_commits_total", "counter", "Steps committed."),
     _m("checkpoint_aborted_total", "counter", "Steps aborted (a writer died, a commit failed, a restart)."),
     _m("checkpoint_purged_total", "counter", "Committed steps removed by retention."),
+    _m("checkpoint_failed_saves_total", "counter", "Saves that did not commit, for any reason (counted once per "
+       "step)."),
+    _m("checkpoint_consecutive_failed_saves", "gauge", "Saves that failed since the last commit (0 after a "
+       "commit): alert when it stays above 0."),
     _m("work_at_risk_seconds", "gauge", "Seconds since the newest commit (since the job started when none): "
        "the training time a failure now would repeat."),
     _m("work_at_risk_steps", "gauge", "Steps trained since the newest committed step."),
@@ -264,6 +269,7 @@ class CheckpointMetrics:
             self.committed_step, self.commit_unix = newest.step, newest.created_unix
         record("checkpoint_committed_step", self.committed_step, self._tags)
         record("checkpoint_last_commit_timestamp_seconds", self.commit_unix, self._tags)
+        record("checkpoint_consecutive_failed_saves", 0, self._tags)
         self.progress(None, "idle", {}, 0)
 
     def progress(self, step: int | None, phase: str, ranks: dict[int, int], world_size: int) -> None:
@@ -290,6 +296,7 @@ class CheckpointMetrics:
         record("checkpoint_last_bytes", nbytes, self._tags)
         record("checkpoint_bytes_written_total", nbytes, self._tags)
         record("checkpoint_commits_total", 1, self._tags)
+        record("checkpoint_consecutive_failed_saves", 0, self._tags)
         total = manifest.wall.get("total_s", 0.0)
         if total > 0:
             record("checkpoint_throughput_bytes_per_second", nbytes / total, self._tags)
@@ -301,6 +308,11 @@ class CheckpointMetrics:
 
     def aborted(self) -> None:
         record("checkpoint_aborted_total", 1, self._tags)
+
+    def save_failed(self, consecutive: int) -> None:
+        """A step's save failed; ``consecutive``: failed saves since the last commit, this one included."""
+        record("checkpoint_failed_saves_total", 1, self._tags)
+        record("checkpoint_consecutive_failed_saves", consecutive, self._tags)
 
     def purged(self, count: int) -> None:
         record("checkpoint_purged_total", count, self._tags)

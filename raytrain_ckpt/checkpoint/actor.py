@@ -18,7 +18,7 @@ import shutil
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from raytrain_ckpt.metrics import CheckpointMetrics, inflight_phase
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GROUP_FILE", "CheckpointActor", "ResumePoint", "StepAborted"]
+__all__ = ["GROUP_FILE", "CheckpointActor", "ResumePoint", "SaveFailures", "StepAborted"]
 
 GROUP_FILE = ".group.json"
 """The layout of the group last configured, under the job's root (not a step: nothing scans it)."""
@@ -53,6 +53,26 @@ class ResumePoint:
     path: str
     world_size: int
     samples_seen: int
+
+
+@dataclass
+class SaveFailures:
+    """Failed saves as ``status``, the metrics and the job's end report them: a job whose saves
+    keep failing must say so. Counted per step (every rank of a failed step reports it)."""
+
+    total: int = 0
+    consecutive: int = 0
+    """Failed saves since the last commit."""
+    last_step: int | None = None
+    last_error: str | None = None
+
+    def failed(self, step: int, reason: str) -> None:
+        self.total += 1
+        self.consecutive += 1
+        self.last_step, self.last_error = step, reason
+
+    def committed(self) -> None:
+        self.consecutive = 0
 
 
 @dataclass
@@ -90,6 +110,7 @@ class CheckpointActor:
         self.layout.remove_leftover_tmp()
         self.committed: dict[int, Manifest] = self.layout.valid_steps("size")
         self.failed: dict[int, str] = {}
+        self.saves = SaveFailures()
         self.pending: dict[int, _Pending] = {}
         self.leases: dict[str, int] = {}
         self.lease_files = LeaseFiles(self.layout.root)  # exporters' leases, judged live by our own clock
@@ -237,6 +258,7 @@ class CheckpointActor:
         maybe_inject("commit", 0, step, p.attempt)
         self.layout.commit(p.tmp, manifest)
         self.committed[step] = manifest
+        self.saves.committed()
         del self.pending[step]
         p.done.set()
         logger.info("committed step %d: %.1f MB, stage %.3fs persist %.3fs commit %.3fs", step,
@@ -288,7 +310,10 @@ class CheckpointActor:
     async def abort(self, step: int, reason: str) -> None:
         """Give up on an in-flight step: remove its temporary directory, remember why."""
         p = self.pending.pop(step, None)
-        self.failed[step] = reason
+        if step not in self.failed:  # the first reason is the cause; later ranks only see the step gone
+            self.failed[step] = reason
+            self.saves.failed(step, reason)
+            self.metrics.save_failed(self.saves.consecutive)
         if p is not None:
             p.error = reason
             p.done.set()
@@ -307,6 +332,16 @@ class CheckpointActor:
         await asyncio.wait_for(p.done.wait(), timeout_s)
         if step not in self.committed:
             raise StepAborted(f"step {step} aborted: {p.error}")
+
+    # --- preflight -----------------------------------------------------------------------
+
+    async def probes_seen(self, names: list[str]) -> tuple[str, list[str]]:
+        """This actor's node id and which of the writers' probe files it sees under the root
+        (the shared-storage preflight, checkpoint/probe.py)."""
+        import ray
+
+        seen = [n for n in names if (self.layout.root / n).is_file()]
+        return ray.get_runtime_context().get_node_id(), seen
 
     # --- loading -------------------------------------------------------------------------
 
@@ -388,7 +423,7 @@ class CheckpointActor:
         step, phase, ranks = self._inflight()
         return {"root": str(self.layout.root), "committed": sorted(self.committed),
                 "in_flight": sorted(self.pending), "failed": dict(self.failed),
-                "purge_errors": self.purge_errors, "leases": dict(Counter(self.leases.values())),
+                "purge_errors": self.purge_errors, "failed_saves": asdict(self.saves), "leases": dict(Counter(self.leases.values())),
                 "latest": max(self.committed) if self.committed else None,
                 "job": self.layout.root.name, "world_size": self.world_size,
                 "steps": {s: {"bytes": m.total_bytes, "wall": {**m.wall, **self._stall(s)},

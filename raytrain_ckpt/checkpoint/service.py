@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Any
 
 import ray
@@ -13,6 +14,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raytrain_ckpt.checkpoint.actor import CheckpointActor, ResumePoint
 from raytrain_ckpt.checkpoint.names import NAMESPACE, ActorByName, actor_name, writer_name
 from raytrain_ckpt.checkpoint.client import SaveSchedule
+from raytrain_ckpt.checkpoint.probe import StorageNotShared, local_root, missing_probes, unshared_message
 from raytrain_ckpt.checkpoint.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.writer import CheckpointWriter
 from raytrain_ckpt.spec import JobSpec
@@ -52,6 +54,27 @@ class CheckpointService:
                      self.spec.checkpoint.writer_threads,
                      self.spec.checkpoint.writer_nice)
         return self._writers[node_id]
+
+    def preflight(self) -> None:
+        """Before anything trains: check that every node that may host a rank shares the
+        checkpoint root with the CheckpointActor (checkpoint/probe.py).
+
+        Raises:
+            StorageNotShared: some nodes write to a disk the actor cannot see; names them.
+        """
+        if local_root(str(self.root)) is None:
+            return
+        writers = [self.writer_for(node) for node in _rank_nodes(self.spec)]
+        timeout = self.spec.fault_tolerance.start_timeout_s  # writers start like workers do
+        probes = ray.get([w.write_probe.remote(uuid.uuid4().hex[:12]) for w in writers], timeout=timeout)
+        try:
+            actor_node, seen = ray.get(self.actor.probes_seen.remote([p.name for p in probes]), timeout=timeout)
+        finally:
+            ray.get([w.remove_probe.remote(p.name) for w, p in zip(writers, probes)], timeout=timeout)
+        missing = missing_probes(probes, set(seen))
+        if missing:
+            raise StorageNotShared(unshared_message(str(self.spec.checkpoint.dir), missing, actor_node))
+        logger.info("checkpoint root %s is shared by the %d node(s) that may host ranks", self.root, len(probes))
 
     def acquire(self, attempt: int, spec: JobSpec) -> ResumePoint | None:
         """Verify and lease the checkpoint this attempt loads (None: start fresh).
@@ -134,3 +157,11 @@ class CheckpointService:
                 logger.warning("could not release staging buffers: %s", exc)
             ray.kill(w, no_restart=True)
         ray.kill(self.actor, no_restart=True)
+
+
+def _rank_nodes(spec: JobSpec) -> list[str]:
+    """Ids of the alive nodes with room for at least one rank (a 0-CPU head hosts none)."""
+    res = spec.resources
+    need = {"CPU": res.cpus_per_worker, "GPU": res.gpus}
+    return [n["NodeID"] for n in ray.nodes()
+            if n["Alive"] and all(n["Resources"].get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["phase_text", "summary_line"]
+__all__ = ["failed_saves_text", "phase_text", "summary_line"]
 
 
 def phase_text(inflight: dict[str, Any], world_size: int) -> str:
@@ -22,3 +22,13 @@ def summary_line(status: dict[str, Any]) -> str:
     if inflight["step"] is None:
         return text + " inflight=-"
     return text + f" inflight={inflight['step']} {phase_text(inflight, status['world_size'])}"
+
+
+def failed_saves_text(status: dict[str, Any]) -> str | None:
+    """``3 save(s) failed in a row since the last commit (4 in all); the newest: step 30: <why>``,
+    or None when the newest save did not fail."""
+    saves = status.get("failed_saves") or {}
+    if not saves.get("consecutive"):
+        return None
+    return (f"{saves['consecutive']} save(s) failed in a row since the last commit ({saves['total']} in all); "
+            f"the newest: step {saves['last_step']}: {saves['last_error']}")

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, shm_dir, sweep_orphans
 from raytrain_ckpt.checkpoint.layout import describe_file
+from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, probe_name
 from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, map_buffer, slot_views
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.metrics import WriterMetrics
@@ -87,6 +88,7 @@ class CheckpointWriter:
     def __init__(self, job: str, root: str, coordinator: Any, io_threads: int = 1, nice: int = 10) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.prefix = buffer_prefix(job, root)
+        self.root = root
         self.coordinator = coordinator
         # Persisting is background work: let the training processes win the cores.
         os.nice(nice)
@@ -102,6 +104,24 @@ class CheckpointWriter:
         # Buffers of writers that died (this job's previous incarnation, a job whose driver was
         # killed) hold RAM until someone removes them; a live writer's buffers are left alone.
         sweep_orphans(shm_dir())
+
+    def write_probe(self, nonce: str) -> NodeProbe | None:
+        """Write this node's shared-storage probe under the root (see checkpoint/probe.py);
+        None for an object-store root, which needs none."""
+        local = local_root(self.root)
+        if local is None:
+            return None
+        node_id = ray.get_runtime_context().get_node_id()
+        path = Path(local) / probe_name(node_id, nonce)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(node_id, encoding="ascii")
+        return NodeProbe(node_id, ray.util.get_node_ip_address(), path.name)
+
+    def remove_probe(self, name: str) -> None:
+        """Remove this node's probe (only this node can: its disk may be private)."""
+        local = local_root(self.root)
+        if local is not None:
+            (Path(local) / name).unlink(missing_ok=True)
 
     def allocate(self, rank: int, attempt: int, nbytes: int) -> str:
         """Create the rank's staging file for this attempt (reused across its saves).

@@ -1,0 +1,114 @@
+"""The shared-storage preflight's decision (nodes expected vs probes seen) and the failed-save
+counters the CheckpointActor reports in ``status``, the metrics and the job's end."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+
+from raytrain_ckpt import metrics
+from raytrain_ckpt.checkpoint.actor import SaveFailures
+from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, missing_probes, probe_name, unshared_message
+from raytrain_ckpt.checkpoint.summary import failed_saves_text
+from tests.unit.test_checkpoint_actor import _save, _single_rank_actor
+
+A = NodeProbe("a" * 56, "10.0.0.1", probe_name("a" * 56, "n1"))
+B = NodeProbe("b" * 56, "10.0.0.2", probe_name("b" * 56, "n1"))
+C = NodeProbe("c" * 56, "10.0.0.3", probe_name("c" * 56, "n1"))
+
+
+@pytest.mark.parametrize(("expected", "seen", "missing"), [
+    ([A, B, C], {A.name, B.name, C.name}, []),                       # one shared filesystem
+    ([A, B, C], {A.name}, [B, C]),                                   # the actor sits on A's private disk
+    ([A, B], {A.name, probe_name(B.node_id, "older")}, [B]),         # a leftover of another start is not B's probe
+    ([A], set(), [A]),                                               # even one node: the actor's node may differ
+    ([], set(), []),
+])
+def test_missing_probes(expected, seen, missing) -> None:
+    assert missing_probes(expected, seen) == missing
+
+
+@pytest.mark.parametrize(("root", "local"), [
+    ("/mnt/ckpt/job", "/mnt/ckpt/job"),
+    ("relative/job", "relative/job"),
+    ("file:///mnt/ckpt/job", "/mnt/ckpt/job"),   # a local path still: may be a node-local disk
+    ("s3://bucket/prefix/job", None),            # one namespace for every node: nothing to probe
+    ("gs://bucket/job", None),
+])
+def test_only_local_roots_are_probed(root, local) -> None:
+    assert local_root(root) == local
+
+
+def test_probe_names_are_dot_files_unique_per_node_and_start() -> None:
+    names = {probe_name(n, nonce) for n in ("a", "b") for nonce in ("1", "2")}
+    assert len(names) == 4 and all(n.startswith(".") for n in names)
+
+
+def test_unshared_message_names_the_nodes_and_the_fix() -> None:
+    text = unshared_message("/mnt/ckpt", [B, C], A.node_id)
+    assert "\n" not in text and text.startswith("checkpoint.dir=/mnt/ckpt: ")
+    assert f"{B.node_id[:12]} (10.0.0.2)" in text and f"{C.node_id[:12]} (10.0.0.3)" in text
+    assert A.node_id[:12] in text and "10.0.0.1" not in text          # A is the actor's node, not a culprit
+    assert "NFS" in text and "s3://bucket/prefix" in text
+
+
+@pytest.mark.parametrize(("events", "total", "consecutive", "last"), [
+    ([], 0, 0, None),
+    ([("fail", 10)], 1, 1, 10),
+    ([("fail", 10), ("fail", 20), ("fail", 30)], 3, 3, 30),
+    ([("fail", 10), ("commit", 20), ("fail", 30)], 2, 1, 30),
+    ([("fail", 10), ("fail", 20), ("commit", 30)], 2, 0, 20),
+])
+def test_save_failures_table(events, total, consecutive, last) -> None:
+    saves = SaveFailures()
+    for kind, step in events:
+        saves.failed(step, f"why {step}") if kind == "fail" else saves.committed()
+    assert (saves.total, saves.consecutive, saves.last_step) == (total, consecutive, last)
+    assert saves.last_error == (f"why {last}" if last is not None else None)
+
+
+def test_actor_counts_each_failed_step_once_and_a_commit_resets_the_run(tmp_path: Path, monkeypatch) -> None:
+    recorded: list[tuple[str, float]] = []
+    monkeypatch.setattr(metrics, "record", lambda name, value, tags: recorded.append((name, value)))
+    actor = _single_rank_actor(tmp_path, k=None)
+
+    async def scenario() -> list[dict]:
+        seen = []
+        await _save(actor, 1)
+        for step in (2, 3):
+            await actor.open_step(step, 0)
+            await actor.abort(step, f"rank 0: disk full at step {step}")
+            await actor.abort(step, f"rank 1: step {step} is not in flight")  # a second rank: same step
+        seen.append(await actor.status())
+        await _save(actor, 4)
+        seen.append(await actor.status())
+        return seen
+
+    failing, recovered = asyncio.run(scenario())
+    assert failing["failed_saves"] == {"total": 2, "consecutive": 2, "last_step": 3,
+                                       "last_error": "rank 0: disk full at step 3"}   # the cause, not the echo
+    assert failing["failed"] == {2: "rank 0: disk full at step 2", 3: "rank 0: disk full at step 3"}
+    assert failed_saves_text(failing) == ("2 save(s) failed in a row since the last commit (2 in all); "
+                                          "the newest: step 3: rank 0: disk full at step 3")
+    assert recovered["failed_saves"]["consecutive"] == 0 and recovered["failed_saves"]["total"] == 2
+    assert failed_saves_text(recovered) is None
+    assert [v for n, v in recorded if n == "checkpoint_failed_saves_total"] == [1, 1]
+    gauge = [v for n, v in recorded if n == "checkpoint_consecutive_failed_saves"]
+    assert gauge[-3:] == [1, 2, 0]
+
+
+def test_restarts_without_checkpoints_warn_at_start(caplog) -> None:
+    from raytrain_ckpt.driver import _warn_restarts_without_checkpoints
+    from raytrain_ckpt.spec import JobSpec
+
+    caplog.set_level(logging.WARNING)
+    _warn_restarts_without_checkpoints(JobSpec(name="x", fault_tolerance={"max_restarts": 2}))
+    assert "every restart begins again at step 0" in caplog.text and "checkpoint.enabled=true" in caplog.text
+    caplog.clear()
+    _warn_restarts_without_checkpoints(JobSpec(name="x", fault_tolerance={"max_restarts": 0}))
+    _warn_restarts_without_checkpoints(JobSpec(name="x", checkpoint={"enabled": True},
+                                               fault_tolerance={"max_restarts": 2}))
+    assert caplog.text == ""
