@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 import ray
+from ray.exceptions import RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ckpt.checkpoint.actor import CheckpointActor, ResumePoint
@@ -64,9 +65,18 @@ class CheckpointService:
         """
         if local_root(str(self.root)) is None:
             return
-        writers = [self.writer_for(node) for node in _rank_nodes(self.spec)]
+        nodes = _rank_nodes(self.spec)
+        writers = [self.writer_for(node) for node in nodes]
         timeout = self.spec.fault_tolerance.start_timeout_s  # writers start like workers do
-        probes = ray.get([w.write_probe.remote(uuid.uuid4().hex[:12]) for w in writers], timeout=timeout)
+        nonce = uuid.uuid4().hex[:12]
+        try:
+            probes = ray.get([w.write_probe.remote(nonce) for w in writers], timeout=timeout)
+        except RayTaskError as exc:
+            if not isinstance(exc.cause, OSError):
+                raise
+            # a directory a node cannot write is a setup mistake like an unshared one: one line, exit 2
+            raise StorageNotShared(f"checkpoint.dir={self.spec.checkpoint.dir}: a node cannot write there "
+                                   f"({exc.cause}); make the path writable on every node") from None
         try:
             actor_node, seen = ray.get(self.actor.probes_seen.remote([p.name for p in probes]), timeout=timeout)
         finally:
