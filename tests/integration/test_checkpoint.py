@@ -211,6 +211,10 @@ def test_a_run_whose_saves_did_not_commit_fails(ray_cluster, tmp_path, monkeypat
     assert why in (result.error or "") and why in result.checkpoints["save_error"]
     assert any(str(f).startswith("attempt 0 checkpoint: ") for f in result.failures), result.failures
     assert all(r.steps == 10 for r in result.results)     # training itself finished
+    failed_steps = [int(f.split("step=")[1]) for f in faults.split(";")]
+    saves = result.checkpoints["failed_saves"]           # each failed step once, none committed since
+    assert saves["total"] == saves["consecutive"] == len(failed_steps), saves
+    assert saves["last_step"] == failed_steps[-1] and "rank" in saves["last_error"], saves
 
 
 def test_resuming_an_older_step_starts_a_new_timeline(reference, tmp_path, monkeypatch):

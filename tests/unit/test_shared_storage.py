@@ -4,6 +4,7 @@ counters the CheckpointActor reports in ``status``, the metrics and the job's en
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 
@@ -112,3 +113,25 @@ def test_restarts_without_checkpoints_warn_at_start(caplog) -> None:
     _warn_restarts_without_checkpoints(JobSpec(name="x", checkpoint={"enabled": True},
                                                fault_tolerance={"max_restarts": 2}))
     assert caplog.text == ""
+
+
+def test_status_of_a_live_job_shows_failing_saves(tmp_path: Path, monkeypatch, capsys) -> None:
+    from raytrain_ckpt import inspect as ckpt_inspect
+    from raytrain_ckpt.cli import main
+
+    actor = _single_rank_actor(tmp_path / "job", k=None)
+
+    async def fail_two() -> dict:
+        await _save(actor, 1)
+        for step in (2, 3):
+            await actor.abort(step, f"rank 0: [Errno 28] No space left on device (step {step})")
+        return await actor.status()
+
+    snapshot = asyncio.run(fail_two())
+    monkeypatch.setattr(ckpt_inspect, "live_status", lambda job, address: snapshot)  # the actor, without Ray
+    assert main(["status", "--job", "job"]) == 0
+    out = capsys.readouterr().out
+    assert ("saves failing: 2 save(s) failed in a row since the last commit (2 in all); the newest: step 3: "
+            "rank 0: [Errno 28] No space left on device (step 3)") in out
+    assert main(["status", "--job", "job", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["failed_saves"]["consecutive"] == 2
