@@ -135,3 +135,36 @@ def test_status_of_a_live_job_shows_failing_saves(tmp_path: Path, monkeypatch, c
             "rank 0: [Errno 28] No space left on device (step 3)") in out
     assert main(["status", "--job", "job", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["failed_saves"]["consecutive"] == 2
+
+
+@pytest.mark.parametrize(("outcome", "code", "stream", "line"), [
+    ("unshared", 2, "err", "error: checkpoint.dir=/mnt/ckpt: not shared by every node"),
+    ("saves failing", 0, "err", "warning: 2 save(s) failed in a row since the last commit (3 in all); the newest: "
+                                "step 6: rank 1: boom"),
+    ("saves fine", 0, "out", "committed steps [2, 4]"),
+])
+def test_run_reports_an_unshared_dir_and_failing_saves(monkeypatch, capsys, outcome, code, stream, line) -> None:
+    from raytrain_ckpt import api, cli
+    from raytrain_ckpt.checkpoint.probe import StorageNotShared
+    from raytrain_ckpt.controller import JobResult, JobState
+    from raytrain_ckpt.spec import JobSpec
+
+    failing = {"total": 3, "consecutive": 2 if outcome == "saves failing" else 0, "last_step": 6,
+               "last_error": "rank 1: boom"}
+
+    def fake_run(spec: JobSpec, address: str | None = None) -> JobResult:
+        if outcome == "unshared":
+            raise StorageNotShared(unshared_message("/mnt/ckpt", [B], A.node_id))
+        return JobResult(JobState.SUCCEEDED, 1, checkpoints={"root": "/r", "committed": [2, 4],
+                                                             "failed_saves": failing})
+
+    monkeypatch.setattr(api, "run", fake_run)
+    monkeypatch.setattr(cli, "setup_logging", lambda: None)
+    assert cli._run(JobSpec(name="x"), None) == code
+    out = capsys.readouterr()
+    text = out.err if stream == "err" else out.out
+    assert line in text and "Traceback" not in out.err
+    if outcome != "saves failing":
+        assert "warning:" not in out.err
+    if outcome == "unshared":
+        assert out.err.count("\n") == 1 and out.out == ""
