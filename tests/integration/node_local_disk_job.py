@@ -3,7 +3,7 @@ machine (ray.cluster_utils.Cluster) whose nodes share the checkpoint directory, 
 node started by `ray start` inside its own mount namespace (`unshare -m`) with a private tmpfs
 mounted over the checkpoint directory: a node-local disk, for real.
 
-1. Head (0 CPUs) + two 2-CPU nodes: the shared-storage preflight passes and removes its probes.
+1. A 2-CPU head + one 2-CPU node: the shared-storage preflight passes and removes its probes.
 2. The private-disk node joins: `raytrain-ckpt run` refuses the job (exit 2, one line naming the
    node that does not share the directory) before anything trains.
 
@@ -109,22 +109,27 @@ def _refused_run(address: str, ckpt: Path) -> dict:
 def main(root: str) -> None:
     ckpt = Path(root) / "ckpt"
     ckpt.mkdir()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    t0 = time.monotonic()
+    seconds: dict[str, float] = {}  # where the time goes (this box is small and shared)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     private: subprocess.Popen | None = None
     try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=2)
+        cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
+        seconds["cluster"] = time.monotonic() - t0
         shared = _shared_preflight(ckpt)
+        seconds["shared_preflight"] = time.monotonic() - t0 - sum(seconds.values())
         (ckpt / "host-only").write_text("the private node's tmpfs hides this file")
         private = _private_disk_node(cluster.address, ckpt)
-        _wait_nodes(4)
-        private_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in
-                          {cluster.head_node.node_id, *(w.node_id for w in cluster.worker_nodes)})
+        _wait_nodes(3)
+        shared_ids = [cluster.head_node.node_id, *(w.node_id for w in cluster.worker_nodes)]
+        private_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in shared_ids)
+        seconds["private_node"] = time.monotonic() - t0 - sum(seconds.values())
         refused = _refused_run(cluster.address, ckpt)
-        result = {"shared": shared, "refused": refused, "private_node": private_id,
-                  "shared_nodes": [w.node_id for w in cluster.worker_nodes],
+        seconds["refused_run"] = time.monotonic() - t0 - sum(seconds.values())
+        result = {"shared": shared, "refused": refused, "private_node": private_id, "seconds": seconds,
+                  "shared_nodes": shared_ids,
                   "host_view": _listing(ckpt), "private_view": _listing(ckpt, private.pid)}
     finally:
         if private is not None:

@@ -41,7 +41,7 @@ def test_preflight_refuses_a_node_local_checkpoint_dir(private_mounts, tmp_path)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     r = json.loads(lines[-1])
-    # every node shares the directory: the preflight probes both 2-CPU nodes and leaves no probe behind
+    # every node shares the directory: the preflight probes both nodes (head and one more) and leaves no probe
     shared = r["shared"]
     assert shared["error"] is None, shared
     assert any("shared by the 2 node(s)" in m for m in shared["logs"]), shared
