@@ -423,7 +423,8 @@ class CheckpointActor:
         step, phase, ranks = self._inflight()
         return {"root": str(self.layout.root), "committed": sorted(self.committed),
                 "in_flight": sorted(self.pending), "failed": dict(self.failed),
-                "purge_errors": self.purge_errors, "failed_saves": asdict(self.saves), "leases": dict(Counter(self.leases.values())),
+                "purge_errors": self.purge_errors, "failed_saves": asdict(self.saves),
+                "leases": dict(Counter(self.leases.values())),
                 "latest": max(self.committed) if self.committed else None,
                 "job": self.layout.root.name, "world_size": self.world_size,
                 "steps": {s: {"bytes": m.total_bytes, "wall": {**m.wall, **self._stall(s)},
