@@ -30,6 +30,7 @@ from torch.distributed.checkpoint._traverse import set_element
 
 from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, UnsafeCheckpoint
 from raytrain_ckpt.checkpoint.unpickling import allowed_global, refusal
+from raytrain_ckpt.events import headline
 
 __all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "SafeUnpickler", "empty_safe_planner", "read_metadata"]
 
@@ -87,7 +88,7 @@ def _load_bytes_safely(planner: DefaultLoadPlanner, read_item: ReadItem, value: 
         obj = torch.load(value, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpoint(f"entry {read_item.dest_index.fqn} is not plain data, refused: "
-                               f"{str(exc).splitlines()[0][:200]}") from None
+                               f"{headline(str(exc))[:200]}") from None
     if planner.flatten_state_dict:
         set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], obj)
     else:
