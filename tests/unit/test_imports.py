@@ -128,3 +128,11 @@ def test_validate_of_a_built_in_model_imports_neither_torch_nor_ray():
     code = ("from raytrain_ckpt.cli import main\n"
             "assert main(['validate', 'jobs/llama_debug_fsdp.yaml', '--set', 'model.overrides.n_layers=6']) == 0")
     assert _loaded_after(code, ("torch", "ray", "numpy")) == []
+
+
+def test_validate_of_a_gpu_spec_imports_torch_only_where_a_gpu_driver_is():
+    from raytrain_ckpt.spec.environment import _has_gpu_device_files
+
+    # torch.cuda tells the GPU's memory; a driver machine without a GPU skips that check
+    code = "from raytrain_ckpt.cli import main\nassert main(['validate', 'jobs/llama_8b_gpu.yaml']) == 0"
+    assert _loaded_after(code, ("torch", "ray")) == (["torch"] if _has_gpu_device_files() else [])
