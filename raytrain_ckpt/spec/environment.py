@@ -104,12 +104,14 @@ def _memory_problems(spec: JobSpec) -> list[tuple[str, str]]:
     if per_rank is None:
         return []
     if spec.resources.use_gpu:
+        # The driver often has no GPU, and then the workers' devices are unknown here. Looking for
+        # a GPU driver's device files first keeps `validate` torch-free on such a machine.
         if not _has_gpu_device_files():
-            return []  # the driver often has no GPU: the workers' devices are unknown here
-        import torch  # only on a machine with a GPU driver: elsewhere `validate` skips the import
+            return []
+        import torch
 
         if not torch.cuda.is_available():
-            return []  # the driver often has no GPU: the workers' devices are unknown here
+            return []
         limit, what = torch.cuda.get_device_properties(0).total_memory, "GPU memory of this machine's GPU 0"
     else:
         limit, what = host_memory_bytes(), "RAM of this machine"
