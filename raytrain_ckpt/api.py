@@ -10,9 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
-from raytrain_ckpt.spec import JobSpec, SpecError, format_validation_error, load_spec, parse_overrides
+from raytrain_ckpt.spec import JobSpec, apply_overrides, check_environment, load_spec, validate_spec
 
 if TYPE_CHECKING:
     from raytrain_ckpt.controller import JobResult
@@ -28,7 +26,8 @@ def resolve_spec(spec: SpecLike, overrides: list[str] | None = None) -> JobSpec:
     """The validated ``JobSpec`` for ``spec`` with ``overrides`` (``"training.steps=20"``, as ``--set``) applied.
 
     Precedence, as on the command line: overrides > the spec given > field defaults. Relative
-    paths in a dict or a ``JobSpec`` are relative to the working directory.
+    paths in a dict or a ``JobSpec`` are relative to the working directory. Every spec is also
+    checked against this machine (writable directories, memory), as ``load_spec`` does.
 
     Raises:
         SpecError: the spec or an override is invalid; ``problems`` has one line per problem.
@@ -36,16 +35,10 @@ def resolve_spec(spec: SpecLike, overrides: list[str] | None = None) -> JobSpec:
     if isinstance(spec, (str, Path)):
         return load_spec(spec, overrides)
     if isinstance(spec, JobSpec) and not overrides:
+        check_environment(spec)
         return spec
     raw = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else _copy(spec)
-    from raytrain_ckpt.spec.loading import _apply_override  # the file path's own --set, so both read alike
-
-    for dotted, value in parse_overrides(overrides or []):
-        _apply_override(raw, dotted, value)
-    try:
-        return JobSpec.model_validate(raw, context={"base_dir": Path.cwd()})
-    except ValidationError as exc:
-        raise SpecError(format_validation_error(exc)) from None
+    return validate_spec(apply_overrides(raw, overrides), base_dir=Path.cwd())
 
 
 def run(spec: SpecLike, overrides: list[str] | None = None, address: str | None = None) -> JobResult:

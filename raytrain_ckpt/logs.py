@@ -10,5 +10,14 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def setup_logging(force: bool = False) -> None:
-    """INFO to stderr in ``LOG_FORMAT``; ``force`` replaces handlers Ray's worker set up."""
+    """INFO to stderr in ``LOG_FORMAT``: every process of a job calls this, and nothing else
+    configures logging.
+
+    Without ``force`` a root logger that already has handlers is left as it is: pytest's
+    capture, a notebook's or an embedding application's own setup win, also over an actor class
+    driven directly in that process. Ray's actor processes start with no root handler (Ray
+    logs through its own ``ray`` logger), so the CheckpointActor and the writers get this
+    format without ``force``. ``force=True`` replaces any handler already there, for a process
+    that must log in this format whatever ran before it (the training worker).
+    """
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=force)

@@ -28,10 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from raytrain_ckpt.data.sources import TEXT_SUFFIXES
-from raytrain_ckpt.data.tokens import META_FILE
+from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES
+from raytrain_ckpt.logs import setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +119,7 @@ def _record(job: _Job) -> dict[str, Any]:
 
 def _tokenize_file(job: _Job) -> tuple[str, int, bool]:
     """Write one shard (in a worker process); returns (shard name, tokens, skipped)."""
+    import numpy as np  # not at the top: the CLI builds its parser from this module and must start fast
     from tokenizers import Tokenizer
 
     shard, sidecar = Path(job.shard), Path(job.shard + ".json")
@@ -192,6 +191,8 @@ def prepare_data(inputs: list[Path], out: Path, *, tokenizer: Path | None = None
     """
     from tokenizers import Tokenizer
 
+    from raytrain_ckpt.data.tokens import META_FILE  # data.tokens imports torch: not for `--help` or `validate`
+
     files = _input_files(inputs)
     out.mkdir(parents=True, exist_ok=True)
     tok_path = _tokenizer(out, files, tokenizer, vocab_size, field, column)
@@ -244,7 +245,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``prepare-data``; user mistakes print one line and return 2."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     try:
         meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                             field=args.field, column=args.column, workers=args.workers,

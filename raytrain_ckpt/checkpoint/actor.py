@@ -31,6 +31,7 @@ from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint,
 from raytrain_ckpt.checkpoint.leases import LeaseFiles, purge_lock
 from raytrain_ckpt.checkpoint.retention import RetentionPolicy
 from raytrain_ckpt.faults import maybe_inject
+from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import CheckpointMetrics, inflight_phase
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class CheckpointActor:
     """Async Ray actor; see the module docstring. Methods are called by writers, trainers and the driver."""
 
     def __init__(self, root: str, retention: RetentionPolicy) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup_logging()
         self.layout = CheckpointLayout(Path(root))
         self.layout.root.mkdir(parents=True, exist_ok=True)
         self.retention = retention

@@ -52,6 +52,7 @@ from raytrain_ckpt.checkpoint.layout import (CheckpointLayout, InvalidCheckpoint
                                              parse_entry, step_name)
 from raytrain_ckpt.checkpoint.metadata import SafeFileSystemReader, SafeLoadPlanner, empty_safe_planner
 from raytrain_ckpt.checkpoint.leases import FileLease
+from raytrain_ckpt.events import headline
 from raytrain_ckpt.models import describe_model
 from raytrain_ckpt.models.llama import Llama, LlamaConfig
 from raytrain_ckpt.spec import JobSpec
@@ -176,7 +177,7 @@ class _Reader:
                          no_dist=True)
         except Exception as exc:  # noqa: BLE001 - a shard that does not read back is a torn checkpoint
             raise ConversionError(f"{self.path}: reading {', '.join(list(state)[:3])} failed "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); the checkpoint is torn "
+                              f"({type(exc).__name__}: {headline(str(exc))[:200]}); the checkpoint is torn "
                               "or corrupt; export another step") from None
 
     def release(self, t: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from raytrain_ckpt.checkpoint.export import progress_bar
 from raytrain_ckpt.checkpoint.formats import ConversionError, our_name
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout, Manifest, describe_file
+from raytrain_ckpt.events import headline
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
         obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's input problem
         raise ConversionError(f"{path}: not a readable torch.save file ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:200]})") from None
+                          f"{headline(str(exc))[:200]})") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         obj = obj["model"]  # an export made --with-optimizer: the optimizer is not imported
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):

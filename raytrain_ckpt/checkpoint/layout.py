@@ -145,10 +145,10 @@ def check_file(path: Path, want: FileEntry, checksum: bool,
 
 
 def _metadata_problems(path: Path) -> Iterator[str]:
-    from raytrain_ckpt.checkpoint.metadata import read_metadata  # torch: imported only when verifying
+    from raytrain_ckpt.checkpoint.unpickling import check_metadata_file  # loading's verdict, without torch
 
     try:
-        read_metadata(path)
+        check_metadata_file(path / ".metadata")
     except InvalidCheckpoint as exc:
         yield str(exc).replace(f"{path}/", "", 1)
 

@@ -7,9 +7,9 @@ would otherwise run code in every process that resumes, exports or inspects it.
 
 - ``.metadata`` goes through ``SafeUnpickler``, which resolves only the globals a DCP metadata
   file needs (the ``torch.distributed.checkpoint`` metadata dataclasses, ``torch.Size``, torch
-  dtypes and layouts, paths, builtin containers) and refuses any other with ``UnsafeCheckpoint``
-  naming it. ``SafeFileSystemReader`` is DCP's ``FileSystemReader`` with that unpickler; every
-  load in this project uses it.
+  dtypes and layouts, paths, builtin containers; the list is in ``unpickling.py``) and refuses
+  any other with ``UnsafeCheckpoint`` naming it. ``SafeFileSystemReader`` is DCP's
+  ``FileSystemReader`` with that unpickler; every load in this project uses it.
 - Non-tensor entries go through ``torch.load(weights_only=True)`` (``SafeLoadPlanner``), whose
   restricted unpickler allows tensors and primitive containers only.
 """
@@ -29,32 +29,19 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint._traverse import set_element
 
 from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, UnsafeCheckpoint
+from raytrain_ckpt.checkpoint.unpickling import allowed_global, refusal
+from raytrain_ckpt.events import headline
 
 __all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "SafeUnpickler", "empty_safe_planner", "read_metadata"]
-
-_ALLOWED: dict[str, frozenset[str]] = {
-    "torch.distributed.checkpoint.metadata": frozenset({
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"}),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
-    "torch": frozenset({"Size"}),
-    "torch.serialization": frozenset({"_get_layout"}),  # looks a torch.layout up by name
-    "pathlib": frozenset({"Path", "PosixPath", "PurePath", "PurePosixPath"}),
-    "collections": frozenset({"OrderedDict"}),
-    "builtins": frozenset({"set", "frozenset", "bytearray", "complex", "slice"}),
-}
 
 
 class SafeUnpickler(pickle.Unpickler):
     """An unpickler that resolves only the globals DCP metadata is made of."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()):
+        if allowed_global(module, name):
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafeCheckpoint(f"refers to {module}.{name}, which DCP metadata never contains; refusing to "
-                               "unpickle it (a checkpoint is data and is never executed)")
+        raise refusal(module, name)
 
 
 def load_metadata(stream: IO[bytes], where: str) -> Metadata:
@@ -101,7 +88,7 @@ def _load_bytes_safely(planner: DefaultLoadPlanner, read_item: ReadItem, value: 
         obj = torch.load(value, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpoint(f"entry {read_item.dest_index.fqn} is not plain data, refused: "
-                               f"{str(exc).splitlines()[0][:200]}") from None
+                               f"{headline(str(exc))[:200]}") from None
     if planner.flatten_state_dict:
         set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], obj)
     else:

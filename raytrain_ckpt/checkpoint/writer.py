@@ -30,6 +30,7 @@ from raytrain_ckpt.checkpoint.layout import describe_file
 from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, probe_name
 from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, map_buffer, slot_views
 from raytrain_ckpt.faults import maybe_inject
+from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import WriterMetrics
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class CheckpointWriter:
     """Per-node writer actor (threaded actor; writes run on its own thread pool)."""
 
     def __init__(self, job: str, root: str, coordinator: Any, io_threads: int = 1, nice: int = 10) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup_logging()
         self.prefix = buffer_prefix(job, root)
         self.root = root
         self.coordinator = coordinator

@@ -38,6 +38,18 @@ class LlamaConfig:
         """Width of one attention head."""
         return self.dim // self.n_heads
 
+    @property
+    def num_params(self) -> int:
+        """Scalar parameters of :class:`Llama` with this shape, counted without building it.
+
+        Mirrors ``llama.py``: untied embedding and output head, bias-free projections, one
+        RMSNorm weight per norm. A unit test compares it with the built model's ``numel``.
+        """
+        kv_width = self.n_kv_heads * self.head_dim
+        attention = 2 * self.dim * self.n_heads * self.head_dim + 2 * self.dim * kv_width  # wq, wo; wk, wv
+        block = attention + 3 * self.dim * self.ffn_dim + 2 * self.dim  # w1, w2, w3; two norms
+        return 2 * self.vocab_size * self.dim + self.n_layers * block + self.dim  # embeddings, head; final norm
+
     def validate(self) -> None:
         """Check the cross-field constraints of the shape.
 

@@ -8,7 +8,8 @@ checks across sections, ``loading.py`` file reading, overrides and error formatt
 """
 
 from raytrain_ckpt.spec.job import JobSpec
-from raytrain_ckpt.spec.loading import format_validation_error, load_spec, parse_overrides
+from raytrain_ckpt.spec.loading import (apply_overrides, check_environment, format_validation_error, load_spec,
+                                        parse_overrides, validate_spec)
 from raytrain_ckpt.spec.sections import (
     CheckpointSpec,
     DataSpec,
@@ -38,7 +39,10 @@ __all__ = [
     "ResourcesSpec",
     "SpecError",
     "TrainingSpec",
+    "apply_overrides",
+    "check_environment",
     "format_validation_error",
     "load_spec",
     "parse_overrides",
+    "validate_spec",
 ]

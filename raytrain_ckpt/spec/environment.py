@@ -85,13 +85,8 @@ def train_state_bytes(spec: JobSpec) -> int | None:
     cfg = describe_model(spec.model.name, spec.model.overrides)
     if cfg is None:
         return None
-    import torch  # only a built-in model's size needs it; `validate` of other specs stays torch-free
-
-    from raytrain_ckpt.models.llama import Llama, num_params
-
-    with torch.device("meta"):  # shapes only: no memory is allocated
-        params = num_params(Llama(cfg))
-    return params * STATE_BYTES_PER_PARAM // spec.world_size
+    # Counted from the shape, not by building the model on the meta device: `validate` stays torch-free.
+    return cfg.num_params * STATE_BYTES_PER_PARAM // spec.world_size
 
 
 def host_memory_bytes() -> int:
@@ -99,15 +94,24 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _has_gpu_device_files() -> bool:
+    """Whether this machine has an NVIDIA or AMD GPU driver's device files (torch.cuda serves both)."""
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd"))
+
+
 def _memory_problems(spec: JobSpec) -> list[tuple[str, str]]:
     per_rank = train_state_bytes(spec)
     if per_rank is None:
         return []
     if spec.resources.use_gpu:
+        # The driver often has no GPU, and then the workers' devices are unknown here. Looking for
+        # a GPU driver's device files first keeps `validate` torch-free on such a machine.
+        if not _has_gpu_device_files():
+            return []
         import torch
 
         if not torch.cuda.is_available():
-            return []  # the driver often has no GPU: the workers' devices are unknown here
+            return []
         limit, what = torch.cuda.get_device_properties(0).total_memory, "GPU memory of this machine's GPU 0"
     else:
         limit, what = host_memory_bytes(), "RAM of this machine"

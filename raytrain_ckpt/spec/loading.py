@@ -18,7 +18,8 @@ from raytrain_ckpt.spec.environment import environment_problems
 from raytrain_ckpt.spec.job import JobSpec
 from raytrain_ckpt.spec.sections import FieldProblems, SpecError
 
-__all__ = ["format_validation_error", "load_spec", "parse_overrides"]
+__all__ = ["apply_overrides", "check_environment", "format_validation_error", "load_spec", "parse_overrides",
+           "validate_spec"]
 
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".json", ".toml")
@@ -101,17 +102,48 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
             this machine (see ``environment.py``).
     """
     path = Path(path)
-    raw = _read_file(path)
+    return validate_spec(apply_overrides(_read_file(path), overrides), base_dir=path.resolve().parent)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """Apply ``--set`` strings (``"training.steps=20"``) to a spec shaped as the file is, in place.
+
+    The one reading of ``--set``, for spec files and for the Python API's dicts alike.
+
+    Returns:
+        ``raw``, for chaining.
+
+    Raises:
+        SpecError: An override is malformed or names a value as if it were a section.
+    """
     for dotted, value in parse_overrides(overrides or []):
         _apply_override(raw, dotted, value)
+    return raw
+
+
+def validate_spec(raw: dict[str, Any], base_dir: Path) -> JobSpec:
+    """Validate a spec shaped as the file is, then check it against this machine (``environment.py``).
+
+    Args:
+        raw: The spec's sections, overrides already applied.
+        base_dir: What relative paths in the spec are relative to (the spec file's directory).
+
+    Raises:
+        SpecError: One line per problem.
+    """
     try:
-        spec = JobSpec.model_validate(raw, context={"base_dir": path.resolve().parent})
+        spec = JobSpec.model_validate(raw, context={"base_dir": base_dir})
     except ValidationError as exc:
         raise SpecError(format_validation_error(exc)) from None
+    check_environment(spec)
+    return spec
+
+
+def check_environment(spec: JobSpec) -> None:
+    """Raise ``SpecError`` with every problem of a valid spec on this machine (paths, memory)."""
     problems = environment_problems(spec)
     if problems:
         raise SpecError([f"{where}: {what}" for where, what in problems])
-    return spec
 
 
 def _read_file(path: Path) -> dict[str, Any]:

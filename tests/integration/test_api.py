@@ -18,7 +18,12 @@ SHORT = ["training.steps=4", "training.log_every_steps=1", "lr_scheduler.warmup_
 
 
 def test_run_returns_the_result_and_inspection_sees_the_checkpoint(ray_cluster, tmp_path, capfd):
+    from raytrain_ckpt.dashboard import DASHBOARD_FILE, dashboards_dir
+
+    dashboard = dashboards_dir() / DASHBOARD_FILE
+    dashboard.unlink(missing_ok=True)  # an earlier test's job may have put it there
     result = raytrain_ckpt.run(DEMO, [*SHORT, f"checkpoint.dir={tmp_path}"])
+    assert dashboard.is_file()  # the job put it beside Ray's own dashboards: no import step
     assert result.state is raytrain_ckpt.JobState.SUCCEEDED, result.error
     assert sorted(result.losses) == [1, 2, 3, 4] and result.failures == []
     root = tmp_path / "llama-debug-fsdp"
@@ -56,3 +61,5 @@ def test_the_dashboard_lands_in_the_sessions_grafana_directory(ray_cluster):
     assert dashboard["title"].startswith("raytrain_ckpt")
     queried = set(re.findall(r"\bray_[a-z0-9_]+", out.read_text()))
     assert queried and queried <= exported_names()
+    # the same file stays in cluster/ for a Grafana that Ray does not provision
+    assert (Path(__file__).resolve().parents[2] / "cluster" / "grafana_dashboard.json").read_bytes() == out.read_bytes()

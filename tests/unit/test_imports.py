@@ -110,9 +110,29 @@ LIGHT = [
 ]
 
 
+def _loaded_after(code: str, watched: tuple[str, ...]) -> list[str]:
+    """Which of ``watched`` a fresh interpreter has imported after running ``code``."""
+    code += f"\nimport json, sys\nprint(json.dumps([m for m in {list(watched)!r} if m in sys.modules]))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize(("modules", "absent"), LIGHT)
 def test_light_modules_import_neither_torch_nor_ray(modules, absent):
-    code = ("import json, sys\n" + "".join(f"import {m}\n" for m in modules)
-            + f"print(json.dumps([m for m in {list(absent)!r} if m in sys.modules]))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    assert _loaded_after("".join(f"import {m}\n" for m in modules), absent) == []
+
+
+def test_validate_of_a_built_in_model_imports_neither_torch_nor_ray():
+    # the whole command: parser, spec loading, and the environment checks, whose memory check
+    # sizes the built-in model from its config; the demo spec trains on CPU
+    code = ("from raytrain_ckpt.cli import main\n"
+            "assert main(['validate', 'jobs/llama_debug_fsdp.yaml', '--set', 'model.overrides.n_layers=6']) == 0")
+    assert _loaded_after(code, ("torch", "ray", "numpy")) == []
+
+
+def test_validate_of_a_gpu_spec_imports_torch_only_where_a_gpu_driver_is():
+    from raytrain_ckpt.spec.environment import _has_gpu_device_files
+
+    # torch.cuda tells the GPU's memory; a driver machine without a GPU skips that check
+    code = "from raytrain_ckpt.cli import main\nassert main(['validate', 'jobs/llama_8b_gpu.yaml']) == 0"
+    assert _loaded_after(code, ("torch", "ray")) == (["torch"] if _has_gpu_device_files() else [])

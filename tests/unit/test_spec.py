@@ -294,6 +294,21 @@ def test_overrides_beat_the_file_and_parse_values(tmp_path):
         load_spec(path, ["name.sub=1"])
 
 
+def test_the_api_reads_a_dict_as_the_cli_reads_its_file(tmp_path):
+    from raytrain_ckpt.api import resolve_spec
+
+    sets = ["training.steps=7", "optimizer.betas=[0.8, 0.9]", f"checkpoint.dir={tmp_path / 'ck'}"]
+    assert resolve_spec(BASE, sets) == load_spec(_write(tmp_path, BASE), sets)
+    with pytest.raises(SpecError, match="name is a value"):
+        resolve_spec(BASE, ["name.sub=1"])
+    # the machine checks too: a dict or a JobSpec is not exempt from what a file gets
+    bad = ["checkpoint.enabled=true", "checkpoint.dir=/dev/null"]
+    with pytest.raises(SpecError, match="checkpoint.dir=/dev/null: exists and is not a directory"):
+        resolve_spec(BASE, bad)
+    with pytest.raises(SpecError, match="checkpoint.dir=/dev/null"):
+        resolve_spec(JobSpec.model_validate(_merge(BASE, {"checkpoint": {"enabled": True, "dir": "/dev/null"}})))
+
+
 def test_relative_text_path_resolves_against_the_spec_file(tmp_path):
     (tmp_path / "corpus.txt").write_text("hello world " * 100)
     spec = load_spec(_write(tmp_path, _merge(BASE, {"data": {"source": "text", "path": "corpus.txt"}})))

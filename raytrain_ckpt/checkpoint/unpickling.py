@@ -1,0 +1,93 @@
+"""What a DCP ``.metadata`` pickle may refer to, and checking a file against that without torch.
+
+The allow-list is the one ``metadata.SafeUnpickler`` loads with. ``check_metadata_file`` parses
+the whole pickle with the same list, but builds inert stand-ins for the torch classes instead
+of importing torch: it decides exactly what loading would refuse for a name outside the list,
+and lets ``status``, ``ls`` and ``verify`` judge a step without the seconds torch takes to
+import. Loading itself still goes through ``SafeUnpickler``, which builds the real objects.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, UnsafeCheckpoint
+
+__all__ = ["ALLOWED_GLOBALS", "TORCH_DTYPES", "allowed_global", "check_metadata_file", "refusal"]
+
+ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch": frozenset({"Size"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # looks a torch.layout up by name
+    "pathlib": frozenset({"Path", "PosixPath", "PurePath", "PurePosixPath"}),
+    "collections": frozenset({"OrderedDict"}),
+    "builtins": frozenset({"set", "frozenset", "bytearray", "complex", "slice"}),
+}
+"""Module -> names a DCP metadata file is made of (its dataclasses, ``torch.Size``, layouts, paths)."""
+
+TORCH_DTYPES = frozenset({
+    "bfloat16", "bit", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "cdouble", "cfloat", "chalf",
+    "complex128", "complex32", "complex64", "double", "float", "float16", "float32", "float4_e2m1fn_x2",
+    "float64", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "half",
+    "int", "int1", "int16", "int2", "int3", "int32", "int4", "int5", "int6", "int64", "int7", "int8", "long",
+    "qint32", "qint8", "quint2x4", "quint4x2", "quint8", "short", "uint1", "uint16", "uint2", "uint3", "uint32",
+    "uint4", "uint5", "uint6", "uint64", "uint7", "uint8"})
+"""``torch.<name>`` dtypes, pickled as globals. Spelled out so the check needs no torch; a unit test
+holds the set equal to the installed torch's dtypes."""
+
+def allowed_global(module: str, name: str) -> bool:
+    """Whether DCP metadata may refer to ``module.name``."""
+    return name in ALLOWED_GLOBALS.get(module, ()) or (module == "torch" and name in TORCH_DTYPES)
+
+
+def refusal(module: str, name: str) -> UnsafeCheckpoint:
+    """The error for a global outside the allow-list."""
+    return UnsafeCheckpoint(f"refers to {module}.{name}, which DCP metadata never contains; refusing to "
+                            "unpickle it (a checkpoint is data and is never executed)")
+
+
+class _StandIn:
+    """An inert object in place of a torch class: takes any arguments and state, runs nothing."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _StandIn:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+class _CheckingUnpickler(pickle.Unpickler):
+    """Resolves allowed torch names to stand-ins (torch stays unimported), the others as loading does."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if not allowed_global(module, name):
+            raise refusal(module, name)
+        if module.partition(".")[0] == "torch":
+            return type(f"{module}.{name}", (_StandIn,), {})
+        return super().find_class(module, name)
+
+
+def check_metadata_file(path: Path) -> None:
+    """Parse a ``.metadata`` file as loading would, without torch; raise if loading would refuse it.
+
+    Raises:
+        UnsafeCheckpoint: It refers to a global outside ``ALLOWED_GLOBALS`` (code it would run).
+        InvalidCheckpoint: It is unreadable, not a pickle, or does not hold DCP ``Metadata``.
+    """
+    try:
+        with open(path, "rb") as f:
+            top = _CheckingUnpickler(f).load()
+    except UnsafeCheckpoint as exc:
+        raise UnsafeCheckpoint(f"{path} {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any failure to unpickle means a damaged file
+        raise InvalidCheckpoint(f"{path} is unreadable ({type(exc).__name__}: {exc})") from None
+    if type(top).__name__ != "torch.distributed.checkpoint.metadata.Metadata":
+        raise InvalidCheckpoint(f"{path} holds a {type(top).__name__}, not DCP Metadata")
