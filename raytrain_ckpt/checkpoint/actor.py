@@ -234,7 +234,7 @@ class CheckpointActor:
                             tokens_seen=int(infos[0].get("tokens_seen", 0)), wall=wall,
                             pp_size=self.world_size // self.dp_size,  # the spec makes world = pp x dp
                             model=self.model, eval_loss=infos[0].get("eval_loss"), loss=infos[0].get("loss"),
-                            keep_best=self.retention.keep_best and self.retention.keep_best.record())
+                            keep_best=best.record() if (best := self.retention.keep_best) else None)
         maybe_inject("commit", 0, step, p.attempt)
         self.layout.commit(p.tmp, manifest)
         self.committed[step] = manifest

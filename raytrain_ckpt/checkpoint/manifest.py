@@ -126,7 +126,8 @@ class Manifest(BaseModel):
     eval_loss: float | None = None
     """Validation loss after this step when an evaluation fell on it; None otherwise and in older manifests."""
     loss: float | None = None
-    """Training loss of this step (over the global batch) when it was a log step; None otherwise and in older manifests."""
+    """Training loss of this step (over the global batch) when it was a log step; None otherwise
+    and in older manifests."""
     keep_best: KeepBestRecord | None = None
     """The job's ``checkpoint.keep_best`` when it had one, so ``export best`` ranks steps as retention did."""
 
