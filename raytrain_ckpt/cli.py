@@ -163,7 +163,10 @@ def _print_failed_saves(checkpoints: dict) -> None:
 
 def _add_conversion_commands(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("export", help="write a committed step as HF safetensors or a torch.save file")
-    e.add_argument("ckpt", help="a step directory (.../step-00000040), or a job's checkpoint root (its newest valid step)")
+    e.add_argument("ckpt", help="a step directory (.../step-00000040), or a job's checkpoint root")
+    e.add_argument("step", nargs="?", default=None, metavar="latest|best|N",
+                   help="with a checkpoint root: latest (default: the newest valid step), best (by the job's "
+                        "checkpoint.keep_best metric; eval_loss, lowest, when it had none) or a step number")
     e.add_argument("--format", choices=("hf", "torch"), default="hf",
                    help="hf: safetensors shards + index + config.json (built-in Llama); torch: one model.pt")
     e.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
@@ -252,8 +255,8 @@ def _export(args: argparse.Namespace) -> int:
                                   "Hugging Face names; use --format torch")
     dtype = args.dtype or ("bf16" if args.format == "hf" else "fp32")
     r = export_checkpoint(args.ckpt, args.out, args.format, dtype, cfg, args.with_optimizer,
-                          parse_size(args.max_shard_size), args.verify)
-    print(f"exported step {r.step} to {r.out}: {r.tensors} tensors, {r.bytes_written / 1e6:.1f} MB in "
+                          parse_size(args.max_shard_size), args.verify, select=args.step)
+    print(f"exported step {r.step} ({r.selected}) to {r.out}: {r.tensors} tensors, {r.bytes_written / 1e6:.1f} MB in "
           f"{r.seconds:.2f}s; peak tensor memory {r.peak_tensor_bytes / 1e6:.1f} MB, max RSS {r.max_rss_bytes / 1e6:.0f} MB")
     return EXIT_OK
 

@@ -208,6 +208,8 @@ class TrainWorker:
                         "tokens_seen": trainer.state.tokens_seen}
                 if report.eval_loss is not None:
                     info["eval_loss"] = report.eval_loss
+                if report.loss is not None:
+                    info["loss"] = report.loss
                 ckpt.save(report.step, app_state(trainer), info)
             trainer.log(report)
             self.metrics.after_step(report, ckpt)

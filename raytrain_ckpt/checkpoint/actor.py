@@ -255,7 +255,8 @@ class CheckpointActor:
                             files=files, samples_seen=int(infos[0].get("samples_seen", 0)),
                             tokens_seen=int(infos[0].get("tokens_seen", 0)), wall=wall,
                             pp_size=self.world_size // self.dp_size,  # the spec makes world = pp x dp
-                            model=self.model, eval_loss=infos[0].get("eval_loss"))
+                            model=self.model, eval_loss=infos[0].get("eval_loss"), loss=infos[0].get("loss"),
+                            keep_best=best.record() if (best := self.retention.keep_best) else None)
         maybe_inject("commit", 0, step, p.attempt)
         self.layout.commit(p.tmp, manifest)
         self.committed[step] = manifest
@@ -276,7 +277,7 @@ class CheckpointActor:
             with purge_lock(self.layout.root):
                 leased = [*self.leases.values(), *self.lease_files.leased_steps()]
                 doomed = self.retention.to_delete(self.committed, leased, self.pending,
-                                                  {s: m.eval_loss for s, m in self.committed.items()})
+                                                  {s: m.metrics() for s, m in self.committed.items()})
                 removed = [step for step in doomed if self._delete(step)]
         except Exception as exc:  # see the docstring: retention is retried, the commit stands
             self.purge_errors += 1

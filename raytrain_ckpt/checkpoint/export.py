@@ -52,6 +52,7 @@ from raytrain_ckpt.checkpoint.layout import (CheckpointLayout, InvalidCheckpoint
                                              parse_entry, step_name)
 from raytrain_ckpt.checkpoint.metadata import SafeFileSystemReader, SafeLoadPlanner, empty_safe_planner
 from raytrain_ckpt.checkpoint.leases import FileLease
+from raytrain_ckpt.checkpoint.selection import parse_selector, select_step
 from raytrain_ckpt.events import headline
 from raytrain_ckpt.models import describe_model
 from raytrain_ckpt.models.llama import Llama, LlamaConfig
@@ -80,6 +81,8 @@ class ExportResult:
     seconds: float
     source: Path
     """The step directory that was exported."""
+    selected: str = ""
+    """Why this step: the step given, the newest valid one, or the best by a metric."""
 
 
 def peak_rss_bytes() -> int:
@@ -108,8 +111,14 @@ def parse_size(text: str) -> int:
 # --- which step ----------------------------------------------------------------------
 
 
-def resolve_step(ckpt: Path, verify: Verify = "checksum") -> tuple[Path, Manifest]:
-    """A step directory (verified), or the newest valid step of a job's checkpoint root."""
+def resolve_step(ckpt: Path, verify: Verify = "checksum", select: str | None = None) -> tuple[Path, Manifest]:
+    """A step directory (verified), or the step of a job's checkpoint root that ``select``
+    names (``latest``, the default; ``best``; or a step number: see ``selection``)."""
+    step_dir, manifest, _ = _resolve(ckpt, verify, select)
+    return step_dir, manifest
+
+
+def _resolve(ckpt: Path, verify: Verify, select: str | None) -> tuple[Path, Manifest, str]:
     ckpt = Path(ckpt).expanduser().resolve()
     if not ckpt.exists():
         raise ConversionError(f"{ckpt}: no such checkpoint; pass a step directory (.../step-00000040) "
@@ -118,17 +127,17 @@ def resolve_step(ckpt: Path, verify: Verify = "checksum") -> tuple[Path, Manifes
     if entry is not None and not entry.kind.is_loadable:
         raise ConversionError(f"{ckpt} is a {entry.kind.value} entry, not a committed step (never loaded or "
                               "exported); pass a step-N directory")
+    if entry is not None and select is not None:
+        raise ConversionError(f"{ckpt} is a step directory; the step selector {select!r} picks among the steps of "
+                              f"a job's checkpoint root: pass {ckpt.parent}")
     if entry is not None:
         try:
-            return ckpt, CheckpointLayout(ckpt.parent).verify(ckpt, verify)
+            return ckpt, CheckpointLayout(ckpt.parent).verify(ckpt, verify), "the step given"
         except InvalidCheckpoint as exc:
             raise ConversionError(f"{ckpt} is not a valid committed checkpoint: {exc}") from None
-    valid = CheckpointLayout(ckpt).valid_steps(verify)
-    if not valid:
-        raise ConversionError(f"{ckpt}: no valid committed step-N directory in it; pass a step directory "
-                          "or a job's checkpoint root")
-    step = max(valid)
-    return CheckpointLayout(ckpt).step_dir(step), valid[step]
+    chosen = select_step(ckpt, parse_selector(select or "latest"), verify)
+    logger.info("%s: exporting step %d, %s", ckpt, chosen.manifest.step, chosen.reason)
+    return chosen.step_dir, chosen.manifest, chosen.reason
 
 
 # --- reading one tensor at a time ----------------------------------------------------
@@ -328,7 +337,7 @@ def _staged_output(out: Path) -> Iterator[Path]:
 def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "bf16",
                       model_cfg: LlamaConfig | None = None, with_optimizer: bool = False,
                       max_shard_bytes: int = 5 * 10**9, verify: Verify = "checksum",
-                      lease_root: Path | None = None) -> ExportResult:
+                      lease_root: Path | None = None, select: str | None = None) -> ExportResult:
     """Export one committed step, holding a lease on it against the job's retention.
 
     Args:
@@ -341,12 +350,14 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
         max_shard_bytes: ``hf`` only: size bound of one safetensors file.
         verify: How the step is checked before reading: ``checksum`` (default) or ``size``.
         lease_root: Where the lease file goes (default: the step's parent, the job's checkpoint root).
+        select: With a checkpoint root: ``latest`` (default), ``best`` (by the job's
+            ``checkpoint.keep_best`` metric) or a step number.
 
     Raises:
         ConversionError: Bad arguments or a missing, invalid or torn checkpoint.
     """
     t0 = time.monotonic()
-    step_dir, manifest = resolve_step(ckpt, verify)
+    step_dir, manifest, why = _resolve(ckpt, verify, select)
     if model_cfg is None and fmt == "hf" and manifest.model is not None:
         model_cfg = _manifest_model(manifest)
     _check_args(fmt, dtype, model_cfg, with_optimizer)
@@ -356,8 +367,10 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
     except InvalidCheckpoint as exc:
         raise ConversionError(str(exc)) from None
     try:
-        return _export_leased(step_dir, manifest, Path(out).expanduser().resolve(), fmt, DTYPES[dtype], model_cfg,
-                              with_optimizer, max_shard_bytes, t0)
+        result = _export_leased(step_dir, manifest, Path(out).expanduser().resolve(), fmt, DTYPES[dtype], model_cfg,
+                                with_optimizer, max_shard_bytes, t0)
+        result.selected = why
+        return result
     finally:
         lease.__exit__(None, None, None)
 

@@ -30,12 +30,14 @@ from typing import Any, Literal
 import crc32c as _crc32c
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["MANIFEST", "MANIFEST_FORMAT", "Checksum", "FileEntry", "InvalidCheckpoint", "Manifest", "UnsafeCheckpoint",
-           "checksum_file", "describe_file", "file_crc32"]
+__all__ = ["MANIFEST", "MANIFEST_FORMAT", "METRICS", "Checksum", "FileEntry", "InvalidCheckpoint", "KeepBestRecord",
+           "Manifest", "UnsafeCheckpoint", "checksum_file", "describe_file", "file_crc32"]
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 2
 """2: files carry ``crc32c``; 1 (still read): files carry zlib ``crc32``."""
+METRICS = ("eval_loss", "loss")
+"""Values a manifest may record per step, by which ``checkpoint.keep_best`` and ``export best`` rank steps."""
 _READABLE_FORMATS = (1, 2)
 _CHUNK = 8 << 20
 
@@ -89,6 +91,16 @@ def check_file_name(name: str) -> str:
     return name
 
 
+class KeepBestRecord(BaseModel):
+    """``checkpoint.keep_best`` as a manifest records it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    metric: Literal["eval_loss", "loss"]
+    mode: Literal["min", "max"]
+    k: int = Field(ge=1)
+
+
 class Manifest(BaseModel):
     """What a committed step contains; the commit record."""
 
@@ -113,6 +125,11 @@ class Manifest(BaseModel):
     config without the spec; None in older manifests and imported weights."""
     eval_loss: float | None = None
     """Validation loss after this step when an evaluation fell on it; None otherwise and in older manifests."""
+    loss: float | None = None
+    """Training loss of this step (over the global batch) when it was a log step; None otherwise
+    and in older manifests."""
+    keep_best: KeepBestRecord | None = None
+    """The job's ``checkpoint.keep_best`` when it had one, so ``export best`` ranks steps as retention did."""
 
     @field_validator("files")
     @classmethod
@@ -153,6 +170,10 @@ class Manifest(BaseModel):
             raise InvalidCheckpoint(f"{where}: {err['msg']}") from None
         except (ValueError, RecursionError) as exc:
             raise InvalidCheckpoint(f"invalid manifest ({exc})") from None
+
+    def metrics(self) -> dict[str, float | None]:
+        """The values of ``METRICS`` this step records (None: not recorded)."""
+        return {name: getattr(self, name) for name in METRICS}
 
     @property
     def total_bytes(self) -> int:

@@ -16,13 +16,19 @@ from raytrain_ckpt.checkpoint.actor import CheckpointActor, ResumePoint
 from raytrain_ckpt.checkpoint.names import NAMESPACE, ActorByName, actor_name, writer_name
 from raytrain_ckpt.checkpoint.client import SaveSchedule
 from raytrain_ckpt.checkpoint.probe import StorageNotShared, local_root, missing_probes, unshared_message
-from raytrain_ckpt.checkpoint.retention import RetentionPolicy
+from raytrain_ckpt.checkpoint.retention import KeepBest, RetentionPolicy
 from raytrain_ckpt.checkpoint.writer import CheckpointWriter
-from raytrain_ckpt.spec import JobSpec
+from raytrain_ckpt.spec import CheckpointSpec, JobSpec
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["NAMESPACE", "CheckpointService", "actor_name"]
+
+def _retention(cfg: CheckpointSpec) -> RetentionPolicy:
+    best = cfg.keep_best
+    keep_best = KeepBest(best.metric, best.mode, best.k) if best is not None else None
+    return RetentionPolicy(cfg.keep_latest_k, cfg.keep_every_n_steps, keep_best)
+
 
 class CheckpointService:
     """Job-scoped: lives as long as the driver, across every attempt of the worker group."""
@@ -36,7 +42,7 @@ class CheckpointService:
         self.actor = ray.remote(CheckpointActor).options(
             name=actor_name(spec.name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1, max_task_retries=0,
             runtime_env=env,
-        ).remote(str(self.root), RetentionPolicy(cfg.keep_latest_k, cfg.keep_every_n_steps, cfg.keep_best_k))
+        ).remote(str(self.root), _retention(cfg))
         self._writers: dict[str, Any] = {}
         self._env = env
         self._note: ray.ObjectRef | None = None

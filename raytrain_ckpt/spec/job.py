@@ -91,7 +91,7 @@ class JobSpec(_Section):
         problems = _layout_problems(self) + _batch_problems(self) + _model_data_problems(self)
         if not problems:
             problems = _pipeline_problems(self)
-        problems += _final_export_problems(self) + _eval_problems(self)
+        problems += _final_export_problems(self) + _eval_problems(self) + _keep_best_problems(self)
         if problems:
             raise FieldProblems(problems)
         return self
@@ -199,9 +199,27 @@ def _eval_problems(spec: JobSpec) -> list[tuple[str, str]]:
                         "or remove eval"))
         elif d.source != "synthetic" and d.eval_path is None and d.eval_fraction is None:
             out.append(("eval", "needs held-out data: set data.eval_path or data.eval_fraction"))
-    if spec.checkpoint.keep_best_k is not None and spec.eval is None:
-        out.append(("checkpoint.keep_best_k", "ranks steps by eval loss; add an eval section or remove keep_best_k"))
     return out
+
+
+def _keep_best_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    cfg, best = spec.checkpoint, spec.checkpoint.keep_best
+    if best is None:
+        return []
+    if best.metric == "eval_loss" and spec.eval is None:
+        return [("checkpoint.keep_best.metric", "eval_loss is recorded only when the job evaluates; add an eval "
+                 "section (eval: {every_steps: N}) or rank by metric: loss")]
+    every = spec.eval.every_steps if best.metric == "eval_loss" and spec.eval else spec.training.log_every_steps
+    last = spec.training.steps
+    saves = set(range(cfg.interval_steps, last + 1, cfg.interval_steps)) if cfg.interval_steps else set()
+    if cfg.save_final:
+        saves.add(last)
+    if cfg.interval_seconds is None and not any(s % every == 0 or s == last for s in saves):
+        knob = "eval.every_steps" if best.metric == "eval_loss" else "training.log_every_steps"
+        return [("checkpoint.keep_best.metric", f"{best.metric} is recorded every {every} steps ({knob}) but no save "
+                 f"step (checkpoint.interval_steps={cfg.interval_steps}) falls on one, so no step could rank; make "
+                 "interval_steps a multiple of it")]
+    return []
 
 
 def _final_export_problems(spec: JobSpec) -> list[tuple[str, str]]:

@@ -21,6 +21,7 @@ __all__ = [
     "FaultToleranceSpec",
     "FieldProblems",
     "FinalExportSpec",
+    "KeepBestSpec",
     "LRSchedulerSpec",
     "ModelSpec",
     "OptimizerSpec",
@@ -337,6 +338,15 @@ class FinalExportSpec(_Section):
     """Output directory (must not exist or be empty); null: <checkpoint.dir>/<name>/export-step-<N>."""
 
 
+class KeepBestSpec(_Section):
+    metric: Literal["eval_loss", "loss"] = "eval_loss"
+    """The value a step's manifest records to rank by: eval_loss (needs the eval section; a save step records it when an eval falls on it) or loss (the training loss; a save step records it when it is a log step)."""
+    mode: Literal["min", "max"] = "min"
+    """min: lower is better (losses); max: higher is better."""
+    k: int = Field(1, ge=1)
+    """How many of the best steps to keep, besides keep_latest_k and keep_every_n_steps."""
+
+
 class CheckpointSpec(_Section):
     enabled: bool = False
     """Save checkpoints (and resume from them). false: no checkpoint is written or loaded."""
@@ -352,8 +362,8 @@ class CheckpointSpec(_Section):
     """Keep the newest k committed steps (plus keep_every_n_steps); null keeps every step."""
     keep_every_n_steps: int | None = Field(None, ge=1)
     """Also keep every step divisible by this (long-term snapshots); null: none."""
-    keep_best_k: int | None = Field(None, ge=1)
-    """Also keep the k committed steps with the lowest eval loss (needs the eval section; a step is saved with its eval loss when both fall on it); null: none."""
+    keep_best: KeepBestSpec | None = None
+    """Also keep the k committed steps with the best value of a metric their manifests record (Ray Train's checkpoint_score_attribute/order): metric (eval_loss, which needs the eval section, or loss, the training loss), mode (min or max), k (>= 1), e.g. {metric: eval_loss, mode: min, k: 1}; `export <root> best` exports the best step; null: none."""
     resume: str = "latest"
     """latest: the newest valid step under dir (a fresh start when there is none); none: start fresh; a step number; or a path to a step directory."""
     save_final: bool = True

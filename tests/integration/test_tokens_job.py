@@ -4,6 +4,7 @@ losses in the manifests and in ``ls``, best-checkpoint retention, and an exact r
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -64,12 +65,45 @@ def test_eval_loss_is_recorded_in_every_saved_step_and_shown_by_ls(reference, ca
     assert any("step-00000008" in line and f"eval {losses[8]:.4f}" in line for line in lines), lines
 
 
-def test_keep_best_k_keeps_the_lowest_eval_loss_besides_the_newest(reference, corpus, tmp_path):
+def test_keep_best_keeps_the_lowest_eval_loss_besides_the_newest(reference, corpus, tmp_path, capsys):
     _, ref_root = reference
-    _ok(run_job(_spec(corpus, tmp_path, "checkpoint.keep_latest_k=1", "checkpoint.keep_best_k=1")))
+    _ok(run_job(_spec(corpus, tmp_path, "checkpoint.keep_latest_k=1", "checkpoint.keep_best.k=1")))
     ref = _eval_losses(ref_root)
     best = min(ref, key=lambda s: (ref[s], s))
-    assert sorted(_eval_losses(tmp_path / "llama-debug-tokens")) == sorted({8, best})
+    root = tmp_path / "llama-debug-tokens"
+    assert sorted(_eval_losses(root)) == sorted({8, best})
+    # the reference kept every step: `export best` ranks all of them as the job's keep_best says
+    assert _export(ref_root, "best", tmp_path / "best", capsys) == best
+    assert _export(ref_root, "latest", tmp_path / "latest", capsys) == 8
+
+
+def test_keep_best_by_highest_train_loss_and_export_best(reference, corpus, tmp_path, cli_stderr, capsys):
+    ref, _ = reference
+    _ok(run_job(_spec(corpus, tmp_path, "checkpoint.keep_latest_k=1", "checkpoint.keep_best.metric=loss",
+                      "checkpoint.keep_best.mode=max", "checkpoint.keep_best.k=1")))
+    saved = {s: ref.losses[s] for s in (2, 4, 6, 8)}  # the same training as the reference: the same losses
+    worst = max(saved, key=lambda s: (saved[s], -s))
+    assert worst != 8, saved  # the loss falls: best by max is not the newest, so the two are told apart
+    root = tmp_path / "llama-debug-tokens"
+    kept = CheckpointLayout(root).valid_steps("size")
+    assert sorted(kept) == [worst, 8]
+    assert kept[worst].loss == saved[worst] and kept[8].keep_best.metric == "loss"
+    assert _export(root, "best", tmp_path / "best", capsys) == worst
+    capsys.readouterr()
+    assert main(["export", str(root / "step-00000008"), "best", "--format", "torch", "--out", str(tmp_path / "x")]) == 2
+    err = cli_stderr()
+    assert err.count("\n") == 1 and "step directory; the step selector 'best' picks among the steps" in err
+
+
+def _export(root: Path, selector: str, out: Path, capsys) -> int:
+    """``raytrain-ckpt export <root> <selector>``: the step it reports having exported."""
+    capsys.readouterr()
+    assert main(["export", str(root), selector, "--format", "torch", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    match = re.search(r"^exported step (\d+) \((.+?)\) to ", printed, re.MULTILINE)
+    assert match and (out / "model.pt").is_file(), printed
+    assert (selector == "best") == ("the best valid step by" in match.group(2)), match.group(2)
+    return int(match.group(1))
 
 
 def test_killed_rank_resumes_exactly(reference, corpus, tmp_path, monkeypatch):

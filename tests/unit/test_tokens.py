@@ -191,3 +191,51 @@ def test_reading_samples_does_not_load_the_corpus_into_memory(tmp_path: Path) ->
     # Nothing is copied into process memory. The mapped file pages (VmRSS - RssAnon) are page
     # cache the kernel can drop; with the file just written they may be mapped in large folios.
     assert anon1 - anon0 < size_kb // 50, (anon0, anon1, size_kb)
+
+
+_BUDGET_SCRIPT = """
+import resource, sys
+from pathlib import Path
+import numpy as np
+from raytrain_ckpt.data import build_data
+
+def status():
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "VmData")}
+
+budget = int(sys.argv[2])
+start = status()
+# The data's RAM budget, enforced: private writable memory (what a copy of the corpus, or a
+# materialised permutation of its windows, would need) may grow by `budget` at most; the
+# read-only shared maps of the shards do not count against it.
+resource.setrlimit(resource.RLIMIT_DATA, (start["VmData"] + budget, resource.RLIM_INFINITY))
+try:  # the limit is live (free heap the process already holds makes it slightly loose)
+    np.ones(2 * budget, dtype=np.uint8)
+    raise SystemExit("the limit is not enforced")
+except MemoryError:
+    pass
+data = build_data(source="tokens", path=Path(sys.argv[1]), dtype="uint32", eval_path=None, eval_fraction=0.01,
+                  bos_id=None, kwargs={}, seq_len=128, seed=0, vocab_size=1 << 20)
+for i in range(2000):
+    data.train.sample(i)
+    data.eval.sample(i)
+end = status()
+print(end["VmRSS"] - start["VmRSS"], end["RssAnon"] - start["RssAnon"])
+"""
+
+
+def test_rank_memory_does_not_grow_with_a_corpus_64x_its_data_budget(tmp_path: Path) -> None:
+    # 16 sparse shards of 256 MiB: 4 GiB of tokens on no disk, 64 x the 64 MiB data budget
+    budget, shards, shard_bytes = 64 << 20, 16, 256 << 20
+    for i in range(shards):
+        with open(tmp_path / f"shard-{i:02d}.bin", "wb") as f:
+            f.truncate(shard_bytes)
+    out = subprocess.run([sys.executable, "-c", _BUDGET_SCRIPT, str(tmp_path), str(budget)], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    rss_growth, anon_growth = map(int, out.stdout.split())
+    corpus = shards * shard_bytes
+    assert corpus >= 64 * budget
+    # 4000 samples of 516 bytes touch at most two 4 KiB pages each: about 32 MiB of page cache
+    assert rss_growth < budget, (rss_growth, corpus)
+    assert anon_growth < budget // 8, (anon_growth, corpus)
