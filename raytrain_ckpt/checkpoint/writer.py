@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, shm_dir, sweep_orphans
-from raytrain_ckpt.checkpoint.layout import describe_file
-from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, map_buffer, slot_views
+from raytrain_ckpt.checkpoint.filewrite import write_rank_files
+from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, map_slots
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.metrics import WriterMetrics
 
@@ -98,6 +97,7 @@ class CheckpointWriter:
         self._buffers: dict[str, tuple[OwnedBuffer, int]] = {}
         """path -> (the buffer, held with its ownership lock; the attempt it was allocated for)"""
         self._newest_attempt = 0
+        self._last_phases: dict[int, dict[str, float]] = {}
         self.metrics = WriterMetrics(job, ray.get_runtime_context().get_node_id()[:12])
         # Buffers of writers that died (this job's previous incarnation, a job whose driver was
         # killed) hold RAM until someone removes them; a live writer's buffers are left alone.
@@ -159,18 +159,23 @@ class CheckpointWriter:
     def _persist(self, req: PersistRequest) -> str:
         t0 = time.monotonic()
         tmp = Path(self._tmp.pop((req.rank, req.step)))
-        staged: dict[str, Any] = slot_views(map_buffer(Path(req.buffer_path), req.buffer_bytes), req.slots)
+        staged: dict[str, Any] = map_slots(Path(req.buffer_path), req.buffer_bytes, req.slots)
         staged.update(pickle.loads(req.objects))
-        writer = FileSystemWriter(tmp, thread_count=self.io_threads, sync_files=True, overwrite=False)
-        writer.set_up_storage_writer(False, rank=req.rank)
         maybe_inject("persist", req.rank, req.step, req.attempt)
-        results = writer.write_data(req.plan, StagedPlanner(staged)).wait()
-        check_written(req.plan, results, {p.name: p.stat().st_size for p in tmp.iterdir()})
+        written = write_rank_files(tmp, req.plan, StagedPlanner(staged).resolve_data, self.io_threads)
+        check_written(req.plan, written.results, {p.name: p.stat().st_size for p in tmp.iterdir()})
         t_write = time.monotonic() - t0
-        prefix = req.plan.storage_data.prefix
-        files = {p.name: describe_file(p)
-                 for p in tmp.iterdir() if p.name.startswith(prefix)}
-        info = {**req.info, "persist_s": time.monotonic() - t0, "write_s": t_write}
-        self.metrics.wrote(req.rank, sum(f["size"] for f in files.values()), info["persist_s"])
-        return ray.get(self.coordinator.report.remote(req.step, req.rank, req.attempt, req.plan_id,
-                                                      results, files, info))
+        phases = {k: round(v, 6) for k, v in vars(written.phases).items()}
+        info = {**req.info, **phases, "persist_s": time.monotonic() - t0, "write_s": t_write}
+        self.metrics.wrote(req.rank, sum(f["size"] for f in written.files.values()), info["persist_s"])
+        t_report = time.monotonic()
+        out = ray.get(self.coordinator.report.remote(req.step, req.rank, req.attempt, req.plan_id,
+                                                     written.results, written.files, info))
+        self._last_phases[req.rank] = {**phases, "report_s": time.monotonic() - t_report}
+        return out
+
+    def usage(self) -> dict[str, Any]:
+        """CPU seconds this writer process has used (user, system) and, per rank, the phases of its
+        last write: for benchmarks and diagnosis."""
+        t = os.times()
+        return {"user_s": t.user, "system_s": t.system, "last": dict(self._last_phases)}
