@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import re
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import ray
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, shm_dir, sweep_orphans
+from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, StagingFileError, is_leased, shm_dir, sweep_orphans
 from raytrain_ckpt.checkpoint.filewrite import write_rank_files
 from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, map_slots
 from raytrain_ckpt.faults import maybe_inject
@@ -62,6 +63,15 @@ def check_written(plan: SavePlan, results: list[WriteResult], sizes: dict[str, i
             raise OSError(f"{where.relative_path}: {size} bytes on disk, the write of {r.index.fqn} ends at {end}")
 
 
+@dataclass
+class _Held:
+    """A staging buffer this writer owns (holding its ownership lock), and whose it is now."""
+
+    buffer: OwnedBuffer
+    rank: int
+    attempt: int
+
+
 @dataclass(frozen=True)
 class PersistRequest:
     """One rank's staged step, handed from the trainer to its node's writer."""
@@ -94,8 +104,11 @@ class CheckpointWriter:
         self._jobs: dict[tuple[int, int], Future] = {}
         self._running: dict[tuple[int, int], PersistRequest] = {}
         self._tmp: dict[tuple[int, int], str] = {}
-        self._buffers: dict[str, tuple[OwnedBuffer, int]] = {}
-        """path -> (the buffer, held with its ownership lock; the attempt it was allocated for)"""
+        self._buffers: dict[str, _Held] = {}
+        self._views: dict[str, tuple[tuple, dict[str, Any]]] = {}
+        """path -> (layout, the slot views): mapped once, not on every save (page faults cost CPU)."""
+        self._lock = threading.Lock()
+        """Orders allocate() (which hands buffers to attempts) against accept() (which checks them)."""
         self._newest_attempt = 0
         self._last_phases: dict[int, dict[str, float]] = {}
         self.metrics = WriterMetrics(job, ray.get_runtime_context().get_node_id()[:12])
@@ -104,23 +117,41 @@ class CheckpointWriter:
         sweep_orphans(shm_dir())
 
     def allocate(self, rank: int, attempt: int, nbytes: int) -> str:
-        """Create the rank's staging file for this attempt (reused across its saves).
+        """The rank's staging file for this attempt (reused across its saves).
 
-        A restarted group gets new files: a write handed off by the previous attempt may still
-        be reading its old buffer, which is unlinked once that write is done.
+        A restarted group reuses the previous attempt's buffer of the rank (its pages are
+        allocated already: the first save after a restart costs what any save costs) unless
+        a write is still reading it or a process of the old attempt still leases it; then it
+        gets a new file, and the old one is unlinked once nothing reads it.
         """
-        path = shm_dir() / f"rtc-{self.prefix}-a{attempt}-rank{rank}.buf"
-        held = self._buffers.get(str(path))
-        if held is None:
-            self._buffers[str(path)] = (allocate_buffer(path, nbytes), attempt)
-        else:  # a new layout in the same attempt
-            held[0].resize(nbytes)
-        self._newest_attempt = max(self._newest_attempt, attempt)
-        busy = {j.buffer_path for j in self._running.values()}
-        for old, (_, a) in list(self._buffers.items()):
-            if a < self._newest_attempt and old not in busy:
-                self._unlink(old)
-        return str(path)
+        with self._lock:
+            path = self._held_for(rank, attempt) or self._reusable(rank, attempt)
+            if path is None:
+                path = str(shm_dir() / f"rtc-{self.prefix}-a{attempt}-rank{rank}.buf")
+                self._buffers[path] = _Held(allocate_buffer(Path(path), nbytes), rank, attempt)
+            else:  # the same attempt with a new layout, or a new attempt reusing the rank's buffer
+                self._buffers[path].buffer.resize(nbytes)
+                self._buffers[path].attempt = attempt
+            self._newest_attempt = max(self._newest_attempt, attempt)
+            busy = self._busy()
+            for old, held in list(self._buffers.items()):
+                if held.attempt < self._newest_attempt and old not in busy:
+                    self._unlink(old)
+            return path
+
+    def _busy(self) -> set[str]:
+        return {j.buffer_path for j in self._running.values()}
+
+    def _held_for(self, rank: int, attempt: int) -> str | None:
+        return next((p for p, h in self._buffers.items() if h.rank == rank and h.attempt == attempt), None)
+
+    def _reusable(self, rank: int, attempt: int) -> str | None:
+        """An older attempt's buffer of ``rank`` that no write reads and no live process stages into."""
+        busy = self._busy()
+        for path, held in self._buffers.items():
+            if held.rank == rank and held.attempt < attempt and path not in busy and not is_leased(Path(path)):
+                return path
+        return None
 
     def release_all(self) -> None:
         """Unlink every staging file this writer owns (the job is over), and any orphan: those a
@@ -130,18 +161,30 @@ class CheckpointWriter:
         sweep_orphans(shm_dir())
 
     def _unlink(self, path: str) -> None:
+        self._views.pop(path, None)
         held = self._buffers.pop(path, None)
         if held is not None:
-            held[0].remove()
+            held.buffer.remove()
 
     def accept(self, req: PersistRequest) -> None:
         """Take over a staged step and start writing it; returns as soon as the request is held here.
 
         From this return on the step no longer depends on the trainer process.
         """
-        self._tmp[(req.rank, req.step)] = ray.get(self.coordinator.accepted.remote(req.step, req.rank, req.attempt))
-        self._running[(req.rank, req.step)] = req
-        self._jobs[(req.rank, req.step)] = self._pool.submit(self._persist_and_forget, req)
+        key = (req.rank, req.step)
+        with self._lock:
+            held = self._buffers.get(req.buffer_path)
+            if held is None or held.attempt != req.attempt:
+                # A late hand-off of an earlier attempt: its buffer was given to a newer one (or is gone).
+                raise StagingFileError(f"step {req.step} rank {req.rank}: staging buffer {req.buffer_path} no longer "
+                                       f"belongs to attempt {req.attempt}; this save is dropped")
+            self._running[key] = req
+        try:
+            self._tmp[key] = ray.get(self.coordinator.accepted.remote(req.step, req.rank, req.attempt))
+        except BaseException:
+            self._running.pop(key, None)
+            raise
+        self._jobs[key] = self._pool.submit(self._persist_and_forget, req)
 
     def wait(self, rank: int, step: int) -> str:
         """Block until rank ``rank``'s files of ``step`` are written and reported; re-raises a failure."""
@@ -152,15 +195,16 @@ class CheckpointWriter:
         try:
             return self._persist(req)
         finally:
-            self._running.pop((req.rank, req.step), None)
-            if req.attempt < self._newest_attempt:
-                self._unlink(req.buffer_path)
+            with self._lock:
+                self._running.pop((req.rank, req.step), None)
+                held = self._buffers.get(req.buffer_path)
+                if held is not None and held.attempt < self._newest_attempt:
+                    self._unlink(req.buffer_path)
 
     def _persist(self, req: PersistRequest) -> str:
         t0 = time.monotonic()
         tmp = Path(self._tmp.pop((req.rank, req.step)))
-        staged: dict[str, Any] = map_slots(Path(req.buffer_path), req.buffer_bytes, req.slots)
-        staged.update(pickle.loads(req.objects))
+        staged = {**self._slot_views(req), **pickle.loads(req.objects)}
         maybe_inject("persist", req.rank, req.step, req.attempt)
         written = write_rank_files(tmp, req.plan, StagedPlanner(staged).resolve_data, self.io_threads)
         check_written(req.plan, written.results, {p.name: p.stat().st_size for p in tmp.iterdir()})
@@ -173,6 +217,14 @@ class CheckpointWriter:
                                                      written.results, written.files, info))
         self._last_phases[req.rank] = {**phases, "report_s": time.monotonic() - t_report}
         return out
+
+    def _slot_views(self, req: PersistRequest) -> dict[str, Any]:
+        layout = (req.buffer_bytes, tuple(req.slots))
+        cached = self._views.get(req.buffer_path)
+        if cached is None or cached[0] != layout:
+            cached = (layout, map_slots(Path(req.buffer_path), req.buffer_bytes, req.slots))
+            self._views[req.buffer_path] = cached
+        return cached[1]
 
     def usage(self) -> dict[str, Any]:
         """CPU seconds this writer process has used (user, system) and, per rank, the phases of its
