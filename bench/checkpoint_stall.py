@@ -248,7 +248,7 @@ def _bench(args: argparse.Namespace, out: Path) -> None:
 
 
 def _rep(ranks: list, mode: str, rep: int, ckpt: dict) -> dict:
-    ours = mode.startswith("raytrain_ckpt")
+    ours = mode.startswith("raytrain_ckpt") and _has_usage(ckpt["writer"])
     before = ray.get(ckpt["writer"].usage.remote()) if ours else None
     res = ray.get([r.run.remote(mode, rep, ckpt) for r in ranks])
     steps = [x for x in res if x["steps"]]
@@ -260,6 +260,15 @@ def _rep(ranks: list, mode: str, rep: int, ckpt: dict) -> dict:
         out["writer"] = {"cpu_s": after["user_s"] + after["system_s"] - before["user_s"] - before["system_s"],
                          "user_s": after["user_s"] - before["user_s"], "last": after["last"]}
     return out
+
+
+def _has_usage(writer) -> bool:
+    """Older writers (to compare a checkout from before) report no usage."""
+    try:
+        writer.usage
+    except AttributeError:
+        return False
+    return True
 
 
 def _print_profile(mode: str, usage: dict, total: int) -> None:
