@@ -122,7 +122,8 @@ class CheckpointWriter:
         A restarted group reuses the previous attempt's buffer of the rank (its pages are
         allocated already: the first save after a restart costs what any save costs) unless
         a write is still reading it or a process of the old attempt still leases it; then it
-        gets a new file, and the old one is unlinked once nothing reads it.
+        gets a new file. Older attempts' buffers are unlinked once a write of the newest attempt
+        is done (by then its ranks have claimed what they reuse) and nothing reads them.
         """
         with self._lock:
             path = self._held_for(rank, attempt) or self._reusable(rank, attempt)
@@ -133,10 +134,6 @@ class CheckpointWriter:
                 self._buffers[path].buffer.resize(nbytes)
                 self._buffers[path].attempt = attempt
             self._newest_attempt = max(self._newest_attempt, attempt)
-            busy = self._busy()
-            for old, held in list(self._buffers.items()):
-                if held.attempt < self._newest_attempt and old not in busy:
-                    self._unlink(old)
             return path
 
     def _busy(self) -> set[str]:
@@ -197,9 +194,19 @@ class CheckpointWriter:
         finally:
             with self._lock:
                 self._running.pop((req.rank, req.step), None)
-                held = self._buffers.get(req.buffer_path)
-                if held is not None and held.attempt < self._newest_attempt:
-                    self._unlink(req.buffer_path)
+                self._drop_stale(req)
+
+    def _drop_stale(self, done: PersistRequest) -> None:
+        """Unlink older attempts' buffers nobody reads, once the write ``done`` no longer reads its own.
+
+        Only after a write of the newest attempt (or of the buffer's own old attempt): unlinking
+        as soon as a new attempt appears would free a buffer its next rank is about to reuse.
+        """
+        busy = self._busy()
+        for path, held in list(self._buffers.items()):
+            stale = held.attempt < self._newest_attempt and path not in busy
+            if stale and (done.attempt == self._newest_attempt or path == done.buffer_path):
+                self._unlink(path)
 
     def _persist(self, req: PersistRequest) -> str:
         t0 = time.monotonic()
