@@ -2,8 +2,8 @@
 
 Trainers map the writer's shared-memory files, copy their state in, and hand the step over
 with ``persist()``. From then on the trainer is out of the picture: the writer writes the
-rank's DCP shard files with its own threads, fsyncs them, checksums them and reports to the
-CheckpointActor. A trainer that dies after the hand-off does not stop its step from being
+rank's DCP shard files with its own threads straight from the buffer, checksumming them as it
+writes (``checkpoint/filewrite.py``), fsyncs them and reports to the CheckpointActor. A trainer that dies after the hand-off does not stop its step from being
 committed.
 """
 
@@ -48,7 +48,8 @@ def check_written(plan: SavePlan, results: list[WriteResult], sizes: dict[str, i
     """Raise OSError unless every planned write has a result whose bytes are all in its file.
 
     DCP's I/O threads other than the caller's drop their exceptions (ENOSPC, EIO): what they
-    failed to write is then missing from ``results`` and its file is short. Without this check
+    failed to write is then missing from ``results`` and its file is short. The local writer
+    (``filewrite``) raises instead; this check stays as the last line before a report. Without this check
     the short file's real size and CRC-32 would go into the manifest of a step that cannot load.
     ``sizes``: file name -> bytes on disk, for the files of this rank.
     """
