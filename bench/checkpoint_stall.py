@@ -248,18 +248,26 @@ def _bench(args: argparse.Namespace, out: Path) -> None:
 
 
 def _rep(ranks: list, mode: str, rep: int, ckpt: dict) -> dict:
-    ours = mode.startswith("raytrain_ckpt") and _has_usage(ckpt["writer"])
-    before = ray.get(ckpt["writer"].usage.remote()) if ours else None
+    ours = mode.startswith("raytrain_ckpt")
+    pid = ray.get(ckpt["writer"].__ray_call__.remote(lambda self: os.getpid())) if ours else 0
+    before = _cpu_of(pid) if ours else (0.0, 0.0)
     res = ray.get([r.run.remote(mode, rep, ckpt) for r in ranks])
     steps = [x for x in res if x["steps"]]
     out = {"stall_s": max(x["stall_s"] for x in res), "durable_s": max(x["durable_s"] for x in res),
            "step_s": statistics.mean(x["step_s"] for x in steps) if steps else float("nan"),
            "steps": sum(x["steps"] for x in res)}
     if ours:
-        after = ray.get(ckpt["writer"].usage.remote())
-        out["writer"] = {"cpu_s": after["user_s"] + after["system_s"] - before["user_s"] - before["system_s"],
-                         "user_s": after["user_s"] - before["user_s"], "last": after["last"]}
+        after = _cpu_of(pid)
+        last = ray.get(ckpt["writer"].usage.remote())["last"] if _has_usage(ckpt["writer"]) else {}
+        out["writer"] = {"cpu_s": sum(after) - sum(before), "user_s": after[0] - before[0], "last": last}
     return out
+
+
+def _cpu_of(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process on this node, read from /proc (any writer version)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def _has_usage(writer) -> bool:
@@ -275,8 +283,11 @@ def _print_profile(mode: str, usage: dict, total: int) -> None:
     """The writer's CPU per GB and, per phase, its seconds (summed over the ranks it wrote)."""
     gb = total / 1e9
     phases = {p: sum(r.get(p, 0.0) for r in usage["last"].values()) for p in PHASES}
-    print(f"{mode} writer: {usage['cpu_s'] / gb:.2f} CPU s/GB (user {usage['user_s'] / gb:.2f}); phases s/GB "
-          "(wall, summed over ranks): " + ", ".join(f"{p[:-2]} {v / gb:.3f}" for p, v in phases.items()))
+    line = f"{mode} writer: {usage['cpu_s'] / gb:.2f} CPU s/GB (user {usage['user_s'] / gb:.2f})"
+    if usage["last"]:
+        line += "; phases s/GB (wall, summed over ranks): " + ", ".join(f"{p[:-2]} {v / gb:.3f}"
+                                                                        for p, v in phases.items())
+    print(line)
 
 
 if __name__ == "__main__":

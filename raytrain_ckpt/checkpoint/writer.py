@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import re
+import resource
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -237,5 +238,5 @@ class CheckpointWriter:
     def usage(self) -> dict[str, Any]:
         """CPU seconds this writer process has used (user, system) and, per rank, the phases of its
         last write: for benchmarks and diagnosis."""
-        t = os.times()
-        return {"user_s": t.user, "system_s": t.system, "last": dict(self._last_phases)}
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return {"user_s": r.ru_utime, "system_s": r.ru_stime, "last": dict(self._last_phases)}
