@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 MODES = ("dcp.save", "dcp.async_save(thread)", "dcp.async_save(process)", "raytrain_ckpt", "raytrain_ckpt(restart)")
-PHASES = ("serialize_s", "checksum_s", "write_calls_s", "fsync_s", "report_s")
+PHASES = ("serialize_s", "checksum_s", "write_calls_s", "fsync_s", "report_s", "cpu_s")
 
 
 class BenchRank:

@@ -60,6 +60,8 @@ class Phases:
     write_calls_s: float = 0.0
     checksum_s: float = 0.0
     fsync_s: float = 0.0
+    cpu_s: float = 0.0
+    """CPU seconds (user + system) of the threads that wrote, over the whole write."""
 
     def add(self, other: Phases) -> None:
         for name in vars(self):
@@ -159,6 +161,7 @@ def write_rank_files(directory: Path, plan: SavePlan, resolve: Resolve, threads:
 def _write_file(directory: Path, name: str, items: list[WriteItem], resolve: Resolve) -> RankFiles:
     """One DCP file: byte items first, then tensors, in plan order (``_write_files_from_queue``'s order)."""
     out = RankFiles()
+    cpu0 = time.thread_time()
     fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         sink = _FileSink(fd, out.phases)
@@ -175,6 +178,7 @@ def _write_file(directory: Path, name: str, items: list[WriteItem], resolve: Res
     if size != sink.position:  # the sink counted what the kernel accepted; anything else is a bug
         raise OSError(f"{name}: {size} bytes on disk after writing {sink.position}")
     out.files[name] = {"size": sink.position, "crc32c": sink.crc}
+    out.phases.cpu_s += time.thread_time() - cpu0
     return out
 
 
