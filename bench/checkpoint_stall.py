@@ -9,10 +9,14 @@ gloo process group, each rank a Ray actor) is saved by
 * ``raytrain_ckpt``                 shared-memory staging overlapped with compute, written
                                     by the node's CheckpointWriter, committed by the
                                     CheckpointActor (manifest + atomic rename)
+* ``raytrain_ckpt(restart)``        the same, each save the first of a new attempt (what
+                                    the save right after a restart costs)
 
 and for each it prints: the stall (time the training thread was blocked), the time to a
 durable checkpoint, stall / memcpy of the state, durable throughput / raw write+fsync of the
-same bytes, and the step-time slowdown of a compute loop while the save persists. Each mode
+same bytes, and the step-time slowdown of a compute loop while the save persists; for
+raytrain_ckpt also the CPU seconds per GB of the writer process and where its time goes (per
+phase, the last save of each rank). Each mode
 runs ``--reps`` times; the last repetition is reported (the first pays one-off setup: plan,
 buffer allocation, background process start), and the first is shown in brackets.
 
@@ -38,7 +42,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-MODES = ("dcp.save", "dcp.async_save(thread)", "dcp.async_save(process)", "raytrain_ckpt")
+MODES = ("dcp.save", "dcp.async_save(thread)", "dcp.async_save(process)", "raytrain_ckpt", "raytrain_ckpt(restart)")
+PHASES = ("serialize_s", "checksum_s", "write_calls_s", "fsync_s", "report_s", "cpu_s")
 
 
 class BenchRank:
@@ -47,6 +52,7 @@ class BenchRank:
     def __init__(self, rank: int, world: int, mb: int, out: str, step_ms: float) -> None:
         self.rank, self.world, self.mb, self.out = rank, world, mb, Path(out)
         self.step_ms = step_ms
+        self.client, self.attempt, self.saved = None, 0, 0
         torch.set_num_threads(1)
 
     def address(self) -> tuple[str, int]:
@@ -120,7 +126,7 @@ class BenchRank:
         steps: list[float] = []
         waits = [0.0]
         hook = None
-        if mode == "raytrain_ckpt":
+        if mode.startswith("raytrain_ckpt"):
             def hook() -> None:
                 w0 = time.perf_counter()
                 self.client.before_optimizer_step()
@@ -142,17 +148,21 @@ class BenchRank:
             kind = AsyncCheckpointerType.PROCESS if "process" in mode else AsyncCheckpointerType.THREAD
             fut = dcp.async_save(self.state, checkpoint_id=str(path), async_checkpointer_type=kind)
             return fut.done
-        return self._start_ours(rep, ckpt)
+        return self._start_ours(mode.endswith("(restart)"), ckpt)
 
-    def _start_ours(self, rep: int, ckpt: dict):
+    def _start_ours(self, restart: bool, ckpt: dict):
         from raytrain_ckpt.checkpoint.client import CheckpointClient
         from raytrain_ckpt.spec import CheckpointSpec
 
-        if rep == 0:
+        if self.client is None or restart:  # a restarted group: a new client of the next attempt
+            if self.client is not None:
+                self.client.close()
+                self.attempt += 1
             cfg = CheckpointSpec(enabled=True, dir=self.out, keep_latest_k=None)
-            self.client = CheckpointClient(cfg, self.rank, 0, 10**9, ckpt["actor"], ckpt["writer"],
+            self.client = CheckpointClient(cfg, self.rank, self.attempt, 10**9, ckpt["actor"], ckpt["writer"],
                                            torch.device("cpu"))
-        step = rep + 1
+        self.saved += 1
+        step = self.saved
         self.client.save(step, self.state)
         ref = []
 
@@ -194,6 +204,7 @@ def _bench(args: argparse.Namespace, out: Path) -> None:
     spec = JobSpec.model_validate({"name": "bench", "resources": {"num_workers": args.ranks},
                                    "checkpoint": {"enabled": True, "dir": str(out), "keep_latest_k": None}})
     service = CheckpointService(spec)
+    service.acquire(0, spec)  # configures the CheckpointActor with the group's layout (a fresh start)
     node = ray.get_runtime_context().get_node_id()
     ckpt = {"actor": service.actor, "writer": service.writer_for(node)}
     ranks = [ray.remote(BenchRank).options(num_cpus=1).remote(r, args.ranks, args.mb, str(out), args.step_ms)
@@ -213,6 +224,7 @@ def _bench(args: argparse.Namespace, out: Path) -> None:
     head = f"{'mode':<24} {'stall s':>14} {'durable s':>14} {'stall/memcpy':>13} {'tput/raw':>9} {'slowdown':>9}"
     print(head)
     print("-" * len(head))
+    profiles = {}
     for mode in args.modes.split(","):
         reps = [_rep(ranks, mode, i, ckpt) for i in range(args.reps)]
         first, last = reps[0], reps[-1]
@@ -220,23 +232,62 @@ def _bench(args: argparse.Namespace, out: Path) -> None:
         print(f"{mode:<24} {last['stall_s']:>6.3f} [{first['stall_s']:>5.2f}] {last['durable_s']:>6.3f} "
               f"[{first['durable_s']:>5.2f}] {last['stall_s'] / memcpy:>13.2f} {raw / last['durable_s']:>9.2f} "
               f"{slowdown * 100:>8.1f}%")
+        if "writer" in last:
+            profiles[mode] = last["writer"]
     print()
+    for mode, usage in profiles.items():
+        _print_profile(mode, usage, total)
     manifests = sorted((out / "bench").glob("step-*/manifest.json"))
     if manifests:
         wall = json.loads(manifests[-1].read_text())["wall"]
-        print("raytrain_ckpt, last save: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(wall.items())))
+        print("raytrain_ckpt, last save (manifest wall): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(wall.items())))
     print("stall: training thread blocked (max over ranks); durable: until the checkpoint is complete on disk;")
     print("tput/raw: (bytes / durable) / (bytes / raw write+fsync); slowdown: mean step time while persisting")
     print("vs. the step time without a save (nan: no step ran while persisting). [first repetition]")
     service.shutdown()
 
 
-def _rep(ranks: list, mode: str, rep: int, ckpt: dict) -> dict[str, float]:
+def _rep(ranks: list, mode: str, rep: int, ckpt: dict) -> dict:
+    ours = mode.startswith("raytrain_ckpt")
+    pid = ray.get(ckpt["writer"].__ray_call__.remote(lambda self: os.getpid())) if ours else 0
+    before = _cpu_of(pid) if ours else (0.0, 0.0)
     res = ray.get([r.run.remote(mode, rep, ckpt) for r in ranks])
     steps = [x for x in res if x["steps"]]
-    return {"stall_s": max(x["stall_s"] for x in res), "durable_s": max(x["durable_s"] for x in res),
-            "step_s": statistics.mean(x["step_s"] for x in steps) if steps else float("nan"),
-            "steps": sum(x["steps"] for x in res)}
+    out = {"stall_s": max(x["stall_s"] for x in res), "durable_s": max(x["durable_s"] for x in res),
+           "step_s": statistics.mean(x["step_s"] for x in steps) if steps else float("nan"),
+           "steps": sum(x["steps"] for x in res)}
+    if ours:
+        after = _cpu_of(pid)
+        last = ray.get(ckpt["writer"].usage.remote())["last"] if _has_usage(ckpt["writer"]) else {}
+        out["writer"] = {"cpu_s": sum(after) - sum(before), "user_s": after[0] - before[0], "last": last}
+    return out
+
+
+def _cpu_of(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process on this node, read from /proc (any writer version)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def _has_usage(writer) -> bool:
+    """Older writers (to compare a checkout from before) report no usage."""
+    try:
+        writer.usage
+    except AttributeError:
+        return False
+    return True
+
+
+def _print_profile(mode: str, usage: dict, total: int) -> None:
+    """The writer's CPU per GB and, per phase, its seconds (summed over the ranks it wrote)."""
+    gb = total / 1e9
+    phases = {p: sum(r.get(p, 0.0) for r in usage["last"].values()) for p in PHASES}
+    line = f"{mode} writer: {usage['cpu_s'] / gb:.2f} CPU s/GB (user {usage['user_s'] / gb:.2f})"
+    if usage["last"]:
+        line += "; phases s/GB (wall, summed over ranks): " + ", ".join(f"{p[:-2]} {v / gb:.3f}"
+                                                                        for p, v in phases.items())
+    print(line)
 
 
 if __name__ == "__main__":

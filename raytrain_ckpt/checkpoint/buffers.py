@@ -13,6 +13,14 @@ predictable). Three rules keep it safe:
   orphan: the sweep (a writer starting, ``raytrain-ckpt clean-buffers``) removes it. A buffer
   whose owner is alive is never removed by anyone but its owner.
 
+A fourth rule lets a restarted group reuse a buffer (its pages already allocated) instead of
+creating one: **leased while mapped for staging**. A trainer holds an exclusive POSIX record
+lock (``lockf``, a lock type independent of ``flock``) on the buffer for as long as it stages
+into it (``BufferLease``); the kernel drops it when the trainer dies. The writer hands an older
+attempt's buffer to a new attempt only when it can take that lock itself (``is_leased``), so a
+process of the old attempt that is still alive is never staging into a buffer given to the new
+one.
+
 Between ``open(O_EXCL)`` and ``flock`` a sweeper could take the lock of a file that was just
 created. Only a lock holder unlinks a buffer, and only while the name still points at the inode
 it locked; the creator checks the same after taking its lock and creates again when its file
@@ -31,7 +39,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUFFER_GLOB", "SHM_DIR_ENV", "Orphan", "OwnedBuffer", "StagingFileError", "open_buffer", "shm_dir", "sweep_orphans"]
+__all__ = ["BUFFER_GLOB", "SHM_DIR_ENV", "BufferLease", "Orphan", "OwnedBuffer", "StagingFileError", "is_leased",
+           "open_buffer", "shm_dir", "sweep_orphans"]
 
 SHM_DIR_ENV = "RAYTRAIN_CKPT_SHM_DIR"
 """Environment variable naming another directory for staging buffers (read by each writer's process)."""
@@ -126,6 +135,45 @@ def open_buffer(path: Path, nbytes: int) -> int:
         raise StagingFileError(f"staging buffer {path} {problem}; refusing to map it (only files the job's "
                                "CheckpointWriter created are mapped)")
     return fd
+
+
+class BufferLease:
+    """A trainer's claim on a buffer it stages into: an exclusive ``lockf`` lock on an fd kept open.
+
+    POSIX record locks belong to the process and are dropped when it closes *any* fd of the
+    file: take the lease after mapping the buffer (``map_buffer`` closes its fd), and release it
+    before mapping the same file again.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._fd)
+            raise StagingFileError(f"staging buffer {self.path} is still leased by another process (a rank of "
+                                   "an earlier attempt that has not exited yet?); this save is dropped") from None
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # drops the lock
+            self._fd = -1
+
+
+def is_leased(path: Path) -> bool:
+    """Whether some other live process holds a ``BufferLease`` on ``path`` (False when it is gone)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # EAGAIN/EACCES: held by another process
+        return True
+    finally:
+        os.close(fd)  # also drops the probe's own lock
+    return False
 
 
 def sweep_orphans(directory: Path | None = None, dry_run: bool = False) -> list[Orphan]:

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
 from raytrain_ckpt.checkpoint.actor import StepAborted
+from raytrain_ckpt.checkpoint.buffers import BufferLease, StagingFileError
 from raytrain_ckpt.checkpoint.staging import (
     PinnedCudaStaging,
     SharedMemoryStaging,
@@ -90,6 +91,7 @@ class _Layout:
     plan: SavePlan
     buffer_path: str
     staging: Staging
+    lease: BufferLease
 
 
 class CheckpointClient:
@@ -137,7 +139,8 @@ class CheckpointClient:
         tensors, objects = self._flatten(state)
         try:
             layout = self._ensure_layout(step, tensors, objects)
-        except (RayError, StepAborted) as exc:  # writer or actor gone for good: lose this save, not the run
+        except (RayError, StepAborted, StagingFileError) as exc:  # writer or actor gone, buffer still leased:
+            # lose this save, not the run
             self._aborted(step, exc)
             return
         info = dict(info or {})
@@ -224,10 +227,13 @@ class CheckpointClient:
             lambda: self.actor.plan.remote(self.attempt, step, self.rank, local, self.cfg.commit_timeout_s))
         plan = self._planner.finish_plan(central)
         path = _get_restarting(lambda: self.writer.allocate.remote(self.rank, self.attempt, nbytes))
+        if self._layout is not None:  # before mapping: closing any fd of the file would drop it anyway
+            self._layout.lease.release()
         buffer = map_buffer(Path(path), nbytes)
+        lease = BufferLease(Path(path))  # after mapping (map_buffer closes its fd)
         staging: Staging = (PinnedCudaStaging(buffer, slots, self.device) if self.device.type == "cuda"
                             else SharedMemoryStaging(buffer, slots))
-        self._layout = _Layout(key, plan_id, slots, nbytes, plan, path, staging)
+        self._layout = _Layout(key, plan_id, slots, nbytes, plan, path, staging, lease)
         self._replan = False
         logger.info("checkpoint layout %s: %d tensors, %.1f MB staging buffer %s", key, len(slots), nbytes / 1e6, path)
         return self._layout
@@ -246,6 +252,7 @@ class CheckpointClient:
         close = getattr(self._layout.staging, "close", None)
         if close is not None:
             close()
+        self._layout.lease.release()  # the writer may give the buffer to the next attempt
         self._layout = None
 
     def wait_committed(self) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "TensorSlot",
     "allocate_buffer",
     "map_buffer",
+    "map_slots",
     "plan_slots",
     "slot_views",
 ]
@@ -108,6 +109,28 @@ def slot_views(buffer: torch.Tensor, slots: list[TensorSlot]) -> dict[str, torch
     for s in slots:
         raw = buffer[s.offset: s.offset + s.nbytes]
         out[s.fqn] = raw.view(s.dtype).view(s.shape) if s.nbytes else torch.empty(s.shape, dtype=s.dtype)
+    return out
+
+
+def map_slots(path: Path, nbytes: int, slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
+    """Typed, shaped views of each slot of the buffer file ``path`` whose storage is exactly the slot.
+
+    What the writer serialises: ``torch.save`` of a ``slot_views`` view would write the whole
+    buffer (its storage), and DCP would clone it first. Checked like ``map_buffer``.
+    """
+    fd = open_buffer(path, nbytes)
+    try:
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    whole = memoryview(mapping)  # each view's storage keeps the mapping alive
+    out = {}
+    for s in slots:
+        if not s.nbytes:
+            out[s.fqn] = torch.empty(s.shape, dtype=s.dtype)
+            continue
+        raw = torch.frombuffer(whole[s.offset: s.offset + s.nbytes], dtype=torch.uint8)
+        out[s.fqn] = raw.view(s.dtype).view(s.shape)
     return out
 
 

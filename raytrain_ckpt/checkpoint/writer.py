@@ -2,8 +2,8 @@
 
 Trainers map the writer's shared-memory files, copy their state in, and hand the step over
 with ``persist()``. From then on the trainer is out of the picture: the writer writes the
-rank's DCP shard files with its own threads, fsyncs them, checksums them and reports to the
-CheckpointActor. A trainer that dies after the hand-off does not stop its step from being
+rank's DCP shard files with its own threads straight from the buffer, checksumming them as it
+writes (``checkpoint/filewrite.py``), fsyncs them and reports to the CheckpointActor. A trainer that dies after the hand-off does not stop its step from being
 committed.
 """
 
@@ -14,6 +14,8 @@ import logging
 import os
 import pickle
 import re
+import resource
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,14 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, shm_dir, sweep_orphans
-from raytrain_ckpt.checkpoint.layout import describe_file
+from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, StagingFileError, is_leased, shm_dir, sweep_orphans
+from raytrain_ckpt.checkpoint.filewrite import write_rank_files
 from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, probe_name
-from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, map_buffer, slot_views
+from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, map_slots
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import WriterMetrics
@@ -50,7 +51,8 @@ def check_written(plan: SavePlan, results: list[WriteResult], sizes: dict[str, i
     """Raise OSError unless every planned write has a result whose bytes are all in its file.
 
     DCP's I/O threads other than the caller's drop their exceptions (ENOSPC, EIO): what they
-    failed to write is then missing from ``results`` and its file is short. Without this check
+    failed to write is then missing from ``results`` and its file is short. The local writer
+    (``filewrite``) raises instead; this check stays as the last line before a report. Without this check
     the short file's real size and CRC-32 would go into the manifest of a step that cannot load.
     ``sizes``: file name -> bytes on disk, for the files of this rank.
     """
@@ -63,6 +65,15 @@ def check_written(plan: SavePlan, results: list[WriteResult], sizes: dict[str, i
         size, end = sizes.get(where.relative_path, -1), where.offset + where.length
         if size < end:
             raise OSError(f"{where.relative_path}: {size} bytes on disk, the write of {r.index.fqn} ends at {end}")
+
+
+@dataclass
+class _Held:
+    """A staging buffer this writer owns (holding its ownership lock), and whose it is now."""
+
+    buffer: OwnedBuffer
+    rank: int
+    attempt: int
 
 
 @dataclass(frozen=True)
@@ -98,9 +109,13 @@ class CheckpointWriter:
         self._jobs: dict[tuple[int, int], Future] = {}
         self._running: dict[tuple[int, int], PersistRequest] = {}
         self._tmp: dict[tuple[int, int], str] = {}
-        self._buffers: dict[str, tuple[OwnedBuffer, int]] = {}
-        """path -> (the buffer, held with its ownership lock; the attempt it was allocated for)"""
+        self._buffers: dict[str, _Held] = {}
+        self._views: dict[str, tuple[tuple, dict[str, Any]]] = {}
+        """path -> (layout, the slot views): mapped once, not on every save (page faults cost CPU)."""
+        self._lock = threading.Lock()
+        """Orders allocate() (which hands buffers to attempts) against accept() (which checks them)."""
         self._newest_attempt = 0
+        self._last_phases: dict[int, dict[str, float]] = {}
         self.metrics = WriterMetrics(job, ray.get_runtime_context().get_node_id()[:12])
         # Buffers of writers that died (this job's previous incarnation, a job whose driver was
         # killed) hold RAM until someone removes them; a live writer's buffers are left alone.
@@ -125,23 +140,38 @@ class CheckpointWriter:
             (Path(local) / name).unlink(missing_ok=True)
 
     def allocate(self, rank: int, attempt: int, nbytes: int) -> str:
-        """Create the rank's staging file for this attempt (reused across its saves).
+        """The rank's staging file for this attempt (reused across its saves).
 
-        A restarted group gets new files: a write handed off by the previous attempt may still
-        be reading its old buffer, which is unlinked once that write is done.
+        A restarted group reuses the previous attempt's buffer of the rank (its pages are
+        allocated already: the first save after a restart costs what any save costs) unless
+        a write is still reading it or a process of the old attempt still leases it; then it
+        gets a new file. Older attempts' buffers are unlinked once a write of the newest attempt
+        is done (by then its ranks have claimed what they reuse) and nothing reads them.
         """
-        path = shm_dir() / f"rtc-{self.prefix}-a{attempt}-rank{rank}.buf"
-        held = self._buffers.get(str(path))
-        if held is None:
-            self._buffers[str(path)] = (allocate_buffer(path, nbytes), attempt)
-        else:  # a new layout in the same attempt
-            held[0].resize(nbytes)
-        self._newest_attempt = max(self._newest_attempt, attempt)
-        busy = {j.buffer_path for j in self._running.values()}
-        for old, (_, a) in list(self._buffers.items()):
-            if a < self._newest_attempt and old not in busy:
-                self._unlink(old)
-        return str(path)
+        with self._lock:
+            path = self._held_for(rank, attempt) or self._reusable(rank, attempt)
+            if path is None:
+                path = str(shm_dir() / f"rtc-{self.prefix}-a{attempt}-rank{rank}.buf")
+                self._buffers[path] = _Held(allocate_buffer(Path(path), nbytes), rank, attempt)
+            else:  # the same attempt with a new layout, or a new attempt reusing the rank's buffer
+                self._buffers[path].buffer.resize(nbytes)
+                self._buffers[path].attempt = attempt
+            self._newest_attempt = max(self._newest_attempt, attempt)
+            return path
+
+    def _busy(self) -> set[str]:
+        return {j.buffer_path for j in self._running.values()}
+
+    def _held_for(self, rank: int, attempt: int) -> str | None:
+        return next((p for p, h in self._buffers.items() if h.rank == rank and h.attempt == attempt), None)
+
+    def _reusable(self, rank: int, attempt: int) -> str | None:
+        """An older attempt's buffer of ``rank`` that no write reads and no live process stages into."""
+        busy = self._busy()
+        for path, held in self._buffers.items():
+            if held.rank == rank and held.attempt < attempt and path not in busy and not is_leased(Path(path)):
+                return path
+        return None
 
     def release_all(self) -> None:
         """Unlink every staging file this writer owns (the job is over), and any orphan: those a
@@ -151,18 +181,30 @@ class CheckpointWriter:
         sweep_orphans(shm_dir())
 
     def _unlink(self, path: str) -> None:
+        self._views.pop(path, None)
         held = self._buffers.pop(path, None)
         if held is not None:
-            held[0].remove()
+            held.buffer.remove()
 
     def accept(self, req: PersistRequest) -> None:
         """Take over a staged step and start writing it; returns as soon as the request is held here.
 
         From this return on the step no longer depends on the trainer process.
         """
-        self._tmp[(req.rank, req.step)] = ray.get(self.coordinator.accepted.remote(req.step, req.rank, req.attempt))
-        self._running[(req.rank, req.step)] = req
-        self._jobs[(req.rank, req.step)] = self._pool.submit(self._persist_and_forget, req)
+        key = (req.rank, req.step)
+        with self._lock:
+            held = self._buffers.get(req.buffer_path)
+            if held is None or held.attempt != req.attempt:
+                # A late hand-off of an earlier attempt: its buffer was given to a newer one (or is gone).
+                raise StagingFileError(f"step {req.step} rank {req.rank}: staging buffer {req.buffer_path} no longer "
+                                       f"belongs to attempt {req.attempt}; this save is dropped")
+            self._running[key] = req
+        try:
+            self._tmp[key] = ray.get(self.coordinator.accepted.remote(req.step, req.rank, req.attempt))
+        except BaseException:
+            self._running.pop(key, None)
+            raise
+        self._jobs[key] = self._pool.submit(self._persist_and_forget, req)
 
     def wait(self, rank: int, step: int) -> str:
         """Block until rank ``rank``'s files of ``step`` are written and reported; re-raises a failure."""
@@ -173,25 +215,49 @@ class CheckpointWriter:
         try:
             return self._persist(req)
         finally:
-            self._running.pop((req.rank, req.step), None)
-            if req.attempt < self._newest_attempt:
-                self._unlink(req.buffer_path)
+            with self._lock:
+                self._running.pop((req.rank, req.step), None)
+                self._drop_stale(req)
+
+    def _drop_stale(self, done: PersistRequest) -> None:
+        """Unlink older attempts' buffers nobody reads, once the write ``done`` no longer reads its own.
+
+        Only after a write of the newest attempt (or of the buffer's own old attempt): unlinking
+        as soon as a new attempt appears would free a buffer its next rank is about to reuse.
+        """
+        busy = self._busy()
+        for path, held in list(self._buffers.items()):
+            stale = held.attempt < self._newest_attempt and path not in busy
+            if stale and (done.attempt == self._newest_attempt or path == done.buffer_path):
+                self._unlink(path)
 
     def _persist(self, req: PersistRequest) -> str:
         t0 = time.monotonic()
         tmp = Path(self._tmp.pop((req.rank, req.step)))
-        staged: dict[str, Any] = slot_views(map_buffer(Path(req.buffer_path), req.buffer_bytes), req.slots)
-        staged.update(pickle.loads(req.objects))
-        writer = FileSystemWriter(tmp, thread_count=self.io_threads, sync_files=True, overwrite=False)
-        writer.set_up_storage_writer(False, rank=req.rank)
+        staged = {**self._slot_views(req), **pickle.loads(req.objects)}
         maybe_inject("persist", req.rank, req.step, req.attempt)
-        results = writer.write_data(req.plan, StagedPlanner(staged)).wait()
-        check_written(req.plan, results, {p.name: p.stat().st_size for p in tmp.iterdir()})
+        written = write_rank_files(tmp, req.plan, StagedPlanner(staged).resolve_data, self.io_threads)
+        check_written(req.plan, written.results, {p.name: p.stat().st_size for p in tmp.iterdir()})
         t_write = time.monotonic() - t0
-        prefix = req.plan.storage_data.prefix
-        files = {p.name: describe_file(p)
-                 for p in tmp.iterdir() if p.name.startswith(prefix)}
-        info = {**req.info, "persist_s": time.monotonic() - t0, "write_s": t_write}
-        self.metrics.wrote(req.rank, sum(f["size"] for f in files.values()), info["persist_s"])
-        return ray.get(self.coordinator.report.remote(req.step, req.rank, req.attempt, req.plan_id,
-                                                      results, files, info))
+        phases = {k: round(v, 6) for k, v in vars(written.phases).items()}
+        info = {**req.info, **phases, "persist_s": time.monotonic() - t0, "write_s": t_write}
+        self.metrics.wrote(req.rank, sum(f["size"] for f in written.files.values()), info["persist_s"])
+        t_report = time.monotonic()
+        out = ray.get(self.coordinator.report.remote(req.step, req.rank, req.attempt, req.plan_id,
+                                                     written.results, written.files, info))
+        self._last_phases[req.rank] = {**phases, "report_s": time.monotonic() - t_report}
+        return out
+
+    def _slot_views(self, req: PersistRequest) -> dict[str, Any]:
+        layout = (req.buffer_bytes, tuple(req.slots))
+        cached = self._views.get(req.buffer_path)
+        if cached is None or cached[0] != layout:
+            cached = (layout, map_slots(Path(req.buffer_path), req.buffer_bytes, req.slots))
+            self._views[req.buffer_path] = cached
+        return cached[1]
+
+    def usage(self) -> dict[str, Any]:
+        """CPU seconds this writer process has used (user, system) and, per rank, the phases of its
+        last write: for benchmarks and diagnosis."""
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return {"user_s": r.ru_utime, "system_s": r.ru_stime, "last": dict(self._last_phases)}

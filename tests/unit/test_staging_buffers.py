@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, StagingFileError, sweep_orphans
+from raytrain_ckpt.checkpoint.buffers import BufferLease, OwnedBuffer, StagingFileError, is_leased, sweep_orphans
 from raytrain_ckpt.checkpoint.staging import allocate_buffer, map_buffer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -174,3 +174,49 @@ def test_remove_leaves_a_file_that_replaced_ours_alone(tmp_path: Path) -> None:
     buf.path.write_bytes(b"someone else's")
     buf.remove()
     assert buf.path.read_bytes() == b"someone else's"
+
+
+_LEASER = """
+import sys
+from pathlib import Path
+from raytrain_ckpt.checkpoint.buffers import BufferLease
+lease = BufferLease(Path(sys.argv[1]))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def _leaser(path: Path) -> subprocess.Popen:
+    """A real process that leases the buffer at ``path`` (a trainer staging into it); returns once it does."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen([sys.executable, "-c", _LEASER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, env=env)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_a_lease_is_seen_by_other_processes_and_ends_with_its_holder(tmp_path: Path) -> None:
+    buf = allocate_buffer(tmp_path / "rtc-l.buf", 4096)
+    try:
+        assert not is_leased(buf.path)
+        holder = _leaser(buf.path)
+        assert is_leased(buf.path)
+        with pytest.raises(StagingFileError, match="still leased"):
+            _expect_lease_fails(buf.path)
+        _kill(holder)                                      # SIGKILL: the kernel drops the lock
+        assert not is_leased(buf.path)
+        mine = BufferLease(buf.path)
+        mine.release()
+        assert not is_leased(buf.path)
+    finally:
+        buf.remove()
+
+
+def _expect_lease_fails(path: Path) -> None:
+    """Take a lease in another process (our own process's POSIX locks never conflict with each other)."""
+    code = ("import sys\nfrom pathlib import Path\nfrom raytrain_ckpt.checkpoint.buffers import BufferLease\n"
+            "BufferLease(Path(sys.argv[1]))")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    if out.returncode != 0 and "still leased" in out.stderr:
+        raise StagingFileError("still leased")

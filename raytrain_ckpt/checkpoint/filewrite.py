@@ -1,0 +1,238 @@
+"""Writing one rank's DCP shard files to a local (POSIX) file system in one pass over the bytes.
+
+DCP's ``FileSystemWriter`` makes four passes over every tensor byte staged in the writer:
+it clones each staged view (its storage is the whole staging buffer, and ``torch.save``
+saves whole storages), ``torch.save`` computes the zip CRC-32 of the clone, writes it
+through a Python stream, and the writer then read each file back for the manifest's CRC-32C.
+
+Here each item is serialised with ``torch.save`` straight into the file: the tensor is a view
+whose storage is exactly its slot of the staging buffer (no clone), ``torch.save`` hands its
+bytes over as a memoryview of that buffer, and ``_FileSink`` checksums each chunk (CRC-32C,
+which covers every byte of the file: zip headers, pickles and data) and writes it with
+``os.write`` while it is still in the cache. Small records (zip headers, the pickle) are gathered
+and written together.
+
+The files are plain DCP: the same names, the same items in the same order, the same
+``WriteResult``/``_StorageInfo`` (offset, length) that ``FileSystemWriter`` records, read by
+``dcp.load`` and ``format_utils``. One difference in the bytes: the zip records carry no
+CRC-32 (``torch.serialization.set_crc32_options(False)``, a format ``torch.load`` reads); the
+manifest's CRC-32C over every byte of every file is what proves a file intact, and it is
+verified before anything is loaded.
+
+Errors are raised, never dropped (DCP's helper threads drop theirs): ENOSPC or EIO from a
+write or an fsync fails the rank's save.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import crc32c as _crc32c
+import torch
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _split_by_size_and_type, _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+__all__ = ["RankFiles", "write_rank_files"]
+
+_CHUNK = 2 << 20
+"""Bytes checksummed then written per system call: small enough to still be in the cache for the
+write's copy, large enough that the call overhead does not count."""
+_GATHER = 64 << 10
+"""Writes below this size (zip headers, pickles) are gathered and written together."""
+
+Resolve = Callable[[WriteItem], "torch.Tensor | io.BytesIO"]
+
+
+@dataclass
+class Phases:
+    """Seconds spent per phase of a write (summed over I/O threads)."""
+
+    serialize_s: float = 0.0
+    write_calls_s: float = 0.0
+    checksum_s: float = 0.0
+    fsync_s: float = 0.0
+    cpu_s: float = 0.0
+    """CPU seconds (user + system) of the threads that wrote, over the whole write."""
+
+    def add(self, other: Phases) -> None:
+        for name in vars(self):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
+class RankFiles:
+    """What writing a rank's items produced: DCP's write results and the manifest's file entries."""
+
+    results: list[WriteResult] = field(default_factory=list)
+    files: dict[str, dict[str, int]] = field(default_factory=dict)
+    """File name -> {"size", "crc32c"} of the bytes as written."""
+    phases: Phases = field(default_factory=Phases)
+
+
+class _FileSink(io.RawIOBase):
+    """The stream ``torch.save`` writes into: appends to ``fd``, checksumming every byte."""
+
+    def __init__(self, fd: int, phases: Phases) -> None:
+        super().__init__()
+        self.fd, self.phases = fd, phases
+        self.position = 0
+        self.crc = 0
+        self._pending = bytearray()
+        self.error: OSError | None = None
+        """The first write error: torch.save replaces it with a RuntimeError about a short file."""
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position + len(self._pending)
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        if view.nbytes < _GATHER:
+            self._pending += view
+        else:
+            self.flush()
+            self._write(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, bytearray()
+            self._write(memoryview(pending))
+
+    def _write(self, view: memoryview) -> None:
+        if self.error is not None:
+            raise self.error
+        try:
+            self._write_chunks(view)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def _write_chunks(self, view: memoryview) -> None:
+        for start in range(0, view.nbytes, _CHUNK):
+            chunk = view[start:start + _CHUNK]
+            t0 = time.perf_counter()
+            self.crc = _crc32c.crc32c(chunk, self.crc)
+            t1 = time.perf_counter()
+            while chunk.nbytes:  # a write may be partial (a signal, a limit per call)
+                done = os.write(self.fd, chunk)
+                chunk = chunk[done:]
+            self.phases.checksum_s += t1 - t0
+            self.phases.write_calls_s += time.perf_counter() - t1
+        self.position += view.nbytes
+
+
+def write_rank_files(directory: Path, plan: SavePlan, resolve: Resolve, threads: int = 1) -> RankFiles:
+    """Write the items of ``plan`` (one rank's central plan) into ``directory``, fsynced.
+
+    Splits the items into ``threads`` files exactly as ``FileSystemWriter(thread_count=threads)``
+    does, so file names, offsets and lengths are the ones DCP records. ``resolve`` maps a write
+    item to its data (``SavePlanner.resolve_data``). Files are created exclusively: an existing
+    file is an error, never overwritten.
+    """
+    prefix = plan.storage_data.prefix
+    buckets = [(f"{prefix}{i}{DEFAULT_SUFFIX}", bucket)
+               for i, bucket in enumerate(_split_by_size_and_type(threads, plan.items))]
+    out = RankFiles()
+    with _zip_crc_off():
+        if threads == 1:
+            parts = [_write_file(directory, name, items, resolve) for name, items in buckets]
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="rtc-filewrite") as pool:
+                parts = list(pool.map(lambda b: _write_file(directory, b[0], b[1], resolve), buckets))
+    for part in parts:
+        out.results += part.results
+        out.files.update(part.files)
+        out.phases.add(part.phases)
+    return out
+
+
+def _write_file(directory: Path, name: str, items: list[WriteItem], resolve: Resolve) -> RankFiles:
+    """One DCP file: byte items first, then tensors, in plan order (``_write_files_from_queue``'s order)."""
+    out = RankFiles()
+    cpu0 = time.thread_time()
+    fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        sink = _FileSink(fd, out.phases)
+        ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO]
+                   + [i for i in items if i.type != WriteItemType.BYTE_IO])
+        for item in ordered:
+            out.results.append(_write_item(sink, name, item, resolve))
+        t0 = time.perf_counter()
+        os.fsync(fd)
+        out.phases.fsync_s += time.perf_counter() - t0
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if size != sink.position:  # the sink counted what the kernel accepted; anything else is a bug
+        raise OSError(f"{name}: {size} bytes on disk after writing {sink.position}")
+    out.files[name] = {"size": sink.position, "crc32c": sink.crc}
+    out.phases.cpu_s += time.thread_time() - cpu0
+    return out
+
+
+def _write_item(sink: _FileSink, name: str, item: WriteItem, resolve: Resolve) -> WriteResult:
+    t0 = time.perf_counter()
+    io_before = sink.phases.write_calls_s + sink.phases.checksum_s
+    offset = sink.tell()
+    data = resolve(item)
+    if item.type == WriteItemType.BYTE_IO:
+        assert isinstance(data, io.BytesIO), f"{item.index.fqn}: a byte item resolved to {type(data).__name__}"
+        sink.write(data.getbuffer())
+    else:
+        assert isinstance(data, torch.Tensor), f"{item.index.fqn}: a tensor item resolved to {type(data).__name__}"
+        try:
+            torch.save(_exact_storage(data), sink)
+        except RuntimeError:
+            if sink.error is not None:  # the real cause (ENOSPC, EIO), not torch's "unexpected pos"
+                raise sink.error from None
+            raise
+    sink.flush()
+    length = sink.position - offset
+    io_spent = sink.phases.write_calls_s + sink.phases.checksum_s - io_before
+    sink.phases.serialize_s += time.perf_counter() - t0 - io_spent
+    return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+
+
+def _exact_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when its storage holds exactly its bytes, else a minimal copy: ``torch.save``
+    writes whole storages (the same rule as DCP's ``_SerialCpuLoader``)."""
+    tensor = tensor.detach().cpu()
+    if tensor.untyped_storage().size() != tensor.nbytes:
+        tensor = tensor.clone()
+    return tensor
+
+
+_crc_lock = threading.Lock()
+_crc_users = 0
+_crc_saved = True
+
+
+@contextmanager
+def _zip_crc_off() -> Iterator[None]:
+    """``torch.save`` without the zip CRC-32 while any write of this module runs (the setting is
+    process-wide; counted so concurrent writes do not turn it back on under each other)."""
+    global _crc_users, _crc_saved
+    with _crc_lock:
+        if _crc_users == 0:
+            _crc_saved = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _crc_users += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_users -= 1
+            if _crc_users == 0:
+                torch.serialization.set_crc32_options(_crc_saved)

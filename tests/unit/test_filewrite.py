@@ -1,0 +1,140 @@
+"""The one-pass local writer produces plain DCP: the same files, offsets and lengths as DCP's
+FileSystemWriter for the same plan, loaded by dcp.load and format_utils, with a CRC-32C that
+is the checksum of every byte on disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from raytrain_ckpt.checkpoint.buffers import OwnedBuffer
+from raytrain_ckpt.checkpoint.filewrite import write_rank_files
+from raytrain_ckpt.checkpoint.manifest import checksum_file
+from raytrain_ckpt.checkpoint.staging import StagedPlanner, map_buffer, map_slots, plan_slots, slot_views
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"model": {"w": torch.randn(64, 33, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16),
+                      "empty": torch.zeros(0, 4), "step_t": torch.tensor(5, dtype=torch.int64)},
+            "optim": {"lr": 0.1, "names": ["a", "b"]}, "step": 12}
+
+
+def _plan_and_stage(state: dict, shm: Path):
+    """One rank's central plan, metadata, and the staged tensors (in a real buffer file) + objects."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    central, metadata = planner.create_global_plan([planner.create_local_plan()])
+    plan = planner.finish_plan(FileSystemWriter(shm).prepare_global_plan(central)[0])
+    tensors = {k: v for k, v in planner.state_dict.items() if isinstance(v, torch.Tensor)}
+    objects = {k: v for k, v in planner.state_dict.items() if not isinstance(v, torch.Tensor)}
+    slots, nbytes = plan_slots(tensors)
+    owned = OwnedBuffer.create(shm / "rtc-test-a0-rank0.buf", nbytes)
+    for fqn, view in slot_views(map_buffer(owned.path, nbytes), slots).items():
+        view.copy_(tensors[fqn])
+    return plan, metadata, owned, slots, nbytes, objects
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_same_results_as_dcp_loadable_and_checksummed(tmp_path: Path, threads: int) -> None:
+    state = _state()
+    plan, metadata, owned, slots, nbytes, objects = _plan_and_stage(state, tmp_path)
+    try:
+        ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+        ours.mkdir(), theirs.mkdir()
+        staged = {**map_slots(owned.path, nbytes, slots), **objects}
+        written = write_rank_files(ours, plan, StagedPlanner(staged).resolve_data, threads)
+        dcp_writer = FileSystemWriter(theirs, thread_count=threads)
+        dcp_writer.set_up_storage_writer(True, rank=0)
+        expected = dcp_writer.write_data(plan, StagedPlanner({**slot_views(map_buffer(owned.path, nbytes), slots),
+                                                              **objects})).wait()
+    finally:
+        owned.remove()
+    key = lambda r: (r.index.fqn, r.index.offset, r.index.index)  # noqa: E731
+    assert sorted(((key(r), r.size_in_bytes, r.storage_data) for r in written.results), key=str) == \
+        sorted(((key(r), r.size_in_bytes, r.storage_data) for r in expected), key=str)
+    assert sorted(written.files) == sorted(p.name for p in theirs.iterdir())
+    for name, entry in written.files.items():
+        assert entry == {"size": (ours / name).stat().st_size, "crc32c": checksum_file(ours / name)}
+        assert entry["size"] == (theirs / name).stat().st_size
+    assert written.phases.fsync_s > 0 and written.phases.checksum_s > 0
+
+    FileSystemWriter(ours).finish(metadata, [written.results])
+    loaded = {"model": {k: torch.full_like(v, -1.0) for k, v in state["model"].items()},
+              "optim": {"lr": 0.0, "names": []}, "step": 0}
+    dcp.load(loaded, storage_reader=FileSystemReader(ours), no_dist=True)
+    for k, v in state["model"].items():
+        assert torch.equal(loaded["model"][k], v), k
+    assert loaded["optim"] == state["optim"] and loaded["step"] == 12
+    dcp_to_torch_save(ours, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    assert torch.equal(whole["model"]["w"], state["model"]["w"])
+
+
+def test_slot_views_for_writing_own_exactly_their_bytes(tmp_path: Path) -> None:
+    tensors = {"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.float16)}
+    slots, nbytes = plan_slots(tensors)
+    owned = OwnedBuffer.create(tmp_path / "rtc-x-a0-rank0.buf", nbytes)
+    try:
+        for fqn, view in slot_views(map_buffer(owned.path, nbytes), slots).items():
+            view.copy_(tensors[fqn])
+        views = map_slots(owned.path, nbytes, slots)
+    finally:
+        owned.remove()
+    for fqn, t in tensors.items():
+        assert views[fqn].untyped_storage().nbytes() == t.nbytes and torch.equal(views[fqn], t)
+
+
+def test_an_existing_file_is_never_overwritten(tmp_path: Path) -> None:
+    state = {"w": torch.ones(4)}
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    central, _ = planner.create_global_plan([planner.create_local_plan()])
+    plan = planner.finish_plan(FileSystemWriter(tmp_path).prepare_global_plan(central)[0])
+    (tmp_path / "__0_0.distcp").write_bytes(b"keep")
+    with pytest.raises(FileExistsError):
+        write_rank_files(tmp_path, plan, planner.resolve_data)
+    assert (tmp_path / "__0_0.distcp").read_bytes() == b"keep"
+
+
+FAILING_WRITE = """
+import resource, signal, sys
+from pathlib import Path
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from raytrain_ckpt.checkpoint.filewrite import write_rank_files
+
+out = Path(sys.argv[1])
+planner = DefaultSavePlanner()
+planner.set_up_planner({"w": torch.ones(64 * 1024)}, is_coordinator=True)
+central, _ = planner.create_global_plan([planner.create_local_plan()])
+plan = planner.finish_plan(FileSystemWriter(out).prepare_global_plan(central)[0])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+try:
+    write_rank_files(out, plan, planner.resolve_data)
+except OSError as exc:
+    print("raised", exc.errno, torch.serialization.get_crc32_options(), flush=True)
+import gc
+gc.collect()                                    # a zip writer finishing late would abort the process here
+print("alive")
+"""
+
+
+def test_a_failed_write_raises_and_restores_the_crc_setting(tmp_path: Path) -> None:
+    """A real short write (the file size limit: EFBIG, like ENOSPC a write that fails midway)."""
+    import errno
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FAILING_WRITE, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).parents[2])
+    assert out.stdout.split() == ["raised", str(errno.EFBIG), "True", "alive"], out.stderr[-2000:]
+    assert out.returncode == 0, out.stderr[-2000:]
