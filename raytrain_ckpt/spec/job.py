@@ -91,7 +91,7 @@ class JobSpec(_Section):
         problems = _layout_problems(self) + _batch_problems(self) + _model_data_problems(self)
         if not problems:
             problems = _pipeline_problems(self)
-        problems += _final_export_problems(self) + _eval_problems(self)
+        problems += _final_export_problems(self) + _eval_problems(self) + _auto_interval_problems(self)
         if problems:
             raise FieldProblems(problems)
         return self
@@ -214,4 +214,16 @@ def _final_export_problems(spec: JobSpec) -> list[tuple[str, str]]:
     if cfg.final_export.format == "hf" and ":" in spec.model.name:
         return [("checkpoint.final_export.format", f"hf needs the built-in Llama; model.name={spec.model.name} is a "
                  "user factory with no Hugging Face names; use format torch")]
+    return []
+
+
+def _auto_interval_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    cfg, ft = spec.checkpoint, spec.fault_tolerance
+    auto = cfg.interval_steps == "auto"
+    if auto and not cfg.enabled:
+        return [("checkpoint.interval_steps", "auto chooses how often to save, but checkpoint.enabled=false; "
+                 "set checkpoint.enabled=true, or remove interval_steps")]
+    if ft.expected_mtbf_s is not None and not auto:
+        return [("fault_tolerance.expected_mtbf_s", f"only used with checkpoint.interval_steps=auto (now "
+                 f"{cfg.interval_steps}); set interval_steps=auto, or remove expected_mtbf_s")]
     return []
