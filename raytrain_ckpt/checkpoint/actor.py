@@ -125,6 +125,7 @@ class CheckpointActor:
         self.job_info: dict[str, Any] = {}
         self.interval: dict[str, Any] | None = None
         """The newest ``interval_steps: auto`` decision (rank 0 reports each one)."""
+        self.interval_costs: dict[str, float | None] = {}
         self.metrics.start(self.committed)
         logger.info("checkpoint actor for %s: %d committed step(s) %s", root, len(self.committed),
                     sorted(self.committed)[-5:])
@@ -453,9 +454,13 @@ class CheckpointActor:
         self.interval = {"step": step, **asdict(decision)}
         self.metrics.interval(decision.steps)
 
-    async def interval_decision(self) -> dict[str, Any] | None:
-        """The newest interval decision: the next attempt starts from its measured costs."""
-        return self.interval
+    async def record_costs(self, cost_s: float | None, step_time_s: float | None) -> None:
+        """Rank 0's measured save cost and step time after a save: the next attempt starts from them."""
+        self.interval_costs = {"cost_s": cost_s, "step_time_s": step_time_s}
+
+    async def interval_history(self) -> dict[str, Any]:
+        """The newest measured save cost and step time (``interval_steps: auto``), or {}."""
+        return dict(self.interval_costs)
 
     async def note_job(self, info: dict[str, Any]) -> None:
         """The driver's view after each controller step: state, attempt, failures, training step."""

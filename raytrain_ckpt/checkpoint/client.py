@@ -131,13 +131,12 @@ class CheckpointClient:
         Called once after every step: with ``interval_steps: auto`` it also times the step and,
         when the interval falls on it, chooses the next interval.
         """
-        if self.interval is not None:
-            self.interval.tick(step)
-        if self.schedule.by_step(step) or self.cfg.interval_seconds is None:
-            return self.schedule.due(step)
+        schedule = self.interval.tick(step) if self.interval is not None else self.schedule
+        if schedule.by_step(step) or self.cfg.interval_seconds is None:
+            return schedule.due(step)
         # Clocks differ per rank: agree, or one rank would save a step the others skip.
         elapsed = time.monotonic() - self._last_save_at
-        return self.schedule.due(step, self._any_rank(elapsed >= self.cfg.interval_seconds))
+        return schedule.due(step, self._any_rank(elapsed >= self.cfg.interval_seconds))
 
     def _any_rank(self, flag: bool) -> bool:
         t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
@@ -313,9 +312,15 @@ class _AutoInterval:
         """A save left the training thread after blocking it ``stall_s``."""
         self.meter.saved(stall_s)
         self._after_save = True
+        c = self.client
+        if c.rank == 0 and c.actor is not None:  # a hint for the next attempt, not a decision
+            c.actor.record_costs.remote(self.meter.cost_s(), self.meter.step_time_s())
 
-    def tick(self, step: int) -> None:
-        """After ``step``: time it, and choose the interval at the start and on each interval save."""
+    def tick(self, step: int) -> SaveSchedule:
+        """After ``step``: time it, and choose the interval at the start and on each interval save.
+
+        Returns the schedule that decides ``step`` (the one in force before a re-plan at it).
+        """
         c = self.client
         now = time.monotonic()
         if self._tick is not None:
@@ -326,8 +331,10 @@ class _AutoInterval:
             h = self.history
             self._apply(step - 1, IntervalFacts(c.total_steps, self.prior_mtbf_s, h.failures, h.survived_s,
                                                 h.cost_s, h.step_time_s))
-        if c.schedule.on_interval(step):
+        current = c.schedule
+        if current.on_interval(step):
             self._apply(step, self._shared_facts())
+        return current
 
     def _persisting(self) -> bool:
         """A save is still being written (its staging copy overlaps the step after it, too)."""

@@ -142,7 +142,7 @@ class CheckpointService:
         save cost and step time the earlier attempts measured (their newest decision)."""
         if self.spec.checkpoint.interval_steps != "auto":
             return None
-        last = ray.get(self.actor.interval_decision.remote()) or {}
+        last = ray.get(self.actor.interval_history.remote())
         return IntervalHistory(failures=sum((self._job.get("failures") or {}).values()),
                                survived_s=time.time() - self.started_unix,
                                cost_s=last.get("cost_s"), step_time_s=last.get("step_time_s"))
