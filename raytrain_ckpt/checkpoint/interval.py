@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["BOOTSTRAP_STEPS", "PRIOR_WEIGHT", "CostMeter", "IntervalDecision", "IntervalFacts", "IntervalHistory",
-           "blend_mtbf", "choose_interval", "young_daly_s"]
+           "blend_mtbf", "choose_interval", "explain", "young_daly_s"]
 
 BOOTSTRAP_STEPS = 10
 """Steps between saves until the cost of one save has been measured."""
@@ -94,6 +94,15 @@ def choose_interval(facts: IntervalFacts) -> IntervalDecision:
     steps = _clamp(round(seconds / facts.step_time_s), facts.total_steps)
     return IntervalDecision(steps, "young-daly", cost_s=facts.cost_s, step_time_s=facts.step_time_s,
                             interval_s=seconds, **common)
+
+
+def explain(prior_mtbf_s: float, total_steps: int) -> str:
+    """What ``interval_steps: auto`` will do, for ``validate``: the bootstrap and the formula."""
+    return (f"checkpoint.interval_steps=auto: saves every {_clamp(BOOTSTRAP_STEPS, total_steps)} steps (bootstrap) "
+            f"until one save is measured, then every sqrt(2 x cost x mtbf) / step_time steps, clamped to "
+            f"[1, {total_steps}], re-chosen at each such save and after each restart; cost = stall + slowdown "
+            f"of one save, mtbf = ({PRIOR_WEIGHT:g} x {prior_mtbf_s:g} s + time survived) / ({PRIOR_WEIGHT:g} + "
+            f"failures)")
 
 
 def _clamp(steps: int, total_steps: int) -> int:

@@ -7,7 +7,7 @@ sections live with ``JobSpec`` in ``job.py``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -344,7 +344,7 @@ class CheckpointSpec(_Section):
     """Root directory; this job's steps go to <dir>/<name>/step-<N>/. A relative path is resolved against the working directory."""
     mode: Literal["async", "sync"] = "async"
     """async: stage into shared memory, write in the background, training goes on; sync: training waits for the commit."""
-    interval_steps: Annotated[int, Field(ge=1)] | Literal["auto"] | None = 50
+    interval_steps: int | Literal["auto"] | None = 50  # >= 1: _interval_hint
     """Save every this many steps; auto: choose the interval from the measured cost of a save and the failure rate (Young-Daly, see fault_tolerance.expected_mtbf_s); null saves only on interval_seconds / save_final."""
     interval_seconds: float | None = Field(None, gt=0)
     """Also save when this much time passed since the last save; null turns the time trigger off."""

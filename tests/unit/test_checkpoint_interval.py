@@ -144,3 +144,16 @@ def test_spec_mistakes_are_one_clear_line(overrides, message) -> None:
     with pytest.raises(SpecError) as info:
         _load(*overrides)
     assert len(info.value.problems) == 1 and message in info.value.problems[0], info.value.problems
+
+
+def test_status_shows_the_decision_and_validate_explains_auto() -> None:
+    from dataclasses import asdict
+
+    from raytrain_ckpt.checkpoint.interval import explain
+    from raytrain_ckpt.inspect import interval_text
+
+    d = choose_interval(IntervalFacts(10_000, 3600.0, 2, 1800.0, 2.0, 1.0))
+    text = interval_text({"step": 30, **asdict(d)})
+    assert text.startswith("checkpoint interval (auto): 85 steps, chosen at step 30 (cost 2.000 s")
+    note = explain(600.0, 40)
+    assert f"every {BOOTSTRAP_STEPS} steps (bootstrap)" in note and "(1 x 600 s + time survived)" in note
