@@ -154,7 +154,7 @@ class CostMeter:
             self._current = None
 
     def cost_s(self) -> float | None:
-        """Mean cost of the saves measured so far; the newest counts once it stopped persisting."""
+        """Mean cost of the saves measured so far, the newest with the slowdown measured until now."""
         done = self._costs + ([self._current] if self._current is not None else [])
         return sum(done) / len(done) if done else None
 
