@@ -101,8 +101,19 @@ def main(argv: list[str] | None = None) -> int:
 
         dump = spec.model_dump(mode="json")
         print(json.dumps(dump, indent=2) if args.format == "json" else yaml.safe_dump(dump, sort_keys=False), end="")
+        _explain_interval(spec, as_comment=args.format == "yaml")
         return EXIT_OK
     return _run(spec, args.address)
+
+
+def _explain_interval(spec: JobSpec, as_comment: bool) -> None:
+    """With ``interval_steps: auto``: how the interval is chosen (a YAML comment, or on stderr)."""
+    if spec.checkpoint.interval_steps != "auto":
+        return
+    from raytrain_ckpt.checkpoint.interval import explain
+
+    text = explain(spec.fault_tolerance.prior_mtbf_s, spec.training.steps)
+    print(f"# {text}" if as_comment else text, file=sys.stdout if as_comment else sys.stderr)
 
 
 def _factories_importable(spec_path: str) -> None:

@@ -10,7 +10,7 @@ Who emits what:
 * ``TrainerMetrics`` (each TrainWorker): step, loss, eval loss, tokens/s, step time, checkpoint stall.
 * ``CheckpointMetrics`` (the CheckpointActor): committed and in-flight step, phase and
   per-rank progress, phase durations, bytes, throughput, purges, aborts, failed saves (in a
-  row and in all), work at risk.
+  row and in all), work at risk, the interval ``interval_steps: auto`` chose.
 * ``WriterMetrics`` (each node's CheckpointWriter): bytes and write time per rank.
 * ``ControllerMetrics`` (the driver, called after every controller step): state, attempt,
   failures and restarts by cause, and the training step it polled.
@@ -97,6 +97,8 @@ METRICS: dict[str, MetricDef] = {m.name.removeprefix(PREFIX): m for m in (
        "step)."),
     _m("checkpoint_consecutive_failed_saves", "gauge", "Saves that failed since the last commit (0 after a "
        "commit): alert when it stays above 0."),
+    _m("checkpoint_interval_steps", "gauge", "Steps between saves chosen by checkpoint.interval_steps=auto "
+       "(Young-Daly from the measured save cost and the failure rate)."),
     _m("work_at_risk_seconds", "gauge", "Seconds since the newest commit (since the job started when none): "
        "the training time a failure now would repeat."),
     _m("work_at_risk_steps", "gauge", "Steps trained since the newest committed step."),
@@ -308,6 +310,10 @@ class CheckpointMetrics:
 
     def aborted(self) -> None:
         record("checkpoint_aborted_total", 1, self._tags)
+
+    def interval(self, steps: int) -> None:
+        """The interval ``interval_steps: auto`` chose."""
+        record("checkpoint_interval_steps", steps, self._tags)
 
     def save_failed(self, consecutive: int) -> None:
         """A step's save failed; ``consecutive``: failed saves since the last commit, this one included."""

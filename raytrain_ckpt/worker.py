@@ -180,7 +180,8 @@ class TrainWorker:
             if self.rank == 0:
                 logger.info("%sresumed from %s in %.2fs", self._prefix(), ckpt["resume_path"], time.monotonic() - t0)
         self.checkpoints = CheckpointClient(self.spec.checkpoint, self.rank, self.attempt, self.spec.training.steps,
-                                            ckpt["actor"], ckpt["writer"], trainer.device)
+                                            ckpt["actor"], ckpt["writer"], trainer.device,
+                                            self.spec.fault_tolerance.prior_mtbf_s, ckpt.get("interval"))
         trainer.before_optimizer_step = self.checkpoints.before_optimizer_step
         self._progress = Progress(self.rank, self.start_step, None, time.time(), "setup")
 

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
+from raytrain_ckpt.checkpoint.interval import IntervalDecision
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint, Manifest, Verify, describe_file
 from raytrain_ckpt.checkpoint.leases import LeaseFiles, purge_lock
 from raytrain_ckpt.checkpoint.retention import RetentionPolicy
@@ -123,6 +124,9 @@ class CheckpointActor:
         self.metrics = CheckpointMetrics(self.layout.root.name)
         self.stalls: dict[int, dict[int, float]] = {}
         self.job_info: dict[str, Any] = {}
+        self.interval: dict[str, Any] | None = None
+        """The newest ``interval_steps: auto`` decision (rank 0 reports each one)."""
+        self.interval_costs: dict[str, float | None] = {}
         self.metrics.start(self.committed)
         logger.info("checkpoint actor for %s: %d committed step(s) %s", root, len(self.committed),
                     sorted(self.committed)[-5:])
@@ -432,7 +436,8 @@ class CheckpointActor:
                 "steps": {s: {"bytes": m.total_bytes, "wall": {**m.wall, **self._stall(s)},
                               "created_unix": m.created_unix} for s, m in self.committed.items()},
                 "inflight": {"step": step, "phase": phase, "ranks": ranks},
-                "job_info": dict(self.job_info), "at_risk": self.metrics.at_risk()}
+                "job_info": dict(self.job_info), "at_risk": self.metrics.at_risk(),
+                "interval": dict(self.interval) if self.interval is not None else None}
 
     # --- progress reporting --------------------------------------------------------------
 
@@ -445,6 +450,19 @@ class CheckpointActor:
     def _stall(self, step: int) -> dict[str, float]:
         by_rank = self.stalls.get(step, {})
         return {"stall_s": max(by_rank.values())} if by_rank else {}
+
+    async def record_interval(self, step: int, decision: IntervalDecision) -> None:
+        """The interval the trainers chose at ``step`` (``interval_steps: auto``), and why."""
+        self.interval = {"step": step, **asdict(decision)}
+        self.metrics.interval(decision.steps)
+
+    async def record_costs(self, cost_s: float | None, step_time_s: float | None) -> None:
+        """Rank 0's measured save cost and step time after a save: the next attempt starts from them."""
+        self.interval_costs = {"cost_s": cost_s, "step_time_s": step_time_s}
+
+    async def interval_history(self) -> dict[str, Any]:
+        """The newest measured save cost and step time (``interval_steps: auto``), or {}."""
+        return dict(self.interval_costs)
 
     async def note_job(self, info: dict[str, Any]) -> None:
         """The driver's view after each controller step: state, attempt, failures, training step."""

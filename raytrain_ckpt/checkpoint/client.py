@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from raytrain_ckpt.checkpoint.actor import StepAborted
 from raytrain_ckpt.checkpoint.buffers import BufferLease, StagingFileError
+from raytrain_ckpt.checkpoint.interval import CostMeter, IntervalDecision, IntervalFacts, IntervalHistory, choose_interval
 from raytrain_ckpt.checkpoint.staging import (
     PinnedCudaStaging,
     SharedMemoryStaging,
@@ -50,20 +51,25 @@ __all__ = ["CheckpointClient", "SaveSchedule", "SaveStats"]
 class SaveSchedule:
     """When a step is saved: a pure decision, table-tested.
 
-    ``interval_steps`` decides for every step, the last one included; ``save_final`` only adds
-    a save of the last step; the time trigger (``clock_due``: ``interval_seconds`` passed on
-    some rank) adds a save of any step.
+    ``interval_steps`` decides for every step, the last one included, counted from ``anchor``
+    (0 for a fixed interval; with ``interval_steps: auto`` the step where the policy last chose
+    one); ``save_final`` only adds a save of the last step; the time trigger (``clock_due``:
+    ``interval_seconds`` passed on some rank) adds a save of any step.
     """
 
     total_steps: int
     interval_steps: int | None
     save_final: bool
+    anchor: int = 0
+
+    def on_interval(self, step: int) -> bool:
+        """The interval falls on ``step``."""
+        n = self.interval_steps
+        return n is not None and step > self.anchor and (step - self.anchor) % n == 0
 
     def by_step(self, step: int) -> bool:
         """Due whatever the clock says (the same answer on every rank, no collective)."""
-        if self.interval_steps is not None and step % self.interval_steps == 0:
-            return True
-        return self.save_final and step == self.total_steps
+        return self.on_interval(step) or (self.save_final and step == self.total_steps)
 
     def due(self, step: int, clock_due: bool = False) -> bool:
         return self.by_step(step) or clock_due
@@ -98,24 +104,35 @@ class CheckpointClient:
     """One per rank; owned by the TrainWorker."""
 
     def __init__(self, cfg: CheckpointSpec, rank: int, attempt: int, total_steps: int,
-                 actor: Any, writer: Any, device: torch.device) -> None:
+                 actor: Any, writer: Any, device: torch.device, prior_mtbf_s: float | None = None,
+                 history: IntervalHistory | None = None) -> None:
         self.cfg, self.rank, self.attempt, self.total_steps = cfg, rank, attempt, total_steps
         self.actor, self.writer, self.device = actor, writer, device
         self.stats = SaveStats()
         self._stall_reported = 0.0
-        self.schedule = SaveSchedule(total_steps, cfg.interval_steps, cfg.save_final)
+        fixed = None if cfg.interval_steps == "auto" else cfg.interval_steps
+        self.schedule = SaveSchedule(total_steps, fixed, cfg.save_final)
+        self.interval: _AutoInterval | None = None
+        if cfg.interval_steps == "auto":
+            assert prior_mtbf_s is not None, "interval_steps=auto needs fault_tolerance.expected_mtbf_s"
+            self.interval = _AutoInterval(self, prior_mtbf_s, history or IntervalHistory())
         self._layout: _Layout | None = None
         self._inflight: tuple[int, ray.ObjectRef] | None = None
         self._replan = False
         self._last_save_at = time.monotonic()
 
     def due(self, step: int) -> bool:
-        """Whether the state after ``step`` optimizer steps should be saved (the same answer on every rank)."""
-        if self.schedule.by_step(step) or self.cfg.interval_seconds is None:
-            return self.schedule.due(step)
+        """Whether the state after ``step`` optimizer steps should be saved (the same answer on every rank).
+
+        Called once after every step: with ``interval_steps: auto`` it also times the step and,
+        when the interval falls on it, chooses the next interval.
+        """
+        schedule = self.interval.tick(step) if self.interval is not None else self.schedule
+        if schedule.by_step(step) or self.cfg.interval_seconds is None:
+            return schedule.due(step)
         # Clocks differ per rank: agree, or one rank would save a step the others skip.
         elapsed = time.monotonic() - self._last_save_at
-        return self.schedule.due(step, self._any_rank(elapsed >= self.cfg.interval_seconds))
+        return schedule.due(step, self._any_rank(elapsed >= self.cfg.interval_seconds))
 
     def _any_rank(self, flag: bool) -> bool:
         t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
@@ -166,6 +183,8 @@ class CheckpointClient:
         if self.cfg.mode == "sync":
             self.wait_committed()
         self._report_stall(step)
+        if self.interval is not None:
+            self.interval.saved(self.stats.last_stall_s)
 
     def _report_stall(self, step: int) -> None:
         """The actor keeps each step's stall in its manifest (``wall.stall_s``, max over ranks)."""
@@ -268,6 +287,91 @@ class CheckpointClient:
         except StepAborted as exc:  # another rank's write failed; the earlier steps stay valid
             self.stats.aborted += 1
             logger.warning("checkpoint step %d did not commit: %s", step, headline(str(exc)))
+
+
+class _AutoInterval:
+    """``interval_steps: auto`` for one rank: measures, and re-plans the client's schedule.
+
+    Every rank must save the same steps, so every decision is taken from values all ranks
+    share: the attempt's history (the same argument on every rank) and, at each save the
+    interval schedules, the maximum over ranks of the measured cost, step time and time
+    survived (one all-reduce per such save).
+    """
+
+    def __init__(self, client: CheckpointClient, prior_mtbf_s: float, history: IntervalHistory) -> None:
+        self.client, self.prior_mtbf_s, self.history = client, prior_mtbf_s, history
+        self.meter = CostMeter(history.cost_s, history.step_time_s)
+        self.decision: IntervalDecision | None = None
+        self._started = time.monotonic()
+        self._tick: float | None = None
+        self._stall_at_tick = 0.0
+        self._after_save = False
+        self._written: ray.ObjectRef | None = None
+        """The newest save known to be written (not waited on again)."""
+
+    def saved(self, stall_s: float) -> None:
+        """A save left the training thread after blocking it ``stall_s``."""
+        self.meter.saved(stall_s)
+        self._after_save = True
+        c = self.client
+        if c.rank == 0 and c.actor is not None:  # a hint for the next attempt, not a decision
+            c.actor.record_costs.remote(self.meter.cost_s(), self.meter.step_time_s())
+
+    def tick(self, step: int) -> SaveSchedule:
+        """After ``step``: time it, and choose the interval at the start and on each interval save.
+
+        Returns the schedule that decides ``step`` (the one in force before a re-plan at it).
+        """
+        c = self.client
+        now = time.monotonic()
+        if self._tick is not None:
+            stall = c.stats.stall_s - self._stall_at_tick
+            self.meter.step(max(0.0, now - self._tick - stall), self._persisting())
+        self._tick, self._stall_at_tick = now, c.stats.stall_s
+        if self.decision is None:  # the attempt's first step: only the history, no collective
+            h = self.history
+            self._apply(step - 1, IntervalFacts(c.total_steps, self.prior_mtbf_s, h.failures, h.survived_s,
+                                                h.cost_s, h.step_time_s))
+        current = c.schedule
+        if current.on_interval(step):
+            self._apply(step, self._shared_facts())
+        return current
+
+    def _persisting(self) -> bool:
+        """A save is still being written (its staging copy overlaps the step after it, too)."""
+        after_save, self._after_save = self._after_save, False
+        inflight = self.client._inflight
+        if inflight is None or inflight[1] is self._written:
+            return after_save
+        if ray.wait([inflight[1]], timeout=0)[0]:
+            self._written = inflight[1]
+            return after_save
+        return True
+
+    def _shared_facts(self) -> IntervalFacts:
+        h, c = self.history, self.client
+        cost, step_time = self.meter.cost_s(), self.meter.step_time_s()
+        local = [-1.0 if cost is None else cost, -1.0 if step_time is None else step_time,
+                 time.monotonic() - self._started]
+        t = torch.tensor(local, dtype=torch.float64, device=c.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        cost, step_time, elapsed = t.tolist()
+        return IntervalFacts(c.total_steps, self.prior_mtbf_s, h.failures, h.survived_s + elapsed,
+                             cost if cost >= 0 else None, step_time if step_time > 0 else None)
+
+    def _apply(self, step: int, facts: IntervalFacts) -> None:
+        decision = choose_interval(facts)
+        c = self.client
+        c.schedule = SaveSchedule(c.total_steps, decision.steps, c.cfg.save_final, anchor=step)
+        changed = self.decision is None or self.decision.steps != decision.steps
+        self.decision = decision
+        if c.rank != 0:
+            return
+        if changed:
+            logger.info("[attempt %d rank 0 step %d] checkpoint interval -> %d steps (%s)", c.attempt, step,
+                        decision.steps, decision.describe())
+        if c.actor is not None:  # status, metrics and the next attempt's history
+            c.actor.record_interval.remote(step, decision)
 
 
 RESTART_WAIT_S = 30.0

@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raytrain_ckpt.checkpoint.actor import CheckpointActor, ResumePoint
 from raytrain_ckpt.checkpoint.names import NAMESPACE, ActorByName, actor_name, writer_name
 from raytrain_ckpt.checkpoint.client import SaveSchedule
+from raytrain_ckpt.checkpoint.interval import IntervalHistory
 from raytrain_ckpt.checkpoint.probe import StorageNotShared, local_root, missing_probes, unshared_message
 from raytrain_ckpt.checkpoint.retention import KeepBest, RetentionPolicy
 from raytrain_ckpt.checkpoint.writer import CheckpointWriter
@@ -46,6 +47,8 @@ class CheckpointService:
         self._writers: dict[str, Any] = {}
         self._env = env
         self._note: ray.ObjectRef | None = None
+        self._job: dict[str, Any] = {}
+        """The controller's newest summary (``note_job``)."""
         self._start: str | None = None
         """The checkpoint attempt 0 loaded (None: a fresh start)."""
 
@@ -128,7 +131,9 @@ class CheckpointService:
         cfg = self.spec.checkpoint
         trained = bool(results) and results[0].start_step < total
         failed: dict[int, str] = status["failed"]
-        if trained and SaveSchedule(total, cfg.interval_steps, cfg.save_final).by_step(total) \
+        # With interval_steps=auto only save_final makes the last step's save certain.
+        interval = None if cfg.interval_steps == "auto" else cfg.interval_steps
+        if trained and SaveSchedule(total, interval, cfg.save_final).by_step(total) \
                 and total not in status["committed"]:
             return f"the final checkpoint (step {total}) did not commit: {failed.get(total, 'it was never saved')}"
         new = [s for s, info in status["steps"].items() if info["created_unix"] >= self.started_unix]
@@ -136,6 +141,17 @@ class CheckpointService:
             reasons = "; ".join(f"step {s}: {why}" for s, why in sorted(failed.items()))
             return f"no checkpoint of this run committed, {len(failed)} save(s) failed ({reasons})"
         return None
+
+    def interval_history(self) -> IntervalHistory | None:
+        """What ``interval_steps: auto`` starts an attempt from (None: a fixed interval): the
+        failures and wall time of the job so far, as the controller reported them, and the
+        save cost and step time the earlier attempts measured (their newest decision)."""
+        if self.spec.checkpoint.interval_steps != "auto":
+            return None
+        last = ray.get(self.actor.interval_history.remote())
+        return IntervalHistory(failures=sum((self._job.get("failures") or {}).values()),
+                               survived_s=time.time() - self.started_unix,
+                               cost_s=last.get("cost_s"), step_time_s=last.get("step_time_s"))
 
     def release(self, attempt: int) -> None:
         self.actor.release.remote(f"attempt-{attempt}")
@@ -147,6 +163,7 @@ class CheckpointService:
         """Tell the CheckpointActor the job's state and training step (it turns them into work at
         risk and ``status --job``), unless the previous note is still on its way: a restarting
         actor must not queue up one call per poll."""
+        self._job = info
         if self._note is not None:
             if not ray.wait([self._note], timeout=0)[0]:
                 return

@@ -91,7 +91,8 @@ class JobSpec(_Section):
         problems = _layout_problems(self) + _batch_problems(self) + _model_data_problems(self)
         if not problems:
             problems = _pipeline_problems(self)
-        problems += _final_export_problems(self) + _eval_problems(self) + _keep_best_problems(self)
+        problems += (_final_export_problems(self) + _eval_problems(self) + _keep_best_problems(self)
+                     + _auto_interval_problems(self))
         if problems:
             raise FieldProblems(problems)
         return self
@@ -209,6 +210,8 @@ def _keep_best_problems(spec: JobSpec) -> list[tuple[str, str]]:
     if best.metric == "eval_loss" and spec.eval is None:
         return [("checkpoint.keep_best.metric", "eval_loss is recorded only when the job evaluates; add an eval "
                  "section (eval: {every_steps: N}) or rank by metric: loss")]
+    if cfg.interval_steps == "auto":  # the interval may come to any length, 1 included: some step can rank
+        return []
     every = spec.eval.every_steps if best.metric == "eval_loss" and spec.eval else spec.training.log_every_steps
     last = spec.training.steps
     saves = set(range(cfg.interval_steps, last + 1, cfg.interval_steps)) if cfg.interval_steps else set()
@@ -232,4 +235,16 @@ def _final_export_problems(spec: JobSpec) -> list[tuple[str, str]]:
     if cfg.final_export.format == "hf" and ":" in spec.model.name:
         return [("checkpoint.final_export.format", f"hf needs the built-in Llama; model.name={spec.model.name} is a "
                  "user factory with no Hugging Face names; use format torch")]
+    return []
+
+
+def _auto_interval_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    cfg, ft = spec.checkpoint, spec.fault_tolerance
+    auto = cfg.interval_steps == "auto"
+    if auto and not cfg.enabled:
+        return [("checkpoint.interval_steps", "auto chooses how often to save, but checkpoint.enabled=false; "
+                 "set checkpoint.enabled=true, or remove interval_steps")]
+    if ft.expected_mtbf_s is not None and not auto:
+        return [("fault_tolerance.expected_mtbf_s", f"only used with checkpoint.interval_steps=auto (now "
+                 f"{cfg.interval_steps}); set interval_steps=auto, or remove expected_mtbf_s")]
     return []

@@ -354,8 +354,8 @@ class CheckpointSpec(_Section):
     """Root directory; this job's steps go to <dir>/<name>/step-<N>/. A relative path is resolved against the working directory."""
     mode: Literal["async", "sync"] = "async"
     """async: stage into shared memory, write in the background, training goes on; sync: training waits for the commit."""
-    interval_steps: int | None = Field(50, ge=1)
-    """Save every this many steps; null saves only on interval_seconds / save_final."""
+    interval_steps: int | Literal["auto"] | None = 50  # >= 1: _interval_hint
+    """Save every this many steps; auto: choose the interval from the measured cost of a save and the failure rate (Young-Daly, see fault_tolerance.expected_mtbf_s); null saves only on interval_seconds / save_final."""
     interval_seconds: float | None = Field(None, gt=0)
     """Also save when this much time passed since the last save; null turns the time trigger off."""
     keep_latest_k: int | None = Field(3, ge=1)
@@ -388,6 +388,9 @@ class CheckpointSpec(_Section):
     def _interval_hint(cls, value: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:
             raise ValueError("must be >= 1; use checkpoint.enabled=false to turn saving off")
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if not whole and value is not None and value != "auto":
+            raise ValueError(f"{value!r} is neither a whole number of steps nor auto; use e.g. 50, auto or null")
         return value
 
     @field_validator("resume", mode="before")
@@ -408,6 +411,11 @@ class CheckpointSpec(_Section):
             raise ValueError("must be latest, none, a step number, or the path of an existing step directory "
                              f"(resolved to {path}, which is not a directory)")
         return str(path.resolve())
+
+
+DEFAULT_MTBF_S = 86400.0
+"""The prior of fault_tolerance.expected_mtbf_s when it is null: one failure a day."""
+
 
 class FaultToleranceSpec(_Section):
     max_restarts: int = Field(0, ge=0)
@@ -433,6 +441,13 @@ class FaultToleranceSpec(_Section):
     """Idle worker processes (torch already imported, no Ray resources held) kept ready to replace a crashed rank on their node; CPU jobs with max_restarts > 0 and reuse_workers only. 0: start replacements on demand."""
     drain_timeout_s: float = Field(5.0, gt=0)
     """With reuse_workers: how long surviving ranks get to leave the failed step and release their process group before they are killed and replaced instead."""
+    expected_mtbf_s: float | None = Field(None, gt=0)
+    """With checkpoint.interval_steps=auto: the prior mean time between failures in seconds, counted as one failure observed and blended with the failures the job sees; null: 86400 (one day)."""
+
+    @property
+    def prior_mtbf_s(self) -> float:
+        """expected_mtbf_s after its default."""
+        return self.expected_mtbf_s if self.expected_mtbf_s is not None else DEFAULT_MTBF_S
 
 
 def is_ascii_digits(text: str) -> bool:
