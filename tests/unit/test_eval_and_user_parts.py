@@ -158,3 +158,11 @@ def test_optimizers_by_name_and_factory():
     assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.5
     with pytest.raises(ValueError, match=r"returned list, expected a torch.optim.Optimizer"):
         build_optimizer(OptimizerSpec(name="tests.user_data:not_an_optimizer", lr=0.1), params)
+
+
+def test_keep_best_accepts_an_auto_interval(tmp_path):
+    """An auto interval may come to any length, so the "no save step can rank" check does not apply."""
+    spec = load_spec(_spec(tmp_path, checkpoint={"keep_best": {"metric": "loss"}, "interval_steps": "auto",
+                                                 "save_final": False},
+                           training={"steps": 19, "log_every_steps": 4}))
+    assert spec.checkpoint.interval_steps == "auto" and spec.checkpoint.keep_best.metric == "loss"
