@@ -162,7 +162,7 @@ def test_optimizers_by_name_and_factory():
 
 def test_keep_best_accepts_an_auto_interval(tmp_path):
     """An auto interval may come to any length, so the "no save step can rank" check does not apply."""
-    spec = load_spec(_spec(tmp_path, checkpoint={"keep_best": {"metric": "loss"}, "interval_steps": "auto",
+    spec = load_spec(_spec(tmp_path, checkpoint={"enabled": True, "keep_best": {"metric": "loss"}, "interval_steps": "auto",
                                                  "save_final": False},
                            training={"steps": 19, "log_every_steps": 4}))
     assert spec.checkpoint.interval_steps == "auto" and spec.checkpoint.keep_best.metric == "loss"
