@@ -14,6 +14,7 @@ from raytrain_ckpt.checkpoint.actor import CheckpointActor, ResumePoint
 from raytrain_ckpt.checkpoint.names import NAMESPACE, ActorByName, actor_name, writer_name
 from raytrain_ckpt.checkpoint.client import SaveSchedule
 from raytrain_ckpt.checkpoint.retention import RetentionPolicy
+from raytrain_ckpt.checkpoint.storage import job_root
 from raytrain_ckpt.checkpoint.writer import CheckpointWriter
 from raytrain_ckpt.spec import JobSpec
 
@@ -28,12 +29,13 @@ class CheckpointService:
         self.spec = spec
         self.started_unix = time.time()
         cfg = spec.checkpoint
-        self.root = (cfg.dir.expanduser().resolve() / spec.name)
+        self.root = job_root(cfg.dir, spec.name)
         env = {"env_vars": fault_env} if fault_env else None
         self.actor = ray.remote(CheckpointActor).options(
             name=actor_name(spec.name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1, max_task_retries=0,
             runtime_env=env,
-        ).remote(str(self.root), RetentionPolicy(cfg.keep_latest_k, cfg.keep_every_n_steps, cfg.keep_best_k))
+        ).remote(str(self.root), RetentionPolicy(cfg.keep_latest_k, cfg.keep_every_n_steps, cfg.keep_best_k),
+                 cfg.storage_options)
         self._writers: dict[str, Any] = {}
         self._env = env
         self._note: ray.ObjectRef | None = None
@@ -50,7 +52,7 @@ class CheckpointService:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             ).remote(self.spec.name, str(self.root), ActorByName(actor_name(self.spec.name)),
                      self.spec.checkpoint.writer_threads,
-                     self.spec.checkpoint.writer_nice)
+                     self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options)
         return self._writers[node_id]
 
     def acquire(self, attempt: int, spec: JobSpec) -> ResumePoint | None:

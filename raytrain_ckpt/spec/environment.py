@@ -25,7 +25,7 @@ def environment_problems(spec: JobSpec) -> list[tuple[str, str]]:
     """Every ``(field path, message)`` about directories the job writes and memory it needs."""
     out: list[tuple[str, str]] = []
     ckpt = spec.checkpoint
-    if ckpt.enabled:
+    if ckpt.enabled and isinstance(ckpt.dir, Path):  # an object store is checked by its first write
         problem = writable_dir_problem(ckpt.dir.expanduser())
         if problem:
             out.append((f"checkpoint.dir={ckpt.dir}", f"{problem}; point it at a writable directory "

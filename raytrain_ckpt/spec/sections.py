@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from raytrain_ckpt.checkpoint.storage import is_uri
 from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES
 from raytrain_ckpt.models import PRESETS, describe_model, resolve_factory
 
@@ -340,8 +341,10 @@ class FinalExportSpec(_Section):
 class CheckpointSpec(_Section):
     enabled: bool = False
     """Save checkpoints (and resume from them). false: no checkpoint is written or loaded."""
-    dir: Path = Field(Path("checkpoints"), strict=False)
-    """Root directory; this job's steps go to <dir>/<name>/step-<N>/. A relative path is resolved against the working directory."""
+    dir: Path | str = Path("checkpoints")
+    """Root directory or object-store URI (s3://bucket/prefix, gs://bucket/prefix; needs the [s3] / [gcs] extra); this job's steps go to <dir>/<name>/step-<N>/. A relative path is resolved against the working directory."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """For a URI dir: options passed to its fsspec filesystem (e.g. {endpoint_url: http://minio:9000} or {anon: false}); credentials come from the usual environment and profiles (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws)."""
     mode: Literal["async", "sync"] = "async"
     """async: stage into shared memory, write in the background, training goes on; sync: training waits for the commit."""
     interval_steps: int | None = Field(50, ge=1)
@@ -380,6 +383,12 @@ class CheckpointSpec(_Section):
             raise ValueError("must be >= 1; use checkpoint.enabled=false to turn saving off")
         return value
 
+    @field_validator("dir", mode="after")
+    @classmethod
+    def _dir_kind(cls, value: Path | str) -> Path | str:
+        # A URI stays a string (Path would fold "s3://" to "s3:/"); anything else is a local path.
+        return str(value) if is_uri(str(value)) else Path(str(value).removeprefix("file://"))
+
     @field_validator("resume", mode="before")
     @classmethod
     def _resume_int(cls, value: Any) -> Any:
@@ -388,8 +397,8 @@ class CheckpointSpec(_Section):
     @field_validator("resume")
     @classmethod
     def _resume_value(cls, value: str, info: ValidationInfo) -> str:
-        if value in ("latest", "none") or is_ascii_digits(value):
-            return value
+        if value in ("latest", "none") or is_ascii_digits(value) or is_uri(value):
+            return value.rstrip("/")
         path = Path(value).expanduser()
         base = (info.context or {}).get("base_dir")
         if not path.is_absolute() and base is not None and not path.exists():
