@@ -16,6 +16,7 @@ belong to ``layout.py``, which uses this protocol for every access.
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -238,10 +239,15 @@ class ObjectStorage:
         """Nothing to create on an object store (prefixes exist through their objects)."""
 
     def remove_tree(self, path: Location) -> None:
+        """Delete every object under ``path/`` (and nothing under a sibling such as ``path.x/``:
+        some filesystems match a recursive delete by bare prefix)."""
+        prefix = self.fs._strip_protocol(str(path)).rstrip("/") + "/"
         try:
-            self.fs.rm(str(path), recursive=True)
+            found = [p for p in self.fs.find(prefix) if self.fs._strip_protocol(p).startswith(prefix)]
         except FileNotFoundError:
-            pass  # already gone: removing is idempotent
+            return  # already gone: removing is idempotent
+        if found:
+            retry_transient(lambda: self.fs.rm([self._uri(p) for p in found]), f"delete {path}")
 
     def remove_file(self, path: Location) -> None:
         try:
@@ -270,18 +276,30 @@ RETRIES = 5
 """Attempts of one object-store operation on a transient error, beyond the client's own retries."""
 BACKOFF_S = 0.2
 """First backoff; doubles each retry, with jitter."""
-_TRANSIENT_WORDS = ("SlowDown", "Throttl", "ServiceUnavailable", "InternalError", "RequestTimeout", "503", "500",
+_TRANSIENT_WORDS = ("SlowDown", "reduce your request rate", "Throttl", "ServiceUnavailable", "InternalError", "RequestTimeout", "503", "500",
                     "502", "504", "reset", "Connection", "timed out", "Timeout")
 
 
+_TRANSIENT_ERRNOS = (errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE)
+"""s3fs translates SlowDown to EBUSY; the others are dropped or stalled connections."""
+
+
 def is_transient(exc: BaseException) -> bool:
-    """Errors worth retrying: server errors, throttling, dropped connections, timeouts."""
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
+    """Errors worth retrying: server errors, throttling, dropped connections, timeouts (the
+    exception or what caused it: fsspec wraps the client's errors)."""
     if isinstance(exc, (FileNotFoundError, PermissionError, StorageUnavailable)):
         return False
-    text = f"{type(exc).__name__} {exc}"
-    return any(word in text for word in _TRANSIENT_WORDS)
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return True
+        if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+            return True
+        text = f"{type(exc).__name__} {exc}"
+        if any(word in text for word in _TRANSIENT_WORDS):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def retry_transient(fn: Callable[[], _T], what: str, on_retry: Callable[[BaseException], None] | None = None,

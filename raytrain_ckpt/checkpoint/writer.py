@@ -197,6 +197,7 @@ class CheckpointWriter:
                                          f"upload of rank {req.rank} step {req.step}",
                                          on_retry=lambda exc: self.metrics.retried(req.rank), transient=_retryable)
         t_write = time.monotonic() - t0
+        maybe_inject("uploaded", req.rank, req.step, req.attempt)
         info = {**req.info, "persist_s": time.monotonic() - t0, "write_s": t_write}
         self.metrics.wrote(req.rank, sum(f["size"] for f in files.values()), info["persist_s"])
         return ray.get(self.coordinator.report.remote(req.step, req.rank, req.attempt, req.plan_id,
