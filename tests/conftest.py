@@ -140,8 +140,7 @@ class FlakyS3:
     def _forward(self, h) -> None:
         import http.client
 
-        length = int(h.headers.get("Content-Length") or 0)
-        body = h.rfile.read(length) if length else None
+        body = self._body(h)
         verdict = self._verdict(h.command)
         if verdict == "reset":
             h.close_connection = True
@@ -158,7 +157,8 @@ class FlakyS3:
             return
         conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)
         try:
-            headers = {k: v for k, v in h.headers.items() if k.lower() != "connection"}
+            headers = {k: v for k, v in h.headers.items() if k.lower() not in ("connection", "transfer-encoding",
+                                                                                 "content-length", "expect")}
             conn.request(h.command, h.path, body=body, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
@@ -168,10 +168,25 @@ class FlakyS3:
         for k, v in resp.getheaders():
             if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                 h.send_header(k, v)
-        h.send_header("Content-Length", str(len(data)))
+        # a HEAD reply has no body but the length of the object it describes
+        h.send_header("Content-Length", resp.getheader("Content-Length", "0") if h.command == "HEAD" else str(len(data)))
         h.end_headers()
         if h.command != "HEAD":
             h.wfile.write(data)
+
+    @staticmethod
+    def _body(h) -> bytes | None:
+        """The request body, de-chunked when the client streams it (forwarded with a length)."""
+        if "chunked" not in h.headers.get("Transfer-Encoding", "").lower():
+            length = int(h.headers.get("Content-Length") or 0)
+            return h.rfile.read(length) if length else None
+        parts = []
+        while size := int(h.rfile.readline().split(b";")[0].strip() or b"0", 16):
+            parts.append(h.rfile.read(size))
+            h.rfile.readline()
+        while h.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+            pass
+        return b"".join(parts)
 
     def close(self) -> None:
         self._server.shutdown()

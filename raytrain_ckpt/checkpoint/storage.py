@@ -89,6 +89,7 @@ class Storage(Protocol):
     def remove_tree(self, path: Location) -> None: ...
     def remove_file(self, path: Location) -> None: ...
     def copy_file(self, src: Location, dst: Location) -> None: ...
+    def put_file(self, local: Path, dst: Location) -> None: ...
     def checksum(self, path: Location, algorithm: Checksum,
                  progress: Callable[[int], None] | None = None) -> int: ...
 
@@ -153,6 +154,10 @@ class PosixStorage:
 
     def copy_file(self, src: Location, dst: Location) -> None:
         shutil.copyfile(src, dst)
+
+    def put_file(self, local: Path, dst: Location) -> None:
+        self.makedirs(Path(dst).parent)
+        shutil.copyfile(local, dst)
 
     def checksum(self, path: Location, algorithm: Checksum, progress: Callable[[int], None] | None = None) -> int:
         return checksum_file(Path(path), algorithm, progress)
@@ -258,6 +263,10 @@ class ObjectStorage:
     def copy_file(self, src: Location, dst: Location) -> None:
         """Server-side copy where the store has one."""
         retry_transient(lambda: self.fs.copy(str(src), str(dst)), f"copy {src}")
+
+    def put_file(self, local: Path, dst: Location) -> None:
+        """Upload a local file (multipart for a large one)."""
+        retry_transient(lambda: self.fs.put_file(str(local), str(dst)), f"upload {dst}")
 
     def checksum(self, path: Location, algorithm: Checksum, progress: Callable[[int], None] | None = None) -> int:
         """Stream the object through the checksum (no local copy)."""
