@@ -395,8 +395,12 @@ class CheckpointActor:
                        "kept and never loaded: %s", resume, f" at step {head}" if head >= 0 else "", len(moved),
                        ", ".join(moved))
 
-    def _point(self, path: Path, verify: Verify) -> ResumePoint:
-        m = self.layout.verify(path, verify)
+    def _point(self, path: Path | str, verify: Verify) -> ResumePoint:
+        """Verify a step, which may live on another storage than this root (``checkpoint.resume``)."""
+        same = is_uri(path) == (not self.layout.atomic)
+        options = self.storage_options if is_uri(path) else None
+        layout = self.layout if same else CheckpointLayout(str(path).rsplit("/", 1)[0], options=options)
+        m = layout.verify(path, verify)
         return ResumePoint(m.step, str(path), m.world_size, m.samples_seen)
 
     async def release(self, holder: str) -> None:

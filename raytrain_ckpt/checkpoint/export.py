@@ -452,7 +452,15 @@ def _export_leased(step_dir: Location, manifest: Manifest, out: Path, fmt: Forma
     return result
 
 
-def final_export(spec: JobSpec, root: Path) -> Path | None:
+def _final_out(configured: Path | str | None, root: Location, step: int) -> Location:
+    """``final_export.dir``, or ``<root>/export-step-N`` (a URI under a URI root)."""
+    if configured is not None:
+        return configured if is_uri(configured) else Path(configured).expanduser()
+    name = f"export-{step_name(step)}"
+    return f"{root}/{name}" if is_uri(root) else Path(root) / name
+
+
+def final_export(spec: JobSpec, root: Location) -> Location | None:
     """``checkpoint.final_export``: export the newest committed step under ``root`` once (driver side).
 
     A failure is logged with the command that retries it; the trained checkpoint stays as it is.
@@ -462,8 +470,9 @@ def final_export(spec: JobSpec, root: Path) -> Path | None:
         return None
     try:
         step_dir, manifest = resolve_step(root)
-        out = Path(fe.dir).expanduser() if fe.dir is not None else root / f"export-{step_name(manifest.step)}"
-        if out.is_dir() and (out / ("model.pt" if fe.format == "torch" else "config.json")).exists():
+        out = _final_out(fe.dir, root, manifest.step)
+        storage = open_storage(out)
+        if storage.is_file(storage.join(out, "model.pt" if fe.format == "torch" else "config.json")):
             logger.info("final export: %s already holds an export; not exporting again", out)
             return out
         result = export_checkpoint(step_dir, out, fe.format, fe.dtype, describe_model(spec.model.name,

@@ -32,7 +32,7 @@ def environment_problems(spec: JobSpec) -> list[tuple[str, str]]:
                                           "(on a cluster: storage every node mounts)"))
     elif ckpt.enabled:  # an object store: its filesystem must be installed (access is checked by the first save)
         out += _object_store_problems(str(ckpt.dir), ckpt.storage_options)
-    if ckpt.final_export is not None and ckpt.final_export.dir is not None:
+    if ckpt.final_export is not None and isinstance(ckpt.final_export.dir, Path):
         problem = _export_dir_problem(ckpt.final_export.dir.expanduser())
         if problem:
             out.append((f"checkpoint.final_export.dir={ckpt.final_export.dir}",

@@ -329,13 +329,23 @@ class ResourcesSpec(_Section):
         return self
 
 
+def _path_or_uri(value: Path | str) -> Path | str:
+    """A URI stays a string (Path would fold "s3://" to "s3:/"); anything else is a local path."""
+    return str(value) if is_uri(str(value)) else Path(str(value).removeprefix("file://"))
+
+
 class FinalExportSpec(_Section):
     format: Literal["hf", "torch"] = "hf"
     """hf: Hugging Face safetensors shards + index + config.json (built-in Llama only); torch: one torch.save file of the weights."""
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     """What the exported weights are cast to."""
-    dir: Path | None = Field(None, strict=False)
-    """Output directory (must not exist or be empty); null: <checkpoint.dir>/<name>/export-step-<N>."""
+    dir: Path | str | None = None
+    """Output directory or object-store URI (must not exist or be empty); null: <checkpoint.dir>/<name>/export-step-<N>."""
+
+    @field_validator("dir", mode="after")
+    @classmethod
+    def _dir_kind(cls, value: Path | str | None) -> Path | str | None:
+        return value if value is None else _path_or_uri(value)
 
 
 class CheckpointSpec(_Section):
@@ -386,8 +396,7 @@ class CheckpointSpec(_Section):
     @field_validator("dir", mode="after")
     @classmethod
     def _dir_kind(cls, value: Path | str) -> Path | str:
-        # A URI stays a string (Path would fold "s3://" to "s3:/"); anything else is a local path.
-        return str(value) if is_uri(str(value)) else Path(str(value).removeprefix("file://"))
+        return _path_or_uri(value)
 
     @field_validator("resume", mode="before")
     @classmethod

@@ -110,10 +110,15 @@ def test_leftover_upload_is_removed_on_start_and_never_loaded(s3_endpoint, s3_bu
     for name, _ in layout.read_manifest(layout.step_dir(5)).files.items():
         layout.storage.copy_file(layout.storage.join(layout.step_dir(5), name),
                                  layout.storage.join(layout.step_dir(10), name))
-    result = _ok(run_job(_spec(s3_bucket, s3_endpoint.options, "training.steps=10")))
+    result = _ok(run_job(_spec(s3_bucket, s3_endpoint.options, "training.steps=10",
+                               "checkpoint.final_export={format: hf}")))
     assert all(r.start_step == 5 for r in result.results)                  # not from the leftover 10
     assert result.checkpoints["committed"] == [5, 10]
     assert sorted(layout.valid_steps("checksum")) == [5, 10]
+    # the final export lands next to the steps, in the bucket, its config.json uploaded last
+    out = f"{layout.root}/export-step-00000010"
+    assert result.checkpoints["final_export"] == out
+    assert {"config.json", "model.safetensors.index.json"} <= set(layout.storage.listdir(out))
 
 
 def test_transient_s3_errors_are_retried_and_steps_commit(reference, s3_endpoint, s3_bucket, flaky_s3):
