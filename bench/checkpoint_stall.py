@@ -244,6 +244,7 @@ def _bench(args: argparse.Namespace, out: Path) -> None:
     spec = JobSpec.model_validate({"name": "bench", "resources": {"num_workers": args.ranks},
                                    "checkpoint": {"enabled": True, "dir": str(out), "keep_latest_k": None}})
     service = CheckpointService(spec)
+    ray.get(service.actor.configure.remote(args.ranks, args.ranks, "bench"))  # the group's layout, as a job's driver does
     node = ray.get_runtime_context().get_node_id()
     ckpt = {"actor": service.actor, "writer": service.writer_for(node)}
     ranks = [ray.remote(BenchRank).options(num_cpus=1).remote(r, args.ranks, args.mb, str(out), args.step_ms)
