@@ -21,13 +21,17 @@ runs ``--reps`` times; the last repetition is reported (the first pays one-off s
 buffer allocation, background process start), and the first is shown in brackets.
 
     .venv/bin/python bench/checkpoint_stall.py [--mb 256] [--ranks 2] [--dir bench/out]
+
+``--dir s3://bucket/prefix`` benchmarks an object store (credentials and ``AWS_ENDPOINT_URL``
+from the environment; ``--local-s3`` starts moto's S3 server on 127.0.0.1 and a bucket for it).
+The raw floor is then a plain parallel s3fs upload of the same bytes (every rank streaming its
+shards to one object), and DCP writes through its ``FsspecWriter``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
 import socket
@@ -39,6 +43,7 @@ import ray
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -50,7 +55,9 @@ class BenchRank:
     """One rank: a sharded state, a compute loop standing in for forward/backward, and the savers."""
 
     def __init__(self, rank: int, world: int, mb: int, out: str, step_ms: float) -> None:
-        self.rank, self.world, self.mb, self.out = rank, world, mb, Path(out)
+        self.rank, self.world, self.mb = rank, world, mb
+        self.remote = "://" in out
+        self.out = out.rstrip("/") if self.remote else Path(out)
         self.step_ms = step_ms
         self.client, self.attempt, self.saved = None, 0, 0
         torch.set_num_threads(1)
@@ -104,6 +111,8 @@ class BenchRank:
         for d, s in zip(dst, self.local):
             d.copy_(s)
         memcpy = time.perf_counter() - t0
+        if self.remote:
+            return {"memcpy_s": memcpy, "write_fsync_s": self._raw_upload()}
         raw = self.out / f"raw-{self.rank}.bin"
         dist.barrier()
         t0 = time.perf_counter()
@@ -117,8 +126,22 @@ class BenchRank:
         raw.unlink()
         return {"memcpy_s": memcpy, "write_fsync_s": write}
 
+    def _raw_upload(self) -> float:
+        """The object-store floor: every rank streams its bytes to one object with plain s3fs."""
+        import fsspec
+
+        fs = fsspec.filesystem(self.out.split("://")[0], skip_instance_cache=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        with fs.open(f"{self.out}/raw-{self.rank}.bin", "wb") as f:
+            for s in self.local:
+                f.write(memoryview(s.numpy()).cast("B"))
+        dist.barrier()
+        return time.perf_counter() - t0
+
     def run(self, mode: str, rep: int, ckpt: dict | None) -> dict[str, float]:
-        path = self.out / f"{mode.replace('(', '-').replace(')', '')}-{rep}"
+        name = f"{mode.replace('(', '-').replace(')', '')}-{rep}"
+        path = f"{self.out}/{name}" if self.remote else self.out / name
         dist.barrier()
         t0 = time.perf_counter()
         done = self._start(mode, path, rep, ckpt)
@@ -139,14 +162,17 @@ class BenchRank:
                 "step_s": statistics.mean(steps) if steps else float("nan"), "steps": len(steps)}
 
     def _start(self, mode: str, path: Path, rep: int, ckpt: dict | None):
+        # an object store through DCP's own fsspec writer (no fsync: DCP would call os.sync())
+        writer = FsspecWriter(str(path), sync_files=False) if self.remote else None
         if mode == "dcp.save":
-            dcp.save(self.state, checkpoint_id=str(path))
+            dcp.save(self.state, checkpoint_id=str(path), storage_writer=writer)
             return lambda: True
         if mode.startswith("dcp.async_save"):
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
             kind = AsyncCheckpointerType.PROCESS if "process" in mode else AsyncCheckpointerType.THREAD
-            fut = dcp.async_save(self.state, checkpoint_id=str(path), async_checkpointer_type=kind)
+            fut = dcp.async_save(self.state, checkpoint_id=str(path), storage_writer=writer,
+                                 async_checkpointer_type=kind)
             return fut.done
         return self._start_ours(mode.endswith("(restart)"), ckpt)
 
@@ -158,7 +184,7 @@ class BenchRank:
             if self.client is not None:
                 self.client.close()
                 self.attempt += 1
-            cfg = CheckpointSpec(enabled=True, dir=self.out, keep_latest_k=None)
+            cfg = CheckpointSpec(enabled=True, dir=str(self.out), keep_latest_k=None)
             self.client = CheckpointClient(cfg, self.rank, self.attempt, 10**9, ckpt["actor"], ckpt["writer"],
                                            torch.device("cpu"))
         self.saved += 1
@@ -184,17 +210,41 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=50.0, help="compute per training step (default 50 ms)")
     p.add_argument("--dir", default="bench/out", help="where checkpoints are written (a real disk, not tmpfs)")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--local-s3", action="store_true",
+                   help="with --dir s3://BUCKET/...: start moto's S3 server on 127.0.0.1 and create BUCKET")
     args = p.parse_args()
-    out = Path(args.dir).resolve()
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    if "://" in args.dir:
+        out: Path | str = args.dir.rstrip("/")
+        if args.local_s3:
+            env |= _start_local_s3(out.split("/")[2])
+    else:
+        out = Path(args.dir).resolve()
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
     ray.init(num_cpus=args.ranks + 1, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+             runtime_env={"env_vars": env})
     try:
         _bench(args, out)
     finally:
         ray.shutdown()
-        shutil.rmtree(out, ignore_errors=True)
+        if isinstance(out, Path):
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _start_local_s3(bucket: str) -> dict[str, str]:
+    """moto's S3 server on a free port of 127.0.0.1 with ``bucket``; returns the env that points boto at it."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+    os.environ.update(env)
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    return env
 
 
 def _bench(args: argparse.Namespace, out: Path) -> None:
@@ -218,7 +268,8 @@ def _bench(args: argparse.Namespace, out: Path) -> None:
     total = sum(nbytes)
     print(f"state: {args.ranks} ranks x {nbytes[0] / 2**20:.0f} MiB = {total / 2**20:.0f} MiB; "
           f"step compute {base * 1e3:.1f} ms; torch {torch.__version__}, {os.cpu_count()} cores")
-    print(f"floors: memcpy {memcpy:.3f} s ({nbytes[0] / memcpy / 2**30:.2f} GiB/s per rank); raw write+fsync "
+    floor = "parallel s3fs upload" if isinstance(out, str) else "raw write+fsync"
+    print(f"floors: memcpy {memcpy:.3f} s ({nbytes[0] / memcpy / 2**30:.2f} GiB/s per rank); {floor} "
           f"{raw:.3f} s ({total / raw / 2**20:.0f} MiB/s all ranks) to {out}")
     print()
     head = f"{'mode':<24} {'stall s':>14} {'durable s':>14} {'stall/memcpy':>13} {'tput/raw':>9} {'slowdown':>9}"
@@ -237,9 +288,12 @@ def _bench(args: argparse.Namespace, out: Path) -> None:
     print()
     for mode, usage in profiles.items():
         _print_profile(mode, usage, total)
-    manifests = sorted((out / "bench").glob("step-*/manifest.json"))
-    if manifests:
-        wall = json.loads(manifests[-1].read_text())["wall"]
+    from raytrain_ckpt.checkpoint.layout import CheckpointLayout
+
+    layout = CheckpointLayout(f"{out}/bench" if isinstance(out, str) else out / "bench")
+    steps = layout.valid_steps()
+    if steps:
+        wall = steps[max(steps)].wall
         print("raytrain_ckpt, last save (manifest wall): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(wall.items())))
     print("stall: training thread blocked (max over ranks); durable: until the checkpoint is complete on disk;")
     print("tput/raw: (bytes / durable) / (bytes / raw write+fsync); slowdown: mean step time while persisting")

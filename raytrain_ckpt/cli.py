@@ -232,6 +232,11 @@ def _check_conversion_paths(args: argparse.Namespace) -> None:
     from raytrain_ckpt.spec.environment import writable_dir_problem
 
     source, out, flag = (args.file, args.to, "--to") if args.command == "import" else (args.ckpt, args.out, "--out")
+    if args.command == "import" and "://" in out:
+        raise ConversionError(f"--to {out}: import writes a local checkpoint directory; import there and resume "
+                              "from it with --set checkpoint.resume=<dir>/step-00000000")
+    if "://" in source or "://" in out:  # object stores: checked when the export opens them
+        return
     path = Path(source).expanduser()
     if path.exists() and not (path.is_file() or path.is_dir()):
         raise ConversionError(f"{source}: not a regular file or directory (a device, FIFO or socket)")

@@ -12,7 +12,9 @@ a segfault or the OOM killer), ``hang`` (the rank stops making progress) or ``sl
 (on the trainer's staging thread, halfway through copying checkpoint ``S``), ``staged``
 (in the trainer, right after checkpoint ``S`` was staged and handed to the writer) or
 ``persist`` (in the node's CheckpointWriter, while it writes rank ``R``'s files of step ``S``)
-or ``commit`` (in the CheckpointActor, after ``.metadata`` and before the manifest of step
+or ``uploaded`` (in the node's CheckpointWriter on an object store, after rank ``R``'s files of
+step ``S`` are uploaded and before they are reported: the step's prefix holds shards and no
+manifest) or ``commit`` (in the CheckpointActor, after ``.metadata`` and before the manifest of step
 ``S``; use ``rank=0``). ``attempt`` defaults to 0, so the
 restarted group runs clean unless the plan says otherwise.
 """
@@ -33,7 +35,7 @@ STAMP_VAR = "RAYTRAIN_CKPT_FAULT_STAMP"
 """If set, an ``exit`` or ``hang`` fault first writes its wall-clock time to this file (recovery benchmarks)."""
 KINDS = ("raise", "exit", "hang", "slow")
 SLOW_S = 3.0
-POINTS = ("step", "staging", "staged", "persist", "commit")
+POINTS = ("step", "staging", "staged", "persist", "uploaded", "commit")
 
 
 class InjectedFault(RuntimeError):

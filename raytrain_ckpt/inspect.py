@@ -2,7 +2,9 @@
 
 ``status --job NAME`` asks the job's live CheckpointActor (named ``rtc-ckpt-<job>`` in the
 ``raytrain_ckpt`` Ray namespace); ``status DIR`` and ``ls DIR`` read the manifests on disk;
-``verify DIR/step-N`` checks every file's size and checksum. Exit codes: 0 fine, 1 ``verify``
+``verify DIR/step-N`` checks every file's size and checksum. DIR may be an object-store URI
+(``s3://bucket/prefix/<job>``; credentials and endpoint from the environment, as boto reads
+them, e.g. ``AWS_ENDPOINT_URL``). Exit codes: 0 fine, 1 ``verify``
 found the step torn or corrupt, 2 a user mistake (a missing path, no such job, a bad flag).
 """
 
@@ -22,6 +24,7 @@ from typing import Any
 from raytrain_ckpt.checkpoint.interval import IntervalDecision
 from raytrain_ckpt.checkpoint.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, Verify,
                                              parse_entry, step_name)
+from raytrain_ckpt.checkpoint.storage import Location, StorageUnavailable, is_uri
 from raytrain_ckpt.checkpoint.summary import failed_saves_text, phase_text, summary_line
 
 logger = logging.getLogger(__name__)
@@ -59,7 +62,7 @@ class StepRow:
 
 # --- offline: a checkpoint directory -------------------------------------------------------
 
-def scan(root: Path, level: Verify = "size", now: float | None = None) -> list[StepRow]:
+def scan(root: Location, level: Verify = "size", now: float | None = None) -> list[StepRow]:
     """Every step entry under a job's checkpoint root, with its status (file sizes, or also checksums, checked)."""
     layout, now = CheckpointLayout(root), now or time.time()
     rows = []
@@ -78,13 +81,14 @@ def scan(root: Path, level: Verify = "size", now: float | None = None) -> list[S
     return rows
 
 
-def _row(layout: CheckpointLayout, path: Path, step: int, level: Verify, now: float) -> StepRow:
+def _row(layout: CheckpointLayout, path: Location, step: int, level: Verify, now: float) -> StepRow:
+    name = layout.storage.name(path)
     try:
         m = layout.verify(path, level)
     except InvalidCheckpoint as exc:
-        status = "torn" if not (path / MANIFEST).is_file() else "corrupt"
-        return StepRow(step, path.name, status, detail=str(exc))
-    return StepRow(step, path.name, "valid", m.total_bytes, m.wall.get("total_s"), m.wall.get("stall_s"),
+        status = "torn" if not layout.storage.is_file(layout.storage.join(path, MANIFEST)) else "corrupt"
+        return StepRow(step, name, status, detail=str(exc))
+    return StepRow(step, name, "valid", m.total_bytes, m.wall.get("total_s"), m.wall.get("stall_s"),
                    now - m.created_unix if m.created_unix else None, eval_loss=m.eval_loss)
 
 
@@ -94,9 +98,18 @@ def resume_point(rows: list[StepRow]) -> StepRow | None:
     return max(valid, key=lambda r: r.step) if valid else None
 
 
-def verify_step(path: Path, progress: Callable[[int], None] = lambda n: None) -> list[str]:
+def _location(text: str) -> Location:
+    """A path or URI from the command line."""
+    return text.rstrip("/") if is_uri(text) else Path(text).expanduser()
+
+
+def _parent(path: Location) -> Location:
+    return str(path).rsplit("/", 1)[0] if isinstance(path, str) else path.parent
+
+
+def verify_step(path: Location, progress: Callable[[int], None] = lambda n: None) -> list[str]:
     """Every problem of a step directory against its manifest (sizes and checksums); [] means valid."""
-    layout = CheckpointLayout(path.parent)
+    layout = CheckpointLayout(_parent(path))
     try:
         manifest = layout.read_manifest(path)
     except InvalidCheckpoint as exc:
@@ -189,7 +202,7 @@ def status_report(target: str | None, job: str | None, address: str | None,
         root = _root(target)
         rows = scan(root, level)
         best = resume_point(rows)
-        point = f"step {best.step} ({root / best.name})" if best else "none (a fresh start)"
+        point = f"step {best.step} ({root}/{best.name})" if best else "none (a fresh start)"
         head = f"checkpoints in {root}: {sum(r.status == 'valid' for r in rows)} valid of {len(rows)}"
         data = {"root": str(root)}
     resume = next((r.step for r in reversed(rows) if r.status == "valid"), None)
@@ -203,11 +216,11 @@ def interval_text(interval: dict[str, Any]) -> str:
     return f"checkpoint interval (auto): {interval['steps']} steps, chosen at step {interval['step']} ({why})"
 
 
-def _root(target: str | None) -> Path:
+def _root(target: str | None) -> Location:
     if target is None:
         raise UsageError("status: give a checkpoint directory (checkpoint.dir/<job name>) or --job NAME")
-    root = Path(target).expanduser()
-    if not root.is_dir():
+    root = _location(target)
+    if not CheckpointLayout(root).storage.is_dir(root):
         raise UsageError(f"{target}: not a directory; pass a job's checkpoint root, e.g. checkpoints/llama-debug-fsdp")
     return root
 
@@ -237,7 +250,7 @@ def run(args: argparse.Namespace, refreshes: int | None = None) -> int:
     """Run ``status``, ``ls`` or ``verify``; user mistakes print one line and return 2."""
     try:
         if args.command == "verify":
-            return _verify(Path(args.step_dir), args.json)
+            return _verify(_location(args.step_dir), args.json)
         if args.command == "ls":
             rows = scan(_root(args.dir), "checksum" if args.checksum else "size")
             print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else
@@ -247,7 +260,7 @@ def run(args: argparse.Namespace, refreshes: int | None = None) -> int:
         if args.job is not None and args.dir is not None:
             raise UsageError("status: give either a checkpoint directory or --job, not both")
         return _status(args, refreshes)
-    except UsageError as exc:
+    except (UsageError, StorageUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:  # a path that cannot be read (permissions, a vanished mount): one line, not a traceback
@@ -275,19 +288,21 @@ def _status(args: argparse.Namespace, refreshes: int | None) -> int:
             return EXIT_OK
 
 
-def _verify(path: Path, as_json: bool) -> int:
-    if not path.is_dir():
+def _verify(path: Location, as_json: bool) -> int:
+    storage = CheckpointLayout(_parent(path)).storage
+    if not storage.is_dir(path):
         raise UsageError(f"{path}: no such step directory; pass one like checkpoints/<job>/step-00000040")
-    if parse_entry(path.name) is None:
+    name = storage.name(path)
+    if parse_entry(name) is None:
         raise UsageError(f"{path}: not a step directory (expected a name like step-00000040)")
     total = _manifest_bytes(path)
-    bar = _progress_bar(total, f"verify {path.name}")
+    bar = _progress_bar(total, f"verify {name}")
     try:
         problems = verify_step(path, bar.update if bar else lambda n: None)
     finally:
         if bar:
             bar.close()
-    status = "valid" if not problems else ("torn" if not (path / MANIFEST).is_file() else "corrupt")
+    status = "valid" if not problems else ("torn" if not storage.is_file(storage.join(path, MANIFEST)) else "corrupt")
     if as_json:
         print(json.dumps({"path": str(path), "status": status, "problems": problems}, indent=1))
     else:
@@ -298,9 +313,9 @@ def _verify(path: Path, as_json: bool) -> int:
     return EXIT_OK if not problems else EXIT_BAD
 
 
-def _manifest_bytes(path: Path) -> int:
+def _manifest_bytes(path: Location) -> int:
     try:
-        return CheckpointLayout(path.parent).read_manifest(path).total_bytes
+        return CheckpointLayout(_parent(path)).read_manifest(path).total_bytes
     except InvalidCheckpoint:
         return 0
 

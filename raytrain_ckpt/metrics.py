@@ -107,6 +107,8 @@ METRICS: dict[str, MetricDef] = {m.name.removeprefix(PREFIX): m for m in (
        "rank", "node"),
     _m("checkpoint_rank_write_seconds", "gauge", "Seconds a writer took to write, fsync and checksum a rank's "
        "files of the last step.", "rank", "node"),
+    _m("checkpoint_rank_upload_retries_total", "counter", "Uploads of a rank's shards to an object store tried "
+       "again after a transient error (5xx, throttling, a dropped connection).", "rank", "node"),
     # controller
     _m("job_state", "gauge", "1 for the controller's current state, 0 for the others.", "state"),
     _m("job_attempt", "gauge", "Attempt number of the running worker group (0: the first)."),
@@ -249,6 +251,10 @@ class WriterMetrics:
         tags = {"job": self.job, "rank": str(rank), "node": self.node}
         record("checkpoint_rank_bytes_written_total", nbytes, tags)
         record("checkpoint_rank_write_seconds", seconds, tags)
+
+    def retried(self, rank: int) -> None:
+        """An upload to an object store failed with a transient error and is tried again."""
+        record("checkpoint_rank_upload_retries_total", 1, {"job": self.job, "rank": str(rank), "node": self.node})
 
 
 class CheckpointMetrics:

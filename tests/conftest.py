@@ -35,3 +35,167 @@ def cli_stderr(capsys):
         err = capsys.readouterr().err
         return "".join(line for line in err.splitlines(keepends=True) if not _RAY_FORWARDED.match(line))
     return read
+
+
+class S3Endpoint:
+    """A real S3 HTTP endpoint (moto's server) on 127.0.0.1 with fake credentials."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                    "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": url}
+        self.options = {"endpoint_url": url, "key": "testing", "secret": "testing"}
+        """``checkpoint.storage_options`` for this endpoint (for processes that lack ``env``)."""
+
+    def new_bucket(self) -> str:
+        """A fresh, empty bucket; returns ``s3://<name>``."""
+        import uuid
+
+        import boto3
+
+        name = f"ckpt-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=self.url, aws_access_key_id="testing", aws_secret_access_key="testing",
+                     region_name="us-east-1").create_bucket(Bucket=name)
+        return f"s3://{name}"
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server (``moto[server]``, what s3fs's own tests use) on a free port of 127.0.0.1,
+    with its endpoint and fake credentials in this process's environment (boto reads them)."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = S3Endpoint(f"http://{host}:{port}")
+    saved = {k: os.environ.get(k) for k in endpoint.env}
+    os.environ.update(endpoint.env)
+    yield endpoint
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint) -> str:
+    """``s3://<fresh bucket>`` on the session's S3 endpoint."""
+    return s3_endpoint.new_bucket()
+
+
+class FlakyS3:
+    """An HTTP proxy in front of the S3 endpoint that fails chosen requests the way S3 does when
+    it is overloaded: ``503 SlowDown`` replies and connections reset without a reply.
+
+    ``fail(n, every, methods)``: of the requests with one of ``methods``, every ``every``-th
+    fails, ``n`` in all, alternating 503 and reset. ``failed`` counts the injected failures.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        import http.server
+        import threading
+        import urllib.parse
+
+        self.upstream = urllib.parse.urlsplit(upstream)
+        self.failed = 0
+        self._left, self._every, self._methods, self._seen = 0, 1, ("PUT", "POST"), 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet: pytest shows failures, not traffic
+                pass
+
+            def _any(self) -> None:
+                proxy._forward(self)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def fail(self, n: int, every: int = 1, methods: tuple[str, ...] = ("PUT", "POST")) -> None:
+        with self._lock:
+            self._left, self._every, self._methods, self._seen = n, every, methods, 0
+
+    def _verdict(self, method: str) -> str | None:
+        with self._lock:
+            if self._left <= 0 or method not in self._methods:
+                return None
+            self._seen += 1
+            if self._seen % self._every:
+                return None
+            self._left -= 1
+            self.failed += 1
+            return "503" if self.failed % 2 else "reset"
+
+    def _forward(self, h) -> None:
+        import http.client
+
+        body = self._body(h)
+        verdict = self._verdict(h.command)
+        if verdict == "reset":
+            h.close_connection = True
+            h.connection.close()
+            return
+        if verdict == "503":
+            msg = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                   b'<Message>Please reduce your request rate.</Message></Error>')
+            h.send_response(503)
+            h.send_header("Content-Type", "application/xml")
+            h.send_header("Content-Length", str(len(msg)))
+            h.end_headers()
+            h.wfile.write(msg)
+            return
+        conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)
+        try:
+            headers = {k: v for k, v in h.headers.items() if k.lower() not in ("connection", "transfer-encoding",
+                                                                                 "content-length", "expect")}
+            conn.request(h.command, h.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        h.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                h.send_header(k, v)
+        # a HEAD reply has no body but the length of the object it describes
+        h.send_header("Content-Length", resp.getheader("Content-Length", "0") if h.command == "HEAD" else str(len(data)))
+        h.end_headers()
+        if h.command != "HEAD":
+            h.wfile.write(data)
+
+    @staticmethod
+    def _body(h) -> bytes | None:
+        """The request body, de-chunked when the client streams it (forwarded with a length)."""
+        if "chunked" not in h.headers.get("Transfer-Encoding", "").lower():
+            length = int(h.headers.get("Content-Length") or 0)
+            return h.rfile.read(length) if length else None
+        parts = []
+        while size := int(h.rfile.readline().split(b";")[0].strip() or b"0", 16):
+            parts.append(h.rfile.read(size))
+            h.rfile.readline()
+        while h.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+            pass
+        return b"".join(parts)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def flaky_s3(s3_endpoint):
+    """A fault-injecting proxy in front of the session's S3 endpoint (see ``FlakyS3``)."""
+    proxy = FlakyS3(s3_endpoint.url)
+    yield proxy
+    proxy.close()

@@ -10,14 +10,15 @@ that matters survives a restart because it is rebuilt from the checkpoint direct
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
 import os
-import shutil
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.interval import IntervalDecision
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint, Manifest, Verify, describe_file
+from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint, Manifest, Verify
 from raytrain_ckpt.checkpoint.leases import LeaseFiles, purge_lock
+from raytrain_ckpt.checkpoint.dcp_storage import dcp_writer
+from raytrain_ckpt.checkpoint.storage import is_uri
 from raytrain_ckpt.checkpoint.retention import RetentionPolicy
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.logs import setup_logging
@@ -101,10 +104,11 @@ class _Gather:
 class CheckpointActor:
     """Async Ray actor; see the module docstring. Methods are called by writers, trainers and the driver."""
 
-    def __init__(self, root: str, retention: RetentionPolicy) -> None:
+    def __init__(self, root: str, retention: RetentionPolicy, storage_options: dict[str, Any] | None = None) -> None:
         setup_logging()
-        self.layout = CheckpointLayout(Path(root))
-        self.layout.root.mkdir(parents=True, exist_ok=True)
+        self.layout = CheckpointLayout(root, options=storage_options)
+        self.storage_options = dict(storage_options or {})
+        self.layout.storage.makedirs(self.layout.root)
         self.retention = retention
         # The group's layout arrives with configure(); a restarted actor reads the last one back.
         self.world_size, self.dp_size, self.spec_hash, self.model = 0, 0, "", None
@@ -115,13 +119,14 @@ class CheckpointActor:
         self.saves = SaveFailures()
         self.pending: dict[int, _Pending] = {}
         self.leases: dict[str, int] = {}
-        self.lease_files = LeaseFiles(self.layout.root)  # exporters' leases, judged live by our own clock
+        # exporters' leases, judged live by our own clock (lease files need a POSIX root: see leases.py)
+        self.lease_files = LeaseFiles(Path(self.layout.root)) if self.layout.atomic else None
         self.purge_errors = 0
         """Retention deletes that failed (logged); the commits they followed stand."""
         self._gathers: dict[tuple[int, int], _Gather] = {}
         self._metadata: dict[str, Metadata] = {}
         # progress reporting: metrics, `raytrain-ckpt status`, the actor's repr
-        self.metrics = CheckpointMetrics(self.layout.root.name)
+        self.metrics = CheckpointMetrics(self.layout.name)
         self.stalls: dict[int, dict[int, float]] = {}
         self.job_info: dict[str, Any] = {}
         self.interval: dict[str, Any] | None = None
@@ -141,19 +146,24 @@ class CheckpointActor:
         """
         self.world_size, self.dp_size, self.spec_hash, self.model = world_size, dp_size, spec_hash, model
         text = json.dumps({"world_size": world_size, "dp_size": dp_size, "spec_hash": spec_hash, "model": model})
-        tmp = self.layout.root / f"{GROUP_FILE}.tmp"
+        storage = self.layout.storage
+        if not self.layout.atomic:  # one PUT replaces the object atomically
+            await asyncio.to_thread(storage.write_bytes, storage.join(self.layout.root, GROUP_FILE), text.encode())
+            return
+        tmp = Path(self.layout.root) / f"{GROUP_FILE}.tmp"
         tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, self.layout.root / GROUP_FILE)
+        os.replace(tmp, Path(self.layout.root) / GROUP_FILE)
 
     def _load_group(self) -> None:
-        path = self.layout.root / GROUP_FILE
-        if not path.is_file():
+        storage = self.layout.storage
+        path = storage.join(self.layout.root, GROUP_FILE)
+        if not storage.is_file(path):
             return
         try:
-            g = json.loads(path.read_text(encoding="utf-8"))
+            g = json.loads(storage.read_bytes(path).decode("utf-8"))
             self.world_size, self.dp_size, self.spec_hash, self.model = (
                 int(g["world_size"]), int(g["dp_size"]), str(g["spec_hash"]), g.get("model"))
-        except (ValueError, KeyError, TypeError) as exc:  # unreadable: the next configure() rewrites it
+        except (ValueError, KeyError, TypeError, OSError) as exc:  # unreadable: the next configure() rewrites it
             logger.warning("ignoring %s: %s", path, exc)
 
     # --- planning ------------------------------------------------------------------------
@@ -243,14 +253,13 @@ class CheckpointActor:
     def _commit(self, step: int, p: _Pending) -> None:
         t0 = time.monotonic()
         plan_id = next(iter(p.reports.values()))[0]
-        writer = FileSystemWriter(p.tmp, sync_files=True)
+        writer = dcp_writer(p.tmp, self.storage_options)
         writer.set_up_storage_writer(True, rank=0)
         writer.finish(copy.deepcopy(self._metadata[plan_id]), [r[1] for r in p.reports.values()])
         files: dict[str, dict[str, int]] = {}
         for _, _, f, _ in p.reports.values():
             files.update(f)
-        meta = p.tmp / ".metadata"
-        files[".metadata"] = describe_file(meta)
+        files[".metadata"] = self.layout.describe(self.layout.storage.join(p.tmp, ".metadata"))
         infos = [r[3] for r in p.reports.values()]
         wall = {"stage_s": max(t["stage_s"] for t in infos), "persist_s": max(t["persist_s"] for t in infos),
                 "write_s": max(t.get("write_s", 0.0) for t in infos),
@@ -278,8 +287,8 @@ class CheckpointActor:
         try:
             self._drop_missing()
             # Under the lease lock: an exporter outside the job either sees its step gone or we see its lease file.
-            with purge_lock(self.layout.root):
-                leased = [*self.leases.values(), *self.lease_files.leased_steps()]
+            with self._purge_lock():
+                leased = [*self.leases.values(), *self._file_leased_steps()]
                 doomed = self.retention.to_delete(self.committed, leased, self.pending,
                                                   {s: m.metrics() for s, m in self.committed.items()})
                 removed = [step for step in doomed if self._delete(step)]
@@ -308,7 +317,7 @@ class CheckpointActor:
     def _drop_missing(self) -> None:
         """Forget committed steps whose directory is gone: retention must count what is on disk."""
         for step in sorted(self.committed):
-            if not self.layout.step_dir(step).is_dir():
+            if not self.layout.is_committed_name(step):
                 logger.warning("checkpoint step %d vanished from %s (removed by hand?); dropped from the registry",
                                step, self.layout.root)
                 del self.committed[step]
@@ -323,7 +332,7 @@ class CheckpointActor:
         if p is not None:
             p.error = reason
             p.done.set()
-            await asyncio.to_thread(shutil.rmtree, p.tmp, True)
+            await asyncio.to_thread(self.layout.storage.remove_tree, p.tmp)
             self.metrics.aborted()
             self._progress()
         logger.warning("checkpoint step %d aborted: %s", step, reason)
@@ -346,7 +355,10 @@ class CheckpointActor:
         (the shared-storage preflight, checkpoint/probe.py)."""
         import ray
 
-        seen = [n for n in names if (self.layout.root / n).is_file()]
+        from raytrain_ckpt.checkpoint.probe import local_root
+
+        local = local_root(str(self.layout.root))
+        seen = [n for n in names if local is not None and (Path(local) / n).is_file()]
         return ray.get_runtime_context().get_node_id(), seen
 
     # --- loading -------------------------------------------------------------------------
@@ -360,7 +372,7 @@ class CheckpointActor:
         if resume == "none":
             return None
         if resume not in ("latest",) and not resume.isdigit():
-            return await asyncio.to_thread(self._point, Path(resume), verify)
+            return await asyncio.to_thread(self._point, resume if is_uri(resume) else Path(resume), verify)
         candidates = sorted(self.committed, reverse=True)
         if resume.isdigit():
             candidates = [int(resume)] if int(resume) in self.committed else []
@@ -388,30 +400,51 @@ class CheckpointActor:
         same number, and a restart would resume the abandoned run.
         """
         point = await self.acquire(holder, resume, verify)
-        own = point is not None and Path(point.path).resolve() == self.layout.step_dir(point.step).resolve()
+        own = point is not None and self._same(point.path, self.layout.step_dir(point.step))
         head = point.step if own and point is not None else -1
         await asyncio.to_thread(self._abandon_after, head, resume)
         return point
+
+    def _same(self, a: str, b: Path | str) -> bool:
+        if not self.layout.atomic:
+            return a.rstrip("/") == str(b).rstrip("/")
+        return Path(a).resolve() == Path(b).resolve()
+
+    @contextlib.contextmanager
+    def _purge_lock(self) -> Iterator[None]:
+        """The lease lock of a POSIX root; nothing on an object store (no lease files there)."""
+        if not self.layout.atomic:
+            yield
+            return
+        with purge_lock(Path(self.layout.root)):
+            yield
+
+    def _file_leased_steps(self) -> set[int]:
+        return self.lease_files.leased_steps() if self.lease_files is not None else set()
 
     def _abandon_after(self, head: int, resume: str) -> None:
         newer = [s for s in sorted(self.committed) if s > head]
         if not newer:
             return
-        with purge_lock(self.layout.root):  # an exporter holds its step by a lease file
-            leased = sorted(set(newer) & self.lease_files.leased_steps())
+        with self._purge_lock():  # an exporter holds its step by a lease file
+            leased = sorted(set(newer) & self._file_leased_steps())
             if leased:
                 raise InvalidCheckpoint(f"checkpoint.resume={resume}: step(s) {leased} are being exported and "
                                         "would be moved aside; wait for the export to finish and start again")
             tag = uuid.uuid4().hex[:8]
-            moved = [self.layout.abandon(s, tag).name for s in newer]
+            moved = [self.layout.storage.name(self.layout.abandon(s, tag)) for s in newer]
         for s in newer:
             del self.committed[s]
         logger.warning("checkpoint.resume=%s starts a new timeline%s: %d newer committed step(s) moved aside, "
                        "kept and never loaded: %s", resume, f" at step {head}" if head >= 0 else "", len(moved),
                        ", ".join(moved))
 
-    def _point(self, path: Path, verify: Verify) -> ResumePoint:
-        m = self.layout.verify(path, verify)
+    def _point(self, path: Path | str, verify: Verify) -> ResumePoint:
+        """Verify a step, which may live on another storage than this root (``checkpoint.resume``)."""
+        same = is_uri(path) == (not self.layout.atomic)
+        options = self.storage_options if is_uri(path) else None
+        layout = self.layout if same else CheckpointLayout(str(path).rsplit("/", 1)[0], options=options)
+        m = layout.verify(path, verify)
         return ResumePoint(m.step, str(path), m.world_size, m.samples_seen)
 
     async def release(self, holder: str) -> None:
@@ -432,7 +465,7 @@ class CheckpointActor:
                 "purge_errors": self.purge_errors, "failed_saves": asdict(self.saves),
                 "leases": dict(Counter(self.leases.values())),
                 "latest": max(self.committed) if self.committed else None,
-                "job": self.layout.root.name, "world_size": self.world_size,
+                "job": self.layout.name, "world_size": self.world_size,
                 "steps": {s: {"bytes": m.total_bytes, "wall": {**m.wall, **self._stall(s)},
                               "created_unix": m.created_unix} for s, m in self.committed.items()},
                 "inflight": {"step": step, "phase": phase, "ranks": ranks},
@@ -489,5 +522,5 @@ class CheckpointActor:
         import ray
 
         node = ray.get_runtime_context().get_node_id()[:12] if ray.is_initialized() else "-"
-        job = self.layout.root.name
+        job = self.layout.name
         return f"CheckpointActor(job={job} root={self.layout.root} node={node}; live: raytrain-ckpt status --job {job})"

@@ -22,6 +22,13 @@ refused, never exported. DCP's ``.metadata`` is read with the restricted unpickl
 The output is written to ``<out>.tmp-<id>``, every file and the directory fsynced, and renamed
 to ``<out>`` at the end (the parent fsynced): a directory named ``<out>`` is always a complete,
 durable export.
+
+Object stores: the step may be a URI (``s3://.../step-00000040``; read through fsspec with the
+same verification and restricted unpickling), and so may ``out``: the export is then written to
+a local temporary directory and uploaded, ``config.json`` / the index / ``model.pt`` last, so a
+prefix holding that last file holds a complete export. Exporter lease files need a POSIX root:
+a step on an object store is exported without a lease, and a step that retention deletes
+meanwhile fails the export (its reads fail), never produces a wrong one.
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ from raytrain_ckpt.checkpoint.formats import (ConversionError, hf_config, hf_nam
                                               plan_shards, safetensors_header, stream_torch_save)
 from raytrain_ckpt.checkpoint.layout import (CheckpointLayout, InvalidCheckpoint, Manifest, Verify, fsync_dir,
                                              parse_entry, step_name)
-from raytrain_ckpt.checkpoint.metadata import SafeFileSystemReader, SafeLoadPlanner, empty_safe_planner
+from raytrain_ckpt.checkpoint.metadata import SafeLoadPlanner, empty_safe_planner, safe_reader
+from raytrain_ckpt.checkpoint.storage import Location, StorageUnavailable, is_uri, open_storage
 from raytrain_ckpt.checkpoint.leases import FileLease
 from raytrain_ckpt.checkpoint.selection import parse_selector, select_step
 from raytrain_ckpt.events import headline
@@ -70,7 +78,8 @@ class ExportResult:
     """What an export wrote and what it cost."""
 
     step: int
-    out: Path
+    out: Path | str
+    """The export's directory, or its object-store prefix."""
     files: list[str]
     tensors: int
     bytes_written: int
@@ -79,7 +88,7 @@ class ExportResult:
     max_rss_bytes: int
     """Peak resident set size of this process, the interpreter and torch included."""
     seconds: float
-    source: Path
+    source: Location
     """The step directory that was exported."""
     selected: str = ""
     """Why this step: the step given, the newest valid one, or the best by a metric."""
@@ -111,28 +120,36 @@ def parse_size(text: str) -> int:
 # --- which step ----------------------------------------------------------------------
 
 
-def resolve_step(ckpt: Path, verify: Verify = "checksum", select: str | None = None) -> tuple[Path, Manifest]:
-    """A step directory (verified), or the step of a job's checkpoint root that ``select``
-    names (``latest``, the default; ``best``; or a step number: see ``selection``)."""
+def _parent(path: Location) -> Location:
+    return str(path).rsplit("/", 1)[0] if isinstance(path, str) else path.parent
+
+
+def resolve_step(ckpt: Location, verify: Verify = "checksum", select: str | None = None) -> tuple[Location, Manifest]:
+    """A step directory (verified), or the step of a job's checkpoint root (a path or a URI) that
+    ``select`` names (``latest``, the default; ``best``; or a step number: see ``selection``)."""
     step_dir, manifest, _ = _resolve(ckpt, verify, select)
     return step_dir, manifest
 
 
-def _resolve(ckpt: Path, verify: Verify, select: str | None) -> tuple[Path, Manifest, str]:
-    ckpt = Path(ckpt).expanduser().resolve()
-    if not ckpt.exists():
+def _resolve(ckpt: Location, verify: Verify, select: str | None) -> tuple[Location, Manifest, str]:
+    ckpt = str(ckpt).rstrip("/") if is_uri(ckpt) else Path(ckpt).expanduser().resolve()
+    try:
+        storage = open_storage(ckpt)
+    except StorageUnavailable as exc:
+        raise ConversionError(str(exc)) from None
+    if not storage.is_dir(ckpt):
         raise ConversionError(f"{ckpt}: no such checkpoint; pass a step directory (.../step-00000040) "
                           "or a job's checkpoint root")
-    entry = parse_entry(ckpt.name)
+    entry = parse_entry(storage.name(ckpt))
     if entry is not None and not entry.kind.is_loadable:
         raise ConversionError(f"{ckpt} is a {entry.kind.value} entry, not a committed step (never loaded or "
                               "exported); pass a step-N directory")
     if entry is not None and select is not None:
         raise ConversionError(f"{ckpt} is a step directory; the step selector {select!r} picks among the steps of "
-                              f"a job's checkpoint root: pass {ckpt.parent}")
+                              f"a job's checkpoint root: pass {_parent(ckpt)}")
     if entry is not None:
         try:
-            return ckpt, CheckpointLayout(ckpt.parent).verify(ckpt, verify), "the step given"
+            return ckpt, CheckpointLayout(_parent(ckpt), storage).verify(ckpt, verify), "the step given"
         except InvalidCheckpoint as exc:
             raise ConversionError(f"{ckpt} is not a valid committed checkpoint: {exc}") from None
     chosen = select_step(ckpt, parse_selector(select or "latest"), verify)
@@ -146,10 +163,10 @@ def _resolve(ckpt: Path, verify: Verify, select: str | None) -> tuple[Path, Mani
 class _Reader:
     """Reads single keys of a DCP checkpoint as full tensors, and tracks how much it holds."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Location) -> None:
         self.path = path
         try:
-            self.meta: Metadata = SafeFileSystemReader(str(path)).read_metadata()
+            self.meta: Metadata = safe_reader(path).read_metadata()
         except InvalidCheckpoint as exc:
             raise ConversionError(f"{path} is not a valid committed checkpoint: {exc}") from None
         except OSError as exc:
@@ -182,7 +199,7 @@ class _Reader:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # DCP warns that no process group is used: intended here
-                dcp.load(state, storage_reader=SafeFileSystemReader(str(self.path)), planner=SafeLoadPlanner(),
+                dcp.load(state, storage_reader=safe_reader(self.path), planner=SafeLoadPlanner(),
                          no_dist=True)
         except Exception as exc:  # noqa: BLE001 - a shard that does not read back is a torn checkpoint
             raise ConversionError(f"{self.path}: reading {', '.join(list(state)[:3])} failed "
@@ -295,7 +312,7 @@ def _bytes_entries(reader: _Reader, prefix: str) -> dict[str, Any]:
     loaded: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(loaded, storage_reader=SafeFileSystemReader(str(reader.path)),
+        dcp.load(loaded, storage_reader=safe_reader(reader.path),
                  planner=empty_safe_planner(set(keys)), no_dist=True)
     return {k.removeprefix(prefix): v for k, v in _flatten(loaded).items() if k in keys}
 
@@ -361,18 +378,44 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
     if model_cfg is None and fmt == "hf" and manifest.model is not None:
         model_cfg = _manifest_model(manifest)
     _check_args(fmt, dtype, model_cfg, with_optimizer)
-    root = Path(lease_root) if lease_root is not None else step_dir.parent
+    args = (fmt, DTYPES[dtype], model_cfg, with_optimizer, max_shard_bytes, t0)
+    if is_uri(step_dir):  # no lease files on an object store (see the module docstring)
+        result = _export_to(step_dir, manifest, out, args)
+        result.selected = why
+        return result
+    root = Path(lease_root) if lease_root is not None else Path(step_dir).parent
     try:
         lease = FileLease(root, manifest.step).__enter__()
     except InvalidCheckpoint as exc:
         raise ConversionError(str(exc)) from None
     try:
-        result = _export_leased(step_dir, manifest, Path(out).expanduser().resolve(), fmt, DTYPES[dtype], model_cfg,
-                                with_optimizer, max_shard_bytes, t0)
+        result = _export_to(step_dir, manifest, out, args)
         result.selected = why
         return result
     finally:
         lease.__exit__(None, None, None)
+
+
+_LAST = ("config.json", "model.safetensors.index.json", "model.pt")
+"""Uploaded last: a prefix that holds one of these holds a complete export."""
+
+
+def _export_to(step_dir: Location, manifest: Manifest, out: Location, args: tuple) -> ExportResult:
+    """Export to a local directory, or through a local temporary directory to an object-store prefix."""
+    if not is_uri(out):
+        return _export_leased(step_dir, manifest, Path(out).expanduser().resolve(), *args)
+    target = str(out).rstrip("/")
+    storage = open_storage(target)
+    if storage.listdir(target):
+        raise ConversionError(f"--out {target} is not empty; pass a new prefix (an export never overwrites files)")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rtc-export-") as local:
+        result = _export_leased(step_dir, manifest, Path(local) / "out", *args)
+        for name in sorted(result.files, key=lambda n: n in _LAST):
+            storage.put_file(Path(local) / "out" / name, storage.join(target, name))
+    result.out = target
+    return result
 
 
 def _manifest_model(manifest: Manifest) -> LlamaConfig | None:
@@ -398,13 +441,13 @@ def _check_args(fmt: str, dtype: str, model_cfg: LlamaConfig | None, with_optimi
         raise ConversionError("--with-optimizer works with --format torch only (HF safetensors hold weights)")
 
 
-def _export_leased(step_dir: Path, manifest: Manifest, out: Path, fmt: Format, dtype: torch.dtype,
+def _export_leased(step_dir: Location, manifest: Manifest, out: Path, fmt: Format, dtype: torch.dtype,
                    model_cfg: LlamaConfig | None, with_optimizer: bool, max_shard: int,
                    t0: float) -> ExportResult:
     # Verified again under the lease: retention may have raced us before the lease was taken. A
     # deletion shows in the sizes; the checksums were read by resolve_step already.
     try:
-        CheckpointLayout(step_dir.parent).verify(step_dir, "size")
+        CheckpointLayout(_parent(step_dir)).verify(step_dir, "size")
     except InvalidCheckpoint as exc:
         raise ConversionError(f"{step_dir} is not a valid committed checkpoint: {exc}") from None
     reader = _Reader(step_dir)
@@ -425,7 +468,15 @@ def _export_leased(step_dir: Path, manifest: Manifest, out: Path, fmt: Format, d
     return result
 
 
-def final_export(spec: JobSpec, root: Path) -> Path | None:
+def _final_out(configured: Path | str | None, root: Location, step: int) -> Location:
+    """``final_export.dir``, or ``<root>/export-step-N`` (a URI under a URI root)."""
+    if configured is not None:
+        return configured if is_uri(configured) else Path(configured).expanduser()
+    name = f"export-{step_name(step)}"
+    return f"{root}/{name}" if is_uri(root) else Path(root) / name
+
+
+def final_export(spec: JobSpec, root: Location) -> Location | None:
     """``checkpoint.final_export``: export the newest committed step under ``root`` once (driver side).
 
     A failure is logged with the command that retries it; the trained checkpoint stays as it is.
@@ -435,8 +486,9 @@ def final_export(spec: JobSpec, root: Path) -> Path | None:
         return None
     try:
         step_dir, manifest = resolve_step(root)
-        out = Path(fe.dir).expanduser() if fe.dir is not None else root / f"export-{step_name(manifest.step)}"
-        if out.is_dir() and (out / ("model.pt" if fe.format == "torch" else "config.json")).exists():
+        out = _final_out(fe.dir, root, manifest.step)
+        storage = open_storage(out)
+        if storage.is_file(storage.join(out, "model.pt" if fe.format == "torch" else "config.json")):
             logger.info("final export: %s already holds an export; not exporting again", out)
             return out
         result = export_checkpoint(step_dir, out, fe.format, fe.dtype, describe_model(spec.model.name,

@@ -16,6 +16,23 @@ this step, and every file it lists is a regular file with the recorded size (and
 verifying checksums; ``.metadata``, which is unpickled on load, is always checksummed). The
 manifest is written and fsynced last inside the temporary directory, which is then renamed
 atomically and the parent fsynced: a reader sees either no ``step-N`` or a complete one.
+
+Object stores (``s3://``, ``gs://``, ``memory://``; see ``storage.py``) have no rename, so the
+same rules hold through another order of writes:
+
+- **commit**: shards and ``.metadata`` are written in place under ``step-N/``; the manifest is
+  written LAST, in one PUT, and is the commit marker. A ``step-N/`` without a manifest is an
+  uncommitted leftover (a writer killed mid-upload, a save that aborted): it never verifies, so
+  it is never loaded, and it is removed when the next run starts (``remove_leftover_tmp``) or
+  when a save of N reuses the prefix (``new_tmp_dir``).
+- **delete** (retention): the manifest first, then the objects: a crash in between leaves a
+  manifest-less leftover, never a torn step that looks committed.
+- **move aside** (``set_aside``, ``abandon``): rename by copy: every object is copied to
+  ``step-N.<kind>-<id>/``, its manifest last, and only then is the source deleted, manifest
+  first. At every moment the step is committed under one of the two names (or both): a
+  committed step is never lost.
+- ``.tmp-`` entries do not occur (nothing is staged for a rename); exporters' lease files and
+  the purge lock are POSIX-only (see ``leases.py``).
 """
 
 from __future__ import annotations
@@ -31,10 +48,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from raytrain_ckpt.checkpoint.manifest import (MANIFEST, FileEntry, InvalidCheckpoint, Manifest, UnsafeCheckpoint,
-                                               checksum_file, checksum_name, describe_file, file_crc32)
+                                               checksum_name, describe_file, file_crc32)
+from raytrain_ckpt.checkpoint.storage import Location, Storage, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -124,14 +142,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def check_file(path: Path, want: FileEntry, checksum: bool,
+def check_file(storage: Storage, path: Location, want: FileEntry, checksum: bool,
                progress: Callable[[int], None] | None = None) -> str | None:
     """The problem of one listed file against its manifest entry, or None."""
-    name = path.name
-    if path.is_symlink() or not path.is_file():
+    name = storage.name(path)
+    size = storage.size(path)
+    if size is None:
         _advance(progress, want.size)
-        return f"{name} is missing" if not path.is_symlink() else f"{name} is a symlink, not a file the save wrote"
-    size = path.stat().st_size
+        is_link = isinstance(path, Path) and path.is_symlink()
+        return f"{name} is missing" if not is_link else f"{name} is a symlink, not a file the save wrote"
     if size != want.size:
         _advance(progress, want.size)
         return f"{name} has {size} bytes, the manifest says {want.size} (truncated or overwritten)"
@@ -139,18 +158,22 @@ def check_file(path: Path, want: FileEntry, checksum: bool,
         _advance(progress, want.size)
         return None
     algorithm, value = want.checksum
-    if checksum_file(path, algorithm, progress) != value:
+    if storage.checksum(path, algorithm, progress) != value:
         return f"{name} fails its {checksum_name(algorithm)} check (corrupt)"
     return None
 
 
-def _metadata_problems(path: Path) -> Iterator[str]:
-    from raytrain_ckpt.checkpoint.unpickling import check_metadata_file  # loading's verdict, without torch
+def _metadata_problems(storage: Storage, path: Location) -> Iterator[str]:
+    from raytrain_ckpt.checkpoint.unpickling import check_metadata_stream  # loading's verdict, without torch
 
+    where = storage.join(path, ".metadata")
     try:
-        check_metadata_file(path / ".metadata")
+        with storage.open_read(where) as f:
+            check_metadata_stream(f, str(where))
     except InvalidCheckpoint as exc:
         yield str(exc).replace(f"{path}/", "", 1)
+    except OSError as exc:
+        yield f".metadata is unreadable ({exc})"
 
 
 def _advance(progress: Callable[[int], None] | None, n: int) -> None:
@@ -159,69 +182,107 @@ def _advance(progress: Callable[[int], None] | None, n: int) -> None:
 
 
 class CheckpointLayout:
-    """Names, scanning, verification and the atomic commit under one job's checkpoint root."""
+    """Names, scanning, verification and the atomic commit under one job's checkpoint root.
 
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root)
+    ``root`` is a local path (POSIX protocol: tmp dir + rename) or a URI (object-store
+    protocol: manifest last); locations it hands out are ``Path`` objects on POSIX storage and
+    URI strings on an object store.
+    """
 
-    def step_dir(self, step: int) -> Path:
-        return self.root / step_name(step)
+    def __init__(self, root: Location, storage: Storage | None = None,
+                 options: dict[str, Any] | None = None) -> None:
+        self.storage = storage if storage is not None else open_storage(root, options)
+        self.atomic = self.storage.atomic_rename
+        self.root: Location = Path(root) if self.atomic else str(root).rstrip("/")
 
-    def new_tmp_dir(self, step: int) -> Path:
-        """A fresh, empty directory to write ``step`` into."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        path = self.root / step_name(step, EntryKind.TMP, uuid.uuid4().hex[:12])
-        path.mkdir()
+    @property
+    def name(self) -> str:
+        """The last component of the root (the job name under checkpoint.dir)."""
+        return self.storage.name(self.root)
+
+    def step_dir(self, step: int) -> Location:
+        return self.storage.join(self.root, step_name(step))
+
+    def new_tmp_dir(self, step: int) -> Location:
+        """A fresh, empty place to write ``step`` into.
+
+        POSIX: a new ``step-N.tmp-<id>`` directory. Object store: ``step-N/`` itself, cleared
+        of an uncommitted leftover; a torn committed step-N is moved aside first and a valid
+        one is never written into (FileExistsError).
+        """
+        if not self.atomic:
+            return self._clear_for_write(step)
+        self.storage.makedirs(self.root)
+        path = self.storage.join(self.root, step_name(step, EntryKind.TMP, uuid.uuid4().hex[:12]))
+        Path(path).mkdir()
         return path
 
-    def entries(self) -> list[tuple[Entry, Path]]:
+    def _clear_for_write(self, step: int) -> Location:
+        final = self.step_dir(step)
+        if self.storage.is_file(self.storage.join(final, MANIFEST)):
+            self._move_aside(final)
+        elif self.storage.is_dir(final):
+            logger.warning("removing uncommitted leftover %s before writing step %d", final, step)
+            self.storage.remove_tree(final)
+        return final
+
+    def entries(self) -> list[tuple[Entry, Location]]:
         """Every step entry of any kind, sorted by name; other files are ignored."""
-        if not self.root.is_dir():
-            return []
         out = []
-        for path in sorted(self.root.iterdir(), key=lambda p: p.name):
-            entry = parse_entry(path.name)
+        for name in self.storage.listdir(self.root):
+            entry = parse_entry(name)
             if entry is not None:
-                out.append((entry, path))
+                out.append((entry, self.storage.join(self.root, name)))
         return out
 
-    def step_dirs(self) -> dict[int, Path]:
+    def step_dirs(self) -> dict[int, Location]:
         """Every committed-name ``step-N`` entry (valid or not), by step."""
         return {e.step: path for e, path in self.entries() if e.kind.is_loadable}
 
-    def remove_leftover_tmp(self) -> list[Path]:
-        """Delete ``*.tmp-*`` directories left by saves that never committed."""
+    def is_committed_name(self, step: int) -> bool:
+        """Whether ``step-N`` exists (POSIX: the directory; object store: its manifest object)."""
+        if self.atomic:
+            return self.storage.is_dir(self.step_dir(step))
+        return self.storage.is_file(self.storage.join(self.step_dir(step), MANIFEST))
+
+    def remove_leftover_tmp(self) -> list[Location]:
+        """Delete what saves that never committed left: ``*.tmp-*`` directories (POSIX), and
+        ``step-N/`` prefixes without a manifest (object store). Call it before any save starts."""
         removed = [path for e, path in self.entries() if e.kind is EntryKind.TMP]
+        if not self.atomic:
+            removed += [path for e, path in self.entries() if e.kind.is_loadable
+                        and not self.storage.is_file(self.storage.join(path, MANIFEST))]
         for path in removed:
-            shutil.rmtree(path, ignore_errors=True)
+            self.storage.remove_tree(path)
         if removed:
             logger.warning("removed %d uncommitted checkpoint dir(s): %s", len(removed),
-                           ", ".join(p.name for p in removed))
+                           ", ".join(self.storage.name(p) for p in removed))
         return removed
 
-    def read_manifest(self, path: Path) -> Manifest:
+    def read_manifest(self, path: Location) -> Manifest:
         """The validated manifest of a step directory; raises InvalidCheckpoint."""
-        if not path.is_dir():
-            raise InvalidCheckpoint(f"{path} is not a directory")
-        mpath = path / MANIFEST
-        if not mpath.is_file():
+        mpath = self.storage.join(path, MANIFEST)
+        if not self.storage.is_file(mpath):
+            if not self.storage.is_dir(path):
+                raise InvalidCheckpoint(f"{path} is not a directory")
             raise InvalidCheckpoint(f"{path} has no {MANIFEST} (never committed)")
         try:
-            text = mpath.read_text(encoding="utf-8")
+            text = self.storage.read_bytes(mpath).decode("utf-8")
             return Manifest.from_json(text)
         except (InvalidCheckpoint, OSError, UnicodeDecodeError) as exc:
             raise InvalidCheckpoint(f"{mpath} is unreadable: {exc}") from None
 
-    def problems(self, path: Path, manifest: Manifest, level: Verify = "checksum",
+    def problems(self, path: Location, manifest: Manifest, level: Verify = "checksum",
                  progress: Callable[[int], None] | None = None) -> Iterator[str]:
         """Every problem of a step directory against its manifest, lazily (stop at the first to fail fast).
 
         ``.metadata`` is checksummed at every level and then read with the restricted unpickler:
         it is unpickled when the step is loaded, and a step whose metadata asks for code is invalid.
         """
-        entry = parse_entry(path.name)
+        name = self.storage.name(path)
+        entry = parse_entry(name)
         if entry is None or not entry.kind.is_loadable or entry.step != manifest.step:
-            yield f"{path.name} holds the manifest of step {manifest.step} (not its committed step-N name)"
+            yield f"{name} holds the manifest of step {manifest.step} (not its committed step-N name)"
         if ".metadata" not in manifest.files:
             yield "the manifest lists no .metadata"
         intact = True
@@ -229,8 +290,8 @@ class CheckpointLayout:
         # Files are checked on a few threads (CRC-32C releases the GIL), results in manifest order.
         pool = ThreadPoolExecutor(max_workers=min(_VERIFY_THREADS, len(items) or 1))
         try:
-            checks = pool.map(lambda item: check_file(path / item[0], item[1], level == "checksum" or
-                                                      item[0] == ".metadata", progress), items)
+            checks = pool.map(lambda item: check_file(self.storage, self.storage.join(path, item[0]), item[1],
+                                                      level == "checksum" or item[0] == ".metadata", progress), items)
             for problem in checks:
                 if problem is not None:
                     intact = False
@@ -238,9 +299,9 @@ class CheckpointLayout:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         if intact and ".metadata" in manifest.files:
-            yield from _metadata_problems(path)
+            yield from _metadata_problems(self.storage, path)
 
-    def verify(self, path: Path, level: Verify = "checksum") -> Manifest:
+    def verify(self, path: Location, level: Verify = "checksum") -> Manifest:
         """Check a step directory against its manifest; raises InvalidCheckpoint naming the first problem."""
         manifest = self.read_manifest(path)
         problem = next(self.problems(path, manifest, level), None)
@@ -258,31 +319,54 @@ class CheckpointLayout:
                 logger.warning("skipping checkpoint step %d: %s", step, exc)
         return out
 
-    def commit(self, tmp: Path, manifest: Manifest) -> Path:
-        """Write the manifest, fsync it, rename ``tmp`` to ``step-N`` and fsync the parent.
+    def describe(self, path: Location) -> dict[str, int]:
+        """The manifest entry of a stored file: its size and CRC-32C (read back)."""
+        size = self.storage.size(path)
+        if size is None:
+            raise FileNotFoundError(path)
+        return {"size": size, "crc32c": self.storage.checksum(path, "crc32c")}
+
+    def _check_sizes(self, tmp: Location, manifest: Manifest) -> None:
+        for name, want in manifest.files.items():
+            size = self.storage.size(self.storage.join(tmp, name))
+            if size != want.size:
+                raise InvalidCheckpoint(f"{self.storage.join(tmp, name)}: {-1 if size is None else size} bytes "
+                                        f"stored, {want.size} reported; not committing")
+
+    def commit(self, tmp: Location, manifest: Manifest) -> Location:
+        """POSIX: write the manifest, fsync it, rename ``tmp`` to ``step-N`` and fsync the parent.
+        Object store: ``tmp`` is ``step-N`` itself; the manifest is written last, in one PUT.
 
         An existing ``step-N`` that does not verify (a torn earlier attempt) is moved aside to
         ``step-N.invalid-<id>`` first; a valid one is never replaced.
         """
-        for name, want in manifest.files.items():
-            size = (tmp / name).stat().st_size if (tmp / name).is_file() else -1
-            if size != want.size:
-                raise InvalidCheckpoint(f"{tmp / name}: {size} bytes on disk, {want.size} reported; not committing")
+        self._check_sizes(tmp, manifest)
         manifest.created_unix = time.time()
-        mpath = tmp / MANIFEST
+        if not self.atomic:
+            return self._commit_in_place(tmp, manifest)
+        mpath = Path(tmp) / MANIFEST
         with open(mpath, "w", encoding="utf-8") as f:
             f.write(manifest.to_json())
             f.flush()
             os.fsync(f.fileno())
-        fsync_dir(tmp)
-        final = self.step_dir(manifest.step)
+        fsync_dir(Path(tmp))
+        final = Path(self.step_dir(manifest.step))
         if final.exists() or final.is_symlink():
             self._move_aside(final)
         os.rename(tmp, final)
-        fsync_dir(self.root)
+        fsync_dir(Path(self.root))
         return final
 
-    def _move_aside(self, final: Path) -> None:
+    def _commit_in_place(self, tmp: Location, manifest: Manifest) -> Location:
+        final = self.step_dir(manifest.step)
+        assert str(tmp) == str(final), (tmp, final)  # new_tmp_dir hands out step-N itself
+        mpath = self.storage.join(final, MANIFEST)
+        if self.storage.is_file(mpath):
+            raise FileExistsError(f"{final} was committed by another save meanwhile; never overwritten")
+        self.storage.write_bytes(mpath, manifest.to_json().encode("utf-8"))
+        return final
+
+    def _move_aside(self, final: Location) -> None:
         try:
             self.verify(final, "checksum")  # rare: only when step-N already exists
         except InvalidCheckpoint as exc:
@@ -290,31 +374,49 @@ class CheckpointLayout:
             return
         raise FileExistsError(f"{final} is a valid checkpoint and is never overwritten")
 
-    def set_aside(self, path: Path, kind: EntryKind, reason: str) -> Path:
+    def set_aside(self, path: Location, kind: EntryKind, reason: str) -> Location:
         """Rename a committed-name entry to ``step-N.<kind>-<id>`` (durably): kept and listed, never loaded."""
-        entry = parse_entry(path.name)
+        entry = parse_entry(self.storage.name(path))
         assert entry is not None and entry.kind.is_loadable and not kind.is_loadable, (path, kind)
-        aside = path.with_name(step_name(entry.step, kind, uuid.uuid4().hex[:8]))
-        logger.warning("moving %s aside to %s: %s", path.name, aside.name, reason)
-        os.rename(path, aside)
-        fsync_dir(self.root)
+        aside = self.storage.join(self.root, step_name(entry.step, kind, uuid.uuid4().hex[:8]))
+        logger.warning("moving %s aside to %s: %s", self.storage.name(path), self.storage.name(aside), reason)
+        self._move(path, aside)
         return aside
 
+    def _move(self, src: Location, dst: Location) -> None:
+        """POSIX: one durable rename. Object store: copy every object, the manifest last, then
+        delete the source, manifest first (see the module docstring)."""
+        if self.atomic:
+            os.rename(src, dst)
+            fsync_dir(Path(self.root))
+            return
+        names = self.storage.listdir(src)
+        for name in sorted(names, key=lambda n: n == MANIFEST):
+            self.storage.copy_file(self.storage.join(src, name), self.storage.join(dst, name))
+        self.storage.remove_file(self.storage.join(src, MANIFEST))
+        self.storage.remove_tree(src)
+
     def delete(self, step: int) -> None:
-        """Remove a committed step: rename out of the step namespace first (durably), so a crash
-        mid-delete leaves no torn step-N, only a ``.tmp-`` entry that the next start removes."""
+        """Remove a committed step. POSIX: rename out of the step namespace first (durably), so a
+        crash mid-delete leaves no torn step-N, only a ``.tmp-`` entry that the next start
+        removes. Object store: the manifest first, then the objects (a leftover, removed on start)."""
         final = self.step_dir(step)
-        doomed = final.with_name(step_name(step, EntryKind.TMP, uuid.uuid4().hex[:12]))
+        if not self.atomic:
+            if not self.storage.is_dir(final):
+                raise FileNotFoundError(final)
+            self.storage.remove_file(self.storage.join(final, MANIFEST))
+            self.storage.remove_tree(final)
+            return
+        doomed = Path(final).with_name(step_name(step, EntryKind.TMP, uuid.uuid4().hex[:12]))
         os.rename(final, doomed)
-        fsync_dir(self.root)
+        fsync_dir(Path(self.root))
         shutil.rmtree(doomed, ignore_errors=True)
 
-    def abandon(self, step: int, tag: str) -> Path:
+    def abandon(self, step: int, tag: str) -> Location:
         """Move committed ``step`` out of the step namespace to ``step-N.abandoned-<tag>``: kept
         on disk, never loaded, never purged (a run that resumed from an older step trains
         another timeline, whose steps must not meet this one's)."""
         final = self.step_dir(step)
-        aside = final.with_name(f"{final.name}.abandoned-{tag}")
-        os.rename(final, aside)
-        fsync_dir(self.root)
+        aside = self.storage.join(self.root, step_name(step, EntryKind.ABANDONED, tag))
+        self._move(final, aside)
         return aside

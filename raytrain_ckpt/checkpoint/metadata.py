@@ -9,7 +9,9 @@ would otherwise run code in every process that resumes, exports or inspects it.
   file needs (the ``torch.distributed.checkpoint`` metadata dataclasses, ``torch.Size``, torch
   dtypes and layouts, paths, builtin containers; the list is in ``unpickling.py``) and refuses
   any other with ``UnsafeCheckpoint`` naming it. ``SafeFileSystemReader`` is DCP's
-  ``FileSystemReader`` with that unpickler; every load in this project uses it.
+  ``FileSystemReader`` with that unpickler and ``SafeFsspecReader`` DCP's ``FsspecReader``
+  (object stores) with it; every load in this project uses one of them (``safe_reader`` picks
+  by location).
 - Non-tensor entries go through ``torch.load(weights_only=True)`` (``SafeLoadPlanner``), whose
   restricted unpickler allows tensors and primitive containers only.
 """
@@ -23,6 +25,7 @@ from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
@@ -32,7 +35,8 @@ from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, UnsafeCheckpoin
 from raytrain_ckpt.checkpoint.unpickling import allowed_global, refusal
 from raytrain_ckpt.events import headline
 
-__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "SafeUnpickler", "empty_safe_planner", "read_metadata"]
+__all__ = ["SafeFileSystemReader", "SafeFsspecReader", "SafeLoadPlanner", "SafeUnpickler", "empty_safe_planner",
+           "read_metadata", "safe_reader"]
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -67,8 +71,8 @@ def read_metadata(step_dir: Path) -> Metadata:
         raise InvalidCheckpoint(f"{path} is unreadable ({exc})") from None
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's ``FileSystemReader`` whose ``read_metadata`` never runs code from the file."""
+class _SafeMetadata:
+    """``read_metadata`` that never runs code from the file, for DCP's file system readers."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # Same file choice as the base class (a rank-local ``__<rank>.metadata`` where DCP asks for one).
@@ -80,6 +84,23 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeFileSystemReader(_SafeMetadata, FileSystemReader):
+    """DCP's ``FileSystemReader`` whose ``read_metadata`` never runs code from the file."""
+
+
+class SafeFsspecReader(_SafeMetadata, FsspecReader):
+    """DCP's ``FsspecReader`` (s3://, gs://, ...) whose ``read_metadata`` never runs code from the file."""
+
+
+def safe_reader(path: str | Path, storage_options: dict[str, Any] | None = None) -> FileSystemReader:
+    """The safe DCP reader of a step directory: local path or object-store URI."""
+    from raytrain_ckpt.checkpoint.storage import is_uri
+
+    if is_uri(path):
+        return SafeFsspecReader(str(path), **(storage_options or {}))
+    return SafeFileSystemReader(str(path))
 
 
 def _load_bytes_safely(planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO) -> None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from raytrain_ckpt.checkpoint.formats import ConversionError
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout, Verify
+from raytrain_ckpt.checkpoint.storage import Location
 from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, Manifest
 from raytrain_ckpt.checkpoint.retention import KeepBest, rank_steps
 
@@ -33,7 +33,7 @@ DEFAULT_BEST = KeepBest("eval_loss", "min")
 class Selection:
     """The chosen step, its verified manifest, and why it was chosen (for the user)."""
 
-    step_dir: Path
+    step_dir: Location
     manifest: Manifest
     reason: str
 
@@ -47,7 +47,7 @@ def parse_selector(text: str) -> str | int:
     raise ConversionError(f"step selector {text!r}: use latest, best or a step number")
 
 
-def select_step(root: Path, selector: str | int, verify: Verify) -> Selection:
+def select_step(root: Location, selector: str | int, verify: Verify) -> Selection:
     """The step of ``root`` that ``selector`` names, verified at ``verify``.
 
     Raises:
@@ -71,7 +71,7 @@ def select_step(root: Path, selector: str | int, verify: Verify) -> Selection:
                           "see raytrain-ckpt verify <step directory>")
 
 
-def _candidates(root: Path, manifests: dict[int, Manifest],
+def _candidates(root: Location, manifests: dict[int, Manifest],
                 selector: str | int) -> tuple[list[int], Callable[[Manifest], str]]:
     if selector == "latest":
         return sorted(manifests, reverse=True), lambda m: "the newest valid step"

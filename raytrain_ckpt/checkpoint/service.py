@@ -18,6 +18,7 @@ from raytrain_ckpt.checkpoint.client import SaveSchedule
 from raytrain_ckpt.checkpoint.interval import IntervalHistory
 from raytrain_ckpt.checkpoint.probe import StorageNotShared, local_root, missing_probes, unshared_message
 from raytrain_ckpt.checkpoint.retention import KeepBest, RetentionPolicy
+from raytrain_ckpt.checkpoint.storage import job_root
 from raytrain_ckpt.checkpoint.writer import CheckpointWriter
 from raytrain_ckpt.spec import CheckpointSpec, JobSpec
 
@@ -38,12 +39,12 @@ class CheckpointService:
         self.spec = spec
         self.started_unix = time.time()
         cfg = spec.checkpoint
-        self.root = (cfg.dir.expanduser().resolve() / spec.name)
+        self.root = job_root(cfg.dir, spec.name)
         env = {"env_vars": fault_env} if fault_env else None
         self.actor = ray.remote(CheckpointActor).options(
             name=actor_name(spec.name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1, max_task_retries=0,
             runtime_env=env,
-        ).remote(str(self.root), _retention(cfg))
+        ).remote(str(self.root), _retention(cfg), cfg.storage_options)
         self._writers: dict[str, Any] = {}
         self._env = env
         self._note: ray.ObjectRef | None = None
@@ -62,7 +63,7 @@ class CheckpointService:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             ).remote(self.spec.name, str(self.root), ActorByName(actor_name(self.spec.name)),
                      self.spec.checkpoint.writer_threads,
-                     self.spec.checkpoint.writer_nice)
+                     self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options)
         return self._writers[node_id]
 
     def preflight(self) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import random
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +31,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from raytrain_ckpt.checkpoint.layout import MANIFEST, Manifest
-from raytrain_ckpt.checkpoint.metadata import SafeFileSystemReader, SafeLoadPlanner
+from raytrain_ckpt.checkpoint.metadata import SafeLoadPlanner, safe_reader
+from raytrain_ckpt.checkpoint.storage import open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
     raise ``CheckpointMismatch`` before anything is loaded. RNG states are per rank, so they
     are restored only at the layout that saved them (same world size and pipeline degree).
     """
-    saved = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    saved = safe_reader(path, _options(trainer)).read_metadata().state_dict_metadata
     if not any(k.startswith("train.") for k in saved):
         _load_model_only(trainer, path, saved)
         return
@@ -111,10 +111,10 @@ def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
     sources = [_scheduler_source(key, saved, path) for key in _scheduler_keys(trainer)]
     for source, sched in zip(sources, trainer.schedulers, strict=True):
         sd[source] = sched.state_dict()
-    same_layout = same_world_size and _saved_pp(path) in (None, trainer.spec.parallelism.pp)
+    same_layout = same_world_size and _saved_pp(path, _options(trainer)) in (None, trainer.spec.parallelism.pp)
     if same_layout:
         sd.update(_rng_state(trainer.rank))
-    dcp.load(sd, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+    dcp.load(sd, storage_reader=safe_reader(path, _options(trainer)), planner=SafeLoadPlanner())
     for part, opt, (mkeys, okeys) in zip(trainer.model_parts, trainer.optimizers, keys, strict=True):
         set_state_dict(part, opt, model_state_dict={k: sd["model"][k] for k in mkeys},
                        optim_state_dict={k: sd["optim"][k] for k in okeys}, options=_OPTIONS)
@@ -163,12 +163,17 @@ def _check_fits(path: str, saved: dict[str, Any], model_sd: dict[str, Any], opti
                     "shape, or set checkpoint.resume=none")
 
 
-def _saved_pp(path: str) -> int | None:
+def _options(trainer: Any) -> dict[str, Any]:
+    return dict(trainer.spec.checkpoint.storage_options)
+
+
+def _saved_pp(path: str, options: dict[str, Any]) -> int | None:
     """The pipeline degree that saved ``path`` (1 for manifests older than pipelining), None without a manifest."""
-    mpath = Path(path) / MANIFEST
-    if not mpath.is_file():
+    storage = open_storage(path, options)
+    mpath = storage.join(path, MANIFEST)
+    if not storage.is_file(mpath):
         return None
-    return Manifest.from_json(mpath.read_text(encoding="utf-8")).pp_size
+    return Manifest.from_json(storage.read_bytes(mpath).decode("utf-8")).pp_size
 
 
 def _load_model_only(trainer: Any, path: str, saved: dict[str, Any]) -> None:
@@ -176,6 +181,6 @@ def _load_model_only(trainer: Any, path: str, saved: dict[str, Any]) -> None:
     for part in trainer.model_parts:
         model_sd = get_model_state_dict(part)
         _check_fits(path, saved, model_sd, {})
-        dcp.load({"model": model_sd}, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+        dcp.load({"model": model_sd}, storage_reader=safe_reader(path, _options(trainer)), planner=SafeLoadPlanner())
         set_model_state_dict(part, model_sd)
     logger.info("loaded model-only checkpoint %s: starting at step 0 with a fresh optimizer", path)

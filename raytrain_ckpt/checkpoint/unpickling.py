@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, UnsafeCheckpoint
 
-__all__ = ["ALLOWED_GLOBALS", "TORCH_DTYPES", "allowed_global", "check_metadata_file", "refusal"]
+__all__ = ["ALLOWED_GLOBALS", "TORCH_DTYPES", "allowed_global", "check_metadata_file", "check_metadata_stream", "refusal"]
 
 ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset({
@@ -83,11 +83,21 @@ def check_metadata_file(path: Path) -> None:
         InvalidCheckpoint: It is unreadable, not a pickle, or does not hold DCP ``Metadata``.
     """
     try:
-        with open(path, "rb") as f:
-            top = _CheckingUnpickler(f).load()
-    except UnsafeCheckpoint as exc:
-        raise UnsafeCheckpoint(f"{path} {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - any failure to unpickle means a damaged file
+        f = open(path, "rb")
+    except OSError as exc:
         raise InvalidCheckpoint(f"{path} is unreadable ({type(exc).__name__}: {exc})") from None
+    with f:
+        check_metadata_stream(f, str(path))
+
+
+def check_metadata_stream(f: BinaryIO, name: str) -> None:
+    """``check_metadata_file`` of an open binary stream (a local file or an object-store object)
+    called ``name`` in messages."""
+    try:
+        top = _CheckingUnpickler(f).load()
+    except UnsafeCheckpoint as exc:
+        raise UnsafeCheckpoint(f"{name} {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any failure to unpickle means a damaged file
+        raise InvalidCheckpoint(f"{name} is unreadable ({type(exc).__name__}: {exc})") from None
     if type(top).__name__ != "torch.distributed.checkpoint.metadata.Metadata":
-        raise InvalidCheckpoint(f"{path} holds a {type(top).__name__}, not DCP Metadata")
+        raise InvalidCheckpoint(f"{name} holds a {type(top).__name__}, not DCP Metadata")

@@ -27,9 +27,11 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, StagingFileError, is_leased, shm_dir, sweep_orphans
+from raytrain_ckpt.checkpoint.dcp_storage import UploadingWriter
 from raytrain_ckpt.checkpoint.filewrite import write_rank_files
 from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, probe_name
 from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, map_slots
+from raytrain_ckpt.checkpoint.storage import is_transient, is_uri, retry_transient
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import WriterMetrics
@@ -97,10 +99,14 @@ class PersistRequest:
 class CheckpointWriter:
     """Per-node writer actor (threaded actor; writes run on its own thread pool)."""
 
-    def __init__(self, job: str, root: str, coordinator: Any, io_threads: int = 1, nice: int = 10) -> None:
+    def __init__(self, job: str, root: str, coordinator: Any, io_threads: int = 1, nice: int = 10,
+                 storage_options: dict[str, Any] | None = None) -> None:
         setup_logging()
         self.prefix = buffer_prefix(job, root)
         self.root = root
+        self.remote = is_uri(root)
+        """An object store: shards are uploaded from the staging buffer (``_upload``)."""
+        self.storage_options = dict(storage_options or {})
         self.coordinator = coordinator
         # Persisting is background work: let the training processes win the cores.
         os.nice(nice)
@@ -232,6 +238,8 @@ class CheckpointWriter:
                 self._unlink(path)
 
     def _persist(self, req: PersistRequest) -> str:
+        if self.remote:
+            return self._upload(req)
         t0 = time.monotonic()
         tmp = Path(self._tmp.pop((req.rank, req.step)))
         staged = {**self._slot_views(req), **pickle.loads(req.objects)}
@@ -261,3 +269,38 @@ class CheckpointWriter:
         last write: for benchmarks and diagnosis."""
         r = resource.getrusage(resource.RUSAGE_SELF)
         return {"user_s": r.ru_utime, "system_s": r.ru_stime, "last": dict(self._last_phases)}
+
+    # --- object stores ---------------------------------------------------------------------
+
+    def _upload(self, req: PersistRequest) -> str:
+        """Stream the rank's shards from the staging buffer to the object store, checksummed on
+        the way out; the whole rank is uploaded again on a transient error (the buffer is intact)."""
+        t0 = time.monotonic()
+        dest = self._tmp.pop((req.rank, req.step))
+        staged = {**self._slot_views(req), **pickle.loads(req.objects)}
+        maybe_inject("persist", req.rank, req.step, req.attempt)
+        files, results = retry_transient(lambda: self._upload_once(req, dest, staged),
+                                         f"upload of rank {req.rank} step {req.step}",
+                                         on_retry=lambda exc: self.metrics.retried(req.rank), transient=_retryable)
+        t_write = time.monotonic() - t0
+        maybe_inject("uploaded", req.rank, req.step, req.attempt)
+        info = {**req.info, "persist_s": time.monotonic() - t0, "write_s": t_write}
+        self.metrics.wrote(req.rank, sum(f["size"] for f in files.values()), info["persist_s"])
+        return ray.get(self.coordinator.report.remote(req.step, req.rank, req.attempt, req.plan_id,
+                                                      results, files, info))
+
+    def _upload_once(self, req: PersistRequest, dest: str, staged: dict[str, Any]) -> tuple[dict, list]:
+        writer = UploadingWriter(dest, self.storage_options, self.io_threads)
+        writer.set_up_storage_writer(False, rank=req.rank)
+        results = writer.write_data(req.plan, StagedPlanner(staged)).wait()
+        check_written(req.plan, results, {name: f["size"] for name, f in writer.files.items()})
+        prefix = req.plan.storage_data.prefix
+        return {n: f for n, f in writer.files.items() if n.startswith(prefix)}, results
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Upload errors worth another try: transient ones, and a write that an I/O thread dropped
+    (DCP loses those threads' exceptions, so check_written's OSError may hide a transient one)."""
+    if isinstance(exc, (FileNotFoundError, PermissionError)):
+        return False
+    return is_transient(exc) or isinstance(exc, OSError)

@@ -25,18 +25,30 @@ def environment_problems(spec: JobSpec) -> list[tuple[str, str]]:
     """Every ``(field path, message)`` about directories the job writes and memory it needs."""
     out: list[tuple[str, str]] = []
     ckpt = spec.checkpoint
-    if ckpt.enabled:
+    if ckpt.enabled and isinstance(ckpt.dir, Path):
         problem = writable_dir_problem(ckpt.dir.expanduser())
         if problem:
             out.append((f"checkpoint.dir={ckpt.dir}", f"{problem}; point it at a writable directory "
                                           "(on a cluster: storage every node mounts)"))
-    if ckpt.final_export is not None and ckpt.final_export.dir is not None:
+    elif ckpt.enabled:  # an object store: its filesystem must be installed (access is checked by the first save)
+        out += _object_store_problems(str(ckpt.dir), ckpt.storage_options)
+    if ckpt.final_export is not None and isinstance(ckpt.final_export.dir, Path):
         problem = _export_dir_problem(ckpt.final_export.dir.expanduser())
         if problem:
             out.append((f"checkpoint.final_export.dir={ckpt.final_export.dir}",
                         f"{problem}; point it at a new or empty directory, or null for <checkpoint.dir>/<name>"))
     out += _memory_problems(spec)
     return out
+
+
+def _object_store_problems(uri: str, options: dict) -> list[tuple[str, str]]:
+    from raytrain_ckpt.checkpoint.storage import StorageUnavailable, open_storage
+
+    try:
+        open_storage(uri, options)
+    except StorageUnavailable as exc:
+        return [(f"checkpoint.dir={uri}", str(exc).removeprefix(f"{uri}: "))]
+    return []
 
 
 def writable_dir_problem(path: Path) -> str | None:

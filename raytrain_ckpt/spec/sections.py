@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from raytrain_ckpt.checkpoint.storage import is_uri
 from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES
 from raytrain_ckpt.models import PRESETS, describe_model, resolve_factory
 
@@ -329,13 +330,23 @@ class ResourcesSpec(_Section):
         return self
 
 
+def _path_or_uri(value: Path | str) -> Path | str:
+    """A URI stays a string (Path would fold "s3://" to "s3:/"); anything else is a local path."""
+    return str(value) if is_uri(str(value)) else Path(str(value).removeprefix("file://"))
+
+
 class FinalExportSpec(_Section):
     format: Literal["hf", "torch"] = "hf"
     """hf: Hugging Face safetensors shards + index + config.json (built-in Llama only); torch: one torch.save file of the weights."""
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     """What the exported weights are cast to."""
-    dir: Path | None = Field(None, strict=False)
-    """Output directory (must not exist or be empty); null: <checkpoint.dir>/<name>/export-step-<N>."""
+    dir: Path | str | None = None
+    """Output directory or object-store URI (must not exist or be empty); null: <checkpoint.dir>/<name>/export-step-<N>."""
+
+    @field_validator("dir", mode="after")
+    @classmethod
+    def _dir_kind(cls, value: Path | str | None) -> Path | str | None:
+        return value if value is None else _path_or_uri(value)
 
 
 class KeepBestSpec(_Section):
@@ -350,8 +361,10 @@ class KeepBestSpec(_Section):
 class CheckpointSpec(_Section):
     enabled: bool = False
     """Save checkpoints (and resume from them). false: no checkpoint is written or loaded."""
-    dir: Path = Field(Path("checkpoints"), strict=False)
-    """Root directory; this job's steps go to <dir>/<name>/step-<N>/. A relative path is resolved against the working directory."""
+    dir: Path | str = Path("checkpoints")
+    """Root directory or object-store URI (s3://bucket/prefix, gs://bucket/prefix; needs the [s3] / [gcs] extra); this job's steps go to <dir>/<name>/step-<N>/. A relative path is resolved against the working directory."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """For a URI dir: options passed to its fsspec filesystem (e.g. {endpoint_url: http://minio:9000} or {anon: false}); credentials come from the usual environment and profiles (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws)."""
     mode: Literal["async", "sync"] = "async"
     """async: stage into shared memory, write in the background, training goes on; sync: training waits for the commit."""
     interval_steps: int | Literal["auto"] | None = 50  # >= 1: _interval_hint
@@ -393,6 +406,11 @@ class CheckpointSpec(_Section):
             raise ValueError(f"{value!r} is neither a whole number of steps nor auto; use e.g. 50, auto or null")
         return value
 
+    @field_validator("dir", mode="after")
+    @classmethod
+    def _dir_kind(cls, value: Path | str) -> Path | str:
+        return _path_or_uri(value)
+
     @field_validator("resume", mode="before")
     @classmethod
     def _resume_int(cls, value: Any) -> Any:
@@ -401,8 +419,8 @@ class CheckpointSpec(_Section):
     @field_validator("resume")
     @classmethod
     def _resume_value(cls, value: str, info: ValidationInfo) -> str:
-        if value in ("latest", "none") or is_ascii_digits(value):
-            return value
+        if value in ("latest", "none") or is_ascii_digits(value) or is_uri(value):
+            return value.rstrip("/")
         path = Path(value).expanduser()
         base = (info.context or {}).get("base_dir")
         if not path.is_absolute() and base is not None and not path.exists():

@@ -131,6 +131,10 @@ BAD = [
      "checkpoint.dir=@TMP/afile/ckpt: @TMP/afile is a file, so nothing can be created under it"),
     ("checkpoint_dir_not_writable", {"checkpoint": {"enabled": True, "dir": "/proc/self/ckpt"}},
      "checkpoint.dir=/proc/self/ckpt: /proc/self is not writable"),
+    ("checkpoint_dir_unknown_scheme", {"checkpoint": {"enabled": True, "dir": "nosuch://bucket/ckpt"}},
+     "checkpoint.dir=nosuch://bucket/ckpt: unknown storage scheme nosuch://"),
+    ("storage_options_not_a_map", {"checkpoint": {"enabled": True, "dir": "s3://b/c", "storage_options": [1]}},
+     "checkpoint.storage_options: Input should be a valid dictionary"),
     ("final_export_dir_is_file", {"checkpoint": {"enabled": True, "dir": "@TMP/ck", "final_export": {
         "format": "torch", "dir": "@TMP/afile"}}}, "checkpoint.final_export.dir=@TMP/afile: exists and is not a"),
     ("data_dev_zero", {"data": {"source": "text", "path": "/dev/zero"}},

@@ -1,0 +1,59 @@
+"""DCP's storage writers for a checkpoint location: a local directory or an object store.
+
+DCP already writes through fsspec (``FsspecWriter``); this module only picks the writer for a
+location and, for the node writer's uploads, records each file's size and CRC-32C as its
+bytes stream out, so an uploaded shard is never downloaded again to be checksummed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
+
+from raytrain_ckpt.checkpoint.storage import Location, checksummed_upload, is_uri
+
+__all__ = ["UploadingWriter", "dcp_writer"]
+
+
+def dcp_writer(path: Location, options: dict[str, Any] | None = None, threads: int = 1) -> FileSystemWriter:
+    """A DCP writer into ``path``: fsynced files locally; one PUT / multipart upload per file on
+    an object store (durable when it completes, so no fsync, which DCP would turn into os.sync())."""
+    if not is_uri(path):
+        return FileSystemWriter(path, thread_count=threads, sync_files=True)
+    return FsspecWriter(str(path), thread_count=threads, sync_files=False, **(options or {}))
+
+
+class _RecordingFileSystem(FileSystem):
+    """DCP's fsspec filesystem whose written files record their size and CRC-32C."""
+
+    def __init__(self, fs: Any, files: dict[str, dict[str, int]]) -> None:
+        super().__init__()
+        self.fs = fs
+        self.files = files
+
+    def _record(self, name: str, size: int, crc: int) -> None:
+        self.files[name] = {"size": size, "crc32c": crc}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with checksummed_upload(self.fs, os.fspath(path), self._record) as stream:
+            yield stream
+
+
+class UploadingWriter(FsspecWriter):
+    """DCP's ``FsspecWriter`` streaming each file to the store (s3fs: a multipart upload, one
+    part buffered at a time); ``files`` maps each written file name to its size and CRC-32C."""
+
+    def __init__(self, path: str, options: dict[str, Any] | None = None, threads: int = 1) -> None:
+        super().__init__(path, thread_count=threads, sync_files=False, **(options or {}))
+        self.files: dict[str, dict[str, int]] = {}
+        self.fs = _RecordingFileSystem(self.fs.fs, self.files)

@@ -1,0 +1,384 @@
+"""Where checkpoint bytes live: a local (POSIX) directory or an object store, behind one protocol.
+
+``open_storage(root, options)`` picks the implementation from the root's spelling:
+
+- a path or ``file://...``: ``PosixStorage``: rename is atomic, files and directories are
+  fsynced. The commit protocol built on it is "write a temporary directory, rename it".
+- ``s3://``, ``gs://``, ``memory://`` and any other fsspec protocol: ``ObjectStorage``. An
+  object store has no rename and no directories (a "directory" is a key prefix), but a PUT is
+  atomic and durable once it returns. The commit protocol built on it is "write the objects in
+  place, the manifest last". Filesystem packages are optional extras: a missing one is a
+  ``StorageUnavailable`` naming the extra (``pip install raytrain-ckpt[s3]``).
+
+This module only moves bytes. What a valid step is, and the order of writes that commits one,
+belong to ``layout.py``, which uses this protocol for every access.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import os
+import posixpath
+import random
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any, Protocol, TypeVar
+
+from raytrain_ckpt.checkpoint.manifest import _ALGORITHMS, Checksum, checksum_file
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EXTRAS", "Location", "ObjectStorage", "PosixStorage", "Storage", "StorageUnavailable", "checksummed_upload",
+           "is_transient", "is_uri", "job_root", "local_path", "open_storage", "retry_transient"]
+
+Location = Path | str
+"""A path under a storage: a ``Path`` on POSIX storage, a URI string on an object store."""
+
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+"""URI scheme -> the pip extra that installs its filesystem (``raytrain-ckpt[s3]``)."""
+
+_READ_CHUNK = 8 << 20
+_T = TypeVar("_T")
+
+
+class StorageUnavailable(ValueError):
+    """A checkpoint URI whose filesystem cannot be used here (package missing, unknown scheme)."""
+
+
+def is_uri(root: str | os.PathLike) -> bool:
+    """True for ``<scheme>://...`` other than ``file://`` (a local path in URI spelling)."""
+    text = os.fspath(root)
+    return "://" in text and not text.startswith("file://")
+
+
+def local_path(root: str | os.PathLike) -> Path:
+    """A local root as a Path (``file://`` stripped, ``~`` expanded)."""
+    text = os.fspath(root)
+    return Path(text.removeprefix("file://")).expanduser()
+
+
+def job_root(base: str | os.PathLike, job: str) -> Location:
+    """``<checkpoint.dir>/<job>``: an absolute Path for a local base, a URI string otherwise."""
+    if is_uri(base):
+        return f"{os.fspath(base).rstrip('/')}/{job}"
+    return local_path(base).resolve() / job
+
+
+class Storage(Protocol):
+    """Byte access under a checkpoint root; ``layout.py`` builds the commit protocols on it."""
+
+    atomic_rename: bool
+    """True: a directory rename is atomic (POSIX; layout.py renames and fsyncs itself). False: no
+    rename; layout.py commits by writing the manifest last."""
+
+    def join(self, base: Location, *names: str) -> Location: ...
+    def name(self, path: Location) -> str: ...
+    def listdir(self, path: Location) -> list[str]: ...
+    def is_dir(self, path: Location) -> bool: ...
+    def is_file(self, path: Location) -> bool: ...
+    def size(self, path: Location) -> int | None: ...
+    def read_bytes(self, path: Location) -> bytes: ...
+    def write_bytes(self, path: Location, data: bytes) -> None: ...
+    def open_read(self, path: Location) -> IO[bytes]: ...
+    def makedirs(self, path: Location) -> None: ...
+    def remove_tree(self, path: Location) -> None: ...
+    def remove_file(self, path: Location) -> None: ...
+    def copy_file(self, src: Location, dst: Location) -> None: ...
+    def put_file(self, local: Path, dst: Location) -> None: ...
+    def checksum(self, path: Location, algorithm: Checksum,
+                 progress: Callable[[int], None] | None = None) -> int: ...
+
+
+def open_storage(root: str | os.PathLike, options: dict[str, Any] | None = None) -> Storage:
+    """The storage a checkpoint root lives on; raises StorageUnavailable for an unusable URI."""
+    if not is_uri(root):
+        return PosixStorage()
+    return ObjectStorage(os.fspath(root), options or {})
+
+
+# --- POSIX ----------------------------------------------------------------------------
+
+
+class PosixStorage:
+    """A local or shared-mount directory: atomic rename, fsync for durability."""
+
+    atomic_rename = True
+
+    def join(self, base: Location, *names: str) -> Path:
+        return Path(base).joinpath(*names)
+
+    def name(self, path: Location) -> str:
+        return Path(path).name
+
+    def listdir(self, path: Location) -> list[str]:
+        p = Path(path)
+        return sorted(c.name for c in p.iterdir()) if p.is_dir() else []
+
+    def is_dir(self, path: Location) -> bool:
+        return Path(path).is_dir()
+
+    def is_file(self, path: Location) -> bool:
+        """A regular file, not a symlink: a step holds only files its save wrote."""
+        p = Path(path)
+        return p.is_file() and not p.is_symlink()
+
+    def size(self, path: Location) -> int | None:
+        return Path(path).stat().st_size if self.is_file(path) else None
+
+    def read_bytes(self, path: Location) -> bytes:
+        return Path(path).read_bytes()
+
+    def write_bytes(self, path: Location, data: bytes) -> None:
+        """Write and fsync the file (the caller fsyncs its directory when the name must be durable)."""
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def open_read(self, path: Location) -> IO[bytes]:
+        return open(path, "rb")
+
+    def makedirs(self, path: Location) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    def remove_tree(self, path: Location) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    def remove_file(self, path: Location) -> None:
+        Path(path).unlink(missing_ok=True)
+
+    def copy_file(self, src: Location, dst: Location) -> None:
+        shutil.copyfile(src, dst)
+
+    def put_file(self, local: Path, dst: Location) -> None:
+        self.makedirs(Path(dst).parent)
+        shutil.copyfile(local, dst)
+
+    def checksum(self, path: Location, algorithm: Checksum, progress: Callable[[int], None] | None = None) -> int:
+        return checksum_file(Path(path), algorithm, progress)
+
+
+# --- object stores ----------------------------------------------------------------------
+
+
+def _filesystem(uri: str, options: dict[str, Any]) -> Any:
+    """The fsspec filesystem of ``uri``; raises StorageUnavailable naming the extra to install."""
+    scheme = uri.split("://", 1)[0]
+    try:
+        import fsspec
+
+        return fsspec.filesystem(scheme, **options)
+    except ImportError as exc:
+        extra = EXTRAS.get(scheme)
+        hint = f"pip install 'raytrain-ckpt[{extra}]'" if extra else "install the fsspec filesystem for it"
+        raise StorageUnavailable(f"{uri}: the {scheme}:// filesystem is not installed ({exc}); {hint}") from None
+    except ValueError as exc:
+        raise StorageUnavailable(f"{uri}: unknown storage scheme {scheme}:// ({exc}); use a local path, "
+                                 "s3://, gs:// or another fsspec protocol") from None
+    except TypeError as exc:
+        raise StorageUnavailable(f"checkpoint.storage_options: not accepted by the {scheme}:// filesystem ({exc})") \
+            from None
+
+
+class ObjectStorage:
+    """An object store through fsspec (s3fs, gcsfs, memory). Locations are full URIs.
+
+    Listings are never cached: other processes (every node's writer) add objects under the
+    same prefixes, and a stale listing would hide a committed step or a leftover.
+    """
+
+    atomic_rename = False
+
+    def __init__(self, root: str, options: dict[str, Any]) -> None:
+        self.scheme = root.split("://", 1)[0]
+        self.options = dict(options)
+        self.fs = _filesystem(root, {**self.options, "use_listings_cache": False, "skip_instance_cache": True})
+
+    def join(self, base: Location, *names: str) -> str:
+        return posixpath.join(str(base).rstrip("/"), *names)
+
+    def name(self, path: Location) -> str:
+        return posixpath.basename(str(path).rstrip("/"))
+
+    def _uri(self, key: str) -> str:
+        return key if "://" in key else f"{self.scheme}://{key.lstrip('/')}"
+
+    def listdir(self, path: Location) -> list[str]:
+        try:
+            found = self.fs.ls(str(path), detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        base = self.fs._strip_protocol(str(path)).rstrip("/")
+        return sorted({posixpath.basename(p.rstrip("/")) for p in found
+                       if self.fs._strip_protocol(p).rstrip("/") != base})
+
+    def is_dir(self, path: Location) -> bool:
+        return bool(self.listdir(path))
+
+    def is_file(self, path: Location) -> bool:
+        return self.size(path) is not None
+
+    def size(self, path: Location) -> int | None:
+        try:
+            info = self.fs.info(str(path), refresh=True) if self.scheme in ("s3", "s3a") else self.fs.info(str(path))
+        except (FileNotFoundError, OSError):
+            return None
+        return int(info["size"]) if info.get("type") == "file" else None
+
+    def read_bytes(self, path: Location) -> bytes:
+        return self.fs.cat_file(str(path))
+
+    def write_bytes(self, path: Location, data: bytes) -> None:
+        """One PUT: the object appears whole or not at all, durable once this returns."""
+        retry_transient(lambda: self.fs.pipe_file(str(path), data), f"write {path}")
+
+    def open_read(self, path: Location) -> IO[bytes]:
+        return self.fs.open(str(path), "rb")
+
+    def makedirs(self, path: Location) -> None:
+        """Nothing to create on an object store (prefixes exist through their objects)."""
+
+    def remove_tree(self, path: Location) -> None:
+        """Delete every object under ``path/`` (and nothing under a sibling such as ``path.x/``:
+        some filesystems match a recursive delete by bare prefix)."""
+        prefix = self.fs._strip_protocol(str(path)).rstrip("/") + "/"
+        try:
+            found = [p for p in self.fs.find(prefix) if self.fs._strip_protocol(p).startswith(prefix)]
+        except FileNotFoundError:
+            return  # already gone: removing is idempotent
+        if found:
+            retry_transient(lambda: self.fs.rm([self._uri(p) for p in found]), f"delete {path}")
+
+    def remove_file(self, path: Location) -> None:
+        try:
+            self.fs.rm_file(str(path))
+        except FileNotFoundError:
+            pass  # already gone: removing is idempotent
+
+    def copy_file(self, src: Location, dst: Location) -> None:
+        """Server-side copy where the store has one."""
+        retry_transient(lambda: self.fs.copy(str(src), str(dst)), f"copy {src}")
+
+    def put_file(self, local: Path, dst: Location) -> None:
+        """Upload a local file (multipart for a large one)."""
+        retry_transient(lambda: self.fs.put_file(str(local), str(dst)), f"upload {dst}")
+
+    def checksum(self, path: Location, algorithm: Checksum, progress: Callable[[int], None] | None = None) -> int:
+        """Stream the object through the checksum (no local copy)."""
+        update, value = _ALGORITHMS[algorithm], 0
+        with self.fs.open(str(path), "rb", block_size=_READ_CHUNK) as f:
+            while chunk := f.read(_READ_CHUNK):
+                value = update(chunk, value)
+                if progress is not None:
+                    progress(len(chunk))
+        return value
+
+
+# --- transient errors -----------------------------------------------------------------
+
+RETRIES = 5
+"""Attempts of one object-store operation on a transient error, beyond the client's own retries."""
+BACKOFF_S = 0.2
+"""First backoff; doubles each retry, with jitter."""
+_TRANSIENT_WORDS = ("SlowDown", "reduce your request rate", "Throttl", "ServiceUnavailable", "InternalError", "RequestTimeout", "503", "500",
+                    "502", "504", "reset", "Connection", "timed out", "Timeout")
+
+
+_TRANSIENT_ERRNOS = (errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE)
+"""s3fs translates SlowDown to EBUSY; the others are dropped or stalled connections."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Errors worth retrying: server errors, throttling, dropped connections, timeouts (the
+    exception or what caused it: fsspec wraps the client's errors)."""
+    if isinstance(exc, (FileNotFoundError, PermissionError, StorageUnavailable)):
+        return False
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return True
+        if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+            return True
+        text = f"{type(exc).__name__} {exc}"
+        if any(word in text for word in _TRANSIENT_WORDS):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def retry_transient(fn: Callable[[], _T], what: str, on_retry: Callable[[BaseException], None] | None = None,
+                    retries: int = RETRIES, backoff_s: float = BACKOFF_S,
+                    transient: Callable[[BaseException], bool] = is_transient) -> _T:
+    """``fn()``, retried with exponential backoff while it fails with a ``transient`` error."""
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except Exception as exc:
+            if attempt == retries or not transient(exc):
+                raise
+            delay = backoff_s * (2 ** attempt) * (0.5 + random.random())
+            logger.warning("%s: transient error (%s), retry %d/%d in %.2fs", what, exc, attempt + 1, retries, delay)
+            if on_retry is not None:
+                on_retry(exc)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+# --- streaming with checksums -----------------------------------------------------------
+
+
+class ChecksumStream(io.RawIOBase):
+    """A write-only stream that forwards to ``inner`` and keeps the size and CRC-32C of what passed."""
+
+    def __init__(self, inner: IO[bytes]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.nbytes = 0
+        self.crc = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = _ALGORITHMS["crc32c"](view, self.crc)
+        self.nbytes += view.nbytes
+        self.inner.write(view)
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self.nbytes
+
+
+@contextmanager
+def checksummed_upload(fs: Any, path: str, record: Callable[[str, int, int], None]) -> Iterator[ChecksumStream]:
+    """Open ``path`` for writing on ``fs``; on a clean close, ``record(name, size, crc32c)``.
+
+    fsspec buffers one block (s3fs: a multipart part) at a time, so memory stays bounded; on
+    an error the partial object is removed (an incomplete multipart upload is aborted).
+    """
+    inner = fs.open(path, "wb")
+    stream = ChecksumStream(inner)
+    try:
+        yield stream
+        inner.close()  # uploads the last part and completes the multipart upload
+    except BaseException:
+        _discard(fs, inner, path)
+        raise
+    record(posixpath.basename(path), stream.nbytes, stream.crc)
+
+
+def _discard(fs: Any, inner: Any, path: str) -> None:
+    # Best effort: the step never commits without this file, and leftovers are removed on start.
+    try:
+        if hasattr(inner, "discard"):
+            inner.discard()
+        inner.closed = True  # a close() now would complete the upload of a partial file
+        fs.rm_file(path)
+    except Exception as exc:  # noqa: BLE001 - see above
+        logger.debug("could not remove partial upload %s: %s", path, exc)

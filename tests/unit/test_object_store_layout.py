@@ -1,0 +1,173 @@
+"""The object-store commit protocol (no rename: the manifest is written last) on fsspec's
+in-memory filesystem and on a real S3 endpoint (moto's server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import uuid
+
+import pytest
+from torch.distributed.checkpoint.metadata import Metadata
+
+from raytrain_ckpt.checkpoint.layout import MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, Manifest
+from raytrain_ckpt.checkpoint.storage import ObjectStorage, StorageUnavailable, open_storage, retry_transient
+
+METADATA = pickle.dumps(Metadata(state_dict_metadata={}))
+SHARD = "__0_0.distcp"
+
+
+@pytest.fixture(params=["memory", "s3"])
+def layout(request) -> CheckpointLayout:
+    """A job root on fsspec's memory filesystem, or in a fresh bucket of the S3 endpoint."""
+    if request.param == "memory":
+        return CheckpointLayout(f"memory://ckpt-{uuid.uuid4().hex[:8]}/runs/job")
+    endpoint = request.getfixturevalue("s3_endpoint")
+    return CheckpointLayout(f"{endpoint.new_bucket()}/runs/job", options=endpoint.options)
+
+
+def _write_shards(layout: CheckpointLayout, step: int, payload: bytes = b"x" * 1000) -> tuple[str, Manifest]:
+    where = layout.new_tmp_dir(step)
+    files = {}
+    for name, data in ((SHARD, payload), (".metadata", METADATA)):
+        path = layout.storage.join(where, name)
+        layout.storage.write_bytes(path, data)
+        files[name] = layout.describe(path)
+    return where, Manifest(step=step, world_size=1, dp_size=1, spec_hash="h", files=files)
+
+
+def _commit(layout: CheckpointLayout, step: int, payload: bytes = b"x" * 1000) -> str:
+    where, manifest = _write_shards(layout, step, payload)
+    return layout.commit(where, manifest)
+
+
+def _names(layout: CheckpointLayout) -> list[str]:
+    return [e.name for e, _ in layout.entries()]
+
+
+def test_shards_are_written_in_place_and_the_manifest_commits(layout) -> None:
+    assert not layout.atomic
+    where, manifest = _write_shards(layout, 10)
+    assert where == layout.step_dir(10)                     # no temporary name, no rename
+    assert layout.valid_steps() == {}                       # shards without a manifest: never loaded
+    with pytest.raises(InvalidCheckpoint, match="never committed"):
+        layout.verify(where)
+    final = layout.commit(where, manifest)
+    assert final == where and layout.storage.is_file(layout.storage.join(final, MANIFEST))
+    assert layout.verify(final, "checksum").step == 10
+    assert list(layout.valid_steps("checksum")) == [10]
+
+
+def test_a_corrupt_object_fails_its_checksum(layout) -> None:
+    final = _commit(layout, 3)
+    shard = layout.storage.join(final, SHARD)
+    data = bytearray(layout.storage.read_bytes(shard))
+    data[500] ^= 0xFF
+    layout.storage.write_bytes(shard, bytes(data))
+    assert layout.verify(final, "size").step == 3           # same size: only the checksum sees it
+    with pytest.raises(InvalidCheckpoint, match="CRC-32C"):
+        layout.verify(final, "checksum")
+
+
+def test_leftovers_without_a_manifest_are_removed_on_start(layout) -> None:
+    _commit(layout, 1)
+    _write_shards(layout, 2)                                # a writer died before the commit
+    assert sorted(layout.step_dirs()) == [1, 2] and list(layout.valid_steps()) == [1]
+    assert layout.remove_leftover_tmp() == [layout.step_dir(2)]
+    assert _names(layout) == ["step-00000001"]
+    assert list(layout.valid_steps("checksum")) == [1]      # the committed step is untouched
+
+
+def test_a_commit_never_overwrites_a_committed_step(layout) -> None:
+    _commit(layout, 4)
+    with pytest.raises(FileExistsError):
+        layout.new_tmp_dir(4)                               # a valid step-N is never written into
+    assert layout.verify(layout.step_dir(4), "checksum").step == 4
+
+
+def test_a_resave_moves_a_torn_step_aside_by_copy(layout) -> None:
+    final = _commit(layout, 5)
+    layout.storage.remove_file(layout.storage.join(final, SHARD))   # torn: listed file missing
+    _commit(layout, 5, payload=b"y" * 1000)
+    names = _names(layout)
+    assert "step-00000005" in names and any(n.startswith("step-00000005.invalid-") for n in names)
+    assert layout.verify(layout.step_dir(5), "checksum").step == 5
+    aside = next(p for e, p in layout.entries() if e.kind is EntryKind.INVALID)
+    assert layout.read_manifest(aside).step == 5            # kept with its manifest, never loaded
+    assert list(layout.valid_steps()) == [5]
+
+
+def test_retention_deletes_the_manifest_first(layout, monkeypatch) -> None:
+    _commit(layout, 1)
+    _commit(layout, 2)
+    storage = layout.storage
+
+    def crash(path) -> None:
+        raise OSError("killed mid-delete")
+
+    monkeypatch.setattr(storage, "remove_tree", crash)
+    with pytest.raises(OSError):
+        layout.delete(1)
+    monkeypatch.undo()
+    # the crash left shards without a manifest: not a step that looks committed, and cleaned on start
+    assert storage.is_dir(layout.step_dir(1)) and list(layout.valid_steps()) == [2]
+    assert layout.remove_leftover_tmp() == [layout.step_dir(1)]
+    layout.delete(2)
+    assert _names(layout) == []
+
+
+def test_abandon_keeps_the_step_under_its_new_name(layout) -> None:
+    _commit(layout, 1)
+    _commit(layout, 2)
+    aside = layout.abandon(2, "ab12")
+    assert _names(layout) == ["step-00000001", "step-00000002.abandoned-ab12"]
+    assert list(layout.valid_steps()) == [1]                # never loaded
+    m = layout.read_manifest(aside)
+    assert m.step == 2 and all(layout.storage.size(layout.storage.join(aside, n)) == f.size
+                               for n, f in m.files.items())
+
+
+def test_a_move_interrupted_after_the_copy_loses_nothing(layout, monkeypatch) -> None:
+    _commit(layout, 7)
+    storage = layout.storage
+    monkeypatch.setattr(storage, "remove_file", lambda path: (_ for _ in ()).throw(OSError("killed")))
+    with pytest.raises(OSError):
+        layout.abandon(7, "cd34")
+    monkeypatch.undo()
+    # the copy is complete and step-7 is still committed: a retry moves it, nothing was lost
+    assert layout.verify(layout.step_dir(7), "checksum").step == 7
+    assert "step-00000007.abandoned-cd34" in _names(layout)
+
+
+def test_a_missing_filesystem_names_the_extra(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "gcsfs", None)        # as if gcsfs were not installed
+    with pytest.raises(StorageUnavailable, match=r"pip install 'raytrain-ckpt\[gcs\]'"):
+        open_storage("gs://bucket/ckpt")
+    with pytest.raises(StorageUnavailable, match="unknown storage scheme"):
+        open_storage("nosuch://bucket/ckpt")
+
+
+def test_transient_s3_errors_are_retried(s3_endpoint, flaky_s3) -> None:
+    bucket = s3_endpoint.new_bucket()
+    storage = ObjectStorage(bucket, {**s3_endpoint.options, "endpoint_url": flaky_s3.url,
+                                     "config_kwargs": {"retries": {"max_attempts": 1}}})
+    storage.fs.retries = 1                                  # s3fs's own retry loop: one try
+    flaky_s3.fail(4)                                        # 503 SlowDown, reset, 503, reset
+    retried: list[BaseException] = []
+    retry_transient(lambda: storage.fs.pipe_file(f"{bucket}/a", b"data"), "put", retried.append, backoff_s=0.01)
+    # every failure was answered by a retry: ours (counted), or the HTTP client's own (a reconnect)
+    assert flaky_s3.failed == 4 and 1 <= len(retried) <= 4
+    assert storage.read_bytes(f"{bucket}/a") == b"data"
+
+
+def test_a_permanent_error_is_not_retried(s3_endpoint) -> None:
+    storage = ObjectStorage("s3://no-such-bucket", s3_endpoint.options)
+    calls = []
+
+    def put() -> None:
+        calls.append(1)
+        storage.fs.pipe_file("s3://no-such-bucket/a", b"x")
+
+    with pytest.raises(FileNotFoundError):
+        retry_transient(put, "put", backoff_s=0.01)
+    assert len(calls) == 1
