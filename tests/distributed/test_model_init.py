@@ -1,6 +1,8 @@
 """Deferred (meta-device) initialisation on real gloo process groups: every rank allocates only
 its shards, and the initial parameters equal a model built whole on one CPU, tensor by tensor,
-at 1, 2 and 4 ranks and with a 2-stage pipeline."""
+at 1, 2 and 4 ranks and with a 2-stage pipeline. The vocabulary is large enough that the
+embedding and the head span several independently seeded blocks and the shard boundaries fall
+inside blocks."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ SEED = 3
 def _spec(workers: int, *extra: str) -> str:
     base = [f"resources.num_workers={workers}", "parallelism.dp_shard=-1", "training.global_batch_size=8",
             "training.micro_batch_size=2", "training.seq_len=32", "model.overrides.dim=64",
-            f"training.seed={SEED}"]
+            f"training.seed={SEED}", "model.overrides.vocab_size=20000"]
     return load_spec("jobs/llama_debug_fsdp.yaml", base + list(extra)).model_dump_json()
 
 
@@ -62,6 +64,7 @@ def test_meta_init_equals_the_eager_cpu_model(world, extra):
             # only the shard is allocated: about 1/dp of the full tensor on each rank
             assert local_numel <= -(-full.shape[0] // dp) * full[0].numel(), name
     assert set(seen) == set(expected)
+    assert expected["output.weight"].numel() > 1 << 20
     for name, tensor in expected.items():
         assert torch.equal(seen[name], tensor.detach()), name
 
