@@ -36,7 +36,9 @@ def reference(ray_cluster, tmp_path_factory) -> tuple[Path, JobResult]:
 
 def test_killed_stage_restarts_the_group_and_finishes_bit_exact(reference, tmp_path, monkeypatch):
     _, ref = reference
-    monkeypatch.setenv(ENV_VAR, "exit@step:rank=1,step=6")  # rank 1 holds the last stage
+    # rank 1 holds the last stage. Spares start once the driver has seen every rank training; the
+    # pause at step 5 lets it see that before the crash on a tiny model whose steps take milliseconds.
+    monkeypatch.setenv(ENV_VAR, "slow@step:rank=1,step=5;exit@step:rank=1,step=6")
     result = _run(tmp_path, "fault_tolerance.max_restarts=1")
     assert result.attempts == 2 and "worker process died" in (result.error or "")
     assert all(r.start_step == 4 for r in result.results)
