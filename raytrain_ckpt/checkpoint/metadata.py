@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint._traverse import set_element
 
 from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, UnsafeCheckpoint
-from raytrain_ckpt.checkpoint.unpickling import allowed_global, refusal
+from raytrain_ckpt.checkpoint.unpickling import allowed_global, refusal, unpickle
 from raytrain_ckpt.events import headline
 
 __all__ = ["SafeFileSystemReader", "SafeFsspecReader", "SafeLoadPlanner", "SafeUnpickler", "empty_safe_planner",
@@ -50,12 +50,7 @@ class SafeUnpickler(pickle.Unpickler):
 
 def load_metadata(stream: IO[bytes], where: str) -> Metadata:
     """Unpickle DCP metadata from ``stream`` with ``SafeUnpickler``; raises InvalidCheckpoint."""
-    try:
-        metadata = SafeUnpickler(stream).load()
-    except UnsafeCheckpoint as exc:
-        raise UnsafeCheckpoint(f"{where} {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - any failure to unpickle means a damaged file
-        raise InvalidCheckpoint(f"{where} is unreadable ({type(exc).__name__}: {exc})") from None
+    metadata = unpickle(SafeUnpickler(stream), where)
     if not isinstance(metadata, Metadata):
         raise InvalidCheckpoint(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
     return metadata

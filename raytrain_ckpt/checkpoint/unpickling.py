@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 
 from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, UnsafeCheckpoint
 
-__all__ = ["ALLOWED_GLOBALS", "TORCH_DTYPES", "allowed_global", "check_metadata_file", "check_metadata_stream", "refusal"]
+__all__ = ["ALLOWED_GLOBALS", "TORCH_DTYPES", "allowed_global", "check_metadata_file", "check_metadata_stream", "refusal", "unpickle"]
 
 ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset({
@@ -90,14 +90,24 @@ def check_metadata_file(path: Path) -> None:
         check_metadata_stream(f, str(path))
 
 
+def unpickle(unpickler: pickle.Unpickler, where: str) -> Any:
+    """``unpickler.load()`` with its failures as checkpoint errors naming ``where``.
+
+    Raises:
+        UnsafeCheckpoint: A global outside the allowlist (the unpickler refused it).
+        InvalidCheckpoint: Any other failure: the file is damaged.
+    """
+    try:
+        return unpickler.load()
+    except UnsafeCheckpoint as exc:
+        raise UnsafeCheckpoint(f"{where} {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any failure to unpickle means a damaged file
+        raise InvalidCheckpoint(f"{where} is unreadable ({type(exc).__name__}: {exc})") from None
+
+
 def check_metadata_stream(f: BinaryIO, name: str) -> None:
     """``check_metadata_file`` of an open binary stream (a local file or an object-store object)
     called ``name`` in messages."""
-    try:
-        top = _CheckingUnpickler(f).load()
-    except UnsafeCheckpoint as exc:
-        raise UnsafeCheckpoint(f"{name} {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - any failure to unpickle means a damaged file
-        raise InvalidCheckpoint(f"{name} is unreadable ({type(exc).__name__}: {exc})") from None
+    top = unpickle(_CheckingUnpickler(f), name)
     if type(top).__name__ != "torch.distributed.checkpoint.metadata.Metadata":
         raise InvalidCheckpoint(f"{name} holds a {type(top).__name__}, not DCP Metadata")

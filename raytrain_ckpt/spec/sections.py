@@ -96,6 +96,16 @@ def _resolve_existing(value: Path | None, info: ValidationInfo, what: str) -> Pa
     return path.resolve()
 
 
+def _builtin_or_import_path(value: str, builtins: tuple[str, ...], kind: str, not_a_path: str) -> str | None:
+    """The problem with ``value`` as a built-in name or an import path ``package.module:name``
+    (``not_a_path`` when it is neither), or None when it is fine."""
+    if value in builtins:
+        return None
+    if ":" not in value:
+        return not_a_path
+    return _check_import_path(value, kind)
+
+
 def _check_import_path(value: str, kind: str) -> str | None:
     """None when ``value`` names an importable callable, else why not."""
     try:
@@ -124,11 +134,9 @@ class DataSpec(_Section):
     @field_validator("source")
     @classmethod
     def _known_source(cls, value: str) -> str:
-        if value in _BUILTIN_SOURCES:
-            return value
-        if ":" not in value:
-            raise ValueError(f"must be {', '.join(_BUILTIN_SOURCES)} or a dataset factory 'package.module:function'")
-        why = _check_import_path(value, "data.source factory")
+        why = _builtin_or_import_path(value, _BUILTIN_SOURCES, "data.source factory",
+                                      f"must be {', '.join(_BUILTIN_SOURCES)} or a dataset factory "
+                                      "'package.module:function'")
         if why:
             raise ValueError(why)
         return value
@@ -238,10 +246,8 @@ class OptimizerSpec(_Section):
             if self.kwargs:
                 raise FieldProblems([("kwargs", "only used with an optimizer factory; remove it")])
             return self
-        if ":" not in self.name:
-            raise FieldProblems([("name", f"'{self.name}' is neither adamw, sgd nor a factory path "
-                                          "'package.module:function'")])
-        why = _check_import_path(self.name, "optimizer factory")
+        why = _builtin_or_import_path(self.name, (), "optimizer factory",
+                                      f"'{self.name}' is neither adamw, sgd nor a factory path 'package.module:function'")
         if why:
             raise FieldProblems([("name", why)])
         return self
@@ -286,11 +292,8 @@ class TrainingSpec(_Section):
     @field_validator("loss")
     @classmethod
     def _loss_importable(cls, value: str) -> str:
-        if value == "cross_entropy":
-            return value
-        if ":" not in value:
-            raise ValueError(f"'{value}' is neither cross_entropy nor a function path 'package.module:fn'")
-        why = _check_import_path(value, "loss function")
+        why = _builtin_or_import_path(value, ("cross_entropy",), "loss function",
+                                      f"'{value}' is neither cross_entropy nor a function path 'package.module:fn'")
         if why:
             raise ValueError(why)
         return value
