@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         dump = spec.model_dump(mode="json")
         print(json.dumps(dump, indent=2) if args.format == "json" else yaml.safe_dump(dump, sort_keys=False), end="")
         _explain_interval(spec, as_comment=args.format == "yaml")
+        _print_memory_estimate(spec)
         return EXIT_OK
     return _run(spec, args.address)
 
@@ -114,6 +115,18 @@ def _explain_interval(spec: JobSpec, as_comment: bool) -> None:
 
     text = explain(spec.fault_tolerance.prior_mtbf_s, spec.training.steps)
     print(f"# {text}" if as_comment else text, file=sys.stdout if as_comment else sys.stderr)
+
+
+def _print_memory_estimate(spec: JobSpec) -> None:
+    """The per-rank memory estimate, on stderr so that stdout stays a loadable spec."""
+    from raytrain_ckpt.spec.memory import memory_estimate
+
+    est = memory_estimate(spec)
+    if est is None:
+        print("memory per rank: no estimate for a user model factory", file=sys.stderr)
+        return
+    for line in est.lines("each GPU" if spec.resources.use_gpu else "host RAM"):
+        print(line, file=sys.stderr)
 
 
 def _factories_importable(spec_path: str) -> None:

@@ -23,8 +23,8 @@ from torch import nn
 
 from raytrain_ckpt.data import TokenSource, build_data, local_micro_batches
 from raytrain_ckpt.models import build_model, resolve_factory
-from raytrain_ckpt.parallel import apply_fsdp, build_mesh, param_dtype_for
-from raytrain_ckpt.parallel.pipeline import Pipeline, clip_grad_norm_
+from raytrain_ckpt.parallel import PartBuilder, build_mesh, param_dtype_for, supports_deferred_init
+from raytrain_ckpt.parallel.pipeline import SPLIT_HOOK, Pipeline, clip_grad_norm_
 from raytrain_ckpt.spec import JobSpec, LRSchedulerSpec, OptimizerSpec
 
 logger = logging.getLogger(__name__)
@@ -124,21 +124,23 @@ class Trainer:
         self.rank = dist.get_rank()
         self._log_prefix = log_prefix
         t = spec.training
-        # build model: the same seed on every rank gives the same full init before sharding
-        # (and before a pipeline stage drops what it does not own), so the initial parameters
-        # do not depend on the layout.
-        torch.manual_seed(t.seed)
+        # build model: on the meta device when it defines init_weights (each rank then
+        # allocates and initialises only its shards), else whole on CPU under the seed. Either
+        # way the initial parameters do not depend on the layout.
         par = spec.parallelism
         self.mesh = build_mesh(device.type, spec.dp_size, par.pp)
-        model = build_model(spec.model.name, dict(spec.model.overrides))
+        model, deferred = _build_model(spec)
+        self.deferred_init = deferred
+        """Whether the model was built on the meta device and only local shards initialised."""
         vocab_size = _vocab_size(model)
         self.loss_fn = build_loss(t.loss)
-        param_dtype = param_dtype_for(t.mixed_precision, spec.resources.use_gpu)
+        build_part = PartBuilder(device, param_dtype_for(t.mixed_precision, spec.resources.use_gpu), t.seed,
+                                 deferred, t.activation_checkpointing, t.compile)
         self.pipeline: Pipeline | None = None
         if par.pp == 1:
-            self.model_parts = [apply_fsdp(model.to(device), self.mesh, param_dtype)]
+            self.model_parts = [build_part(model, self.mesh)]
         else:
-            self.pipeline = Pipeline(spec, model, self.mesh, device, param_dtype, self.loss_fn)
+            self.pipeline = Pipeline(spec, model, self.mesh, device, build_part, self.loss_fn)
             self.model_parts = self.pipeline.parts
         # build optimizer and schedule: one of each per model chunk (a pipeline rank may hold
         # several); they step together, so every chunk's schedule is at the same step.
@@ -292,6 +294,25 @@ def _local_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _build_model(spec: JobSpec) -> tuple[nn.Module, bool]:
+    """The model on the meta device and True, or built whole on CPU under the seed and False."""
+    name, overrides, seed = spec.model.name, dict(spec.model.overrides), spec.training.seed
+    with torch.device("meta"):
+        model = build_model(name, overrides)
+    why = None
+    if not supports_deferred_init(model):
+        why = "it defines no init_weights()"
+    elif spec.parallelism.pp > 1 and callable(getattr(model, SPLIT_HOOK, None)):
+        why = f"its {SPLIT_HOOK}() stages may not carry init_weights()"
+    if why is None:
+        return model, True
+    if dist.get_rank() == 0:
+        logger.info("model %s is built whole on CPU on every rank, not on the meta device: %s "
+                    "(see README, deferred initialisation)", name, why)
+    torch.manual_seed(seed)
+    return build_model(name, overrides), False
 
 
 def _vocab_size(model: nn.Module) -> int:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raytrain_ckpt.models.config import PRESETS, LlamaConfig
+from raytrain_ckpt.models.init import init_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -137,29 +138,33 @@ class Llama(nn.Module):
         self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, seed: int | None = None) -> None:
         """(Re)initialise all parameters and the RoPE tables.
 
-        Deterministic given the torch global RNG state: parameters are visited
-        in a fixed order. Projections that write into the residual stream
-        (``wo``, ``w2``) and the output head use std ``0.02 / sqrt(2 * n_layers)``,
-        as in GPT-2. Also recomputes the RoPE buffers so that a model built on
-        the meta device and materialised with ``to_empty`` is fully usable.
+        Each parameter is drawn from its own generator seeded from ``seed`` and its name
+        (see ``models/init.py``), so the values do not depend on the order of visits, the
+        world size, FSDP2 sharding or pipeline stages: a model built on the meta device,
+        sharded and materialised with ``to_empty`` gets the same values as one built
+        whole. Projections that write into the residual stream (``wo``, ``w2``) and the
+        output head use std ``0.02 / sqrt(2 * n_layers)``, as in GPT-2; norms start at one.
+        Also recomputes the RoPE buffers, which ``to_empty`` leaves uninitialised.
+
+        Args:
+            seed: Base seed; None takes ``torch.initial_seed()`` (the last ``torch.manual_seed``).
         """
-        std = 0.02
-        scaled = std / math.sqrt(2 * self.cfg.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        for block in self.layers.values():
-            attn, ffn = block.attention, block.feed_forward
-            for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
-                nn.init.normal_(lin.weight, mean=0.0, std=std)
-            for lin in (attn.wo, ffn.w2):
-                nn.init.normal_(lin.weight, mean=0.0, std=scaled)
-            block.attention_norm.reset_parameters()
-            block.ffn_norm.reset_parameters()
-        self.norm.reset_parameters()
-        nn.init.normal_(self.output.weight, mean=0.0, std=scaled)
+        base = torch.initial_seed() if seed is None else seed
+        init_parameters(self, base, self.init_parameter)
         self._reset_rope()
+
+    def init_parameter(self, fqn: str, full: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill the full-shape tensor of parameter ``fqn`` (a :data:`ParamInit`)."""
+        leaf = fqn.rsplit(".", 2)
+        if fqn.endswith("norm.weight"):
+            full.fill_(1.0)
+            return
+        residual = fqn == "output.weight" or leaf[-2] in ("wo", "w2")
+        std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if residual else 0.02
+        full.normal_(mean=0.0, std=std, generator=generator)
 
     def _reset_rope(self) -> None:
         """Recompute the RoPE tables in place on the buffers' device."""

@@ -1,7 +1,8 @@
 """Pipeline parallelism: split a model into stages and run a ``torch.distributed.pipelining`` schedule.
 
-Every rank builds the full model under the seed (so the initial parameters do not depend on
-the layout) and then keeps only what its stages own. Stages keep the full model's FQNs
+Every rank builds the full model (on the meta device when it defines ``init_weights``, see
+``parallel/materialise.py``) and keeps only what its stages own; initial parameters do not
+depend on the layout. Stages keep the full model's FQNs
 (``layers.3.attention.wq.weight``), so per-stage checkpoints never collide and DCP reshards
 them to any other layout by name.
 
@@ -30,7 +31,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from raytrain_ckpt.parallel.fsdp import apply_fsdp
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class Pipeline:
     """This rank's pipeline stages (FSDP2 inside each) and the schedule that runs them."""
 
     def __init__(self, spec: JobSpec, model: nn.Module, mesh: DeviceMesh, device: torch.device,
-                 param_dtype: torch.dtype, loss_fn: LossFn) -> None:
+                 build_part: Callable[[nn.Module, DeviceMesh], nn.Module], loss_fn: LossFn) -> None:
         par = spec.parallelism
         self.group = mesh.get_group("pp")
         pp_rank = mesh.get_local_rank("pp")
@@ -196,7 +196,8 @@ class Pipeline:
         self.parts: list[nn.Module] = []
         stages: list[PipelineStage] = []
         for stage in self.stage_ids:
-            part = apply_fsdp(split_model(model, stage, num_stages, bounds).to(device), mesh["dp_shard"], param_dtype)
+            # build_part shards the stage and materialises it (deferred init) or moves it to device.
+            part = build_part(split_model(model, stage, num_stages, bounds), mesh["dp_shard"])
             self.parts.append(part)
             stages.append(PipelineStage(part, stage, num_stages, device, group=self.group))
         self.has_first = any(s.is_first for s in stages)

@@ -14,8 +14,15 @@ from pathlib import Path
 
 from raytrain_ckpt.models import describe_model
 from raytrain_ckpt.spec.job import JobSpec
+from raytrain_ckpt.spec.memory import MemoryEstimate, memory_estimate
 
-__all__ = ["STATE_BYTES_PER_PARAM", "environment_problems", "host_memory_bytes", "train_state_bytes"]
+__all__ = [
+    "STATE_BYTES_PER_PARAM",
+    "environment_problems",
+    "gpu_memory_bytes",
+    "host_memory_bytes",
+    "train_state_bytes",
+]
 
 STATE_BYTES_PER_PARAM = 16
 """fp32 parameter, fp32 gradient, and AdamW's two fp32 moments; activations come on top."""
@@ -112,25 +119,42 @@ def _has_gpu_device_files() -> bool:
 
 
 def _memory_problems(spec: JobSpec) -> list[tuple[str, str]]:
-    per_rank = train_state_bytes(spec)
-    if per_rank is None:
+    est = memory_estimate(spec)
+    if est is None:
         return []
+    out = []
+    host = host_memory_bytes()
     if spec.resources.use_gpu:
-        # The driver often has no GPU, and then the workers' devices are unknown here. Looking for
-        # a GPU driver's device files first keeps `validate` torch-free on such a machine.
-        if not _has_gpu_device_files():
-            return []
-        import torch
+        gpu = gpu_memory_bytes()
+        if gpu is None:
+            return []  # a driver without a GPU does not know the workers' machines
+        if est.device > gpu:
+            out.append(_too_big(spec, est.device, gpu, "GPU memory of this machine's GPU 0", est))
+        if est.staging > host:
+            out.append(_too_big(spec, est.staging, host, "RAM of this machine (checkpoint staging)", est))
+    elif est.device + est.staging > host:
+        out.append(_too_big(spec, est.device + est.staging, host, "RAM of this machine", est))
+    return out
 
-        if not torch.cuda.is_available():
-            return []
-        limit, what = torch.cuda.get_device_properties(0).total_memory, "GPU memory of this machine's GPU 0"
-    else:
-        limit, what = host_memory_bytes(), "RAM of this machine"
-    if per_rank <= limit:
-        return []
+
+def gpu_memory_bytes() -> int | None:
+    """Memory of GPU 0 of this machine, or None when it has none (checked without torch first)."""
+    # The driver often has no GPU, and then the workers' devices are unknown here. Looking for
+    # a GPU driver's device files first keeps `validate` torch-free on such a machine.
+    if not _has_gpu_device_files():
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def _too_big(spec: JobSpec, need: int, limit: int, what: str, est: MemoryEstimate) -> tuple[str, str]:
     gib = 1 << 30
-    return [("model.name", f"'{spec.model.name}' needs about {per_rank / gib:.1f} GiB per rank for parameters, "
-                           f"gradients and AdamW state ({STATE_BYTES_PER_PARAM} bytes x parameters / "
-                           f"{spec.world_size} ranks), more than the {limit / gib:.1f} GiB {what}; use more "
-                           "workers (resources.num_workers), GPUs, or a smaller model")]
+    return ("model.name", f"'{spec.model.name}' needs about {need / gib:.1f} GiB per rank "
+                          f"(parameters {est.parameters / gib:.1f}, gradients {est.gradients / gib:.1f}, "
+                          f"optimizer {est.optimizer / gib:.1f}, activations {est.activations / gib:.1f}, "
+                          f"staging {est.staging / gib:.1f} GiB over {spec.world_size} ranks), more than the "
+                          f"{limit / gib:.1f} GiB {what}; use more workers (resources.num_workers), GPUs, "
+                          "training.activation_checkpointing, a smaller micro_batch_size or a smaller model")

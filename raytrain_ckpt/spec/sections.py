@@ -286,6 +286,10 @@ class TrainingSpec(_Section):
     """FSDP2 parameter dtype for compute: auto = bf16 on GPU, fp32 on CPU. Gradients are reduced in fp32."""
     log_every_steps: int = Field(10, ge=1)
     """Rank 0 logs step, loss, tokens/s and step time every this many steps (and the last step)."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute block activations in backward to save memory: none, full (every block) or selective (every other block: about half the memory saving for half the recompute). Checkpoints load with any value."""
+    compile: bool = False
+    """torch.compile each transformer block (in place, so checkpoints keep their names and load with compile on or off); needs a C++ compiler on CPU."""
     loss: str = "cross_entropy"
     """cross_entropy (next-token, fp32), or a function 'package.module:fn' called as fn(logits [B, T, V], targets [B, T]) that returns a scalar tensor."""
 

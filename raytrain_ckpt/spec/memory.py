@@ -1,0 +1,89 @@
+"""Per-rank memory estimate of a job, from the model's shape alone (no torch: ``validate`` uses it).
+
+Approximate by design, meant to catch a layout that cannot fit, not to predict the peak:
+
+- parameters, gradients: fp32, sharded by FSDP2 over the data-parallel ranks and split by the
+  pipeline over its stages, so 1/world_size of the model each;
+- optimizer: AdamW two fp32 moments, SGD one with momentum, a user optimizer counted as AdamW;
+- staging: an async checkpoint copies the rank's parameters and optimizer state to host memory
+  (pinned on GPU, shared memory on CPU) before writing it;
+- activations: what one micro-batch keeps for backward in the compute dtype (bf16 on GPU unless
+  fp32 is asked), per layer of this rank's stage: ``8 dim + 3 kv + 4 ffn`` values per token for
+  a block that keeps its activations, ``dim`` for a checkpointed one (plus one block's worth
+  while it is recomputed), and the logits with their fp32 loss copy and gradient. A pipeline
+  stage holds up to ``pp`` micro-batches in flight with 1F1B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raytrain_ckpt.models import describe_model
+from raytrain_ckpt.models.config import LlamaConfig
+from raytrain_ckpt.spec.job import JobSpec
+
+__all__ = ["MemoryEstimate", "memory_estimate"]
+
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank needs, by what holds them."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    staging: int
+    """Host memory for an async checkpoint's copy of the rank's state (0 for sync or no checkpointing)."""
+    activations: int
+
+    @property
+    def device(self) -> int:
+        """Bytes on the training device (the GPU, or host RAM on CPU)."""
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+    def lines(self, where: str) -> list[str]:
+        """Human-readable lines, one per part and a total."""
+        parts = [("parameters", self.parameters), ("gradients", self.gradients), ("optimizer", self.optimizer),
+                 ("activations", self.activations)]
+        out = [f"memory per rank (estimate): {self.device / _GIB:.2f} GiB on {where}"]
+        out += [f"  {name:<12} {value / _GIB:8.2f} GiB" for name, value in parts]
+        out.append(f"  {'staging':<12} {self.staging / _GIB:8.2f} GiB of host memory (async checkpoint copy)")
+        return out
+
+
+def memory_estimate(spec: JobSpec) -> MemoryEstimate | None:
+    """The per-rank estimate for ``spec``; None for a user factory, whose shape is unknown."""
+    cfg = describe_model(spec.model.name, spec.model.overrides)
+    if cfg is None:
+        return None
+    shard = cfg.num_params // spec.world_size
+    optimizer = shard * _optimizer_bytes_per_param(spec)
+    ckpt = spec.checkpoint
+    staging = shard * 4 + optimizer if ckpt.enabled and ckpt.mode == "async" else 0
+    return MemoryEstimate(parameters=shard * 4, gradients=shard * 4, optimizer=optimizer, staging=staging,
+                          activations=_activation_bytes(spec, cfg))
+
+
+def _optimizer_bytes_per_param(spec: JobSpec) -> int:
+    o = spec.optimizer
+    if o.name == "sgd":
+        return 4 if o.momentum else 0
+    return 8
+
+
+def _activation_bytes(spec: JobSpec, cfg: LlamaConfig) -> int:
+    t, par = spec.training, spec.parallelism
+    elem = 4 if t.mixed_precision == "fp32" or (t.mixed_precision == "auto" and not spec.resources.use_gpu) else 2
+    tokens = t.micro_batch_size * t.seq_len
+    kv = cfg.n_kv_heads * cfg.head_dim
+    full_block = 8 * cfg.dim + 3 * kv + 4 * cfg.ffn_dim
+    layers = -(-cfg.n_layers // par.pp)
+    checkpointed = {"none": 0, "full": layers, "selective": -(-layers // 2)}[t.activation_checkpointing]
+    per_token = (layers - checkpointed) * full_block + checkpointed * cfg.dim
+    if checkpointed:
+        per_token += full_block  # the block being recomputed in backward
+    blocks = tokens * per_token * elem * par.pp  # up to pp micro-batches in flight on a stage
+    logits = tokens * cfg.vocab_size * (elem + 4 + 4)  # logits, their fp32 copy, its gradient
+    return blocks + logits

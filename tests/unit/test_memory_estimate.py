@@ -1,0 +1,61 @@
+"""The per-rank memory estimate that `validate` prints and that refuses layouts that cannot fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_ckpt.cli import main
+from raytrain_ckpt.models import PRESETS
+from raytrain_ckpt.spec import SpecError, load_spec
+from raytrain_ckpt.spec import environment
+from raytrain_ckpt.spec.memory import memory_estimate
+
+GPU_JOB = "jobs/llama_8b_gpu.yaml"
+
+
+def _estimate(*overrides: str):
+    return memory_estimate(load_spec(GPU_JOB, list(overrides)))
+
+
+def test_state_is_split_over_every_rank():
+    est = _estimate()
+    shard = PRESETS["8b"].num_params // 8
+    assert (est.parameters, est.gradients, est.optimizer) == (4 * shard, 4 * shard, 8 * shard)
+    assert est.staging == est.parameters + est.optimizer  # async: the saved state is copied to host
+    half = _estimate("resources.num_workers=4", "parallelism.dp_shard=4")
+    assert half.parameters == 4 * (PRESETS["8b"].num_params // 4)
+
+
+def test_activation_checkpointing_and_micro_batches_change_activations():
+    none, sel, full = (_estimate(f"training.activation_checkpointing={m}").activations
+                       for m in ("none", "selective", "full"))
+    assert full < sel < none
+    assert _estimate("training.micro_batch_size=2").activations == 2 * full
+
+
+def test_sync_saves_stage_nothing_and_sgd_without_momentum_has_no_state():
+    est = _estimate("checkpoint.mode=sync", "optimizer.name=sgd", "optimizer.momentum=0")
+    assert est.staging == 0 and est.optimizer == 0
+
+
+def test_a_user_factory_has_no_estimate():
+    assert _estimate("model.name=tests.user_models:staged_mlp_lm", "model.overrides={}") is None
+
+
+def test_a_cpu_layout_that_does_not_fit_is_refused_and_checkpointing_can_fix_it(monkeypatch):
+    base = ["resources.use_gpu=false", "resources.gpus_per_worker=null", "checkpoint.dir=/tmp/h7-ckpt",
+            "model.overrides.n_layers=2", "training.micro_batch_size=4", "checkpoint.mode=sync",
+            "training.seq_len=512"]
+    none = _estimate(*base, "training.activation_checkpointing=none")
+    full = _estimate(*base, "training.activation_checkpointing=full")
+    monkeypatch.setattr(environment, "host_memory_bytes", lambda: (none.device + full.device) // 2)
+    with pytest.raises(SpecError, match="needs about .* activations"):
+        load_spec(GPU_JOB, base + ["training.activation_checkpointing=none"])
+    load_spec(GPU_JOB, base + ["training.activation_checkpointing=full"])
+
+
+def test_validate_prints_the_estimate(capsys):
+    assert main(["validate", GPU_JOB]) == 0
+    err = capsys.readouterr().err
+    for part in ("memory per rank (estimate)", "parameters", "gradients", "optimizer", "activations", "staging"):
+        assert part in err
