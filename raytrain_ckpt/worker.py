@@ -42,6 +42,14 @@ _WARM_MODULES = ("raytrain_ckpt.trainer", "raytrain_ckpt.checkpoint.client", "ra
                  "torch.distributed.checkpoint", "torch.distributed.fsdp")
 
 
+def _deterministic_cuda() -> None:
+    """Only deterministic CUDA kernels from here on (``training.deterministic``). cuBLAS reads
+    its workspace setting when this process creates its first handle, i.e. at the first
+    matmul, which comes after this call: the actor has not run one before setup()."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
 class WorkerFailure(RuntimeError):
     """A rank's exception, with its rank and formatted traceback (picklable across actors)."""
 
@@ -145,6 +153,8 @@ class TrainWorker:
         if use_gpu:
             # Ray sets CUDA_VISIBLE_DEVICES per actor, so the assigned GPU is device 0 here.
             torch.cuda.set_device(0)
+            if self.spec.training.deterministic:
+                _deterministic_cuda()
         device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
         t0 = time.monotonic()
         # The same timeout bounds every collective: a rank whose peer hangs fails on its own

@@ -290,6 +290,8 @@ class TrainingSpec(_Section):
     """Recompute block activations in backward to save memory: none, full (every block) or selective (every other block: about half the memory saving for half the recompute). Checkpoints load with any value."""
     compile: bool = False
     """torch.compile each transformer block (in place, so checkpoints keep their names and load with compile on or off); needs a C++ compiler on CPU."""
+    deterministic: bool = False
+    """GPU: run only deterministic CUDA kernels (torch.use_deterministic_algorithms and cuBLAS's fixed workspace), so a restart replays the lost steps bit-identically on the same GPUs and world size; slower. CPU training is deterministic without it."""
     loss: str = "cross_entropy"
     """cross_entropy (next-token, fp32), or a function 'package.module:fn' called as fn(logits [B, T, V], targets [B, T]) that returns a scalar tensor."""
 
