@@ -92,24 +92,28 @@ def choose_sources(step: int, world_size: int, saved_world_size: int, memory_cop
 
     ``manifest_files``: the resume step's files (name -> {"size", "crc32c"}) from its manifest.
     """
-    own = [_own_source(step, world_size, saved_world_size, memory_copies, f, manifest_files) for f in facts]
+    job_wide = _job_wide(step, world_size, saved_world_size, memory_copies)
+    if job_wide is not None:
+        return [RankSource(f.rank, "storage", job_wide) for f in facts]
+    own = [_own_source(step, f, manifest_files) for f in facts]
     refused = next((s for s in own if s.source == "storage"), None)
     if refused is None:
         return own
-    why = refused.why if refused.why.startswith("checkpoint.") or "world size" in refused.why \
-        else f"rank {refused.rank}: {refused.why}"
-    return [RankSource(s.rank, "storage", why) for s in own]
+    return [RankSource(s.rank, "storage", f"rank {refused.rank}: {refused.why}") for s in own]
 
 
-def _own_source(step: int, world_size: int, saved_world_size: int, memory_copies: int, f: CopyFacts,
-                manifest_files: dict[str, dict[str, int]]) -> RankSource:
+def _job_wide(step: int, world_size: int, saved_world_size: int, memory_copies: int) -> str | None:
+    if memory_copies < 2:
+        return "checkpoint.memory_copies=1 keeps no committed copy in memory"
+    if saved_world_size != world_size:
+        return f"step {step} was saved at world size {saved_world_size}, this attempt runs {world_size}"
+    return None
+
+
+def _own_source(step: int, f: CopyFacts, manifest_files: dict[str, dict[str, int]]) -> RankSource:
     def storage(why: str) -> RankSource:
         return RankSource(f.rank, "storage", why)
 
-    if memory_copies < 2:
-        return storage("checkpoint.memory_copies=1 keeps no committed copy in memory")
-    if saved_world_size != world_size:
-        return storage(f"step {step} was saved at world size {saved_world_size}, this attempt runs {world_size}")
     if f.unavailable is not None:
         return storage(f"its node's writer cannot be asked ({f.unavailable})")
     c = f.copy
