@@ -180,6 +180,9 @@ class TrainWorker:
                            ckpt["resume_world_size"] == self.world_size, copy,
                            source.why if source is not None else "", self.attempt)
             self.timings["load_s"] = done.seconds
+            self.timings["load_verify_s"] = done.verify_s
+            self.timings["load_checksum_s"] = done.checksum_s
+            self.timings["load_read_s"] = done.read_s
             self.timings["loaded_from_memory"] = float(done.source == "memory")
             self.start_step = trainer.state.step
             kept = copy.path if done.source == "memory" and copy is not None else None

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
-from raytrain_ckpt.checkpoint.manifest import checksum_file
-from raytrain_ckpt.checkpoint.staging import TensorSlot, layout_key, map_slots, plan_slots
+from raytrain_ckpt.checkpoint.manifest import checksum_view
+from raytrain_ckpt.checkpoint.staging import TensorSlot, layout_key, map_whole, plan_slots, views_of
 from raytrain_ckpt.checkpoint.state import apply_own_state, load_app_state, own_state
 from raytrain_ckpt.faults import planned
 
@@ -139,6 +139,7 @@ def _own_source(step: int, f: CopyFacts, manifest_files: dict[str, dict[str, int
 class _Opened:
     copy: CommittedCopy
     views: dict[str, torch.Tensor]
+    checksum_s: float = 0.0
 
 
 def open_copy(copy: CommittedCopy, step: int, rank: int, attempt: int = 0) -> _Opened:
@@ -153,10 +154,12 @@ def open_copy(copy: CommittedCopy, step: int, rank: int, attempt: int = 0) -> _O
     path = Path(copy.path)
     if planned("corrupt", "restore", rank, step, attempt):
         _flip_a_byte(path, copy.nbytes)
+    t0 = time.monotonic()
     try:
         size = path.stat().st_size
-        crc = checksum_file(path, "crc32c") if size == copy.nbytes else None
-        views = map_slots(path, copy.nbytes, copy.slots) if crc == copy.crc32c else {}
+        whole = map_whole(path, copy.nbytes, populate=True) if size == copy.nbytes else None
+        crc = checksum_view(whole) if whole is not None else None
+        views = views_of(whole, copy.slots) if whole is not None and crc == copy.crc32c else {}
     except OSError as exc:  # StagingFileError is a RuntimeError: both mean the buffer is not usable
         raise CopyMismatch(f"{path} cannot be read: {exc}") from None
     except RuntimeError as exc:
@@ -166,7 +169,7 @@ def open_copy(copy: CommittedCopy, step: int, rank: int, attempt: int = 0) -> _O
     if crc != copy.crc32c:
         raise CopyMismatch(f"{path}: CRC-32C {crc:08x}, the copy of step {step} recorded {copy.crc32c:08x} "
                            "(overwritten or corrupted since)")
-    return _Opened(copy, views)
+    return _Opened(copy, views, time.monotonic() - t0)
 
 
 def _flip_a_byte(path: Path, nbytes: int) -> None:
@@ -189,6 +192,7 @@ class _Prepared:
     objects: dict[str, Any]
     mappings: dict[str, Any]
     views: dict[str, torch.Tensor]
+    checksum_s: float
 
 
 def _prepare(trainer: Any, copy: CommittedCopy, step: int, attempt: int) -> _Prepared:
@@ -206,16 +210,20 @@ def _prepare(trainer: Any, copy: CommittedCopy, step: int, attempt: int) -> _Pre
     objects = pickle.loads(copy.objects)
     if int(objects.get("train.step", -1)) != step:
         raise CopyMismatch(f"the copy's state says step {objects.get('train.step')}, not {step} (stale)")
-    return _Prepared(sd, keys, tensors, objects, planner.mappings, opened.views)
+    return _Prepared(sd, keys, tensors, objects, planner.mappings, opened.views, opened.checksum_s)
 
 
-def _apply(trainer: Any, p: _Prepared) -> None:
+def _apply(trainer: Any, p: _Prepared) -> float:
+    """Copy the buffer into the state and apply it; returns the seconds the copy took."""
+    t0 = time.monotonic()
     with torch.no_grad():
         for fqn, dst in p.tensors.items():
             dst.copy_(p.views[fqn])
+    copy_s = time.monotonic() - t0
     for fqn, value in p.objects.items():
         set_element(p.sd, p.mappings[fqn], value)
     apply_own_state(trainer, p.sd, p.keys)
+    return copy_s
 
 
 def load_from_copy(trainer: Any, copy: CommittedCopy, step: int, attempt: int = 0) -> None:
@@ -233,12 +241,21 @@ class Restored:
     source: Literal["memory", "storage"]
     why: str
     seconds: float
+    """From the moment every rank is ready to load (a barrier) to this rank's state being loaded."""
+    verify_s: float = 0.0
+    """The part spent checking the in-memory copy (checksum, layout) and agreeing on it."""
+    checksum_s: float = 0.0
+    """The part of ``verify_s`` spent mapping and checksumming this rank's buffer."""
+    read_s: float = 0.0
+    """The bytes' part: checksumming and copying the buffer (memory), or ``dcp.load`` (storage);
+    the rest (the state dicts built and applied) is the same work on both paths."""
 
 
 def restore(trainer: Any, path: str, step: int, same_world_size: bool, copy: CommittedCopy | None,
             why: str, attempt: int) -> Restored:
     """Load the resume step ``step`` (collective): from every rank's in-memory copy when the driver
     handed each rank one and every rank verifies its own, else from storage at ``path``."""
+    dist.barrier()  # load_s is the load's own time, not the wait for a rank still building its model
     t0 = time.monotonic()
     prepared, own_why = None, why
     if copy is not None:
@@ -248,14 +265,17 @@ def restore(trainer: Any, path: str, step: int, same_world_size: bool, copy: Com
             own_why = f"rank {trainer.rank}'s copy refused: {exc}"
             logger.warning("rank %d: in-memory copy of step %d refused, loading from storage: %s",
                            trainer.rank, step, exc)
-    if copy is not None and _everyone(prepared is not None, trainer.device):
+    agreed = copy is not None and _everyone(prepared is not None, trainer.device)
+    verify_s = time.monotonic() - t0
+    if agreed:
         assert prepared is not None
-        _apply(trainer, prepared)
-        return Restored("memory", own_why, time.monotonic() - t0)
+        copy_s = _apply(trainer, prepared)
+        return Restored("memory", own_why, time.monotonic() - t0, verify_s, prepared.checksum_s,
+                        prepared.checksum_s + copy_s)
     if copy is not None and prepared is not None:
         own_why = "another rank's copy was refused"
-    load_app_state(trainer, path, same_world_size)
-    return Restored("storage", own_why, time.monotonic() - t0)
+    read_s = load_app_state(trainer, path, same_world_size)
+    return Restored("storage", own_why, time.monotonic() - t0, verify_s, 0.0, read_s)
 
 
 def _everyone(ok: bool, device: torch.device) -> bool:

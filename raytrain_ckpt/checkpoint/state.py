@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import Any
 
 import torch
@@ -103,18 +104,20 @@ def apply_own_state(trainer: Any, sd: dict[str, Any], keys: list[tuple[set[str],
     _apply(trainer, sd, keys, _scheduler_keys(trainer), rng=True)
 
 
-def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
+def load_app_state(trainer: Any, path: str, same_world_size: bool) -> float:
     """Load a checkpoint into a freshly built ``Trainer`` (collective: every rank calls it).
 
     DCP reshards the model and optimizer to the current layout by FQN, across dp and pp
     degrees. Entries this rank needs that the checkpoint lacks, or holds with another shape,
     raise ``CheckpointMismatch`` before anything is loaded. RNG states are per rank, so they
     are restored only at the layout that saved them (same world size and pipeline degree).
+    Returns the seconds spent reading the checkpoint into the state dict (``dcp.load``).
     """
     saved = safe_reader(path, _options(trainer)).read_metadata().state_dict_metadata
     if not any(k.startswith("train.") for k in saved):
+        t0 = time.monotonic()
         _load_model_only(trainer, path, saved)
-        return
+        return time.monotonic() - t0
     model_sd, optim_sd, keys = _parts_state(trainer)
     _check_fits(path, saved, model_sd, optim_sd)
     sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd,
@@ -125,8 +128,11 @@ def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
     same_layout = same_world_size and _saved_pp(path, _options(trainer)) in (None, trainer.spec.parallelism.pp)
     if same_layout:
         sd.update(_rng_state(trainer.rank))
+    t0 = time.monotonic()
     dcp.load(sd, storage_reader=safe_reader(path, _options(trainer)), planner=SafeLoadPlanner())
+    read_s = time.monotonic() - t0
     _apply(trainer, sd, keys, sources, same_layout)
+    return read_s
 
 
 def _apply(trainer: Any, sd: dict[str, Any], keys: list[tuple[set[str], set[str]]], sources: list[str],
