@@ -13,7 +13,14 @@ steps) loses rank 1 to ``os._exit`` before step 13, once, and resumes from step 
 
 Printed: kill -> first step after resume, with raytrain_ckpt's breakdown, and the ratio.
 
+With ``--memory``, instead: the load part of a restart from the node's memory (every rank
+loads its shard from its writer's in-memory copy, ``checkpoint.memory_copies: 2``) against the
+same restart from storage (``memory_copies: 1``), on a model made large enough for loading to
+matter (``--dim``/``--layers``/``--ffn``: by default about 2 x 480 MiB of state, one half per
+rank); rank 1 dies before step 4 and both restarts resume from step 2.
+
     .venv/bin/python bench/recovery.py [--reps 2]
+    .venv/bin/python bench/recovery.py --memory [--cold] [--reps 2] [--dim 1536 --layers 3 --ffn 4864]
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import os
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -69,6 +77,69 @@ def ours(tmp: Path, reuse: bool = True) -> dict[str, float]:
         "first_step": first - ev["attempt 1 running"],
         "reused": sum(1 for r in result.results if len(r.served) > 1 or r.was_spare),
     }
+
+
+def _evict_when_killed(stamp: Path, root: Path, done: threading.Event) -> None:
+    """``--cold``: once the rank is killed, drop the checkpoint files from the page cache
+    (``POSIX_FADV_DONTNEED``, these files only), as on a node that did not write them."""
+    while not done.is_set() and not stamp.exists():
+        time.sleep(0.01)
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def load_rows(tmp: Path, copies: int, shape: dict[str, int], cold: bool) -> dict[str, float]:
+    """One restart of the large model, loading from memory (``copies`` 2) or storage (1)."""
+    from raytrain_ckpt.driver import run_job
+    from raytrain_ckpt.spec import load_spec
+
+    os.environ[ENV_VAR] = "exit@step:rank=1,step=3"
+    os.environ[STAMP_VAR] = str(tmp / "kill")
+    done = threading.Event()
+    evict = threading.Thread(target=_evict_when_killed, args=(tmp / "kill", tmp / "ckpt", done), daemon=True)
+    if cold:
+        evict.start()
+    try:
+        overrides = [*(f"model.overrides.{k}={v}" for k, v in shape.items()), "training.steps=4",
+                     "training.global_batch_size=2", "training.micro_batch_size=1", "training.seq_len=32",
+                     "lr_scheduler.warmup_steps=1", f"checkpoint.dir={tmp / 'ckpt'}", "checkpoint.interval_steps=2",
+                     "checkpoint.resume=none", "checkpoint.save_final=false", f"checkpoint.memory_copies={copies}",
+                     "fault_tolerance.max_restarts=1", "fault_tolerance.poll_interval_s=0.1",
+                     "training.log_every_steps=100", *(["checkpoint.verify_on_load=size"] if cold else [])]
+        result = run_job(load_spec(SPEC, overrides))
+    finally:
+        del os.environ[ENV_VAR]
+        done.set()
+    assert result.state.value == "SUCCEEDED" and result.results[0].start_step == 2, result.error
+    timings = [r.timings for r in result.results]
+    assert all(t["loaded_from_memory"] == float(copies == 2) for t in timings), timings
+    staged = sum(info["bytes"] for info in result.checkpoints["steps"].values()) / len(result.checkpoints["steps"])
+    return {"load": max(t["load_s"] for t in timings), "verify": max(t["load_verify_s"] for t in timings),
+            "checksum": max(t["load_checksum_s"] for t in timings), "read": max(t["load_read_s"] for t in timings),
+            "state_mib": staged / 2**20}
+
+
+def memory_vs_storage(reps: int, shape: dict[str, int], cold: bool) -> None:
+    rows: dict[str, list[dict[str, float]]] = {"from memory": [], "from storage": []}
+    for _ in range(reps):
+        for name, copies in (("from memory", 2), ("from storage", 1)):
+            with tempfile.TemporaryDirectory() as d:
+                rows[name].append(load_rows(Path(d), copies, shape, cold))
+    med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in rows.items()}
+    print(f"restart load of step 2, {med['from storage']['state_mib']:.0f} MiB of state over 2 ranks, "
+          f"{'files evicted from the page cache' if cold else 'files in the page cache'} "
+          f"(model {shape}); median of {reps} runs, seconds (slowest rank)")
+    for name, m in med.items():
+        print(f"{name:<14} load {m['load']:6.3f}, of which reading the bytes {m['read']:6.3f}"
+              + (f" (checksum {m['checksum']:.3f}, then copy)" if name == "from memory" else " (dcp.load)"))
+    mem, sto = med["from memory"], med["from storage"]
+    print(f"ratio memory / storage: whole load {mem['load'] / sto['load']:.2f}, "
+          f"reading the bytes {mem['read'] / sto['read']:.2f}")
 
 
 def _ray_train_loop(config: dict) -> None:
@@ -128,9 +199,21 @@ def ray_train(tmp: Path) -> dict[str, float] | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--memory", action="store_true", help="restart from memory vs from storage, large state")
+    p.add_argument("--dim", type=int, default=1536)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--ffn", type=int, default=4864)
+    p.add_argument("--cold", action="store_true", help="--memory: evict the checkpoint files from the page cache "
+                   "when the rank dies (storage reads the disk; checkpoint.verify_on_load=size, or the "
+                   "verification would read them back in)")
     args = p.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    if args.memory:
+        memory_vs_storage(args.reps, {"dim": args.dim, "n_layers": args.layers, "n_heads": 12, "ffn_dim": args.ffn},
+                          args.cold)
+        ray.shutdown()
+        return
     rows: dict[str, list[dict[str, float]]] = {"raytrain_ckpt": [], "  no reuse": [], "Ray Train": []}
     for _ in range(args.reps):
         with tempfile.TemporaryDirectory() as d:

@@ -178,20 +178,31 @@ class TrainWorker:
 
     def _setup_checkpoints(self, ckpt: dict) -> None:
         from raytrain_ckpt.checkpoint.client import CheckpointClient
-        from raytrain_ckpt.checkpoint.state import load_app_state
+        from raytrain_ckpt.checkpoint.memcopy import restore
 
         trainer = self.trainer
         assert trainer is not None
+        kept = None
         if ckpt["resume_path"] is not None:
-            t0 = time.monotonic()
-            load_app_state(trainer, ckpt["resume_path"], ckpt["resume_world_size"] == self.world_size)
-            self.timings["load_s"] = time.monotonic() - t0
+            source = ckpt.get("resume_source")
+            copy = source.copy if source is not None else None
+            done = restore(trainer, ckpt["resume_path"], ckpt["resume_step"],
+                           ckpt["resume_world_size"] == self.world_size, copy,
+                           source.why if source is not None else "", self.attempt)
+            self.timings["load_s"] = done.seconds
+            self.timings["load_verify_s"] = done.verify_s
+            self.timings["load_checksum_s"] = done.checksum_s
+            self.timings["load_read_s"] = done.read_s
+            self.timings["loaded_from_memory"] = float(done.source == "memory")
             self.start_step = trainer.state.step
+            kept = copy.path if done.source == "memory" and copy is not None else None
             if self.rank == 0:
-                logger.info("%sresumed from %s in %.2fs", self._prefix(), ckpt["resume_path"], time.monotonic() - t0)
+                logger.info("%sresumed step %d from %s in %.2fs (%s)", self._prefix(), self.start_step,
+                            "memory" if kept else ckpt["resume_path"], done.seconds, done.why)
         self.checkpoints = CheckpointClient(self.spec.checkpoint, self.rank, self.attempt, self.spec.training.steps,
                                             ckpt["actor"], ckpt["writer"], trainer.device,
-                                            self.spec.fault_tolerance.prior_mtbf_s, ckpt.get("interval"))
+                                            self.spec.fault_tolerance.prior_mtbf_s, ckpt.get("interval"),
+                                            kept_copy=(kept, self.start_step) if kept else None)
         trainer.before_optimizer_step = self.checkpoints.before_optimizer_step
         self._progress = Progress(self.rank, self.start_step, None, time.time(), "setup")
 

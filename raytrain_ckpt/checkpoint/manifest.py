@@ -31,7 +31,7 @@ import crc32c as _crc32c
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "METRICS", "Checksum", "FileEntry", "InvalidCheckpoint", "KeepBestRecord",
-           "Manifest", "UnsafeCheckpoint", "checksum_file", "describe_file", "file_crc32"]
+           "Manifest", "UnsafeCheckpoint", "checksum_file", "checksum_view", "describe_file", "file_crc32"]
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 2
@@ -187,22 +187,31 @@ def checksum_file(path: Path, algorithm: Checksum = "crc32c", progress: Callable
     speed of copying it out in chunks. Committed files are never truncated (a truncation under
     the map would be SIGBUS); a deleted one stays mapped until we are done.
     """
-    update, value = _ALGORITHMS[algorithm], 0
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
-            return update(b"", 0)
+            return _ALGORITHMS[algorithm](b"", 0)
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             view = memoryview(mapped)
             try:
-                for offset in range(0, size, _CHUNK):
-                    chunk = view[offset:offset + _CHUNK]
-                    value = update(chunk, value)
-                    chunk.release()
-                    if progress is not None:
-                        progress(min(_CHUNK, size - offset))
+                value = checksum_view(view, algorithm, progress)
             finally:
                 view.release()
+    return value
+
+
+def checksum_view(view: memoryview, algorithm: Checksum = "crc32c",
+                  progress: Callable[[int], None] | None = None) -> int:
+    """The checksum of bytes in memory (``checksum_file``'s loop: a mapped file, a staging buffer)."""
+    update, value = _ALGORITHMS[algorithm], 0
+    if len(view) == 0:
+        return update(b"", 0)
+    for offset in range(0, len(view), _CHUNK):
+        chunk = view[offset:offset + _CHUNK]
+        value = update(chunk, value)
+        chunk.release()
+        if progress is not None:
+            progress(min(_CHUNK, len(view) - offset))
     return value
 
 

@@ -16,15 +16,22 @@ from raytrain_ckpt.checkpoint.actor import CheckpointActor, ResumePoint
 from raytrain_ckpt.checkpoint.names import NAMESPACE, ActorByName, actor_name, writer_name
 from raytrain_ckpt.checkpoint.client import SaveSchedule
 from raytrain_ckpt.checkpoint.interval import IntervalHistory
+from raytrain_ckpt.checkpoint.memcopy import CommittedCopy, CopyFacts, RankSource, choose_sources
 from raytrain_ckpt.checkpoint.probe import StorageNotShared, local_root, missing_probes, unshared_message
 from raytrain_ckpt.checkpoint.retention import KeepBest, RetentionPolicy
 from raytrain_ckpt.checkpoint.storage import job_root
 from raytrain_ckpt.checkpoint.writer import CheckpointWriter
+from raytrain_ckpt.events import headline
+from raytrain_ckpt.faults import planned
 from raytrain_ckpt.spec import CheckpointSpec, JobSpec
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["NAMESPACE", "CheckpointService", "actor_name"]
+
+COPY_QUERY_TIMEOUT_S = 10.0
+"""How long a restart waits for a node's writer to say which in-memory copy it holds; a writer
+that does not answer in time (its node is going away) sends the restart to storage."""
 
 def _retention(cfg: CheckpointSpec) -> RetentionPolicy:
     best = cfg.keep_best
@@ -63,7 +70,8 @@ class CheckpointService:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             ).remote(self.spec.name, str(self.root), ActorByName(actor_name(self.spec.name)),
                      self.spec.checkpoint.writer_threads,
-                     self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options)
+                     self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options,
+                     self.spec.checkpoint.memory_copies)
         return self._writers[node_id]
 
     def preflight(self) -> None:
@@ -120,6 +128,40 @@ class CheckpointService:
             logger.info("attempt %d: resuming from step %d (%s, saved at world size %d)", attempt, point.step,
                         point.path, point.world_size)
         return point
+
+    def recovery_sources(self, attempt: int, spec: JobSpec, point: ResumePoint | None,
+                         nodes: list[str]) -> list[RankSource] | None:
+        """Where each rank of ``attempt`` loads ``point`` from: its node's in-memory copy or storage,
+        decided in one place (``memcopy.choose_sources``) and logged in one line. None: nothing to load.
+
+        ``nodes``: the node id of every rank of the attempt.
+        """
+        if point is None:
+            return None
+        if attempt == 0:  # a new job: its writers hold nothing yet
+            return [RankSource(r, "storage", "the job's first attempt") for r in range(spec.world_size)]
+        facts = [self._copy_facts(attempt, rank, node, point.step) for rank, node in enumerate(nodes)]
+        listed = ray.get(self.actor.manifest_files.remote(point.step))
+        sources = choose_sources(point.step, spec.world_size, point.world_size, spec.checkpoint.memory_copies,
+                                 facts, listed)
+        if sources[0].source == "memory":
+            logger.info("attempt %d: every rank loads step %d from its node's in-memory copy (%d node(s))",
+                        attempt, point.step, len(set(nodes)))
+        else:
+            logger.info("attempt %d: loading step %d from storage: %s", attempt, point.step, sources[0].why)
+        return sources
+
+    def _copy_facts(self, attempt: int, rank: int, node: str, step: int) -> CopyFacts:
+        if self.spec.checkpoint.memory_copies < 2:
+            return CopyFacts(rank, None)
+        if planned("stale", "restore", rank, step, attempt):  # the copy of the step before
+            step = max((s for s in self.status()["committed"] if s < step), default=-1)
+        try:
+            copy: CommittedCopy | None = ray.get(self.writer_for(node).committed_copy.remote(rank, step),
+                                                 timeout=COPY_QUERY_TIMEOUT_S)
+        except Exception as exc:  # a dead or unreachable writer: its copy is lost, storage serves
+            return CopyFacts(rank, None, f"{type(exc).__name__}: {headline(str(exc))}")
+        return CopyFacts(rank, copy)
 
     def unsaved(self, results: list[Any], status: dict[str, Any]) -> str | None:
         """Why a finished job's checkpoints are not what it asked for, or None.

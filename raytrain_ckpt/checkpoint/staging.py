@@ -42,8 +42,10 @@ __all__ = [
     "allocate_buffer",
     "map_buffer",
     "map_slots",
+    "map_whole",
     "plan_slots",
     "slot_views",
+    "views_of",
 ]
 
 _ALIGN = 64
@@ -118,12 +120,26 @@ def map_slots(path: Path, nbytes: int, slots: list[TensorSlot]) -> dict[str, tor
     What the writer serialises: ``torch.save`` of a ``slot_views`` view would write the whole
     buffer (its storage), and DCP would clone it first. Checked like ``map_buffer``.
     """
+    return views_of(map_whole(path, nbytes), slots)
+
+
+def map_whole(path: Path, nbytes: int, populate: bool = False) -> memoryview:
+    """The first ``nbytes`` of the buffer file ``path``, mapped shared (checked like ``map_buffer``).
+
+    ``populate``: fault every page in now, in one call, rather than one fault per page later
+    (a rank about to read the whole buffer).
+    """
     fd = open_buffer(path, nbytes)
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     try:
-        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    whole = memoryview(mapping)  # each view's storage keeps the mapping alive
+    return memoryview(mapping)
+
+
+def views_of(whole: memoryview, slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
+    """``map_slots``'s views over a mapping from ``map_whole`` (each view's storage keeps it alive)."""
     out = {}
     for s in slots:
         if not s.nbytes:

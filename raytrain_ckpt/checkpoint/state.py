@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from raytrain_ckpt.checkpoint.storage import open_storage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointMismatch", "app_state", "load_app_state"]
+__all__ = ["CheckpointMismatch", "app_state", "apply_own_state", "load_app_state", "own_state"]
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _SCHEDULER = "scheduler"
@@ -77,7 +78,12 @@ def _parts_state(trainer: Any) -> tuple[dict[str, Any], dict[str, Any], list[tup
 
 def app_state(trainer: Any) -> dict[str, Any]:
     """The full state of a ``Trainer`` as a DCP state dict (live tensors, no copies)."""
-    model_sd, optim_sd, _ = _parts_state(trainer)
+    return own_state(trainer)[0]
+
+
+def own_state(trainer: Any) -> tuple[dict[str, Any], list[tuple[set[str], set[str]]]]:
+    """``app_state`` and each model chunk's (model keys, optimizer keys), for ``apply_own_state``."""
+    model_sd, optim_sd, keys = _parts_state(trainer)
     t = trainer.state
     sd: dict[str, Any] = {
         "model": model_sd,
@@ -89,21 +95,29 @@ def app_state(trainer: Any) -> dict[str, Any]:
     for key, sched in zip(_scheduler_keys(trainer), trainer.schedulers, strict=True):
         sd[key] = sched.state_dict()
     sd.update(_rng_state(trainer.rank))
-    return sd
+    return sd, keys
 
 
-def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
+def apply_own_state(trainer: Any, sd: dict[str, Any], keys: list[tuple[set[str], set[str]]]) -> None:
+    """Make ``sd`` (an ``own_state`` dict whose values were replaced by a saved state of the same
+    layout, RNG included) the trainer's state."""
+    _apply(trainer, sd, keys, _scheduler_keys(trainer), rng=True)
+
+
+def load_app_state(trainer: Any, path: str, same_world_size: bool) -> float:
     """Load a checkpoint into a freshly built ``Trainer`` (collective: every rank calls it).
 
     DCP reshards the model and optimizer to the current layout by FQN, across dp and pp
     degrees. Entries this rank needs that the checkpoint lacks, or holds with another shape,
     raise ``CheckpointMismatch`` before anything is loaded. RNG states are per rank, so they
     are restored only at the layout that saved them (same world size and pipeline degree).
+    Returns the seconds spent reading the checkpoint into the state dict (``dcp.load``).
     """
     saved = safe_reader(path, _options(trainer)).read_metadata().state_dict_metadata
     if not any(k.startswith("train.") for k in saved):
+        t0 = time.monotonic()
         _load_model_only(trainer, path, saved)
-        return
+        return time.monotonic() - t0
     model_sd, optim_sd, keys = _parts_state(trainer)
     _check_fits(path, saved, model_sd, optim_sd)
     sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd,
@@ -114,7 +128,15 @@ def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
     same_layout = same_world_size and _saved_pp(path, _options(trainer)) in (None, trainer.spec.parallelism.pp)
     if same_layout:
         sd.update(_rng_state(trainer.rank))
+    t0 = time.monotonic()
     dcp.load(sd, storage_reader=safe_reader(path, _options(trainer)), planner=SafeLoadPlanner())
+    read_s = time.monotonic() - t0
+    _apply(trainer, sd, keys, sources, same_layout)
+    return read_s
+
+
+def _apply(trainer: Any, sd: dict[str, Any], keys: list[tuple[set[str], set[str]]], sources: list[str],
+           rng: bool) -> None:
     for part, opt, (mkeys, okeys) in zip(trainer.model_parts, trainer.optimizers, keys, strict=True):
         set_state_dict(part, opt, model_state_dict={k: sd["model"][k] for k in mkeys},
                        optim_state_dict={k: sd["optim"][k] for k in okeys}, options=_OPTIONS)
@@ -122,7 +144,7 @@ def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
         sched.load_state_dict(sd[source])
     trainer.state.step = int(sd["train"]["step"])
     trainer.state.tokens_seen = int(sd["train"]["tokens_seen"])
-    if same_layout:
+    if rng:
         r = trainer.rank
         torch.set_rng_state(sd[f"rng.rank{r}.cpu"])
         random.setstate(sd[f"rng.rank{r}.python"])

@@ -402,6 +402,8 @@ class CheckpointSpec(_Section):
     """I/O threads per rank in the node's checkpoint writer."""
     writer_nice: int = Field(10, ge=0, le=19)
     """CPU priority (nice) of the checkpoint writer process: higher leaves more CPU to training and makes saves durable later."""
+    memory_copies: int = Field(2, ge=1, le=2)
+    """Staging buffers per rank in its node's shared memory. 2: ranks stage into them in turn, so the newest committed step stays intact in memory until a newer one commits, and a restart at the same world size loads each rank's shard from there instead of storage (falling back to storage, logged, when a copy is missing or does not verify); costs a second staging buffer of host memory per rank (validate prints it). 1: one buffer; a restart always loads from storage."""
     final_export: FinalExportSpec | None = None
     """After the last step commits, the driver exports it once: format (hf or torch), dtype (bf16, fp16, fp32), dir (null: <checkpoint.dir>/<name>/export-step-<N>); null: no export."""
 
