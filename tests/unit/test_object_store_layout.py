@@ -171,3 +171,25 @@ def test_a_permanent_error_is_not_retried(s3_endpoint) -> None:
     with pytest.raises(FileNotFoundError):
         retry_transient(put, "put", backoff_s=0.01)
     assert len(calls) == 1
+
+
+def test_import_to_s3_commits_step_0_that_verifies_and_exports_back(s3_endpoint, tmp_path, capsys) -> None:
+    import torch
+
+    from raytrain_ckpt.cli import main
+
+    weights = {"tok_embeddings.weight": torch.randn(16, 8), "norm.weight": torch.rand(8)}
+    torch.save(weights, tmp_path / "m.pt")
+    root = f"{s3_endpoint.new_bucket()}/imported"
+    assert main(["import", str(tmp_path / "m.pt"), "--to", root]) == 0
+    step = f"{root}/step-00000000"
+    assert step in capsys.readouterr().out
+    layout = CheckpointLayout(root, options=s3_endpoint.options)
+    assert _names(layout) == ["step-00000000"] and layout.verify(step, "checksum").step == 0
+    assert main(["verify", step]) == 0 and "VALID" in capsys.readouterr().out
+    assert main(["export", step, "--format", "torch", "--dtype", "fp32", "--out", str(tmp_path / "back")]) == 0
+    back = torch.load(tmp_path / "back" / "model.pt", weights_only=True)
+    assert set(back) == set(weights) and all(torch.equal(back[k], v) for k, v in weights.items())
+    # a second import never overwrites the committed step
+    assert main(["import", str(tmp_path / "m.pt"), "--to", root]) == 2
+    assert "already holds step-00000000" in capsys.readouterr().err
