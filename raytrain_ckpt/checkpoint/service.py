@@ -44,7 +44,7 @@ class CheckpointService:
         self.actor = ray.remote(CheckpointActor).options(
             name=actor_name(spec.name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1, max_task_retries=0,
             runtime_env=env,
-        ).remote(str(self.root), _retention(cfg), cfg.storage_options)
+        ).remote(str(self.root), _retention(cfg), cfg.storage_options, cfg.leftover_grace_s)
         self._writers: dict[str, Any] = {}
         self._env = env
         self._note: ray.ObjectRef | None = None
