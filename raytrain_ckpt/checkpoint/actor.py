@@ -309,7 +309,8 @@ class CheckpointActor:
         """After retention: remove entries that never committed and stayed unchanged for
         ``checkpoint.leftover_grace_s`` (never a step in flight). Never raises, like ``_purge``."""
         try:
-            self.layout.remove_stale_leftovers(self.leftovers, [p.tmp for p in self.pending.values()])
+            self.layout.remove_stale_leftovers(self.leftovers, [p.tmp for p in list(self.pending.values())],
+                                               set(self.committed))
         except Exception as exc:  # the next commit's pass tries again; nothing committed is touched
             self.purge_errors += 1
             logger.error("could not remove uncommitted leftovers (%d failure(s) so far): %s", self.purge_errors, exc)

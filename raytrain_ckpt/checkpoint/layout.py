@@ -300,19 +300,23 @@ class CheckpointLayout:
                            ", ".join(self.storage.name(p) for p in removed))
         return removed
 
-    def uncommitted(self) -> list[tuple[Entry, Location]]:
-        """Entries that never committed: ``*.tmp-*`` (POSIX) and manifest-less ``step-N/`` (object store)."""
-        out = [(e, path) for e, path in self.entries() if e.kind is EntryKind.TMP]
+    def uncommitted(self, committed: Collection[int] = ()) -> list[tuple[Entry, Location]]:
+        """Entries that never committed: ``*.tmp-*`` (POSIX) and manifest-less ``step-N/`` (object
+        store; the steps in ``committed`` are known to have a manifest and are not asked)."""
+        entries = self.entries()
+        out = [(e, path) for e, path in entries if e.kind is EntryKind.TMP]
         if not self.atomic:
-            out += [(e, path) for e, path in self.entries() if e.kind.is_loadable
+            out += [(e, path) for e, path in entries if e.kind.is_loadable and e.step not in committed
                     and not self.storage.is_file(self.storage.join(path, MANIFEST))]
         return out
 
-    def remove_stale_leftovers(self, watch: LeftoverWatch, in_flight: Collection[Location]) -> list[Location]:
+    def remove_stale_leftovers(self, watch: LeftoverWatch, in_flight: Collection[Location],
+                               committed: Collection[int] = ()) -> list[Location]:
         """Remove the uncommitted entries that ``watch`` judges unchanged for its grace period,
-        never one of ``in_flight`` (the places this job's pending saves write to)."""
+        never one of ``in_flight`` (the places this job's pending saves write to). ``committed``:
+        steps known to be committed (spares one request each on an object store)."""
         busy = {str(p).rstrip("/") for p in in_flight}
-        candidates = {self.storage.name(path): path for _, path in self.uncommitted()
+        candidates = {self.storage.name(path): path for _, path in self.uncommitted(committed)
                       if str(path).rstrip("/") not in busy}
         snapshots = {name: self.storage.snapshot(path) for name, path in candidates.items()}
         doomed = [candidates[name] for name in watch.stale(snapshots)]

@@ -52,19 +52,34 @@ class CheckpointService:
         """The controller's newest summary (``note_job``)."""
         self._start: str | None = None
         """The checkpoint attempt 0 loaded (None: a fresh start)."""
+        self._probed: set[str] | None = None
+        """Nodes whose view of a local checkpoint root was probed (None: no preflight, or an object store)."""
 
     def writer_for(self, node_id: str) -> Any:
-        """The CheckpointWriter pinned to ``node_id`` (created on first use)."""
+        """The CheckpointWriter pinned to ``node_id`` (created on first use).
+
+        A node that the start's preflight did not probe (it joined later: an autoscaler's or a
+        replacement node, at a restart) is probed now, before its ranks get the writer.
+
+        Raises:
+            StorageNotShared: that node does not share a local checkpoint root.
+        """
+        if self._probed is not None and node_id not in self._probed:  # until a probe from it passes
+            logger.info("node %s joined after the start: probing the checkpoint root from it", node_id[:12])
+            self._probe([node_id])
         if node_id not in self._writers:
-            cls = ray.remote(CheckpointWriter)
-            self._writers[node_id] = cls.options(
-                name=writer_name(self.spec.name, node_id), namespace=NAMESPACE, num_cpus=0,
-                max_concurrency=64, max_restarts=-1, max_task_retries=0, runtime_env=self._env,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(self.spec.name, str(self.root), ActorByName(actor_name(self.spec.name)),
-                     self.spec.checkpoint.writer_threads,
-                     self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options)
+            self._writers[node_id] = self._new_writer(node_id)
         return self._writers[node_id]
+
+    def _new_writer(self, node_id: str) -> Any:
+        cls = ray.remote(CheckpointWriter)
+        return cls.options(
+            name=writer_name(self.spec.name, node_id), namespace=NAMESPACE, num_cpus=0,
+            max_concurrency=64, max_restarts=-1, max_task_retries=0, runtime_env=self._env,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(self.spec.name, str(self.root), ActorByName(actor_name(self.spec.name)),
+                 self.spec.checkpoint.writer_threads,
+                 self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options)
 
     def preflight(self) -> None:
         """Before anything trains: check that every node that may host a rank shares the
@@ -75,8 +90,15 @@ class CheckpointService:
         """
         if local_root(str(self.root)) is None:
             return
-        nodes = _rank_nodes(self.spec)
-        writers = [self.writer_for(node) for node in nodes]
+        self._probed = set()
+        self._probe(_rank_nodes(self.spec))
+
+    def _probe(self, nodes: list[str]) -> None:
+        """The shared-storage probe from ``nodes`` (see ``preflight``); remembers them as probed."""
+        for node in nodes:
+            if node not in self._writers:
+                self._writers[node] = self._new_writer(node)
+        writers = [self._writers[node] for node in nodes]
         timeout = self.spec.fault_tolerance.start_timeout_s  # writers start like workers do
         nonce = uuid.uuid4().hex[:12]
         try:
@@ -94,6 +116,8 @@ class CheckpointService:
         missing = missing_probes(probes, set(seen))
         if missing:
             raise StorageNotShared(unshared_message(str(self.spec.checkpoint.dir), missing, actor_node))
+        assert self._probed is not None
+        self._probed.update(nodes)
         logger.info("checkpoint root %s is shared by the %d node(s) that may host ranks", self.root, len(probes))
 
     def acquire(self, attempt: int, spec: JobSpec) -> ResumePoint | None:
