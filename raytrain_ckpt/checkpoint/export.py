@@ -381,17 +381,30 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
         model_cfg = _manifest_model(manifest)
     _check_args(fmt, dtype, model_cfg, with_optimizer)
     args = (fmt, DTYPES[dtype], model_cfg, with_optimizer, max_shard_bytes, t0)
-    root = lease_root if lease_root is not None else _parent(step_dir)
-    try:
-        lease = FileLease(root, manifest.step).__enter__()
-    except InvalidCheckpoint as exc:
-        raise ConversionError(str(exc)) from None
+    lease = _take_lease(lease_root if lease_root is not None else _parent(step_dir), manifest.step)
     try:
         result = _export_to(step_dir, manifest, out, args)
         result.selected = why
         return result
     finally:
-        lease.__exit__(None, None, None)
+        if lease is not None:
+            lease.__exit__(None, None, None)
+
+
+def _take_lease(root: Location, step: int) -> FileLease | None:
+    """A lease on ``step`` against the job's retention. On an object store an exporter with
+    read-only credentials cannot PUT one: it exports without (logged), protected only by the
+    re-check of the step at the end (``_check_still_committed``)."""
+    try:
+        return FileLease(root, step).__enter__()
+    except InvalidCheckpoint as exc:
+        raise ConversionError(str(exc)) from None
+    except OSError as exc:
+        if not is_uri(root):
+            raise
+        logger.warning("could not write an export lease under %s (%s); exporting without one: a step that "
+                       "retention deletes meanwhile fails the export", root, exc)
+        return None
 
 
 _LAST = ("config.json", "model.safetensors.index.json", "model.pt")
