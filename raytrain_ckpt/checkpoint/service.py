@@ -9,7 +9,7 @@ import uuid
 from typing import Any
 
 import ray
-from ray.exceptions import RayTaskError
+from ray.exceptions import ActorUnavailableError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ckpt.checkpoint.actor import CheckpointActor, ResumePoint
@@ -25,6 +25,10 @@ from raytrain_ckpt.spec import CheckpointSpec, JobSpec
 logger = logging.getLogger(__name__)
 
 __all__ = ["NAMESPACE", "CheckpointService", "actor_name"]
+
+_RETRY_S = 0.5
+"""Pause between calls to a restarting CheckpointActor (the wait is bounded by start_timeout_s)."""
+
 
 def _retention(cfg: CheckpointSpec) -> RetentionPolicy:
     best = cfg.keep_best
@@ -127,23 +131,38 @@ class CheckpointService:
         """
         s = spec
         if attempt > 0:
-            ray.get(self.actor.settle.remote(s.checkpoint.settle_timeout_s))
-        ray.get(self.actor.configure.remote(s.world_size, s.dp_size, s.spec_hash(), s.model.model_dump(mode="json")))
+            self._ask("settle", s.checkpoint.settle_timeout_s)
+        self._ask("configure", s.world_size, s.dp_size, s.spec_hash(), s.model.model_dump(mode="json"))
         holder, verify = f"attempt-{attempt}", s.checkpoint.verify_on_load
         if attempt == 0:
-            point = ray.get(self.actor.begin.remote(holder, s.checkpoint.resume, verify))
+            point = self._ask("begin", holder, s.checkpoint.resume, verify)
             self._start = point.path if point is not None else None
         else:
             # The newest step of this run's timeline; before its first commit, where the run began.
-            point = ray.get(self.actor.acquire.remote(holder, "latest", verify))
+            point = self._ask("acquire", holder, "latest", verify)
             if point is None and self._start is not None:
-                point = ray.get(self.actor.acquire.remote(holder, self._start, verify))
+                point = self._ask("acquire", holder, self._start, verify)
         if point is None:
             logger.info("attempt %d: no checkpoint to resume from under %s; starting at step 0", attempt, self.root)
         else:
             logger.info("attempt %d: resuming from step %d (%s, saved at world size %d)", attempt, point.step,
                         point.path, point.world_size)
         return point
+
+    def _ask(self, method: str, *args: Any) -> Any:
+        """Call the CheckpointActor, waiting out a restart (it was on a lost node; Ray restarts it
+        elsewhere and it rebuilds its state from storage) for up to fault_tolerance.start_timeout_s.
+        Only idempotent methods are asked this way: a call may have run before the actor went away."""
+        deadline = time.monotonic() + self.spec.fault_tolerance.start_timeout_s
+        while True:
+            try:
+                return ray.get(getattr(self.actor, method).remote(*args))
+            except ActorUnavailableError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                logger.warning("checkpoint actor unavailable for %s (restarting?), retrying: %s", method,
+                               str(exc).splitlines()[0])
+                time.sleep(_RETRY_S)
 
     def unsaved(self, results: list[Any], status: dict[str, Any]) -> str | None:
         """Why a finished job's checkpoints are not what it asked for, or None.
@@ -173,7 +192,7 @@ class CheckpointService:
         save cost and step time the earlier attempts measured (their newest decision)."""
         if self.spec.checkpoint.interval_steps != "auto":
             return None
-        last = ray.get(self.actor.interval_history.remote())
+        last = self._ask("interval_history")
         return IntervalHistory(failures=sum((self._job.get("failures") or {}).values()),
                                survived_s=time.time() - self.started_unix,
                                cost_s=last.get("cost_s"), step_time_s=last.get("step_time_s"))
@@ -182,7 +201,7 @@ class CheckpointService:
         self.actor.release.remote(f"attempt-{attempt}")
 
     def status(self) -> dict[str, Any]:
-        return ray.get(self.actor.status.remote())
+        return self._ask("status")
 
     def note_job(self, info: dict[str, Any]) -> None:
         """Tell the CheckpointActor the job's state and training step (it turns them into work at

@@ -2,8 +2,10 @@
 (ray.cluster_utils.Cluster: a 0-CPU head and three 1-CPU nodes, no shared directory between the
 job's actors other than the S3 bucket) trains the demo job with ``checkpoint.dir`` on the S3
 endpoint given on the command line. Rank 0 hangs after step 12 (attempt 0 only), so the job
-cannot finish before the fault; once step 10's manifest is in the bucket, the node hosting rank 1
-is removed. The job restarts on the surviving node and the spare one, resumes from S3 and
+cannot finish before the fault; once step 10's manifest is in the bucket, a node hosting a rank is
+removed: the CheckpointActor's node when it hosts a rank, else rank 1's node, and then the
+actor's process is killed. Either way the actor is lost with the rank, and Ray restarts it (on
+another node, if its node went) while the job restarts; it rebuilds its state from the bucket. The job restarts on the surviving node and the spare one, resumes from S3 and
 finishes. Prints one JSON line with what happened.
 
 argv: <S3 endpoint URL> <s3://bucket/prefix>
@@ -30,6 +32,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util import placement_group_table  # noqa: E402
 
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout  # noqa: E402
+from raytrain_ckpt.checkpoint.names import NAMESPACE, actor_name  # noqa: E402
 from raytrain_ckpt.driver import run_job  # noqa: E402
 from raytrain_ckpt.faults import ENV_VAR  # noqa: E402
 from raytrain_ckpt.spec import load_spec  # noqa: E402
@@ -60,23 +63,40 @@ def main(endpoint: str, root: str) -> None:
         "fault_tolerance.poll_interval_s=0.2", "fault_tolerance.placement_timeout_s=30"])
     layout = CheckpointLayout(f"{root}/{spec.name}", options=options)
     box: dict = {}
-    job = threading.Thread(target=lambda: box.setdefault("result", run_job(spec)))
+
+    def run() -> None:
+        try:
+            box["result"] = run_job(spec)
+        except BaseException as exc:  # reported in the JSON line: the test shows it
+            box["error"] = f"{type(exc).__name__}: {exc}"
+
+    job = threading.Thread(target=run)
     job.start()
     deadline = time.monotonic() + STEP_TIMEOUT_S
     while not layout.is_committed_name(10) and time.monotonic() < deadline:
         time.sleep(0.2)
     committed_before = sorted(layout.step_dirs())
-    victim = _rank_node(1)
-    survivor = _rank_node(0)
+    actor = ray.get_actor(actor_name(spec.name), namespace=NAMESPACE)
+    actor_node, _ = ray.get(actor.probes_seen.remote([]))
+    ranks = [_rank_node(0), _rank_node(1)]
+    victim = actor_node if actor_node in ranks else ranks[1]
+    survivor = next(n for n in ranks if n != victim) if len(set(ranks)) == 2 else None
     cluster.remove_node(next(n for n in nodes if n.node_id == victim))
+    if actor_node != victim:
+        ray.kill(actor, no_restart=False)  # the process dies; Ray restarts it (max_restarts=-1)
     job.join(timeout=400)
+    if "result" not in box:
+        print(json.dumps({"state": "RAISED", "error": box.get("error", "still running after 400s")}))
+        ray.shutdown()
+        cluster.shutdown()
+        return
     r = box["result"]
     print(json.dumps({
         "state": r.state.value, "attempts": r.attempts, "error": r.error, "failures": [str(f) for f in r.failures],
         "start_steps": [x.start_step for x in r.results], "fingerprints": [x.fingerprint for x in r.results],
         "losses": {str(k): v for k, v in r.losses.items()}, "committed": (r.checkpoints or {}).get("committed"),
         "committed_before_loss": committed_before, "valid_in_bucket": sorted(layout.valid_steps("checksum")),
-        "removed_node": victim, "surviving_node": survivor,
+        "removed_node": victim, "surviving_node": survivor, "actor_on_removed_node": actor_node == victim,
         "alive_nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
     }))
     ray.shutdown()

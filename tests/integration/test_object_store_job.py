@@ -138,8 +138,9 @@ def test_transient_s3_errors_are_retried_and_steps_commit(reference, s3_endpoint
 
 
 def test_multi_node_job_on_s3_survives_the_loss_of_a_rank_node_bit_exact(reference, s3_endpoint, s3_bucket):
-    # a 0-CPU head and three 1-CPU nodes (own Ray cluster, in a subprocess); the node of rank 1 is
-    # removed once step 10 is committed in the bucket, while rank 0 hangs after step 12
+    # a 0-CPU head and three 1-CPU nodes (own Ray cluster, in a subprocess); a node hosting a rank
+    # (the CheckpointActor's, when it hosts one) is removed once step 10 is committed in the bucket,
+    # while rank 0 hangs after step 12
     out = subprocess.run([sys.executable, str(NODE_LOSS), s3_endpoint.url, f"{s3_bucket}/runs"],
                          capture_output=True, text=True, timeout=600, cwd=NODE_LOSS.parents[2])
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]

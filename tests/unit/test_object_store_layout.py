@@ -339,3 +339,26 @@ def test_an_export_whose_step_is_deleted_meanwhile_writes_nothing(s3_endpoint, t
     with pytest.raises(ConversionError, match="changed while it was being exported .* nothing was written"):
         export.export_checkpoint(step, tmp_path / "out", "torch", "fp32")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.tmp-*"))
+
+
+def test_an_exporter_that_cannot_put_a_lease_exports_without_one(s3_endpoint, tmp_path, monkeypatch, caplog) -> None:
+    import torch
+
+    from raytrain_ckpt.checkpoint.export import export_checkpoint
+    from raytrain_ckpt.checkpoint.importer import import_checkpoint
+
+    weights = {"norm.weight": torch.rand(8)}
+    torch.save(weights, tmp_path / "m.pt")
+    step = import_checkpoint(tmp_path / "m.pt", f"{s3_endpoint.new_bucket()}/runs").path
+    put = ObjectStorage.write_bytes
+
+    def read_only_leases(self, path, data) -> None:      # credentials that may read the bucket, not write it
+        if "/leases/" in str(path):
+            raise PermissionError(f"AccessDenied: PUT {path}")
+        put(self, path, data)
+
+    monkeypatch.setattr(ObjectStorage, "write_bytes", read_only_leases)
+    export_checkpoint(step, tmp_path / "out", "torch", "fp32")
+    assert "exporting without one" in caplog.text
+    back = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    assert torch.equal(back["norm.weight"], weights["norm.weight"])
