@@ -205,7 +205,7 @@ def _add_conversion_commands(sub: argparse._SubParsersAction) -> None:
                    help="check the step against its manifest: checksums (default), or file sizes only")
     i = sub.add_parser("import", help="a torch.save file or HF safetensors directory -> a committed step 0")
     i.add_argument("file", help="torch.save file of a model state_dict, or a directory of *.safetensors")
-    i.add_argument("--to", required=True, help="directory to write step-00000000/ into")
+    i.add_argument("--to", required=True, help="directory or object-store URI (s3://bucket/prefix) to write step-00000000/ into")
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -245,9 +245,6 @@ def _check_conversion_paths(args: argparse.Namespace) -> None:
     from raytrain_ckpt.spec.environment import writable_dir_problem
 
     source, out, flag = (args.file, args.to, "--to") if args.command == "import" else (args.ckpt, args.out, "--out")
-    if args.command == "import" and "://" in out:
-        raise ConversionError(f"--to {out}: import writes a local checkpoint directory; import there and resume "
-                              "from it with --set checkpoint.resume=<dir>/step-00000000")
     if "://" in source or "://" in out:  # object stores: checked when the export opens them
         return
     path = Path(source).expanduser()

@@ -18,7 +18,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.interval import IntervalDecision
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint, Manifest, Verify
+from raytrain_ckpt.checkpoint.layout import (LEFTOVER_GRACE_S, CheckpointLayout, InvalidCheckpoint, LeftoverWatch,
+                                             Manifest, Verify)
 from raytrain_ckpt.checkpoint.leases import LeaseFiles, purge_lock
 from raytrain_ckpt.checkpoint.dcp_storage import dcp_writer
 from raytrain_ckpt.checkpoint.storage import is_uri
@@ -104,7 +105,8 @@ class _Gather:
 class CheckpointActor:
     """Async Ray actor; see the module docstring. Methods are called by writers, trainers and the driver."""
 
-    def __init__(self, root: str, retention: RetentionPolicy, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, root: str, retention: RetentionPolicy, storage_options: dict[str, Any] | None = None,
+                 leftover_grace_s: float = LEFTOVER_GRACE_S) -> None:
         setup_logging()
         self.layout = CheckpointLayout(root, options=storage_options)
         self.storage_options = dict(storage_options or {})
@@ -119,10 +121,12 @@ class CheckpointActor:
         self.saves = SaveFailures()
         self.pending: dict[int, _Pending] = {}
         self.leases: dict[str, int] = {}
-        # exporters' leases, judged live by our own clock (lease files need a POSIX root: see leases.py)
-        self.lease_files = LeaseFiles(Path(self.layout.root)) if self.layout.atomic else None
+        # exporters' leases, judged live by our own clock (see leases.py)
+        self.lease_files = LeaseFiles(self.layout.root, storage=self.layout.storage)
         self.purge_errors = 0
         """Retention deletes that failed (logged); the commits they followed stand."""
+        self.leftovers = LeftoverWatch(leftover_grace_s)
+        """Uncommitted entries (an aborted step a slow writer kept uploading into), judged by our clock."""
         self._gathers: dict[tuple[int, int], _Gather] = {}
         self._metadata: dict[str, Metadata] = {}
         # progress reporting: metrics, `raytrain-ckpt status`, the actor's repr
@@ -299,11 +303,23 @@ class CheckpointActor:
         if removed:
             logger.info("retention removed step(s) %s", removed)
             self.metrics.purged(len(removed))
+        self._remove_stale_leftovers()
+
+    def _remove_stale_leftovers(self) -> None:
+        """After retention: remove entries that never committed and stayed unchanged for
+        ``checkpoint.leftover_grace_s`` (never a step in flight). Never raises, like ``_purge``."""
+        try:
+            self.layout.remove_stale_leftovers(self.leftovers, [p.tmp for p in list(self.pending.values())],
+                                               set(self.committed))
+        except Exception as exc:  # the next commit's pass tries again; nothing committed is touched
+            self.purge_errors += 1
+            logger.error("could not remove uncommitted leftovers (%d failure(s) so far): %s", self.purge_errors, exc)
 
     def _delete(self, step: int) -> bool:
         """Delete one committed step; a failure is logged and counted, and the step stays registered."""
         try:
-            self.layout.delete(step)
+            if not self.layout.delete(step, self._still_unleased(step)):
+                return False  # an exporter leased it meanwhile (object store): kept, deleted by a later pass
         except FileNotFoundError:
             logger.warning("checkpoint step %d vanished from %s (removed by hand?); dropped from the registry",
                            step, self.layout.root)
@@ -412,15 +428,18 @@ class CheckpointActor:
 
     @contextlib.contextmanager
     def _purge_lock(self) -> Iterator[None]:
-        """The lease lock of a POSIX root; nothing on an object store (no lease files there)."""
-        if not self.layout.atomic:
-            yield
-            return
-        with purge_lock(Path(self.layout.root)):
+        """The lease lock of a POSIX root; nothing on an object store (``delete`` re-checks there)."""
+        with purge_lock(self.layout.root):
             yield
 
     def _file_leased_steps(self) -> set[int]:
-        return self.lease_files.leased_steps() if self.lease_files is not None else set()
+        return self.lease_files.leased_steps()
+
+    def _still_unleased(self, step: int) -> Callable[[], bool] | None:
+        """Object store (no lease lock): the re-check ``layout.delete`` makes after removing the manifest."""
+        if self.layout.atomic:
+            return None
+        return lambda: step not in self._file_leased_steps()
 
     def _abandon_after(self, head: int, resume: str) -> None:
         newer = [s for s in sorted(self.committed) if s > head]

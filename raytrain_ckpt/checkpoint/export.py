@@ -26,9 +26,10 @@ durable export.
 Object stores: the step may be a URI (``s3://.../step-00000040``; read through fsspec with the
 same verification and restricted unpickling), and so may ``out``: the export is then written to
 a local temporary directory and uploaded, ``config.json`` / the index / ``model.pt`` last, so a
-prefix holding that last file holds a complete export. Exporter lease files need a POSIX root:
-a step on an object store is exported without a lease, and a step that retention deletes
-meanwhile fails the export (its reads fail), never produces a wrong one.
+prefix holding that last file holds a complete export. The lease is then an object under the
+job's root (see ``leases.py``). Whatever the storage, the step is checked against its manifest
+again after the last tensor is read and before the export is put in place: a step deleted or
+changed meanwhile fails the export, never produces a wrong one.
 """
 
 from __future__ import annotations
@@ -354,7 +355,7 @@ def _staged_output(out: Path) -> Iterator[Path]:
 def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "bf16",
                       model_cfg: LlamaConfig | None = None, with_optimizer: bool = False,
                       max_shard_bytes: int = 5 * 10**9, verify: Verify = "checksum",
-                      lease_root: Path | None = None, select: str | None = None) -> ExportResult:
+                      lease_root: Location | None = None, select: str | None = None) -> ExportResult:
     """Export one committed step, holding a lease on it against the job's retention.
 
     Args:
@@ -366,7 +367,8 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
         with_optimizer: ``torch`` only: add the optimizer state.
         max_shard_bytes: ``hf`` only: size bound of one safetensors file.
         verify: How the step is checked before reading: ``checksum`` (default) or ``size``.
-        lease_root: Where the lease file goes (default: the step's parent, the job's checkpoint root).
+        lease_root: Where the lease goes (default: the step's parent, the job's checkpoint root; a
+            directory or an object-store prefix).
         select: With a checkpoint root: ``latest`` (default), ``best`` (by the job's
             ``checkpoint.keep_best`` metric) or a step number.
 
@@ -379,21 +381,30 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
         model_cfg = _manifest_model(manifest)
     _check_args(fmt, dtype, model_cfg, with_optimizer)
     args = (fmt, DTYPES[dtype], model_cfg, with_optimizer, max_shard_bytes, t0)
-    if is_uri(step_dir):  # no lease files on an object store (see the module docstring)
-        result = _export_to(step_dir, manifest, out, args)
-        result.selected = why
-        return result
-    root = Path(lease_root) if lease_root is not None else Path(step_dir).parent
-    try:
-        lease = FileLease(root, manifest.step).__enter__()
-    except InvalidCheckpoint as exc:
-        raise ConversionError(str(exc)) from None
+    lease = _take_lease(lease_root if lease_root is not None else _parent(step_dir), manifest.step)
     try:
         result = _export_to(step_dir, manifest, out, args)
         result.selected = why
         return result
     finally:
-        lease.__exit__(None, None, None)
+        if lease is not None:
+            lease.__exit__(None, None, None)
+
+
+def _take_lease(root: Location, step: int) -> FileLease | None:
+    """A lease on ``step`` against the job's retention. On an object store an exporter with
+    read-only credentials cannot PUT one: it exports without (logged), protected only by the
+    re-check of the step at the end (``_check_still_committed``)."""
+    try:
+        return FileLease(root, step).__enter__()
+    except InvalidCheckpoint as exc:
+        raise ConversionError(str(exc)) from None
+    except OSError as exc:
+        if not is_uri(root):
+            raise
+        logger.warning("could not write an export lease under %s (%s); exporting without one: a step that "
+                       "retention deletes meanwhile fails the export", root, exc)
+        return None
 
 
 _LAST = ("config.json", "model.safetensors.index.json", "model.pt")
@@ -416,6 +427,16 @@ def _export_to(step_dir: Location, manifest: Manifest, out: Location, args: tupl
             storage.put_file(Path(local) / "out" / name, storage.join(target, name))
     result.out = target
     return result
+
+
+def _check_still_committed(step_dir: Location) -> None:
+    """The step is still committed and whole after every tensor was read: an export that raced a
+    delete its lease did not stop (a lease judged stale) fails, it never writes a wrong model."""
+    try:
+        CheckpointLayout(_parent(step_dir)).verify(step_dir, "size")
+    except InvalidCheckpoint as exc:
+        raise ConversionError(f"{step_dir} changed while it was being exported ({exc}); nothing was written; "
+                              "export another step") from None
 
 
 def _manifest_model(manifest: Manifest) -> LlamaConfig | None:
@@ -460,6 +481,7 @@ def _export_leased(step_dir: Location, manifest: Manifest, out: Path, fmt: Forma
         else:
             n, nbytes = _write_torch(reader, tmp, dtype, with_optimizer)
         files = sorted(p.name for p in tmp.iterdir())
+        _check_still_committed(step_dir)  # before the export is renamed into place (or uploaded)
     rss = peak_rss_bytes()
     result = ExportResult(manifest.step, out, files, n, nbytes, reader.peak, rss, time.monotonic() - t0, step_dir)
     logger.info("exported step %d (%s, %d tensors, %.1f MB) to %s in %.2fs; peak tensor memory %.1f MB, "

@@ -1,7 +1,10 @@
 """Import pretrained weights (a ``torch.save`` file or an HF safetensors directory) as a committed step.
 
 ``import FILE --to DIR`` writes ``DIR/step-00000000/``: a DCP checkpoint holding only
-``model.<fqn>`` tensors, with a manifest, committed atomically like any saved step. A job
+``model.<fqn>`` tensors, with a manifest, committed atomically like any saved step. ``DIR`` may
+be an object-store URI (``s3://bucket/prefix``): DCP writes to a local temporary directory, the
+files are uploaded into ``step-00000000/`` and the manifest is written last, the object-store
+commit protocol of ``layout.py``. A job
 resumes from it with ``checkpoint.resume: DIR/step-00000000`` (or by importing into
 ``<checkpoint.dir>/<job name>`` and resuming ``latest``); it loads the model only and starts
 at step 0 with a fresh optimizer (see ``checkpoint/state.py``).
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -23,6 +27,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from raytrain_ckpt.checkpoint.export import progress_bar
 from raytrain_ckpt.checkpoint.formats import ConversionError, our_name
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout, Manifest, describe_file
+from raytrain_ckpt.checkpoint.storage import Location, StorageUnavailable, is_uri
 from raytrain_ckpt.events import headline
 
 logger = logging.getLogger(__name__)
@@ -35,7 +40,8 @@ __all__ = ["ImportResult", "import_checkpoint"]
 class ImportResult:
     """The committed step an import wrote."""
 
-    path: Path
+    path: Location
+    """The committed step: a directory, or an object-store prefix."""
     tensors: int
     bytes: int
     seconds: float
@@ -77,27 +83,35 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def import_checkpoint(src: Path, to: Path) -> ImportResult:
-    """Write the weights in ``src`` as the committed step 0 under ``to``.
+def import_checkpoint(src: Path, to: Location) -> ImportResult:
+    """Write the weights in ``src`` as the committed step 0 under ``to`` (a directory or a URI).
 
     Raises:
-        ConversionError: A missing or unreadable source, or ``to`` already holds a step 0.
+        ConversionError: A missing or unreadable source, an unusable URI, or ``to`` already holds a step 0.
     """
     t0 = time.monotonic()
-    src, to = Path(src).expanduser().resolve(), Path(to).expanduser().resolve()
+    src = Path(src).expanduser().resolve()
+    to = str(to).rstrip("/") if is_uri(to) else Path(to).expanduser().resolve()
     if not src.exists():
         raise ConversionError(f"{src}: no such file or directory; pass a torch.save file or an HF safetensors directory")
-    layout = CheckpointLayout(to)
-    if layout.step_dir(0).exists():
-        raise ConversionError(f"--to {to} already holds {layout.step_dir(0).name}; pass another directory "
-                          "(a checkpoint is never overwritten)")
+    try:
+        layout = CheckpointLayout(to)
+    except StorageUnavailable as exc:
+        raise ConversionError(str(exc)) from None
+    if layout.storage.is_dir(layout.step_dir(0)):
+        raise ConversionError(f"--to {to} already holds {layout.storage.name(layout.step_dir(0))}; pass another "
+                              "directory (a checkpoint is never overwritten)")
     model = _read_safetensors(src) if src.is_dir() else _read_torch(src)
-    tmp = layout.new_tmp_dir(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that no process group is used: intended here
-        dcp.save({"model": model}, storage_writer=FileSystemWriter(str(tmp), sync_files=True), no_dist=True)
-    files = {p.name: describe_file(p) for p in tmp.iterdir() if p.is_file()}
     origin = hashlib.sha256(str(src).encode()).hexdigest()[:8]
+    if layout.atomic:
+        tmp = Path(layout.new_tmp_dir(0))
+        files = _save(model, tmp)
+    else:
+        with tempfile.TemporaryDirectory(prefix="rtc-import-") as local:
+            files = _save(model, Path(local))
+            tmp = layout.new_tmp_dir(0)  # step-00000000/ itself; nothing is committed before the manifest
+            for name in sorted(files):
+                layout.storage.put_file(Path(local) / name, layout.storage.join(tmp, name))
     manifest = Manifest(step=0, world_size=1, dp_size=1, spec_hash=f"import-{origin}", files=files)
     final = layout.commit(tmp, manifest)
     result = ImportResult(final, len(model), sum(t.nbytes for t in model.values()), time.monotonic() - t0)
@@ -105,3 +119,10 @@ def import_checkpoint(src: Path, to: Path) -> ImportResult:
                 final, result.seconds)
     return result
 
+
+def _save(model: dict[str, torch.Tensor], directory: Path) -> dict[str, dict[str, int]]:
+    """``model`` as a DCP checkpoint in ``directory`` (fsynced); the manifest entries of its files."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group is used: intended here
+        dcp.save({"model": model}, storage_writer=FileSystemWriter(str(directory), sync_files=True), no_dist=True)
+    return {p.name: describe_file(p) for p in directory.iterdir() if p.is_file()}

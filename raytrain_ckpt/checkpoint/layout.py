@@ -23,16 +23,26 @@ same rules hold through another order of writes:
 - **commit**: shards and ``.metadata`` are written in place under ``step-N/``; the manifest is
   written LAST, in one PUT, and is the commit marker. A ``step-N/`` without a manifest is an
   uncommitted leftover (a writer killed mid-upload, a save that aborted): it never verifies, so
-  it is never loaded, and it is removed when the next run starts (``remove_leftover_tmp``) or
-  when a save of N reuses the prefix (``new_tmp_dir``).
+  it is never loaded, and it is removed when the next run starts (``remove_leftover_tmp``), when
+  a save of N reuses the prefix (``new_tmp_dir``), or, in a long run, once nothing under it has
+  changed for ``checkpoint.leftover_grace_s`` (``remove_stale_leftovers``; a writer on another
+  node may still be uploading into an aborted step, so it is not removed at once).
 - **delete** (retention): the manifest first, then the objects: a crash in between leaves a
   manifest-less leftover, never a torn step that looks committed.
 - **move aside** (``set_aside``, ``abandon``): rename by copy: every object is copied to
   ``step-N.<kind>-<id>/``, its manifest last, and only then is the source deleted, manifest
   first. At every moment the step is committed under one of the two names (or both): a
   committed step is never lost.
-- ``.tmp-`` entries do not occur (nothing is staged for a rename); exporters' lease files and
-  the purge lock are POSIX-only (see ``leases.py``).
+- ``.tmp-`` entries do not occur (nothing is staged for a rename). Exporters' lease objects
+  live under ``leases/`` as on POSIX; without a lock, ``delete`` re-reads them after removing the
+  manifest and puts the manifest back if a lease on the step appeared (see ``leases.py``).
+
+Leftovers in a long run: an entry that never committed (``step-N/`` without a manifest on an
+object store, ``step-N.tmp-<id>`` on POSIX) and is not in flight is removed by the
+CheckpointActor after each commit once ``LeftoverWatch`` has seen it unchanged (same files,
+sizes and modification times) for ``grace_s`` of the actor's own monotonic clock. The store's
+timestamps are only compared with themselves, never with a local clock, so clock skew between
+the store and the node cannot make a fresh upload look old.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +72,8 @@ __all__ = [
     "Entry",
     "EntryKind",
     "InvalidCheckpoint",
+    "LEFTOVER_GRACE_S",
+    "LeftoverWatch",
     "Manifest",
     "UnsafeCheckpoint",
     "describe_file",
@@ -76,6 +88,38 @@ _ENTRY_RE = re.compile(r"step-([0-9]{8,})(?:\.([a-z]+)-([0-9a-f]+))?")
 Verify = Literal["size", "checksum"]
 _VERIFY_THREADS = min(4, os.cpu_count() or 1)
 """Files of one step checksummed at once."""
+
+
+LEFTOVER_GRACE_S = 3600.0
+"""Default ``checkpoint.leftover_grace_s``: how long an uncommitted entry must stay unchanged
+before a running job removes it."""
+
+
+class LeftoverWatch:
+    """Which uncommitted entries have stayed unchanged for ``grace_s`` of this reader's clock.
+
+    Stateful like ``leases.LeaseFiles``: "unchanged" is judged against what the same instance saw
+    before, so one instance (the CheckpointActor's) must look every time. An entry seen for the
+    first time, or seen changed, starts its grace period again.
+    """
+
+    def __init__(self, grace_s: float = LEFTOVER_GRACE_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.grace_s, self._clock = grace_s, clock
+        self._seen: dict[str, tuple[Hashable, float]] = {}
+        """entry name -> (its snapshot, this reader's time when it last changed)"""
+
+    def stale(self, snapshots: dict[str, Hashable]) -> list[str]:
+        """The names among ``snapshots`` (entry name -> what is under it now) unchanged for ``grace_s``."""
+        now = self._clock()
+        self._seen = {name: seen for name, seen in self._seen.items() if name in snapshots}
+        out = []
+        for name, snap in sorted(snapshots.items()):
+            last, changed_at = self._seen.get(name, (None, now))
+            if snap != last:
+                self._seen[name] = (snap, now)
+            elif now - changed_at >= self.grace_s:
+                out.append(name)
+        return out
 
 
 class EntryKind(enum.Enum):
@@ -248,16 +292,40 @@ class CheckpointLayout:
     def remove_leftover_tmp(self) -> list[Location]:
         """Delete what saves that never committed left: ``*.tmp-*`` directories (POSIX), and
         ``step-N/`` prefixes without a manifest (object store). Call it before any save starts."""
-        removed = [path for e, path in self.entries() if e.kind is EntryKind.TMP]
-        if not self.atomic:
-            removed += [path for e, path in self.entries() if e.kind.is_loadable
-                        and not self.storage.is_file(self.storage.join(path, MANIFEST))]
+        removed = [path for _, path in self.uncommitted()]
         for path in removed:
             self.storage.remove_tree(path)
         if removed:
             logger.warning("removed %d uncommitted checkpoint dir(s): %s", len(removed),
                            ", ".join(self.storage.name(p) for p in removed))
         return removed
+
+    def uncommitted(self, committed: Collection[int] = ()) -> list[tuple[Entry, Location]]:
+        """Entries that never committed: ``*.tmp-*`` (POSIX) and manifest-less ``step-N/`` (object
+        store; the steps in ``committed`` are known to have a manifest and are not asked)."""
+        entries = self.entries()
+        out = [(e, path) for e, path in entries if e.kind is EntryKind.TMP]
+        if not self.atomic:
+            out += [(e, path) for e, path in entries if e.kind.is_loadable and e.step not in committed
+                    and not self.storage.is_file(self.storage.join(path, MANIFEST))]
+        return out
+
+    def remove_stale_leftovers(self, watch: LeftoverWatch, in_flight: Collection[Location],
+                               committed: Collection[int] = ()) -> list[Location]:
+        """Remove the uncommitted entries that ``watch`` judges unchanged for its grace period,
+        never one of ``in_flight`` (the places this job's pending saves write to). ``committed``:
+        steps known to be committed (spares one request each on an object store)."""
+        busy = {str(p).rstrip("/") for p in in_flight}
+        candidates = {self.storage.name(path): path for _, path in self.uncommitted(committed)
+                      if str(path).rstrip("/") not in busy}
+        snapshots = {name: self.storage.snapshot(path) for name, path in candidates.items()}
+        doomed = [candidates[name] for name in watch.stale(snapshots)]
+        for path in doomed:
+            self.storage.remove_tree(path)
+        if doomed:
+            logger.warning("removed %d uncommitted checkpoint entr(ies) unchanged for %gs: %s", len(doomed),
+                           watch.grace_s, ", ".join(self.storage.name(p) for p in doomed))
+        return doomed
 
     def read_manifest(self, path: Location) -> Manifest:
         """The validated manifest of a step directory; raises InvalidCheckpoint."""
@@ -396,21 +464,34 @@ class CheckpointLayout:
         self.storage.remove_file(self.storage.join(src, MANIFEST))
         self.storage.remove_tree(src)
 
-    def delete(self, step: int) -> None:
+    def delete(self, step: int, still_doomed: Callable[[], bool] | None = None) -> bool:
         """Remove a committed step. POSIX: rename out of the step namespace first (durably), so a
         crash mid-delete leaves no torn step-N, only a ``.tmp-`` entry that the next start
-        removes. Object store: the manifest first, then the objects (a leftover, removed on start)."""
+        removes. Object store: the manifest first, then the objects (a leftover, removed on start).
+
+        ``still_doomed`` (object store; POSIX callers hold the lease lock instead) is asked after
+        the manifest is gone: False (a lease on the step appeared) puts the same manifest back
+        and keeps the step. Returns whether the step was deleted.
+        """
         final = self.step_dir(step)
         if not self.atomic:
             if not self.storage.is_dir(final):
                 raise FileNotFoundError(final)
-            self.storage.remove_file(self.storage.join(final, MANIFEST))
+            mpath = self.storage.join(final, MANIFEST)
+            body = self.storage.read_bytes(mpath) if still_doomed is not None and self.storage.is_file(mpath) else None
+            self.storage.remove_file(mpath)
+            if still_doomed is not None and not still_doomed():
+                if body is not None:
+                    self.storage.write_bytes(mpath, body)
+                logger.warning("step %d was leased while being deleted: its manifest is back, the step is kept", step)
+                return False
             self.storage.remove_tree(final)
-            return
+            return True
         doomed = Path(final).with_name(step_name(step, EntryKind.TMP, uuid.uuid4().hex[:12]))
         os.rename(final, doomed)
         fsync_dir(Path(self.root))
         shutil.rmtree(doomed, ignore_errors=True)
+        return True
 
     def abandon(self, step: int, tag: str) -> Location:
         """Move committed ``step`` out of the step namespace to ``step-N.abandoned-<tag>``: kept

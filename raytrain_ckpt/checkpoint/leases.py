@@ -22,6 +22,18 @@ The race between "decide to read step N" and "retention deletes N" is closed by 
 taking a lease writes the file and checks that the step still exists while holding it, and the
 actor reads the lease files and deletes steps while holding it. Either the exporter sees the
 step gone (and says so), or the actor sees the lease.
+
+Object stores (``s3://``...) have no lock. A lease is an object ``<root>/leases/<holder>.json``,
+written whole by one PUT, and the same race is closed by the order of operations, given the
+store's read-after-write consistency (S3, GCS): the exporter PUTs its lease, then checks that the
+step's manifest exists; the actor deletes a step's manifest first, then reads the leases again,
+and puts the manifest back (the same bytes, the objects untouched) if a lease on the step
+appeared (``CheckpointLayout.delete``). If the exporter saw the manifest, its lease was written
+before the manifest was deleted, so the actor's second read sees it and the step stays; if not,
+the exporter says the step is gone. A heartbeat cannot check-and-write atomically there: a
+holder stalled past the TTL may write its lease back after a reader removed it, which protects
+a step that may be gone (harmless: the export's final check fails it). Liveness is judged the
+same way on both (beats, the reader's clock).
 """
 
 from __future__ import annotations
@@ -38,8 +50,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint
+from raytrain_ckpt.checkpoint.storage import Location, Storage, is_uri, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +68,17 @@ HEARTBEAT_S = 5.0
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+\.json$")
 
 
+def _root(root: Location) -> Location:
+    return str(root).rstrip("/") if is_uri(root) else Path(root)
+
+
 @contextmanager
-def purge_lock(root: Path) -> Iterator[None]:
-    """Exclusive lock over taking leases and purging steps under ``root`` (blocks until held)."""
+def purge_lock(root: Location) -> Iterator[None]:
+    """Exclusive lock over taking leases and purging steps under ``root`` (blocks until held).
+    Nothing on an object store: the order of operations stands in for it (module docstring)."""
+    if is_uri(root):
+        yield
+        return
     d = Path(root) / LEASE_DIR
     d.mkdir(parents=True, exist_ok=True)
     with open(d / ".lock", "a+") as f:
@@ -74,17 +96,19 @@ class LeaseFiles:
     same instance must read the leases every time (the CheckpointActor keeps one).
     """
 
-    def __init__(self, root: Path, ttl_s: float = LEASE_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
-        self.root, self.ttl_s, self._clock = Path(root), ttl_s, clock
+    def __init__(self, root: Location, ttl_s: float = LEASE_TTL_S, clock: Callable[[], float] = time.monotonic,
+                 storage: Storage | None = None) -> None:
+        self.root, self.ttl_s, self._clock = _root(root), ttl_s, clock
+        self.storage = storage if storage is not None else open_storage(self.root)
         self._seen: dict[str, tuple[int, float]] = {}
         """file name -> (the beat last read, this reader's time when it last changed)"""
 
     def leased_steps(self) -> set[int]:
         """Steps named by live lease files. A stale one is removed; an unreadable one (being
         replaced right now, or garbage) is skipped. Call it holding ``purge_lock``."""
-        d = self.root / LEASE_DIR
+        d = self.storage.join(self.root, LEASE_DIR)
         now = self._clock()
-        read = _read_leases(d)
+        read = _read_leases(self.storage, d)
         self._seen = {name: seen for name, seen in self._seen.items() if name in read}
         out: set[int] = set()
         for name, (step, beat) in read.items():
@@ -94,30 +118,29 @@ class LeaseFiles:
             elif now - changed_at > self.ttl_s:
                 logger.warning("removing stale lease %s on step %d (beat %d unchanged for %.0fs)", name, step,
                                beat, now - changed_at)
-                (d / name).unlink(missing_ok=True)
+                self.storage.remove_file(self.storage.join(d, name))
                 del self._seen[name]
                 continue
             out.add(step)
         return out
 
 
-def file_leased_steps(root: Path) -> set[int]:
+def file_leased_steps(root: Location) -> set[int]:
     """Steps named by the lease files under ``root`` as a reader seeing them for the first time
     judges them: all live (staleness takes a ``LeaseFiles`` that watches them over time)."""
     return LeaseFiles(root).leased_steps()
 
 
-def _read_leases(d: Path) -> dict[str, tuple[int, int]]:
+def _read_leases(storage: Storage, d: Location) -> dict[str, tuple[int, int]]:
     """file name -> (step, beat) of every readable lease file in ``d``."""
-    if not d.is_dir():
-        return {}
     out = {}
-    for path in d.iterdir():
-        if not _NAME_RE.match(path.name):
+    for name in storage.listdir(d):
+        if not _NAME_RE.match(name):
             continue
+        path = storage.join(d, name)
         try:
-            body = json.loads(path.read_text(encoding="utf-8"))
-            out[path.name] = (int(body["step"]), int(body.get("beat", 0)))
+            body = json.loads(storage.read_bytes(path).decode("utf-8"))
+            out[name] = (int(body["step"]), int(body.get("beat", 0)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             # Removed right now, or garbage: it protects nothing.
             logger.debug("ignoring lease file %s: %s", path, exc)
@@ -130,9 +153,12 @@ class FileLease:
     Raises InvalidCheckpoint on entry when the step is no longer there (retention got it first).
     """
 
-    def __init__(self, root: Path, step: int, holder: str = "export", heartbeat_s: float = HEARTBEAT_S) -> None:
-        self.root, self.step, self.heartbeat_s = Path(root), step, heartbeat_s
-        self.path = self.root / LEASE_DIR / f"{holder}-{uuid.uuid4().hex[:8]}.json"
+    def __init__(self, root: Location, step: int, holder: str = "export", heartbeat_s: float = HEARTBEAT_S,
+                 options: dict[str, Any] | None = None) -> None:
+        self.root, self.step, self.heartbeat_s = _root(root), step, heartbeat_s
+        self.layout = CheckpointLayout(self.root, options=options)
+        self.storage = self.layout.storage
+        self.path = self.storage.join(self.root, LEASE_DIR, f"{holder}-{uuid.uuid4().hex[:8]}.json")
         self.beats = 0
         """Heartbeats written so far (the ``beat`` in the file)."""
         self.failed_beats = 0
@@ -143,18 +169,21 @@ class FileLease:
     def __enter__(self) -> FileLease:
         with purge_lock(self.root):
             self._write()
-            if not CheckpointLayout(self.root).step_dir(self.step).is_dir():
-                self.path.unlink(missing_ok=True)
+            if not self.layout.is_committed_name(self.step):  # after the write: see the module docstring
+                self.storage.remove_file(self.path)
                 raise InvalidCheckpoint(f"step {self.step} under {self.root} was removed (by retention?) before it "
                                         "could be leased; pick a newer step")
         self._thread = threading.Thread(target=self._beat, name="lease-heartbeat", daemon=True)
         self._thread.start()
-        logger.debug("leased step %d under %s (%s)", self.step, self.root, self.path.name)
+        logger.debug("leased step %d under %s (%s)", self.step, self.root, self.storage.name(self.path))
         return self
 
     def _write(self, beat: int = 0) -> None:
         # Replaced whole (rename), so a reader never sees half a file.
         body = json.dumps({"step": self.step, "beat": beat, "pid": os.getpid(), "host": socket.gethostname()})
+        if not isinstance(self.path, Path):
+            self.storage.write_bytes(self.path, body.encode("utf-8"))  # one PUT: whole or absent
+            return
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(body, encoding="utf-8")
         os.rename(tmp, self.path)
@@ -162,7 +191,7 @@ class FileLease:
     def _bump(self) -> bool:
         """One heartbeat; False when the lease file is gone (a reader removed it as stale)."""
         with purge_lock(self.root):  # a reader removing the file and our rewrite never interleave
-            if not self.path.exists():
+            if not self.storage.is_file(self.path):
                 return False
             self._write(self.beats + 1)
         self.beats += 1
@@ -173,15 +202,15 @@ class FileLease:
             try:
                 if not self._bump():
                     logger.warning("lease %s was removed (judged stale): step %d is no longer protected from "
-                                   "retention", self.path.name, self.step)
+                                   "retention", self.storage.name(self.path), self.step)
                     return
             except OSError as exc:  # transient (a shared file system hiccup): the next beat tries again
                 self.failed_beats += 1
-                logger.warning("lease %s heartbeat failed, retrying in %gs: %s", self.path.name,
+                logger.warning("lease %s heartbeat failed, retrying in %gs: %s", self.storage.name(self.path),
                                self.heartbeat_s, exc)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.path.unlink(missing_ok=True)
+        self.storage.remove_file(self.path)

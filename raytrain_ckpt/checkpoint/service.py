@@ -9,7 +9,7 @@ import uuid
 from typing import Any
 
 import ray
-from ray.exceptions import RayTaskError
+from ray.exceptions import ActorUnavailableError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ckpt.checkpoint.actor import CheckpointActor, ResumePoint
@@ -32,6 +32,9 @@ __all__ = ["NAMESPACE", "CheckpointService", "actor_name"]
 COPY_QUERY_TIMEOUT_S = 10.0
 """How long a restart waits for a node's writer to say which in-memory copy it holds; a writer
 that does not answer in time (its node is going away) sends the restart to storage."""
+_RETRY_S = 0.5
+"""Pause between calls to a restarting CheckpointActor (the wait is bounded by start_timeout_s)."""
+
 
 def _retention(cfg: CheckpointSpec) -> RetentionPolicy:
     best = cfg.keep_best
@@ -51,7 +54,7 @@ class CheckpointService:
         self.actor = ray.remote(CheckpointActor).options(
             name=actor_name(spec.name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1, max_task_retries=0,
             runtime_env=env,
-        ).remote(str(self.root), _retention(cfg), cfg.storage_options)
+        ).remote(str(self.root), _retention(cfg), cfg.storage_options, cfg.leftover_grace_s)
         self._writers: dict[str, Any] = {}
         self._env = env
         self._note: ray.ObjectRef | None = None
@@ -59,20 +62,35 @@ class CheckpointService:
         """The controller's newest summary (``note_job``)."""
         self._start: str | None = None
         """The checkpoint attempt 0 loaded (None: a fresh start)."""
+        self._probed: set[str] | None = None
+        """Nodes whose view of a local checkpoint root was probed (None: no preflight, or an object store)."""
 
     def writer_for(self, node_id: str) -> Any:
-        """The CheckpointWriter pinned to ``node_id`` (created on first use)."""
+        """The CheckpointWriter pinned to ``node_id`` (created on first use).
+
+        A node that the start's preflight did not probe (it joined later: an autoscaler's or a
+        replacement node, at a restart) is probed now, before its ranks get the writer.
+
+        Raises:
+            StorageNotShared: that node does not share a local checkpoint root.
+        """
+        if self._probed is not None and node_id not in self._probed:  # until a probe from it passes
+            logger.info("node %s joined after the start: probing the checkpoint root from it", node_id[:12])
+            self._probe([node_id])
         if node_id not in self._writers:
-            cls = ray.remote(CheckpointWriter)
-            self._writers[node_id] = cls.options(
-                name=writer_name(self.spec.name, node_id), namespace=NAMESPACE, num_cpus=0,
-                max_concurrency=64, max_restarts=-1, max_task_retries=0, runtime_env=self._env,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(self.spec.name, str(self.root), ActorByName(actor_name(self.spec.name)),
-                     self.spec.checkpoint.writer_threads,
-                     self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options,
-                     self.spec.checkpoint.memory_copies)
+            self._writers[node_id] = self._new_writer(node_id)
         return self._writers[node_id]
+
+    def _new_writer(self, node_id: str) -> Any:
+        cls = ray.remote(CheckpointWriter)
+        return cls.options(
+            name=writer_name(self.spec.name, node_id), namespace=NAMESPACE, num_cpus=0,
+            max_concurrency=64, max_restarts=-1, max_task_retries=0, runtime_env=self._env,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(self.spec.name, str(self.root), ActorByName(actor_name(self.spec.name)),
+                 self.spec.checkpoint.writer_threads,
+                 self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options,
+                 self.spec.checkpoint.memory_copies)
 
     def preflight(self) -> None:
         """Before anything trains: check that every node that may host a rank shares the
@@ -83,8 +101,15 @@ class CheckpointService:
         """
         if local_root(str(self.root)) is None:
             return
-        nodes = _rank_nodes(self.spec)
-        writers = [self.writer_for(node) for node in nodes]
+        self._probed = set()
+        self._probe(_rank_nodes(self.spec))
+
+    def _probe(self, nodes: list[str]) -> None:
+        """The shared-storage probe from ``nodes`` (see ``preflight``); remembers them as probed."""
+        for node in nodes:
+            if node not in self._writers:
+                self._writers[node] = self._new_writer(node)
+        writers = [self._writers[node] for node in nodes]
         timeout = self.spec.fault_tolerance.start_timeout_s  # writers start like workers do
         nonce = uuid.uuid4().hex[:12]
         try:
@@ -102,6 +127,8 @@ class CheckpointService:
         missing = missing_probes(probes, set(seen))
         if missing:
             raise StorageNotShared(unshared_message(str(self.spec.checkpoint.dir), missing, actor_node))
+        assert self._probed is not None
+        self._probed.update(nodes)
         logger.info("checkpoint root %s is shared by the %d node(s) that may host ranks", self.root, len(probes))
 
     def acquire(self, attempt: int, spec: JobSpec) -> ResumePoint | None:
@@ -111,17 +138,17 @@ class CheckpointService:
         """
         s = spec
         if attempt > 0:
-            ray.get(self.actor.settle.remote(s.checkpoint.settle_timeout_s))
-        ray.get(self.actor.configure.remote(s.world_size, s.dp_size, s.spec_hash(), s.model.model_dump(mode="json")))
+            self._ask("settle", s.checkpoint.settle_timeout_s)
+        self._ask("configure", s.world_size, s.dp_size, s.spec_hash(), s.model.model_dump(mode="json"))
         holder, verify = f"attempt-{attempt}", s.checkpoint.verify_on_load
         if attempt == 0:
-            point = ray.get(self.actor.begin.remote(holder, s.checkpoint.resume, verify))
+            point = self._ask("begin", holder, s.checkpoint.resume, verify)
             self._start = point.path if point is not None else None
         else:
             # The newest step of this run's timeline; before its first commit, where the run began.
-            point = ray.get(self.actor.acquire.remote(holder, "latest", verify))
+            point = self._ask("acquire", holder, "latest", verify)
             if point is None and self._start is not None:
-                point = ray.get(self.actor.acquire.remote(holder, self._start, verify))
+                point = self._ask("acquire", holder, self._start, verify)
         if point is None:
             logger.info("attempt %d: no checkpoint to resume from under %s; starting at step 0", attempt, self.root)
         else:
@@ -141,7 +168,7 @@ class CheckpointService:
         if attempt == 0:  # a new job: its writers hold nothing yet
             return [RankSource(r, "storage", "the job's first attempt") for r in range(spec.world_size)]
         facts = [self._copy_facts(attempt, rank, node, point.step) for rank, node in enumerate(nodes)]
-        listed = ray.get(self.actor.manifest_files.remote(point.step))
+        listed = self._ask("manifest_files", point.step)
         sources = choose_sources(point.step, spec.world_size, point.world_size, spec.checkpoint.memory_copies,
                                  facts, listed)
         if sources[0].source == "memory":
@@ -162,6 +189,21 @@ class CheckpointService:
         except Exception as exc:  # a dead or unreachable writer: its copy is lost, storage serves
             return CopyFacts(rank, None, f"{type(exc).__name__}: {headline(str(exc))}")
         return CopyFacts(rank, copy)
+
+    def _ask(self, method: str, *args: Any) -> Any:
+        """Call the CheckpointActor, waiting out a restart (it was on a lost node; Ray restarts it
+        elsewhere and it rebuilds its state from storage) for up to fault_tolerance.start_timeout_s.
+        Only idempotent methods are asked this way: a call may have run before the actor went away."""
+        deadline = time.monotonic() + self.spec.fault_tolerance.start_timeout_s
+        while True:
+            try:
+                return ray.get(getattr(self.actor, method).remote(*args))
+            except ActorUnavailableError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                logger.warning("checkpoint actor unavailable for %s (restarting?), retrying: %s", method,
+                               str(exc).splitlines()[0])
+                time.sleep(_RETRY_S)
 
     def unsaved(self, results: list[Any], status: dict[str, Any]) -> str | None:
         """Why a finished job's checkpoints are not what it asked for, or None.
@@ -191,7 +233,7 @@ class CheckpointService:
         save cost and step time the earlier attempts measured (their newest decision)."""
         if self.spec.checkpoint.interval_steps != "auto":
             return None
-        last = ray.get(self.actor.interval_history.remote())
+        last = self._ask("interval_history")
         return IntervalHistory(failures=sum((self._job.get("failures") or {}).values()),
                                survived_s=time.time() - self.started_unix,
                                cost_s=last.get("cost_s"), step_time_s=last.get("step_time_s"))
@@ -200,7 +242,7 @@ class CheckpointService:
         self.actor.release.remote(f"attempt-{attempt}")
 
     def status(self) -> dict[str, Any]:
-        return ray.get(self.actor.status.remote())
+        return self._ask("status")
 
     def note_job(self, info: dict[str, Any]) -> None:
         """Tell the CheckpointActor the job's state and training step (it turns them into work at

@@ -92,6 +92,7 @@ class Storage(Protocol):
     def put_file(self, local: Path, dst: Location) -> None: ...
     def checksum(self, path: Location, algorithm: Checksum,
                  progress: Callable[[int], None] | None = None) -> int: ...
+    def snapshot(self, path: Location) -> frozenset[tuple[str, int, str]]: ...
 
 
 def open_storage(root: str | os.PathLike, options: dict[str, Any] | None = None) -> Storage:
@@ -161,6 +162,18 @@ class PosixStorage:
 
     def checksum(self, path: Location, algorithm: Checksum, progress: Callable[[int], None] | None = None) -> int:
         return checksum_file(Path(path), algorithm, progress)
+
+    def snapshot(self, path: Location) -> frozenset[tuple[str, int, str]]:
+        """(name, size, mtime) of every file under ``path``: compared with a later snapshot, it
+        tells whether anything is still writing there (the mtime is only compared with itself)."""
+        out = set()
+        for f in Path(path).rglob("*"):
+            try:
+                st = f.lstat()
+            except FileNotFoundError:
+                continue  # removed while listing
+            out.add((str(f.relative_to(path)), st.st_size, str(st.st_mtime_ns)))
+        return frozenset(out)
 
 
 # --- object stores ----------------------------------------------------------------------
@@ -267,6 +280,19 @@ class ObjectStorage:
     def put_file(self, local: Path, dst: Location) -> None:
         """Upload a local file (multipart for a large one)."""
         retry_transient(lambda: self.fs.put_file(str(local), str(dst)), f"upload {dst}")
+
+    def snapshot(self, path: Location) -> frozenset[tuple[str, int, str]]:
+        """(key, size, last modified) of every object under ``path/``: compared with a later
+        snapshot, it tells whether anything is still uploading there (the store's timestamps are
+        only compared with themselves, never with a local clock)."""
+        prefix = self.fs._strip_protocol(str(path)).rstrip("/") + "/"
+        try:
+            found = self.fs.find(prefix, detail=True)
+        except FileNotFoundError:
+            return frozenset()
+        return frozenset((p, int(info.get("size") or 0), str(info.get("LastModified") or info.get("mtime")
+                                                             or info.get("created") or ""))
+                         for p, info in found.items() if self.fs._strip_protocol(p).startswith(prefix))
 
     def checksum(self, path: Location, algorithm: Checksum, progress: Callable[[int], None] | None = None) -> int:
         """Stream the object through the checksum (no local copy)."""

@@ -4,8 +4,10 @@ node started by `ray start` inside its own mount namespace (`unshare -m`) with a
 mounted over the checkpoint directory: a node-local disk, for real.
 
 1. A 2-CPU head + one 2-CPU node: the shared-storage preflight passes and removes its probes.
-2. The private-disk node joins: `raytrain-ckpt run` refuses the job (exit 2, one line naming the
-   node that does not share the directory) before anything trains.
+2. The private-disk node joins after that preflight: the same job's service, asked for the new
+   node's writer (what a restart does for a replacement node), probes it and refuses it.
+3. `raytrain-ckpt run` refuses a new job (exit 2, one line naming the node that does not share
+   the directory) before anything trains.
 
 Prints one JSON line with what happened.
 """
@@ -80,7 +82,7 @@ def _listing(ckpt: Path, pid: int | None = None) -> list[str]:
     return sorted(line.removeprefix(str(ckpt)) for line in out.stdout.splitlines())
 
 
-def _shared_preflight(ckpt: Path) -> dict:
+def _shared_preflight(ckpt: Path) -> tuple[dict, CheckpointService]:
     spec = load_spec(JOB, [f"checkpoint.dir={ckpt}", "fault_tolerance.start_timeout_s=60"])
     logs: list[str] = []
     handler = logging.Handler()
@@ -93,9 +95,21 @@ def _shared_preflight(ckpt: Path) -> dict:
         error = None
     except Exception as exc:  # reported in the JSON line: the test names it
         error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "logs": [m for m in logs if "shared by" in m], "files": _listing(ckpt)}, service
+
+
+def _late_node(service: CheckpointService, private_id: str, shared_ids: list[str]) -> dict:
+    """The running job's service asked for writers: a probed node's, then the late private node's."""
+    try:
+        service.writer_for(shared_ids[-1])
+        shared_error = None
+        service.writer_for(private_id)
+        error = None
+    except Exception as exc:  # reported in the JSON line: the test names it
+        error = f"{type(exc).__name__}: {exc}"
     finally:
         service.shutdown()
-    return {"error": error, "logs": [m for m in logs if "shared by" in m], "files": _listing(ckpt)}
+    return {"shared_error": shared_error, "error": error}
 
 
 def _refused_run(address: str, ckpt: Path) -> dict:
@@ -118,7 +132,7 @@ def main(root: str) -> None:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         seconds["cluster"] = time.monotonic() - t0
-        shared = _shared_preflight(ckpt)
+        shared, service = _shared_preflight(ckpt)
         seconds["shared_preflight"] = time.monotonic() - t0 - sum(seconds.values())
         (ckpt / "host-only").write_text("the private node's tmpfs hides this file")
         private = _private_disk_node(cluster.address, ckpt)
@@ -126,9 +140,10 @@ def main(root: str) -> None:
         shared_ids = [cluster.head_node.node_id, *(w.node_id for w in cluster.worker_nodes)]
         private_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in shared_ids)
         seconds["private_node"] = time.monotonic() - t0 - sum(seconds.values())
+        late = _late_node(service, private_id, shared_ids)
         refused = _refused_run(cluster.address, ckpt)
         seconds["refused_run"] = time.monotonic() - t0 - sum(seconds.values())
-        result = {"shared": shared, "refused": refused, "private_node": private_id, "seconds": seconds,
+        result = {"shared": shared, "late": late, "refused": refused, "private_node": private_id, "seconds": seconds,
                   "shared_nodes": shared_ids,
                   "host_view": _listing(ckpt), "private_view": _listing(ckpt, private.pid)}
     finally:

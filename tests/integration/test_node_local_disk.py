@@ -1,8 +1,9 @@
 """Node-local checkpoint disks on a real multi-node Ray cluster: one node runs in its own mount
 namespace with a private tmpfs at the checkpoint path (needs root, unshare and nsenter). The
 shared-storage preflight passes while every node shares the directory, and refuses the job with
-exit code 2 and one line naming the private node once it joins, before anything trains. A
-directory a node cannot write is refused the same way."""
+exit code 2 and one line naming the private node once it joins, before anything trains; a job
+that started before it joined probes it when it first needs its writer (a restart placing ranks
+there) and refuses it the same way. A directory a node cannot write is refused the same way."""
 
 from __future__ import annotations
 
@@ -46,6 +47,11 @@ def test_preflight_refuses_a_node_local_checkpoint_dir(private_mounts, tmp_path)
     assert shared["error"] is None, shared
     assert any("shared by the 2 node(s)" in m for m in shared["logs"]), shared
     assert not any(".probe-" in f for f in shared["files"]), shared
+    # it joined after the start: the running job's service probes it before handing out its writer
+    late = r["late"]
+    assert late["shared_error"] is None, late
+    assert late["error"] is not None and late["error"].startswith("StorageNotShared: "), late
+    assert "not shared by every node" in late["error"] and r["private_node"][:12] in late["error"], late
     # the node with a private disk joined: the run is refused as a user mistake, in one line
     refused = r["refused"]
     own = _own_lines(refused["stderr"])

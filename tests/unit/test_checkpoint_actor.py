@@ -151,6 +151,31 @@ def test_settle_aborts_a_step_that_a_rank_never_handed_off(tmp_path: Path) -> No
     assert status["in_flight"] == [] and "never handed it off" in status["failed"][7]
 
 
+def test_a_leftover_unchanged_for_the_grace_period_is_removed_after_a_commit(tmp_path: Path) -> None:
+    from raytrain_ckpt.checkpoint.layout import LeftoverWatch
+
+    actor = _single_rank_actor(tmp_path, k=None)
+    clock = [0.0]
+    actor.leftovers = LeftoverWatch(60.0, lambda: clock[0])
+    # an aborted step's directory that a slow writer wrote into after the abort removed it
+    leftover = tmp_path / "step-00000002.tmp-0a1b2c3d4e5f"
+    leftover.mkdir()
+    (leftover / "__0_0.distcp").write_bytes(b"late shard")
+
+    async def scenario() -> None:
+        await _save(actor, 1)                               # first sight
+        clock[0] = 59.0
+        await _save(actor, 3)                               # within the grace period: kept
+        assert leftover.is_dir()
+        clock[0] = 61.0
+        await _save(actor, 4)                               # unchanged for 61s of the actor's clock
+
+    asyncio.run(scenario())
+    assert not leftover.exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == \
+        ["step-00000001", "step-00000003", "step-00000004"]
+
+
 def test_shared_memory_staging_round_trip_through_a_second_mapping(tmp_path: Path) -> None:
     tensors = {"w": torch.randn(33, 7), "b": torch.arange(5, dtype=torch.int64), "h": torch.randn(4).half(),
                "empty": torch.zeros(0)}

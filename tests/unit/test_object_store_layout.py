@@ -10,7 +10,8 @@ import uuid
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata
 
-from raytrain_ckpt.checkpoint.layout import MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, Manifest
+from raytrain_ckpt.checkpoint.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, LeftoverWatch,
+                                             Manifest)
 from raytrain_ckpt.checkpoint.storage import ObjectStorage, StorageUnavailable, open_storage, retry_transient
 
 METADATA = pickle.dumps(Metadata(state_dict_metadata={}))
@@ -171,3 +172,193 @@ def test_a_permanent_error_is_not_retried(s3_endpoint) -> None:
     with pytest.raises(FileNotFoundError):
         retry_transient(put, "put", backoff_s=0.01)
     assert len(calls) == 1
+
+
+def test_import_to_s3_commits_step_0_that_verifies_and_exports_back(s3_endpoint, tmp_path, capsys) -> None:
+    import torch
+
+    from raytrain_ckpt.cli import main
+
+    weights = {"tok_embeddings.weight": torch.randn(16, 8), "norm.weight": torch.rand(8)}
+    torch.save(weights, tmp_path / "m.pt")
+    root = f"{s3_endpoint.new_bucket()}/imported"
+    assert main(["import", str(tmp_path / "m.pt"), "--to", root]) == 0
+    step = f"{root}/step-00000000"
+    assert step in capsys.readouterr().out
+    layout = CheckpointLayout(root, options=s3_endpoint.options)
+    assert _names(layout) == ["step-00000000"] and layout.verify(step, "checksum").step == 0
+    assert main(["verify", step]) == 0 and "VALID" in capsys.readouterr().out
+    assert main(["export", step, "--format", "torch", "--dtype", "fp32", "--out", str(tmp_path / "back")]) == 0
+    back = torch.load(tmp_path / "back" / "model.pt", weights_only=True)
+    assert set(back) == set(weights) and all(torch.equal(back[k], v) for k, v in weights.items())
+    # a second import never overwrites the committed step
+    assert main(["import", str(tmp_path / "m.pt"), "--to", root]) == 2
+    assert "already holds step-00000000" in capsys.readouterr().err
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("seen, grace_s, stale", [
+    # (snapshot at t=0, t=10, t=20) per entry; grace 15s
+    ({"a": ("x", "x", "x")}, 15.0, ["a"]),            # unchanged from its first sight: stale at t=20
+    ({"a": ("x", "y", "y")}, 15.0, []),               # changed at t=10: its grace restarts
+    ({"a": (None, "x", "x")}, 15.0, []),              # first seen at t=10: only 10s
+    ({"a": ("x", "x", "x"), "b": ("x", "y", "z")}, 15.0, ["a"]),
+    ({"a": ("x", "x", "x")}, 30.0, []),
+])
+def test_leftover_watch_judges_by_its_own_clock(seen, grace_s, stale) -> None:
+    clock = _Clock()
+    watch = LeftoverWatch(grace_s, clock)
+    out: list[str] = []
+    for t in range(3):
+        clock.now = 1000.0 + 10 * t
+        out = watch.stale({name: snaps[t] for name, snaps in seen.items() if snaps[t] is not None})
+    assert out == stale
+
+
+def test_stale_leftovers_are_removed_after_the_grace_period_never_in_flight(layout) -> None:
+    clock = _Clock()
+    watch = LeftoverWatch(60.0, clock)
+    _commit(layout, 1)
+    _write_shards(layout, 2)                                # an aborted save a slow writer uploaded into
+    _write_shards(layout, 3)                                # in flight in this job
+    in_flight = [layout.step_dir(3)]
+    assert layout.remove_stale_leftovers(watch, in_flight) == []        # first sight
+    clock.now += 59
+    assert layout.remove_stale_leftovers(watch, in_flight) == []        # within the grace period
+    # a late upload into step 2 restarts its grace period
+    layout.storage.write_bytes(layout.storage.join(layout.step_dir(2), "__1_0.distcp"), b"late")
+    clock.now += 2
+    assert layout.remove_stale_leftovers(watch, in_flight) == []
+    clock.now += 60
+    assert layout.remove_stale_leftovers(watch, in_flight) == [layout.step_dir(2)]
+    assert _names(layout) == ["step-00000001", "step-00000003"]  # the step in flight is never touched
+    assert list(layout.valid_steps("checksum")) == [1]      # nor the committed one
+    assert layout.storage.snapshot(layout.step_dir(2)) == frozenset()
+
+
+def _s3_actor(s3_endpoint, steps: list[int]):
+    from raytrain_ckpt.checkpoint.actor import CheckpointActor
+    from raytrain_ckpt.checkpoint.retention import RetentionPolicy
+
+    root = f"{s3_endpoint.new_bucket()}/runs/job"
+    layout = CheckpointLayout(root, options=s3_endpoint.options)
+    for step in steps:
+        _commit(layout, step)
+    return CheckpointActor(root, RetentionPolicy(1), s3_endpoint.options), layout
+
+
+def test_an_export_lease_on_s3_keeps_its_step_from_retention(s3_endpoint) -> None:
+    from raytrain_ckpt.checkpoint.leases import LEASE_DIR, FileLease
+
+    actor, layout = _s3_actor(s3_endpoint, [1, 2])
+    with FileLease(layout.root, 1) as lease:
+        assert lease.path == f"{layout.root}/{LEASE_DIR}/{layout.storage.name(lease.path)}"
+        assert layout.storage.is_file(lease.path)           # an object beside the steps
+        actor._purge()
+        assert sorted(actor.committed) == [1, 2] and layout.verify(layout.step_dir(1), "checksum").step == 1
+    assert not layout.storage.is_file(lease.path)
+    actor._purge()                                          # released: retention keeps only the newest
+    assert sorted(actor.committed) == [2] and sorted(layout.step_dirs()) == [2]
+
+
+def test_a_lease_taken_while_retention_deletes_on_s3_puts_the_manifest_back(s3_endpoint, monkeypatch) -> None:
+    from raytrain_ckpt.checkpoint.leases import FileLease
+
+    actor, layout = _s3_actor(s3_endpoint, [1, 2])
+    # the exporter's PUT lands just after the actor read the leases: retention decides to delete
+    # step 1, removes its manifest, and its second read of the leases finds the new one
+    reads = iter([set()])
+    real = actor.lease_files.leased_steps
+    monkeypatch.setattr(actor.lease_files, "leased_steps", lambda: next(reads, None) or real())
+    with FileLease(layout.root, 1):
+        actor._purge()
+        assert sorted(actor.committed) == [1, 2] and actor.purge_errors == 0
+        assert layout.verify(layout.step_dir(1), "checksum").step == 1  # the same manifest, objects untouched
+    actor._purge()
+    assert sorted(layout.step_dirs()) == [2]
+
+
+def test_an_exporter_that_finds_the_manifest_gone_on_s3_says_so(s3_endpoint) -> None:
+    from raytrain_ckpt.checkpoint.leases import LEASE_DIR, FileLease
+
+    _, layout = _s3_actor(s3_endpoint, [1, 2])
+    layout.delete(1)                                        # retention got there first
+    with pytest.raises(InvalidCheckpoint, match="removed .* before it could be leased"):
+        FileLease(layout.root, 1).__enter__()
+    assert layout.storage.listdir(layout.storage.join(layout.root, LEASE_DIR)) == []   # no lease left behind
+
+
+def test_a_stale_lease_object_stops_pinning_after_ttl_of_the_readers_clock(s3_endpoint) -> None:
+    import time
+
+    from raytrain_ckpt.checkpoint.leases import FileLease, LeaseFiles
+
+    _, layout = _s3_actor(s3_endpoint, [1])
+    clock = _Clock()
+    reader = LeaseFiles(layout.root, ttl_s=60.0, clock=clock, storage=layout.storage)
+    with FileLease(layout.root, 1, heartbeat_s=0.05) as lease:
+        deadline = time.monotonic() + 30
+        while lease.beats < 2 and time.monotonic() < deadline:    # real beats: PUTs of the object
+            time.sleep(0.05)
+        assert lease.beats >= 2 and reader.leased_steps() == {1}
+        lease._stop.set()                                   # the holder stops beating (a killed exporter)
+        assert lease._thread is not None
+        lease._thread.join()
+        assert reader.leased_steps() == {1}                 # the last beat, as this reader saw it
+        clock.now += 59
+        assert reader.leased_steps() == {1}
+        clock.now += 2
+        assert reader.leased_steps() == set() and not layout.storage.is_file(lease.path)
+
+
+def test_an_export_whose_step_is_deleted_meanwhile_writes_nothing(s3_endpoint, tmp_path, monkeypatch) -> None:
+    import torch
+
+    from raytrain_ckpt.checkpoint import export
+    from raytrain_ckpt.checkpoint.formats import ConversionError
+    from raytrain_ckpt.checkpoint.importer import import_checkpoint
+
+    torch.save({"norm.weight": torch.rand(8)}, tmp_path / "m.pt")
+    step = import_checkpoint(tmp_path / "m.pt", f"{s3_endpoint.new_bucket()}/runs").path
+    layout = CheckpointLayout(str(step).rsplit("/", 1)[0], options=s3_endpoint.options)
+    write = export._write_torch
+
+    def write_then_lose_the_step(*args):                    # a delete the lease did not stop (judged stale)
+        out = write(*args)
+        layout.storage.remove_file(layout.storage.join(step, MANIFEST))
+        return out
+
+    monkeypatch.setattr(export, "_write_torch", write_then_lose_the_step)
+    with pytest.raises(ConversionError, match="changed while it was being exported .* nothing was written"):
+        export.export_checkpoint(step, tmp_path / "out", "torch", "fp32")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.tmp-*"))
+
+
+def test_an_exporter_that_cannot_put_a_lease_exports_without_one(s3_endpoint, tmp_path, monkeypatch, caplog) -> None:
+    import torch
+
+    from raytrain_ckpt.checkpoint.export import export_checkpoint
+    from raytrain_ckpt.checkpoint.importer import import_checkpoint
+
+    weights = {"norm.weight": torch.rand(8)}
+    torch.save(weights, tmp_path / "m.pt")
+    step = import_checkpoint(tmp_path / "m.pt", f"{s3_endpoint.new_bucket()}/runs").path
+    put = ObjectStorage.write_bytes
+
+    def read_only_leases(self, path, data) -> None:      # credentials that may read the bucket, not write it
+        if "/leases/" in str(path):
+            raise PermissionError(f"AccessDenied: PUT {path}")
+        put(self, path, data)
+
+    monkeypatch.setattr(ObjectStorage, "write_bytes", read_only_leases)
+    export_checkpoint(step, tmp_path / "out", "torch", "fp32")
+    assert "exporting without one" in caplog.text
+    back = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    assert torch.equal(back["norm.weight"], weights["norm.weight"])
