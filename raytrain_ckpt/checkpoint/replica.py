@@ -176,9 +176,10 @@ class ReplicaStore:
         """Start receiving ``copy`` (its descriptor; ``copy.nbytes`` bytes follow)."""
         key = (copy.rank, copy.step)
         with self._lock:
-            stale = self._incoming.pop(key, None)
-            if stale is not None:  # a retried send of the same step: start over
-                stale.buffer.remove()
+            # A send of this rank cut short (its sender died, a retry of the same step) is over
+            # once a new one begins: only one replica per rank is ever being received.
+            for k in [k for k in self._incoming if k[0] == copy.rank]:
+                self._incoming.pop(k).buffer.remove()
             held = self._held.get(copy.rank)
             if held is not None and held[0].step >= copy.step:
                 raise ReplicaError(f"rank {copy.rank}: a replica of step {held[0].step} is held, "
@@ -265,3 +266,92 @@ class ReplicaStore:
             buffer.remove()
         for inc in incoming:
             inc.buffer.remove()
+
+
+class ReplicaEndpoint:
+    """The CheckpointWriter's side of replication, mixed into it so Ray calls reach these methods.
+
+    A writer is both a sender (its ranks' committed copies go to its peer) and a receiver (it
+    holds its predecessor's replicas). Sends run on the writer's own thread pool, after the
+    commit, paced: never on the training path.
+    """
+
+    _pool: Any
+    prefix: str
+
+    def _init_replicas(self, directory: Path, max_mb_per_s: float | None) -> None:
+        import ray
+
+        self.replicas = ReplicaStore(directory, self.prefix)
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._peer: tuple[str, Any] | None = None
+        self._replica_rate = max_mb_per_s
+        self._replica_lock = threading.Lock()
+        self.replicas_sent: dict[int, int] = {}
+        """Source rank -> the newest step whose replica the peer verified (for status and tests)."""
+
+    def set_peer(self, node_id: str | None, peer: Any | None) -> None:
+        """Send replicas to ``peer`` (the writer on ``node_id``) from now on; None stops sending."""
+        with self._replica_lock:
+            self._peer = None if peer is None else (str(node_id), peer)
+        logger.info("replicas of this node's ranks go to node %s", (node_id or "none (off)")[:12])
+
+    def replica_begin(self, source_node: str, copy: Any) -> None:
+        self.replicas.begin(source_node, copy)
+
+    def replica_put(self, rank: int, step: int, offset: int, data: bytes) -> None:
+        self.replicas.put(rank, step, offset, data)
+
+    def replica_finish(self, rank: int, step: int, crc32c: int) -> Replica:
+        replica = self.replicas.finish(rank, step, crc32c)
+        logger.info("holding the replica of rank %d step %d from node %s (%.1f MB, CRC-32C verified)",
+                    rank, step, replica.source_node[:12], replica.nbytes / 1e6)
+        return replica
+
+    def replicas_held(self) -> list[Replica]:
+        """Every verified replica this writer holds (one per source rank, the newest step)."""
+        return self.replicas.held()
+
+    def replicate(self, copy: Any, wait: bool = False) -> Replica | None:
+        """Send ``copy`` (a committed copy of one of this node's ranks) to the peer, in the
+        background; with ``wait``, block and return the peer's replica (None: no peer, or the
+        send failed, logged)."""
+        with self._replica_lock:
+            peer = self._peer
+        if peer is None:
+            return None
+        future = self._pool.submit(self._send_logged, copy, self._node_id, peer)
+        return future.result() if wait else None
+
+    def push_replica(self, rank: int, step: int, to: Any, to_node: str) -> Replica:
+        """Send the replica of ``rank`` at ``step`` held here to another writer (a rank restored on
+        another node loads from there); re-read and checked here first. Returns the receiver's."""
+        replica = self.replicas.get(rank, step)
+        if replica is None:
+            raise ReplicaError(f"no verified replica of rank {rank} step {step} is held on node {self._node_id[:12]}")
+        self.replicas.check(replica)
+        return self._send(replica.copy, replica.source_node, (to_node, to))
+
+    def _send_logged(self, copy: Any, source_node: str, peer: tuple[str, Any]) -> Replica | None:
+        try:
+            return self._send(copy, source_node, peer)
+        except Exception as exc:  # the step is committed on storage: a lost replica only costs recovery time
+            logger.warning("replica of rank %d step %d not sent to node %s: %s", copy.rank, copy.step,
+                           peer[0][:12], exc)
+            return None
+
+    def _send(self, copy: Any, source_node: str, peer: tuple[str, Any]) -> Replica:
+        import ray
+
+        node, handle = peer
+        t0 = time.monotonic()
+        replica = send_replica(
+            copy, lambda c: ray.get(handle.replica_begin.remote(source_node, c)),
+            lambda rank, step, offset, data: ray.get(handle.replica_put.remote(rank, step, offset, data)),
+            lambda rank, step, crc: ray.get(handle.replica_finish.remote(rank, step, crc)),
+            Pacer(self._replica_rate))
+        with self._replica_lock:
+            self.replicas_sent[copy.rank] = max(copy.step, self.replicas_sent.get(copy.rank, -1))
+        logger.info("replica of rank %d step %d sent to node %s: %.1f MB in %.2fs", copy.rank, copy.step,
+                    node[:12], copy.nbytes / 1e6, time.monotonic() - t0)
+        return replica

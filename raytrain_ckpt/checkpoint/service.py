@@ -17,6 +17,7 @@ from raytrain_ckpt.checkpoint.names import NAMESPACE, ActorByName, actor_name, w
 from raytrain_ckpt.checkpoint.client import SaveSchedule
 from raytrain_ckpt.checkpoint.interval import IntervalHistory
 from raytrain_ckpt.checkpoint.probe import StorageNotShared, local_root, missing_probes, unshared_message
+from raytrain_ckpt.checkpoint.replica import ring_peers
 from raytrain_ckpt.checkpoint.retention import KeepBest, RetentionPolicy
 from raytrain_ckpt.checkpoint.storage import job_root
 from raytrain_ckpt.checkpoint.writer import CheckpointWriter
@@ -63,8 +64,23 @@ class CheckpointService:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             ).remote(self.spec.name, str(self.root), ActorByName(actor_name(self.spec.name)),
                      self.spec.checkpoint.writer_threads,
-                     self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options)
+                     self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options,
+                     self.spec.checkpoint.replication.max_mb_per_s)
         return self._writers[node_id]
+
+    def replicate_between(self, nodes: list[str]) -> dict[str, str]:
+        """Point each rank-hosting node's writer at its peer (``ring_peers``); returns the ring.
+        Empty when replication is off or the ranks share one node (logged)."""
+        if self.spec.checkpoint.replication.mode == "off":
+            return {}
+        ring = ring_peers(nodes)
+        if not ring:
+            logger.info("checkpoint.replication: off, every rank runs on one node (no peer to hold a replica)")
+        ray.get([self.writer_for(node).set_peer.remote(ring.get(node), self.writer_for(ring[node])
+                                                       if node in ring else None) for node in sorted(set(nodes))])
+        if ring:
+            logger.info("checkpoint.replication: %s", ", ".join(f"{a[:8]} -> {b[:8]}" for a, b in sorted(ring.items())))
+        return ring
 
     def preflight(self) -> None:
         """Before anything trains: check that every node that may host a rank shares the

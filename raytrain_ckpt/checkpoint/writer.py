@@ -30,6 +30,7 @@ from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, StagingFileError, is_l
 from raytrain_ckpt.checkpoint.dcp_storage import UploadingWriter
 from raytrain_ckpt.checkpoint.filewrite import write_rank_files
 from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, probe_name
+from raytrain_ckpt.checkpoint.replica import ReplicaEndpoint
 from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, map_slots
 from raytrain_ckpt.checkpoint.storage import is_transient, is_uri, retry_transient
 from raytrain_ckpt.faults import maybe_inject
@@ -96,11 +97,12 @@ class PersistRequest:
     """stage_s, samples_seen, tokens_seen: recorded in the manifest."""
 
 
-class CheckpointWriter:
-    """Per-node writer actor (threaded actor; writes run on its own thread pool)."""
+class CheckpointWriter(ReplicaEndpoint):
+    """Per-node writer actor (threaded actor; writes run on its own thread pool). It also holds
+    and sends peer replicas (``checkpoint/replica.py``)."""
 
     def __init__(self, job: str, root: str, coordinator: Any, io_threads: int = 1, nice: int = 10,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, replica_mb_per_s: float | None = None) -> None:
         setup_logging()
         self.prefix = buffer_prefix(job, root)
         self.root = root
@@ -126,6 +128,7 @@ class CheckpointWriter:
         # Buffers of writers that died (this job's previous incarnation, a job whose driver was
         # killed) hold RAM until someone removes them; a live writer's buffers are left alone.
         sweep_orphans(shm_dir())
+        self._init_replicas(shm_dir(), replica_mb_per_s)
 
     def write_probe(self, nonce: str) -> NodeProbe | None:
         """Write this node's shared-storage probe under the root (see checkpoint/probe.py);
@@ -184,6 +187,7 @@ class CheckpointWriter:
         previous incarnation of this actor created are orphans since it died."""
         for path in list(self._buffers):
             self._unlink(path)
+        self.replicas.remove_all()
         sweep_orphans(shm_dir())
 
     def _unlink(self, path: str) -> None:

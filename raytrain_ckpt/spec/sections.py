@@ -27,6 +27,7 @@ __all__ = [
     "ModelSpec",
     "OptimizerSpec",
     "ParallelismSpec",
+    "ReplicationSpec",
     "ResourcesSpec",
     "SpecError",
     "TrainingSpec",
@@ -365,6 +366,13 @@ class KeepBestSpec(_Section):
     """How many of the best steps to keep, besides keep_latest_k and keep_every_n_steps."""
 
 
+class ReplicationSpec(_Section):
+    mode: Literal["auto", "off"] = "off"
+    """auto: after a step commits, each node's writer sends its ranks' committed copies to the next node's writer (a ring over the nodes hosting ranks); a rank on a node that was lost is restored from that replica, storage is the fallback. Off with one node (logged). off: no replicas."""
+    max_mb_per_s: float | None = Field(200.0, gt=0)
+    """Bandwidth limit of one writer's replica sends, in MB/s (1e6 bytes); null: unlimited. Sends run after the commit, off the training path."""
+
+
 class CheckpointSpec(_Section):
     enabled: bool = False
     """Save checkpoints (and resume from them). false: no checkpoint is written or loaded."""
@@ -400,6 +408,8 @@ class CheckpointSpec(_Section):
     """I/O threads per rank in the node's checkpoint writer."""
     writer_nice: int = Field(10, ge=0, le=19)
     """CPU priority (nice) of the checkpoint writer process: higher leaves more CPU to training and makes saves durable later."""
+    replication: ReplicationSpec = Field(default_factory=ReplicationSpec)
+    """Peer replicas of committed copies in RAM: mode (auto or off), max_mb_per_s (the send rate limit), e.g. {mode: auto, max_mb_per_s: 200}."""
     final_export: FinalExportSpec | None = None
     """After the last step commits, the driver exports it once: format (hf or torch), dtype (bf16, fp16, fp32), dir (null: <checkpoint.dir>/<name>/export-step-<N>); null: no export."""
 
