@@ -43,8 +43,10 @@ from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, open_buffer
 logger = logging.getLogger(__name__)
 
 __all__ = ["CHUNK_BYTES", "CommittedBytes", "Pacer", "Replica", "ReplicaError", "ReplicaStore", "read_chunks",
-           "ring_peers", "send_replica"]
+           "StagedCopy", "ring_peers", "send_replica", "snapshot"]
 
+_COMMIT_WAIT_S = 600.0
+"""How long a writer waits for a step it wrote to commit before dropping its copy."""
 CHUNK_BYTES = 8 << 20
 """Bytes per chunk sent to the peer: large enough to amortise a Ray call, small enough to pace."""
 
@@ -89,6 +91,41 @@ class Replica:
     @property
     def path(self) -> str:
         return self.copy.path
+
+
+@dataclass(frozen=True)
+class StagedCopy:
+    """A rank's committed state as its writer staged it: the bytes of its staging buffer copied
+    to a file of their own (``path``), with what a loader needs to put them back."""
+
+    step: int
+    rank: int
+    nbytes: int
+    path: str
+    slots: tuple
+    """The ``TensorSlot`` of every tensor (fqn, dtype, shape, offset, nbytes)."""
+    objects: bytes
+    """Pickled non-tensor entries of the flat state dict."""
+    crc32c: int
+    """CRC-32C of the ``nbytes`` bytes, taken while copying: a send re-checks it."""
+
+
+def snapshot(buffer_path: str, nbytes: int, dest: Path, chunk_bytes: int = CHUNK_BYTES) -> tuple[OwnedBuffer, int]:
+    """Copy the first ``nbytes`` of a staging buffer into a new buffer file ``dest``; returns the
+    file (owned) and the CRC-32C of the bytes copied."""
+    out = OwnedBuffer.create(dest, nbytes)
+    crc = 0
+    fd = open_buffer(dest, nbytes)
+    try:
+        for offset, data in read_chunks(buffer_path, nbytes, chunk_bytes):
+            os.pwrite(fd, data, offset)
+            crc = _crc32c.crc32c(data, crc)
+    except BaseException:
+        out.remove()
+        raise
+    finally:
+        os.close(fd)
+    return out, crc
 
 
 class Pacer:
@@ -141,6 +178,10 @@ def send_replica(copy: CommittedBytes, begin: Callable[[Any], None],
         crc = _crc32c.crc32c(data, crc)
         put(copy.rank, copy.step, offset, data)
         pacer.account(len(data))
+    recorded = getattr(copy, "crc32c", None)
+    if recorded is not None and recorded != crc:
+        # the source changed under the send: finishing with a wrong CRC makes the peer drop it
+        crc = recorded
     return finish(copy.rank, copy.step, crc)
 
 
@@ -271,24 +312,30 @@ class ReplicaStore:
 class ReplicaEndpoint:
     """The CheckpointWriter's side of replication, mixed into it so Ray calls reach these methods.
 
-    A writer is both a sender (its ranks' committed copies go to its peer) and a receiver (it
-    holds its predecessor's replicas). Sends run on the writer's own thread pool, after the
-    commit, paced: never on the training path.
+    A writer is both a sender and a receiver. As a sender, once a rank's files of a step are
+    written it copies the rank's staging buffer (``snapshot``: the trainer may stage the next
+    save into it as soon as the write returns) and, after the step commits, keeps that copy as
+    the rank's **own copy** on this node and sends it to the peer. As a receiver it holds its
+    predecessor's ranks' replicas (``ReplicaStore``). Sends run on the writer's own threads,
+    one rank at a time and newest first, paced: never on the training path.
     """
 
     _pool: Any
     prefix: str
+    coordinator: Any
 
     def _init_replicas(self, directory: Path, max_mb_per_s: float | None) -> None:
         import ray
 
         self.replicas = ReplicaStore(directory, self.prefix)
+        self._replica_dir = Path(directory)
         self._node_id = ray.get_runtime_context().get_node_id()
         self._peer: tuple[str, Any] | None = None
         self._replica_rate = max_mb_per_s
         self._replica_lock = threading.Lock()
-        self.replicas_sent: dict[int, int] = {}
-        """Source rank -> the newest step whose replica the peer verified (for status and tests)."""
+        self._own: dict[int, tuple[StagedCopy, OwnedBuffer]] = {}
+        """Rank -> its newest committed copy on this node (replication on only)."""
+        self._rank_locks: dict[int, threading.Lock] = {}
 
     def set_peer(self, node_id: str | None, peer: Any | None) -> None:
         """Send replicas to ``peer`` (the writer on ``node_id``) from now on; None stops sending."""
@@ -312,6 +359,13 @@ class ReplicaEndpoint:
         """Every verified replica this writer holds (one per source rank, the newest step)."""
         return self.replicas.held()
 
+    def copies_held(self) -> list[Replica]:
+        """Every committed copy on this node: its own ranks' (``source_node`` is this node) and
+        the replicas it holds for its predecessor."""
+        with self._replica_lock:
+            own = [Replica(self._node_id, c.step, c.rank, c.nbytes, c.crc32c, c) for c, _ in self._own.values()]
+        return own + self.replicas.held()
+
     def replicate(self, copy: Any, wait: bool = False) -> Replica | None:
         """Send ``copy`` (a committed copy of one of this node's ranks) to the peer, in the
         background; with ``wait``, block and return the peer's replica (None: no peer, or the
@@ -324,13 +378,57 @@ class ReplicaEndpoint:
         return future.result() if wait else None
 
     def push_replica(self, rank: int, step: int, to: Any, to_node: str) -> Replica:
-        """Send the replica of ``rank`` at ``step`` held here to another writer (a rank restored on
-        another node loads from there); re-read and checked here first. Returns the receiver's."""
-        replica = self.replicas.get(rank, step)
-        if replica is None:
-            raise ReplicaError(f"no verified replica of rank {rank} step {step} is held on node {self._node_id[:12]}")
-        self.replicas.check(replica)
-        return self._send(replica.copy, replica.source_node, (to_node, to))
+        """Send the copy of ``rank`` at ``step`` held here (own or replica) to another writer: a
+        rank restored on another node loads from there. Re-checked here first; returns the
+        receiver's replica."""
+        held = next((c for c in self.copies_held() if (c.rank, c.step) == (rank, step)), None)
+        if held is None:
+            raise ReplicaError(f"no verified copy of rank {rank} step {step} is held on node {self._node_id[:12]}")
+        self.replicas.check(held)
+        return self._send(held.copy, held.source_node, (to_node, to))
+
+    def _after_write(self, rank: int, step: int, buffer_path: str, nbytes: int, slots: list, objects: bytes) -> None:
+        """A rank's files of ``step`` are written (the trainer is waiting for this to return before
+        it stages again): with a peer, copy the buffer now and replicate once the step commits."""
+        with self._replica_lock:
+            if self._peer is None:
+                return
+        dest = self._replica_dir / f"rtc-{self.prefix}-copy-rank{rank}-step{step}.buf"
+        buffer, crc = snapshot(buffer_path, nbytes, dest)
+        copy = StagedCopy(step, rank, nbytes, str(dest), tuple(slots), objects, crc)
+        self._pool.submit(self._commit_and_send, copy, buffer)
+
+    def _commit_and_send(self, copy: StagedCopy, buffer: OwnedBuffer) -> None:
+        import ray
+
+        try:
+            ray.get(self.coordinator.wait_committed.remote(copy.step, _COMMIT_WAIT_S))
+        except Exception as exc:  # aborted or never committed: the copy is not a committed state
+            logger.info("copy of rank %d step %d dropped: the step did not commit (%s)", copy.rank, copy.step, exc)
+            buffer.remove()
+            return
+        with self._replica_lock:
+            old = self._own.get(copy.rank)
+            if old is not None and old[0].step > copy.step:
+                buffer.remove()
+                return
+            self._own[copy.rank] = (copy, buffer)
+            lock = self._rank_locks.setdefault(copy.rank, threading.Lock())
+        if old is not None:
+            old[1].remove()  # a send still reading it keeps its own open fd
+        with lock:  # one send per rank at a time; a newer copy that committed meanwhile goes instead
+            with self._replica_lock:
+                newest, peer = self._own.get(copy.rank), self._peer
+            if newest is None or newest[0].step != copy.step or peer is None:
+                return
+            self._send_logged(copy, self._node_id, peer)
+
+    def _release_replicas(self) -> None:
+        with self._replica_lock:
+            own, self._own = list(self._own.values()), {}
+        for _, buffer in own:
+            buffer.remove()
+        self.replicas.remove_all()
 
     def _send_logged(self, copy: Any, source_node: str, peer: tuple[str, Any]) -> Replica | None:
         try:
@@ -350,8 +448,6 @@ class ReplicaEndpoint:
             lambda rank, step, offset, data: ray.get(handle.replica_put.remote(rank, step, offset, data)),
             lambda rank, step, crc: ray.get(handle.replica_finish.remote(rank, step, crc)),
             Pacer(self._replica_rate))
-        with self._replica_lock:
-            self.replicas_sent[copy.rank] = max(copy.step, self.replicas_sent.get(copy.rank, -1))
         logger.info("replica of rank %d step %d sent to node %s: %.1f MB in %.2fs", copy.rank, copy.step,
                     node[:12], copy.nbytes / 1e6, time.monotonic() - t0)
         return replica

@@ -187,7 +187,7 @@ class CheckpointWriter(ReplicaEndpoint):
         previous incarnation of this actor created are orphans since it died."""
         for path in list(self._buffers):
             self._unlink(path)
-        self.replicas.remove_all()
+        self._release_replicas()
         sweep_orphans(shm_dir())
 
     def _unlink(self, path: str) -> None:
@@ -223,11 +223,19 @@ class CheckpointWriter(ReplicaEndpoint):
 
     def _persist_and_forget(self, req: PersistRequest) -> str:
         try:
-            return self._persist(req)
+            out = self._persist(req)
+            self._copy_for_replica(req)
+            return out
         finally:
             with self._lock:
                 self._running.pop((req.rank, req.step), None)
                 self._drop_stale(req)
+
+    def _copy_for_replica(self, req: PersistRequest) -> None:
+        try:
+            self._after_write(req.rank, req.step, req.buffer_path, req.buffer_bytes, req.slots, req.objects)
+        except Exception as exc:  # the step is written: a missing replica only means storage is the fallback
+            logger.warning("no replica of rank %d step %d: %s", req.rank, req.step, exc)
 
     def _drop_stale(self, done: PersistRequest) -> None:
         """Unlink older attempts' buffers nobody reads, once the write ``done`` no longer reads its own.

@@ -66,7 +66,7 @@ def test_replica_goes_to_the_peer_and_on_to_a_replacement(ray_cluster, tmp_path)
     # The rank is restored on another node: the holder passes the replica on, checked on both ends.
     moved = ray.get(b.push_replica.remote(1, 20, c, node))
     assert Path(moved.path).read_bytes() == data2 and moved.source_node == node
-    with pytest.raises(ray.exceptions.RayTaskError, match="no verified replica of rank 1 step 10"):
+    with pytest.raises(ray.exceptions.RayTaskError, match="no verified copy of rank 1 step 10"):
         ray.get(b.push_replica.remote(1, 10, c, node))
 
     ray.get([w.release_all.remote() for w in (b, c)])
