@@ -174,7 +174,8 @@ class TrainWorker:
         assert trainer is not None
         if ckpt["resume_path"] is not None:
             t0 = time.monotonic()
-            load_app_state(trainer, ckpt["resume_path"], ckpt["resume_world_size"] == self.world_size)
+            if not self._load_copy(ckpt.get("copy")):
+                load_app_state(trainer, ckpt["resume_path"], ckpt["resume_world_size"] == self.world_size)
             self.timings["load_s"] = time.monotonic() - t0
             self.start_step = trainer.state.step
             if self.rank == 0:
@@ -184,6 +185,35 @@ class TrainWorker:
                                             self.spec.fault_tolerance.prior_mtbf_s, ckpt.get("interval"))
         trainer.before_optimizer_step = self.checkpoints.before_optimizer_step
         self._progress = Progress(self.rank, self.start_step, None, time.time(), "setup")
+
+    def _load_copy(self, replica: Any | None) -> bool:
+        """Load the resume step from its committed copy in memory (``checkpoint/replica.py``);
+        False: load from storage. Every rank got a copy or none did, and all agree after trying
+        (a storage load is collective): one rank's failure sends every rank to storage."""
+        import ray
+
+        from raytrain_ckpt.checkpoint.state import load_staged
+
+        if replica is None:
+            return False
+        t0 = time.monotonic()
+        ok = True
+        try:
+            load_staged(self.trainer, replica.copy)
+        except Exception as exc:  # storage is the fallback; the reason is logged
+            logger.warning("%scould not load step %d from its copy in memory (%s); loading from storage",
+                           self._prefix(), replica.step, exc)
+            ok = False
+        flag = torch.tensor([int(ok)], device=self.trainer.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if not flag.item():
+            return False
+        self.timings["load_copy_s"] = time.monotonic() - t0
+        moved = replica.source_node != ray.get_runtime_context().get_node_id()
+        logger.info("%srestored step %d from %s in %.2fs", self._prefix(), replica.step,
+                    f"peer replica (copy of node {replica.source_node[:12]})" if moved else "its own copy in memory",
+                    self.timings["load_copy_s"])
+        return True
 
     def run(self) -> WorkerResult:
         """Train to ``training.steps``; raises WorkerFailure with the traceback on error."""

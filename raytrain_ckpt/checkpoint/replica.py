@@ -43,7 +43,7 @@ from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, open_buffer
 logger = logging.getLogger(__name__)
 
 __all__ = ["CHUNK_BYTES", "CommittedBytes", "Pacer", "Replica", "ReplicaError", "ReplicaStore", "read_chunks",
-           "StagedCopy", "ring_peers", "send_replica", "snapshot"]
+           "StagedCopy", "plan_copies", "ring_peers", "send_replica", "snapshot"]
 
 _COMMIT_WAIT_S = 600.0
 """How long a writer waits for a step it wrote to commit before dropping its copy."""
@@ -73,6 +73,24 @@ def ring_peers(nodes: list[str]) -> dict[str, str]:
     if len(ring) < 2:
         return {}
     return {node: ring[(i + 1) % len(ring)] for i, node in enumerate(ring)}
+
+
+def plan_copies(step: int, rank_nodes: list[str], held: dict[str, list[tuple[int, int]]]) -> list[str] | None:
+    """Where each rank of a restart loads ``step`` from: the node holding its copy, one on the
+    rank's own node first (no transfer), else the first holder in node order. None when some
+    rank has no copy of ``step`` anywhere: then every rank loads from storage (a storage load
+    is collective, so the ranks cannot mix).
+
+    ``rank_nodes``: the node of each rank in the new group; ``held``: alive node -> the
+    (rank, step) copies its writer holds.
+    """
+    plan = []
+    for rank, node in enumerate(rank_nodes):
+        holders = sorted(n for n, copies in held.items() if (rank, step) in copies)
+        if not holders:
+            return None
+        plan.append(node if node in holders else holders[0])
+    return plan
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from raytrain_ckpt.checkpoint.names import NAMESPACE, ActorByName, actor_name, w
 from raytrain_ckpt.checkpoint.client import SaveSchedule
 from raytrain_ckpt.checkpoint.interval import IntervalHistory
 from raytrain_ckpt.checkpoint.probe import StorageNotShared, local_root, missing_probes, unshared_message
-from raytrain_ckpt.checkpoint.replica import ring_peers
+from raytrain_ckpt.checkpoint.replica import plan_copies, ring_peers
 from raytrain_ckpt.checkpoint.retention import KeepBest, RetentionPolicy
 from raytrain_ckpt.checkpoint.storage import job_root
 from raytrain_ckpt.checkpoint.writer import CheckpointWriter
@@ -81,6 +81,43 @@ class CheckpointService:
         if ring:
             logger.info("checkpoint.replication: %s", ", ".join(f"{a[:8]} -> {b[:8]}" for a, b in sorted(ring.items())))
         return ring
+
+    def copies_for(self, point: ResumePoint | None, spec: JobSpec, nodes: list[str]) -> list[Any] | None:
+        """Per rank, the committed copy of ``point`` it loads from memory (on its own node, moved
+        there from a peer if need be), or None: every rank loads from storage, and why is logged.
+
+        Only at the layout that saved the step (a copy is one rank's flat state).
+        """
+        if spec.checkpoint.replication.mode == "off" or point is None or point.world_size != spec.world_size:
+            return None
+        timeout = spec.fault_tolerance.start_timeout_s
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        held: dict[str, list[Any]] = {}
+        for node in sorted(alive & set(self._writers)):
+            try:
+                held[node] = ray.get(self._writers[node].copies_held.remote(), timeout=timeout)
+            except Exception as exc:  # a writer restarting or gone holds nothing usable
+                logger.info("no copies from the writer on node %s: %s", node[:12], exc)
+        plan = plan_copies(point.step, nodes, {n: [(c.rank, c.step) for c in cs] for n, cs in held.items()})
+        if plan is None:
+            logger.info("restoring step %d from storage: not every rank has a committed copy in memory", point.step)
+            return None
+        try:
+            return [self._copy_on(nodes[rank], holder, held[holder], rank, point.step, timeout)
+                    for rank, holder in enumerate(plan)]
+        except Exception as exc:  # e.g. the holder died while sending: storage is the fallback
+            logger.warning("restoring step %d from storage: moving a copy failed: %s", point.step, exc)
+            return None
+
+    def _copy_on(self, node: str, holder: str, copies: list[Any], rank: int, step: int, timeout: float) -> Any:
+        """The copy of ``rank`` at ``step`` on ``node``, pushed there from ``holder`` if elsewhere."""
+        found = next(c for c in copies if (c.rank, c.step) == (rank, step))
+        if holder != node:
+            found = ray.get(self.writer_for(holder).push_replica.remote(rank, step, self.writer_for(node), node),
+                            timeout=timeout)
+        how = "own copy" if found.source_node == node else f"peer replica (from node {holder[:12]})"
+        logger.info("rank %d restores step %d from its %s", rank, step, how)
+        return found
 
     def preflight(self) -> None:
         """Before anything trains: check that every node that may host a rank shares the
