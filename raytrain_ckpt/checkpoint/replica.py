@@ -345,9 +345,10 @@ class ReplicaEndpoint:
     def _init_replicas(self, directory: Path, max_mb_per_s: float | None) -> None:
         import ray
 
-        self.replicas = ReplicaStore(directory, self.prefix)
-        self._replica_dir = Path(directory)
         self._node_id = ray.get_runtime_context().get_node_id()
+        # The node in the names: nodes that share a /dev/shm (one machine) must not collide.
+        self.replicas = ReplicaStore(directory, f"{self.prefix}-n{self._node_id[:8]}")
+        self._replica_dir = Path(directory)
         self._peer: tuple[str, Any] | None = None
         self._replica_rate = max_mb_per_s
         self._replica_lock = threading.Lock()
@@ -411,7 +412,7 @@ class ReplicaEndpoint:
         with self._replica_lock:
             if self._peer is None:
                 return
-        dest = self._replica_dir / f"rtc-{self.prefix}-copy-rank{rank}-step{step}.buf"
+        dest = self._replica_dir / f"rtc-{self.prefix}-n{self._node_id[:8]}-copy-rank{rank}-step{step}.buf"
         buffer, crc = snapshot(buffer_path, nbytes, dest)
         copy = StagedCopy(step, rank, nbytes, str(dest), tuple(slots), objects, crc)
         self._pool.submit(self._commit_and_send, copy, buffer)

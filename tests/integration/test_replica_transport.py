@@ -68,6 +68,8 @@ def test_replica_goes_to_the_peer_and_on_to_a_replacement(ray_cluster, tmp_path)
     assert Path(moved.path).read_bytes() == data2 and moved.source_node == node
     with pytest.raises(ray.exceptions.RayTaskError, match="no verified copy of rank 1 step 10"):
         ray.get(b.push_replica.remote(1, 10, c, node))
+    # b and c are on one node sharing /dev/shm, as nodes of a one-machine cluster do: no clash
+    assert Path(moved.path) != Path(held2.path) and Path(held2.path).exists()
 
     ray.get([w.release_all.remote() for w in (b, c)])
     assert not Path(held2.path).exists() and not Path(moved.path).exists()
