@@ -15,8 +15,11 @@ a segfault or the OOM killer), ``hang`` (the rank stops making progress) or ``sl
 or ``uploaded`` (in the node's CheckpointWriter on an object store, after rank ``R``'s files of
 step ``S`` are uploaded and before they are reported: the step's prefix holds shards and no
 manifest) or ``commit`` (in the CheckpointActor, after ``.metadata`` and before the manifest of step
-``S``; use ``rank=0``). ``attempt`` defaults to 0, so the
-restarted group runs clean unless the plan says otherwise.
+``S``; use ``rank=0``) or ``restore`` (a restart loading step ``S`` from the in-memory copy of rank ``R``;
+give the restart's ``attempt``). Two kinds damage that copy instead of the process, and only at
+``restore``: ``corrupt`` flips one bit of the rank's staging buffer before the rank checksums it,
+and ``stale`` hands the rank its writer's copy of the step before ``S`` (an older buffer).
+``attempt`` defaults to 0, so the restarted group runs clean unless the plan says otherwise.
 """
 
 from __future__ import annotations
@@ -28,14 +31,16 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV_VAR", "Fault", "InjectedFault", "maybe_inject", "parse_faults"]
+__all__ = ["ENV_VAR", "Fault", "InjectedFault", "maybe_inject", "parse_faults", "planned"]
 
 ENV_VAR = "RAYTRAIN_CKPT_FAULTS"
 STAMP_VAR = "RAYTRAIN_CKPT_FAULT_STAMP"
 """If set, an ``exit`` or ``hang`` fault first writes its wall-clock time to this file (recovery benchmarks)."""
-KINDS = ("raise", "exit", "hang", "slow")
+KINDS = ("raise", "exit", "hang", "slow", "corrupt", "stale")
+COPY_KINDS = ("corrupt", "stale")
+"""Kinds that damage a rank's in-memory copy (point ``restore`` only); their caller acts on ``planned()``."""
 SLOW_S = 3.0
-POINTS = ("step", "staging", "staged", "persist", "uploaded", "commit")
+POINTS = ("step", "staging", "staged", "persist", "uploaded", "commit", "restore")
 
 
 class InjectedFault(RuntimeError):
@@ -64,6 +69,8 @@ def parse_faults(text: str) -> list[Fault]:
             raise ValueError(f"{ENV_VAR}: cannot parse {entry!r} ({exc}); expected KIND@step:rank=R,step=S") from None
         if fault.kind not in KINDS or fault.point not in POINTS or kv:
             raise ValueError(f"{ENV_VAR}: bad fault {entry!r}; KIND is one of {KINDS}, POINT one of {POINTS}")
+        if fault.kind in COPY_KINDS and fault.point != "restore":
+            raise ValueError(f"{ENV_VAR}: bad fault {entry!r}; {fault.kind} applies at restore only")
         faults.append(fault)
     return faults
 
@@ -80,13 +87,24 @@ def _stamp() -> None:
             f.write(repr(time.time()))
 
 
+def planned(kind: str, point: str, rank: int, step: int, attempt: int) -> bool:
+    """Whether the plan has a ``kind`` fault here (the ``COPY_KINDS``, which their callers carry out)."""
+    text = os.environ.get(ENV_VAR)
+    if not text:
+        return False
+    hit = Fault(kind, point, rank, step, attempt) in parse_faults(text)
+    if hit:
+        logger.warning("injecting fault %s at %s rank %d step %d attempt %d", kind, point, rank, step, attempt)
+    return hit
+
+
 def maybe_inject(point: str, rank: int, step: int, attempt: int) -> None:
     """Trigger the planned fault for this point, rank, step and attempt, if any."""
     text = os.environ.get(ENV_VAR)
     if not text:
         return
     for f in parse_faults(text):
-        if (f.point, f.rank, f.step, f.attempt) != (point, rank, step, attempt):
+        if (f.point, f.rank, f.step, f.attempt) != (point, rank, step, attempt) or f.kind in COPY_KINDS:
             continue
         logger.warning("injecting fault %s at %s rank %d step %d attempt %d", f.kind, point, rank, step, attempt)
         if f.kind == "raise":

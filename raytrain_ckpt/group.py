@@ -146,12 +146,12 @@ class RayWorkerGroup:
         point = self.checkpoints.acquire(self.attempt, self.spec)
         nodes = bundle_nodes(self._pg)
         self.checkpoints.replicate_between(nodes)
-        copies = self.checkpoints.copies_for(point, self.spec, nodes)
         history = self.checkpoints.interval_history()  # the same on every rank: they agree on the interval
+        sources = self.checkpoints.recovery_sources(self.attempt, self.spec, point, nodes)
         return [{"actor": self.checkpoints.actor, "writer": self.checkpoints.writer_for(nodes[rank]),
-                 "resume_path": point.path if point else None,
+                 "resume_path": point.path if point else None, "resume_step": point.step if point else None,
                  "resume_world_size": point.world_size if point else None, "interval": history,
-                 "copy": copies[rank] if copies else None}
+                 "resume_source": sources[rank] if sources else None}
                 for rank in range(self.spec.world_size)]
 
     def _get(self, ref: ray.ObjectRef, deadline: float, what: str):

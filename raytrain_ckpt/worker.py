@@ -168,52 +168,30 @@ class TrainWorker:
 
     def _setup_checkpoints(self, ckpt: dict) -> None:
         from raytrain_ckpt.checkpoint.client import CheckpointClient
-        from raytrain_ckpt.checkpoint.state import load_app_state
+        from raytrain_ckpt.checkpoint.memcopy import restore
 
         trainer = self.trainer
         assert trainer is not None
+        kept = None
         if ckpt["resume_path"] is not None:
-            t0 = time.monotonic()
-            if not self._load_copy(ckpt.get("copy")):
-                load_app_state(trainer, ckpt["resume_path"], ckpt["resume_world_size"] == self.world_size)
-            self.timings["load_s"] = time.monotonic() - t0
+            source = ckpt.get("resume_source")
+            copy = source.copy if source is not None else None
+            done = restore(trainer, ckpt["resume_path"], ckpt["resume_step"],
+                           ckpt["resume_world_size"] == self.world_size, copy,
+                           source.why if source is not None else "", self.attempt)
+            self.timings["load_s"] = done.seconds
+            self.timings["loaded_from_memory"] = float(done.source == "memory")
             self.start_step = trainer.state.step
+            kept = copy.path if done.source == "memory" and copy is not None else None
             if self.rank == 0:
-                logger.info("%sresumed from %s in %.2fs", self._prefix(), ckpt["resume_path"], time.monotonic() - t0)
+                logger.info("%sresumed step %d from %s in %.2fs (%s)", self._prefix(), self.start_step,
+                            "memory" if kept else ckpt["resume_path"], done.seconds, done.why)
         self.checkpoints = CheckpointClient(self.spec.checkpoint, self.rank, self.attempt, self.spec.training.steps,
                                             ckpt["actor"], ckpt["writer"], trainer.device,
-                                            self.spec.fault_tolerance.prior_mtbf_s, ckpt.get("interval"))
+                                            self.spec.fault_tolerance.prior_mtbf_s, ckpt.get("interval"),
+                                            kept_copy=(kept, self.start_step) if kept else None)
         trainer.before_optimizer_step = self.checkpoints.before_optimizer_step
         self._progress = Progress(self.rank, self.start_step, None, time.time(), "setup")
-
-    def _load_copy(self, replica: Any | None) -> bool:
-        """Load the resume step from its committed copy in memory (``checkpoint/replica.py``);
-        False: load from storage. Every rank got a copy or none did, and all agree after trying
-        (a storage load is collective): one rank's failure sends every rank to storage."""
-        import ray
-
-        from raytrain_ckpt.checkpoint.state import load_staged
-
-        if replica is None:
-            return False
-        t0 = time.monotonic()
-        ok = True
-        try:
-            load_staged(self.trainer, replica.copy)
-        except Exception as exc:  # storage is the fallback; the reason is logged
-            logger.warning("%scould not load step %d from its copy in memory (%s); loading from storage",
-                           self._prefix(), replica.step, exc)
-            ok = False
-        flag = torch.tensor([int(ok)], device=self.trainer.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if not flag.item():
-            return False
-        self.timings["load_copy_s"] = time.monotonic() - t0
-        moved = replica.source_node != ray.get_runtime_context().get_node_id()
-        logger.info("%srestored step %d from %s in %.2fs", self._prefix(), replica.step,
-                    f"peer replica (copy of node {replica.source_node[:12]})" if moved else "its own copy in memory",
-                    self.timings["load_copy_s"])
-        return True
 
     def run(self) -> WorkerResult:
         """Train to ``training.steps``; raises WorkerFailure with the traceback on error."""

@@ -450,6 +450,17 @@ class CheckpointActor:
     async def release(self, holder: str) -> None:
         self.leases.pop(holder, None)
 
+    async def latest_committed(self) -> int | None:
+        """The newest committed step (what a writer's ``committed_copy`` looks for by default)."""
+        return max(self.committed) if self.committed else None
+
+    async def manifest_files(self, step: int) -> dict[str, dict[str, int]]:
+        """The files committed step ``step``'s manifest lists: name -> {"size", "crc32c"} ({} when unknown)."""
+        m = self.committed.get(step)
+        if m is None:
+            return {}
+        return {name: {"size": f.size, "crc32c": f.crc32c} for name, f in m.files.items() if f.crc32c is not None}
+
     # --- introspection -------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:

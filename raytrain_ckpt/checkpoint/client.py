@@ -44,7 +44,7 @@ from raytrain_ckpt.spec import CheckpointSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointClient", "SaveSchedule", "SaveStats"]
+__all__ = ["CheckpointClient", "SaveSchedule", "SaveStats", "next_buffer"]
 
 
 @dataclass(frozen=True)
@@ -89,15 +89,46 @@ class SaveStats:
 
 
 @dataclass
+class _Buffer:
+    """One of the rank's staging buffers and the step it holds (None: empty, or its save failed)."""
+
+    path: str
+    staging: Staging
+    lease: BufferLease
+    step: int | None = None
+
+
+def next_buffer(steps: list[int | None]) -> int:
+    """Which buffer the next save stages into: an empty one, else the one holding the oldest step.
+
+    Never the one holding the newest step handed off: with two buffers, the newest committed
+    step stays intact while the next one is staged (``checkpoint.memory_copies``). A step
+    whose save failed on this rank is forgotten (None), so its buffer is the one reused.
+    """
+    empty = [i for i, s in enumerate(steps) if s is None]
+    if empty:
+        return empty[0]
+    return min(range(len(steps)), key=lambda i: steps[i])  # type: ignore[arg-type,return-value]
+
+
+@dataclass
 class _Layout:
     key: str
     plan_id: str
     slots: list[TensorSlot]
     nbytes: int
     plan: SavePlan
-    buffer_path: str
-    staging: Staging
-    lease: BufferLease
+    buffers: list[_Buffer]
+    active: int = 0
+    """The buffer of the latest save (the one ``before_optimizer_step`` waits for)."""
+
+    @property
+    def staging(self) -> Staging:
+        return self.buffers[self.active].staging
+
+    @property
+    def buffer_path(self) -> str:
+        return self.buffers[self.active].path
 
 
 class CheckpointClient:
@@ -105,7 +136,7 @@ class CheckpointClient:
 
     def __init__(self, cfg: CheckpointSpec, rank: int, attempt: int, total_steps: int,
                  actor: Any, writer: Any, device: torch.device, prior_mtbf_s: float | None = None,
-                 history: IntervalHistory | None = None) -> None:
+                 history: IntervalHistory | None = None, kept_copy: tuple[str, int] | None = None) -> None:
         self.cfg, self.rank, self.attempt, self.total_steps = cfg, rank, attempt, total_steps
         self.actor, self.writer, self.device = actor, writer, device
         self.stats = SaveStats()
@@ -117,6 +148,8 @@ class CheckpointClient:
             assert prior_mtbf_s is not None, "interval_steps=auto needs fault_tolerance.expected_mtbf_s"
             self.interval = _AutoInterval(self, prior_mtbf_s, history or IntervalHistory())
         self._layout: _Layout | None = None
+        self._kept = kept_copy
+        """(buffer path, step) of the in-memory copy this attempt resumed from: not staged over first."""
         self._inflight: tuple[int, ray.ObjectRef] | None = None
         self._replan = False
         self._last_save_at = time.monotonic()
@@ -162,16 +195,20 @@ class CheckpointClient:
             return
         info = dict(info or {})
         payload = pickle.dumps(objects)
+        layout.active = next_buffer([b.step for b in layout.buffers])
+        buf = layout.buffers[layout.active]
+        buf.step = None  # staged over from here on
 
         def hand_off() -> None:
             info["stage_s"] = time.monotonic() - t0
-            req = PersistRequest(step, self.rank, self.attempt, layout.plan_id, layout.buffer_path, layout.nbytes,
+            req = PersistRequest(step, self.rank, self.attempt, layout.plan_id, buf.path, layout.nbytes,
                                  layout.slots, payload, layout.plan, info)
             try:
                 _get_restarting(lambda: self.writer.accept.remote(req))
             except Exception as exc:  # the writer died: this step is lost, training goes on
                 self._aborted(step, exc)
                 return
+            buf.step = step
             self._inflight = (step, self.writer.wait.remote(self.rank, step))
             maybe_inject("staged", self.rank, step, self.attempt)
 
@@ -217,6 +254,9 @@ class CheckpointClient:
         return True
 
     def _aborted(self, step: int, exc: BaseException) -> None:
+        if self._layout is not None:  # its buffer holds nothing worth keeping
+            for b in self._layout.buffers:
+                b.step = None if b.step == step else b.step
         self.stats.aborted += 1
         logger.warning("checkpoint step %d aborted, training continues: %s", step, headline(str(exc)))
         self.actor.abort.remote(step, f"rank {self.rank}: {headline(str(exc))}")
@@ -245,16 +285,23 @@ class CheckpointClient:
         central, plan_id = _get_restarting(
             lambda: self.actor.plan.remote(self.attempt, step, self.rank, local, self.cfg.commit_timeout_s))
         plan = self._planner.finish_plan(central)
-        path = _get_restarting(lambda: self.writer.allocate.remote(self.rank, self.attempt, nbytes))
+        paths = [_get_restarting(lambda c=c: self.writer.allocate.remote(self.rank, self.attempt, nbytes, c))
+                 for c in range(self.cfg.memory_copies)]
         if self._layout is not None:  # before mapping: closing any fd of the file would drop it anyway
-            self._layout.lease.release()
-        buffer = map_buffer(Path(path), nbytes)
-        lease = BufferLease(Path(path))  # after mapping (map_buffer closes its fd)
-        staging: Staging = (PinnedCudaStaging(buffer, slots, self.device) if self.device.type == "cuda"
-                            else SharedMemoryStaging(buffer, slots))
-        self._layout = _Layout(key, plan_id, slots, nbytes, plan, path, staging, lease)
+            for b in self._layout.buffers:
+                b.lease.release()
+        buffers = []
+        for path in paths:
+            buffer = map_buffer(Path(path), nbytes)
+            lease = BufferLease(Path(path))  # after mapping (map_buffer closes its fd)
+            staging: Staging = (PinnedCudaStaging(buffer, slots, self.device) if self.device.type == "cuda"
+                                else SharedMemoryStaging(buffer, slots))
+            kept = self._kept is not None and self._kept[0] == path and self._layout is None
+            buffers.append(_Buffer(path, staging, lease, self._kept[1] if kept and self._kept else None))
+        self._layout = _Layout(key, plan_id, slots, nbytes, plan, buffers)
         self._replan = False
-        logger.info("checkpoint layout %s: %d tensors, %.1f MB staging buffer %s", key, len(slots), nbytes / 1e6, path)
+        logger.info("checkpoint layout %s: %d tensors, %d x %.1f MB staging buffer(s) %s", key, len(slots),
+                    len(paths), nbytes / 1e6, ", ".join(paths))
         return self._layout
 
     def close(self) -> None:
@@ -268,10 +315,11 @@ class CheckpointClient:
             self._layout.staging.wait()
         except Exception as exc:  # the attempt is over; a failed copy only loses an uncommitted save
             logger.debug("staging copy failed while leaving the attempt: %s", exc)
-        close = getattr(self._layout.staging, "close", None)
-        if close is not None:
-            close()
-        self._layout.lease.release()  # the writer may give the buffer to the next attempt
+        for b in self._layout.buffers:
+            close = getattr(b.staging, "close", None)
+            if close is not None:
+                close()
+            b.lease.release()  # the writer may give the buffer to the next attempt
         self._layout = None
 
     def wait_committed(self) -> None:

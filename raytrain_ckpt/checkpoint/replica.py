@@ -42,8 +42,8 @@ from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, open_buffer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CHUNK_BYTES", "CommittedBytes", "Pacer", "Replica", "ReplicaError", "ReplicaStore", "read_chunks",
-           "StagedCopy", "plan_copies", "ring_peers", "send_replica", "snapshot"]
+__all__ = ["CHUNK_BYTES", "CommittedBytes", "Pacer", "Replica", "ReplicaEndpoint", "ReplicaError", "ReplicaStore",
+           "read_chunks", "ring_peers", "send_replica"]
 
 _COMMIT_WAIT_S = 600.0
 """How long a writer waits for a step it wrote to commit before dropping its copy."""
@@ -75,24 +75,6 @@ def ring_peers(nodes: list[str]) -> dict[str, str]:
     return {node: ring[(i + 1) % len(ring)] for i, node in enumerate(ring)}
 
 
-def plan_copies(step: int, rank_nodes: list[str], held: dict[str, list[tuple[int, int]]]) -> list[str] | None:
-    """Where each rank of a restart loads ``step`` from: the node holding its copy, one on the
-    rank's own node first (no transfer), else the first holder in node order. None when some
-    rank has no copy of ``step`` anywhere: then every rank loads from storage (a storage load
-    is collective, so the ranks cannot mix).
-
-    ``rank_nodes``: the node of each rank in the new group; ``held``: alive node -> the
-    (rank, step) copies its writer holds.
-    """
-    plan = []
-    for rank, node in enumerate(rank_nodes):
-        holders = sorted(n for n, copies in held.items() if (rank, step) in copies)
-        if not holders:
-            return None
-        plan.append(node if node in holders else holders[0])
-    return plan
-
-
 @dataclass(frozen=True)
 class Replica:
     """A verified replica held by a node's writer."""
@@ -109,41 +91,6 @@ class Replica:
     @property
     def path(self) -> str:
         return self.copy.path
-
-
-@dataclass(frozen=True)
-class StagedCopy:
-    """A rank's committed state as its writer staged it: the bytes of its staging buffer copied
-    to a file of their own (``path``), with what a loader needs to put them back."""
-
-    step: int
-    rank: int
-    nbytes: int
-    path: str
-    slots: tuple
-    """The ``TensorSlot`` of every tensor (fqn, dtype, shape, offset, nbytes)."""
-    objects: bytes
-    """Pickled non-tensor entries of the flat state dict."""
-    crc32c: int
-    """CRC-32C of the ``nbytes`` bytes, taken while copying: a send re-checks it."""
-
-
-def snapshot(buffer_path: str, nbytes: int, dest: Path, chunk_bytes: int = CHUNK_BYTES) -> tuple[OwnedBuffer, int]:
-    """Copy the first ``nbytes`` of a staging buffer into a new buffer file ``dest``; returns the
-    file (owned) and the CRC-32C of the bytes copied."""
-    out = OwnedBuffer.create(dest, nbytes)
-    crc = 0
-    fd = open_buffer(dest, nbytes)
-    try:
-        for offset, data in read_chunks(buffer_path, nbytes, chunk_bytes):
-            os.pwrite(fd, data, offset)
-            crc = _crc32c.crc32c(data, crc)
-    except BaseException:
-        out.remove()
-        raise
-    finally:
-        os.close(fd)
-    return out, crc
 
 
 class Pacer:
@@ -330,15 +277,18 @@ class ReplicaStore:
 class ReplicaEndpoint:
     """The CheckpointWriter's side of replication, mixed into it so Ray calls reach these methods.
 
-    A writer is both a sender and a receiver. As a sender, once a rank's files of a step are
-    written it copies the rank's staging buffer (``snapshot``: the trainer may stage the next
-    save into it as soon as the write returns) and, after the step commits, keeps that copy as
-    the rank's **own copy** on this node and sends it to the peer. As a receiver it holds its
-    predecessor's ranks' replicas (``ReplicaStore``). Sends run on the writer's own threads,
-    one rank at a time and newest first, paced: never on the training path.
+    A writer is both a sender and a receiver. As a sender, once a step it wrote for a rank
+    commits, it sends the rank's committed copy (``committed_copy``: the staging buffer that
+    ``checkpoint.memory_copies: 2`` keeps intact until a newer step commits) to its peer. As a
+    receiver it holds its predecessor's ranks' replicas (``ReplicaStore``). Sends run on the
+    writer's own threads after the commit, one rank at a time, paced: never on the training path.
+    A send that reads a buffer restaged meanwhile (a newer step committed) fails its CRC-32C at
+    the peer and is dropped; the newer step's send follows.
     """
 
     _pool: Any
+    _lock: threading.Lock
+    _buffers: dict[str, Any]
     prefix: str
     coordinator: Any
 
@@ -348,13 +298,11 @@ class ReplicaEndpoint:
         self._node_id = ray.get_runtime_context().get_node_id()
         # The node in the names: nodes that share a /dev/shm (one machine) must not collide.
         self.replicas = ReplicaStore(directory, f"{self.prefix}-n{self._node_id[:8]}")
-        self._replica_dir = Path(directory)
         self._peer: tuple[str, Any] | None = None
         self._replica_rate = max_mb_per_s
         self._replica_lock = threading.Lock()
-        self._own: dict[int, tuple[StagedCopy, OwnedBuffer]] = {}
-        """Rank -> its newest committed copy on this node (replication on only)."""
         self._rank_locks: dict[int, threading.Lock] = {}
+        self._newest_sent: dict[int, int] = {}
 
     def set_peer(self, node_id: str | None, peer: Any | None) -> None:
         """Send replicas to ``peer`` (the writer on ``node_id``) from now on; None stops sending."""
@@ -378,12 +326,13 @@ class ReplicaEndpoint:
         """Every verified replica this writer holds (one per source rank, the newest step)."""
         return self.replicas.held()
 
-    def copies_held(self) -> list[Replica]:
-        """Every committed copy on this node: its own ranks' (``source_node`` is this node) and
-        the replicas it holds for its predecessor."""
-        with self._replica_lock:
-            own = [Replica(self._node_id, c.step, c.rank, c.nbytes, c.crc32c, c) for c, _ in self._own.values()]
-        return own + self.replicas.held()
+    def copies_held(self, step: int) -> list[Replica]:
+        """The copies of ``step`` on this node: its own ranks' committed copies (``source_node`` is
+        this node) and the replicas it holds for its predecessor's ranks."""
+        with self._lock:
+            own = [h.record for h in self._buffers.values() if h.record is not None and h.record.step == step]
+        return ([Replica(self._node_id, c.step, c.rank, c.nbytes, c.crc32c, c) for c in own]
+                + [r for r in self.replicas.held() if r.step == step])
 
     def replicate(self, copy: Any, wait: bool = False) -> Replica | None:
         """Send ``copy`` (a committed copy of one of this node's ranks) to the peer, in the
@@ -400,53 +349,40 @@ class ReplicaEndpoint:
         """Send the copy of ``rank`` at ``step`` held here (own or replica) to another writer: a
         rank restored on another node loads from there. Re-checked here first; returns the
         receiver's replica."""
-        held = next((c for c in self.copies_held() if (c.rank, c.step) == (rank, step)), None)
+        held = next((c for c in self.copies_held(step) if c.rank == rank), None)
         if held is None:
             raise ReplicaError(f"no verified copy of rank {rank} step {step} is held on node {self._node_id[:12]}")
         self.replicas.check(held)
         return self._send(held.copy, held.source_node, (to_node, to))
 
-    def _after_write(self, rank: int, step: int, buffer_path: str, nbytes: int, slots: list, objects: bytes) -> None:
-        """A rank's files of ``step`` are written (the trainer is waiting for this to return before
-        it stages again): with a peer, copy the buffer now and replicate once the step commits."""
+    def _after_write(self, rank: int, step: int) -> None:
+        """Rank ``rank``'s files of ``step`` are written: with a peer, send its copy once the step commits."""
         with self._replica_lock:
             if self._peer is None:
                 return
-        dest = self._replica_dir / f"rtc-{self.prefix}-n{self._node_id[:8]}-copy-rank{rank}-step{step}.buf"
-        buffer, crc = snapshot(buffer_path, nbytes, dest)
-        copy = StagedCopy(step, rank, nbytes, str(dest), tuple(slots), objects, crc)
-        self._pool.submit(self._commit_and_send, copy, buffer)
+        self._pool.submit(self._commit_and_send, rank, step)
 
-    def _commit_and_send(self, copy: StagedCopy, buffer: OwnedBuffer) -> None:
+    def _commit_and_send(self, rank: int, step: int) -> None:
         import ray
 
         try:
-            ray.get(self.coordinator.wait_committed.remote(copy.step, _COMMIT_WAIT_S))
-        except Exception as exc:  # aborted or never committed: the copy is not a committed state
-            logger.info("copy of rank %d step %d dropped: the step did not commit (%s)", copy.rank, copy.step, exc)
-            buffer.remove()
+            ray.get(self.coordinator.wait_committed.remote(step, _COMMIT_WAIT_S))
+        except Exception as exc:  # aborted or never committed: nothing to replicate
+            logger.info("no replica of rank %d step %d: the step did not commit (%s)", rank, step, exc)
             return
         with self._replica_lock:
-            old = self._own.get(copy.rank)
-            if old is not None and old[0].step > copy.step:
-                buffer.remove()
-                return
-            self._own[copy.rank] = (copy, buffer)
-            lock = self._rank_locks.setdefault(copy.rank, threading.Lock())
-        if old is not None:
-            old[1].remove()  # a send still reading it keeps its own open fd
-        with lock:  # one send per rank at a time; a newer copy that committed meanwhile goes instead
+            lock = self._rank_locks.setdefault(rank, threading.Lock())
+        with lock:  # one send per rank at a time; an older step whose turn comes late is skipped
             with self._replica_lock:
-                newest, peer = self._own.get(copy.rank), self._peer
-            if newest is None or newest[0].step != copy.step or peer is None:
+                peer, newest = self._peer, self._newest_sent.get(rank, -1)
+            copy = self.committed_copy(rank, step)
+            if peer is None or step <= newest or copy is None:
                 return
-            self._send_logged(copy, self._node_id, peer)
+            if self._send_logged(copy, self._node_id, peer) is not None:
+                with self._replica_lock:
+                    self._newest_sent[rank] = max(step, self._newest_sent.get(rank, -1))
 
     def _release_replicas(self) -> None:
-        with self._replica_lock:
-            own, self._own = list(self._own.values()), {}
-        for _, buffer in own:
-            buffer.remove()
         self.replicas.remove_all()
 
     def _send_logged(self, copy: Any, source_node: str, peer: tuple[str, Any]) -> Replica | None:

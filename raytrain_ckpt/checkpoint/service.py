@@ -16,16 +16,23 @@ from raytrain_ckpt.checkpoint.actor import CheckpointActor, ResumePoint
 from raytrain_ckpt.checkpoint.names import NAMESPACE, ActorByName, actor_name, writer_name
 from raytrain_ckpt.checkpoint.client import SaveSchedule
 from raytrain_ckpt.checkpoint.interval import IntervalHistory
+from raytrain_ckpt.checkpoint.memcopy import CommittedCopy, CopyFacts, RankSource, choose_sources
 from raytrain_ckpt.checkpoint.probe import StorageNotShared, local_root, missing_probes, unshared_message
-from raytrain_ckpt.checkpoint.replica import plan_copies, ring_peers
+from raytrain_ckpt.checkpoint.replica import ring_peers
 from raytrain_ckpt.checkpoint.retention import KeepBest, RetentionPolicy
 from raytrain_ckpt.checkpoint.storage import job_root
 from raytrain_ckpt.checkpoint.writer import CheckpointWriter
+from raytrain_ckpt.events import headline
+from raytrain_ckpt.faults import planned
 from raytrain_ckpt.spec import CheckpointSpec, JobSpec
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["NAMESPACE", "CheckpointService", "actor_name"]
+
+COPY_QUERY_TIMEOUT_S = 10.0
+"""How long a restart waits for a node's writer to say which in-memory copy it holds; a writer
+that does not answer in time (its node is going away) sends the restart to storage."""
 
 def _retention(cfg: CheckpointSpec) -> RetentionPolicy:
     best = cfg.keep_best
@@ -65,7 +72,7 @@ class CheckpointService:
             ).remote(self.spec.name, str(self.root), ActorByName(actor_name(self.spec.name)),
                      self.spec.checkpoint.writer_threads,
                      self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options,
-                     self.spec.checkpoint.replication.max_mb_per_s)
+                     self.spec.checkpoint.memory_copies, self.spec.checkpoint.replication.max_mb_per_s)
         return self._writers[node_id]
 
     def replicate_between(self, nodes: list[str]) -> dict[str, str]:
@@ -82,42 +89,27 @@ class CheckpointService:
             logger.info("checkpoint.replication: %s", ", ".join(f"{a[:8]} -> {b[:8]}" for a, b in sorted(ring.items())))
         return ring
 
-    def copies_for(self, point: ResumePoint | None, spec: JobSpec, nodes: list[str]) -> list[Any] | None:
-        """Per rank, the committed copy of ``point`` it loads from memory (on its own node, moved
-        there from a peer if need be), or None: every rank loads from storage, and why is logged.
-
-        Only at the layout that saved the step (a copy is one rank's flat state).
-        """
-        if spec.checkpoint.replication.mode == "off" or point is None or point.world_size != spec.world_size:
-            return None
-        timeout = spec.fault_tolerance.start_timeout_s
+    def _copy_from_peer(self, rank: int, node: str, step: int) -> CommittedCopy | None:
+        """Rank ``rank``'s copy of ``step`` from another node (its old node's own copy, or the
+        replica its old node sent to its peer), moved to the writer on ``node`` where the rank now
+        runs (re-checked on both ends). None when no alive node holds one, or moving it failed."""
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        held: dict[str, list[Any]] = {}
-        for node in sorted(alive & set(self._writers)):
+        for holder in sorted(alive & set(self._writers)):
             try:
-                held[node] = ray.get(self._writers[node].copies_held.remote(), timeout=timeout)
-            except Exception as exc:  # a writer restarting or gone holds nothing usable
-                logger.info("no copies from the writer on node %s: %s", node[:12], exc)
-        plan = plan_copies(point.step, nodes, {n: [(c.rank, c.step) for c in cs] for n, cs in held.items()})
-        if plan is None:
-            logger.info("restoring step %d from storage: not every rank has a committed copy in memory", point.step)
-            return None
-        try:
-            return [self._copy_on(nodes[rank], holder, held[holder], rank, point.step, timeout)
-                    for rank, holder in enumerate(plan)]
-        except Exception as exc:  # e.g. the holder died while sending: storage is the fallback
-            logger.warning("restoring step %d from storage: moving a copy failed: %s", point.step, exc)
-            return None
-
-    def _copy_on(self, node: str, holder: str, copies: list[Any], rank: int, step: int, timeout: float) -> Any:
-        """The copy of ``rank`` at ``step`` on ``node``, pushed there from ``holder`` if elsewhere."""
-        found = next(c for c in copies if (c.rank, c.step) == (rank, step))
-        if holder != node:
-            found = ray.get(self.writer_for(holder).push_replica.remote(rank, step, self.writer_for(node), node),
-                            timeout=timeout)
-        how = "own copy" if found.source_node == node else f"peer replica (from node {holder[:12]})"
-        logger.info("rank %d restores step %d from its %s", rank, step, how)
-        return found
+                held = ray.get(self._writers[holder].copies_held.remote(step), timeout=COPY_QUERY_TIMEOUT_S)
+                found = next((c for c in held if c.rank == rank), None)
+                if found is None:
+                    continue
+                if holder != node:
+                    found = ray.get(self.writer_for(holder).push_replica.remote(rank, step, self.writer_for(node), node),
+                                    timeout=self.spec.fault_tolerance.start_timeout_s)
+            except Exception as exc:  # a writer restarting, gone, or a failed move: try the next holder
+                logger.info("rank %d: no copy of step %d from node %s: %s", rank, step, holder[:12], headline(str(exc)))
+                continue
+            logger.info("rank %d loads step %d from the peer replica on node %s (copy of node %s)", rank, step,
+                        holder[:12], found.source_node[:12])
+            return found.copy
+        return None
 
     def preflight(self) -> None:
         """Before anything trains: check that every node that may host a rank shares the
@@ -173,6 +165,45 @@ class CheckpointService:
             logger.info("attempt %d: resuming from step %d (%s, saved at world size %d)", attempt, point.step,
                         point.path, point.world_size)
         return point
+
+    def recovery_sources(self, attempt: int, spec: JobSpec, point: ResumePoint | None,
+                         nodes: list[str]) -> list[RankSource] | None:
+        """Where each rank of ``attempt`` loads ``point`` from: its node's in-memory copy or storage,
+        decided in one place (``memcopy.choose_sources``) and logged in one line. None: nothing to load.
+
+        ``nodes``: the node id of every rank of the attempt.
+        """
+        if point is None:
+            return None
+        if attempt == 0:  # a new job: its writers hold nothing yet
+            return [RankSource(r, "storage", "the job's first attempt") for r in range(spec.world_size)]
+        facts = [self._copy_facts(attempt, rank, node, point.step) for rank, node in enumerate(nodes)]
+        listed = ray.get(self.actor.manifest_files.remote(point.step))
+        sources = choose_sources(point.step, spec.world_size, point.world_size, spec.checkpoint.memory_copies,
+                                 facts, listed)
+        if sources[0].source == "memory":
+            logger.info("attempt %d: every rank loads step %d from its node's in-memory copy (%d node(s))",
+                        attempt, point.step, len(set(nodes)))
+        else:
+            logger.info("attempt %d: loading step %d from storage: %s", attempt, point.step, sources[0].why)
+        return sources
+
+    def _copy_facts(self, attempt: int, rank: int, node: str, step: int) -> CopyFacts:
+        if self.spec.checkpoint.memory_copies < 2:
+            return CopyFacts(rank, None)
+        if planned("stale", "restore", rank, step, attempt):  # the copy of the step before
+            step = max((s for s in self.status()["committed"] if s < step), default=-1)
+        try:
+            copy: CommittedCopy | None = ray.get(self.writer_for(node).committed_copy.remote(rank, step),
+                                                 timeout=COPY_QUERY_TIMEOUT_S)
+        except Exception as exc:  # a dead or unreachable writer: its copy is lost, storage serves
+            copy, why = None, f"{type(exc).__name__}: {headline(str(exc))}"
+        else:
+            why = None
+        if copy is None and self.spec.checkpoint.replication.mode == "auto":
+            copy = self._copy_from_peer(rank, node, step)  # the rank moved node, or its writer is gone
+            why = None if copy is not None else why
+        return CopyFacts(rank, copy, why)
 
     def unsaved(self, results: list[Any], status: dict[str, Any]) -> str | None:
         """Why a finished job's checkpoints are not what it asked for, or None.

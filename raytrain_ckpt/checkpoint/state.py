@@ -36,7 +36,7 @@ from raytrain_ckpt.checkpoint.storage import open_storage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointMismatch", "app_state", "load_app_state", "load_staged"]
+__all__ = ["CheckpointMismatch", "app_state", "apply_own_state", "load_app_state", "own_state"]
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _SCHEDULER = "scheduler"
@@ -77,7 +77,12 @@ def _parts_state(trainer: Any) -> tuple[dict[str, Any], dict[str, Any], list[tup
 
 def app_state(trainer: Any) -> dict[str, Any]:
     """The full state of a ``Trainer`` as a DCP state dict (live tensors, no copies)."""
-    model_sd, optim_sd, _ = _parts_state(trainer)
+    return own_state(trainer)[0]
+
+
+def own_state(trainer: Any) -> tuple[dict[str, Any], list[tuple[set[str], set[str]]]]:
+    """``app_state`` and each model chunk's (model keys, optimizer keys), for ``apply_own_state``."""
+    model_sd, optim_sd, keys = _parts_state(trainer)
     t = trainer.state
     sd: dict[str, Any] = {
         "model": model_sd,
@@ -89,7 +94,13 @@ def app_state(trainer: Any) -> dict[str, Any]:
     for key, sched in zip(_scheduler_keys(trainer), trainer.schedulers, strict=True):
         sd[key] = sched.state_dict()
     sd.update(_rng_state(trainer.rank))
-    return sd
+    return sd, keys
+
+
+def apply_own_state(trainer: Any, sd: dict[str, Any], keys: list[tuple[set[str], set[str]]]) -> None:
+    """Make ``sd`` (an ``own_state`` dict whose values were replaced by a saved state of the same
+    layout, RNG included) the trainer's state."""
+    _apply(trainer, sd, keys, _scheduler_keys(trainer), rng=True)
 
 
 def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
@@ -115,6 +126,11 @@ def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
     if same_layout:
         sd.update(_rng_state(trainer.rank))
     dcp.load(sd, storage_reader=safe_reader(path, _options(trainer)), planner=SafeLoadPlanner())
+    _apply(trainer, sd, keys, sources, same_layout)
+
+
+def _apply(trainer: Any, sd: dict[str, Any], keys: list[tuple[set[str], set[str]]], sources: list[str],
+           rng: bool) -> None:
     for part, opt, (mkeys, okeys) in zip(trainer.model_parts, trainer.optimizers, keys, strict=True):
         set_state_dict(part, opt, model_state_dict={k: sd["model"][k] for k in mkeys},
                        optim_state_dict={k: sd["optim"][k] for k in okeys}, options=_OPTIONS)
@@ -122,59 +138,12 @@ def load_app_state(trainer: Any, path: str, same_world_size: bool) -> None:
         sched.load_state_dict(sd[source])
     trainer.state.step = int(sd["train"]["step"])
     trainer.state.tokens_seen = int(sd["train"]["tokens_seen"])
-    if same_layout:
+    if rng:
         r = trainer.rank
         torch.set_rng_state(sd[f"rng.rank{r}.cpu"])
         random.setstate(sd[f"rng.rank{r}.python"])
         if f"rng.rank{r}.cuda" in sd:
             torch.cuda.set_rng_state(sd[f"rng.rank{r}.cuda"])
-
-
-def load_staged(trainer: Any, copy: Any) -> None:
-    """Load a rank's committed copy (``checkpoint/replica.StagedCopy``: the bytes it staged for a
-    save and their layout) into a freshly built ``Trainer`` of the same layout. Local: no
-    collective, no storage. Raises CheckpointMismatch when the copy's entries are not this
-    trainer's (another layout): the caller then loads from storage.
-    """
-    import pickle
-    from pathlib import Path
-
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
-    from torch.distributed.tensor import DTensor
-
-    from raytrain_ckpt.checkpoint.staging import map_slots
-
-    sd = app_state(trainer)
-    flat, mapping = flatten_state_dict(sd)
-    views = map_slots(Path(copy.path), copy.nbytes, list(copy.slots))
-    objects = pickle.loads(copy.objects)
-    if set(flat) != set(views) | set(objects):
-        raise CheckpointMismatch(f"the copy of rank {copy.rank} step {copy.step} holds other entries than this "
-                                 f"trainer ({len(set(flat) ^ (set(views) | set(objects)))} differ)")
-    for key, value in flat.items():
-        if isinstance(value, torch.Tensor):
-            local = value.to_local() if isinstance(value, DTensor) else value
-            if tuple(local.shape) != tuple(views[key].shape) or local.dtype != views[key].dtype:
-                raise CheckpointMismatch(f"the copy of rank {copy.rank} step {copy.step}: {key} is "
-                                         f"{tuple(views[key].shape)} {views[key].dtype}, this rank has "
-                                         f"{tuple(local.shape)} {local.dtype}")
-            local.copy_(views[key])
-        else:
-            flat[key] = objects[key]
-    sd = unflatten_state_dict(flat, mapping)
-    _, _, keys = _parts_state(trainer)
-    for part, opt, (mkeys, okeys) in zip(trainer.model_parts, trainer.optimizers, keys, strict=True):
-        set_state_dict(part, opt, model_state_dict={k: sd["model"][k] for k in mkeys},
-                       optim_state_dict={k: sd["optim"][k] for k in okeys}, options=_OPTIONS)
-    for key, sched in zip(_scheduler_keys(trainer), trainer.schedulers, strict=True):
-        sched.load_state_dict(sd[key])
-    trainer.state.step = int(sd["train"]["step"])
-    trainer.state.tokens_seen = int(sd["train"]["tokens_seen"])
-    r = trainer.rank
-    torch.set_rng_state(sd[f"rng.rank{r}.cpu"])
-    random.setstate(sd[f"rng.rank{r}.python"])
-    if f"rng.rank{r}.cuda" in sd:
-        torch.cuda.set_rng_state(sd[f"rng.rank{r}.cuda"])
 
 
 def _scheduler_source(key: str, saved: dict[str, Any], path: str) -> str:

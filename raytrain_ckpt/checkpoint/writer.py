@@ -29,9 +29,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, StagingFileError, is_leased, shm_dir, sweep_orphans
 from raytrain_ckpt.checkpoint.dcp_storage import UploadingWriter
 from raytrain_ckpt.checkpoint.filewrite import write_rank_files
+from raytrain_ckpt.checkpoint.manifest import checksum_file
+from raytrain_ckpt.checkpoint.memcopy import CommittedCopy
 from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, probe_name
 from raytrain_ckpt.checkpoint.replica import ReplicaEndpoint
-from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, map_slots
+from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, layout_key, map_slots
 from raytrain_ckpt.checkpoint.storage import is_transient, is_uri, retry_transient
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.logs import setup_logging
@@ -77,6 +79,10 @@ class _Held:
     buffer: OwnedBuffer
     rank: int
     attempt: int
+    copy: int = 0
+    """Which of the rank's ``checkpoint.memory_copies`` buffers it is."""
+    record: CommittedCopy | None = None
+    """The step it holds, as written from it (None: nothing written from it since it was last staged into)."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +108,11 @@ class CheckpointWriter(ReplicaEndpoint):
     and sends peer replicas (``checkpoint/replica.py``)."""
 
     def __init__(self, job: str, root: str, coordinator: Any, io_threads: int = 1, nice: int = 10,
-                 storage_options: dict[str, Any] | None = None, replica_mb_per_s: float | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, memory_copies: int = 1,
+                 replica_mb_per_s: float | None = None) -> None:
         setup_logging()
+        self.memory_copies = memory_copies
+        """With 2, every written step's buffer is checksummed and recorded (``committed_copy``)."""
         self.prefix = buffer_prefix(job, root)
         self.root = root
         self.remote = is_uri(root)
@@ -148,8 +157,8 @@ class CheckpointWriter(ReplicaEndpoint):
         if local is not None:
             (Path(local) / name).unlink(missing_ok=True)
 
-    def allocate(self, rank: int, attempt: int, nbytes: int) -> str:
-        """The rank's staging file for this attempt (reused across its saves).
+    def allocate(self, rank: int, attempt: int, nbytes: int, copy: int = 0) -> str:
+        """The rank's staging file number ``copy`` for this attempt (reused across its saves).
 
         A restarted group reuses the previous attempt's buffer of the rank (its pages are
         allocated already: the first save after a restart costs what any save costs) unless
@@ -158,21 +167,26 @@ class CheckpointWriter(ReplicaEndpoint):
         is done (by then its ranks have claimed what they reuse) and nothing reads them.
         """
         with self._lock:
-            path = self._held_for(rank, attempt) or self._reusable(rank, attempt)
+            path = self._held_for(rank, attempt, copy) or self._reusable(rank, attempt)
             if path is None:
-                path = str(shm_dir() / f"rtc-{self.prefix}-a{attempt}-rank{rank}.buf")
-                self._buffers[path] = _Held(allocate_buffer(Path(path), nbytes), rank, attempt)
+                suffix = f"-c{copy}" if copy else ""
+                path = str(shm_dir() / f"rtc-{self.prefix}-a{attempt}-rank{rank}{suffix}.buf")
+                self._buffers[path] = _Held(allocate_buffer(Path(path), nbytes), rank, attempt, copy)
             else:  # the same attempt with a new layout, or a new attempt reusing the rank's buffer
-                self._buffers[path].buffer.resize(nbytes)
-                self._buffers[path].attempt = attempt
+                held = self._buffers[path]
+                if held.record is not None and held.record.nbytes != nbytes:
+                    held.record = None  # a new layout: what it held is no longer a copy of anything
+                held.buffer.resize(nbytes)
+                held.attempt, held.copy = attempt, copy
             self._newest_attempt = max(self._newest_attempt, attempt)
             return path
 
     def _busy(self) -> set[str]:
         return {j.buffer_path for j in self._running.values()}
 
-    def _held_for(self, rank: int, attempt: int) -> str | None:
-        return next((p for p, h in self._buffers.items() if h.rank == rank and h.attempt == attempt), None)
+    def _held_for(self, rank: int, attempt: int, copy: int) -> str | None:
+        return next((p for p, h in self._buffers.items()
+                     if (h.rank, h.attempt, h.copy) == (rank, attempt, copy)), None)
 
     def _reusable(self, rank: int, attempt: int) -> str | None:
         """An older attempt's buffer of ``rank`` that no write reads and no live process stages into."""
@@ -208,6 +222,7 @@ class CheckpointWriter(ReplicaEndpoint):
                 # A late hand-off of an earlier attempt: its buffer was given to a newer one (or is gone).
                 raise StagingFileError(f"step {req.step} rank {req.rank}: staging buffer {req.buffer_path} no longer "
                                        f"belongs to attempt {req.attempt}; this save is dropped")
+            held.record = None  # the trainer staged over whatever it held
             self._running[key] = req
         try:
             self._tmp[key] = ray.get(self.coordinator.accepted.remote(req.step, req.rank, req.attempt))
@@ -233,7 +248,7 @@ class CheckpointWriter(ReplicaEndpoint):
 
     def _copy_for_replica(self, req: PersistRequest) -> None:
         try:
-            self._after_write(req.rank, req.step, req.buffer_path, req.buffer_bytes, req.slots, req.objects)
+            self._after_write(req.rank, req.step)
         except Exception as exc:  # the step is written: a missing replica only means storage is the fallback
             logger.warning("no replica of rank %d step %d: %s", req.rank, req.step, exc)
 
@@ -258,6 +273,7 @@ class CheckpointWriter(ReplicaEndpoint):
         maybe_inject("persist", req.rank, req.step, req.attempt)
         written = write_rank_files(tmp, req.plan, StagedPlanner(staged).resolve_data, self.io_threads)
         check_written(req.plan, written.results, {p.name: p.stat().st_size for p in tmp.iterdir()})
+        self._record(req, staged, written.files)
         t_write = time.monotonic() - t0
         phases = {k: round(v, 6) for k, v in vars(written.phases).items()}
         info = {**req.info, **phases, "persist_s": time.monotonic() - t0, "write_s": t_write}
@@ -275,6 +291,32 @@ class CheckpointWriter(ReplicaEndpoint):
             cached = (layout, map_slots(Path(req.buffer_path), req.buffer_bytes, req.slots))
             self._views[req.buffer_path] = cached
         return cached[1]
+
+    def _record(self, req: PersistRequest, staged: dict[str, Any], files: dict[str, dict[str, int]]) -> None:
+        """Remember the buffer as the copy of ``req.step`` (with ``memory_copies`` >= 2): its CRC-32C,
+        taken before the step is reported, so a committed step's copy is always recorded first."""
+        if self.memory_copies < 2:
+            return
+        objects = [k for k in staged if k not in {s.fqn for s in req.slots}]
+        copy = CommittedCopy(req.step, req.rank, layout_key(req.slots, objects), req.buffer_bytes, list(req.slots),
+                             req.objects, checksum_file(Path(req.buffer_path), "crc32c"), req.buffer_path,
+                             {name: {"size": f["size"], "crc32c": f["crc32c"]} for name, f in files.items()},
+                             ray.get_runtime_context().get_node_id())
+        with self._lock:
+            held = self._buffers.get(req.buffer_path)
+            if held is not None and held.attempt == req.attempt:
+                held.record = copy
+
+    def committed_copy(self, rank: int, step: int | None = None) -> CommittedCopy | None:
+        """The copy of rank ``rank``'s step ``step`` on this node (default: the newest committed
+        step, asked of the CheckpointActor), or None. Not verified here: see ``memcopy``."""
+        if step is None:
+            step = ray.get(self.coordinator.latest_committed.remote())
+            if step is None:
+                return None
+        with self._lock:
+            return next((h.record for h in self._buffers.values()
+                         if h.rank == rank and h.record is not None and h.record.step == step), None)
 
     def usage(self) -> dict[str, Any]:
         """CPU seconds this writer process has used (user, system) and, per rank, the phases of its
@@ -294,6 +336,7 @@ class CheckpointWriter(ReplicaEndpoint):
         files, results = retry_transient(lambda: self._upload_once(req, dest, staged),
                                          f"upload of rank {req.rank} step {req.step}",
                                          on_retry=lambda exc: self.metrics.retried(req.rank), transient=_retryable)
+        self._record(req, staged, files)
         t_write = time.monotonic() - t0
         maybe_inject("uploaded", req.rank, req.step, req.attempt)
         info = {**req.info, "persist_s": time.monotonic() - t0, "write_s": t_write}

@@ -6,7 +6,8 @@ Approximate by design, meant to catch a layout that cannot fit, not to predict t
   pipeline over its stages, so 1/world_size of the model each;
 - optimizer: AdamW two fp32 moments, SGD one with momentum, a user optimizer counted as AdamW;
 - staging: an async checkpoint copies the rank's parameters and optimizer state to host memory
-  (pinned on GPU, shared memory on CPU) before writing it;
+  (pinned on GPU, shared memory on CPU) before writing it, into ``checkpoint.memory_copies``
+  buffers (the second keeps the newest committed step for a restart from memory);
 - activations: what one micro-batch keeps for backward in the compute dtype (bf16 on GPU unless
   fp32 is asked), per layer of this rank's stage: ``8 dim + 3 kv + 4 ffn`` values per token for
   a block that keeps its activations, ``dim`` for a checkpointed one (plus one block's worth
@@ -35,8 +36,10 @@ class MemoryEstimate:
     gradients: int
     optimizer: int
     staging: int
-    """Host memory for an async checkpoint's copy of the rank's state (0 for sync or no checkpointing)."""
+    """Host memory for an async checkpoint's copies of the rank's state (0 for sync or no checkpointing)."""
     activations: int
+    staging_copies: int = 1
+    """How many staging buffers ``staging`` counts (``checkpoint.memory_copies``)."""
 
     @property
     def device(self) -> int:
@@ -49,7 +52,9 @@ class MemoryEstimate:
                  ("activations", self.activations)]
         out = [f"memory per rank (estimate): {self.device / _GIB:.2f} GiB on {where}"]
         out += [f"  {name:<12} {value / _GIB:8.2f} GiB" for name, value in parts]
-        out.append(f"  {'staging':<12} {self.staging / _GIB:8.2f} GiB of host memory (async checkpoint copy)")
+        what = "async checkpoint copy" if self.staging_copies == 1 else \
+            f"async checkpoint, {self.staging_copies} buffers: the newest committed step stays in memory for restarts"
+        out.append(f"  {'staging':<12} {self.staging / _GIB:8.2f} GiB of host memory ({what})")
         return out
 
 
@@ -61,9 +66,9 @@ def memory_estimate(spec: JobSpec) -> MemoryEstimate | None:
     shard = cfg.num_params // spec.world_size
     optimizer = shard * _optimizer_bytes_per_param(spec)
     ckpt = spec.checkpoint
-    staging = shard * 4 + optimizer if ckpt.enabled and ckpt.mode == "async" else 0
+    staging = (shard * 4 + optimizer) * ckpt.memory_copies if ckpt.enabled and ckpt.mode == "async" else 0
     return MemoryEstimate(parameters=shard * 4, gradients=shard * 4, optimizer=optimizer, staging=staging,
-                          activations=_activation_bytes(spec, cfg))
+                          activations=_activation_bytes(spec, cfg), staging_copies=ckpt.memory_copies)
 
 
 def _optimizer_bytes_per_param(spec: JobSpec) -> int:

@@ -408,6 +408,8 @@ class CheckpointSpec(_Section):
     """I/O threads per rank in the node's checkpoint writer."""
     writer_nice: int = Field(10, ge=0, le=19)
     """CPU priority (nice) of the checkpoint writer process: higher leaves more CPU to training and makes saves durable later."""
+    memory_copies: int = Field(2, ge=1, le=2)
+    """Staging buffers per rank in its node's shared memory. 2: ranks stage into them in turn, so the newest committed step stays intact in memory until a newer one commits, and a restart at the same world size loads each rank's shard from there instead of storage (falling back to storage, logged, when a copy is missing or does not verify); costs a second staging buffer of host memory per rank (validate prints it). 1: one buffer; a restart always loads from storage."""
     replication: ReplicationSpec = Field(default_factory=ReplicationSpec)
     """Peer replicas of committed copies in RAM: mode (auto or off), max_mb_per_s (the send rate limit), e.g. {mode: auto, max_mb_per_s: 200}."""
     final_export: FinalExportSpec | None = None
@@ -446,6 +448,14 @@ class CheckpointSpec(_Section):
             raise ValueError("must be latest, none, a step number, or the path of an existing step directory "
                              f"(resolved to {path}, which is not a directory)")
         return str(path.resolve())
+
+    @model_validator(mode="after")
+    def _replication_needs_copies(self) -> CheckpointSpec:
+        if self.replication.mode == "auto" and self.memory_copies < 2:
+            raise FieldProblems([("replication.mode", "auto needs memory_copies=2 (a replica is sent from the "
+                                                      "committed copy kept in memory); set checkpoint.memory_copies=2 "
+                                                      "or checkpoint.replication.mode=off")])
+        return self
 
 
 DEFAULT_MTBF_S = 86400.0

@@ -46,7 +46,7 @@ def _spec(ckpt_dir: str, extra: list[str]):
 def _copies(job: str, node: str) -> list:
     try:
         writer = ray.get_actor(writer_name(job, node), namespace=NAMESPACE)
-        return ray.get(writer.copies_held.remote(), timeout=10)
+        return ray.get(writer.copies_held.remote(SAVED), timeout=10)
     except Exception:  # not started yet
         return []
 
@@ -86,7 +86,7 @@ def main(base: str) -> None:
         "state": r.state.value, "attempts": r.attempts, "error": r.error, "failures": [str(f) for f in r.failures],
         "start_steps": [x.start_step for x in r.results], "fingerprints": [x.fingerprint for x in r.results],
         "clean_fingerprints": [x.fingerprint for x in clean.results], "clean_state": clean.state.value,
-        "copy_loaded": ["load_copy_s" in x.timings for x in r.results],
+        "copy_loaded": [x.timings.get("loaded_from_memory") == 1.0 for x in r.results],
         "held_before_loss": {n[:12]: sorted(map(list, h)) for n, h in held.items()}, "lost": lost[:12], "lost_rank": rank,
         "committed": (r.checkpoints or {}).get("committed"),
     }, default=str))

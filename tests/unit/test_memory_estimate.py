@@ -21,7 +21,9 @@ def test_state_is_split_over_every_rank():
     est = _estimate()
     shard = PRESETS["8b"].num_params // 8
     assert (est.parameters, est.gradients, est.optimizer) == (4 * shard, 4 * shard, 8 * shard)
-    assert est.staging == est.parameters + est.optimizer  # async: the saved state is copied to host
+    # async: the saved state is copied to host, into two buffers (memory_copies: 2 by default)
+    assert est.staging == 2 * (est.parameters + est.optimizer)
+    assert _estimate("checkpoint.memory_copies=1").staging == est.parameters + est.optimizer
     half = _estimate("resources.num_workers=4", "parallelism.dp_shard=4")
     assert half.parameters == 4 * (PRESETS["8b"].num_params // 4)
 

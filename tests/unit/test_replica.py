@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_ckpt.checkpoint.buffers import OwnedBuffer
-from raytrain_ckpt.checkpoint.replica import (Pacer, ReplicaError, ReplicaStore, plan_copies, ring_peers,
-                                              send_replica)
+from raytrain_ckpt.checkpoint.replica import Pacer, ReplicaError, ReplicaStore, ring_peers, send_replica
 
 
 @pytest.mark.parametrize("nodes, expected", [
@@ -32,19 +31,6 @@ def test_ring_loses_only_the_pair_into_the_lost_node(nodes, lost):
     moved = {n for n in after if after[n] != before[n]}
     assert moved == {n for n in before if before[n] == lost}   # only the node that sent to the lost one
     assert lost not in after and lost not in after.values()
-
-
-@pytest.mark.parametrize("rank_nodes, held, expected", [
-    # own node first: rank 0 on A (own copy), rank 1 moved to C, its replica on A
-    (["A", "C"], {"A": [(0, 10), (1, 10)], "C": []}, ["A", "A"]),
-    (["A", "C"], {"A": [(0, 10), (1, 10)], "C": [(1, 10)]}, ["A", "C"]),
-    (["A", "C"], {"A": [(0, 10), (1, 5)]}, None),            # rank 1 only at an older step: storage for all
-    (["A", "B"], {"B": [(0, 10), (1, 10)], "C": [(0, 10)]}, ["B", "B"]),
-    (["A", "B"], {"C": [(0, 10)], "B": [(0, 10), (1, 10)]}, ["B", "B"]),  # first holder in node order
-    (["A"], {}, None),
-])
-def test_plan_copies(rank_nodes, held, expected):
-    assert plan_copies(10, rank_nodes, held) == expected
 
 
 def test_pacer_holds_the_rate():

@@ -1,0 +1,264 @@
+"""A rank's committed in-memory copy: the staging buffer that still holds the newest committed step.
+
+A save leaves the rank's state in its staging buffer on the node (``/dev/shm``, owned by the
+node's CheckpointWriter). With ``checkpoint.memory_copies: 2`` each rank stages into two
+buffers in turn and never into the one holding the newest committed step, so that step's
+bytes stay intact until a newer step commits. A restart whose layout is unchanged then loads
+each rank's shard from that buffer instead of reading storage.
+
+Nothing is loaded on trust. The writer records, when it writes a step from a buffer, the
+buffer's CRC-32C and the size and CRC-32C of every file it wrote from it (``CommittedCopy``).
+The driver takes the copy for a rank only when its step is the resume step and its files are
+the files the step's manifest lists (``choose_sources``, a pure decision); the rank then
+checksums the buffer again before it reads a byte (``open_copy``), so a buffer overwritten,
+half restaged or corrupted since is refused. Ranks agree collectively: one rank refusing its
+copy sends every rank to storage (``restore``), since a DCP load is a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.tensor import DTensor
+
+from raytrain_ckpt.checkpoint.manifest import checksum_file
+from raytrain_ckpt.checkpoint.staging import TensorSlot, layout_key, map_slots, plan_slots
+from raytrain_ckpt.checkpoint.state import apply_own_state, load_app_state, own_state
+from raytrain_ckpt.faults import planned
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CommittedCopy", "CopyFacts", "CopyMismatch", "RankSource", "Restored", "choose_sources",
+           "load_from_copy", "open_copy", "restore"]
+
+
+class CopyMismatch(RuntimeError):
+    """An in-memory copy that must not be loaded (the caller loads from storage instead)."""
+
+
+@dataclass(frozen=True)
+class CommittedCopy:
+    """Where one rank's copy of a written step lives on its node, and what it must hash to."""
+
+    step: int
+    rank: int
+    layout: str
+    """``staging.layout_key`` of the state it holds: the same key means the same slots and objects."""
+    nbytes: int
+    slots: list[TensorSlot]
+    objects: bytes
+    """The pickled non-tensor entries of the rank's flat state dict (as handed to the writer)."""
+    crc32c: int
+    """CRC-32C of the buffer's first ``nbytes`` (its whole file), taken when the step was written."""
+    path: str
+    """The staging buffer file (``/dev/shm``) that holds the bytes on this node."""
+    files: dict[str, dict[str, int]] = field(default_factory=dict)
+    """The rank's files of the step as written: name -> {"size", "crc32c"}; the manifest must list the same."""
+    node_id: str = ""
+
+
+@dataclass(frozen=True)
+class CopyFacts:
+    """What the driver knows about one rank's copy before the attempt starts."""
+
+    rank: int
+    copy: CommittedCopy | None
+    unavailable: str | None = None
+    """Why the rank's writer could not be asked (dead, unreachable); None when it answered."""
+
+
+@dataclass(frozen=True)
+class RankSource:
+    """Where one rank loads the resume step from, and why."""
+
+    rank: int
+    source: Literal["memory", "storage"]
+    why: str
+    copy: CommittedCopy | None = None
+
+
+def choose_sources(step: int, world_size: int, saved_world_size: int, memory_copies: int,
+                   facts: list[CopyFacts], manifest_files: dict[str, dict[str, int]]) -> list[RankSource]:
+    """Memory or storage for every rank (pure). All ranks use memory or none does: a storage load is a collective.
+
+    ``manifest_files``: the resume step's files (name -> {"size", "crc32c"}) from its manifest.
+    """
+    job_wide = _job_wide(step, world_size, saved_world_size, memory_copies)
+    if job_wide is not None:
+        return [RankSource(f.rank, "storage", job_wide) for f in facts]
+    own = [_own_source(step, f, manifest_files) for f in facts]
+    refused = next((s for s in own if s.source == "storage"), None)
+    if refused is None:
+        return own
+    return [RankSource(s.rank, "storage", f"rank {refused.rank}: {refused.why}") for s in own]
+
+
+def _job_wide(step: int, world_size: int, saved_world_size: int, memory_copies: int) -> str | None:
+    if memory_copies < 2:
+        return "checkpoint.memory_copies=1 keeps no committed copy in memory"
+    if saved_world_size != world_size:
+        return f"step {step} was saved at world size {saved_world_size}, this attempt runs {world_size}"
+    return None
+
+
+def _own_source(step: int, f: CopyFacts, manifest_files: dict[str, dict[str, int]]) -> RankSource:
+    def storage(why: str) -> RankSource:
+        return RankSource(f.rank, "storage", why)
+
+    if f.unavailable is not None:
+        return storage(f"its node's writer cannot be asked ({f.unavailable})")
+    c = f.copy
+    if c is None:
+        return storage(f"its node's writer holds no copy of step {step} (a restarted writer, or the rank moved node)")
+    if c.step != step:
+        return storage(f"stale copy: it holds step {c.step}, the resume step is {step}")
+    if c.rank != f.rank:
+        return storage(f"the copy is rank {c.rank}'s")
+    for name, entry in c.files.items():
+        listed = manifest_files.get(name)
+        if listed is None or (listed.get("size"), listed.get("crc32c")) != (entry["size"], entry["crc32c"]):
+            return storage(f"the copy's file {name} is not the one step {step}'s manifest lists")
+    if not c.files:
+        return storage("the copy records no written files to match against the manifest")
+    return RankSource(f.rank, "memory", f"copy of step {step} in {c.path}", c)
+
+
+# --- trainer side ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Opened:
+    copy: CommittedCopy
+    views: dict[str, torch.Tensor]
+
+
+def open_copy(copy: CommittedCopy, step: int, rank: int, attempt: int = 0) -> _Opened:
+    """Check ``copy`` is rank ``rank``'s step ``step`` byte for byte and map it; raises CopyMismatch.
+
+    The buffer is checksummed here, on the rank, right before loading: whatever happened to
+    it since the writer recorded the copy (a staging copy begun and cut off, a flipped bit)
+    shows as a mismatch.
+    """
+    if (copy.step, copy.rank) != (step, rank):
+        raise CopyMismatch(f"the copy is rank {copy.rank}'s step {copy.step}, not rank {rank}'s step {step} (stale)")
+    path = Path(copy.path)
+    if planned("corrupt", "restore", rank, step, attempt):
+        _flip_a_byte(path, copy.nbytes)
+    try:
+        size = path.stat().st_size
+        crc = checksum_file(path, "crc32c") if size == copy.nbytes else None
+        views = map_slots(path, copy.nbytes, copy.slots) if crc == copy.crc32c else {}
+    except OSError as exc:  # StagingFileError is a RuntimeError: both mean the buffer is not usable
+        raise CopyMismatch(f"{path} cannot be read: {exc}") from None
+    except RuntimeError as exc:
+        raise CopyMismatch(str(exc)) from None
+    if crc is None:
+        raise CopyMismatch(f"{path} holds {size} bytes, the copy of step {step} was {copy.nbytes}")
+    if crc != copy.crc32c:
+        raise CopyMismatch(f"{path}: CRC-32C {crc:08x}, the copy of step {step} recorded {copy.crc32c:08x} "
+                           "(overwritten or corrupted since)")
+    return _Opened(copy, views)
+
+
+def _flip_a_byte(path: Path, nbytes: int) -> None:
+    """The ``corrupt@restore`` fault: one bit of the buffer flips, as a bad DIMM would do."""
+    with open(path, "r+b") as f:
+        f.seek(nbytes // 2)
+        b = f.read(1)
+        f.seek(nbytes // 2)
+        f.write(bytes([b[0] ^ 0x01]))
+    logger.warning("injected fault: flipped a bit of %s at offset %d", path, nbytes // 2)
+
+
+@dataclass
+class _Prepared:
+    """A verified copy matched to the trainer's own state dict, ready to be copied in."""
+
+    sd: dict[str, Any]
+    keys: Any
+    tensors: dict[str, torch.Tensor]
+    objects: dict[str, Any]
+    mappings: dict[str, Any]
+    views: dict[str, torch.Tensor]
+
+
+def _prepare(trainer: Any, copy: CommittedCopy, step: int, attempt: int) -> _Prepared:
+    """Verify the copy (``open_copy``) and that it fits the trainer's state; changes nothing."""
+    opened = open_copy(copy, step, trainer.rank, attempt)
+    sd, keys = own_state(trainer)
+    planner = DefaultSavePlanner()  # the save's flattening, so keys and layout match the copy's
+    planner.set_up_planner(sd, is_coordinator=False)
+    flat = planner.state_dict
+    tensors = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in flat.items()
+               if isinstance(v, torch.Tensor)}
+    slots, _ = plan_slots(tensors)
+    if layout_key(slots, [k for k in flat if k not in tensors]) != copy.layout:
+        raise CopyMismatch("the copy's layout differs from this rank's state (another model or layout)")
+    objects = pickle.loads(copy.objects)
+    if int(objects.get("train.step", -1)) != step:
+        raise CopyMismatch(f"the copy's state says step {objects.get('train.step')}, not {step} (stale)")
+    return _Prepared(sd, keys, tensors, objects, planner.mappings, opened.views)
+
+
+def _apply(trainer: Any, p: _Prepared) -> None:
+    with torch.no_grad():
+        for fqn, dst in p.tensors.items():
+            dst.copy_(p.views[fqn])
+    for fqn, value in p.objects.items():
+        set_element(p.sd, p.mappings[fqn], value)
+    apply_own_state(trainer, p.sd, p.keys)
+
+
+def load_from_copy(trainer: Any, copy: CommittedCopy, step: int, attempt: int = 0) -> None:
+    """Load rank ``trainer.rank``'s state of ``step`` from its in-memory copy (not collective).
+
+    Raises CopyMismatch, before anything is changed, when the copy is not exactly that state.
+    """
+    _apply(trainer, _prepare(trainer, copy, step, attempt))
+
+
+@dataclass(frozen=True)
+class Restored:
+    """How a rank's resume went: ``source`` is ``memory`` or ``storage``, ``why`` says why."""
+
+    source: Literal["memory", "storage"]
+    why: str
+    seconds: float
+
+
+def restore(trainer: Any, path: str, step: int, same_world_size: bool, copy: CommittedCopy | None,
+            why: str, attempt: int) -> Restored:
+    """Load the resume step ``step`` (collective): from every rank's in-memory copy when the driver
+    handed each rank one and every rank verifies its own, else from storage at ``path``."""
+    t0 = time.monotonic()
+    prepared, own_why = None, why
+    if copy is not None:
+        try:
+            prepared = _prepare(trainer, copy, step, attempt)
+        except CopyMismatch as exc:
+            own_why = f"rank {trainer.rank}'s copy refused: {exc}"
+            logger.warning("rank %d: in-memory copy of step %d refused, loading from storage: %s",
+                           trainer.rank, step, exc)
+    if copy is not None and _everyone(prepared is not None, trainer.device):
+        assert prepared is not None
+        _apply(trainer, prepared)
+        return Restored("memory", own_why, time.monotonic() - t0)
+    if copy is not None and prepared is not None:
+        own_why = "another rank's copy was refused"
+    load_app_state(trainer, path, same_world_size)
+    return Restored("storage", own_why, time.monotonic() - t0)
+
+
+def _everyone(ok: bool, device: torch.device) -> bool:
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

@@ -1,0 +1,75 @@
+"""Restarts that load from the node's memory (the writer's committed in-memory copy) on a real
+local Ray: a rank killed right after a commit, halfway through staging the next step, or while
+the next step is being written, resumes from memory and ends bit-identical to an uninterrupted
+run; a copy with a flipped bit or of an older step is refused and the restart loads from
+storage, still bit-identical."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from raytrain_ckpt.controller import JobResult, JobState
+from raytrain_ckpt.driver import run_job
+from raytrain_ckpt.faults import ENV_VAR
+from raytrain_ckpt.spec import load_spec
+
+pytestmark = pytest.mark.integration
+
+DEMO = "jobs/llama_debug_fsdp.yaml"
+BASE = ["training.log_every_steps=1", "lr_scheduler.warmup_steps=2", "checkpoint.enabled=true",
+        "checkpoint.interval_steps=5", "checkpoint.keep_latest_k=null", "training.steps=20"]
+
+
+def _run(ckpt_dir: Path, *extra: str) -> JobResult:
+    result = run_job(load_spec(DEMO, [*BASE, f"checkpoint.dir={ckpt_dir}", *extra]))
+    assert result.state is JobState.SUCCEEDED, result.error
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tmp_path_factory) -> JobResult:
+    return _run(tmp_path_factory.mktemp("ref"), "fault_tolerance.max_restarts=0")
+
+
+def _same_as_reference(result: JobResult, reference: JobResult, resumed_at: int) -> None:
+    assert result.attempts == 2
+    assert all(r.start_step == resumed_at for r in result.results)
+    assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference.results]
+    assert result.losses == {s: v for s, v in reference.losses.items() if s > resumed_at}
+
+
+@pytest.mark.parametrize(("fault", "resumed_at"), [
+    ("exit@step:rank=1,step=12", 10),                                  # after the commit of step 10
+    ("exit@staging:rank=0,step=15", 10),                               # halfway through staging 15
+    ("slow@persist:rank=1,step=15;exit@staged:rank=1,step=15", 15),    # while 15 is being written
+])
+def test_restart_loads_from_memory_bit_exact(reference, tmp_path, monkeypatch, caplog, fault, resumed_at):
+    monkeypatch.setenv(ENV_VAR, fault)
+    with caplog.at_level(logging.INFO, logger="raytrain_ckpt.checkpoint.service"):
+        result = _run(tmp_path, "fault_tolerance.max_restarts=1")
+    _same_as_reference(result, reference, resumed_at)
+    assert [r.timings["loaded_from_memory"] for r in result.results] == [1.0, 1.0]
+    assert f"every rank loads step {resumed_at} from its node's in-memory copy" in caplog.text
+
+
+@pytest.mark.parametrize(("fault", "extra", "why"), [
+    # a bit of rank 0's copy flips after it was recorded: its checksum no longer matches
+    ("exit@staging:rank=0,step=15;corrupt@restore:rank=0,step=10,attempt=1", (), None),
+    # rank 1 is handed its writer's copy of step 5 for a restart from step 10
+    ("exit@step:rank=1,step=12;stale@restore:rank=1,step=10,attempt=1", (),
+     "rank 1: stale copy: it holds step 5, the resume step is 10"),
+    # one buffer per rank: staging step 15 went over the copy of step 10
+    ("exit@staging:rank=0,step=15", ("checkpoint.memory_copies=1",), "checkpoint.memory_copies=1"),
+])
+def test_a_copy_that_does_not_verify_falls_back_to_storage_bit_exact(reference, tmp_path, monkeypatch, caplog,
+                                                                      fault, extra, why):
+    monkeypatch.setenv(ENV_VAR, fault)
+    with caplog.at_level(logging.INFO):
+        result = _run(tmp_path, "fault_tolerance.max_restarts=1", *extra)
+    _same_as_reference(result, reference, 10)
+    assert [r.timings["loaded_from_memory"] for r in result.results] == [0.0, 0.0]
+    if why is not None:
+        assert f"loading step 10 from storage: {why}" in caplog.text
