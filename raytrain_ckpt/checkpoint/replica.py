@@ -32,6 +32,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -46,7 +47,10 @@ __all__ = ["CHUNK_BYTES", "CommittedBytes", "Pacer", "Replica", "ReplicaEndpoint
            "read_chunks", "ring_peers", "send_replica"]
 
 _COMMIT_WAIT_S = 600.0
-"""How long a writer waits for a step it wrote to commit before dropping its copy."""
+"""How long a writer waits for a step it wrote to commit before giving up its replica."""
+_SEND_THREADS = 2
+"""Threads of a writer's replica sends (and their waits for the commit): their own pool, so a
+wait never holds a thread that a write of the next step needs."""
 CHUNK_BYTES = 8 << 20
 """Bytes per chunk sent to the peer: large enough to amortise a Ray call, small enough to pace."""
 
@@ -286,7 +290,6 @@ class ReplicaEndpoint:
     the peer and is dropped; the newer step's send follows.
     """
 
-    _pool: Any
     _lock: threading.Lock
     _buffers: dict[str, Any]
     prefix: str
@@ -303,6 +306,7 @@ class ReplicaEndpoint:
         self._replica_lock = threading.Lock()
         self._rank_locks: dict[int, threading.Lock] = {}
         self._newest_sent: dict[int, int] = {}
+        self._send_pool = ThreadPoolExecutor(max_workers=_SEND_THREADS, thread_name_prefix="rtc-replica")
 
     def set_peer(self, node_id: str | None, peer: Any | None) -> None:
         """Send replicas to ``peer`` (the writer on ``node_id``) from now on; None stops sending."""
@@ -342,7 +346,7 @@ class ReplicaEndpoint:
             peer = self._peer
         if peer is None:
             return None
-        future = self._pool.submit(self._send_logged, copy, self._node_id, peer)
+        future = self._send_pool.submit(self._send_logged, copy, self._node_id, peer)
         return future.result() if wait else None
 
     def push_replica(self, rank: int, step: int, to: Any, to_node: str) -> Replica:
@@ -360,7 +364,7 @@ class ReplicaEndpoint:
         with self._replica_lock:
             if self._peer is None:
                 return
-        self._pool.submit(self._commit_and_send, rank, step)
+        self._send_pool.submit(self._commit_and_send, rank, step)
 
     def _commit_and_send(self, rank: int, step: int) -> None:
         import ray
