@@ -93,8 +93,8 @@ class CheckpointService:
         """Rank ``rank``'s copy of ``step`` from another node (its old node's own copy, or the
         replica its old node sent to its peer), moved to the writer on ``node`` where the rank now
         runs (re-checked on both ends). None when no alive node holds one, or moving it failed."""
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        for holder in sorted(alive & set(self._writers)):
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]} & set(self._writers)
+        for holder in sorted(alive, key=lambda n: (n != node, n)):  # the rank's node first: nothing to move
             try:
                 held = ray.get(self._writers[holder].copies_held.remote(step), timeout=COPY_QUERY_TIMEOUT_S)
                 found = next((c for c in held if c.rank == rank), None)

@@ -372,6 +372,12 @@ class ReplicationSpec(_Section):
     max_mb_per_s: float | None = Field(200.0, gt=0)
     """Bandwidth limit of one writer's replica sends, in MB/s (1e6 bytes); null: unlimited. Sends run after the commit, off the training path."""
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_words(cls, value: Any) -> Any:
+        # YAML reads a bare off/on as a boolean
+        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
+
 
 class CheckpointSpec(_Section):
     enabled: bool = False

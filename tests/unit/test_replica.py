@@ -122,3 +122,17 @@ def test_a_held_replica_whose_bytes_rot_fails_the_check(tmp_path):
     os.close(fd)
     with pytest.raises(ReplicaError, match="recorded"):
         store.check(held)
+
+
+def test_replication_spec():
+    from raytrain_ckpt.spec import SpecError, load_spec
+
+    spec = Path(__file__).resolve().parents[2] / "jobs" / "llama_debug_fsdp.yaml"
+    assert load_spec(spec, []).checkpoint.replication.mode == "off"
+    assert load_spec(spec, ["checkpoint.replication.mode=off"]).checkpoint.replication.mode == "off"  # YAML's False
+    r = load_spec(spec, ["checkpoint.replication.mode=auto", "checkpoint.replication.max_mb_per_s=null"])
+    assert (r.checkpoint.replication.mode, r.checkpoint.replication.max_mb_per_s) == ("auto", None)
+    with pytest.raises(SpecError, match=r"checkpoint.replication.mode: auto needs memory_copies=2.*memory_copies=2"):
+        load_spec(spec, ["checkpoint.replication.mode=auto", "checkpoint.memory_copies=1"])
+    with pytest.raises(SpecError, match="max_mb_per_s"):
+        load_spec(spec, ["checkpoint.replication.max_mb_per_s=0"])
