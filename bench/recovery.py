@@ -189,6 +189,9 @@ def node_loss(tmp: Path, mode: str) -> dict[str, float]:
 
 
 def main_node_loss(reps: int) -> None:
+    from raytrain_ckpt.logs import setup_logging
+
+    setup_logging()
     # A private session root and no auth: these clusters must not touch any other Ray on the machine.
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rtc-", dir="/tmp")
     os.environ["RAY_AUTH_MODE"] = "disabled"

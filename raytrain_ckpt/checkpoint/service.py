@@ -83,8 +83,10 @@ class CheckpointService:
         ring = ring_peers(nodes)
         if not ring:
             logger.info("checkpoint.replication: off, every rank runs on one node (no peer to hold a replica)")
-        ray.get([self.writer_for(node).set_peer.remote(ring.get(node), self.writer_for(ring[node])
-                                                       if node in ring else None) for node in sorted(set(nodes))])
+        # Not waited for: a writer on a new node may still be starting, and nothing before the
+        # attempt's first commit needs the peer (a restore reads copies, it sends none by ring).
+        for node in sorted(set(nodes)):
+            self.writer_for(node).set_peer.remote(ring.get(node), self.writer_for(ring[node]) if node in ring else None)
         if ring:
             logger.info("checkpoint.replication: %s", ", ".join(f"{a[:8]} -> {b[:8]}" for a, b in sorted(ring.items())))
         return ring
