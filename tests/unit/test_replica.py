@@ -136,3 +136,15 @@ def test_replication_spec():
         load_spec(spec, ["checkpoint.replication.mode=auto", "checkpoint.memory_copies=1"])
     with pytest.raises(SpecError, match="max_mb_per_s"):
         load_spec(spec, ["checkpoint.replication.max_mb_per_s=0"])
+
+
+def test_memory_estimate_counts_the_replica():
+    from raytrain_ckpt.spec import load_spec
+    from raytrain_ckpt.spec.memory import memory_estimate
+
+    spec = Path(__file__).resolve().parents[2] / "jobs" / "llama_debug_fsdp.yaml"
+    off = memory_estimate(load_spec(spec, []))
+    on = memory_estimate(load_spec(spec, ["checkpoint.replication.mode=auto"]))
+    assert off.replica == 0 and not any("replica" in ln for ln in off.lines("cpu"))
+    assert on.replica == on.staging // on.staging_copies > 0   # one more copy of the rank's state
+    assert any(ln.strip().startswith("replica") for ln in on.lines("cpu"))
