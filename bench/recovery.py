@@ -19,8 +19,16 @@ same restart from storage (``memory_copies: 1``), on a model made large enough f
 matter (``--dim``/``--layers``/``--ffn``: by default about 2 x 480 MiB of state, one half per
 rank); rank 1 dies before step 4 and both restarts resume from step 2.
 
+``--node-loss``: instead, on a 3-node ``ray.cluster_utils.Cluster`` (a 0-CPU head, two 1-CPU
+nodes with one rank each), the node of one rank is removed after step 10 committed (the ranks
+wait before step 13) and a replacement node added; the job resumes from step 10 either from
+the committed copies in memory (``checkpoint.replication.mode=auto``: the lost node's copy
+from its peer's replica) or from storage (``off``). Printed: node removed -> first step after
+resume, and the load time.
+
     .venv/bin/python bench/recovery.py [--reps 2]
     .venv/bin/python bench/recovery.py --memory [--cold] [--reps 2] [--dim 1536 --layers 3 --ffn 4864]
+    .venv/bin/python bench/recovery.py --node-loss [--reps 2]
 """
 
 from __future__ import annotations
@@ -196,6 +204,81 @@ def ray_train(tmp: Path) -> dict[str, float] | None:
     return {"total": float((tmp / "rt-first").read_text()) - float((tmp / "rt-kill").read_text())}
 
 
+def _held_both(job: str, nodes: list[str], step: int) -> bool:
+    from raytrain_ckpt.checkpoint.names import NAMESPACE, writer_name
+
+    for node in nodes:
+        try:
+            held = ray.get(ray.get_actor(writer_name(job, node), namespace=NAMESPACE).copies_held.remote(step), timeout=10)
+        except Exception:  # the writer is not up yet
+            return False
+        if {(c.rank, c.step) for c in held} < {(0, step), (1, step)}:
+            return False
+    return True
+
+
+def node_loss(tmp: Path, mode: str) -> dict[str, float]:
+    """One node-loss run on a fresh 3-node cluster; replication ``mode`` auto or off."""
+    import threading
+
+    from ray.cluster_utils import Cluster
+
+    from raytrain_ckpt.driver import run_job
+    from raytrain_ckpt.spec import load_spec
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}, log_to_driver=False)
+    os.environ[ENV_VAR] = f"hang@step:rank=1,step={KILL_STEP}"
+    spec = load_spec(SPEC, _overrides(str(tmp / "ckpt")) + [
+        "training.steps=16", "checkpoint.interval_steps=10", f"checkpoint.replication.mode={mode}",
+        "resources.num_workers=2", "fault_tolerance.reuse_workers=false"])
+    box: dict = {}
+    job = threading.Thread(target=lambda: box.setdefault("result", run_job(spec)))
+    try:
+        job.start()
+        step10 = tmp / "ckpt" / spec.name / "step-00000010"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (
+                step10.exists() and (mode == "off" or _held_both(spec.name, [w.node_id for w in workers], 10))):
+            time.sleep(0.1)
+        removed = time.time()
+        cluster.remove_node(workers[1])
+        cluster.add_node(num_cpus=1)
+        job.join(timeout=400)
+    finally:
+        del os.environ[ENV_VAR]
+    result = box["result"]
+    assert result.state.value == "SUCCEEDED" and result.results[0].start_step == 10, result.error
+    copies = all(r.timings.get("loaded_from_memory") == 1.0 for r in result.results)
+    assert copies == (mode == "auto"), "the restart did not load from where it was meant to"
+    first = max(r.timings["first_step_at"] for r in result.results)
+    out = {"total": first - removed, "ckpt_load": max(r.timings["load_s"] for r in result.results)}
+    ray.shutdown()
+    cluster.shutdown()
+    return out
+
+
+def main_node_loss(reps: int) -> None:
+    from raytrain_ckpt.logs import setup_logging
+
+    setup_logging()
+    # A private session root and no auth: these clusters must not touch any other Ray on the machine.
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rtc-", dir="/tmp")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ.pop("RAY_ADDRESS", None)
+    rows: dict[str, list[dict[str, float]]] = {"peer replica": [], "storage": []}
+    for _ in range(reps):
+        for name, mode in (("peer replica", "auto"), ("storage", "off")):
+            with tempfile.TemporaryDirectory() as d:
+                rows[name].append(node_loss(Path(d), mode))
+    print(f"node loss after step 10 committed, resume from step 10; median of {reps} runs, seconds")
+    for name, runs in rows.items():
+        m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        print(f"{name:<14} node removed -> first step after resume {m['total']:6.2f}  (ckpt_load {m['ckpt_load']:.2f})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=2)
@@ -206,7 +289,11 @@ def main() -> None:
     p.add_argument("--cold", action="store_true", help="--memory: evict the checkpoint files from the page cache "
                    "when the rank dies (storage reads the disk; checkpoint.verify_on_load=size, or the "
                    "verification would read them back in)")
+    p.add_argument("--node-loss", action="store_true", help="node loss: peer replica vs storage (3-node cluster)")
     args = p.parse_args()
+    if args.node_loss:
+        main_node_loss(args.reps)
+        return
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     if args.memory:

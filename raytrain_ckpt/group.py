@@ -145,6 +145,7 @@ class RayWorkerGroup:
             return [None] * self.spec.world_size
         point = self.checkpoints.acquire(self.attempt, self.spec)
         nodes = bundle_nodes(self._pg)
+        self.checkpoints.replicate_between(nodes)
         history = self.checkpoints.interval_history()  # the same on every rank: they agree on the interval
         sources = self.checkpoints.recovery_sources(self.attempt, self.spec, point, nodes)
         return [{"actor": self.checkpoints.actor, "writer": self.checkpoints.writer_for(nodes[rank]),

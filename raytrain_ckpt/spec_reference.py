@@ -68,6 +68,8 @@ def _default(field: FieldInfo) -> str:
     value = field.default_factory() if field.default is PydanticUndefined else field.default  # type: ignore[misc]
     if isinstance(value, Path):
         return f"`{value}`"
+    if isinstance(value, BaseModel):  # a nested section with defaults of its own
+        value = value.model_dump(mode="json")
     return f"`{json.dumps(value if not isinstance(value, tuple) else list(value))}`"
 
 

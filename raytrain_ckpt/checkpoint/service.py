@@ -18,6 +18,7 @@ from raytrain_ckpt.checkpoint.client import SaveSchedule
 from raytrain_ckpt.checkpoint.interval import IntervalHistory
 from raytrain_ckpt.checkpoint.memcopy import CommittedCopy, CopyFacts, RankSource, choose_sources
 from raytrain_ckpt.checkpoint.probe import StorageNotShared, local_root, missing_probes, unshared_message
+from raytrain_ckpt.checkpoint.replica import ring_peers
 from raytrain_ckpt.checkpoint.retention import KeepBest, RetentionPolicy
 from raytrain_ckpt.checkpoint.storage import job_root
 from raytrain_ckpt.checkpoint.writer import CheckpointWriter
@@ -90,7 +91,45 @@ class CheckpointService:
         ).remote(self.spec.name, str(self.root), ActorByName(actor_name(self.spec.name)),
                  self.spec.checkpoint.writer_threads,
                  self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options,
-                 self.spec.checkpoint.memory_copies)
+                 self.spec.checkpoint.memory_copies, self.spec.checkpoint.replication.max_mb_per_s)
+
+    def replicate_between(self, nodes: list[str]) -> dict[str, str]:
+        """Point each rank-hosting node's writer at its peer (``ring_peers``); returns the ring.
+        Empty when replication is off or the ranks share one node (logged)."""
+        if self.spec.checkpoint.replication.mode == "off":
+            return {}
+        ring = ring_peers(nodes)
+        if not ring:
+            logger.info("checkpoint.replication: off, every rank runs on one node (no peer to hold a replica)")
+        # Not waited for: a writer on a new node may still be starting, and nothing before the
+        # attempt's first commit needs the peer (a restore reads copies, it sends none by ring).
+        for node in sorted(set(nodes)):
+            self.writer_for(node).set_peer.remote(ring.get(node), self.writer_for(ring[node]) if node in ring else None)
+        if ring:
+            logger.info("checkpoint.replication: %s", ", ".join(f"{a[:8]} -> {b[:8]}" for a, b in sorted(ring.items())))
+        return ring
+
+    def _copy_from_peer(self, rank: int, node: str, step: int) -> CommittedCopy | None:
+        """Rank ``rank``'s copy of ``step`` from another node (its old node's own copy, or the
+        replica its old node sent to its peer), moved to the writer on ``node`` where the rank now
+        runs (re-checked on both ends). None when no alive node holds one, or moving it failed."""
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]} & set(self._writers)
+        for holder in sorted(alive, key=lambda n: (n != node, n)):  # the rank's node first: nothing to move
+            try:
+                held = ray.get(self._writers[holder].copies_held.remote(step), timeout=COPY_QUERY_TIMEOUT_S)
+                found = next((c for c in held if c.rank == rank), None)
+                if found is None:
+                    continue
+                if holder != node:
+                    found = ray.get(self.writer_for(holder).push_replica.remote(rank, step, self.writer_for(node), node),
+                                    timeout=self.spec.fault_tolerance.start_timeout_s)
+            except Exception as exc:  # a writer restarting, gone, or a failed move: try the next holder
+                logger.info("rank %d: no copy of step %d from node %s: %s", rank, step, holder[:12], headline(str(exc)))
+                continue
+            logger.info("rank %d loads step %d from the peer replica on node %s (copy of node %s)", rank, step,
+                        holder[:12], found.source_node[:12])
+            return found.copy
+        return None
 
     def preflight(self) -> None:
         """Before anything trains: check that every node that may host a rank shares the
@@ -187,8 +226,13 @@ class CheckpointService:
             copy: CommittedCopy | None = ray.get(self.writer_for(node).committed_copy.remote(rank, step),
                                                  timeout=COPY_QUERY_TIMEOUT_S)
         except Exception as exc:  # a dead or unreachable writer: its copy is lost, storage serves
-            return CopyFacts(rank, None, f"{type(exc).__name__}: {headline(str(exc))}")
-        return CopyFacts(rank, copy)
+            copy, why = None, f"{type(exc).__name__}: {headline(str(exc))}"
+        else:
+            why = None
+        if copy is None and self.spec.checkpoint.replication.mode == "auto":
+            copy = self._copy_from_peer(rank, node, step)  # the rank moved node, or its writer is gone
+            why = None if copy is not None else why
+        return CopyFacts(rank, copy, why)
 
     def _ask(self, method: str, *args: Any) -> Any:
         """Call the CheckpointActor, waiting out a restart (it was on a lost node; Ray restarts it

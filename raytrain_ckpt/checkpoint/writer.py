@@ -32,6 +32,7 @@ from raytrain_ckpt.checkpoint.filewrite import write_rank_files
 from raytrain_ckpt.checkpoint.manifest import checksum_file
 from raytrain_ckpt.checkpoint.memcopy import CommittedCopy
 from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, probe_name
+from raytrain_ckpt.checkpoint.replica import ReplicaEndpoint
 from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, layout_key, map_slots
 from raytrain_ckpt.checkpoint.storage import is_transient, is_uri, retry_transient
 from raytrain_ckpt.faults import maybe_inject
@@ -102,11 +103,13 @@ class PersistRequest:
     """stage_s, samples_seen, tokens_seen: recorded in the manifest."""
 
 
-class CheckpointWriter:
-    """Per-node writer actor (threaded actor; writes run on its own thread pool)."""
+class CheckpointWriter(ReplicaEndpoint):
+    """Per-node writer actor (threaded actor; writes run on its own thread pool). It also holds
+    and sends peer replicas (``checkpoint/replica.py``)."""
 
     def __init__(self, job: str, root: str, coordinator: Any, io_threads: int = 1, nice: int = 10,
-                 storage_options: dict[str, Any] | None = None, memory_copies: int = 1) -> None:
+                 storage_options: dict[str, Any] | None = None, memory_copies: int = 1,
+                 replica_mb_per_s: float | None = None) -> None:
         setup_logging()
         self.memory_copies = memory_copies
         """With 2, every written step's buffer is checksummed and recorded (``committed_copy``)."""
@@ -134,6 +137,7 @@ class CheckpointWriter:
         # Buffers of writers that died (this job's previous incarnation, a job whose driver was
         # killed) hold RAM until someone removes them; a live writer's buffers are left alone.
         sweep_orphans(shm_dir())
+        self._init_replicas(shm_dir(), replica_mb_per_s)
 
     def write_probe(self, nonce: str) -> NodeProbe | None:
         """Write this node's shared-storage probe under the root (see checkpoint/probe.py);
@@ -197,6 +201,7 @@ class CheckpointWriter:
         previous incarnation of this actor created are orphans since it died."""
         for path in list(self._buffers):
             self._unlink(path)
+        self._release_replicas()
         sweep_orphans(shm_dir())
 
     def _unlink(self, path: str) -> None:
@@ -233,11 +238,19 @@ class CheckpointWriter:
 
     def _persist_and_forget(self, req: PersistRequest) -> str:
         try:
-            return self._persist(req)
+            out = self._persist(req)
+            self._copy_for_replica(req)
+            return out
         finally:
             with self._lock:
                 self._running.pop((req.rank, req.step), None)
                 self._drop_stale(req)
+
+    def _copy_for_replica(self, req: PersistRequest) -> None:
+        try:
+            self._after_write(req.rank, req.step)
+        except Exception as exc:  # the step is written: a missing replica only means storage is the fallback
+            logger.warning("no replica of rank %d step %d: %s", req.rank, req.step, exc)
 
     def _drop_stale(self, done: PersistRequest) -> None:
         """Unlink older attempts' buffers nobody reads, once the write ``done`` no longer reads its own.

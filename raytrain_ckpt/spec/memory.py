@@ -8,6 +8,8 @@ Approximate by design, meant to catch a layout that cannot fit, not to predict t
 - staging: an async checkpoint copies the rank's parameters and optimizer state to host memory
   (pinned on GPU, shared memory on CPU) before writing it, into ``checkpoint.memory_copies``
   buffers (the second keeps the newest committed step for a restart from memory);
+- replica: with ``checkpoint.replication.mode: auto`` a node also holds its predecessor's ranks'
+  committed copies: about one more copy of the state per rank, in host memory;
 - activations: what one micro-batch keeps for backward in the compute dtype (bf16 on GPU unless
   fp32 is asked), per layer of this rank's stage: ``8 dim + 3 kv + 4 ffn`` values per token for
   a block that keeps its activations, ``dim`` for a checkpointed one (plus one block's worth
@@ -40,6 +42,8 @@ class MemoryEstimate:
     activations: int
     staging_copies: int = 1
     """How many staging buffers ``staging`` counts (``checkpoint.memory_copies``)."""
+    replica: int = 0
+    """Host memory for a peer node's committed copy (``checkpoint.replication``), per rank."""
 
     @property
     def device(self) -> int:
@@ -55,6 +59,9 @@ class MemoryEstimate:
         what = "async checkpoint copy" if self.staging_copies == 1 else \
             f"async checkpoint, {self.staging_copies} buffers: the newest committed step stays in memory for restarts"
         out.append(f"  {'staging':<12} {self.staging / _GIB:8.2f} GiB of host memory ({what})")
+        if self.replica:
+            out.append(f"  {'replica':<12} {self.replica / _GIB:8.2f} GiB of host memory (a peer node's rank's "
+                       "committed copy, checkpoint.replication)")
         return out
 
 
@@ -67,8 +74,10 @@ def memory_estimate(spec: JobSpec) -> MemoryEstimate | None:
     optimizer = shard * _optimizer_bytes_per_param(spec)
     ckpt = spec.checkpoint
     staging = (shard * 4 + optimizer) * ckpt.memory_copies if ckpt.enabled and ckpt.mode == "async" else 0
+    replica = shard * 4 + optimizer if staging and ckpt.replication.mode == "auto" else 0
     return MemoryEstimate(parameters=shard * 4, gradients=shard * 4, optimizer=optimizer, staging=staging,
-                          activations=_activation_bytes(spec, cfg), staging_copies=ckpt.memory_copies)
+                          activations=_activation_bytes(spec, cfg), staging_copies=ckpt.memory_copies,
+                          replica=replica)
 
 
 def _optimizer_bytes_per_param(spec: JobSpec) -> int:

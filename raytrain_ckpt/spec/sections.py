@@ -27,6 +27,7 @@ __all__ = [
     "ModelSpec",
     "OptimizerSpec",
     "ParallelismSpec",
+    "ReplicationSpec",
     "ResourcesSpec",
     "SpecError",
     "TrainingSpec",
@@ -367,6 +368,19 @@ class KeepBestSpec(_Section):
     """How many of the best steps to keep, besides keep_latest_k and keep_every_n_steps."""
 
 
+class ReplicationSpec(_Section):
+    mode: Literal["auto", "off"] = "off"
+    """auto: after a step commits, each node's writer sends its ranks' committed copies to the next node's writer (a ring over the nodes hosting ranks); a rank on a node that was lost is restored from that replica, storage is the fallback. Off with one node (logged). off: no replicas."""
+    max_mb_per_s: float | None = Field(200.0, gt=0)
+    """Bandwidth limit of one writer's replica sends, in MB/s (1e6 bytes); null: unlimited. Sends run after the commit, off the training path."""
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_words(cls, value: Any) -> Any:
+        # YAML reads a bare off/on as a boolean
+        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
+
+
 class CheckpointSpec(_Section):
     enabled: bool = False
     """Save checkpoints (and resume from them). false: no checkpoint is written or loaded."""
@@ -406,6 +420,8 @@ class CheckpointSpec(_Section):
     """CPU priority (nice) of the checkpoint writer process: higher leaves more CPU to training and makes saves durable later."""
     memory_copies: int = Field(2, ge=1, le=2)
     """Staging buffers per rank in its node's shared memory. 2: ranks stage into them in turn, so the newest committed step stays intact in memory until a newer one commits, and a restart at the same world size loads each rank's shard from there instead of storage (falling back to storage, logged, when a copy is missing or does not verify); costs a second staging buffer of host memory per rank (validate prints it). 1: one buffer; a restart always loads from storage."""
+    replication: ReplicationSpec = Field(default_factory=ReplicationSpec)
+    """Peer replicas of committed copies in RAM: mode (auto or off), max_mb_per_s (the send rate limit), e.g. {mode: auto, max_mb_per_s: 200}."""
     final_export: FinalExportSpec | None = None
     """After the last step commits, the driver exports it once: format (hf or torch), dtype (bf16, fp16, fp32), dir (null: <checkpoint.dir>/<name>/export-step-<N>); null: no export."""
 
@@ -442,6 +458,14 @@ class CheckpointSpec(_Section):
             raise ValueError("must be latest, none, a step number, or the path of an existing step directory "
                              f"(resolved to {path}, which is not a directory)")
         return str(path.resolve())
+
+    @model_validator(mode="after")
+    def _replication_needs_copies(self) -> CheckpointSpec:
+        if self.replication.mode == "auto" and self.memory_copies < 2:
+            raise FieldProblems([("replication.mode", "auto needs memory_copies=2 (a replica is sent from the "
+                                                      "committed copy kept in memory); set checkpoint.memory_copies=2 "
+                                                      "or checkpoint.replication.mode=off")])
+        return self
 
 
 DEFAULT_MTBF_S = 86400.0
