@@ -143,11 +143,10 @@ class RayWorkerGroup:
         """Per rank: the CheckpointActor, the writer on the rank's node, and what to resume from."""
         if self.checkpoints is None:
             return [None] * self.spec.world_size
-        point = self.checkpoints.acquire(self.attempt, self.spec)
         nodes = bundle_nodes(self._pg)
+        point, sources = self.checkpoints.resume_plan(self.attempt, self.spec, nodes)
         self.checkpoints.replicate_between(nodes)
         history = self.checkpoints.interval_history()  # the same on every rank: they agree on the interval
-        sources = self.checkpoints.recovery_sources(self.attempt, self.spec, point, nodes)
         return [{"actor": self.checkpoints.actor, "writer": self.checkpoints.writer_for(nodes[rank]),
                  "resume_path": point.path if point else None, "resume_step": point.step if point else None,
                  "resume_world_size": point.world_size if point else None, "interval": history,

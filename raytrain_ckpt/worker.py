@@ -188,7 +188,9 @@ class TrainWorker:
             copy = source.copy if source is not None else None
             done = restore(trainer, ckpt["resume_path"], ckpt["resume_step"],
                            ckpt["resume_world_size"] == self.world_size, copy,
-                           source.why if source is not None else "", self.attempt)
+                           source.why if source is not None else "", self.attempt,
+                           self.spec.checkpoint.verify_on_load,
+                           lambda: ckpt["writer"].forget_copy.remote(self.rank, ckpt["resume_step"]))
             self.timings["load_s"] = done.seconds
             self.timings["load_verify_s"] = done.verify_s
             self.timings["load_checksum_s"] = done.checksum_s

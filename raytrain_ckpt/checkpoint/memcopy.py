@@ -22,7 +22,7 @@ import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -30,9 +30,11 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
-from raytrain_ckpt.checkpoint.manifest import checksum_view
+from raytrain_ckpt.checkpoint.layout import CheckpointLayout, Verify
+from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, checksum_view
 from raytrain_ckpt.checkpoint.staging import TensorSlot, layout_key, map_whole, plan_slots, views_of
 from raytrain_ckpt.checkpoint.state import apply_own_state, load_app_state, own_state
+from raytrain_ckpt.checkpoint.storage import Location, is_uri
 from raytrain_ckpt.faults import planned
 
 logger = logging.getLogger(__name__)
@@ -252,9 +254,16 @@ class Restored:
 
 
 def restore(trainer: Any, path: str, step: int, same_world_size: bool, copy: CommittedCopy | None,
-            why: str, attempt: int) -> Restored:
+            why: str, attempt: int, verify: Verify = "size",
+            refused: Callable[[], None] = lambda: None) -> Restored:
     """Load the resume step ``step`` (collective): from every rank's in-memory copy when the driver
-    handed each rank one and every rank verifies its own, else from storage at ``path``."""
+    handed each rank one and every rank verifies its own, else from storage at ``path``.
+
+    The driver verified storage only up to ``size`` when it handed out copies; falling back to
+    storage from there, rank 0 first verifies the step to ``verify`` (``verify_on_load``) and no
+    rank loads a step that fails (InvalidCheckpoint: the attempt fails, and the next one, offered
+    no copy, skips the step). ``refused`` runs when this rank refuses its copy (the writer forgets it).
+    """
     dist.barrier()  # load_s is the load's own time, not the wait for a rank still building its model
     t0 = time.monotonic()
     prepared, own_why = None, why
@@ -262,6 +271,7 @@ def restore(trainer: Any, path: str, step: int, same_world_size: bool, copy: Com
         try:
             prepared = _prepare(trainer, copy, step, attempt)
         except CopyMismatch as exc:
+            refused()
             own_why = f"rank {trainer.rank}'s copy refused: {exc}"
             logger.warning("rank %d: in-memory copy of step %d refused, loading from storage: %s",
                            trainer.rank, step, exc)
@@ -274,8 +284,23 @@ def restore(trainer: Any, path: str, step: int, same_world_size: bool, copy: Com
                         prepared.checksum_s + copy_s)
     if copy is not None and prepared is not None:
         own_why = "another rank's copy was refused"
+    if copy is not None and verify != "size":  # storage was checked only up to sizes
+        problem = _storage_problem(path, verify) if trainer.rank == 0 else None
+        if not _everyone(problem is None, trainer.device):
+            raise InvalidCheckpoint(f"step {step} cannot be loaded from memory or storage: "
+                                    f"{problem or 'rank 0 found it damaged'}")
     read_s = load_app_state(trainer, path, same_world_size)
     return Restored("storage", own_why, time.monotonic() - t0, verify_s, 0.0, read_s)
+
+
+def _storage_problem(path: str, verify: Verify) -> str | None:
+    location: Location = path if is_uri(path) else Path(path)
+    parent = path.rstrip("/").rsplit("/", 1)[0] if is_uri(path) else Path(path).parent
+    try:
+        CheckpointLayout(parent).verify(location, verify)
+    except InvalidCheckpoint as exc:
+        return str(exc)
+    return None
 
 
 def _everyone(ok: bool, device: torch.device) -> bool:

@@ -170,8 +170,30 @@ class CheckpointService:
         self._probed.update(nodes)
         logger.info("checkpoint root %s is shared by the %d node(s) that may host ranks", self.root, len(probes))
 
-    def acquire(self, attempt: int, spec: JobSpec) -> ResumePoint | None:
-        """Verify and lease the checkpoint this attempt loads (None: start fresh).
+    def resume_plan(self, attempt: int, spec: JobSpec,
+                    nodes: list[str]) -> tuple[ResumePoint | None, list[RankSource] | None]:
+        """The step this attempt resumes from, and where each rank loads it from.
+
+        A restart that may load from memory verifies storage only up to sizes first: when every
+        copy verifies (their recorded files are the manifest's, and each rank checksums its own
+        buffer) storage's bytes are never read. Only when storage serves after all is the step
+        verified to ``verify_on_load`` (a damaged step is then skipped as always).
+        """
+        full = spec.checkpoint.verify_on_load
+        quick = attempt > 0 and spec.checkpoint.memory_copies >= 2 and full != "size"
+        point = self.acquire(attempt, spec, "size" if quick else full)
+        sources = self.recovery_sources(attempt, spec, point, nodes)
+        if quick and point is not None and sources is not None and sources[0].source != "memory":
+            logger.info("attempt %d: verifying step %d on storage (%s), since storage serves", attempt, point.step, full)
+            again = self.acquire(attempt, spec, full)
+            if again is None or again.step != point.step:
+                sources = self.recovery_sources(attempt, spec, again, nodes)
+            point = again
+        return point, sources
+
+    def acquire(self, attempt: int, spec: JobSpec, verify: Verify | None = None) -> ResumePoint | None:
+        """Verify (to ``verify``, default ``checkpoint.verify_on_load``) and lease the checkpoint
+        this attempt loads (None: start fresh).
 
         ``spec`` is the attempt's layout (an elastic restart may run fewer workers).
         """
@@ -179,7 +201,7 @@ class CheckpointService:
         if attempt > 0:
             self._ask("settle", s.checkpoint.settle_timeout_s)
         self._ask("configure", s.world_size, s.dp_size, s.spec_hash(), s.model.model_dump(mode="json"))
-        holder, verify = f"attempt-{attempt}", s.checkpoint.verify_on_load
+        holder, verify = f"attempt-{attempt}", verify or s.checkpoint.verify_on_load
         if attempt == 0:
             point = self._ask("begin", holder, s.checkpoint.resume, verify)
             self._start = point.path if point is not None else None

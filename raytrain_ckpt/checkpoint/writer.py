@@ -318,6 +318,14 @@ class CheckpointWriter(ReplicaEndpoint):
             return next((h.record for h in self._buffers.values()
                          if h.rank == rank and h.record is not None and h.record.step == step), None)
 
+    def forget_copy(self, rank: int, step: int) -> None:
+        """Drop the record of rank ``rank``'s copy of ``step``: the rank refused it (its bytes no
+        longer checksum), so no later restart is offered it again."""
+        with self._lock:
+            for held in self._buffers.values():
+                if held.rank == rank and held.record is not None and held.record.step == step:
+                    held.record = None
+
     def usage(self) -> dict[str, Any]:
         """CPU seconds this writer process has used (user, system) and, per rank, the phases of its
         last write: for benchmarks and diagnosis."""

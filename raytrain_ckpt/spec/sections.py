@@ -407,7 +407,7 @@ class CheckpointSpec(_Section):
     on_busy: Literal["wait", "skip"] = "wait"
     """A save due while the previous one is still writing: wait for it (training stalls), or skip this save (logged)."""
     verify_on_load: Literal["size", "checksum"] = "checksum"
-    """Before loading: check every file's size and checksum against the manifest (reads every file, CRC-32C at several GB/s), or sizes only (a flipped bit is then loaded)."""
+    """Before loading: check every file's size and checksum against the manifest (reads every file, CRC-32C at several GB/s), or sizes only (a flipped bit is then loaded). A restart that loads from the in-memory copies checks their checksums instead and reads only sizes from storage."""
     commit_timeout_s: float = Field(600.0, gt=0)
     """How long a synchronous or final save waits for its commit before the job fails."""
     settle_timeout_s: float = Field(60.0, gt=0)

@@ -7,6 +7,8 @@ storage, still bit-identical."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,37 @@ def test_a_copy_that_does_not_verify_falls_back_to_storage_bit_exact(reference, 
     assert [r.timings["loaded_from_memory"] for r in result.results] == [0.0, 0.0]
     if why is not None:
         assert f"loading step 10 from storage: {why}" in caplog.text
+
+
+def test_a_refused_copy_never_loads_a_damaged_storage_step(reference, tmp_path, monkeypatch, caplog):
+    """The driver checks storage only up to sizes when it hands out copies. Rank 0 refuses its
+    copy (a flipped bit) and storage's step 10 has a flipped byte too: no rank loads step 10,
+    the attempt fails, its writer forgot the refused copy, and the next attempt verifies storage
+    in full, skips step 10 and resumes from step 5, still bit-identical."""
+    root = tmp_path / "llama-debug-fsdp"
+    monkeypatch.setenv(ENV_VAR, "hang@step:rank=1,step=12;corrupt@restore:rank=0,step=10,attempt=1")
+    box: dict[str, JobResult] = {}
+    job = threading.Thread(target=lambda: box.setdefault("r", run_job(load_spec(DEMO, [
+        *BASE, f"checkpoint.dir={tmp_path}", "fault_tolerance.max_restarts=2", "fault_tolerance.hang_timeout_s=8",
+        "fault_tolerance.poll_interval_s=0.2"]))))
+    with caplog.at_level(logging.INFO):
+        job.start()
+        manifest = root / "step-00000010" / "manifest.json"
+        deadline = time.monotonic() + 120
+        while not manifest.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert manifest.exists(), "step 10 did not commit within 120 s"
+        shard = root / "step-00000010" / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # same size: only a checksum catches it
+        shard.write_bytes(bytes(data))
+        job.join(timeout=400)
+    result = box["r"]
+    assert result.state is JobState.SUCCEEDED, result.error
+    assert result.attempts == 3
+    assert "cannot be loaded from memory or storage" in (result.error or "") or \
+        "cannot be loaded from memory or storage" in caplog.text
+    assert all(r.start_step == 5 for r in result.results)
+    assert [r.timings["loaded_from_memory"] for r in result.results] == [0.0, 0.0]
+    assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference.results]
+    assert any(p.name.startswith("step-00000010.invalid-") for p in root.iterdir())
