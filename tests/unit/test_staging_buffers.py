@@ -220,3 +220,32 @@ def _expect_lease_fails(path: Path) -> None:
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     if out.returncode != 0 and "still leased" in out.stderr:
         raise StagingFileError("still leased")
+
+
+def _resident_kb(address: int) -> int:
+    """Rss of this process's mapping that starts at ``address`` (from /proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}" and " " in line:
+            return next(int(entry.split()[1]) for entry in lines[i + 1:] if entry.startswith("Rss:"))
+    raise AssertionError(f"no mapping at {address:x}")
+
+
+def test_prefault_maps_every_page_of_a_new_mapping_in_one_call(tmp_path: Path) -> None:
+    import torch
+
+    from raytrain_ckpt.checkpoint.staging import prefault
+
+    nbytes = 8 << 20
+    owned = allocate_buffer(tmp_path / "rtc-test-a0-rank0.buf", nbytes)
+    try:
+        map_buffer(owned.path, nbytes).fill_(7)  # another mapping wrote the file's pages
+        buffer = map_buffer(owned.path, nbytes)  # a fresh mapping: none of them is mapped in it yet
+        assert _resident_kb(buffer.data_ptr()) == 0
+        assert prefault(buffer)
+        assert _resident_kb(buffer.data_ptr()) == nbytes // 1024
+        assert bool((buffer == 7).all())  # populated with the file's pages, not new ones
+        buffer.copy_(torch.arange(nbytes, dtype=torch.int64).to(torch.uint8))
+        assert torch.equal(map_buffer(owned.path, nbytes), buffer)  # writes still reach the shared file
+    finally:
+        owned.remove()
