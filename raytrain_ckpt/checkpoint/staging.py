@@ -94,15 +94,31 @@ def map_buffer(path: Path, nbytes: int) -> torch.Tensor:
     """A uint8 tensor over the first ``nbytes`` of the file, shared with every process that maps it.
 
     The file is checked before it is mapped (no symlink; a regular file of ours, mode 0600,
-    large enough); raises StagingFileError otherwise.
+    large enough); raises StagingFileError otherwise. The process's last mapping is kept and
+    returned again for the same file (device and inode) and size: a rank that survives a restart
+    and is given its buffer back stages into pages it has mapped already, where a new mapping
+    would fault in every page again (``prefault``). The kept mapping holds the file's memory
+    until the process maps another buffer or exits, as the rank's staging did.
     """
+    global _last_mapping
     fd = open_buffer(path, nbytes)
     try:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino, nbytes)
+        if _last_mapping is not None and _last_mapping[0] == key:
+            return _last_mapping[1]
+        _last_mapping = None  # the previous buffer's memory can go once its last view does
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)  # the mapping keeps the file alive
     # The tensor holds a reference to the mapping, which is unmapped when the last view goes.
-    return torch.frombuffer(mapping, dtype=torch.uint8)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)
+    _last_mapping = (key, buffer)
+    return buffer
+
+
+_last_mapping: tuple[tuple[int, int, int], torch.Tensor] | None = None
+"""((device, inode, bytes), the buffer) of this process's last ``map_buffer``."""
 
 
 def slot_views(buffer: torch.Tensor, slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
