@@ -9,9 +9,8 @@ the median is printed.
 By default each repetition's files are deleted before the next (the next write lands on the
 pages just freed). ``--keep`` keeps them until the end, as a job keeps its checkpoints: on a VM
 whose fresh pages cost a host fault each, writes into page cache not used recently cost several
-times more kernel time. The ``page cache kept`` row is the one-pass writer without streaming its
-bytes out of the page cache (``sync_file_range`` + ``POSIX_FADV_DONTNEED`` per 8 MiB window):
-what the writer did before.
+times more kernel time. The ``page cache kept`` row is the one-pass writer without dropping its
+files from the page cache after the fsync (``POSIX_FADV_DONTNEED``): what the writer did before.
 
     .venv/bin/python bench/writer_cpu.py [--mb 256] [--reps 3] [--dir bench/out] [--keep]
 """
@@ -61,13 +60,13 @@ def _measure(fn: Callable[[Path], None], out: Path, reps: int, keep: bool) -> tu
 
 @contextmanager
 def _page_cache_kept() -> Iterator[None]:
-    """The one-pass writer as it was before it streamed its files out of the page cache."""
-    saved = filewrite._stream_out, filewrite._FileSink.drop_cache
-    filewrite._stream_out, filewrite._FileSink.drop_cache = (lambda fd, end: None), (lambda self: None)
+    """The one-pass writer as it was before it dropped its files from the page cache."""
+    saved = filewrite._FileSink.drop_cache
+    filewrite._FileSink.drop_cache = lambda self: None
     try:
         yield
     finally:
-        filewrite._stream_out, filewrite._FileSink.drop_cache = saved
+        filewrite._FileSink.drop_cache = saved
 
 
 def main() -> None:

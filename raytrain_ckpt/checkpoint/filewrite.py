@@ -25,7 +25,6 @@ write or an fsync fails the rank's save.
 
 from __future__ import annotations
 
-import ctypes
 import io
 import os
 import threading
@@ -138,61 +137,25 @@ class ChecksumSink(io.RawIOBase):
 
 
 class _FileSink(ChecksumSink):
-    """Appends to the file descriptor ``fd``, streaming the written bytes out of the page cache.
-
-    Every ``_WINDOW`` bytes, writeback of the window just written starts
-    (``sync_file_range(WRITE)``), and the window before it, written back by now, is waited for
-    and dropped from the page cache (``POSIX_FADV_DONTNEED``). The file's pages go back to the
-    free list while the file is written, and the next pages written are those just freed: on a
-    VM whose fresh pages cost a host fault each, writing into recently unused page cache took
-    ~2 CPU s/GB of kernel time, against ~0.25 s/GB this way (ARCHITECTURE, "Local writes
-    stream out of the page cache"). Advisory only: ``fsync`` is what makes the file durable.
-    """
+    """Appends to the file descriptor ``fd``."""
 
     def __init__(self, fd: int, phases: Phases) -> None:
         super().__init__(phases)
         self.fd = fd
-        self._written = 0
 
     def _put(self, chunk: memoryview) -> None:
         while chunk.nbytes:  # a write may be partial (a signal, a limit per call)
             done = os.write(self.fd, chunk)
             chunk = chunk[done:]
-            before, self._written = self._written, self._written + done
-            if before // _WINDOW != self._written // _WINDOW:
-                _stream_out(self.fd, self._written // _WINDOW * _WINDOW)
 
     def drop_cache(self) -> None:
-        """After fsync: the file's last pages leave the page cache too."""
-        _advise_dontneed(self.fd, 0, 0)
-
-
-_WINDOW = 8 << 20
-"""Bytes per writeback window of a local file."""
-_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
-_libc = ctypes.CDLL(None, use_errno=True)
-_sync_file_range = getattr(_libc, "sync_file_range", None)
-if _sync_file_range is not None:
-    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-
-
-def _stream_out(fd: int, end: int) -> None:
-    """Start writeback of the window ending at ``end``; wait for the one before and drop it from the cache."""
-    if _sync_file_range is None:
-        return
-    # Return values are ignored: these calls only schedule work the final fsync does anyway, and
-    # an I/O error they meet is reported again by that fsync, which fails the write.
-    _sync_file_range(fd, end - _WINDOW, _WINDOW, _SFR_WRITE)
-    if end >= 2 * _WINDOW:
-        _sync_file_range(fd, end - 2 * _WINDOW, _WINDOW, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER)
-        _advise_dontneed(fd, end - 2 * _WINDOW, _WINDOW)
-
-
-def _advise_dontneed(fd: int, offset: int, length: int) -> None:
-    try:
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-    except OSError:  # advice only (a file system may not take it); durability is fsync's
-        pass
+        """After fsync: the file's pages (clean now) leave the page cache, back to the free list,
+        where the next save's writes find them (ARCHITECTURE, "A written shard leaves the page
+        cache"). Advice only: a file system may ignore it."""
+        try:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:  # the file is durable already (fsync); dropping its cache is an optimisation
+            pass
 
 
 OpenFile = Callable[[str, Phases], AbstractContextManager[ChecksumSink]]

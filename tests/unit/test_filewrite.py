@@ -163,8 +163,8 @@ def _on_tmpfs(path: Path) -> bool:
 
 
 def test_written_files_leave_the_page_cache(tmp_path: Path) -> None:
-    """The files are streamed out of the page cache as they are written (the cache is the data
-    on tmpfs, which keeps it)."""
+    """A written file's pages leave the page cache after its fsync (on tmpfs the cache is the
+    data, which stays)."""
     if _on_tmpfs(tmp_path):
         pytest.skip("tmp_path is on tmpfs: its page cache is the file")
     g = torch.Generator().manual_seed(1)
