@@ -16,7 +16,11 @@ and for each it prints: the stall (time the training thread was blocked), the ti
 durable checkpoint, stall / memcpy of the state, durable throughput / raw write+fsync of the
 same bytes, and the step-time slowdown of a compute loop while the save persists; for
 raytrain_ckpt also the CPU seconds per GB of the writer process and where its time goes (per
-phase, the last save of each rank). Each mode
+phase, the last save of each rank: serialisation, CRC-32C, write calls (on S3: copying into
+parts and waiting for a free one), fsync (on S3: the last parts and the completion), report),
+and the trainer side of the stall (layout setup: plan, buffer, mapping; the rest of ``save()``;
+the wait for the staging copy before the optimizer step). A restarted rank's new client is
+created before the timed save, as a restarted rank does while it sets up. Each mode
 runs ``--reps`` times; the last repetition is reported (the first pays one-off setup: plan,
 buffer allocation, background process start), and the first is shown in brackets.
 
