@@ -42,7 +42,8 @@ PART_SIZE = 16 << 20
 INFLIGHT = 4
 """Parts of one file uploading at once; with PART_SIZE, the memory one file's upload holds."""
 _KEEP_BUFFERS = 16
-"""Part buffers kept for the next save (their pages stay allocated: a fresh one faults every page)."""
+"""Part buffers kept for the next save (their pages stay allocated: a fresh one faults every page):
+at most 256 MiB of the writer process, enough for three files uploading at once."""
 
 _free: list[bytearray] = []
 _free_lock = threading.Lock()
