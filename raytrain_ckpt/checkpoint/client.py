@@ -248,6 +248,9 @@ class CheckpointClient:
         path = _get_restarting(lambda: self.writer.allocate.remote(self.rank, self.attempt, nbytes))
         if self._layout is not None:  # before mapping: closing any fd of the file would drop it anyway
             self._layout.lease.release()
+            close = getattr(self._layout.staging, "close", None)
+            if close is not None:  # unregister pinned memory: map_buffer may return the same mapping
+                close()
         buffer = map_buffer(Path(path), nbytes)
         lease = BufferLease(Path(path))  # after mapping (map_buffer closes its fd)
         staging: Staging = (PinnedCudaStaging(buffer, slots, self.device) if self.device.type == "cuda"
