@@ -16,7 +16,11 @@ and for each it prints: the stall (time the training thread was blocked), the ti
 durable checkpoint, stall / memcpy of the state, durable throughput / raw write+fsync of the
 same bytes, and the step-time slowdown of a compute loop while the save persists; for
 raytrain_ckpt also the CPU seconds per GB of the writer process and where its time goes (per
-phase, the last save of each rank). Each mode
+phase, the last save of each rank: serialisation, CRC-32C, write calls (on S3: copying into
+parts and waiting for a free one), fsync (on S3: the last parts and the completion), report),
+and the trainer side of the stall (layout setup: plan, buffer, mapping; the rest of ``save()``;
+the wait for the staging copy before the optimizer step). A restarted rank's new client is
+created before the timed save, as a restarted rank does while it sets up. Each mode
 runs ``--reps`` times; the last repetition is reported (the first pays one-off setup: plan,
 buffer allocation, background process start), and the first is shown in brackets.
 
@@ -59,7 +63,7 @@ class BenchRank:
         self.remote = "://" in out
         self.out = out.rstrip("/") if self.remote else Path(out)
         self.step_ms = step_ms
-        self.client, self.attempt, self.saved = None, 0, 0
+        self.client, self.attempt, self.saved, self.setup_s = None, 0, 0, 0.0
         torch.set_num_threads(1)
 
     def address(self) -> tuple[str, int]:
@@ -142,6 +146,8 @@ class BenchRank:
     def run(self, mode: str, rep: int, ckpt: dict | None) -> dict[str, float]:
         name = f"{mode.replace('(', '-').replace(')', '')}-{rep}"
         path = f"{self.out}/{name}" if self.remote else self.out / name
+        if mode.startswith("raytrain_ckpt") and (self.client is None or mode.endswith("(restart)")):
+            self._new_client(ckpt)  # as a restarted rank does while it sets up, before its first step
         dist.barrier()
         t0 = time.perf_counter()
         done = self._start(mode, path, rep, ckpt)
@@ -158,8 +164,11 @@ class BenchRank:
             steps.append(self._step(hook))
         durable = time.perf_counter() - t0
         dist.barrier()
-        return {"stall_s": stall + waits[0], "durable_s": durable,
-                "step_s": statistics.mean(steps) if steps else float("nan"), "steps": len(steps)}
+        out = {"stall_s": stall + waits[0], "durable_s": durable,
+               "step_s": statistics.mean(steps) if steps else float("nan"), "steps": len(steps)}
+        if mode.startswith("raytrain_ckpt"):  # the trainer side of the stall
+            out["trainer"] = {"setup_s": self.setup_s, "in_save_s": stall, "copy_wait_s": waits[0]}
+        return out
 
     def _start(self, mode: str, path: Path, rep: int, ckpt: dict | None):
         # an object store through DCP's own fsspec writer (no fsync: DCP would call os.sync())
@@ -174,19 +183,23 @@ class BenchRank:
             fut = dcp.async_save(self.state, checkpoint_id=str(path), storage_writer=writer,
                                  async_checkpointer_type=kind)
             return fut.done
-        return self._start_ours(mode.endswith("(restart)"), ckpt)
+        return self._start_ours()
 
-    def _start_ours(self, restart: bool, ckpt: dict):
+    def _new_client(self, ckpt: dict) -> None:
+        """A new CheckpointClient of the next attempt (the first: attempt 0), the previous one closed."""
         from raytrain_ckpt.checkpoint.client import CheckpointClient
         from raytrain_ckpt.spec import CheckpointSpec
 
-        if self.client is None or restart:  # a restarted group: a new client of the next attempt
-            if self.client is not None:
-                self.client.close()
-                self.attempt += 1
-            cfg = CheckpointSpec(enabled=True, dir=str(self.out), keep_latest_k=None)
-            self.client = CheckpointClient(cfg, self.rank, self.attempt, 10**9, ckpt["actor"], ckpt["writer"],
-                                           torch.device("cpu"))
+        if self.client is not None:
+            self.client.close()
+            self.attempt += 1
+        cfg = CheckpointSpec(enabled=True, dir=str(self.out), keep_latest_k=None)
+        self.client = CheckpointClient(cfg, self.rank, self.attempt, 10**9, ckpt["actor"], ckpt["writer"],
+                                       torch.device("cpu"))
+        self._time_setup(self.client)
+
+    def _start_ours(self):
+        self.setup_s = 0.0
         self.saved += 1
         step = self.saved
         self.client.save(step, self.state)
@@ -200,6 +213,19 @@ class BenchRank:
             return bool(ray.wait(ref, timeout=0)[0])
 
         return done
+
+    def _time_setup(self, client) -> None:
+        """Time the client's layout setup (plan, buffer allocation, mapping): part of a first save's stall."""
+        setup = client._ensure_layout
+
+        def timed(*args):
+            t0 = time.perf_counter()
+            try:
+                return setup(*args)
+            finally:
+                self.setup_s += time.perf_counter() - t0
+
+        client._ensure_layout = timed
 
 
 def main() -> None:
@@ -285,6 +311,9 @@ def _bench(args: argparse.Namespace, out: Path) -> None:
               f"{slowdown * 100:>8.1f}%")
         if "writer" in last:
             profiles[mode] = last["writer"]
+        if "trainer" in last:
+            print(f"{'':<24} trainer side, last save (max over ranks): " +
+                  ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in last["trainer"].items()))
     print()
     for mode, usage in profiles.items():
         _print_profile(mode, usage, total)
@@ -311,6 +340,7 @@ def _rep(ranks: list, mode: str, rep: int, ckpt: dict) -> dict:
            "step_s": statistics.mean(x["step_s"] for x in steps) if steps else float("nan"),
            "steps": sum(x["steps"] for x in res)}
     if ours:
+        out["trainer"] = {k: max(x["trainer"][k] for x in res) for k in res[0]["trainer"]}
         after = _cpu_of(pid)
         last = ray.get(ckpt["writer"].usage.remote())["last"] if _has_usage(ckpt["writer"]) else {}
         out["writer"] = {"cpu_s": sum(after) - sum(before), "user_s": after[0] - before[0], "last": last}

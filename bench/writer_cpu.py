@@ -3,10 +3,16 @@
 One process, no Ray, no training: the cost of persisting one rank's staged state (``--mb`` MB
 in 16 tensors, staged in a real shared-memory buffer file) to ``--dir``, measured as CPU
 seconds (user + system, ``getrusage``) and wall seconds per GB, with a raw write+fsync of the
-same bytes as the floor. Each variant runs ``--reps`` times (fresh output directory each
-time, the same mapping of the buffer); the median is printed.
+same bytes as the floor. Each variant runs ``--reps`` times (the same mapping of the buffer);
+the median is printed.
 
-    .venv/bin/python bench/writer_cpu.py [--mb 256] [--reps 3] [--dir bench/out]
+By default each repetition's files are deleted before the next (the next write lands on the
+pages just freed). ``--keep`` keeps them until the end, as a job keeps its checkpoints: on a VM
+whose fresh pages cost a host fault each, writes into page cache not used recently cost several
+times more kernel time. The ``page cache kept`` row is the one-pass writer without dropping its
+files from the page cache after the fsync (``POSIX_FADV_DONTNEED``): what the writer did before.
+
+    .venv/bin/python bench/writer_cpu.py [--mb 256] [--reps 3] [--dir bench/out] [--keep]
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import resource
 import shutil
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -25,6 +32,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, shm_dir
+from raytrain_ckpt.checkpoint import filewrite
 from raytrain_ckpt.checkpoint.filewrite import write_rank_files
 from raytrain_ckpt.checkpoint.manifest import describe_file
 from raytrain_ckpt.checkpoint.staging import StagedPlanner, map_buffer, map_slots, plan_slots, slot_views
@@ -35,18 +43,30 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _measure(fn: Callable[[Path], None], out: Path, reps: int) -> tuple[float, float]:
+def _measure(fn: Callable[[Path], None], out: Path, reps: int, keep: bool) -> tuple[float, float]:
     walls, cpus = [], []
     for i in range(reps):
-        d = out / f"rep{i}"
+        d = out / f"{getattr(fn, '__name__', 'fn')}-rep{i}"
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
         c0, t0 = _cpu(), time.perf_counter()
         fn(d)
         walls.append(time.perf_counter() - t0)
         cpus.append(_cpu() - c0)
-        shutil.rmtree(d)
+        if not keep:
+            shutil.rmtree(d)
     return statistics.median(walls), statistics.median(cpus)
+
+
+@contextmanager
+def _page_cache_kept() -> Iterator[None]:
+    """The one-pass writer as it was before it dropped its files from the page cache."""
+    saved = filewrite._FileSink.drop_cache
+    filewrite._FileSink.drop_cache = lambda self: None
+    try:
+        yield
+    finally:
+        filewrite._FileSink.drop_cache = saved
 
 
 def main() -> None:
@@ -54,6 +74,7 @@ def main() -> None:
     p.add_argument("--mb", type=int, default=256)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dir", default="bench/out", help="a real disk, not tmpfs")
+    p.add_argument("--keep", action="store_true", help="keep every repetition's files until the end")
     args = p.parse_args()
     out = Path(args.dir).resolve() / "writer_cpu"
     torch.manual_seed(0)
@@ -94,14 +115,18 @@ def _run(args: argparse.Namespace, out: Path, plan, path: Path, nbytes: int, slo
     def one_pass(d: Path) -> None:
         write_rank_files(d, plan, StagedPlanner(exact).resolve_data, 1)
 
+    def one_pass_cached(d: Path) -> None:
+        with _page_cache_kept():
+            one_pass(d)
+
     print(f"one rank, {nbytes / 2**20:.0f} MiB in {len(slots)} tensors, to {out}; torch {torch.__version__}, "
-          f"{os.cpu_count()} cores; median of {args.reps}")
-    print(f"{'variant':<40} {'wall s/GB':>10} {'CPU s/GB':>9} {'tput/raw':>9}")
-    floor = _measure(raw, out, args.reps)
+          f"{os.cpu_count()} cores; median of {args.reps}; files {'kept' if args.keep else 'deleted'} between reps")
+    print(f"{'variant':<46} {'wall s/GB':>10} {'CPU s/GB':>9} {'tput/raw':>9}")
+    floor = _measure(raw, out, args.reps, keep=False)
     for name, fn in (("raw write+fsync", raw), ("DCP FileSystemWriter + read-back CRC-32C", dcp_writer),
-                     ("one pass (filewrite)", one_pass)):
-        wall, cpu = floor if fn is raw else _measure(fn, out, args.reps)
-        print(f"{name:<40} {wall / gb:>10.3f} {cpu / gb:>9.3f} {floor[0] / wall:>9.2f}")
+                     ("one pass (filewrite), page cache kept", one_pass_cached), ("one pass (filewrite)", one_pass)):
+        wall, cpu = floor if fn is raw else _measure(fn, out, args.reps, args.keep)
+        print(f"{name:<46} {wall / gb:>10.3f} {cpu / gb:>9.3f} {floor[0] / wall:>9.2f}")
 
 
 if __name__ == "__main__":

@@ -290,6 +290,9 @@ class CheckpointClient:
         if self._layout is not None:  # before mapping: closing any fd of the file would drop it anyway
             for b in self._layout.buffers:
                 b.lease.release()
+                close = getattr(b.staging, "close", None)
+                if close is not None:  # unregister pinned memory: map_buffer may return the same mapping
+                    close()
         buffers = []
         for path in paths:
             buffer = map_buffer(Path(path), nbytes)

@@ -7,7 +7,7 @@ through a Python stream, and the writer then read each file back for the manifes
 
 Here each item is serialised with ``torch.save`` straight into the file: the tensor is a view
 whose storage is exactly its slot of the staging buffer (no clone), ``torch.save`` hands its
-bytes over as a memoryview of that buffer, and ``_FileSink`` checksums each chunk (CRC-32C,
+bytes over as a memoryview of that buffer, and the sink (``ChecksumSink``) checksums each chunk (CRC-32C,
 which covers every byte of the file: zip headers, pickles and data) and writes it with
 ``os.write`` while it is still in the cache. Small records (zip headers, the pickle) are gathered
 and written together.
@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _split_by_si
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-__all__ = ["RankFiles", "write_rank_files"]
+__all__ = ["ChecksumSink", "OpenFile", "Phases", "RankFiles", "write_files", "write_rank_files"]
 
 _CHUNK = 2 << 20
 """Bytes checksummed then written per system call: small enough to still be in the cache for the
@@ -78,16 +78,17 @@ class RankFiles:
     phases: Phases = field(default_factory=Phases)
 
 
-class _FileSink(io.RawIOBase):
-    """The stream ``torch.save`` writes into: appends to ``fd``, checksumming every byte."""
+class ChecksumSink(io.RawIOBase):
+    """The stream ``torch.save`` writes into: CRC-32C over every byte, handed on in chunks of at
+    most ``_CHUNK`` bytes to ``_put`` (a file descriptor here, multipart parts in ``upload.py``)."""
 
-    def __init__(self, fd: int, phases: Phases) -> None:
+    def __init__(self, phases: Phases) -> None:
         super().__init__()
-        self.fd, self.phases = fd, phases
+        self.phases = phases
         self.position = 0
         self.crc = 0
         self._pending = bytearray()
-        self.error: OSError | None = None
+        self.error: Exception | None = None
         """The first write error: torch.save replaces it with a RuntimeError about a short file."""
 
     def writable(self) -> bool:
@@ -115,7 +116,7 @@ class _FileSink(io.RawIOBase):
             raise self.error
         try:
             self._write_chunks(view)
-        except OSError as exc:
+        except Exception as exc:
             self.error = exc
             raise
 
@@ -125,12 +126,40 @@ class _FileSink(io.RawIOBase):
             t0 = time.perf_counter()
             self.crc = _crc32c.crc32c(chunk, self.crc)
             t1 = time.perf_counter()
-            while chunk.nbytes:  # a write may be partial (a signal, a limit per call)
-                done = os.write(self.fd, chunk)
-                chunk = chunk[done:]
+            self._put(chunk)
             self.phases.checksum_s += t1 - t0
             self.phases.write_calls_s += time.perf_counter() - t1
         self.position += view.nbytes
+
+    def _put(self, chunk: memoryview) -> None:
+        """Hand ``chunk`` on; raise when it cannot be."""
+        raise NotImplementedError
+
+
+class _FileSink(ChecksumSink):
+    """Appends to the file descriptor ``fd``."""
+
+    def __init__(self, fd: int, phases: Phases) -> None:
+        super().__init__(phases)
+        self.fd = fd
+
+    def _put(self, chunk: memoryview) -> None:
+        while chunk.nbytes:  # a write may be partial (a signal, a limit per call)
+            done = os.write(self.fd, chunk)
+            chunk = chunk[done:]
+
+    def drop_cache(self) -> None:
+        """After fsync: the file's pages (clean now) leave the page cache, back to the free list,
+        where the next save's writes find them (ARCHITECTURE, "A written shard leaves the page
+        cache"). Advice only: a file system may ignore it."""
+        try:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:  # the file is durable already (fsync); dropping its cache is an optimisation
+            pass
+
+
+OpenFile = Callable[[str, Phases], AbstractContextManager[ChecksumSink]]
+"""Opens one file of a rank by name for writing; the file is durable once the context exits cleanly."""
 
 
 def write_rank_files(directory: Path, plan: SavePlan, resolve: Resolve, threads: int = 1) -> RankFiles:
@@ -141,16 +170,21 @@ def write_rank_files(directory: Path, plan: SavePlan, resolve: Resolve, threads:
     item to its data (``SavePlanner.resolve_data``). Files are created exclusively: an existing
     file is an error, never overwritten.
     """
+    return write_files(plan, resolve, threads, lambda name, phases: _local_file(directory / name, phases))
+
+
+def write_files(plan: SavePlan, resolve: Resolve, threads: int, open_file: OpenFile) -> RankFiles:
+    """``write_rank_files`` into whatever ``open_file`` opens (a local file, an object upload)."""
     prefix = plan.storage_data.prefix
     buckets = [(f"{prefix}{i}{DEFAULT_SUFFIX}", bucket)
                for i, bucket in enumerate(_split_by_size_and_type(threads, plan.items))]
     out = RankFiles()
     with _zip_crc_off():
         if threads == 1:
-            parts = [_write_file(directory, name, items, resolve) for name, items in buckets]
+            parts = [_write_file(open_file, name, items, resolve) for name, items in buckets]
         else:
             with ThreadPoolExecutor(threads, thread_name_prefix="rtc-filewrite") as pool:
-                parts = list(pool.map(lambda b: _write_file(directory, b[0], b[1], resolve), buckets))
+                parts = list(pool.map(lambda b: _write_file(open_file, b[0], b[1], resolve), buckets))
     for part in parts:
         out.results += part.results
         out.files.update(part.files)
@@ -158,31 +192,38 @@ def write_rank_files(directory: Path, plan: SavePlan, resolve: Resolve, threads:
     return out
 
 
-def _write_file(directory: Path, name: str, items: list[WriteItem], resolve: Resolve) -> RankFiles:
-    """One DCP file: byte items first, then tensors, in plan order (``_write_files_from_queue``'s order)."""
-    out = RankFiles()
-    cpu0 = time.thread_time()
-    fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+@contextmanager
+def _local_file(path: Path, phases: Phases) -> Iterator[ChecksumSink]:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        sink = _FileSink(fd, out.phases)
-        ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO]
-                   + [i for i in items if i.type != WriteItemType.BYTE_IO])
-        for item in ordered:
-            out.results.append(_write_item(sink, name, item, resolve))
+        sink = _FileSink(fd, phases)
+        yield sink
         t0 = time.perf_counter()
         os.fsync(fd)
-        out.phases.fsync_s += time.perf_counter() - t0
+        phases.fsync_s += time.perf_counter() - t0
+        sink.drop_cache()
         size = os.fstat(fd).st_size
     finally:
         os.close(fd)
     if size != sink.position:  # the sink counted what the kernel accepted; anything else is a bug
-        raise OSError(f"{name}: {size} bytes on disk after writing {sink.position}")
+        raise OSError(f"{path.name}: {size} bytes on disk after writing {sink.position}")
+
+
+def _write_file(open_file: OpenFile, name: str, items: list[WriteItem], resolve: Resolve) -> RankFiles:
+    """One DCP file: byte items first, then tensors, in plan order (``_write_files_from_queue``'s order)."""
+    out = RankFiles()
+    cpu0 = time.thread_time()
+    with open_file(name, out.phases) as sink:
+        ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO]
+                   + [i for i in items if i.type != WriteItemType.BYTE_IO])
+        for item in ordered:
+            out.results.append(_write_item(sink, name, item, resolve))
     out.files[name] = {"size": sink.position, "crc32c": sink.crc}
     out.phases.cpu_s += time.thread_time() - cpu0
     return out
 
 
-def _write_item(sink: _FileSink, name: str, item: WriteItem, resolve: Resolve) -> WriteResult:
+def _write_item(sink: ChecksumSink, name: str, item: WriteItem, resolve: Resolve) -> WriteResult:
     t0 = time.perf_counter()
     io_before = sink.phases.write_calls_s + sink.phases.checksum_s
     offset = sink.tell()

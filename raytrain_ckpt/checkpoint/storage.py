@@ -34,7 +34,7 @@ from raytrain_ckpt.checkpoint.manifest import _ALGORITHMS, Checksum, checksum_fi
 logger = logging.getLogger(__name__)
 
 __all__ = ["EXTRAS", "Location", "ObjectStorage", "PosixStorage", "Storage", "StorageUnavailable", "checksummed_upload",
-           "is_transient", "is_uri", "job_root", "local_path", "open_storage", "retry_transient"]
+           "is_transient", "is_uri", "job_root", "local_path", "object_filesystem", "open_storage", "retry_transient"]
 
 Location = Path | str
 """A path under a storage: a ``Path`` on POSIX storage, a URI string on an object store."""
@@ -177,6 +177,12 @@ class PosixStorage:
 
 
 # --- object stores ----------------------------------------------------------------------
+
+
+def object_filesystem(uri: str, options: dict[str, Any]) -> Any:
+    """The fsspec filesystem of ``uri`` with ``options``, shared with other users of the same
+    options in this process (fsspec's instance cache: its connections stay open between saves)."""
+    return _filesystem(uri, options)
 
 
 def _filesystem(uri: str, options: dict[str, Any]) -> Any:

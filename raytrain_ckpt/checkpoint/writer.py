@@ -28,13 +28,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, StagingFileError, is_leased, shm_dir, sweep_orphans
 from raytrain_ckpt.checkpoint.dcp_storage import UploadingWriter
-from raytrain_ckpt.checkpoint.filewrite import write_rank_files
+from raytrain_ckpt.checkpoint.filewrite import RankFiles, write_rank_files
 from raytrain_ckpt.checkpoint.manifest import checksum_file
 from raytrain_ckpt.checkpoint.memcopy import CommittedCopy
 from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, probe_name
 from raytrain_ckpt.checkpoint.replica import ReplicaEndpoint
 from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, layout_key, map_slots
-from raytrain_ckpt.checkpoint.storage import is_transient, is_uri, retry_transient
+from raytrain_ckpt.checkpoint.storage import is_transient, is_uri, object_filesystem, retry_transient
+from raytrain_ckpt.checkpoint.upload import is_s3, upload_rank_files
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import WriterMetrics
@@ -341,24 +342,33 @@ class CheckpointWriter(ReplicaEndpoint):
         dest = self._tmp.pop((req.rank, req.step))
         staged = {**self._slot_views(req), **pickle.loads(req.objects)}
         maybe_inject("persist", req.rank, req.step, req.attempt)
-        files, results = retry_transient(lambda: self._upload_once(req, dest, staged),
-                                         f"upload of rank {req.rank} step {req.step}",
-                                         on_retry=lambda exc: self.metrics.retried(req.rank), transient=_retryable)
-        self._record(req, staged, files)
+        written = retry_transient(lambda: self._upload_once(req, dest, staged),
+                                  f"upload of rank {req.rank} step {req.step}",
+                                  on_retry=lambda exc: self.metrics.retried(req.rank), transient=_retryable)
+        self._record(req, staged, written.files)
         t_write = time.monotonic() - t0
         maybe_inject("uploaded", req.rank, req.step, req.attempt)
-        info = {**req.info, "persist_s": time.monotonic() - t0, "write_s": t_write}
-        self.metrics.wrote(req.rank, sum(f["size"] for f in files.values()), info["persist_s"])
-        return ray.get(self.coordinator.report.remote(req.step, req.rank, req.attempt, req.plan_id,
-                                                      results, files, info))
+        phases = {k: round(v, 6) for k, v in vars(written.phases).items()}
+        info = {**req.info, **phases, "persist_s": time.monotonic() - t0, "write_s": t_write}
+        self.metrics.wrote(req.rank, sum(f["size"] for f in written.files.values()), info["persist_s"])
+        t_report = time.monotonic()
+        out = ray.get(self.coordinator.report.remote(req.step, req.rank, req.attempt, req.plan_id,
+                                                     written.results, written.files, info))
+        self._last_phases[req.rank] = {**phases, "report_s": time.monotonic() - t_report}
+        return out
 
-    def _upload_once(self, req: PersistRequest, dest: str, staged: dict[str, Any]) -> tuple[dict, list]:
-        writer = UploadingWriter(dest, self.storage_options, self.io_threads)
-        writer.set_up_storage_writer(False, rank=req.rank)
-        results = writer.write_data(req.plan, StagedPlanner(staged)).wait()
-        check_written(req.plan, results, {name: f["size"] for name, f in writer.files.items()})
+    def _upload_once(self, req: PersistRequest, dest: str, staged: dict[str, Any]) -> RankFiles:
+        fs = object_filesystem(dest, self.storage_options)
+        if is_s3(fs):  # parts in parallel from the staging buffer (checkpoint/upload.py)
+            written = upload_rank_files(fs, dest, req.plan, StagedPlanner(staged).resolve_data, self.io_threads)
+        else:
+            writer = UploadingWriter(dest, self.storage_options, self.io_threads)
+            writer.set_up_storage_writer(False, rank=req.rank)
+            written = RankFiles(results=writer.write_data(req.plan, StagedPlanner(staged)).wait(), files=writer.files)
+        check_written(req.plan, written.results, {name: f["size"] for name, f in written.files.items()})
         prefix = req.plan.storage_data.prefix
-        return {n: f for n, f in writer.files.items() if n.startswith(prefix)}, results
+        written.files = {n: f for n, f in written.files.items() if n.startswith(prefix)}
+        return written
 
 
 def _retryable(exc: BaseException) -> bool:

@@ -138,3 +138,46 @@ def test_a_failed_write_raises_and_restores_the_crc_setting(tmp_path: Path) -> N
                          timeout=120, cwd=Path(__file__).parents[2])
     assert out.stdout.split() == ["raised", str(errno.EFBIG), "True", "alive"], out.stderr[-2000:]
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def _cached_pages(path: Path) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages of the file), from mincore(2) on a mapping."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        pages = (len(m) + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        libc = ctypes.CDLL(None, use_errno=True)
+        address = np.frombuffer(m, dtype=np.uint8).ctypes.data
+        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(len(m)), vec) == 0, ctypes.get_errno()
+        return sum(v & 1 for v in vec), pages
+
+
+def _on_tmpfs(path: Path) -> bool:
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    best = max((m for m in mounts if str(path.resolve()).startswith(m[1])), key=lambda m: len(m[1]))
+    return best[2] in ("tmpfs", "ramfs")
+
+
+def test_written_files_leave_the_page_cache(tmp_path: Path) -> None:
+    """A written file's pages leave the page cache after its fsync (on tmpfs the cache is the
+    data, which stays)."""
+    if _on_tmpfs(tmp_path):
+        pytest.skip("tmp_path is on tmpfs: its page cache is the file")
+    g = torch.Generator().manual_seed(1)
+    state = {"model": {f"w{i}": torch.randn(1 << 20, generator=g) for i in range(8)}}  # 32 MiB
+    plan, _, owned, slots, nbytes, objects = _plan_and_stage(state, tmp_path)
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        written = write_rank_files(out, plan, StagedPlanner({**map_slots(owned.path, nbytes, slots), **objects})
+                                   .resolve_data)
+    finally:
+        owned.remove()
+    (name, entry), = written.files.items()
+    cached, pages = _cached_pages(out / name)
+    assert pages > 8000 and cached < pages // 10, (cached, pages)
+    assert checksum_file(out / name) == entry["crc32c"]  # and what is on disk is what was written

@@ -220,3 +220,55 @@ def _expect_lease_fails(path: Path) -> None:
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     if out.returncode != 0 and "still leased" in out.stderr:
         raise StagingFileError("still leased")
+
+
+def _resident_kb(address: int) -> int:
+    """Rss of this process's mapping that starts at ``address`` (from /proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}" and " " in line:
+            return next(int(entry.split()[1]) for entry in lines[i + 1:] if entry.startswith("Rss:"))
+    raise AssertionError(f"no mapping at {address:x}")
+
+
+def test_prefault_maps_every_page_of_a_new_mapping_in_one_call(tmp_path: Path) -> None:
+    import mmap
+
+    import torch
+
+    from raytrain_ckpt.checkpoint.staging import prefault
+
+    nbytes = 8 << 20
+    owned = allocate_buffer(tmp_path / "rtc-test-a0-rank0.buf", nbytes)
+    try:
+        map_buffer(owned.path, nbytes).fill_(7)  # another mapping wrote the file's pages
+        with open(owned.path, "r+b") as f:  # a fresh mapping: none of them is mapped in it yet
+            buffer = torch.frombuffer(mmap.mmap(f.fileno(), nbytes), dtype=torch.uint8)
+        assert _resident_kb(buffer.data_ptr()) == 0
+        assert prefault(buffer)
+        assert _resident_kb(buffer.data_ptr()) == nbytes // 1024
+        assert bool((buffer == 7).all())  # populated with the file's pages, not new ones
+        buffer.copy_(torch.arange(nbytes, dtype=torch.int64).to(torch.uint8))
+        assert torch.equal(map_buffer(owned.path, nbytes), buffer)  # writes still reach the shared file
+    finally:
+        owned.remove()
+
+
+def test_the_last_mapping_is_kept_for_the_same_file_only(tmp_path: Path) -> None:
+    """A surviving rank given its buffer back stages into the pages it mapped already; a new
+    file under the same name, or another size, is mapped anew."""
+    first = allocate_buffer(tmp_path / "rtc-test-a0-rank0.buf", 1 << 20)
+    try:
+        mapped = map_buffer(first.path, 1 << 20)
+        assert map_buffer(first.path, 1 << 20) is mapped
+        assert map_buffer(first.path, 4096) is not mapped
+    finally:
+        first.remove()
+    second = allocate_buffer(tmp_path / "rtc-test-a0-rank0.buf", 1 << 20)  # the same name, a new file
+    try:
+        again = map_buffer(second.path, 1 << 20)
+        assert again is not mapped
+        again.fill_(3)
+        assert bool((mapped == 0).all())  # the old file's pages are not the new file's
+    finally:
+        second.remove()
