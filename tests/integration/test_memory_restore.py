@@ -81,7 +81,8 @@ def test_a_refused_copy_never_loads_a_damaged_storage_step(reference, tmp_path, 
     """The driver checks storage only up to sizes when it hands out copies. Rank 0 refuses its
     copy (a flipped bit) and storage's step 10 has a flipped byte too: no rank loads step 10,
     the attempt fails, its writer forgot the refused copy, and the next attempt verifies storage
-    in full, skips step 10 and resumes from step 5, still bit-identical."""
+    in full, skips step 10 and resumes from step 5 (from memory: its copy is intact), still
+    bit-identical."""
     root = tmp_path / "llama-debug-fsdp"
     monkeypatch.setenv(ENV_VAR, "hang@step:rank=1,step=12;corrupt@restore:rank=0,step=10,attempt=1")
     box: dict[str, JobResult] = {}
@@ -106,6 +107,8 @@ def test_a_refused_copy_never_loads_a_damaged_storage_step(reference, tmp_path, 
     assert "cannot be loaded from memory or storage" in (result.error or "") or \
         "cannot be loaded from memory or storage" in caplog.text
     assert all(r.start_step == 5 for r in result.results)
-    assert [r.timings["loaded_from_memory"] for r in result.results] == [0.0, 0.0]
+    # step 5 is still held in memory (the second buffer), intact: the resume loads it from there
+    assert "every rank loads step 5 from its node's in-memory copy" in caplog.text
+    assert [r.timings["loaded_from_memory"] for r in result.results] == [1.0, 1.0]
     assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference.results]
     assert any(p.name.startswith("step-00000010.invalid-") for p in root.iterdir())
