@@ -118,6 +118,8 @@ class CheckpointActor:
         self.layout.remove_leftover_tmp()
         self.committed: dict[int, Manifest] = self.layout.valid_steps("size")
         self.failed: dict[int, str] = {}
+        self._aborted: set[tuple[int, int]] = set()
+        """(step, attempt) of every aborted save: a late hand-off of the same save cannot reopen it."""
         self.saves = SaveFailures()
         self.pending: dict[int, _Pending] = {}
         self.leases: dict[str, int] = {}
@@ -202,6 +204,11 @@ class CheckpointActor:
         """The temporary directory every rank of ``step`` writes into (created on first call)."""
         if step in self.committed:
             raise StepAborted(f"step {step} is already committed")
+        if (step, attempt) in self._aborted:
+            # A rank whose hand-off comes after another rank's write of this save failed: without
+            # this, it would open the step again and its final save would wait for a rank that
+            # already gave up on it.
+            raise StepAborted(f"step {step} was aborted: {self.failed.get(step, 'an earlier failure')}")
         p = self.pending.get(step)
         if p is None or p.error is not None:
             # No await between the lookup and the insert: concurrent callers must share one directory.
@@ -338,9 +345,12 @@ class CheckpointActor:
                                step, self.layout.root)
                 del self.committed[step]
 
-    async def abort(self, step: int, reason: str) -> None:
-        """Give up on an in-flight step: remove its temporary directory, remember why."""
+    async def abort(self, step: int, reason: str, attempt: int | None = None) -> None:
+        """Give up on an in-flight step (of ``attempt``, when the caller knows it): remove its
+        temporary directory, remember why."""
         p = self.pending.pop(step, None)
+        for a in {attempt, p.attempt if p is not None else None} - {None}:
+            self._aborted.add((step, a))
         if step not in self.failed:  # the first reason is the cause; later ranks only see the step gone
             self.failed[step] = reason
             self.saves.failed(step, reason)

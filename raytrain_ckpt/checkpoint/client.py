@@ -259,7 +259,7 @@ class CheckpointClient:
                 b.step = None if b.step == step else b.step
         self.stats.aborted += 1
         logger.warning("checkpoint step %d aborted, training continues: %s", step, headline(str(exc)))
-        self.actor.abort.remote(step, f"rank {self.rank}: {headline(str(exc))}")
+        self.actor.abort.remote(step, f"rank {self.rank}: {headline(str(exc))}", self.attempt)
         self._replan = True  # a restarted actor or writer lost the plan and the buffer: set up again
 
     def _flatten(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

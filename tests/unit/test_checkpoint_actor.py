@@ -151,6 +151,27 @@ def test_settle_aborts_a_step_that_a_rank_never_handed_off(tmp_path: Path) -> No
     assert status["in_flight"] == [] and "never handed it off" in status["failed"][7]
 
 
+@pytest.mark.parametrize("opened_first", [True, False])
+def test_a_hand_off_after_the_save_was_aborted_is_refused(tmp_path: Path, opened_first: bool) -> None:
+    """Rank 0's write of step 10 fails and it aborts the save; rank 1 hands its part off later.
+    The save stays aborted (rank 1's final save must not wait for a rank that gave up); the
+    next attempt saves step 10 again."""
+    actor = _actor(tmp_path)
+
+    async def scenario() -> None:
+        if opened_first:
+            await actor.accepted(10, rank=0, attempt=0)
+        await actor.abort(10, "rank 0: disk full", attempt=0)
+        with pytest.raises(StepAborted, match="step 10 was aborted: rank 0: disk full"):
+            await actor.accepted(10, rank=1, attempt=0)
+        with pytest.raises(StepAborted):
+            await actor.wait_committed(10, timeout_s=1)
+        assert (await actor.status())["in_flight"] == []
+        assert Path(await actor.accepted(10, rank=0, attempt=1)).is_dir()
+
+    asyncio.run(scenario())
+
+
 def test_a_leftover_unchanged_for_the_grace_period_is_removed_after_a_commit(tmp_path: Path) -> None:
     from raytrain_ckpt.checkpoint.layout import LeftoverWatch
 
