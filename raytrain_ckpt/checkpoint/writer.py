@@ -276,6 +276,10 @@ class CheckpointWriter(ReplicaEndpoint):
         check_written(req.plan, written.results, {p.name: p.stat().st_size for p in tmp.iterdir()})
         self._record(req, staged, written.files)
         t_write = time.monotonic() - t0
+        return self._report(req, written, t0, t_write)
+
+    def _report(self, req: PersistRequest, written: RankFiles, t0: float, t_write: float) -> str:
+        """Record the write's phases and metrics and report the rank's files to the CheckpointActor."""
         phases = {k: round(v, 6) for k, v in vars(written.phases).items()}
         info = {**req.info, **phases, "persist_s": time.monotonic() - t0, "write_s": t_write}
         self.metrics.wrote(req.rank, sum(f["size"] for f in written.files.values()), info["persist_s"])
@@ -348,14 +352,7 @@ class CheckpointWriter(ReplicaEndpoint):
         self._record(req, staged, written.files)
         t_write = time.monotonic() - t0
         maybe_inject("uploaded", req.rank, req.step, req.attempt)
-        phases = {k: round(v, 6) for k, v in vars(written.phases).items()}
-        info = {**req.info, **phases, "persist_s": time.monotonic() - t0, "write_s": t_write}
-        self.metrics.wrote(req.rank, sum(f["size"] for f in written.files.values()), info["persist_s"])
-        t_report = time.monotonic()
-        out = ray.get(self.coordinator.report.remote(req.step, req.rank, req.attempt, req.plan_id,
-                                                     written.results, written.files, info))
-        self._last_phases[req.rank] = {**phases, "report_s": time.monotonic() - t_report}
-        return out
+        return self._report(req, written, t0, t_write)
 
     def _upload_once(self, req: PersistRequest, dest: str, staged: dict[str, Any]) -> RankFiles:
         fs = object_filesystem(dest, self.storage_options)

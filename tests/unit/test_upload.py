@@ -9,13 +9,11 @@ import crc32c
 import fsspec
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from raytrain_ckpt.checkpoint.buffers import OwnedBuffer
 from raytrain_ckpt.checkpoint.filewrite import write_rank_files
-from raytrain_ckpt.checkpoint.staging import StagedPlanner, map_buffer, map_slots, plan_slots, slot_views
+from raytrain_ckpt.checkpoint.staging import StagedPlanner, map_slots
 from raytrain_ckpt.checkpoint.upload import is_s3, upload_rank_files
+from tests.unit.test_filewrite import _plan_and_stage
 
 PART = 5 << 20
 """S3's smallest part: the 12 MiB file below is three parts."""
@@ -25,16 +23,7 @@ def _staged(shm: Path):
     g = torch.Generator().manual_seed(5)
     state = {"model": {"big": torch.randn(3 << 20, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16),
                        "empty": torch.zeros(0, 4)}, "step": 3}
-    planner = DefaultSavePlanner()
-    planner.set_up_planner(state, is_coordinator=True)
-    central, _ = planner.create_global_plan([planner.create_local_plan()])
-    plan = planner.finish_plan(FileSystemWriter(shm).prepare_global_plan(central)[0])
-    tensors = {k: v for k, v in planner.state_dict.items() if isinstance(v, torch.Tensor)}
-    objects = {k: v for k, v in planner.state_dict.items() if not isinstance(v, torch.Tensor)}
-    slots, nbytes = plan_slots(tensors)
-    owned = OwnedBuffer.create(shm / "rtc-test-a0-rank0.buf", nbytes)
-    for fqn, view in slot_views(map_buffer(owned.path, nbytes), slots).items():
-        view.copy_(tensors[fqn])
+    plan, _, owned, slots, nbytes, objects = _plan_and_stage(state, shm)
     return plan, owned, {**map_slots(owned.path, nbytes, slots), **objects}
 
 
