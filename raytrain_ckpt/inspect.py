@@ -24,7 +24,7 @@ from typing import Any
 from raytrain_ckpt.checkpoint.interval import IntervalDecision
 from raytrain_ckpt.checkpoint.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, Verify,
                                              parse_entry, step_name)
-from raytrain_ckpt.checkpoint.storage import Location, StorageUnavailable, is_uri
+from raytrain_ckpt.checkpoint.storage import Location, StorageUnavailable, is_uri, parent_of
 from raytrain_ckpt.checkpoint.summary import failed_saves_text, phase_text, summary_line
 
 logger = logging.getLogger(__name__)
@@ -103,13 +103,9 @@ def _location(text: str) -> Location:
     return text.rstrip("/") if is_uri(text) else Path(text).expanduser()
 
 
-def _parent(path: Location) -> Location:
-    return str(path).rsplit("/", 1)[0] if isinstance(path, str) else path.parent
-
-
 def verify_step(path: Location, progress: Callable[[int], None] = lambda n: None) -> list[str]:
     """Every problem of a step directory against its manifest (sizes and checksums); [] means valid."""
-    layout = CheckpointLayout(_parent(path))
+    layout = CheckpointLayout(parent_of(path))
     try:
         manifest = layout.read_manifest(path)
     except InvalidCheckpoint as exc:
@@ -289,7 +285,7 @@ def _status(args: argparse.Namespace, refreshes: int | None) -> int:
 
 
 def _verify(path: Location, as_json: bool) -> int:
-    storage = CheckpointLayout(_parent(path)).storage
+    storage = CheckpointLayout(parent_of(path)).storage
     if not storage.is_dir(path):
         raise UsageError(f"{path}: no such step directory; pass one like checkpoints/<job>/step-00000040")
     name = storage.name(path)
@@ -315,7 +311,7 @@ def _verify(path: Location, as_json: bool) -> int:
 
 def _manifest_bytes(path: Location) -> int:
     try:
-        return CheckpointLayout(_parent(path)).read_manifest(path).total_bytes
+        return CheckpointLayout(parent_of(path)).read_manifest(path).total_bytes
     except InvalidCheckpoint:
         return 0
 

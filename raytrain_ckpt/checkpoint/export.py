@@ -59,7 +59,7 @@ from raytrain_ckpt.checkpoint.formats import (ConversionError, hf_config, hf_nam
 from raytrain_ckpt.checkpoint.layout import (CheckpointLayout, InvalidCheckpoint, Manifest, Verify, fsync_dir,
                                              parse_entry, step_name)
 from raytrain_ckpt.checkpoint.metadata import SafeLoadPlanner, empty_safe_planner, safe_reader
-from raytrain_ckpt.checkpoint.storage import Location, StorageUnavailable, is_uri, open_storage
+from raytrain_ckpt.checkpoint.storage import Location, StorageUnavailable, is_uri, open_storage, parent_of
 from raytrain_ckpt.checkpoint.leases import FileLease
 from raytrain_ckpt.checkpoint.selection import parse_selector, select_step
 from raytrain_ckpt.events import headline
@@ -121,10 +121,6 @@ def parse_size(text: str) -> int:
 # --- which step ----------------------------------------------------------------------
 
 
-def _parent(path: Location) -> Location:
-    return str(path).rsplit("/", 1)[0] if isinstance(path, str) else path.parent
-
-
 def resolve_step(ckpt: Location, verify: Verify = "checksum", select: str | None = None) -> tuple[Location, Manifest]:
     """A step directory (verified), or the step of a job's checkpoint root (a path or a URI) that
     ``select`` names (``latest``, the default; ``best``; or a step number: see ``selection``)."""
@@ -147,10 +143,10 @@ def _resolve(ckpt: Location, verify: Verify, select: str | None) -> tuple[Locati
                               "exported); pass a step-N directory")
     if entry is not None and select is not None:
         raise ConversionError(f"{ckpt} is a step directory; the step selector {select!r} picks among the steps of "
-                              f"a job's checkpoint root: pass {_parent(ckpt)}")
+                              f"a job's checkpoint root: pass {parent_of(ckpt)}")
     if entry is not None:
         try:
-            return ckpt, CheckpointLayout(_parent(ckpt), storage).verify(ckpt, verify), "the step given"
+            return ckpt, CheckpointLayout(parent_of(ckpt), storage).verify(ckpt, verify), "the step given"
         except InvalidCheckpoint as exc:
             raise ConversionError(f"{ckpt} is not a valid committed checkpoint: {exc}") from None
     chosen = select_step(ckpt, parse_selector(select or "latest"), verify)
@@ -381,7 +377,7 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
         model_cfg = _manifest_model(manifest)
     _check_args(fmt, dtype, model_cfg, with_optimizer)
     args = (fmt, DTYPES[dtype], model_cfg, with_optimizer, max_shard_bytes, t0)
-    lease = _take_lease(lease_root if lease_root is not None else _parent(step_dir), manifest.step)
+    lease = _take_lease(lease_root if lease_root is not None else parent_of(step_dir), manifest.step)
     try:
         result = _export_to(step_dir, manifest, out, args)
         result.selected = why
@@ -433,7 +429,7 @@ def _check_still_committed(step_dir: Location) -> None:
     """The step is still committed and whole after every tensor was read: an export that raced a
     delete its lease did not stop (a lease judged stale) fails, it never writes a wrong model."""
     try:
-        CheckpointLayout(_parent(step_dir)).verify(step_dir, "size")
+        CheckpointLayout(parent_of(step_dir)).verify(step_dir, "size")
     except InvalidCheckpoint as exc:
         raise ConversionError(f"{step_dir} changed while it was being exported ({exc}); nothing was written; "
                               "export another step") from None
@@ -468,7 +464,7 @@ def _export_leased(step_dir: Location, manifest: Manifest, out: Path, fmt: Forma
     # Verified again under the lease: retention may have raced us before the lease was taken. A
     # deletion shows in the sizes; the checksums were read by resolve_step already.
     try:
-        CheckpointLayout(_parent(step_dir)).verify(step_dir, "size")
+        CheckpointLayout(parent_of(step_dir)).verify(step_dir, "size")
     except InvalidCheckpoint as exc:
         raise ConversionError(f"{step_dir} is not a valid committed checkpoint: {exc}") from None
     reader = _Reader(step_dir)

@@ -34,7 +34,7 @@ from raytrain_ckpt.checkpoint.layout import CheckpointLayout, Verify
 from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, checksum_view
 from raytrain_ckpt.checkpoint.staging import TensorSlot, layout_key, map_whole, plan_slots, views_of
 from raytrain_ckpt.checkpoint.state import apply_own_state, load_app_state, own_state
-from raytrain_ckpt.checkpoint.storage import Location, is_uri
+from raytrain_ckpt.checkpoint.storage import Location, is_uri, parent_of
 from raytrain_ckpt.faults import planned
 
 logger = logging.getLogger(__name__)
@@ -295,9 +295,8 @@ def restore(trainer: Any, path: str, step: int, same_world_size: bool, copy: Com
 
 def _storage_problem(path: str, verify: Verify) -> str | None:
     location: Location = path if is_uri(path) else Path(path)
-    parent = path.rstrip("/").rsplit("/", 1)[0] if is_uri(path) else Path(path).parent
     try:
-        CheckpointLayout(parent).verify(location, verify)
+        CheckpointLayout(parent_of(location)).verify(location, verify)
     except InvalidCheckpoint as exc:
         return str(exc)
     return None

@@ -34,7 +34,8 @@ from raytrain_ckpt.checkpoint.manifest import _ALGORITHMS, Checksum, checksum_fi
 logger = logging.getLogger(__name__)
 
 __all__ = ["EXTRAS", "Location", "ObjectStorage", "PosixStorage", "Storage", "StorageUnavailable", "checksummed_upload",
-           "is_transient", "is_uri", "job_root", "local_path", "object_filesystem", "open_storage", "retry_transient"]
+           "is_transient", "is_uri", "job_root", "local_path", "object_filesystem", "open_storage", "parent_of",
+           "retry_transient"]
 
 Location = Path | str
 """A path under a storage: a ``Path`` on POSIX storage, a URI string on an object store."""
@@ -54,6 +55,11 @@ def is_uri(root: str | os.PathLike) -> bool:
     """True for ``<scheme>://...`` other than ``file://`` (a local path in URI spelling)."""
     text = os.fspath(root)
     return "://" in text and not text.startswith("file://")
+
+
+def parent_of(path: Location) -> Location:
+    """The directory holding ``path`` (a step's checkpoint root): the URI's prefix for a URI."""
+    return str(path).rstrip("/").rsplit("/", 1)[0] if isinstance(path, str) else path.parent
 
 
 def local_path(root: str | os.PathLike) -> Path:
