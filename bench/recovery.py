@@ -17,7 +17,9 @@ With ``--memory``, instead: the load part of a restart from the node's memory (e
 loads its shard from its writer's in-memory copy, ``checkpoint.memory_copies: 2``) against the
 same restart from storage (``memory_copies: 1``), on a model made large enough for loading to
 matter (``--dim``/``--layers``/``--ffn``: by default about 2 x 480 MiB of state, one half per
-rank); rank 1 dies before step 4 and both restarts resume from step 2.
+rank); rank 1 dies before step 4 and both restarts resume from step 2. Each row also shows what
+the driver did before any rank loaded: the resume plan (verifying the step on storage, to sizes
+only when every rank may load from memory, else to ``verify_on_load``; choosing each rank's source).
 
 ``--node-loss``: instead, on a 3-node ``ray.cluster_utils.Cluster`` (a 0-CPU head, two 1-CPU
 nodes with one rank each), the node of one rank is removed after step 10 committed (the ranks
@@ -127,7 +129,8 @@ def load_rows(tmp: Path, copies: int, shape: dict[str, int], cold: bool) -> dict
     timings = [r.timings for r in result.results]
     assert all(t["loaded_from_memory"] == float(copies == 2) for t in timings), timings
     staged = sum(info["bytes"] for info in result.checkpoints["steps"].values()) / len(result.checkpoints["steps"])
-    return {"load": max(t["load_s"] for t in timings), "verify": max(t["load_verify_s"] for t in timings),
+    return {"plan": max(t["resume_plan_s"] for t in timings),
+            "load": max(t["load_s"] for t in timings), "verify": max(t["load_verify_s"] for t in timings),
             "checksum": max(t["load_checksum_s"] for t in timings), "read": max(t["load_read_s"] for t in timings),
             "state_mib": staged / 2**20}
 
@@ -139,15 +142,19 @@ def memory_vs_storage(reps: int, shape: dict[str, int], cold: bool) -> None:
             with tempfile.TemporaryDirectory() as d:
                 rows[name].append(load_rows(Path(d), copies, shape, cold))
     med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in rows.items()}
+    verify = "sizes" if cold else "CRC-32C"
     print(f"restart load of step 2, {med['from storage']['state_mib']:.0f} MiB of state over 2 ranks, "
           f"{'files evicted from the page cache' if cold else 'files in the page cache'} "
           f"(model {shape}); median of {reps} runs, seconds (slowest rank)")
     for name, m in med.items():
         print(f"{name:<14} load {m['load']:6.3f}, of which reading the bytes {m['read']:6.3f}"
-              + (f" (checksum {m['checksum']:.3f}, then copy)" if name == "from memory" else " (dcp.load)"))
+              + (f" (checksum {m['checksum']:.3f}, then copy)" if name == "from memory" else " (dcp.load)")
+              + f"; before it, the driver's resume plan {m['plan']:6.3f}"
+              + (" (storage checked to sizes)" if name == "from memory" else f" (storage verified: {verify})"))
     mem, sto = med["from memory"], med["from storage"]
     print(f"ratio memory / storage: whole load {mem['load'] / sto['load']:.2f}, "
-          f"reading the bytes {mem['read'] / sto['read']:.2f}")
+          f"reading the bytes {mem['read'] / sto['read']:.2f}, "
+          f"plan + load {(mem['plan'] + mem['load']) / (sto['plan'] + sto['load']):.2f}")
 
 
 def _ray_train_loop(config: dict) -> None:

@@ -144,13 +144,15 @@ class RayWorkerGroup:
         if self.checkpoints is None:
             return [None] * self.spec.world_size
         nodes = bundle_nodes(self._pg)
+        t0 = time.monotonic()
         point, sources = self.checkpoints.resume_plan(self.attempt, self.spec, nodes)
+        plan_s = time.monotonic() - t0  # verifying the resume step on storage and choosing each rank's source
         self.checkpoints.replicate_between(nodes)
         history = self.checkpoints.interval_history()  # the same on every rank: they agree on the interval
         return [{"actor": self.checkpoints.actor, "writer": self.checkpoints.writer_for(nodes[rank]),
                  "resume_path": point.path if point else None, "resume_step": point.step if point else None,
                  "resume_world_size": point.world_size if point else None, "interval": history,
-                 "resume_source": sources[rank] if sources else None}
+                 "resume_source": sources[rank] if sources else None, "resume_plan_s": plan_s}
                 for rank in range(self.spec.world_size)]
 
     def _get(self, ref: ray.ObjectRef, deadline: float, what: str):

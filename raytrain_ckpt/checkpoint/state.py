@@ -37,7 +37,8 @@ from raytrain_ckpt.checkpoint.storage import open_storage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointMismatch", "app_state", "apply_own_state", "load_app_state", "own_state"]
+__all__ = ["CheckpointMismatch", "app_state", "apply_own_state", "create_optimizer_state", "load_app_state",
+           "own_state"]
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _SCHEDULER = "scheduler"
@@ -63,12 +64,59 @@ def _scheduler_keys(trainer: Any) -> list[str]:
     return [f"{_SCHEDULER}.stage{s}" for s in pipeline.stage_ids]
 
 
+def create_optimizer_state(opt: torch.optim.Optimizer) -> bool:
+    """Create an empty optimizer's state as its first step would (zeros, step 0), without a step.
+
+    ``get_state_dict`` creates a missing optimizer state by taking a step with zero-filled
+    gradients and lr 0: a gradient-sized allocation and the whole update's arithmetic over every
+    parameter, which costs a restart more than reading the state it is about to overwrite
+    (ARCHITECTURE, "A restart creates the optimizer's state without a step"). For the built-in
+    optimizers whose lazy state is known (``Adam``/``AdamW`` without ``capturable``/``fused``,
+    ``SGD`` with momentum) the same entries, dtypes and devices are made directly; any other
+    optimizer, or one that has state or gradients already, is left to DCP's way. Returns whether
+    it created the state.
+    """
+    if opt.state or any(p.grad is not None for g in opt.param_groups for p in g["params"]):
+        return False
+    kind = type(opt)
+    groups = opt.param_groups
+    if kind in (torch.optim.Adam, torch.optim.AdamW):
+        if any(g.get("capturable") or g.get("fused") or g.get("differentiable") for g in groups):
+            return False
+        make = _adam_state
+    elif kind is torch.optim.SGD and all(g["momentum"] != 0 for g in groups):
+        make = _sgd_state
+    else:
+        return False
+    with torch.no_grad():
+        for group in groups:
+            for param in group["params"]:
+                if param.requires_grad:
+                    opt.state[param] = make(param, group)
+    return True
+
+
+def _adam_state(param: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor]:
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # Adam's step dtype
+    state = {"step": torch.tensor(0.0, dtype=scalar),
+             "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+             "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
+    if group["amsgrad"]:
+        state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return state
+
+
+def _sgd_state(param: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {"momentum_buffer": torch.zeros_like(param, memory_format=torch.preserve_format)}
+
+
 def _parts_state(trainer: Any) -> tuple[dict[str, Any], dict[str, Any], list[tuple[set[str], set[str]]]]:
     """Model and optimizer state of every chunk, merged (FQNs are disjoint), and each chunk's keys."""
     model_sd: dict[str, Any] = {}
     optim_sd: dict[str, Any] = {}
     keys = []
     for part, opt in zip(trainer.model_parts, trainer.optimizers, strict=True):
+        create_optimizer_state(opt)
         m, o = get_state_dict(part, opt, options=_OPTIONS)
         keys.append((set(m), set(o)))
         model_sd.update(m)

@@ -46,3 +46,55 @@ def test_each_chunk_finds_a_schedule_state(key, saved, expected):
 def test_no_schedule_state_is_refused():
     with pytest.raises(CheckpointMismatch, match="no LR scheduler state"):
         _scheduler_source("scheduler", {}, "ckpt")
+
+
+def _optimizers() -> list[tuple[str, object]]:
+    return [("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1)),
+            ("adam amsgrad", lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True)),
+            ("sgd momentum", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))]
+
+
+def _params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)  # no state: it never gets a gradient
+    return [torch.nn.Parameter(torch.randn(4, 5)), frozen, torch.nn.Parameter(torch.randn(7).double())]
+
+
+@pytest.mark.parametrize(("name", "make"), _optimizers(), ids=[n for n, _ in _optimizers()])
+def test_created_optimizer_state_is_the_one_a_zero_step_creates(name, make):
+    """The state made without a step has the entries, dtypes, shapes and values (zeros) that DCP's
+    zero-gradient, lr-0 step creates, except Adam's step count (0: no step was taken), and leaves
+    the parameters as they were."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    from raytrain_ckpt.checkpoint.state import create_optimizer_state
+
+    ours_params, dcp_params = _params(), _params()
+    ours, theirs = make(ours_params), make(dcp_params)
+    assert create_optimizer_state(ours)
+    _init_optim_state(theirs)
+    assert len(ours.state) == len(theirs.state) == 2
+    for p, q in zip(ours_params, dcp_params, strict=True):
+        assert torch.equal(p, q) and p.grad is None
+        mine, dcp = ours.state.get(p, {}), theirs.state.get(q, {})
+        assert mine.keys() == dcp.keys()
+        for key, value in mine.items():
+            assert value.dtype == dcp[key].dtype and value.shape == dcp[key].shape, key
+            assert value.device == dcp[key].device, key
+            if key == "step":
+                assert value.item() == 0 and dcp[key].item() == 1
+            else:
+                assert torch.equal(value, dcp[key]), key
+    assert not create_optimizer_state(ours)  # it has state now: untouched
+
+
+def test_optimizer_state_is_left_to_dcp_when_not_known():
+    """Unknown or configured-away optimizers keep DCP's way (a zero step): nothing is created."""
+    from raytrain_ckpt.checkpoint.state import create_optimizer_state
+
+    assert not create_optimizer_state(torch.optim.RMSprop(_params(), lr=0.1))
+    assert not create_optimizer_state(torch.optim.SGD(_params(), lr=0.1))  # no momentum: no state at all
+    assert not create_optimizer_state(torch.optim.Adam(_params(), lr=0.1, capturable=True))
+    with_grad = _params()
+    with_grad[0].grad = torch.ones(4, 5)
+    assert not create_optimizer_state(torch.optim.AdamW(with_grad, lr=0.1))
