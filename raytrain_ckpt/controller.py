@@ -48,6 +48,10 @@ class WorkerGroup(Protocol):
     def poll(self) -> GroupPoll:
         """Non-blocking (bounded by the poll interval) look at progress and failures."""
 
+    def wait(self, timeout_s: float) -> None:
+        """Block until a rank's run ends (it finished, raised, or its process died) or ``timeout_s``
+        passed, whichever is first: the controller's pause between polls, cut short by a failure."""
+
     def shutdown(self, keep_warm: bool = False) -> None:
         """Release the ranks; safe to call twice. ``keep_warm``: keep what can serve the next
         attempt (placement group, processes that reset cleanly), kill the rest."""
@@ -259,7 +263,7 @@ class Controller:
                     f"(fault_tolerance.hang_timeout_s); slowest rank at step {poll.min_step}")
             self._on_failure(Failure(self.attempt, "hang", None, text, text))
         else:
-            self._sleep(self.spec.fault_tolerance.poll_interval_s)
+            self.group.wait(self.spec.fault_tolerance.poll_interval_s)
 
     def _hung(self, poll: GroupPoll) -> bool:
         now = self._clock()

@@ -192,6 +192,15 @@ class RayWorkerGroup:
             finished=finished,
         )
 
+    def wait(self, timeout_s: float) -> None:
+        """Until a rank's ``run()`` ends or ``timeout_s`` passes: a crash is seen as soon as Ray
+        reports the actor's death, not at the next poll."""
+        pending = [r for r in self._runs if self._runs[r] not in self._results]
+        if pending:
+            ray.wait(pending, num_returns=1, timeout=timeout_s)
+        else:
+            time.sleep(timeout_s)
+
     def _maybe_start_spares(self, progress: dict[int, Progress]) -> None:
         """Start spares once every rank finished a step: a spare importing torch while the group
         sets up or loads would take CPU from the very restart it is meant to speed up."""

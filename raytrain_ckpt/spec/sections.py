@@ -489,7 +489,7 @@ class FaultToleranceSpec(_Section):
     placement_timeout_s: float = Field(60.0, gt=0)
     """With resources.min_workers: how long to wait for the full group before shrinking it."""
     poll_interval_s: float = Field(1.0, gt=0)
-    """How often the driver polls worker progress and liveness."""
+    """How often the driver polls worker progress (the hang check). A crash or an exception is seen at once, not at the next poll."""
     reuse_workers: bool = True
     """After a crash or exception on a node that is still alive: keep the placement group and the surviving ranks' processes for the restart and replace only the dead ranks (false: rebuild every process)."""
     spare_workers: int = Field(1, ge=0, le=64)

@@ -22,6 +22,8 @@ class FakeWorkerGroup:
     """A scripted group. Test-only methods: ``fail(rank)``, ``kill(rank)``, ``advance(steps)``, ``finish()``."""
 
     created: list[FakeWorkerGroup] = []
+    clock: Clock | None = None
+    """The test's clock: the controller's pause between polls is the group's ``wait``."""
 
     def __init__(self, spec: JobSpec, attempt: int, start_error: str | None = None) -> None:
         self.spec, self.attempt, self.start_error = spec, attempt, start_error
@@ -37,6 +39,10 @@ class FakeWorkerGroup:
     def poll(self) -> GroupPoll:
         results = [WorkerResult(r, self.step, 0, {self.step: 1.0}, "x") for r in range(2)] if self.done else []
         return GroupPoll(results=results, failures=list(self.failures), min_step=self.step, finished=self.done)
+
+    def wait(self, timeout_s: float) -> None:
+        if self.clock is not None:
+            self.clock.sleep(timeout_s)
 
     def shutdown(self, keep_warm: bool = False) -> None:
         self.shut += 1
@@ -76,7 +82,7 @@ def make():
         spec = JobSpec(name="t", fault_tolerance={"max_restarts": max_restarts, "hang_timeout_s": hang_timeout_s,
                                                   "poll_interval_s": 1.0, **ft})
         errors = list(start_errors)
-        clock = Clock()
+        clock = FakeWorkerGroup.clock = Clock()
 
         def factory(s: JobSpec, attempt: int) -> FakeWorkerGroup:
             return FakeWorkerGroup(s, attempt, errors.pop(0) if errors else None)
