@@ -11,12 +11,21 @@ part at a time.
 Here the files are the same (``filewrite.write_files``: the same items, order, offsets and
 ``WriteResult``s as ``FileSystemWriter``), serialised by ``torch.save`` into a
 ``ChecksumSink`` whose chunks are copied into reusable part buffers (one copy, no page faults
-after the first save), and each full part is sent with ``upload_part`` on s3fs's event loop
+after the first save), and each full part is sent with ``upload_part`` from a thread pool
 while the next one fills: at most ``inflight`` parts per file in flight, so memory stays
 bounded at ``inflight x part_size`` per file. Each part carries its CRC-32C
-(``ChecksumCRC32C``, the algorithm the manifest uses), which the store verifies on receipt,
-so botocore computes no checksum of its own. A file smaller than a part is one ``put_object``.
-A failure aborts the multipart upload (no partial object is ever completed) and raises.
+(``ChecksumCRC32C``, the algorithm the manifest uses), which S3 verifies on receipt, so
+botocore computes no checksum of its own, and no SHA-256 of the payload either (``_Client``).
+A file smaller than a part is one ``put_object``. A failure aborts the multipart upload (no
+partial object is ever completed) and raises.
+
+The parts go through botocore's synchronous client (``_Client``, built from the s3fs
+filesystem's settings), not s3fs's aiobotocore event loop: ``http.client`` hands a part's
+buffer to ``sendall`` as it is, where asyncio on Python 3.11 joins the headers and the body
+into a new 16 MiB object and copies what the socket did not take into its own buffer (fresh
+pages, faulted in on every part). Measured on one rank of 256 MiB against moto in another
+process: 1.40-1.56 CPU s/GB through the event loop, 0.86-0.97 there without the payload's
+SHA-256, 0.96-1.01 through the synchronous client with it, 0.50-0.56 without it.
 """
 
 from __future__ import annotations
@@ -39,7 +48,9 @@ from raytrain_ckpt.checkpoint.filewrite import ChecksumSink, Phases, RankFiles, 
 __all__ = ["INFLIGHT", "PART_SIZE", "is_s3", "upload_rank_files"]
 
 PART_SIZE = 16 << 20
-"""Bytes per multipart part (S3's minimum is 5 MiB, its maximum part count 10,000: 156 GiB a file)."""
+"""Bytes per multipart part (S3's minimum is 5 MiB, its maximum part count 10,000: 156 GiB a file).
+Measured against moto (one rank of 256 MiB, 2 or 4 parts in flight): 8 and 16 MiB cost the same,
+32 and 64 MiB cost the server 20-30% more CPU per byte and took 30% longer."""
 INFLIGHT = 4
 """Parts of one file uploading at once; with PART_SIZE, the memory one file's upload holds."""
 _KEEP_BUFFERS = 16
