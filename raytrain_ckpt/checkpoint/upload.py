@@ -247,8 +247,8 @@ def _client(fs: Any) -> _Client | None:
     None when s3fs was given a session object of the caller's."""
     with _clients_lock:
         if fs not in _clients:
-            _clients[fs] = _Client(fs) if getattr(fs, "_session_is_owned", True) and set(fs.kwargs) <= {"profile"} \
-                else None
+            own_session = getattr(fs, "_session_is_owned", True) and set(fs.kwargs) <= {"profile"}
+            _clients[fs] = _Client(fs) if own_session else None
         return _clients[fs]
 
 
