@@ -73,3 +73,21 @@ def test_a_failing_part_aborts_the_upload_and_leaves_no_object(s3_endpoint, s3_b
     direct = _fs(s3_endpoint.url)
     assert direct.call_s3("list_multipart_uploads", Bucket=s3_bucket[5:]).get("Uploads", []) == []
     assert not direct.exists(f"{s3_bucket}/step/__0_0.distcp")
+
+
+def test_parts_refused_or_dropped_in_transit_are_sent_again(s3_endpoint, s3_bucket, flaky_s3, tmp_path: Path) -> None:
+    plan, owned, staged = _staged(tmp_path)
+    flaky_s3.fail(2, every=2, methods=("PUT",))  # the 2nd part PUT gets a 503 SlowDown, the 4th a reset
+    fs = _fs(flaky_s3.url)
+    try:
+        local = tmp_path / "local"
+        local.mkdir()
+        expected = write_rank_files(local, plan, StagedPlanner(staged).resolve_data, 1)
+        uploaded = upload_rank_files(fs, f"{s3_bucket}/step", plan, StagedPlanner(staged).resolve_data, 1,
+                                     part_size=PART, inflight=2)
+    finally:
+        owned.remove()
+    assert flaky_s3.failed == 2
+    assert uploaded.files == expected.files
+    for name in uploaded.files:
+        assert fs.cat_file(f"{s3_bucket}/step/{name}") == (local / name).read_bytes()
