@@ -36,10 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import crc32c as _crc32c
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _split_by_size_and_type, _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+
+from raytrain_ckpt.checkpoint.crc import Span
 
 __all__ = ["ChecksumSink", "OpenFile", "Phases", "RankFiles", "write_files", "write_rank_files"]
 
@@ -76,6 +79,10 @@ class RankFiles:
     files: dict[str, dict[str, int]] = field(default_factory=dict)
     """File name -> {"size", "crc32c"} of the bytes as written."""
     phases: Phases = field(default_factory=Phases)
+    spans: list[Span] = field(default_factory=list)
+    """The memory the large writes came from (tensor bytes, in place) with the file's CRC-32C
+    around each chunk: ``crc.region_crc`` derives a staging buffer's CRC-32C from them without
+    reading what they cover again."""
 
 
 class ChecksumSink(io.RawIOBase):
@@ -90,6 +97,8 @@ class ChecksumSink(io.RawIOBase):
         self._pending = bytearray()
         self.error: Exception | None = None
         """The first write error: torch.save replaces it with a RuntimeError about a short file."""
+        self.spans: list[Span] = []
+        """Where each chunk written straight from the caller's memory was, and the CRC around it."""
 
     def writable(self) -> bool:
         return True
@@ -103,7 +112,7 @@ class ChecksumSink(io.RawIOBase):
             self._pending += view
         else:
             self.flush()
-            self._write(view)
+            self._write(view, np.frombuffer(view, np.uint8).ctypes.data)
         return view.nbytes
 
     def flush(self) -> None:
@@ -111,20 +120,22 @@ class ChecksumSink(io.RawIOBase):
             pending, self._pending = self._pending, bytearray()
             self._write(memoryview(pending))
 
-    def _write(self, view: memoryview) -> None:
+    def _write(self, view: memoryview, address: int | None = None) -> None:
         if self.error is not None:
             raise self.error
         try:
-            self._write_chunks(view)
+            self._write_chunks(view, address)
         except Exception as exc:
             self.error = exc
             raise
 
-    def _write_chunks(self, view: memoryview) -> None:
+    def _write_chunks(self, view: memoryview, address: int | None) -> None:
         for start in range(0, view.nbytes, _CHUNK):
             chunk = view[start:start + _CHUNK]
             t0 = time.perf_counter()
-            self.crc = _crc32c.crc32c(chunk, self.crc)
+            before, self.crc = self.crc, _crc32c.crc32c(chunk, self.crc)
+            if address is not None:
+                self.spans.append(Span(address + start, chunk.nbytes, before, self.crc))
             t1 = time.perf_counter()
             self._put(chunk)
             self.phases.checksum_s += t1 - t0
@@ -189,6 +200,7 @@ def write_files(plan: SavePlan, resolve: Resolve, threads: int, open_file: OpenF
         out.results += part.results
         out.files.update(part.files)
         out.phases.add(part.phases)
+        out.spans += part.spans
     return out
 
 
@@ -219,6 +231,7 @@ def _write_file(open_file: OpenFile, name: str, items: list[WriteItem], resolve:
         for item in ordered:
             out.results.append(_write_item(sink, name, item, resolve))
     out.files[name] = {"size": sink.position, "crc32c": sink.crc}
+    out.spans += sink.spans
     out.phases.cpu_s += time.thread_time() - cpu0
     return out
 
