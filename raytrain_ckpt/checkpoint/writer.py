@@ -184,6 +184,8 @@ class CheckpointWriter(ReplicaEndpoint):
                 suffix = f"-c{copy}" if copy else ""
                 path = str(shm_dir() / f"rtc-{self.prefix}-a{attempt}-rank{rank}{suffix}.buf")
                 self._buffers[path] = _Held(allocate_buffer(Path(path), nbytes), rank, attempt, copy)
+                if copy:  # not staged into before the next save: allocate its memory meanwhile
+                    self._pool.submit(self._reserve, self._buffers[path].buffer)
             else:  # the same attempt with a new layout, or a new attempt reusing the rank's buffer
                 held = self._buffers[path]
                 if held.record is not None and held.record.nbytes != nbytes:
@@ -192,6 +194,16 @@ class CheckpointWriter(ReplicaEndpoint):
                 held.attempt, held.copy = attempt, copy
             self._newest_attempt = max(self._newest_attempt, attempt)
             return path
+
+    def _reserve(self, buffer: OwnedBuffer) -> None:
+        """Allocate a new buffer's memory off the trainer's path: otherwise the first copy into it
+        (the second save of an attempt) pays for allocating every page while it overlaps a
+        training step. Only for a buffer nobody stages into yet: a page fault in a range being
+        allocated waits for the allocation, which runs at the writer's low priority."""
+        try:
+            buffer.reserve()
+        except OSError as exc:  # visible here first; the save that stages into it meets the same shortage
+            logger.warning("staging buffer %s: could not allocate its memory ahead: %s", buffer.path, exc)
 
     def _busy(self) -> set[str]:
         return {j.buffer_path for j in self._running.values()}
