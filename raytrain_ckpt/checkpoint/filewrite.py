@@ -8,9 +8,13 @@ through a Python stream, and the writer then read each file back for the manifes
 Here each item is serialised with ``torch.save`` straight into the file: the tensor is a view
 whose storage is exactly its slot of the staging buffer (no clone), ``torch.save`` hands its
 bytes over as a memoryview of that buffer, and the sink (``ChecksumSink``) checksums each chunk (CRC-32C,
-which covers every byte of the file: zip headers, pickles and data) and writes it with
-``os.write`` while it is still in the cache. Small records (zip headers, the pickle) are gathered
-and written together.
+which covers every byte of the file: zip headers, pickles and data) and, while it is still in
+the cache, copies it into a page-aligned buffer that goes to the device with ``O_DIRECT``
+(``_DirectFileSink``: no page cache to fill, write back and drop; a file system without
+``O_DIRECT`` gets ``os.write`` through the cache). Small records (zip headers, the pickle) are
+gathered and written together. The sink also notes where each chunk it wrote straight from the
+caller's memory lies and the file's CRC around it (``RankFiles.spans``): the staging buffer's
+own CRC-32C follows from them (``crc.region_crc``) without reading the buffer again.
 
 The files are plain DCP: the same names, the same items in the same order, the same
 ``WriteResult``/``_StorageInfo`` (offset, length) that ``FileSystemWriter`` records, read by

@@ -3,7 +3,7 @@
 Trainers map the writer's shared-memory files, copy their state in, and hand the step over
 with ``persist()``. From then on the trainer is out of the picture: the writer writes the
 rank's DCP shard files with its own threads straight from the buffer, checksumming them as it
-writes (``checkpoint/filewrite.py``), fsyncs them and reports to the CheckpointActor. A trainer that dies after the hand-off does not stop its step from being
+writes (``checkpoint/filewrite.py``, ``O_DIRECT``), fsyncs them and reports to the CheckpointActor. A trainer that dies after the hand-off does not stop its step from being
 committed.
 """
 
