@@ -15,16 +15,23 @@ gloo process group, each rank a Ray actor) is saved by
 and for each it prints: the stall (time the training thread was blocked), the time to a
 durable checkpoint, stall / memcpy of the state, durable throughput / raw write+fsync of the
 same bytes, and the step-time slowdown of a compute loop while the save persists; for
-raytrain_ckpt also the CPU seconds per GB of the writer process and where its time goes (per
-phase, the last save of each rank: serialisation, CRC-32C, write calls (on S3: copying into
-parts and waiting for a free one), fsync (on S3: the last parts and the completion), report),
-and the trainer side of the stall (layout setup: plan, buffer, mapping; the rest of ``save()``;
-the wait for the staging copy before the optimizer step). A restarted rank's new client is
-created before the timed save, as a restarted rank does while it sets up. Each mode
-runs ``--reps`` times; the last repetition is reported (the first pays one-off setup: plan,
-buffer allocation, background process start), and the first is shown in brackets.
+raytrain_ckpt also the CPU seconds per GB of the writer process (beside the slowdown: what the
+writer takes from the trainers' cores) and where its time goes (per phase, the last save of
+each rank: serialisation, CRC-32C, write calls (on S3: copying into parts and waiting for a
+free one), fsync (on S3: the last parts and the completion), report), and the trainer side of
+the stall (layout setup: plan, buffer, mapping; the rest of ``save()``; the wait for the
+staging copy before the optimizer step). A restarted rank's new client is created before the
+timed save, as a restarted rank does while it sets up.
 
-    .venv/bin/python bench/checkpoint_stall.py [--mb 256] [--ranks 2] [--dir bench/out]
+Each mode runs ``--reps`` times. Right before every repetition the benchmark measures the step
+time without a save and the raw write+fsync floor (all ranks at once), and each repetition's
+slowdown and tput/raw are taken against its own adjacent measurements: on a shared virtual
+disk the floor moves several-fold between minutes, and one floor measured at the start made the
+ratio swing with it. Every figure is the median over the repetitions after the first (the
+first pays one-off setup: plan, buffer allocation, background process start), with the first
+in brackets; the floor's spread over all repetitions is printed below the table.
+
+    .venv/bin/python bench/checkpoint_stall.py [--mb 256] [--ranks 2] [--reps 3] [--dir bench/out]
 
 ``--dir s3://bucket/prefix`` benchmarks an object store (credentials and ``AWS_ENDPOINT_URL``
 from the environment; ``--local-s3`` starts moto's S3 server on 127.0.0.1 and a bucket for it).
@@ -105,18 +112,32 @@ class BenchRank:
         dist.barrier()
         return statistics.median(self._step() for _ in range(steps))
 
-    def floors(self) -> dict[str, float]:
-        """memcpy of the local state, and raw write+fsync of the same bytes (all ranks at once)."""
+    def memcpy_floor(self) -> float:
+        """memcpy of the local state into buffers whose pages are faulted in (staging buffers are reused)."""
         dst = [torch.empty_like(t) for t in self.local]
-        for d, s in zip(dst, self.local):  # fault the pages in first: staging buffers are reused
+        for d, s in zip(dst, self.local):
             d.copy_(s)
         dist.barrier()
         t0 = time.perf_counter()
         for d, s in zip(dst, self.local):
             d.copy_(s)
-        memcpy = time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    def raw_floor(self, rep: int) -> float:
+        """Raw write+fsync of the local state's bytes, all ranks at once (measured next to every
+        repetition: on a shared virtual disk it moves several-fold between minutes).
+
+        Timed is the second of two such writes. On this VM a write into page cache that was just
+        freed runs at several times the speed of one into pages not used recently, and the files
+        of a save that stay cached (DCP's) use up the freed pages: the first write leaves the
+        second the pages it freed, as the second leaves them to the save measured after it.
+        """
         if self.remote:
-            return {"memcpy_s": memcpy, "write_fsync_s": self._raw_upload()}
+            return self._raw_upload(rep)
+        self._raw_write()
+        return self._raw_write()
+
+    def _raw_write(self) -> float:
         raw = self.out / f"raw-{self.rank}.bin"
         dist.barrier()
         t0 = time.perf_counter()
@@ -128,16 +149,16 @@ class BenchRank:
         dist.barrier()
         write = time.perf_counter() - t0
         raw.unlink()
-        return {"memcpy_s": memcpy, "write_fsync_s": write}
+        return write
 
-    def _raw_upload(self) -> float:
+    def _raw_upload(self, rep: int) -> float:
         """The object-store floor: every rank streams its bytes to one object with plain s3fs."""
         import fsspec
 
         fs = fsspec.filesystem(self.out.split("://")[0], skip_instance_cache=True)
         dist.barrier()
         t0 = time.perf_counter()
-        with fs.open(f"{self.out}/raw-{self.rank}.bin", "wb") as f:
+        with fs.open(f"{self.out}/raw-{rep}-{self.rank}.bin", "wb") as f:
             for s in self.local:
                 f.write(memoryview(s.numpy()).cast("B"))
         dist.barrier()
@@ -232,7 +253,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=int, default=256, help="state size per rank in MB (default 256)")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3, help="repetitions per mode (default 3: the median of the last 2)")
     p.add_argument("--step-ms", type=float, default=50.0, help="compute per training step (default 50 ms)")
     p.add_argument("--dir", default="bench/out", help="where checkpoints are written (a real disk, not tmpfs)")
     p.add_argument("--modes", default=",".join(MODES))
@@ -287,34 +308,35 @@ def _bench(args: argparse.Namespace, out: Path) -> None:
              for r in range(args.ranks)]
     addr, port = ray.get(ranks[0].address.remote())
     nbytes = ray.get([r.setup.remote(addr, port) for r in ranks])
-    floors = ray.get([r.floors.remote() for r in ranks])
-    memcpy = max(f["memcpy_s"] for f in floors)
-    raw = max(f["write_fsync_s"] for f in floors)
-    base = statistics.median(ray.get([r.baseline.remote(20) for r in ranks]))
+    memcpy = max(ray.get([r.memcpy_floor.remote() for r in ranks]))
     total = sum(nbytes)
+    base = statistics.median(ray.get([r.baseline.remote(20) for r in ranks]))
     print(f"state: {args.ranks} ranks x {nbytes[0] / 2**20:.0f} MiB = {total / 2**20:.0f} MiB; "
-          f"step compute {base * 1e3:.1f} ms; torch {torch.__version__}, {os.cpu_count()} cores")
+          f"step compute {base * 1e3:.1f} ms; torch {torch.__version__}, {os.cpu_count()} cores; "
+          f"{args.reps} reps per mode")
     floor = "parallel s3fs upload" if isinstance(out, str) else "raw write+fsync"
     print(f"floors: memcpy {memcpy:.3f} s ({nbytes[0] / memcpy / 2**30:.2f} GiB/s per rank); {floor} "
-          f"{raw:.3f} s ({total / raw / 2**20:.0f} MiB/s all ranks) to {out}")
+          f"of the same bytes measured before every repetition, to {out}")
     print()
-    head = f"{'mode':<24} {'stall s':>14} {'durable s':>14} {'stall/memcpy':>13} {'tput/raw':>9} {'slowdown':>9}"
+    head = (f"{'mode':<24} {'stall s':>14} {'durable s':>14} {'raw s':>6} {'stall/memcpy':>12} {'tput/raw':>13} "
+            f"{'slowdown':>16} {'writer CPU s/GB':>15}")
     print(head)
     print("-" * len(head))
-    profiles = {}
+    profiles, floors = {}, []
     for mode in args.modes.split(","):
-        reps = [_rep(ranks, mode, i, ckpt) for i in range(args.reps)]
-        first, last = reps[0], reps[-1]
-        slowdown = last["step_s"] / base - 1 if last["steps"] else float("nan")
-        print(f"{mode:<24} {last['stall_s']:>6.3f} [{first['stall_s']:>5.2f}] {last['durable_s']:>6.3f} "
-              f"[{first['durable_s']:>5.2f}] {last['stall_s'] / memcpy:>13.2f} {raw / last['durable_s']:>9.2f} "
-              f"{slowdown * 100:>8.1f}%")
+        reps = [_rep(ranks, mode, i, ckpt, len(floors) + i) for i in range(args.reps)]
+        floors += [r["raw_s"] for r in reps]
+        _print_row(mode, reps, memcpy, total)
+        last = reps[-1]
         if "writer" in last:
             profiles[mode] = last["writer"]
         if "trainer" in last:
             print(f"{'':<24} trainer side, last save (max over ranks): " +
                   ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in last["trainer"].items()))
     print()
+    print(f"{floor} floor over all {len(floors)} repetitions: min {min(floors):.3f} s, median "
+          f"{statistics.median(floors):.3f} s, max {max(floors):.3f} s ({total / min(floors) / 2**20:.0f} .. "
+          f"{total / max(floors) / 2**20:.0f} MiB/s all ranks)")
     for mode, usage in profiles.items():
         _print_profile(mode, usage, total)
     from raytrain_ckpt.checkpoint.layout import CheckpointLayout
@@ -325,12 +347,38 @@ def _bench(args: argparse.Namespace, out: Path) -> None:
         wall = steps[max(steps)].wall
         print("raytrain_ckpt, last save (manifest wall): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(wall.items())))
     print("stall: training thread blocked (max over ranks); durable: until the checkpoint is complete on disk;")
-    print("tput/raw: (bytes / durable) / (bytes / raw write+fsync); slowdown: mean step time while persisting")
-    print("vs. the step time without a save (nan: no step ran while persisting). [first repetition]")
+    print("raw s: the floor measured right before each repetition; tput/raw: per repetition, (bytes / durable) /")
+    print("(bytes / its own raw floor); slowdown: mean step time while persisting vs. the step time without a save")
+    print("measured right before it (nan: no step ran while persisting); writer CPU s/GB: the writer process over")
+    print("the whole save. Each figure: the median over the repetitions after the first [the first].")
     service.shutdown()
 
 
-def _rep(ranks: list, mode: str, rep: int, ckpt: dict) -> dict:
+def _median_first(values: list[float]) -> tuple[float, float]:
+    """The median over the repetitions after the first (the first alone if there is one), and the first."""
+    rest = values[1:] or values
+    return statistics.median(rest), values[0]
+
+
+def _print_row(mode: str, reps: list[dict], memcpy: float, total: int) -> None:
+    stall, stall0 = _median_first([r["stall_s"] for r in reps])
+    durable, durable0 = _median_first([r["durable_s"] for r in reps])
+    raw, _ = _median_first([r["raw_s"] for r in reps])
+    ratio, ratio0 = _median_first([r["raw_s"] / r["durable_s"] for r in reps])
+    slow, slow0 = _median_first([r["step_s"] / r["base_s"] - 1 if r["steps"] else float("nan") for r in reps])
+    cpu = ""
+    if "writer" in reps[0]:
+        gb = total / 1e9
+        cpu_gb, cpu0 = _median_first([r["writer"]["cpu_s"] / gb for r in reps])
+        cpu = f"{cpu_gb:>8.2f} [{cpu0:>4.2f}]"
+    print(f"{mode:<24} {stall:>6.3f} [{stall0:>5.2f}] {durable:>6.3f} [{durable0:>5.2f}] {raw:>6.3f} "
+          f"{stall / memcpy:>12.2f} {ratio:>6.2f} [{ratio0:>4.2f}] {slow * 100:>7.1f}% [{slow0 * 100:>4.0f}%] {cpu:>15}")
+
+
+def _rep(ranks: list, mode: str, rep: int, ckpt: dict, serial: int) -> dict:
+    """One repetition of ``mode``, with the baseline step time and the raw floor measured right before it."""
+    base = statistics.median(ray.get([r.baseline.remote(10) for r in ranks]))
+    raw = max(ray.get([r.raw_floor.remote(serial) for r in ranks]))
     ours = mode.startswith("raytrain_ckpt")
     pid = ray.get(ckpt["writer"].__ray_call__.remote(lambda self: os.getpid())) if ours else 0
     before = _cpu_of(pid) if ours else (0.0, 0.0)
@@ -338,7 +386,7 @@ def _rep(ranks: list, mode: str, rep: int, ckpt: dict) -> dict:
     steps = [x for x in res if x["steps"]]
     out = {"stall_s": max(x["stall_s"] for x in res), "durable_s": max(x["durable_s"] for x in res),
            "step_s": statistics.mean(x["step_s"] for x in steps) if steps else float("nan"),
-           "steps": sum(x["steps"] for x in res)}
+           "steps": sum(x["steps"] for x in res), "raw_s": raw, "base_s": base}
     if ours:
         out["trainer"] = {k: max(x["trainer"][k] for x in res) for k in res[0]["trainer"]}
         after = _cpu_of(pid)

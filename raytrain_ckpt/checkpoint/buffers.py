@@ -34,6 +34,7 @@ import fcntl
 import logging
 import os
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +77,9 @@ class OwnedBuffer:
 
     def __init__(self, path: Path, fd: int) -> None:
         self.path, self._fd = path, fd
+        self._fd_lock = threading.Lock()
+        """Orders ``reserve`` (another thread) against ``resize`` and ``remove``: it must neither see a
+        size that is about to shrink (it would grow the file back) nor a descriptor being closed."""
 
     @classmethod
     def create(cls, path: Path, nbytes: int) -> OwnedBuffer:
@@ -104,16 +108,26 @@ class OwnedBuffer:
 
     def resize(self, nbytes: int) -> None:
         """Grow or shrink the buffer (a new layout reusing the same name)."""
-        os.ftruncate(self._fd, nbytes)
+        with self._fd_lock:
+            os.ftruncate(self._fd, nbytes)
+
+    def reserve(self) -> None:
+        """Allocate the file's memory now (``posix_fallocate`` of its current size; it never grows
+        the file), so that the first copy into the buffer takes no allocating page faults.
+        Raises OSError (ENOSPC: the shared-memory file system is full)."""
+        with self._fd_lock:
+            if self._fd >= 0:
+                os.posix_fallocate(self._fd, 0, os.fstat(self._fd).st_size)
 
     def remove(self) -> None:
         """Unlink the file, then drop the lock (in that order: a named buffer is never unlocked)."""
-        if self._fd < 0:
-            return
-        if _same_file(self._fd, self.path):
-            self.path.unlink()
-        os.close(self._fd)
-        self._fd = -1
+        with self._fd_lock:
+            if self._fd < 0:
+                return
+            if _same_file(self._fd, self.path):
+                self.path.unlink()
+            os.close(self._fd)
+            self._fd = -1
 
 
 def open_buffer(path: Path, nbytes: int) -> int:

@@ -8,9 +8,13 @@ through a Python stream, and the writer then read each file back for the manifes
 Here each item is serialised with ``torch.save`` straight into the file: the tensor is a view
 whose storage is exactly its slot of the staging buffer (no clone), ``torch.save`` hands its
 bytes over as a memoryview of that buffer, and the sink (``ChecksumSink``) checksums each chunk (CRC-32C,
-which covers every byte of the file: zip headers, pickles and data) and writes it with
-``os.write`` while it is still in the cache. Small records (zip headers, the pickle) are gathered
-and written together.
+which covers every byte of the file: zip headers, pickles and data) and, while it is still in
+the cache, copies it into a page-aligned buffer that goes to the device with ``O_DIRECT``
+(``_DirectFileSink``: no page cache to fill, write back and drop; a file system without
+``O_DIRECT`` gets ``os.write`` through the cache). Small records (zip headers, the pickle) are
+gathered and written together. The sink also notes where each chunk it wrote straight from the
+caller's memory lies and the file's CRC around it (``RankFiles.spans``): the staging buffer's
+own CRC-32C follows from them (``crc.region_crc``) without reading the buffer again.
 
 The files are plain DCP: the same names, the same items in the same order, the same
 ``WriteResult``/``_StorageInfo`` (offset, length) that ``FileSystemWriter`` records, read by
@@ -25,7 +29,10 @@ write or an fsync fails the rank's save.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import io
+import mmap
 import os
 import threading
 import time
@@ -36,10 +43,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import crc32c as _crc32c
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _split_by_size_and_type, _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+
+from raytrain_ckpt.checkpoint.crc import Span
 
 __all__ = ["ChecksumSink", "OpenFile", "Phases", "RankFiles", "write_files", "write_rank_files"]
 
@@ -48,6 +58,13 @@ _CHUNK = 2 << 20
 write's copy, large enough that the call overhead does not count."""
 _GATHER = 64 << 10
 """Writes below this size (zip headers, pickles) are gathered and written together."""
+_DIRECT_ALIGN = 4096
+"""File offsets, lengths and buffer addresses of ``O_DIRECT`` writes are multiples of this
+(enough for devices with 512-byte and 4 KiB logical blocks)."""
+_BOUNCE = 8 << 20
+"""Bytes gathered in a page-aligned buffer per ``O_DIRECT`` write (a multiple of ``_DIRECT_ALIGN``)."""
+_KEEP_BOUNCE = 4
+"""Aligned buffers kept for the next save (a fresh mapping faults every page in again)."""
 
 Resolve = Callable[[WriteItem], "torch.Tensor | io.BytesIO"]
 
@@ -76,6 +93,10 @@ class RankFiles:
     files: dict[str, dict[str, int]] = field(default_factory=dict)
     """File name -> {"size", "crc32c"} of the bytes as written."""
     phases: Phases = field(default_factory=Phases)
+    spans: list[Span] = field(default_factory=list)
+    """The memory the large writes came from (tensor bytes, in place) with the file's CRC-32C
+    around each chunk: ``crc.region_crc`` derives a staging buffer's CRC-32C from them without
+    reading what they cover again."""
 
 
 class ChecksumSink(io.RawIOBase):
@@ -90,6 +111,8 @@ class ChecksumSink(io.RawIOBase):
         self._pending = bytearray()
         self.error: Exception | None = None
         """The first write error: torch.save replaces it with a RuntimeError about a short file."""
+        self.spans: list[Span] = []
+        """Where each chunk written straight from the caller's memory was, and the CRC around it."""
 
     def writable(self) -> bool:
         return True
@@ -103,7 +126,7 @@ class ChecksumSink(io.RawIOBase):
             self._pending += view
         else:
             self.flush()
-            self._write(view)
+            self._write(view, np.frombuffer(view, np.uint8).ctypes.data)
         return view.nbytes
 
     def flush(self) -> None:
@@ -111,20 +134,22 @@ class ChecksumSink(io.RawIOBase):
             pending, self._pending = self._pending, bytearray()
             self._write(memoryview(pending))
 
-    def _write(self, view: memoryview) -> None:
+    def _write(self, view: memoryview, address: int | None = None) -> None:
         if self.error is not None:
             raise self.error
         try:
-            self._write_chunks(view)
+            self._write_chunks(view, address)
         except Exception as exc:
             self.error = exc
             raise
 
-    def _write_chunks(self, view: memoryview) -> None:
+    def _write_chunks(self, view: memoryview, address: int | None) -> None:
         for start in range(0, view.nbytes, _CHUNK):
             chunk = view[start:start + _CHUNK]
             t0 = time.perf_counter()
-            self.crc = _crc32c.crc32c(chunk, self.crc)
+            before, self.crc = self.crc, _crc32c.crc32c(chunk, self.crc)
+            if address is not None:
+                self.spans.append(Span(address + start, chunk.nbytes, before, self.crc))
             t1 = time.perf_counter()
             self._put(chunk)
             self.phases.checksum_s += t1 - t0
@@ -147,6 +172,13 @@ class _FileSink(ChecksumSink):
         while chunk.nbytes:  # a write may be partial (a signal, a limit per call)
             done = os.write(self.fd, chunk)
             chunk = chunk[done:]
+
+    def finish(self) -> None:
+        """Write whatever is still held (gathered small records; the direct sink's aligned buffer)."""
+        self.flush()
+
+    def release(self) -> None:
+        """Nothing to give back (the direct sink returns its aligned buffer)."""
 
     def drop_cache(self) -> None:
         """After fsync: the file's pages (clean now) leave the page cache, back to the free list,
@@ -189,6 +221,7 @@ def write_files(plan: SavePlan, resolve: Resolve, threads: int, open_file: OpenF
         out.results += part.results
         out.files.update(part.files)
         out.phases.add(part.phases)
+        out.spans += part.spans
     return out
 
 
@@ -196,8 +229,12 @@ def write_files(plan: SavePlan, resolve: Resolve, threads: int, open_file: OpenF
 def _local_file(path: Path, phases: Phases) -> Iterator[ChecksumSink]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        sink = _FileSink(fd, phases)
-        yield sink
+        sink = _DirectFileSink(fd, phases) if _try_direct(fd) else _FileSink(fd, phases)
+        try:
+            yield sink
+            sink.finish()
+        finally:
+            sink.release()
         t0 = time.perf_counter()
         os.fsync(fd)
         phases.fsync_s += time.perf_counter() - t0
@@ -207,6 +244,108 @@ def _local_file(path: Path, phases: Phases) -> Iterator[ChecksumSink]:
         os.close(fd)
     if size != sink.position:  # the sink counted what the kernel accepted; anything else is a bug
         raise OSError(f"{path.name}: {size} bytes on disk after writing {sink.position}")
+
+
+def _try_direct(fd: int) -> bool:
+    """Turn ``O_DIRECT`` on for ``fd``; False where the file system does not support it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    return True
+
+
+class _DirectFileSink(_FileSink):
+    """Writes through ``O_DIRECT``: chunks are copied into a page-aligned buffer and each full buffer
+    goes to the device from there (ARCHITECTURE, "Shards are written with O_DIRECT").
+
+    The file's last bytes that do not fill an aligned block, and everything after a direct write
+    the file system refused (EINVAL) or took only in part (a size limit), are written through the
+    page cache with ``O_DIRECT`` turned off again: the error that write raises is the real one.
+    """
+
+    def __init__(self, fd: int, phases: Phases) -> None:
+        super().__init__(fd, phases)
+        self.bounce: mmap.mmap | None = _take_bounce()
+        self.view = memoryview(self.bounce)
+        """(Slices of a memoryview keep the mapping exported until they are freed: the buffer is
+        never closed here, only dropped when the pool is full.)"""
+        self.filled = 0
+        self.offset = 0
+        """File offset of the buffer's first byte."""
+        self.direct = True
+
+    def _put(self, chunk: memoryview) -> None:
+        while chunk.nbytes:
+            n = min(chunk.nbytes, _BOUNCE - self.filled)
+            self.view[self.filled:self.filled + n] = chunk[:n]
+            self.filled += n
+            chunk = chunk[n:]
+            if self.filled == _BOUNCE:
+                self._drain()
+
+    def finish(self) -> None:
+        """Write what the buffer still holds: the aligned part directly, the rest through the cache."""
+        super().finish()
+        t0 = time.perf_counter()
+        self._drain()
+        self.phases.write_calls_s += time.perf_counter() - t0
+
+    def _drain(self) -> None:
+        aligned = self.filled // _DIRECT_ALIGN * _DIRECT_ALIGN if self.direct else 0
+        done = self._write_direct(aligned) if aligned else 0
+        rest = self.view[done:self.filled]
+        if rest.nbytes:
+            self._buffered()
+        while rest.nbytes:
+            n = os.pwrite(self.fd, rest, self.offset + done)
+            rest, done = rest[n:], done + n
+        self.offset += self.filled
+        self.filled = 0
+
+    def _write_direct(self, length: int) -> int:
+        """Write the buffer's first ``length`` bytes directly; returns how many were written."""
+        done = 0
+        while done < length:
+            try:
+                n = os.pwrite(self.fd, self.view[done:length], self.offset + done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                n = 0
+            if n == 0 or n % _DIRECT_ALIGN:  # refused or short: the rest goes through the page cache
+                return done + n
+            done += n
+        return done
+
+    def _buffered(self) -> None:
+        if self.direct:
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self.direct = False
+
+    def release(self) -> None:
+        if self.bounce is not None:
+            _give_bounce(self.bounce)
+            self.bounce = None
+
+
+_bounces: list[mmap.mmap] = []
+_bounce_lock = threading.Lock()
+
+
+def _take_bounce() -> mmap.mmap:
+    with _bounce_lock:
+        if _bounces:
+            return _bounces.pop()
+    return mmap.mmap(-1, _BOUNCE)  # anonymous: page-aligned
+
+
+def _give_bounce(bounce: mmap.mmap) -> None:
+    with _bounce_lock:
+        if len(_bounces) < _KEEP_BOUNCE:
+            _bounces.append(bounce)
 
 
 def _write_file(open_file: OpenFile, name: str, items: list[WriteItem], resolve: Resolve) -> RankFiles:
@@ -219,6 +358,7 @@ def _write_file(open_file: OpenFile, name: str, items: list[WriteItem], resolve:
         for item in ordered:
             out.results.append(_write_item(sink, name, item, resolve))
     out.files[name] = {"size": sink.position, "crc32c": sink.crc}
+    out.spans += sink.spans
     out.phases.cpu_s += time.thread_time() - cpu0
     return out
 

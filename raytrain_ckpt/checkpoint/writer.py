@@ -3,7 +3,7 @@
 Trainers map the writer's shared-memory files, copy their state in, and hand the step over
 with ``persist()``. From then on the trainer is out of the picture: the writer writes the
 rank's DCP shard files with its own threads straight from the buffer, checksumming them as it
-writes (``checkpoint/filewrite.py``), fsyncs them and reports to the CheckpointActor. A trainer that dies after the hand-off does not stop its step from being
+writes (``checkpoint/filewrite.py``, ``O_DIRECT``), fsyncs them and reports to the CheckpointActor. A trainer that dies after the hand-off does not stop its step from being
 committed.
 """
 
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
@@ -29,11 +30,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, StagingFileError, is_leased, shm_dir, sweep_orphans
 from raytrain_ckpt.checkpoint.dcp_storage import UploadingWriter
 from raytrain_ckpt.checkpoint.filewrite import RankFiles, write_rank_files
-from raytrain_ckpt.checkpoint.manifest import checksum_file
+from raytrain_ckpt.checkpoint.crc import region_crc
 from raytrain_ckpt.checkpoint.memcopy import CommittedCopy
 from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, probe_name
 from raytrain_ckpt.checkpoint.replica import ReplicaEndpoint
-from raytrain_ckpt.checkpoint.staging import StagedPlanner, TensorSlot, allocate_buffer, layout_key, map_slots
+from raytrain_ckpt.checkpoint.staging import (StagedPlanner, TensorSlot, allocate_buffer, layout_key, map_whole,
+                                              views_of)
 from raytrain_ckpt.checkpoint.storage import is_transient, is_uri, object_filesystem, retry_transient
 from raytrain_ckpt.checkpoint.upload import is_s3, upload_rank_files
 from raytrain_ckpt.faults import maybe_inject
@@ -87,6 +89,15 @@ class _Held:
 
 
 @dataclass(frozen=True)
+class _Mapped:
+    """A staging buffer as the writer maps it: the whole file, its address, and a view per slot."""
+
+    whole: memoryview
+    address: int
+    views: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class PersistRequest:
     """One rank's staged step, handed from the trainer to its node's writer."""
 
@@ -128,8 +139,8 @@ class CheckpointWriter(ReplicaEndpoint):
         self._running: dict[tuple[int, int], PersistRequest] = {}
         self._tmp: dict[tuple[int, int], str] = {}
         self._buffers: dict[str, _Held] = {}
-        self._views: dict[str, tuple[tuple, dict[str, Any]]] = {}
-        """path -> (layout, the slot views): mapped once, not on every save (page faults cost CPU)."""
+        self._views: dict[str, tuple[tuple, _Mapped]] = {}
+        """path -> (layout, the buffer mapped): mapped once, not on every save (page faults cost CPU)."""
         self._lock = threading.Lock()
         """Orders allocate() (which hands buffers to attempts) against accept() (which checks them)."""
         self._newest_attempt = 0
@@ -173,6 +184,8 @@ class CheckpointWriter(ReplicaEndpoint):
                 suffix = f"-c{copy}" if copy else ""
                 path = str(shm_dir() / f"rtc-{self.prefix}-a{attempt}-rank{rank}{suffix}.buf")
                 self._buffers[path] = _Held(allocate_buffer(Path(path), nbytes), rank, attempt, copy)
+                if copy:  # not staged into before the next save: allocate its memory meanwhile
+                    self._pool.submit(self._reserve, self._buffers[path].buffer)
             else:  # the same attempt with a new layout, or a new attempt reusing the rank's buffer
                 held = self._buffers[path]
                 if held.record is not None and held.record.nbytes != nbytes:
@@ -181,6 +194,16 @@ class CheckpointWriter(ReplicaEndpoint):
                 held.attempt, held.copy = attempt, copy
             self._newest_attempt = max(self._newest_attempt, attempt)
             return path
+
+    def _reserve(self, buffer: OwnedBuffer) -> None:
+        """Allocate a new buffer's memory off the trainer's path: otherwise the first copy into it
+        (the second save of an attempt) pays for allocating every page while it overlaps a
+        training step. Only for a buffer nobody stages into yet: a page fault in a range being
+        allocated waits for the allocation, which runs at the writer's low priority."""
+        try:
+            buffer.reserve()
+        except OSError as exc:  # visible here first; the save that stages into it meets the same shortage
+            logger.warning("staging buffer %s: could not allocate its memory ahead: %s", buffer.path, exc)
 
     def _busy(self) -> set[str]:
         return {j.buffer_path for j in self._running.values()}
@@ -270,11 +293,12 @@ class CheckpointWriter(ReplicaEndpoint):
             return self._upload(req)
         t0 = time.monotonic()
         tmp = Path(self._tmp.pop((req.rank, req.step)))
-        staged = {**self._slot_views(req), **pickle.loads(req.objects)}
+        mapped = self._mapped(req)
+        staged = {**mapped.views, **pickle.loads(req.objects)}
         maybe_inject("persist", req.rank, req.step, req.attempt)
         written = write_rank_files(tmp, req.plan, StagedPlanner(staged).resolve_data, self.io_threads)
         check_written(req.plan, written.results, {p.name: p.stat().st_size for p in tmp.iterdir()})
-        self._record(req, staged, written.files)
+        self._record(req, staged, mapped, written)
         t_write = time.monotonic() - t0
         return self._report(req, written, t0, t_write)
 
@@ -289,23 +313,31 @@ class CheckpointWriter(ReplicaEndpoint):
         self._last_phases[req.rank] = {**phases, "report_s": time.monotonic() - t_report}
         return out
 
-    def _slot_views(self, req: PersistRequest) -> dict[str, Any]:
+    def _mapped(self, req: PersistRequest) -> _Mapped:
         layout = (req.buffer_bytes, tuple(req.slots))
         cached = self._views.get(req.buffer_path)
         if cached is None or cached[0] != layout:
-            cached = (layout, map_slots(Path(req.buffer_path), req.buffer_bytes, req.slots))
+            whole = map_whole(Path(req.buffer_path), req.buffer_bytes)
+            cached = (layout, _Mapped(whole, np.frombuffer(whole, np.uint8).ctypes.data, views_of(whole, req.slots)))
             self._views[req.buffer_path] = cached
         return cached[1]
 
-    def _record(self, req: PersistRequest, staged: dict[str, Any], files: dict[str, dict[str, int]]) -> None:
-        """Remember the buffer as the copy of ``req.step`` (with ``memory_copies`` >= 2): its CRC-32C,
-        taken before the step is reported, so a committed step's copy is always recorded first."""
+    def _record(self, req: PersistRequest, staged: dict[str, Any], mapped: _Mapped, written: RankFiles) -> None:
+        """Remember the buffer as the copy of ``req.step`` (with ``memory_copies`` >= 2), before the
+        step is reported, so a committed step's copy is always recorded first.
+
+        The buffer's CRC-32C comes from the checksums the write took of the chunks it wrote
+        straight from the buffer (``crc.region_crc``): only the bytes no write covered (slot
+        padding, slots the plan gave to another rank) are read again. So the record says what
+        was written, and costs no second pass over the buffer on the way to the report.
+        """
         if self.memory_copies < 2:
             return
         objects = [k for k in staged if k not in {s.fqn for s in req.slots}]
+        crc = region_crc(mapped.whole, mapped.address, written.spans)
         copy = CommittedCopy(req.step, req.rank, layout_key(req.slots, objects), req.buffer_bytes, list(req.slots),
-                             req.objects, checksum_file(Path(req.buffer_path), "crc32c"), req.buffer_path,
-                             {name: {"size": f["size"], "crc32c": f["crc32c"]} for name, f in files.items()},
+                             req.objects, crc, req.buffer_path,
+                             {name: {"size": f["size"], "crc32c": f["crc32c"]} for name, f in written.files.items()},
                              ray.get_runtime_context().get_node_id())
         with self._lock:
             held = self._buffers.get(req.buffer_path)
@@ -344,12 +376,13 @@ class CheckpointWriter(ReplicaEndpoint):
         the way out; the whole rank is uploaded again on a transient error (the buffer is intact)."""
         t0 = time.monotonic()
         dest = self._tmp.pop((req.rank, req.step))
-        staged = {**self._slot_views(req), **pickle.loads(req.objects)}
+        mapped = self._mapped(req)
+        staged = {**mapped.views, **pickle.loads(req.objects)}
         maybe_inject("persist", req.rank, req.step, req.attempt)
         written = retry_transient(lambda: self._upload_once(req, dest, staged),
                                   f"upload of rank {req.rank} step {req.step}",
                                   on_retry=lambda exc: self.metrics.retried(req.rank), transient=_retryable)
-        self._record(req, staged, written.files)
+        self._record(req, staged, mapped, written)
         t_write = time.monotonic() - t0
         maybe_inject("uploaded", req.rank, req.step, req.attempt)
         return self._report(req, written, t0, t_write)

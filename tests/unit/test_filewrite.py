@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from raytrain_ckpt.checkpoint.buffers import OwnedBuffer
+from raytrain_ckpt.checkpoint import filewrite
 from raytrain_ckpt.checkpoint.filewrite import write_rank_files
 from raytrain_ckpt.checkpoint.manifest import checksum_file
 from raytrain_ckpt.checkpoint.staging import StagedPlanner, map_buffer, map_slots, plan_slots, slot_views
@@ -109,6 +110,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from raytrain_ckpt.checkpoint import filewrite
 from raytrain_ckpt.checkpoint.filewrite import write_rank_files
 
 out = Path(sys.argv[1])
@@ -181,3 +183,38 @@ def test_written_files_leave_the_page_cache(tmp_path: Path) -> None:
     cached, pages = _cached_pages(out / name)
     assert pages > 8000 and cached < pages // 10, (cached, pages)
     assert checksum_file(out / name) == entry["crc32c"]  # and what is on disk is what was written
+
+
+def _write_state(directory: Path, state: dict) -> dict[str, bytes]:
+    directory.mkdir()
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    central, _ = planner.create_global_plan([planner.create_local_plan()])
+    plan = planner.finish_plan(FileSystemWriter(directory).prepare_global_plan(central)[0])
+    written = write_rank_files(directory, plan, planner.resolve_data)
+    files = {p.name: p.read_bytes() for p in directory.iterdir()}
+    assert {n: {"size": len(b), "crc32c": checksum_file(directory / n)} for n, b in files.items()} == written.files
+    return files
+
+
+@pytest.mark.parametrize("align", [filewrite._DIRECT_ALIGN, 100])
+def test_direct_writes_make_the_bytes_the_page_cache_writes_make(tmp_path: Path, monkeypatch, align: int) -> None:
+    """Through O_DIRECT (a full aligned buffer, then a tail that is not a whole block) the files are
+    the bytes the page-cache path writes. With an alignment the device does not have (100), the file
+    system really refuses the direct write (EINVAL) and the rest of the file goes through the cache."""
+    import fcntl
+    import os
+
+    fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT)
+    try:
+        if not filewrite._try_direct(fd):
+            pytest.skip(f"{tmp_path}: no O_DIRECT on this file system")
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
+    finally:
+        os.close(fd)
+    state = {"a": torch.arange(filewrite._BOUNCE // 4 + 1000, dtype=torch.float32), "b": torch.ones(30_000),
+             "c": torch.arange(7), "step": 3}
+    monkeypatch.setattr(filewrite, "_DIRECT_ALIGN", align)
+    direct = _write_state(tmp_path / "direct", state)
+    monkeypatch.setattr(filewrite, "_try_direct", lambda fd: False)
+    assert direct == _write_state(tmp_path / "cached", state)
