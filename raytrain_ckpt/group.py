@@ -193,13 +193,23 @@ class RayWorkerGroup:
         )
 
     def wait(self, timeout_s: float) -> None:
-        """Until a rank's ``run()`` ends or ``timeout_s`` passes: a crash is seen as soon as Ray
-        reports the actor's death, not at the next poll."""
+        """Until the ranks' runs have ended or ``timeout_s`` passes, returning early once a run has
+        ended and the others ended too: a crash is seen as soon as Ray reports it, not at the
+        next poll.
+
+        When a process dies, its peers' collectives fail at once, so their runs often end (with a
+        connection reset) before Ray reports the death. Returning at the first end would report
+        that echo as the failure; waiting for the other runs, within the same interval, lets the
+        poll see the crash itself, as a poll after the whole interval would have.
+        """
         pending = [r for r in self._runs if self._runs[r] not in self._results]
-        if pending:
-            ray.wait(pending, num_returns=1, timeout=timeout_s)
-        else:
+        if not pending:
             time.sleep(timeout_s)
+            return
+        deadline = time.monotonic() + timeout_s
+        ended, rest = ray.wait(pending, num_returns=1, timeout=timeout_s)
+        if ended and rest:
+            ray.wait(rest, num_returns=len(rest), timeout=max(0.0, deadline - time.monotonic()))
 
     def _maybe_start_spares(self, progress: dict[int, Progress]) -> None:
         """Start spares once every rank finished a step: a spare importing torch while the group
