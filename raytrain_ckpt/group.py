@@ -169,7 +169,7 @@ class RayWorkerGroup:
     def poll(self) -> GroupPoll:
         """Collect finished runs and failures, then read every rank's progress."""
         failures: list[Failure] = []
-        pending = [r for r in self._runs if self._runs[r] not in self._results]
+        pending = self._pending_runs()
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
         for ref in ready:
             rank = self._runs[ref]
@@ -192,6 +192,10 @@ class RayWorkerGroup:
             finished=finished,
         )
 
+    def _pending_runs(self) -> list[ray.ObjectRef]:
+        """The ``run()`` refs of ranks whose result is not collected yet."""
+        return [r for r in self._runs if self._runs[r] not in self._results]
+
     def wait(self, timeout_s: float) -> None:
         """Until the ranks' runs have ended or ``timeout_s`` passes, returning early once a run has
         ended and the others ended too: a crash is seen as soon as Ray reports it, not at the
@@ -202,7 +206,7 @@ class RayWorkerGroup:
         that echo as the failure; waiting for the other runs, within the same interval, lets the
         poll see the crash itself, as a poll after the whole interval would have.
         """
-        pending = [r for r in self._runs if self._runs[r] not in self._results]
+        pending = self._pending_runs()
         if not pending:
             time.sleep(timeout_s)
             return

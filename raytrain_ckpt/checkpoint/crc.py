@@ -22,8 +22,9 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 import crc32c as _crc32c
+import numpy as np
 
-__all__ = ["Span", "combine", "region_crc"]
+__all__ = ["Span", "address_of", "combine", "region_crc"]
 
 _POLY = 0x82F63B78
 """CRC-32C's polynomial, bit-reflected (the form the byte-wise algorithm uses)."""
@@ -37,6 +38,11 @@ class Span(NamedTuple):
     length: int
     before: int
     after: int
+
+
+def address_of(view: memoryview) -> int:
+    """The memory address of ``view``'s first byte: how spans and regions name their bytes."""
+    return np.frombuffer(view, np.uint8).ctypes.data
 
 
 def _multiply(a: int, b: int) -> int:

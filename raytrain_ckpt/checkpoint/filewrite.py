@@ -43,13 +43,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import crc32c as _crc32c
-import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _split_by_size_and_type, _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from raytrain_ckpt.checkpoint.crc import Span
+from raytrain_ckpt.checkpoint.crc import Span, address_of
 
 __all__ = ["ChecksumSink", "OpenFile", "Phases", "RankFiles", "write_files", "write_rank_files"]
 
@@ -126,7 +125,7 @@ class ChecksumSink(io.RawIOBase):
             self._pending += view
         else:
             self.flush()
-            self._write(view, np.frombuffer(view, np.uint8).ctypes.data)
+            self._write(view, address_of(view))
         return view.nbytes
 
     def flush(self) -> None:

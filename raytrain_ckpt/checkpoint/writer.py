@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, StagingFileError, is_leased, shm_dir, sweep_orphans
 from raytrain_ckpt.checkpoint.dcp_storage import UploadingWriter
 from raytrain_ckpt.checkpoint.filewrite import RankFiles, write_rank_files
-from raytrain_ckpt.checkpoint.crc import region_crc
+from raytrain_ckpt.checkpoint.crc import address_of, region_crc
 from raytrain_ckpt.checkpoint.memcopy import CommittedCopy
 from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, probe_name
 from raytrain_ckpt.checkpoint.replica import ReplicaEndpoint
@@ -318,7 +317,7 @@ class CheckpointWriter(ReplicaEndpoint):
         cached = self._views.get(req.buffer_path)
         if cached is None or cached[0] != layout:
             whole = map_whole(Path(req.buffer_path), req.buffer_bytes)
-            cached = (layout, _Mapped(whole, np.frombuffer(whole, np.uint8).ctypes.data, views_of(whole, req.slots)))
+            cached = (layout, _Mapped(whole, address_of(whole), views_of(whole, req.slots)))
             self._views[req.buffer_path] = cached
         return cached[1]
 
