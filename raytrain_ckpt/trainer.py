@@ -116,7 +116,10 @@ def build_optimizer(o: OptimizerSpec, params: list[nn.Parameter]) -> torch.optim
 class Trainer:
     """One rank's model, optimizer, data and step function."""
 
-    def __init__(self, spec: JobSpec, device: torch.device, log_prefix: Callable[[], str] = lambda: "") -> None:
+    def __init__(self, spec: JobSpec, device: torch.device, log_prefix: Callable[[], str] = lambda: "",
+                 restoring: bool = False) -> None:
+        """``restoring``: a checkpoint load follows and overwrites every parameter, so a model with
+        ``init_buffers()`` skips drawing initial values (see ``parallel/materialise.py``)."""
         if not dist.is_initialized():
             raise RuntimeError("Trainer needs an initialised default process group")
         self.spec = spec
@@ -135,7 +138,7 @@ class Trainer:
         vocab_size = _vocab_size(model)
         self.loss_fn = build_loss(t.loss)
         build_part = PartBuilder(device, param_dtype_for(t.mixed_precision, spec.resources.use_gpu), t.seed,
-                                 deferred, t.activation_checkpointing, t.compile)
+                                 deferred, t.activation_checkpointing, t.compile, restoring)
         self.pipeline: Pipeline | None = None
         if par.pp == 1:
             self.model_parts = [build_part(model, self.mesh)]

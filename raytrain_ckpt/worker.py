@@ -134,7 +134,7 @@ class TrainWorker:
     def setup(self, master_addr: str, master_port: int, ckpt: dict | None = None) -> None:
         """Join the process group, build model, optimizer and data, and load the resume checkpoint."""
         try:
-            self._setup(master_addr, master_port)
+            self._setup(master_addr, master_port, restoring=bool(ckpt and ckpt["resume_path"] is not None))
             if ckpt is not None:
                 self._setup_checkpoints(ckpt)
             return
@@ -146,7 +146,7 @@ class TrainWorker:
         # and the process group, whose connections then stay open after reset()).
         raise WorkerFailure(self.rank, self.attempt, text)
 
-    def _setup(self, master_addr: str, master_port: int) -> None:
+    def _setup(self, master_addr: str, master_port: int, restoring: bool) -> None:
         from raytrain_ckpt.trainer import Trainer
 
         # What exists now (modules, this actor, caches) outlives the attempt: freezing it keeps
@@ -174,7 +174,7 @@ class TrainWorker:
         )
         self.timings["pg_init_s"] = time.monotonic() - t0
         t0 = time.monotonic()
-        self.trainer = Trainer(self.spec, device, self._prefix)
+        self.trainer = Trainer(self.spec, device, self._prefix, restoring)
         self.timings["build_s"] = time.monotonic() - t0
         if self.rank == 0:
             logger.info("%sprocess group ready: %d ranks, backend %s, pid %d", self._prefix(), self.world_size,

@@ -154,6 +154,12 @@ class Llama(nn.Module):
         """
         base = torch.initial_seed() if seed is None else seed
         init_parameters(self, base, self.init_parameter)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the RoPE tables only: what a model about to load a checkpoint still needs
+        after ``to_empty`` (the load overwrites every parameter)."""
         self._reset_rope()
 
     def init_parameter(self, fqn: str, full: torch.Tensor, generator: torch.Generator) -> None:

@@ -78,3 +78,43 @@ def test_another_seed_gives_other_parameters():
 def test_a_factory_without_init_weights_is_built_eagerly():
     ranks = run_ranks(initial_params, 2, _spec(2, "model.name=tests.user_models:staged_mlp_lm"))
     assert not ranks[0]["deferred"]
+
+
+def restored_params(spec_json: str, path: str) -> dict:
+    """Build a trainer as a fresh attempt would (parameters drawn), save its model with DCP, then
+    build one as a resuming attempt does (``restoring``) and load that checkpoint into it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from raytrain_ckpt.trainer import Trainer
+
+    torch.set_num_threads(1)
+    spec = JobSpec.model_validate_json(spec_json)
+    fresh = Trainer(spec, torch.device("cpu"))
+    dcp.save({"model": get_model_state_dict(fresh.model)}, checkpoint_id=path)
+    drawn = []
+    original = Llama.init_parameter
+    Llama.init_parameter = lambda self, fqn, *a: (drawn.append(fqn), original(self, fqn, *a))[1]
+    try:
+        restored = Trainer(spec, torch.device("cpu"), restoring=True)
+    finally:
+        Llama.init_parameter = original
+    rope = restored.model.rope_cos.clone()
+    sd = get_model_state_dict(restored.model)
+    dcp.load({"model": sd}, checkpoint_id=path)
+    set_model_state_dict(restored.model, sd)
+    same = all(torch.equal(a.full_tensor(), b.full_tensor())
+               for a, b in zip(fresh.model.parameters(), restored.model.parameters(), strict=True))
+    return {"drawn": drawn, "rope_cos": rope, "same": same}
+
+
+def test_a_restoring_build_draws_no_parameters_and_the_load_overwrites_them_all(tmp_path):
+    # A resuming attempt skips drawing initial values (the load overwrites every parameter) but
+    # must still compute the non-persistent RoPE tables, which no checkpoint holds.
+    spec = _spec(2)
+    ranks = run_ranks(restored_params, 2, spec, str(tmp_path / "ckpt"))
+    eager = _eager(spec)
+    for r in ranks:
+        assert r["drawn"] == []
+        torch.testing.assert_close(r["rope_cos"], eager.rope_cos, rtol=0, atol=0)
+        assert r["same"]
