@@ -200,7 +200,7 @@ class _Prepared:
 def _prepare(trainer: Any, copy: CommittedCopy, step: int, attempt: int) -> _Prepared:
     """Verify the copy (``open_copy``) and that it fits the trainer's state; changes nothing."""
     opened = open_copy(copy, step, trainer.rank, attempt)
-    sd, keys = own_state(trainer)
+    sd, keys = own_state(trainer, fill=False)  # the copy overwrites every tensor
     planner = DefaultSavePlanner()  # the save's flattening, so keys and layout match the copy's
     planner.set_up_planner(sd, is_coordinator=False)
     flat = planner.state_dict

@@ -60,18 +60,20 @@ def _params() -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(4, 5)), frozen, torch.nn.Parameter(torch.randn(7).double())]
 
 
+@pytest.mark.parametrize("fill", [True, False], ids=["zeroed", "for-a-load"])
 @pytest.mark.parametrize(("name", "make"), _optimizers(), ids=[n for n, _ in _optimizers()])
-def test_created_optimizer_state_is_the_one_a_zero_step_creates(name, make):
+def test_created_optimizer_state_is_the_one_a_zero_step_creates(name, make, fill):
     """The state made without a step has the entries, dtypes, shapes and values (zeros) that DCP's
     zero-gradient, lr-0 step creates, except Adam's step count (0: no step was taken), and leaves
-    the parameters as they were."""
+    the parameters as they were. For a load (``fill=False``) the values are left as allocated:
+    only entries, dtypes, shapes and devices must match (the load overwrites them)."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     from raytrain_ckpt.checkpoint.state import create_optimizer_state
 
     ours_params, dcp_params = _params(), _params()
     ours, theirs = make(ours_params), make(dcp_params)
-    assert create_optimizer_state(ours)
+    assert create_optimizer_state(ours, fill)
     _init_optim_state(theirs)
     assert len(ours.state) == len(theirs.state) == 2
     for p, q in zip(ours_params, dcp_params, strict=True):
@@ -83,7 +85,7 @@ def test_created_optimizer_state_is_the_one_a_zero_step_creates(name, make):
             assert value.device == dcp[key].device, key
             if key == "step":
                 assert value.item() == 0 and dcp[key].item() == 1
-            else:
+            elif fill:
                 assert torch.equal(value, dcp[key]), key
     assert not create_optimizer_state(ours)  # it has state now: untouched
 
