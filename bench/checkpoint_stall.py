@@ -263,6 +263,7 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=50.0, help="compute per training step (default 50 ms)")
     p.add_argument("--dir", default="bench/out", help="where checkpoints are written (a real disk, not tmpfs)")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--writer-nice", type=int, default=10, help="checkpoint.writer_nice (default 10, the default)")
     p.add_argument("--every-save", action="store_true", help="print every raytrain_ckpt save's manifest timings")
     p.add_argument("--local-s3", action="store_true",
                    help="with --dir s3://BUCKET/...: start moto's S3 server on 127.0.0.1 and create BUCKET")
@@ -306,7 +307,8 @@ def _bench(args: argparse.Namespace, out: Path) -> None:
     from raytrain_ckpt.spec import JobSpec
 
     spec = JobSpec.model_validate({"name": "bench", "resources": {"num_workers": args.ranks},
-                                   "checkpoint": {"enabled": True, "dir": str(out), "keep_latest_k": None}})
+                                   "checkpoint": {"enabled": True, "dir": str(out), "keep_latest_k": None,
+                                                  "writer_nice": args.writer_nice}})
     service = CheckpointService(spec)
     service.acquire(0, spec)  # configures the CheckpointActor with the group's layout (a fresh start)
     node = ray.get_runtime_context().get_node_id()
