@@ -114,6 +114,8 @@ from raytrain_ckpt.checkpoint import filewrite
 from raytrain_ckpt.checkpoint.filewrite import write_rank_files
 
 out = Path(sys.argv[1])
+if len(sys.argv) > 2:                           # aligned buffers smaller than the file: the failing write
+    filewrite._BOUNCE = int(sys.argv[2])        # is one of several, made while the next buffer fills
 planner = DefaultSavePlanner()
 planner.set_up_planner({"w": torch.ones(64 * 1024)}, is_coordinator=True)
 central, _ = planner.create_global_plan([planner.create_local_plan()])
@@ -130,13 +132,15 @@ print("alive")
 """
 
 
-def test_a_failed_write_raises_and_restores_the_crc_setting(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bounce", [None, 64 << 10])
+def test_a_failed_write_raises_and_restores_the_crc_setting(tmp_path: Path, bounce: int | None) -> None:
     """A real short write (the file size limit: EFBIG, like ENOSPC a write that fails midway)."""
     import errno
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", FAILING_WRITE, str(tmp_path)], capture_output=True, text=True,
+    args = [str(tmp_path)] + ([str(bounce)] if bounce else [])
+    out = subprocess.run([sys.executable, "-c", FAILING_WRITE, *args], capture_output=True, text=True,
                          timeout=120, cwd=Path(__file__).parents[2])
     assert out.stdout.split() == ["raised", str(errno.EFBIG), "True", "alive"], out.stderr[-2000:]
     assert out.returncode == 0, out.stderr[-2000:]
