@@ -34,7 +34,7 @@ from raytrain_ckpt.checkpoint.memcopy import CommittedCopy
 from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, probe_name
 from raytrain_ckpt.checkpoint.replica import ReplicaEndpoint
 from raytrain_ckpt.checkpoint.staging import (StagedPlanner, TensorSlot, allocate_buffer, layout_key, map_whole,
-                                              views_of)
+                                              populate_range, views_of)
 from raytrain_ckpt.checkpoint.storage import is_transient, is_uri, object_filesystem, retry_transient
 from raytrain_ckpt.checkpoint.upload import is_s3, upload_rank_files
 from raytrain_ckpt.faults import maybe_inject
@@ -205,10 +205,12 @@ class CheckpointWriter(ReplicaEndpoint):
 
         Then map it here, every page populated in one call: the write from it (that second save)
         would otherwise take a page fault per 4 KiB page while it reads (65,536 per 256 MiB,
-        about 0.2 s more persist time at the writer's priority)."""
+        about 0.2 s more persist time at the writer's priority). The call runs without the GIL
+        (``populate_range``): the first save's writes are running in this process meanwhile."""
         try:
             buffer.reserve()
-            whole = map_whole(Path(path), nbytes, populate=True)
+            whole = map_whole(Path(path), nbytes)  # populated without the GIL: writes run beside it
+            populate_range(address_of(whole), nbytes)
         except OSError as exc:  # visible here first; the save that stages into it meets the same shortage
             logger.warning("staging buffer %s: could not allocate its memory ahead: %s", buffer.path, exc)
             return
