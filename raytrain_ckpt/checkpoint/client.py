@@ -210,6 +210,8 @@ class CheckpointClient:
                 return
             buf.step = step
             self._inflight = (step, self.writer.wait.remote(self.rank, step))
+            for b in layout.buffers:  # a buffer not staged into yet: populate it now, not in its first copy
+                b.staging.warm()
             maybe_inject("staged", self.rank, step, self.attempt)
 
         self._inflight = None
@@ -295,7 +297,7 @@ class CheckpointClient:
                     close()
         buffers = []
         for path in paths:
-            buffer = map_buffer(Path(path), nbytes)
+            buffer = map_buffer(Path(path), nbytes, keep=len(paths))
             lease = BufferLease(Path(path))  # after mapping (map_buffer closes its fd)
             staging: Staging = (PinnedCudaStaging(buffer, slots, self.device) if self.device.type == "cuda"
                                 else SharedMemoryStaging(buffer, slots))

@@ -29,6 +29,7 @@ write or an fsync fails the rank's save.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import io
@@ -37,7 +38,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,8 +63,9 @@ _DIRECT_ALIGN = 4096
 (enough for devices with 512-byte and 4 KiB logical blocks)."""
 _BOUNCE = 8 << 20
 """Bytes gathered in a page-aligned buffer per ``O_DIRECT`` write (a multiple of ``_DIRECT_ALIGN``)."""
-_KEEP_BOUNCE = 4
-"""Aligned buffers kept for the next save (a fresh mapping faults every page in again)."""
+_KEEP_BOUNCE = 8
+"""Aligned buffers kept for the next save (a fresh mapping faults every page in again): two per
+file being written, four files at once."""
 
 Resolve = Callable[[WriteItem], "torch.Tensor | io.BytesIO"]
 
@@ -257,8 +259,14 @@ def _try_direct(fd: int) -> bool:
 
 
 class _DirectFileSink(_FileSink):
-    """Writes through ``O_DIRECT``: chunks are copied into a page-aligned buffer and each full buffer
+    """Writes through ``O_DIRECT``: chunks are copied into page-aligned buffers and each full buffer
     goes to the device from there (ARCHITECTURE, "Shards are written with O_DIRECT").
+
+    Two buffers: while one is written (by the sink's own I/O thread, in order), the next is
+    filled, so checksumming, serialising and copying overlap the device's time instead of adding
+    to it (ARCHITECTURE, "A shard's device writes overlap its checksums and copies"). The copy
+    into a buffer is a ``memmove`` that runs without the GIL, so the writes of other ranks in
+    the same process are not held up by it.
 
     The file's last bytes that do not fill an aligned block, and everything after a direct write
     the file system refused (EINVAL) or took only in part (a size limit), are written through the
@@ -267,49 +275,76 @@ class _DirectFileSink(_FileSink):
 
     def __init__(self, fd: int, phases: Phases) -> None:
         super().__init__(fd, phases)
-        self.bounce: mmap.mmap | None = _take_bounce()
-        self.view = memoryview(self.bounce)
-        """(Slices of a memoryview keep the mapping exported until they are freed: the buffer is
+        self.bounces: list[mmap.mmap] = [_take_bounce(), _take_bounce()]
+        self.views = [memoryview(b) for b in self.bounces]
+        """(Slices of a memoryview keep the mapping exported until they are freed: a buffer is
         never closed here, only dropped when the pool is full.)"""
+        self.addresses = [address_of(v) for v in self.views]
+        self.writes: list[Future | None] = [None, None]
+        """The write of each buffer in flight (its bytes must stay until it is done)."""
+        self.io = ThreadPoolExecutor(1, thread_name_prefix="rtc-direct")
+        self.current = 0
         self.filled = 0
         self.offset = 0
-        """File offset of the buffer's first byte."""
+        """File offset of the current buffer's first byte."""
         self.direct = True
+        """Turned off (on the I/O thread) once the file system refuses a direct write."""
 
     def _put(self, chunk: memoryview) -> None:
-        while chunk.nbytes:
-            n = min(chunk.nbytes, _BOUNCE - self.filled)
-            self.view[self.filled:self.filled + n] = chunk[:n]
+        address = address_of(chunk) if chunk.nbytes else 0
+        done = 0
+        while done < chunk.nbytes:
+            if self.filled == 0:
+                self._wait(self.current)  # its previous write still reads it
+            n = min(chunk.nbytes - done, _BOUNCE - self.filled)
+            ctypes.memmove(self.addresses[self.current] + self.filled, address + done, n)
             self.filled += n
-            chunk = chunk[n:]
+            done += n
             if self.filled == _BOUNCE:
-                self._drain()
+                self._submit()
 
     def finish(self) -> None:
-        """Write what the buffer still holds: the aligned part directly, the rest through the cache."""
+        """Write what the buffers still hold: the aligned part directly, the rest through the cache."""
         super().finish()
         t0 = time.perf_counter()
-        self._drain()
+        if self.filled:
+            self._submit()
+        for i in range(len(self.writes)):
+            self._wait(i)
         self.phases.write_calls_s += time.perf_counter() - t0
 
-    def _drain(self) -> None:
-        aligned = self.filled // _DIRECT_ALIGN * _DIRECT_ALIGN if self.direct else 0
-        done = self._write_direct(aligned) if aligned else 0
-        rest = self.view[done:self.filled]
+    def _submit(self) -> None:
+        """Hand the current buffer to the I/O thread and go on with the other one."""
+        self.writes[self.current] = self.io.submit(self._drain, self.current, self.filled, self.offset)
+        self.offset += self.filled
+        self.current, self.filled = 1 - self.current, 0
+
+    def _wait(self, i: int) -> None:
+        """Wait for buffer ``i``'s write; re-raises its error."""
+        write, self.writes[i] = self.writes[i], None
+        if write is not None:
+            write.result()
+
+    def _drain(self, i: int, filled: int, offset: int) -> None:
+        """On the I/O thread: write buffer ``i``'s first ``filled`` bytes at ``offset``."""
+        cpu0 = time.thread_time()
+        view = self.views[i]
+        aligned = filled // _DIRECT_ALIGN * _DIRECT_ALIGN if self.direct else 0
+        done = self._write_direct(view, aligned, offset) if aligned else 0
+        rest = view[done:filled]
         if rest.nbytes:
             self._buffered()
         while rest.nbytes:
-            n = os.pwrite(self.fd, rest, self.offset + done)
+            n = os.pwrite(self.fd, rest, offset + done)
             rest, done = rest[n:], done + n
-        self.offset += self.filled
-        self.filled = 0
+        self.phases.cpu_s += time.thread_time() - cpu0
 
-    def _write_direct(self, length: int) -> int:
-        """Write the buffer's first ``length`` bytes directly; returns how many were written."""
+    def _write_direct(self, view: memoryview, length: int, offset: int) -> int:
+        """Write ``view``'s first ``length`` bytes directly at ``offset``; returns how many were written."""
         done = 0
         while done < length:
             try:
-                n = os.pwrite(self.fd, self.view[done:length], self.offset + done)
+                n = os.pwrite(self.fd, view[done:length], offset + done)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
@@ -325,9 +360,12 @@ class _DirectFileSink(_FileSink):
             self.direct = False
 
     def release(self) -> None:
-        if self.bounce is not None:
-            _give_bounce(self.bounce)
-            self.bounce = None
+        """Give the buffers back once no write reads them (also after a failure: the file is closed next)."""
+        self.io.shutdown(wait=True)
+        self.writes = [None, None]
+        for bounce in self.bounces:
+            _give_bounce(bounce)
+        self.bounces = []
 
 
 _bounces: list[mmap.mmap] = []
@@ -336,8 +374,10 @@ _bounce_lock = threading.Lock()
 
 def _take_bounce() -> mmap.mmap:
     with _bounce_lock:
-        if _bounces:
-            return _bounces.pop()
+        while _bounces:
+            bounce = _bounces.pop()
+            if len(bounce) == _BOUNCE:
+                return bounce
     return mmap.mmap(-1, _BOUNCE)  # anonymous: page-aligned
 
 

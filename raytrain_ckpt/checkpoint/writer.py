@@ -34,7 +34,7 @@ from raytrain_ckpt.checkpoint.memcopy import CommittedCopy
 from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, probe_name
 from raytrain_ckpt.checkpoint.replica import ReplicaEndpoint
 from raytrain_ckpt.checkpoint.staging import (StagedPlanner, TensorSlot, allocate_buffer, layout_key, map_whole,
-                                              views_of)
+                                              populate_range, views_of)
 from raytrain_ckpt.checkpoint.storage import is_transient, is_uri, object_filesystem, retry_transient
 from raytrain_ckpt.checkpoint.upload import is_s3, upload_rank_files
 from raytrain_ckpt.faults import maybe_inject
@@ -139,6 +139,8 @@ class CheckpointWriter(ReplicaEndpoint):
         self._tmp: dict[tuple[int, int], str] = {}
         self._buffers: dict[str, _Held] = {}
         self._views: dict[str, tuple[tuple, _Mapped]] = {}
+        self._premapped: dict[str, tuple[int, memoryview]] = {}
+        """path -> (bytes, mapping) of a buffer mapped ahead of its first write (``_reserve``)."""
         """path -> (layout, the buffer mapped): mapped once, not on every save (page faults cost CPU)."""
         self._lock = threading.Lock()
         """Orders allocate() (which hands buffers to attempts) against accept() (which checks them)."""
@@ -183,26 +185,41 @@ class CheckpointWriter(ReplicaEndpoint):
                 suffix = f"-c{copy}" if copy else ""
                 path = str(shm_dir() / f"rtc-{self.prefix}-a{attempt}-rank{rank}{suffix}.buf")
                 self._buffers[path] = _Held(allocate_buffer(Path(path), nbytes), rank, attempt, copy)
-                if copy:  # not staged into before the next save: allocate its memory meanwhile
-                    self._pool.submit(self._reserve, self._buffers[path].buffer)
+                if copy:  # not staged into before the next save: allocate and map its memory meanwhile
+                    self._pool.submit(self._reserve, path, self._buffers[path].buffer, nbytes)
             else:  # the same attempt with a new layout, or a new attempt reusing the rank's buffer
                 held = self._buffers[path]
                 if held.record is not None and held.record.nbytes != nbytes:
                     held.record = None  # a new layout: what it held is no longer a copy of anything
                 held.buffer.resize(nbytes)
+                self._premapped.pop(path, None)  # a mapping past a shrunk file's end would fault on access
                 held.attempt, held.copy = attempt, copy
             self._newest_attempt = max(self._newest_attempt, attempt)
             return path
 
-    def _reserve(self, buffer: OwnedBuffer) -> None:
+    def _reserve(self, path: str, buffer: OwnedBuffer, nbytes: int) -> None:
         """Allocate a new buffer's memory off the trainer's path: otherwise the first copy into it
         (the second save of an attempt) pays for allocating every page while it overlaps a
         training step. Only for a buffer nobody stages into yet: a page fault in a range being
-        allocated waits for the allocation, which runs at the writer's low priority."""
+        allocated waits for the allocation, which runs at the writer's low priority.
+
+        Then map it here, every page populated in one call: the write from it (that second save)
+        would otherwise take a page fault per 4 KiB page while it reads (65,536 per 256 MiB,
+        about 0.2 s more persist time at the writer's priority). The call runs without the GIL
+        (``populate_range``): the first save's writes are running in this process meanwhile."""
         try:
             buffer.reserve()
+            whole = map_whole(Path(path), nbytes)  # populated without the GIL: writes run beside it
+            populate_range(address_of(whole), nbytes)
         except OSError as exc:  # visible here first; the save that stages into it meets the same shortage
             logger.warning("staging buffer %s: could not allocate its memory ahead: %s", buffer.path, exc)
+            return
+        except StagingFileError as exc:  # gone or resized meanwhile: the write maps it itself
+            logger.debug("staging buffer %s not mapped ahead: %s", path, exc)
+            return
+        with self._lock:
+            if path in self._buffers:
+                self._premapped[path] = (nbytes, whole)
 
     def _busy(self) -> set[str]:
         return {j.buffer_path for j in self._running.values()}
@@ -229,6 +246,7 @@ class CheckpointWriter(ReplicaEndpoint):
 
     def _unlink(self, path: str) -> None:
         self._views.pop(path, None)
+        self._premapped.pop(path, None)
         held = self._buffers.pop(path, None)
         if held is not None:
             held.buffer.remove()
@@ -316,7 +334,10 @@ class CheckpointWriter(ReplicaEndpoint):
         layout = (req.buffer_bytes, tuple(req.slots))
         cached = self._views.get(req.buffer_path)
         if cached is None or cached[0] != layout:
-            whole = map_whole(Path(req.buffer_path), req.buffer_bytes)
+            with self._lock:
+                ahead = self._premapped.pop(req.buffer_path, None)
+            whole = ahead[1] if ahead is not None and ahead[0] == req.buffer_bytes else \
+                map_whole(Path(req.buffer_path), req.buffer_bytes)
             cached = (layout, _Mapped(whole, address_of(whole), views_of(whole, req.slots)))
             self._views[req.buffer_path] = cached
         return cached[1]

@@ -114,6 +114,8 @@ from raytrain_ckpt.checkpoint import filewrite
 from raytrain_ckpt.checkpoint.filewrite import write_rank_files
 
 out = Path(sys.argv[1])
+if len(sys.argv) > 2:                           # aligned buffers smaller than the file: the failing write
+    filewrite._BOUNCE = int(sys.argv[2])        # is one of several, made while the next buffer fills
 planner = DefaultSavePlanner()
 planner.set_up_planner({"w": torch.ones(64 * 1024)}, is_coordinator=True)
 central, _ = planner.create_global_plan([planner.create_local_plan()])
@@ -130,13 +132,15 @@ print("alive")
 """
 
 
-def test_a_failed_write_raises_and_restores_the_crc_setting(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bounce", [None, 64 << 10])
+def test_a_failed_write_raises_and_restores_the_crc_setting(tmp_path: Path, bounce: int | None) -> None:
     """A real short write (the file size limit: EFBIG, like ENOSPC a write that fails midway)."""
     import errno
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", FAILING_WRITE, str(tmp_path)], capture_output=True, text=True,
+    args = [str(tmp_path)] + ([str(bounce)] if bounce else [])
+    out = subprocess.run([sys.executable, "-c", FAILING_WRITE, *args], capture_output=True, text=True,
                          timeout=120, cwd=Path(__file__).parents[2])
     assert out.stdout.split() == ["raised", str(errno.EFBIG), "True", "alive"], out.stderr[-2000:]
     assert out.returncode == 0, out.stderr[-2000:]
@@ -215,6 +219,24 @@ def test_direct_writes_make_the_bytes_the_page_cache_writes_make(tmp_path: Path,
     state = {"a": torch.arange(filewrite._BOUNCE // 4 + 1000, dtype=torch.float32), "b": torch.ones(30_000),
              "c": torch.arange(7), "step": 3}
     monkeypatch.setattr(filewrite, "_DIRECT_ALIGN", align)
+    direct = _write_state(tmp_path / "direct", state)
+    monkeypatch.setattr(filewrite, "_try_direct", lambda fd: False)
+    assert direct == _write_state(tmp_path / "cached", state)
+
+
+def test_direct_writes_through_many_small_buffers_make_the_same_bytes(tmp_path: Path, monkeypatch) -> None:
+    """With buffers far smaller than the state, each of the two is filled, written and reused many
+    times while the other is written: the files are still the bytes the page-cache path writes."""
+    import os
+
+    fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT)
+    try:
+        if not filewrite._try_direct(fd):
+            pytest.skip(f"{tmp_path}: no O_DIRECT on this file system")
+    finally:
+        os.close(fd)
+    monkeypatch.setattr(filewrite, "_BOUNCE", 64 << 10)
+    state = {"a": torch.randn(300_000), "b": torch.arange(70_001, dtype=torch.int64), "c": torch.ones(3), "step": 9}
     direct = _write_state(tmp_path / "direct", state)
     monkeypatch.setattr(filewrite, "_try_direct", lambda fd: False)
     assert direct == _write_state(tmp_path / "cached", state)

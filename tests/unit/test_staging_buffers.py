@@ -287,3 +287,49 @@ def test_reserve_allocates_the_memory_and_never_grows_the_file(tmp_path: Path) -
     finally:
         owned.remove()
     owned.reserve()  # after remove: nothing to allocate, no error
+
+
+def test_a_rank_keeps_the_mappings_of_both_its_buffers(tmp_path: Path) -> None:
+    """With two staging buffers (memory_copies: 2) a surviving rank gets both mappings back,
+    and a third buffer mapped drops the oldest."""
+    owned = [allocate_buffer(tmp_path / f"rtc-test-a0-rank0-c{c}.buf", 1 << 20) for c in range(3)]
+    try:
+        first, second = (map_buffer(o.path, 1 << 20, keep=2) for o in owned[:2])
+        assert map_buffer(owned[0].path, 1 << 20, keep=2) is first
+        assert map_buffer(owned[1].path, 1 << 20, keep=2) is second
+        map_buffer(owned[2].path, 1 << 20, keep=2)
+        assert map_buffer(owned[1].path, 1 << 20, keep=2) is second
+        assert map_buffer(owned[0].path, 1 << 20, keep=2) is not first
+    finally:
+        for o in owned:
+            o.remove()
+
+
+def test_warm_populates_the_buffer_in_the_background_once(tmp_path: Path) -> None:
+    """``warm()`` maps every page of a buffer not staged into yet; its first copy then walks
+    nothing again, and a new staging of the same kept mapping does not either."""
+    import torch
+
+    from raytrain_ckpt.checkpoint.staging import SharedMemoryStaging, plan_slots
+
+    nbytes = 8 << 20
+    owned = allocate_buffer(tmp_path / "rtc-test-a0-rank0-c1.buf", nbytes)
+    try:
+        tensors = {"w": torch.arange(nbytes // 4, dtype=torch.float32)}
+        slots, size = plan_slots(tensors)
+        buffer = map_buffer(owned.path, size)
+        assert _resident_kb(buffer.data_ptr()) == 0
+        staging = SharedMemoryStaging(buffer, slots)
+        staging.warm()
+        staging._populate.wait()
+        assert _resident_kb(buffer.data_ptr()) == size // 1024
+        populated = staging._populate._thread
+        again = SharedMemoryStaging(map_buffer(owned.path, size), slots)  # a restarted rank's client
+        assert again._populate is staging._populate
+        done = []
+        again.start(tensors, lambda: done.append(True))
+        again.wait()
+        assert done and again._populate._thread is populated  # not populated a second time
+        assert torch.equal(map_buffer(owned.path, size)[:nbytes].view(torch.float32), tensors["w"])
+    finally:
+        owned.remove()
