@@ -351,17 +351,8 @@ class LocalS3:
     def cpu_s(self) -> float:
         return sum(_cpu_of(self.proc.pid))
 
-    def settle(self, busy: float = 0.05, window_s: float = 0.2, limit_s: float = 30.0) -> float:
-        """Wait until the server has used under ``busy`` of a core over ``window_s`` (a finished
-        upload could leave it freeing parts or writing its files); returns the seconds it was
-        still busy (0: idle at once)."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < limit_s:
-            c0 = self.cpu_s()
-            time.sleep(window_s)
-            if self.cpu_s() - c0 < busy * window_s:
-                break
-        return max(0.0, time.monotonic() - t0 - window_s)
+    def settle(self) -> float:
+        return _settle(self.proc.pid)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -410,11 +401,12 @@ def _bench(args: argparse.Namespace, out: Path, server: LocalS3 | None) -> None:
         if "trainer" in last:
             print(f"{'':<24} trainer side, per save (max over ranks): " + "; ".join(
                 ", ".join(f"{k[:-2]} {v:.3f}" for k, v in r["trainer"].items()) for r in reps))
-        if "store" in last:
-            gb = total / 1e9
-            print(f"{'':<24} S3 server, per save: " + "; ".join(
-                f"busy after the floor {r['store']['busy_after_floor_s']:.2f} s, CPU {r['store']['cpu_s'] / gb:.2f} s/GB"
-                for r in reps))
+        if last["busy"]:
+            print(f"{'':<24} busy after the floor (waited before the save), per save: " + "; ".join(
+                ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in r["busy"].items()) for r in reps))
+        if "s3_server_cpu_s" in last:
+            print(f"{'':<24} S3 server CPU, per save: " + ", ".join(
+                f"{r['s3_server_cpu_s'] / (total / 1e9):.2f}" for r in reps) + " s/GB")
     print()
     print(f"{floor} floor over all {len(floors)} repetitions: min {min(floors):.3f} s, median "
           f"{statistics.median(floors):.3f} s, max {max(floors):.3f} s ({total / min(floors) / 2**20:.0f} .. "
@@ -461,27 +453,40 @@ def _rep(ranks: list, mode: str, rep: int, ckpt: dict, serial: int, server: Loca
     """One repetition of ``mode``, with the baseline step time and the raw floor measured right before it."""
     base = statistics.median(ray.get([r.baseline.remote(10) for r in ranks]))
     raw = max(ray.get([r.raw_floor.remote(serial) for r in ranks]))
-    store: dict[str, float] = {}
-    if server is not None:
-        store["busy_after_floor_s"] = server.settle()  # the save is timed against an idle server
-        c0 = server.cpu_s()
     ours = mode.startswith("raytrain_ckpt")
     pid = ray.get(ckpt["writer"].__ray_call__.remote(lambda self: os.getpid())) if ours else 0
+    busy = {"writer_s": _settle(pid)} if ours else {}
+    if server is not None:
+        busy["s3_server_s"] = server.settle()
+        c0 = server.cpu_s()
     before = _cpu_of(pid) if ours else (0.0, 0.0)
     res = ray.get([r.run.remote(mode, rep, ckpt) for r in ranks])
     steps = [x for x in res if x["steps"]]
     out = {"stall_s": max(x["stall_s"] for x in res), "durable_s": max(x["durable_s"] for x in res),
            "step_s": statistics.mean(x["step_s"] for x in steps) if steps else float("nan"),
-           "steps": sum(x["steps"] for x in res), "raw_s": raw, "base_s": base}
+           "steps": sum(x["steps"] for x in res), "raw_s": raw, "base_s": base, "busy": busy}
     if server is not None:
-        store["cpu_s"] = server.cpu_s() - c0
-        out["store"] = store
+        out["s3_server_cpu_s"] = server.cpu_s() - c0
     if ours:
         out["trainer"] = {k: max(x["trainer"][k] for x in res) for k in res[0]["trainer"]}
         after = _cpu_of(pid)
         last = ray.get(ckpt["writer"].usage.remote())["last"] if _has_usage(ckpt["writer"]) else {}
         out["writer"] = {"cpu_s": sum(after) - sum(before), "user_s": after[0] - before[0], "last": last}
     return out
+
+
+def _settle(pid: int, busy: float = 0.05, window_s: float = 0.2, limit_s: float = 30.0) -> float:
+    """Wait until process ``pid`` has used under ``busy`` of a core over ``window_s``; returns the
+    seconds it was still busy (0: idle at once). The floor right before a save takes both cores
+    (on S3 for seconds): what it delayed (the writer's work after the previous save, the
+    server's after the floor) is finished before the save is timed, and the wait is printed."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        c0 = sum(_cpu_of(pid))
+        time.sleep(window_s)
+        if sum(_cpu_of(pid)) - c0 < busy * window_s:
+            break
+    return max(0.0, time.monotonic() - t0 - window_s)
 
 
 def _cpu_of(pid: int) -> tuple[float, float]:
