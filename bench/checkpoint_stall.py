@@ -75,7 +75,7 @@ class BenchRank:
         self.out = out.rstrip("/") if self.remote else Path(out)
         self.step_ms = step_ms
         self.client, self.attempt, self.saved, self.setup_s = None, 0, 0, 0.0
-        self.copy = {"copy_start_s": 0.0, "copy_s": 0.0}
+        self.copy = {"copy_start_s": 0.0, "copy_s": 0.0, "hand_off_s": 0.0}
         self.t_save = 0.0
         torch.set_num_threads(1)
 
@@ -262,12 +262,13 @@ class BenchRank:
         client._ensure_layout = timed
 
     def _time_copy(self, staging) -> None:
-        """Time the staging thread: when its copy starts after ``save()`` began, and how long it takes."""
+        """Time the staging thread: when its copy starts after ``save()`` began, how long it takes,
+        and the hand-off to the writer after it (on the same thread, before ``wait()`` returns)."""
         if getattr(staging, "_bench_timed", False):
             return
-        copy = staging._copy
+        copy, run = staging._copy, staging._run
 
-        def timed(*args):
+        def timed_copy(*args):
             t0 = time.perf_counter()
             self.copy["copy_start_s"] = t0 - self.t_save
             try:
@@ -275,7 +276,11 @@ class BenchRank:
             finally:
                 self.copy["copy_s"] = time.perf_counter() - t0
 
-        staging._copy, staging._bench_timed = timed, True
+        def timed_run(*args):
+            run(*args)
+            self.copy["hand_off_s"] = time.perf_counter() - self.t_save - self.copy["copy_start_s"] - self.copy["copy_s"]
+
+        staging._copy, staging._run, staging._bench_timed = timed_copy, timed_run, True
 
 
 def main() -> None:
