@@ -21,8 +21,9 @@ each rank: serialisation, CRC-32C, write calls (on S3: copying into parts and wa
 free one), fsync (on S3: the last parts and the completion), report), and the trainer side of
 the stall, per save (layout setup: plan, buffer, mapping; the rest of ``save()``; the wait for
 the staging copy before the optimizer step; when the staging thread's copy began after
-``save()`` was called, and how long it took). A restarted rank's new client is created before
-the timed save, as a restarted rank does while it sets up.
+``save()`` was called, how long it took, and the hand-off to the writer after it). A
+restarted rank's new client is created before the timed save, as a restarted rank does while
+it sets up.
 
 Each mode runs ``--reps`` times. Right before every repetition the benchmark measures the step
 time without a save and the raw write+fsync floor (all ranks at once), and each repetition's
@@ -263,7 +264,7 @@ class BenchRank:
 
     def _time_copy(self, staging) -> None:
         """Time the staging thread: when its copy starts after ``save()`` began, how long it takes,
-        and the hand-off to the writer after it (on the same thread, before ``wait()`` returns)."""
+        and the hand-off to the writer after it (on the same thread, after the copy)."""
         if getattr(staging, "_bench_timed", False):
             return
         copy, run = staging._copy, staging._run
