@@ -19,9 +19,11 @@ raytrain_ckpt also the CPU seconds per GB of the writer process (beside the slow
 writer takes from the trainers' cores) and where its time goes (per phase, the last save of
 each rank: serialisation, CRC-32C, write calls (on S3: copying into parts and waiting for a
 free one), fsync (on S3: the last parts and the completion), report), and the trainer side of
-the stall (layout setup: plan, buffer, mapping; the rest of ``save()``; the wait for the
-staging copy before the optimizer step). A restarted rank's new client is created before the
-timed save, as a restarted rank does while it sets up.
+the stall, per save (layout setup: plan, buffer, mapping; the rest of ``save()``; the wait for
+the staging copy before the optimizer step; when the staging thread's copy began after
+``save()`` was called, how long it took, and the hand-off to the writer after it). A
+restarted rank's new client is created before the timed save, as a restarted rank does while
+it sets up.
 
 Each mode runs ``--reps`` times. Right before every repetition the benchmark measures the step
 time without a save and the raw write+fsync floor (all ranks at once), and each repetition's
@@ -34,9 +36,12 @@ in brackets; the floor's spread over all repetitions is printed below the table.
     .venv/bin/python bench/checkpoint_stall.py [--mb 256] [--ranks 2] [--reps 3] [--dir bench/out]
 
 ``--dir s3://bucket/prefix`` benchmarks an object store (credentials and ``AWS_ENDPOINT_URL``
-from the environment; ``--local-s3`` starts moto's S3 server on 127.0.0.1 and a bucket for it).
-The raw floor is then a plain parallel s3fs upload of the same bytes (every rank streaming its
-shards to one object), and DCP writes through its ``FsspecWriter``.
+from the environment; ``--local-s3`` starts moto's S3 server on 127.0.0.1 in a process of its
+own, at niceness ``--local-s3-nice``, and a bucket for it). The raw floor is then a plain
+parallel s3fs upload of the same bytes (every rank streaming its shards to one object), and DCP
+writes through its ``FsspecWriter``. With ``--local-s3`` each save is timed once the server is
+idle after the floor, and the server's CPU per save is printed (on this machine it shares the
+trainers' cores, which a real store does not).
 """
 
 from __future__ import annotations
@@ -72,7 +77,12 @@ class BenchRank:
         self.out = out.rstrip("/") if self.remote else Path(out)
         self.step_ms = step_ms
         self.client, self.attempt, self.saved, self.setup_s = None, 0, 0, 0.0
+        self.copy = {"copy_start_s": 0.0, "copy_s": 0.0, "hand_off_s": 0.0}
+        self.t_save = 0.0
         torch.set_num_threads(1)
+
+    def nice(self) -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
 
     def address(self) -> tuple[str, int]:
         with socket.socket() as s:
@@ -191,7 +201,7 @@ class BenchRank:
         out = {"stall_s": stall + waits[0], "durable_s": durable,
                "step_s": statistics.mean(steps) if steps else float("nan"), "steps": len(steps)}
         if mode.startswith("raytrain_ckpt"):  # the trainer side of the stall
-            out["trainer"] = {"setup_s": self.setup_s, "in_save_s": stall, "copy_wait_s": waits[0]}
+            out["trainer"] = {"setup_s": self.setup_s, "in_save_s": stall, "copy_wait_s": waits[0], **self.copy}
         return out
 
     def _start(self, mode: str, path: Path, rep: int, ckpt: dict | None):
@@ -226,6 +236,7 @@ class BenchRank:
 
     def _start_ours(self):
         self.setup_s = 0.0
+        self.t_save = time.perf_counter()
         self.saved += 1
         step = self.saved
         self.client.save(step, self.state)
@@ -248,11 +259,35 @@ class BenchRank:
         def timed(*args):
             t0 = time.perf_counter()
             try:
-                return setup(*args)
+                layout = setup(*args)
             finally:
                 self.setup_s += time.perf_counter() - t0
+            for b in layout.buffers:
+                self._time_copy(b.staging)
+            return layout
 
         client._ensure_layout = timed
+
+    def _time_copy(self, staging) -> None:
+        """Time the staging thread: when its copy starts after ``save()`` began, how long it takes,
+        and the hand-off to the writer after it (on the same thread, after the copy)."""
+        if getattr(staging, "_bench_timed", False):
+            return
+        copy, run = staging._copy, staging._run
+
+        def timed_copy(*args):
+            t0 = time.perf_counter()
+            self.copy["copy_start_s"] = t0 - self.t_save
+            try:
+                return copy(*args)
+            finally:
+                self.copy["copy_s"] = time.perf_counter() - t0
+
+        def timed_run(*args):
+            run(*args)
+            self.copy["hand_off_s"] = time.perf_counter() - self.t_save - self.copy["copy_start_s"] - self.copy["copy_s"]
+
+        staging._copy, staging._run, staging._bench_timed = timed_copy, timed_run, True
 
 
 def main() -> None:
@@ -267,42 +302,78 @@ def main() -> None:
     p.add_argument("--every-save", action="store_true", help="print every raytrain_ckpt save's manifest timings")
     p.add_argument("--local-s3", action="store_true",
                    help="with --dir s3://BUCKET/...: start moto's S3 server on 127.0.0.1 and create BUCKET")
+    p.add_argument("--local-s3-nice", type=int, default=0, help="niceness of the --local-s3 server (default 0)")
     args = p.parse_args()
+    server: LocalS3 | None = None
     env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     if "://" in args.dir:
         out: Path | str = args.dir.rstrip("/")
         if args.local_s3:
-            env |= _start_local_s3(out.split("/")[2])
+            server = LocalS3(out.split("/")[2], args.local_s3_nice)
+            env |= server.env
     else:
         out = Path(args.dir).resolve()
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-    ray.init(num_cpus=args.ranks + 1, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env})
     try:
-        _bench(args, out)
+        ray.init(num_cpus=args.ranks + 1, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": env})
+        _bench(args, out, server)
     finally:
         ray.shutdown()
+        if server is not None:
+            server.stop()
         if isinstance(out, Path):
             shutil.rmtree(out, ignore_errors=True)
 
 
-def _start_local_s3(bucket: str) -> dict[str, str]:
-    """moto's S3 server on a free port of 127.0.0.1 with ``bucket``; returns the env that points boto at it."""
-    import boto3
-    from moto.server import ThreadedMotoServer
+class LocalS3:
+    """moto's S3 server in a process of its own on a free port of 127.0.0.1, with a bucket.
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
-    os.environ.update(env)
-    boto3.client("s3").create_bucket(Bucket=bucket)
-    return env
+    Its own process, not a thread of the benchmark: it neither shares a GIL with anything
+    measured nor runs at the benchmark's priority by accident, and its CPU can be read from
+    /proc. ``nice``: its niceness (a real store runs on other machines and takes no CPU from
+    the trainers; here it shares their cores).
+    """
+
+    def __init__(self, bucket: str, nice: int) -> None:
+        import subprocess
+        import sys
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=lambda: os.nice(nice))
+        self.env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                    "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+        os.environ.update(self.env)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"moto's S3 server did not start on port {port}")
+                time.sleep(0.1)
+        import boto3
+
+        boto3.client("s3").create_bucket(Bucket=bucket)
+
+    def cpu_s(self) -> float:
+        return sum(_cpu_of(self.proc.pid))
+
+    def settle(self) -> float:
+        return _settle(self.proc.pid)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
 
 
-def _bench(args: argparse.Namespace, out: Path) -> None:
+def _bench(args: argparse.Namespace, out: Path, server: LocalS3 | None) -> None:
     from raytrain_ckpt.checkpoint.service import CheckpointService
     from raytrain_ckpt.spec import JobSpec
 
@@ -324,6 +395,9 @@ def _bench(args: argparse.Namespace, out: Path) -> None:
           f"step compute {base * 1e3:.1f} ms; torch {torch.__version__}, {os.cpu_count()} cores; "
           f"{args.reps} reps per mode")
     floor = "parallel s3fs upload" if isinstance(out, str) else "raw write+fsync"
+    writer_pid = ray.get(ckpt["writer"].__ray_call__.remote(lambda self: os.getpid()))
+    print(f"niceness: ranks {ray.get(ranks[0].nice.remote())}, writer {os.getpriority(os.PRIO_PROCESS, writer_pid)}, "
+          f"benchmark process {os.getpriority(os.PRIO_PROCESS, 0)}")
     print(f"floors: memcpy {memcpy:.3f} s ({nbytes[0] / memcpy / 2**30:.2f} GiB/s per rank); {floor} "
           f"of the same bytes measured before every repetition, to {out}")
     print()
@@ -333,15 +407,21 @@ def _bench(args: argparse.Namespace, out: Path) -> None:
     print("-" * len(head))
     profiles, floors = {}, []
     for mode in args.modes.split(","):
-        reps = [_rep(ranks, mode, i, ckpt, len(floors) + i) for i in range(args.reps)]
+        reps = [_rep(ranks, mode, i, ckpt, len(floors) + i, server) for i in range(args.reps)]
         floors += [r["raw_s"] for r in reps]
         _print_row(mode, reps, memcpy, total)
         last = reps[-1]
         if "writer" in last:
             profiles[mode] = last["writer"]
         if "trainer" in last:
-            print(f"{'':<24} trainer side, last save (max over ranks): " +
-                  ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in last["trainer"].items()))
+            print(f"{'':<24} trainer side, per save (max over ranks): " + "; ".join(
+                ", ".join(f"{k[:-2]} {v:.3f}" for k, v in r["trainer"].items()) for r in reps))
+        if last["busy"]:
+            print(f"{'':<24} busy after the floor (waited before the save), per save: " + "; ".join(
+                ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in r["busy"].items()) for r in reps))
+        if "s3_server_cpu_s" in last:
+            print(f"{'':<24} S3 server CPU, per save: " + ", ".join(
+                f"{r['s3_server_cpu_s'] / (total / 1e9):.2f}" for r in reps) + " s/GB")
     print()
     print(f"{floor} floor over all {len(floors)} repetitions: min {min(floors):.3f} s, median "
           f"{statistics.median(floors):.3f} s, max {max(floors):.3f} s ({total / min(floors) / 2**20:.0f} .. "
@@ -385,24 +465,44 @@ def _print_row(mode: str, reps: list[dict], memcpy: float, total: int) -> None:
           f"{stall / memcpy:>12.2f} {ratio:>6.2f} [{ratio0:>4.2f}] {slow * 100:>7.1f}% [{slow0 * 100:>4.0f}%] {cpu:>15}")
 
 
-def _rep(ranks: list, mode: str, rep: int, ckpt: dict, serial: int) -> dict:
+def _rep(ranks: list, mode: str, rep: int, ckpt: dict, serial: int, server: LocalS3 | None) -> dict:
     """One repetition of ``mode``, with the baseline step time and the raw floor measured right before it."""
     base = statistics.median(ray.get([r.baseline.remote(10) for r in ranks]))
     raw = max(ray.get([r.raw_floor.remote(serial) for r in ranks]))
     ours = mode.startswith("raytrain_ckpt")
     pid = ray.get(ckpt["writer"].__ray_call__.remote(lambda self: os.getpid())) if ours else 0
+    busy = {"writer_s": _settle(pid)} if ours else {}
+    if server is not None:
+        busy["s3_server_s"] = server.settle()
+        c0 = server.cpu_s()
     before = _cpu_of(pid) if ours else (0.0, 0.0)
     res = ray.get([r.run.remote(mode, rep, ckpt) for r in ranks])
     steps = [x for x in res if x["steps"]]
     out = {"stall_s": max(x["stall_s"] for x in res), "durable_s": max(x["durable_s"] for x in res),
            "step_s": statistics.mean(x["step_s"] for x in steps) if steps else float("nan"),
-           "steps": sum(x["steps"] for x in res), "raw_s": raw, "base_s": base}
+           "steps": sum(x["steps"] for x in res), "raw_s": raw, "base_s": base, "busy": busy}
+    if server is not None:
+        out["s3_server_cpu_s"] = server.cpu_s() - c0
     if ours:
         out["trainer"] = {k: max(x["trainer"][k] for x in res) for k in res[0]["trainer"]}
         after = _cpu_of(pid)
         last = ray.get(ckpt["writer"].usage.remote())["last"] if _has_usage(ckpt["writer"]) else {}
         out["writer"] = {"cpu_s": sum(after) - sum(before), "user_s": after[0] - before[0], "last": last}
     return out
+
+
+def _settle(pid: int, busy: float = 0.05, window_s: float = 0.2, limit_s: float = 30.0) -> float:
+    """Wait until process ``pid`` has used under ``busy`` of a core over ``window_s``; returns the
+    seconds it was still busy (0: idle at once). The floor right before a save takes both cores
+    (on S3 for seconds): what it delayed (the writer's work after the previous save, the
+    server's after the floor) is finished before the save is timed, and the wait is printed."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        c0 = sum(_cpu_of(pid))
+        time.sleep(window_s)
+        if sum(_cpu_of(pid)) - c0 < busy * window_s:
+            break
+    return max(0.0, time.monotonic() - t0 - window_s)
 
 
 def _cpu_of(pid: int) -> tuple[float, float]:

@@ -173,9 +173,16 @@ class CheckpointClient:
         return bool(t.item())
 
     def before_optimizer_step(self) -> None:
-        """Block until the staging copy is done: the optimizer is about to change what it reads."""
+        """Block until the staging copy is done: the optimizer is about to change what it reads.
+
+        The hand-off to the writer after the copy (a round trip to a process that may be busy
+        writing another rank) goes on meanwhile; the next save waits for it (``_handed_off``)."""
         if self._layout is not None:
             self.stats.stall_s += self._layout.staging.wait()
+
+    def _handed_off(self) -> float:
+        """Wait until the last save's hand-off is done (it sets ``_inflight``); returns the seconds blocked."""
+        return self._layout.staging.finish() if self._layout is not None else 0.0
 
     def save(self, step: int, state: dict[str, Any], info: dict[str, float] | None = None) -> None:
         """Save ``state`` (a DCP state dict of live tensors, e.g. ``app_state(trainer)``) as ``step``.
@@ -184,6 +191,7 @@ class CheckpointClient:
         tokens_seen) goes into the manifest.
         """
         t0 = time.monotonic()
+        self._handed_off()  # counted in this save's stall
         if not self._previous_settled(step, final=step == self.total_steps):
             return
         tensors, objects = self._flatten(state)
@@ -317,7 +325,7 @@ class CheckpointClient:
         if self._layout is None:
             return
         try:
-            self._layout.staging.wait()
+            self._layout.staging.finish()
         except Exception as exc:  # the attempt is over; a failed copy only loses an uncommitted save
             logger.debug("staging copy failed while leaving the attempt: %s", exc)
         for b in self._layout.buffers:
@@ -330,6 +338,7 @@ class CheckpointClient:
     def wait_committed(self) -> None:
         """Finish the in-flight save and wait for its commit (the final save, or mode=sync)."""
         self.before_optimizer_step()
+        self.stats.stall_s += self._handed_off()
         if self._inflight is None:
             return
         step, ref = self._inflight

@@ -263,23 +263,35 @@ class Staging(Protocol):
         ``staging`` fault-injection point)."""
 
     def wait(self) -> float:
-        """Block until the copy finished; returns seconds spent blocked. Re-raises copy errors."""
+        """Block until the copy finished; returns seconds spent blocked. Re-raises copy errors.
+
+        ``on_done`` may still be running: the buffer is filled, the live tensors may change."""
+
+    def finish(self) -> float:
+        """Block until ``on_done`` returned too; returns seconds spent blocked. Re-raises errors
+        of the copy and of ``on_done``. Called before the next ``start()``."""
 
     def warm(self) -> None:
         """Get the buffer ready for its first copy in the background, if that takes work (returns at once)."""
 
 
 class _ThreadedStaging(abc.ABC):
+    """The copy and then ``on_done`` (the hand-off to the writer, a round trip to another
+    process) run on one thread; ``wait()`` returns once the copy is done, so the trainer's
+    optimizer step does not wait for the hand-off, and ``finish()`` joins the thread."""
+
     def __init__(self, buffer: torch.Tensor, slots: list[TensorSlot]) -> None:
         self.buffer = buffer
         self.views = slot_views(buffer, slots)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._copied = threading.Event()
 
     def start(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None],
               midway: Callable[[], None] | None = None) -> None:
-        assert self._thread is None, "wait() for the previous copy first"
+        assert self._thread is None, "finish() the previous copy first"
         self._error = None
+        self._copied = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(sources, on_done, midway or (lambda: None)),
                                         name="rtc-staging", daemon=True)
         self._thread.start()
@@ -288,8 +300,14 @@ class _ThreadedStaging(abc.ABC):
              midway: Callable[[], None]) -> None:
         try:
             self._copy(sources, midway)
-            on_done()
         except BaseException as exc:  # surfaced to the training thread by wait()
+            self._error = exc
+            return
+        finally:
+            self._copied.set()
+        try:
+            on_done()
+        except BaseException as exc:  # surfaced to the training thread by finish()
             self._error = exc
 
     def warm(self) -> None:
@@ -300,6 +318,15 @@ class _ThreadedStaging(abc.ABC):
         """Runs on the staging thread; returns once the buffer holds the data."""
 
     def wait(self) -> float:
+        if self._thread is None:
+            return 0.0
+        t0 = time.monotonic()
+        self._copied.wait()
+        if self._error is not None:  # the copy failed (set before the event): the thread is ending
+            self.finish()
+        return time.monotonic() - t0
+
+    def finish(self) -> float:
         if self._thread is None:
             return 0.0
         t0 = time.monotonic()

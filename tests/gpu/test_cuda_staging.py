@@ -42,6 +42,7 @@ def test_pinned_staging_copies_exactly_and_is_ordered_before_the_update() -> Non
         for v in tensors.values():          # the "optimizer step", on the current stream
             v.mul_(2).add_(1)
         torch.cuda.synchronize()
+        staging.finish()                    # the hand-off (on_done) may run after wait() returned
         assert done == [True]
         writer_view = slot_views(map_buffer(path, nbytes), slots)   # what the writer process maps
         for k, v in expected.items():
@@ -62,6 +63,7 @@ def test_pinned_staging_returns_before_the_copy_is_done() -> None:
         assert staging.stream != torch.cuda.current_stream(dev)
         staging.wait()
         torch.cuda.synchronize()
+        staging.finish()
         assert done == [True] and staging._event.query()
         view = slot_views(staging.buffer, slots)
         assert torch.equal(view["w7"][-1], tensors["w7"][-1].cpu())

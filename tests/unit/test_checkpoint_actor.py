@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 import zlib
 from pathlib import Path
 
@@ -208,6 +209,7 @@ def test_shared_memory_staging_round_trip_through_a_second_mapping(tmp_path: Pat
     done: list[bool] = []
     staging.start(tensors, lambda: done.append(True))
     staging.wait()
+    staging.finish()                                          # the hand-off too
     assert done == [True]
     other = slot_views(map_buffer(path, nbytes), slots)      # what the writer process sees
     for k, v in tensors.items():
@@ -221,10 +223,24 @@ def test_staging_error_reaches_the_training_thread(tmp_path: Path) -> None:
     slots, nbytes = plan_slots(tensors)
     allocate_buffer(tmp_path / "buf", nbytes)
     staging = SharedMemoryStaging(map_buffer(tmp_path / "buf", nbytes), slots)
+    release = threading.Event()
 
     def boom() -> None:
+        release.wait(10)
         raise RuntimeError("hand-off failed")
 
     staging.start(tensors, boom)
+    staging.wait()  # the copy is done: the optimizer step does not wait for the hand-off
+    assert staging._thread is not None and staging._thread.is_alive()
+    release.set()
     with pytest.raises(RuntimeError, match="hand-off failed"):
+        staging.finish()  # what the next save (or the end of the attempt) calls first
+
+    def bad_copy(sources, midway) -> None:
+        raise RuntimeError("copy failed")
+
+    staging._copy = bad_copy
+    staging.start(tensors, lambda: None)
+    with pytest.raises(RuntimeError, match="copy failed"):
         staging.wait()
+    assert staging._thread is None
