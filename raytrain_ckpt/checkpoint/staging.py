@@ -118,7 +118,8 @@ def map_buffer(path: Path, nbytes: int, keep: int = 1) -> torch.Tensor:
             kept = _Kept(key, buffer, Populate(buffer))
     finally:
         os.close(fd)  # the mapping keeps the file alive
-    _kept[:] = [k for k in _kept if k is not kept][-(keep - 1):] + [kept] if keep > 1 else [kept]
+    others = [k for k in _kept if k is not kept]
+    _kept[:] = others[max(0, len(others) - (keep - 1)):] + [kept]  # the newest ``keep``, this one last
     return kept.buffer
 
 

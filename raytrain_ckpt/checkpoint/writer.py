@@ -139,9 +139,9 @@ class CheckpointWriter(ReplicaEndpoint):
         self._tmp: dict[tuple[int, int], str] = {}
         self._buffers: dict[str, _Held] = {}
         self._views: dict[str, tuple[tuple, _Mapped]] = {}
+        """path -> (layout, the buffer mapped): mapped once, not on every save (page faults cost CPU)."""
         self._premapped: dict[str, tuple[int, memoryview]] = {}
         """path -> (bytes, mapping) of a buffer mapped ahead of its first write (``_reserve``)."""
-        """path -> (layout, the buffer mapped): mapped once, not on every save (page faults cost CPU)."""
         self._lock = threading.Lock()
         """Orders allocate() (which hands buffers to attempts) against accept() (which checks them)."""
         self._newest_attempt = 0
