@@ -326,7 +326,7 @@ def main() -> None:
         print(f"{name:<14} kill -> first step after resume {m['total']:6.2f}" + (f"  ({parts})" if parts else ""))
     if "Ray Train" in med:
         for name in ("raytrain_ckpt", "  no reuse"):
-            print(f"ratio {name.strip()} / Ray Train: {med[name]['total'] / med['Ray Train']['total']:.2f}")
+            print(f"ratio {name.strip()} / Ray Train: {med[name]['total'] / med['Ray Train']['total']:.3f}")
     else:
         print('Ray Train not installed: pip install "ray[train]" to compare')
 

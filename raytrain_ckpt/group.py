@@ -55,13 +55,15 @@ class RayWorkerGroup:
         self._pg, survivors = kept if kept is not None else (self._place(bundle, deadline), {})
         # build actors: survivors keep their rank, spares and new processes fill the gaps
         self.workers = self._assign_workers(survivors, deadline)
-        # rendezvous at rank 0's node, then set up every rank concurrently
+        # rendezvous at rank 0's node; plan the resume point while the ranks join, then set up
+        # every rank concurrently
         addr, port = self._get(self.workers[0].address.remote(), deadline, "locate rank 0")
-        ckpt = self._checkpoint_args()
+        joins = [w.join.remote(addr, port) for w in self.workers]
         try:
-            setups = [w.setup.remote(addr, port, ckpt[rank]) for rank, w in enumerate(self.workers)]
-            for rank, ref in enumerate(setups):
-                self._get(ref, deadline, f"set up rank {rank}")
+            ckpt = self._checkpoint_args()
+            setups = [w.setup.remote(ckpt[rank]) for rank, w in enumerate(self.workers)]
+            self._get_all(joins, deadline, "join rank {rank} to the process group")
+            self._get_all(setups, deadline, "set up rank {rank}")
         finally:
             if self.checkpoints is not None:
                 self.checkpoints.release(self.attempt)
@@ -154,6 +156,15 @@ class RayWorkerGroup:
                  "resume_world_size": point.world_size if point else None, "interval": history,
                  "resume_source": sources[rank] if sources else None, "resume_plan_s": plan_s}
                 for rank in range(self.spec.world_size)]
+
+    def _get_all(self, refs: list[ray.ObjectRef], deadline: float, what: str) -> None:
+        """Every rank's ``refs[rank]``, in the order they finish: the first failure raises at once
+        (a rank that cannot join leaves the others waiting in the rendezvous until the deadline)."""
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready or list(pending)[:1]:  # nothing ready: the deadline passed, _get says so
+                self._get(ref, deadline, what.format(rank=pending.pop(ref)))
 
     def _get(self, ref: ray.ObjectRef, deadline: float, what: str):
         try:

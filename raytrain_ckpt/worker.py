@@ -89,8 +89,15 @@ class TrainWorker:
         self._stop = threading.Event()
         self.start_step = 0
         self.timings: dict[str, float] = {}
+        self._joined = threading.Event()
+        self._join_error: str | None = None
         self.metrics = TrainerMetrics(self.spec.name, rank)
         torch.set_num_threads(max(1, int(self.spec.resources.cpus_per_worker)))
+        if rank != SPARE_RANK:
+            # What setup() imports, imported now (at once for a spare or a kept process): join()
+            # freezes what exists before the attempt, and join() and setup() may run at the same
+            # time on the actor's two threads, where two imports can deadlock on module locks.
+            self.warm()
 
     def warm(self) -> int:
         """Import what setup() needs, so a spare that takes over a rank starts training sooner."""
@@ -131,10 +138,53 @@ class TrainWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, master_addr: str, master_port: int, ckpt: dict | None = None) -> None:
-        """Join the process group, build model, optimizer and data, and load the resume checkpoint."""
+    def join(self, master_addr: str, master_port: int) -> None:
+        """Join the attempt's process group (rendezvous at rank 0's ``master_addr:master_port``).
+
+        The driver plans the resume point while the ranks join, and hands it to ``setup()``,
+        which waits for this to finish: with two actor threads the two calls may start in
+        either order.
+        """
         try:
-            self._setup(master_addr, master_port, restoring=bool(ckpt and ckpt["resume_path"] is not None))
+            self._join(master_addr, master_port)
+            return
+        except Exception:
+            self._join_error = traceback.format_exc()
+        finally:
+            self._joined.set()
+        raise WorkerFailure(self.rank, self.attempt, self._join_error)  # outside the except block: see setup()
+
+    def _join(self, master_addr: str, master_port: int) -> None:
+        # What exists now (modules, this actor, caches) outlives the attempt: freezing it keeps
+        # reset()'s collection to what the attempt made (0.17 s -> 0.01 s of a restart's teardown).
+        gc.freeze()
+        if self.spec.resources.use_gpu:
+            # Ray sets CUDA_VISIBLE_DEVICES per actor, so the assigned GPU is device 0 here.
+            torch.cuda.set_device(0)
+            if self.spec.training.deterministic:
+                _deterministic_cuda()
+        t0 = time.monotonic()
+        # The same timeout bounds every collective: a rank whose peer hangs fails on its own
+        # after about hang_timeout_s instead of torch's default 30 minutes (never below a
+        # floor that leaves the rendezvous room on a loaded machine).
+        collective_s = max(self.spec.fault_tolerance.hang_timeout_s, MIN_COLLECTIVE_TIMEOUT_S)
+        dist.init_process_group(
+            backend="nccl" if self.spec.resources.use_gpu else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=collective_s),
+        )
+        self.timings["pg_init_s"] = time.monotonic() - t0
+
+    def setup(self, ckpt: dict | None = None) -> None:
+        """Once ``join()`` is done: build model, optimizer and data, and load the resume checkpoint."""
+        try:
+            if not self._joined.wait(self.spec.fault_tolerance.start_timeout_s):
+                raise TimeoutError("join() did not finish within fault_tolerance.start_timeout_s")
+            if self._join_error is not None:
+                raise RuntimeError(f"joining the process group failed:\n{self._join_error}")
+            self._setup(restoring=bool(ckpt and ckpt["resume_path"] is not None))
             if ckpt is not None:
                 self._setup_checkpoints(ckpt)
             return
@@ -146,33 +196,10 @@ class TrainWorker:
         # and the process group, whose connections then stay open after reset()).
         raise WorkerFailure(self.rank, self.attempt, text)
 
-    def _setup(self, master_addr: str, master_port: int, restoring: bool) -> None:
+    def _setup(self, restoring: bool) -> None:
         from raytrain_ckpt.trainer import Trainer
 
-        # What exists now (modules, this actor, caches) outlives the attempt: freezing it keeps
-        # reset()'s collection to what the attempt made (0.17 s -> 0.01 s of a restart's teardown).
-        gc.freeze()
-
-        use_gpu = self.spec.resources.use_gpu
-        if use_gpu:
-            # Ray sets CUDA_VISIBLE_DEVICES per actor, so the assigned GPU is device 0 here.
-            torch.cuda.set_device(0)
-            if self.spec.training.deterministic:
-                _deterministic_cuda()
-        device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
-        t0 = time.monotonic()
-        # The same timeout bounds every collective: a rank whose peer hangs fails on its own
-        # after about hang_timeout_s instead of torch's default 30 minutes (never below a
-        # floor that leaves the rendezvous room on a loaded machine).
-        collective_s = max(self.spec.fault_tolerance.hang_timeout_s, MIN_COLLECTIVE_TIMEOUT_S)
-        dist.init_process_group(
-            backend="nccl" if use_gpu else "gloo",
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=collective_s),
-        )
-        self.timings["pg_init_s"] = time.monotonic() - t0
+        device = torch.device("cuda", 0) if self.spec.resources.use_gpu else torch.device("cpu")
         t0 = time.monotonic()
         self.trainer = Trainer(self.spec, device, self._prefix, restoring)
         self.timings["build_s"] = time.monotonic() - t0
@@ -219,7 +246,15 @@ class TrainWorker:
             return self._run()
         except Exception:
             text = traceback.format_exc()
-        self._progress = Progress(self.rank, self._progress.step, self._progress.loss, time.time(), "failed")
+        failed = Progress(self.rank, self._progress.step, self._progress.loss, time.time(), "failed")
+        # Leave the attempt now, while the driver is still learning what happened (a dead peer
+        # takes Ray tens of milliseconds to report): a restart that keeps this process then
+        # finds it reset, and peers blocked in a collective with this rank fail at once.
+        try:
+            self.reset()
+        except Exception as exc:  # the driver's own reset() tries again, or replaces this process
+            logger.warning("%sreset after the failure failed: %s", self._prefix(), exc)
+        self._progress = failed
         raise WorkerFailure(self.rank, self.attempt, text)  # outside the except block: see setup()
 
     def _run(self) -> WorkerResult:

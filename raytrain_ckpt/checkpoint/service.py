@@ -229,7 +229,8 @@ class CheckpointService:
             return None
         if attempt == 0:  # a new job: its writers hold nothing yet
             return [RankSource(r, "storage", "the job's first attempt") for r in range(spec.world_size)]
-        facts = [self._copy_facts(attempt, rank, node, point.step) for rank, node in enumerate(nodes)]
+        asked = [self._ask_copy(attempt, rank, node, point.step) for rank, node in enumerate(nodes)]
+        facts = [self._copy_facts(rank, node, step, ref) for rank, (node, (step, ref)) in enumerate(zip(nodes, asked))]
         listed = self._ask("manifest_files", point.step)
         sources = choose_sources(point.step, spec.world_size, point.world_size, spec.checkpoint.memory_copies,
                                  facts, listed)
@@ -240,14 +241,27 @@ class CheckpointService:
             logger.info("attempt %d: loading step %d from storage: %s", attempt, point.step, sources[0].why)
         return sources
 
-    def _copy_facts(self, attempt: int, rank: int, node: str, step: int) -> CopyFacts:
+    def _ask_copy(self, attempt: int, rank: int, node: str,
+                  step: int) -> tuple[int, ray.ObjectRef | Exception | None]:
+        """Ask ``node``'s writer for rank ``rank``'s copy of ``step``, without waiting for the answer
+        (every rank's question is out before any answer is awaited): the step asked for and the
+        answer's ref, the error that kept the question from being sent, or None (no copies kept)."""
         if self.spec.checkpoint.memory_copies < 2:
-            return CopyFacts(rank, None)
+            return step, None
         if planned("stale", "restore", rank, step, attempt):  # the copy of the step before
             step = max((s for s in self.status()["committed"] if s < step), default=-1)
         try:
-            copy: CommittedCopy | None = ray.get(self.writer_for(node).committed_copy.remote(rank, step),
-                                                 timeout=COPY_QUERY_TIMEOUT_S)
+            return step, self.writer_for(node).committed_copy.remote(rank, step)
+        except Exception as exc:  # no writer there (e.g. the node does not share the root): storage serves
+            return step, exc
+
+    def _copy_facts(self, rank: int, node: str, step: int, asked: ray.ObjectRef | Exception | None) -> CopyFacts:
+        if asked is None:
+            return CopyFacts(rank, None)
+        try:
+            if isinstance(asked, Exception):
+                raise asked
+            copy: CommittedCopy | None = ray.get(asked, timeout=COPY_QUERY_TIMEOUT_S)
         except Exception as exc:  # a dead or unreachable writer: its copy is lost, storage serves
             copy, why = None, f"{type(exc).__name__}: {headline(str(exc))}"
         else:
