@@ -11,7 +11,8 @@ Who emits what:
 * ``CheckpointMetrics`` (the CheckpointActor): committed and in-flight step, phase and
   per-rank progress, phase durations, bytes, throughput, purges, aborts, failed saves (in a
   row and in all), work at risk, the interval ``interval_steps: auto`` chose.
-* ``WriterMetrics`` (each node's CheckpointWriter): bytes and write time per rank.
+* ``WriterMetrics`` (each node's CheckpointWriter): bytes and write time per rank, upload
+  retries, and the copies it sent to its peer node (step, bytes, time, failures).
 * ``ControllerMetrics`` (the driver, called after every controller step): state, attempt,
   failures and restarts by cause, and the training step it polled.
 
@@ -109,6 +110,14 @@ METRICS: dict[str, MetricDef] = {m.name.removeprefix(PREFIX): m for m in (
        "files of the last step.", "rank", "node"),
     _m("checkpoint_rank_upload_retries_total", "counter", "Uploads of a rank's shards to an object store tried "
        "again after a transient error (5xx, throttling, a dropped connection).", "rank", "node"),
+    _m("checkpoint_replica_step", "gauge", "Newest step of a rank's committed copy that a node's writer sent to "
+       "its peer node (checkpoint.replication).", "rank", "node"),
+    _m("checkpoint_replica_seconds", "gauge", "Seconds the last send of a rank's copy to the peer node took.",
+       "rank", "node"),
+    _m("checkpoint_replica_bytes_total", "counter", "Bytes of a rank's committed copies sent to the peer node.",
+       "rank", "node"),
+    _m("checkpoint_replica_failures_total", "counter", "Sends of a rank's copy to the peer node that failed: "
+       "until the next one succeeds, losing this node restores its ranks from storage.", "rank", "node"),
     # controller
     _m("job_state", "gauge", "1 for the controller's current state, 0 for the others.", "state"),
     _m("job_attempt", "gauge", "Attempt number of the running worker group (0: the first)."),
@@ -251,6 +260,17 @@ class WriterMetrics:
         tags = {"job": self.job, "rank": str(rank), "node": self.node}
         record("checkpoint_rank_bytes_written_total", nbytes, tags)
         record("checkpoint_rank_write_seconds", seconds, tags)
+
+    def replicated(self, rank: int, step: int, nbytes: int, seconds: float) -> None:
+        """Rank ``rank``'s copy of ``step`` reached the peer node, verified there."""
+        tags = {"job": self.job, "rank": str(rank), "node": self.node}
+        record("checkpoint_replica_step", step, tags)
+        record("checkpoint_replica_seconds", seconds, tags)
+        record("checkpoint_replica_bytes_total", nbytes, tags)
+
+    def replica_failed(self, rank: int) -> None:
+        """A send of rank ``rank``'s copy to the peer node failed (the step stays committed on storage)."""
+        record("checkpoint_replica_failures_total", 1, {"job": self.job, "rank": str(rank), "node": self.node})
 
     def retried(self, rank: int) -> None:
         """An upload to an object store failed with a transient error and is tried again."""

@@ -35,11 +35,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import crc32c as _crc32c
 
 from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, open_buffer
+
+if TYPE_CHECKING:
+    from raytrain_ckpt.metrics import WriterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -294,6 +297,7 @@ class ReplicaEndpoint:
     _buffers: dict[str, Any]
     prefix: str
     coordinator: Any
+    metrics: WriterMetrics
 
     def _init_replicas(self, directory: Path, max_mb_per_s: float | None) -> None:
         import ray
@@ -390,12 +394,16 @@ class ReplicaEndpoint:
         self.replicas.remove_all()
 
     def _send_logged(self, copy: Any, source_node: str, peer: tuple[str, Any]) -> Replica | None:
+        t0 = time.monotonic()
         try:
-            return self._send(copy, source_node, peer)
+            replica = self._send(copy, source_node, peer)
         except Exception as exc:  # the step is committed on storage: a lost replica only costs recovery time
             logger.warning("replica of rank %d step %d not sent to node %s: %s", copy.rank, copy.step,
                            peer[0][:12], exc)
+            self.metrics.replica_failed(copy.rank)
             return None
+        self.metrics.replicated(copy.rank, copy.step, copy.nbytes, time.monotonic() - t0)
+        return replica
 
     def _send(self, copy: Any, source_node: str, peer: tuple[str, Any]) -> Replica:
         import ray

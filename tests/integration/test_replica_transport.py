@@ -96,3 +96,31 @@ def test_a_sender_killed_mid_send_leaves_no_replica(ray_cluster, tmp_path):
     assert not list(Path("/dev/shm").glob(f"rtc-rep-peer-{os.getpid()}*"))
     ray.kill(b)
     src.remove()
+
+
+def test_sends_and_failed_sends_reach_the_senders_metrics(ray_cluster, tmp_path, monkeypatch):
+    """What a node's writer sent to its peer, and what it failed to send, is on its metrics
+    (the dashboard's replica panel): the sender runs in this process to capture its records."""
+    from raytrain_ckpt import metrics
+    from raytrain_ckpt.checkpoint.writer import CheckpointWriter
+
+    ray = ray_cluster
+    recorded: list[tuple[str, float, str]] = []
+    monkeypatch.setattr(metrics, "record", lambda name, value, tags: recorded.append((name, value, tags["rank"])))
+    node = ray.get_runtime_context().get_node_id()
+    sender = CheckpointWriter(f"rep-m-{os.getpid()}", f"/tmp/rep-m-{os.getpid()}", None, nice=0)
+    peer = _writer(ray, f"rep-m-peer-{os.getpid()}")
+    sender.set_peer(node, peer)
+    copy, src, _ = _source(tmp_path, 1, 10, 3 << 20)
+    assert sender.replicate(copy, wait=True) is not None
+    sent = {name: value for name, value, rank in recorded if rank == "1"}
+    assert sent["checkpoint_replica_step"] == 10 and sent["checkpoint_replica_bytes_total"] == 3 << 20
+    assert sent["checkpoint_replica_seconds"] > 0 and "checkpoint_replica_failures_total" not in sent
+
+    ray.get(peer.release_all.remote())
+    ray.kill(peer)                                         # the peer node's writer is gone
+    newer, src2, _ = _source(tmp_path, 1, 20, 1 << 20)
+    assert sender.replicate(newer, wait=True) is None      # the send fails, and says so
+    assert ("checkpoint_replica_failures_total", 1, "1") in recorded
+    assert [value for name, value, _ in recorded if name == "checkpoint_replica_step"] == [10]
+    src.remove(), src2.remove()
