@@ -163,7 +163,13 @@ class RayWorkerGroup:
         pending = {ref: rank for rank, ref in enumerate(refs)}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            for ref in ready or list(pending)[:1]:  # nothing ready: the deadline passed, _get says so
+            if not ready:
+                ranks = ", ".join(str(r) for r in sorted(pending.values()))
+                raise GroupStartError(
+                    f"timed out trying to {what.format(rank=ranks)} within fault_tolerance.start_timeout_s="
+                    f"{self.spec.fault_tolerance.start_timeout_s:g}s"
+                )
+            for ref in ready:
                 self._get(ref, deadline, what.format(rank=pending.pop(ref)))
 
     def _get(self, ref: ray.ObjectRef, deadline: float, what: str):

@@ -111,13 +111,14 @@ METRICS: dict[str, MetricDef] = {m.name.removeprefix(PREFIX): m for m in (
     _m("checkpoint_rank_upload_retries_total", "counter", "Uploads of a rank's shards to an object store tried "
        "again after a transient error (5xx, throttling, a dropped connection).", "rank", "node"),
     _m("checkpoint_replica_step", "gauge", "Newest step of a rank's committed copy that a node's writer sent to "
-       "its peer node (checkpoint.replication).", "rank", "node"),
+       "its peer node (checkpoint.replication; the last send, not what the peer still holds).", "rank", "node"),
     _m("checkpoint_replica_seconds", "gauge", "Seconds the last send of a rank's copy to the peer node took.",
        "rank", "node"),
     _m("checkpoint_replica_bytes_total", "counter", "Bytes of a rank's committed copies sent to the peer node.",
        "rank", "node"),
-    _m("checkpoint_replica_failures_total", "counter", "Sends of a rank's copy to the peer node that failed: "
-       "until the next one succeeds, losing this node restores its ranks from storage.", "rank", "node"),
+    _m("checkpoint_replica_failures_total", "counter", "Sends of a rank's copy to the peer node that failed "
+       "(also one overtaken by a newer step, whose staging reused the buffer: that step's send follows); until "
+       "a send succeeds, losing this node restores its ranks from storage.", "rank", "node"),
     # controller
     _m("job_state", "gauge", "1 for the controller's current state, 0 for the others.", "state"),
     _m("job_attempt", "gauge", "Attempt number of the running worker group (0: the first)."),

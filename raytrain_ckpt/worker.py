@@ -40,12 +40,14 @@ SPARE_RANK = -1
 """The rank of an idle spare worker that no attempt has assigned yet."""
 _WARM_MODULES = ("raytrain_ckpt.trainer", "raytrain_ckpt.checkpoint.client", "raytrain_ckpt.checkpoint.state",
                  "torch.distributed.checkpoint", "torch.distributed.fsdp")
+_IMPORT_LOCK = threading.Lock()
 
 
 def _deterministic_cuda() -> None:
     """Only deterministic CUDA kernels from here on (``training.deterministic``). cuBLAS reads
     its workspace setting when this process creates its first handle, i.e. at the first
-    matmul, which comes after this call: the actor has not run one before setup()."""
+    matmul, which comes after this call (made in join(); setup() waits for it): the actor has
+    not run one before."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
 
@@ -100,9 +102,14 @@ class TrainWorker:
             self.warm()
 
     def warm(self) -> int:
-        """Import what setup() needs, so a spare that takes over a rank starts training sooner."""
-        for name in _WARM_MODULES:
-            importlib.import_module(name)
+        """Import what setup() needs, so a spare that takes over a rank starts training sooner.
+
+        Under a lock: a spare's own warm() may still be importing when assign() calls it from
+        the actor's other thread, and two threads importing at once can deadlock on module locks.
+        """
+        with _IMPORT_LOCK:
+            for name in _WARM_MODULES:
+                importlib.import_module(name)
         return os.getpid()
 
     def reset(self) -> None:
@@ -122,7 +129,7 @@ class TrainWorker:
         self.checkpoints = None
         if dist.is_initialized():
             dist.destroy_process_group()
-        gc.collect()  # only what this attempt made: setup() froze everything older (gc.freeze)
+        gc.collect()  # only what this attempt made: join() froze everything older (gc.freeze)
         self._progress = Progress(self.rank, 0, None, time.time(), "setup")
 
     def _prefix(self) -> str:
@@ -246,15 +253,7 @@ class TrainWorker:
             return self._run()
         except Exception:
             text = traceback.format_exc()
-        failed = Progress(self.rank, self._progress.step, self._progress.loss, time.time(), "failed")
-        # Leave the attempt now, while the driver is still learning what happened (a dead peer
-        # takes Ray tens of milliseconds to report): a restart that keeps this process then
-        # finds it reset, and peers blocked in a collective with this rank fail at once.
-        try:
-            self.reset()
-        except Exception as exc:  # the driver's own reset() tries again, or replaces this process
-            logger.warning("%sreset after the failure failed: %s", self._prefix(), exc)
-        self._progress = failed
+        self._progress = Progress(self.rank, self._progress.step, self._progress.loss, time.time(), "failed")
         raise WorkerFailure(self.rank, self.attempt, text)  # outside the except block: see setup()
 
     def _run(self) -> WorkerResult:

@@ -230,7 +230,9 @@ class CheckpointService:
         if attempt == 0:  # a new job: its writers hold nothing yet
             return [RankSource(r, "storage", "the job's first attempt") for r in range(spec.world_size)]
         asked = [self._ask_copy(attempt, rank, node, point.step) for rank, node in enumerate(nodes)]
-        facts = [self._copy_facts(rank, node, step, ref) for rank, (node, (step, ref)) in enumerate(zip(nodes, asked))]
+        deadline = time.monotonic() + COPY_QUERY_TIMEOUT_S  # for all answers together
+        facts = [self._copy_facts(rank, node, step, ref, deadline)
+                 for rank, (node, (step, ref)) in enumerate(zip(nodes, asked))]
         listed = self._ask("manifest_files", point.step)
         sources = choose_sources(point.step, spec.world_size, point.world_size, spec.checkpoint.memory_copies,
                                  facts, listed)
@@ -255,17 +257,18 @@ class CheckpointService:
         except Exception as exc:  # no writer there (e.g. the node does not share the root): storage serves
             return step, exc
 
-    def _copy_facts(self, rank: int, node: str, step: int, asked: ray.ObjectRef | Exception | None) -> CopyFacts:
+    def _copy_facts(self, rank: int, node: str, step: int, asked: ray.ObjectRef | Exception | None,
+                    deadline: float) -> CopyFacts:
         if asked is None:
             return CopyFacts(rank, None)
-        try:
-            if isinstance(asked, Exception):
-                raise asked
-            copy: CommittedCopy | None = ray.get(asked, timeout=COPY_QUERY_TIMEOUT_S)
-        except Exception as exc:  # a dead or unreachable writer: its copy is lost, storage serves
-            copy, why = None, f"{type(exc).__name__}: {headline(str(exc))}"
+        copy: CommittedCopy | None = None
+        if isinstance(asked, Exception):
+            why: str | None = f"{type(asked).__name__}: {headline(str(asked))}"
         else:
-            why = None
+            try:
+                copy, why = ray.get(asked, timeout=max(0.0, deadline - time.monotonic())), None
+            except Exception as exc:  # a dead or unreachable writer: its copy is lost, storage serves
+                why = f"{type(exc).__name__}: {headline(str(exc))}"
         if copy is None and self.spec.checkpoint.replication.mode == "auto":
             copy = self._copy_from_peer(rank, node, step)  # the rank moved node, or its writer is gone
             why = None if copy is not None else why

@@ -45,6 +45,9 @@ def test_worker_exception_is_reported_with_rank_and_traceback(ray_cluster, monke
     assert result.state is JobState.FAILED
     assert "rank 1" in result.error
     assert "Traceback" in result.error and "InjectedFault" in result.error
+    # The failure is the rank that raised, not a peer whose collective broke as a consequence.
+    first = result.failures[0]
+    assert (first.kind, first.rank) == ("exception", 1) and "InjectedFault" in first.headline, first
 
 
 def test_killed_worker_process_restarts_the_group(ray_cluster, monkeypatch):
