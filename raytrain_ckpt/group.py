@@ -164,22 +164,19 @@ class RayWorkerGroup:
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                ranks = ", ".join(str(r) for r in sorted(pending.values()))
-                raise GroupStartError(
-                    f"timed out trying to {what.format(rank=ranks)} within fault_tolerance.start_timeout_s="
-                    f"{self.spec.fault_tolerance.start_timeout_s:g}s"
-                )
+                raise self._timed_out(what.format(rank=", ".join(str(r) for r in sorted(pending.values()))))
             for ref in ready:
                 self._get(ref, deadline, what.format(rank=pending.pop(ref)))
+
+    def _timed_out(self, what: str) -> GroupStartError:
+        return GroupStartError(f"timed out trying to {what} within fault_tolerance.start_timeout_s="
+                               f"{self.spec.fault_tolerance.start_timeout_s:g}s")
 
     def _get(self, ref: ray.ObjectRef, deadline: float, what: str):
         try:
             return ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
         except GetTimeoutError:
-            raise GroupStartError(
-                f"timed out trying to {what} within fault_tolerance.start_timeout_s="
-                f"{self.spec.fault_tolerance.start_timeout_s:g}s"
-            ) from None
+            raise self._timed_out(what) from None
         except (WorkerFailure, RayActorError) as exc:
             raise GroupStartError(f"failed to {what}: {exc}") from None
 
