@@ -77,6 +77,17 @@ def test_a_rank_that_cannot_join_fails_the_start_naming_it(ray_cluster, monkeypa
     assert result.results[1].served == (1, 2)           # rank 1 was kept from attempt 1 and joined slowly
 
 
+def test_a_rank_that_never_joins_is_named_when_the_rendezvous_times_out(ray_cluster, monkeypatch):
+    """Rank 1 hangs before it joins; rank 0's rendezvous gives up first (the collective timeout,
+    60 s, is shorter than the start's): the start failure names rank 1, not only rank 0."""
+    monkeypatch.setenv(ENV_VAR, "hang@join:rank=1,step=0")
+    result = run_job(_spec("fault_tolerance.hang_timeout_s=4", "fault_tolerance.start_timeout_s=150"))
+    assert result.state is JobState.FAILED
+    start = result.failures[0]
+    assert start.kind == "start" and "failed to join rank 0" in start.headline, start
+    assert "(rank 1 not done yet)" in start.headline, start
+
+
 def test_hung_worker_is_detected(ray_cluster, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "hang@step:rank=1,step=2")
     result = run_job(_spec("fault_tolerance.hang_timeout_s=4", "fault_tolerance.poll_interval_s=0.5"))
