@@ -116,7 +116,7 @@ class CheckpointService:
         runs (re-checked on both ends). None when no alive node holds one, or moving it failed.
         ``silent``: nodes whose writer did not answer in time, not asked (one that times out here
         is added)."""
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]} & set(self._writers) - silent
+        alive = ({n["NodeID"] for n in ray.nodes() if n["Alive"]} & set(self._writers)) - silent
         for holder in sorted(alive, key=lambda n: (n != node, n)):  # the rank's node first: nothing to move
             try:
                 held = ray.get(self._writers[holder].copies_held.remote(step), timeout=COPY_QUERY_TIMEOUT_S)
