@@ -15,7 +15,9 @@ a segfault or the OOM killer), ``hang`` (the rank stops making progress) or ``sl
 or ``uploaded`` (in the node's CheckpointWriter on an object store, after rank ``R``'s files of
 step ``S`` are uploaded and before they are reported: the step's prefix holds shards and no
 manifest) or ``commit`` (in the CheckpointActor, after ``.metadata`` and before the manifest of step
-``S``; use ``rank=0``) or ``restore`` (a restart loading step ``S`` from the in-memory copy of rank ``R``;
+``S``; use ``rank=0``) or ``join`` (a rank of a starting attempt, before it joins the process
+group; use ``step=0``) or ``setup`` (the same rank once joined, before it builds its trainer;
+``step=0``) or ``restore`` (a restart loading step ``S`` from the in-memory copy of rank ``R``;
 give the restart's ``attempt``). Two kinds damage that copy instead of the process, and only at
 ``restore``: ``corrupt`` flips one bit of the rank's staging buffer before the rank checksums it,
 and ``stale`` hands the rank its writer's copy of the step before ``S`` (an older buffer).
@@ -40,7 +42,7 @@ KINDS = ("raise", "exit", "hang", "slow", "corrupt", "stale")
 COPY_KINDS = ("corrupt", "stale")
 """Kinds that damage a rank's in-memory copy (point ``restore`` only); their caller acts on ``planned()``."""
 SLOW_S = 3.0
-POINTS = ("step", "staging", "staged", "persist", "uploaded", "commit", "restore")
+POINTS = ("step", "staging", "staged", "persist", "uploaded", "commit", "join", "setup", "restore")
 
 
 class InjectedFault(RuntimeError):

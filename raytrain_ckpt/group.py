@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -159,14 +160,18 @@ class RayWorkerGroup:
 
     def _get_all(self, refs: list[ray.ObjectRef], deadline: float, what: str) -> None:
         """Every rank's ``refs[rank]``, in the order they finish: the first failure raises at once
-        (a rank that cannot join leaves the others waiting in the rendezvous until the deadline)."""
+        (a rank that cannot join leaves the others waiting in the rendezvous until the deadline).
+        A failure names the ranks not done yet too: it may be a peer's echo of theirs (rank 0's
+        rendezvous timing out on a rank that never arrived)."""
         pending = {ref: rank for rank, ref in enumerate(refs)}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise self._timed_out(what.format(rank=", ".join(str(r) for r in sorted(pending.values()))))
-            for ref in ready:
-                self._get(ref, deadline, what.format(rank=pending.pop(ref)))
+                raise self._timed_out(what.format(rank=_ranks(pending.values())))
+            done = {ref: pending.pop(ref) for ref in ready}
+            late = f" (rank {_ranks(pending.values())} not done yet)" if pending else ""
+            for ref, rank in done.items():
+                self._get(ref, deadline, what.format(rank=rank) + late)
 
     def _timed_out(self, what: str) -> GroupStartError:
         return GroupStartError(f"timed out trying to {what} within fault_tolerance.start_timeout_s="
@@ -296,6 +301,10 @@ class RayWorkerGroup:
             except Exception as exc:  # a rank that cannot reset is replaced, not reused
                 logger.warning("rank %d could not reset and is replaced: %s", resets[ref], headline(str(exc)))
         return survivors
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    return ", ".join(str(r) for r in sorted(ranks))
 
 
 def _ended_alive(ref: ray.ObjectRef) -> bool:

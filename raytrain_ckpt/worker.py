@@ -153,6 +153,7 @@ class TrainWorker:
         either order.
         """
         try:
+            maybe_inject("join", self.rank, 0, self.attempt)
             self._join(master_addr, master_port)
             return
         except Exception:
@@ -191,6 +192,7 @@ class TrainWorker:
                 raise TimeoutError("join() did not finish within fault_tolerance.start_timeout_s")
             if self._join_error is not None:
                 raise RuntimeError(f"joining the process group failed:\n{self._join_error}")
+            maybe_inject("setup", self.rank, 0, self.attempt)
             self._setup(restoring=bool(ckpt and ckpt["resume_path"] is not None))
             if ckpt is not None:
                 self._setup_checkpoints(ckpt)

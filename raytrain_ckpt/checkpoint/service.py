@@ -9,7 +9,7 @@ import uuid
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ckpt.checkpoint.actor import CheckpointActor, ResumePoint
@@ -110,11 +110,13 @@ class CheckpointService:
             logger.info("checkpoint.replication: %s", ", ".join(f"{a[:8]} -> {b[:8]}" for a, b in sorted(ring.items())))
         return ring
 
-    def _copy_from_peer(self, rank: int, node: str, step: int) -> CommittedCopy | None:
+    def _copy_from_peer(self, rank: int, node: str, step: int, silent: set[str]) -> CommittedCopy | None:
         """Rank ``rank``'s copy of ``step`` from another node (its old node's own copy, or the
         replica its old node sent to its peer), moved to the writer on ``node`` where the rank now
-        runs (re-checked on both ends). None when no alive node holds one, or moving it failed."""
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]} & set(self._writers)
+        runs (re-checked on both ends). None when no alive node holds one, or moving it failed.
+        ``silent``: nodes whose writer did not answer in time, not asked (one that times out here
+        is added)."""
+        alive = ({n["NodeID"] for n in ray.nodes() if n["Alive"]} & set(self._writers)) - silent
         for holder in sorted(alive, key=lambda n: (n != node, n)):  # the rank's node first: nothing to move
             try:
                 held = ray.get(self._writers[holder].copies_held.remote(step), timeout=COPY_QUERY_TIMEOUT_S)
@@ -125,6 +127,8 @@ class CheckpointService:
                     found = ray.get(self.writer_for(holder).push_replica.remote(rank, step, self.writer_for(node), node),
                                     timeout=self.spec.fault_tolerance.start_timeout_s)
             except Exception as exc:  # a writer restarting, gone, or a failed move: try the next holder
+                if isinstance(exc, GetTimeoutError):  # not asked again for the next rank
+                    silent.add(holder)
                 logger.info("rank %d: no copy of step %d from node %s: %s", rank, step, holder[:12], headline(str(exc)))
                 continue
             logger.info("rank %d loads step %d from the peer replica on node %s (copy of node %s)", rank, step,
@@ -231,8 +235,12 @@ class CheckpointService:
             return [RankSource(r, "storage", "the job's first attempt") for r in range(spec.world_size)]
         asked = [self._ask_copy(attempt, rank, node, point.step) for rank, node in enumerate(nodes)]
         deadline = time.monotonic() + COPY_QUERY_TIMEOUT_S  # for all answers together
-        facts = [self._copy_facts(rank, node, step, ref, deadline)
-                 for rank, (node, (step, ref)) in enumerate(zip(nodes, asked))]
+        answers = [self._answer(ref, deadline) for _, ref in asked]
+        # A writer that did not answer in time (its node is going away) is not asked again for
+        # each of its ranks, nor sent a copy: the one deadline is all it costs the restart.
+        silent = {node for node, answer in zip(nodes, answers) if answer is not None and answer[2]}
+        facts = [self._copy_facts(rank, node, step, answer, silent)
+                 for rank, (node, (step, _), answer) in enumerate(zip(nodes, asked, answers))]
         listed = self._ask("manifest_files", point.step)
         sources = choose_sources(point.step, spec.world_size, point.world_size, spec.checkpoint.memory_copies,
                                  facts, listed)
@@ -257,20 +265,26 @@ class CheckpointService:
         except Exception as exc:  # no writer there (e.g. the node does not share the root): storage serves
             return step, exc
 
-    def _copy_facts(self, rank: int, node: str, step: int, asked: ray.ObjectRef | Exception | None,
-                    deadline: float) -> CopyFacts:
+    def _answer(self, asked: ray.ObjectRef | Exception | None,
+                deadline: float) -> tuple[CommittedCopy | None, str | None, bool] | None:
+        """A writer's answer to ``_ask_copy`` by ``deadline``: its copy, why it could not be asked,
+        and whether it did not answer in time (None: no copies kept, nothing was asked)."""
         if asked is None:
-            return CopyFacts(rank, None)
-        copy: CommittedCopy | None = None
+            return None
         if isinstance(asked, Exception):
-            why: str | None = f"{type(asked).__name__}: {headline(str(asked))}"
-        else:
-            try:
-                copy, why = ray.get(asked, timeout=max(0.0, deadline - time.monotonic())), None
-            except Exception as exc:  # a dead or unreachable writer: its copy is lost, storage serves
-                why = f"{type(exc).__name__}: {headline(str(exc))}"
-        if copy is None and self.spec.checkpoint.replication.mode == "auto":
-            copy = self._copy_from_peer(rank, node, step)  # the rank moved node, or its writer is gone
+            return None, f"{type(asked).__name__}: {headline(str(asked))}", False
+        try:
+            return ray.get(asked, timeout=max(0.0, deadline - time.monotonic())), None, False
+        except Exception as exc:  # a dead, unreachable or silent writer: its copy is lost, storage serves
+            return None, f"{type(exc).__name__}: {headline(str(exc))}", isinstance(exc, GetTimeoutError)
+
+    def _copy_facts(self, rank: int, node: str, step: int,
+                    answer: tuple[CommittedCopy | None, str | None, bool] | None, silent: set[str]) -> CopyFacts:
+        if answer is None:
+            return CopyFacts(rank, None)
+        copy, why, _ = answer
+        if copy is None and self.spec.checkpoint.replication.mode == "auto" and node not in silent:
+            copy = self._copy_from_peer(rank, node, step, silent)  # the rank moved node, or its writer is gone
             why = None if copy is not None else why
         return CopyFacts(rank, copy, why)
 

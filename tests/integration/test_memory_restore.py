@@ -112,3 +112,37 @@ def test_a_refused_copy_never_loads_a_damaged_storage_step(reference, tmp_path, 
     assert [r.timings["loaded_from_memory"] for r in result.results] == [1.0, 1.0]
     assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference.results]
     assert any(p.name.startswith("step-00000010.invalid-") for p in root.iterdir())
+
+
+def test_a_writer_that_does_not_answer_costs_one_deadline(ray_cluster, tmp_path, monkeypatch, caplog):
+    """A node's writer that stops answering (its node is going away: here the process is
+    stopped with SIGSTOP) sends its ranks to storage after the one deadline that every copy
+    question shares: it is not asked again for each rank, and no copy is pushed to it."""
+    import os
+    import signal
+
+    from raytrain_ckpt.checkpoint import service as service_mod
+    from raytrain_ckpt.checkpoint.actor import ResumePoint
+
+    ray = ray_cluster
+    monkeypatch.setattr(service_mod, "COPY_QUERY_TIMEOUT_S", 3.0)
+    spec = load_spec(DEMO, [*BASE, f"checkpoint.dir={tmp_path}", "checkpoint.memory_copies=2",
+                            "checkpoint.replication.mode=auto", f"name=stopped-writer-{os.getpid()}"])
+    service = service_mod.CheckpointService(spec)
+    node = ray.get_runtime_context().get_node_id()
+    writer = service.writer_for(node)
+    pid = ray.get(writer.__ray_call__.remote(lambda self: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level(logging.INFO, logger="raytrain_ckpt"):
+            t0 = time.monotonic()
+            sources = service.recovery_sources(1, spec, ResumePoint(10, str(tmp_path / "step-10"), 2, 0),
+                                               [node, node])
+            elapsed = time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        ray.kill(writer), ray.kill(service.actor)
+    assert [s.source for s in sources] == ["storage", "storage"]
+    assert "GetTimeoutError" in sources[0].why, sources[0].why
+    assert not [r for r in caplog.records if "no copy of step 10 from node" in r.getMessage()]
+    assert elapsed < 2 * service_mod.COPY_QUERY_TIMEOUT_S, elapsed   # one deadline, not one per rank

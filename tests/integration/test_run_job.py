@@ -64,6 +64,30 @@ def test_killed_worker_process_restarts_the_group(ray_cluster, monkeypatch):
     assert result.losses == clean.losses
 
 
+def test_a_rank_that_cannot_join_fails_the_start_naming_it(ray_cluster, monkeypatch, tmp_path):
+    """The start's join and setup: a rank whose join raises fails the start at once, named; in
+    the restart, a kept rank whose new join is slow is not set up before it joined."""
+    monkeypatch.setenv(ENV_VAR, "raise@join:rank=1,step=0;exit@step:rank=0,step=3,attempt=1;"
+                                "slow@join:rank=1,step=0,attempt=2")
+    result = run_job(_spec("fault_tolerance.max_restarts=2", "checkpoint.enabled=true", f"checkpoint.dir={tmp_path}",
+                           "checkpoint.interval_steps=2"))
+    assert result.state is JobState.SUCCEEDED, result.error
+    start = result.failures[0]
+    assert start.kind == "start" and "failed to join rank 1" in start.headline and "InjectedFault" in start.detail
+    assert result.results[1].served == (1, 2)           # rank 1 was kept from attempt 1 and joined slowly
+
+
+def test_a_rank_that_never_joins_is_named_when_the_rendezvous_times_out(ray_cluster, monkeypatch):
+    """Rank 1 hangs before it joins; rank 0's rendezvous gives up first (the collective timeout,
+    60 s, is shorter than the start's): the start failure names rank 1, not only rank 0."""
+    monkeypatch.setenv(ENV_VAR, "hang@join:rank=1,step=0")
+    result = run_job(_spec("fault_tolerance.hang_timeout_s=4", "fault_tolerance.start_timeout_s=150"))
+    assert result.state is JobState.FAILED
+    start = result.failures[0]
+    assert start.kind == "start" and "failed to join rank 0" in start.headline, start
+    assert "(rank 1 not done yet)" in start.headline, start
+
+
 def test_hung_worker_is_detected(ray_cluster, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "hang@step:rank=1,step=2")
     result = run_job(_spec("fault_tolerance.hang_timeout_s=4", "fault_tolerance.poll_interval_s=0.5"))
