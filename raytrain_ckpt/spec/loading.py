@@ -40,22 +40,29 @@ class _SpecLoader(yaml.SafeLoader):
 
     The count is taken while composing, before any Python object is built, so ``&a [*a, *a, ...]``
     chains are refused at the limit instead of expanding in whatever walks the result later.
+    A key given twice in one mapping is refused too: YAML would keep the last one silently, so a
+    second ``checkpoint:`` section would drop the first without a word.
     """
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
         self._sizes: dict[int, int] = {}
+        self._keys: list[str] = []
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
         alias = self.check_event(yaml.AliasEvent)
         self._depth += 1
         if self._depth > MAX_DEPTH:
             raise _Limits(f"nested deeper than {MAX_DEPTH} levels; a job spec needs 3 (section, field, value)")
+        self._keys.append(str(index.value) if isinstance(index, yaml.ScalarNode) else "?")
         try:
             node = super().compose_node(parent, index)
+            if isinstance(node, yaml.MappingNode) and not alias:
+                self._check_unique_keys(node)
         finally:
             self._depth -= 1
+            self._keys.pop()
         if alias:
             if id(node) not in self._sizes:
                 raise _Limits("a YAML alias refers to its own anchor (a recursive structure)")
@@ -68,6 +75,29 @@ class _SpecLoader(yaml.SafeLoader):
                           "values out, a job spec is small")
         self._sizes[id(node)] = size
         return node
+
+
+    def _check_unique_keys(self, node: yaml.MappingNode) -> None:
+        seen: dict[tuple[str, str], yaml.Node] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            first = seen.setdefault((key.tag, key.value), key)
+            if first is not key:
+                where = ".".join([k for k in self._keys if k != "?"] + [key.value])
+                raise _Limits(f"{where}: given twice (lines {first.start_mark.line + 1} and "
+                              f"{key.start_mark.line + 1}); the second would silently replace the first: keep one")
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` of ``json.loads``: a key given twice in one object is refused."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Limits(f"key {key!r} given twice in one object; the second would silently replace the first: "
+                          "keep one")
+        out[key] = value
+    return out
 
 
 # YAML 1.1 (PyYAML) reads 1e-4 as a string: a float needs a dot there. Specs are written the
@@ -151,7 +181,7 @@ def _read_file(path: Path) -> dict[str, Any]:
     kind = path.suffix[1:].upper()
     try:
         if path.suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_pairs)
         elif path.suffix == ".toml":
             data = tomllib.loads(text)
         else:
