@@ -244,8 +244,14 @@ def _check_conversion_paths(args: argparse.Namespace) -> None:
     from raytrain_ckpt.checkpoint.formats import ConversionError
     from raytrain_ckpt.spec.environment import writable_dir_problem
 
+    from raytrain_ckpt.checkpoint.storage import object_store_problem
+
     source, out, flag = (args.file, args.to, "--to") if args.command == "import" else (args.ckpt, args.out, "--out")
-    if "://" in source or "://" in out:  # object stores: checked when the export opens them
+    for uri in (u.rstrip("/") for u in (source, out) if "://" in u):  # an object store must answer first
+        problem = object_store_problem(uri, {})
+        if problem:
+            raise ConversionError(problem)
+    if "://" in source or "://" in out:  # the rest is checked when the export opens them
         return
     path = Path(source).expanduser()
     if path.exists() and not (path.is_file() or path.is_dir()):

@@ -24,7 +24,7 @@ from typing import Any
 from raytrain_ckpt.checkpoint.interval import IntervalDecision
 from raytrain_ckpt.checkpoint.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, Verify,
                                              parse_entry, step_name)
-from raytrain_ckpt.checkpoint.storage import Location, StorageUnavailable, is_uri, parent_of
+from raytrain_ckpt.checkpoint.storage import Location, StorageUnavailable, is_uri, object_store_problem, parent_of
 from raytrain_ckpt.checkpoint.summary import failed_saves_text, phase_text, summary_line
 
 logger = logging.getLogger(__name__)
@@ -245,6 +245,7 @@ def add_parsers(sub: Any) -> None:
 def run(args: argparse.Namespace, refreshes: int | None = None) -> int:
     """Run ``status``, ``ls`` or ``verify``; user mistakes print one line and return 2."""
     try:
+        _check_reachable(args.step_dir if args.command == "verify" else args.dir)
         if args.command == "verify":
             return _verify(_location(args.step_dir), args.json)
         if args.command == "ls":
@@ -262,6 +263,15 @@ def run(args: argparse.Namespace, refreshes: int | None = None) -> int:
     except OSError as exc:  # a path that cannot be read (permissions, a vanished mount): one line, not a traceback
         print(f"error: {args.command}: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_BAD
+
+
+def _check_reachable(target: str | None) -> None:
+    """An object-store target must answer first: a wrong endpoint or missing credentials is a
+    user mistake (one line, exit 2) found in seconds, not a traceback after the client's retries."""
+    if target is not None and is_uri(target):
+        problem = object_store_problem(target.rstrip("/"), {})
+        if problem:
+            raise UsageError(problem)
 
 
 def _eval_text(row: StepRow) -> str:
