@@ -193,8 +193,11 @@ def check_file(storage: Storage, path: Location, want: FileEntry, checksum: bool
     size = storage.size(path)
     if size is None:
         _advance(progress, want.size)
-        is_link = isinstance(path, Path) and path.is_symlink()
-        return f"{name} is missing" if not is_link else f"{name} is a symlink, not a file the save wrote"
+        if isinstance(path, Path) and path.is_symlink():
+            return f"{name} is a symlink, not a file the save wrote"
+        if isinstance(path, Path) and path.exists():
+            return f"{name} is not a regular file (a directory, FIFO, socket or device), not a file the save wrote"
+        return f"{name} is missing"
     if size != want.size:
         _advance(progress, want.size)
         return f"{name} has {size} bytes, the manifest says {want.size} (truncated or overwritten)"
