@@ -2,8 +2,8 @@
 clean-buffers | prepare-data``.
 
 Exit codes: 0 success, 1 the job failed, 2 a user mistake (bad spec, bad flag, not enough
-resources, a checkpoint.dir that not every node shares). User mistakes print one line per
-problem and never a traceback.
+resources, a checkpoint.dir that not every node shares), 130 ``run`` stopped by Ctrl-C. User
+mistakes print one line per problem and never a traceback.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT, what a shell reports for a command stopped by Ctrl-C."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -156,6 +158,10 @@ def _run(spec: JobSpec, address: str | None) -> int:
     except (ResourceError, StorageNotShared, ResumeUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C: committed steps are on storage; the local Ray stops at exit
+        print(f"interrupted: job {spec.name} stopped; its committed checkpoints are kept, and running the same "
+              "command again resumes from the newest valid step", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if result.state.value == "SUCCEEDED":
         start = result.results[0].start_step if result.results else 0
         resumed = f", resumed at step {start}" if start else ""
