@@ -123,6 +123,10 @@ def live_status(job: str, address: str | None) -> dict[str, Any]:
 
     if not ray.is_initialized():
         target = address or os.environ.get("RAY_ADDRESS") or "auto"
+        problem = _unreachable(target)
+        if problem:
+            raise UsageError(f"--job {job}: cannot reach a Ray cluster at {target} ({problem}); start one, "
+                             "or pass --address / RAY_ADDRESS")
         try:
             ray.init(address=target, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
         except ConnectionError as exc:
@@ -134,6 +138,37 @@ def live_status(job: str, address: str | None) -> dict[str, Any]:
         raise UsageError(f"--job {job}: no running job of that name on this cluster (no actor "
                          f"{actor_name(job)} in namespace {NAMESPACE}); check the name and --address") from None
     return ray.get(actor.status.remote(), timeout=30)
+
+
+CONNECT_TIMEOUT_S = 5.0
+"""How long ``status --job`` waits for a TCP connection to an explicit Ray address: Ray's own
+client retries an address where nothing answers for minutes."""
+
+
+def _unreachable(target: str) -> str | None:
+    """Why nothing accepts connections at a ``host:port`` (or ``ray://host:port``) address, or None.
+    ``auto`` and other forms are left to Ray, which finds a local cluster itself."""
+    import socket
+
+    host, sep, port = target.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        return f"nothing answers at {host}:{port} within {CONNECT_TIMEOUT_S:.0f} s: {exc.strerror or exc}"
+    return None
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type of ``--watch``: a refresh period > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds > 0, e.g. 2")
+    return value
 
 
 def _one_line(exc: BaseException) -> str:
@@ -229,7 +264,7 @@ def add_parsers(sub: Any) -> None:
     st.add_argument("dir", nargs="?", help="a job's checkpoint root (checkpoint.dir/<job name>)")
     st.add_argument("--job", help="name of a running job: ask its CheckpointActor")
     st.add_argument("--address", help="Ray address for --job; default: RAY_ADDRESS, else the local cluster")
-    st.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+    st.add_argument("--watch", type=_positive_seconds, nargs="?", const=2.0, metavar="SECONDS",
                     help="refresh every SECONDS (default 2) until Ctrl-C")
     st.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     st.add_argument("--checksum", action="store_true", help="with a directory: also check every file's checksum")

@@ -95,3 +95,23 @@ def test_export_of_a_good_step_still_works(paths, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
     assert torch.equal(state["b"], torch.load(paths["weights"], weights_only=True)["b"])
+
+
+def test_status_of_a_job_at_an_address_where_nothing_listens_is_one_line_at_once():
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]       # nothing listens once it is closed
+    t0 = time.monotonic()
+    line = _assert_one_error_line(_cli("status", "--job", "nosuch", "--address", f"127.0.0.1:{port}"), 2)
+    assert time.monotonic() - t0 < 60                  # Ray's own client retried for minutes
+    assert f"cannot reach a Ray cluster at 127.0.0.1:{port} (nothing answers at 127.0.0.1:{port}" in line, line
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan"])
+def test_a_watch_period_that_is_not_positive_is_a_usage_error(paths, value):
+    proc = _cli("status", paths["ckpt"], "--watch", value)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"argument --watch: {value} must be a number of seconds > 0" in proc.stderr.splitlines()[-1]
