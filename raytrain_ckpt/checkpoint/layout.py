@@ -90,6 +90,9 @@ _VERIFY_THREADS = min(4, os.cpu_count() or 1)
 """Files of one step checksummed at once."""
 
 
+MAX_MANIFEST_BYTES = 64 << 20
+"""Largest manifest.json read: a manifest lists each file in about 80 bytes, so even 100,000 ranks
+stay far below; a bigger file in a step directory is refused before it is read into memory."""
 LEFTOVER_GRACE_S = 3600.0
 """Default ``checkpoint.leftover_grace_s``: how long an uncommitted entry must stay unchanged
 before a running job removes it."""
@@ -337,6 +340,10 @@ class CheckpointLayout:
             if not self.storage.is_dir(path):
                 raise InvalidCheckpoint(f"{path} is not a directory")
             raise InvalidCheckpoint(f"{path} has no {MANIFEST} (never committed)")
+        size = self.storage.size(mpath)
+        if size is not None and size > MAX_MANIFEST_BYTES:  # data, not trusted: never read a huge file whole
+            raise InvalidCheckpoint(f"{mpath} is {size} bytes, more than any manifest holds "
+                                    f"({MAX_MANIFEST_BYTES >> 20} MiB); it is not one this project wrote")
         try:
             text = self.storage.read_bytes(mpath).decode("utf-8")
             return Manifest.from_json(text)

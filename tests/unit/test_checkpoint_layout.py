@@ -157,3 +157,15 @@ def test_a_shard_replaced_by_a_special_file_is_named_as_such(tmp_path: Path, mak
     make(final / "__0_0.distcp")
     with pytest.raises(InvalidCheckpoint, match=re.escape(expected)):
         layout.verify(final, "checksum")
+
+
+def test_a_manifest_larger_than_any_manifest_is_refused_unread(tmp_path: Path) -> None:
+    from raytrain_ckpt.checkpoint.layout import MAX_MANIFEST_BYTES
+
+    layout = CheckpointLayout(tmp_path)
+    final = _commit(layout, 10)
+    with open(final / MANIFEST, "r+b") as f:
+        f.truncate(MAX_MANIFEST_BYTES + 1)          # sparse: a file that size, without the disk
+    with pytest.raises(InvalidCheckpoint, match=rf"is {MAX_MANIFEST_BYTES + 1} bytes, more than any manifest holds"):
+        layout.read_manifest(final)
+    assert list(layout.valid_steps()) == []
