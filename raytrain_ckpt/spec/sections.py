@@ -443,7 +443,9 @@ class CheckpointSpec(_Section):
     @field_validator("resume", mode="before")
     @classmethod
     def _resume_int(cls, value: Any) -> Any:
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else value
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise ValueError("a step number is >= 0; use a committed step's number, latest or none")
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
     @field_validator("resume")
     @classmethod

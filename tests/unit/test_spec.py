@@ -120,6 +120,7 @@ BAD = [
     ("override_nan", {"model": {"overrides": {"norm_eps": float("nan")}}}, "model.overrides.norm_eps=nan: must be"),
     ("seed_past_int64", {"training": {"seed": 2**63}}, "training.seed=9223372036854775808: Input should be less"),
     ("resume_unicode_digit", {"checkpoint": {"resume": "\u00b2"}}, "checkpoint.resume=\u00b2: must be latest, none"),
+    ("resume_negative", {"checkpoint": {"resume": -1}}, "checkpoint.resume=-1: a step number is >= 0; use a committed"),
     ("split_point_unicode_digit", {"parallelism": {"pp": 2, "pp_split_points": ["layers.\u00b2"]}},
      "parallelism.pp_split_points: 'layers.\u00b2' is not a layer"),
     # paths the job writes or reads (@TMP: the test's directory, holding a file 'afile' and 'empty_dir/')
