@@ -92,6 +92,21 @@ def _row(layout: CheckpointLayout, path: Location, step: int, level: Verify, now
                    now - m.created_unix if m.created_unix else None, eval_loss=m.eval_loss)
 
 
+def job_roots_hint(root: Location, limit: int = 100) -> str | None:
+    """When ``root`` holds no steps but its subdirectories do (``checkpoint.dir`` given instead of
+    ``checkpoint.dir/<job name>``), a line naming them; else None."""
+    layout = CheckpointLayout(root)
+    names = []
+    for name in layout.storage.listdir(root)[:limit]:
+        child = layout.storage.join(root, name)
+        if parse_entry(name) is None and layout.storage.is_dir(child) and CheckpointLayout(child).entries():
+            names.append(name)
+    if not names:
+        return None
+    return (f"{root} holds no steps itself, but job checkpoint roots: {', '.join(names)}; pass one, e.g. "
+            f"{layout.storage.join(root, names[0])}")
+
+
 def resume_point(rows: list[StepRow]) -> StepRow | None:
     """The step ``checkpoint.resume: latest`` loads: the newest valid one."""
     valid = [r for r in rows if r.status == "valid"]
@@ -235,6 +250,9 @@ def status_report(target: str | None, job: str | None, address: str | None,
         best = resume_point(rows)
         point = f"step {best.step} ({root}/{best.name})" if best else "none (a fresh start)"
         head = f"checkpoints in {root}: {sum(r.status == 'valid' for r in rows)} valid of {len(rows)}"
+        hint = None if rows else job_roots_hint(root)
+        if hint:
+            head += f"\nnote: {hint}"
         data = {"root": str(root)}
     resume = next((r.step for r in reversed(rows) if r.status == "valid"), None)
     data |= {"resume_step": resume, "steps": [asdict(r) for r in rows]}
@@ -285,6 +303,9 @@ def run(args: argparse.Namespace, refreshes: int | None = None) -> int:
             return _verify(_location(args.step_dir), args.json)
         if args.command == "ls":
             rows = scan(_root(args.dir), "checksum" if args.checksum else "size")
+            hint = None if rows else job_roots_hint(_root(args.dir))
+            if hint:
+                print(f"note: {hint}", file=sys.stderr)
             print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else
                   "\n".join(f"{r.name:<34} {r.status:<11} {_fmt(r.bytes, 'bytes'):>10} {_eval_text(r):>12}  {r.detail}"
                             for r in rows))

@@ -115,3 +115,11 @@ def test_a_watch_period_that_is_not_positive_is_a_usage_error(paths, value):
     proc = _cli("status", paths["ckpt"], "--watch", value)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"argument --watch: {value} must be a number of seconds > 0" in proc.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("command", ["status", "ls"])
+def test_checkpoint_dir_given_instead_of_the_job_root_names_the_roots(paths, command):
+    proc = _cli(command, paths["tmp"])                  # holds ckpt/step-00000000, no step itself
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    note = f"note: {paths['tmp']} holds no steps itself, but job checkpoint roots: ckpt; pass one, e.g. {paths['ckpt']}"
+    assert note in (proc.stdout + proc.stderr).splitlines()
