@@ -123,3 +123,24 @@ def test_checkpoint_dir_given_instead_of_the_job_root_names_the_roots(paths, com
     assert proc.returncode == 0, proc.stderr[-3000:]
     note = f"note: {paths['tmp']} holds no steps itself, but job checkpoint roots: ckpt; pass one, e.g. {paths['ckpt']}"
     assert note in (proc.stdout + proc.stderr).splitlines()
+
+
+def test_export_from_a_read_only_mount_needs_no_lease(paths, tmp_path):
+    """An archived checkpoint mounted read-only exports (without a lease, logged), equal to the original's export."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "--bind", str(paths["ckpt"]), str(ro)], capture_output=True).returncode:
+        pytest.skip("mount --bind needs CAP_SYS_ADMIN")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True).returncode:
+            pytest.skip("cannot remount read-only here")
+        proc = _cli("export", ro, "--format", "torch", "--out", tmp_path / "from-ro")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "exporting without one" in proc.stderr
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)
+    ref = _cli("export", paths["ckpt"], "--format", "torch", "--out", tmp_path / "from-rw")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    a = torch.load(tmp_path / "from-ro" / "model.pt")
+    b = torch.load(tmp_path / "from-rw" / "model.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
