@@ -282,14 +282,26 @@ def _one_line(exc: BaseException) -> str:
 def format_validation_error(exc: ValidationError) -> list[str]:
     """Turn pydantic errors into ``path[=value]: problem; fix`` lines."""
     lines: list[str] = []
+    branched: set[str] = set()
     for err in exc.errors(include_url=False):
         loc = [str(p) for p in err["loc"]]
         cause = (err.get("ctx") or {}).get("error")
         if isinstance(cause, FieldProblems):
             lines.extend(f"{_join(loc + [p])}: {m}" for p, m in cause.problems)
-        else:
-            lines.append(_format_one(loc, err))
+            continue
+        field = [p for p in loc if not _is_union_branch(p)]
+        if field != loc:  # one error per member of a union type (Path | str): one line for the field
+            if _join(field) in branched:
+                continue
+            branched.add(_join(field))
+            err = {**err, "type": "null_given"} if err.get("input") is None else {**err, "type": "string_type"}
+        lines.append(_format_one(field, err))
     return lines
+
+
+def _is_union_branch(part: str) -> bool:
+    """A location part pydantic adds for a member of a union (``str``, ``lax-or-strict[...]``), not a field."""
+    return "[" in part or part in ("str", "int", "float", "bool", "none")
 
 
 def _join(parts: list[str]) -> str:
@@ -302,6 +314,8 @@ def _format_one(loc: list[str], err: dict[str, Any]) -> str:
         return f"{path}: unknown field{_suggest(loc)}"
     if kind == "missing":
         return f"{path}: required field is missing"
+    if kind == "null_given":
+        return f"{path}: null is not a value here; give one, or leave the field out for its default"
     if kind in _TYPE_HINTS:
         return f"{path}={err.get('input')}: {_TYPE_HINTS[kind]} (got {type(err.get('input')).__name__})"
     msg = msg.removeprefix("Value error, ")

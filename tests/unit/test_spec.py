@@ -121,6 +121,11 @@ BAD = [
     ("seed_past_int64", {"training": {"seed": 2**63}}, "training.seed=9223372036854775808: Input should be less"),
     ("resume_unicode_digit", {"checkpoint": {"resume": "\u00b2"}}, "checkpoint.resume=\u00b2: must be latest, none"),
     ("resume_negative", {"checkpoint": {"resume": -1}}, "checkpoint.resume=-1: a step number is >= 0; use a committed"),
+    ("checkpoint_dir_empty", {"checkpoint": {"dir": ""}}, "checkpoint.dir=: is empty; give a directory such as"),
+    ("checkpoint_dir_null", {"checkpoint": {"dir": None}},
+     "checkpoint.dir: null is not a value here; give one, or leave the field out for its default"),
+    ("final_export_dir_int", {"checkpoint": {"final_export": {"dir": 5}}},
+     "checkpoint.final_export.dir=5: must be text; quote it (got int)"),
     ("split_point_unicode_digit", {"parallelism": {"pp": 2, "pp_split_points": ["layers.\u00b2"]}},
      "parallelism.pp_split_points: 'layers.\u00b2' is not a layer"),
     # paths the job writes or reads (@TMP: the test's directory, holding a file 'afile' and 'empty_dir/')
@@ -174,7 +179,7 @@ def test_bad_spec_names_the_field(tmp_path, patch, expected):
 
 
 CLI_CASES = ["steps_bool", "lr_inf", "seed_past_int64", "resume_unicode_digit", "checkpoint_dir_dev_null",
-             "data_dev_zero", "model_too_large"]
+             "data_dev_zero", "model_too_large", "checkpoint_dir_null"]
 
 
 @pytest.mark.parametrize("case", CLI_CASES)
