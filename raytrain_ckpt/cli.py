@@ -2,8 +2,8 @@
 clean-buffers | prepare-data``.
 
 Exit codes: 0 success, 1 the job failed, 2 a user mistake (bad spec, bad flag, not enough
-resources, a checkpoint.dir that not every node shares). User mistakes print one line per
-problem and never a traceback.
+resources, a checkpoint.dir that not every node shares), 130 ``run`` stopped by Ctrl-C. User
+mistakes print one line per problem and never a traceback.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT, what a shell reports for a command stopped by Ctrl-C."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -147,14 +149,19 @@ def _factories_importable(spec_path: str) -> None:
 def _run(spec: JobSpec, address: str | None) -> int:
     from raytrain_ckpt import api
     from raytrain_ckpt.checkpoint.probe import StorageNotShared
+    from raytrain_ckpt.checkpoint.service import ResumeUnavailable
     from raytrain_ckpt.driver import ResourceError
 
     setup_logging()
     try:
         result = api.run(spec, address=address)
-    except (ResourceError, StorageNotShared) as exc:
+    except (ResourceError, StorageNotShared, ResumeUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C: committed steps are on storage; the local Ray stops at exit
+        print(f"interrupted: job {spec.name} stopped; its committed checkpoints are kept, and running the same "
+              "command again resumes from the newest valid step", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if result.state.value == "SUCCEEDED":
         start = result.results[0].start_step if result.results else 0
         resumed = f", resumed at step {start}" if start else ""
@@ -244,8 +251,14 @@ def _check_conversion_paths(args: argparse.Namespace) -> None:
     from raytrain_ckpt.checkpoint.formats import ConversionError
     from raytrain_ckpt.spec.environment import writable_dir_problem
 
+    from raytrain_ckpt.checkpoint.storage import object_store_problem
+
     source, out, flag = (args.file, args.to, "--to") if args.command == "import" else (args.ckpt, args.out, "--out")
-    if "://" in source or "://" in out:  # object stores: checked when the export opens them
+    for uri in (u.rstrip("/") for u in (source, out) if "://" in u):  # an object store must answer first
+        problem = object_store_problem(uri, {})
+        if problem:
+            raise ConversionError(problem)
+    if "://" in source or "://" in out:  # the rest is checked when the export opens them
         return
     path = Path(source).expanduser()
     if path.exists() and not (path.is_file() or path.is_dir()):

@@ -24,7 +24,7 @@ from typing import Any
 from raytrain_ckpt.checkpoint.interval import IntervalDecision
 from raytrain_ckpt.checkpoint.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, Verify,
                                              parse_entry, step_name)
-from raytrain_ckpt.checkpoint.storage import Location, StorageUnavailable, is_uri, parent_of
+from raytrain_ckpt.checkpoint.storage import Location, StorageUnavailable, is_uri, object_store_problem, parent_of
 from raytrain_ckpt.checkpoint.summary import failed_saves_text, phase_text, summary_line
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,21 @@ def _row(layout: CheckpointLayout, path: Location, step: int, level: Verify, now
                    now - m.created_unix if m.created_unix else None, eval_loss=m.eval_loss)
 
 
+def job_roots_hint(root: Location, limit: int = 100) -> str | None:
+    """When ``root`` holds no steps but its subdirectories do (``checkpoint.dir`` given instead of
+    ``checkpoint.dir/<job name>``), a line naming them; else None."""
+    layout = CheckpointLayout(root)
+    names = []
+    for name in layout.storage.listdir(root)[:limit]:
+        child = layout.storage.join(root, name)
+        if parse_entry(name) is None and layout.storage.is_dir(child) and CheckpointLayout(child).entries():
+            names.append(name)
+    if not names:
+        return None
+    return (f"{root} holds no steps itself, but job checkpoint roots: {', '.join(names)}; pass one, e.g. "
+            f"{layout.storage.join(root, names[0])}")
+
+
 def resume_point(rows: list[StepRow]) -> StepRow | None:
     """The step ``checkpoint.resume: latest`` loads: the newest valid one."""
     valid = [r for r in rows if r.status == "valid"]
@@ -123,6 +138,10 @@ def live_status(job: str, address: str | None) -> dict[str, Any]:
 
     if not ray.is_initialized():
         target = address or os.environ.get("RAY_ADDRESS") or "auto"
+        problem = _unreachable(target)
+        if problem:
+            raise UsageError(f"--job {job}: cannot reach a Ray cluster at {target} ({problem}); start one, "
+                             "or pass --address / RAY_ADDRESS")
         try:
             ray.init(address=target, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
         except ConnectionError as exc:
@@ -134,6 +153,37 @@ def live_status(job: str, address: str | None) -> dict[str, Any]:
         raise UsageError(f"--job {job}: no running job of that name on this cluster (no actor "
                          f"{actor_name(job)} in namespace {NAMESPACE}); check the name and --address") from None
     return ray.get(actor.status.remote(), timeout=30)
+
+
+CONNECT_TIMEOUT_S = 5.0
+"""How long ``status --job`` waits for a TCP connection to an explicit Ray address: Ray's own
+client retries an address where nothing answers for minutes."""
+
+
+def _unreachable(target: str) -> str | None:
+    """Why nothing accepts connections at a ``host:port`` (or ``ray://host:port``) address, or None.
+    ``auto`` and other forms are left to Ray, which finds a local cluster itself."""
+    import socket
+
+    host, sep, port = target.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        return f"nothing answers at {host}:{port} within {CONNECT_TIMEOUT_S:.0f} s: {exc.strerror or exc}"
+    return None
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type of ``--watch``: a refresh period > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds > 0, e.g. 2")
+    return value
 
 
 def _one_line(exc: BaseException) -> str:
@@ -200,6 +250,9 @@ def status_report(target: str | None, job: str | None, address: str | None,
         best = resume_point(rows)
         point = f"step {best.step} ({root}/{best.name})" if best else "none (a fresh start)"
         head = f"checkpoints in {root}: {sum(r.status == 'valid' for r in rows)} valid of {len(rows)}"
+        hint = None if rows else job_roots_hint(root)
+        if hint:
+            head += f"\nnote: {hint}"
         data = {"root": str(root)}
     resume = next((r.step for r in reversed(rows) if r.status == "valid"), None)
     data |= {"resume_step": resume, "steps": [asdict(r) for r in rows]}
@@ -229,7 +282,7 @@ def add_parsers(sub: Any) -> None:
     st.add_argument("dir", nargs="?", help="a job's checkpoint root (checkpoint.dir/<job name>)")
     st.add_argument("--job", help="name of a running job: ask its CheckpointActor")
     st.add_argument("--address", help="Ray address for --job; default: RAY_ADDRESS, else the local cluster")
-    st.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+    st.add_argument("--watch", type=_positive_seconds, nargs="?", const=2.0, metavar="SECONDS",
                     help="refresh every SECONDS (default 2) until Ctrl-C")
     st.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     st.add_argument("--checksum", action="store_true", help="with a directory: also check every file's checksum")
@@ -245,10 +298,14 @@ def add_parsers(sub: Any) -> None:
 def run(args: argparse.Namespace, refreshes: int | None = None) -> int:
     """Run ``status``, ``ls`` or ``verify``; user mistakes print one line and return 2."""
     try:
+        _check_reachable(args.step_dir if args.command == "verify" else args.dir)
         if args.command == "verify":
             return _verify(_location(args.step_dir), args.json)
         if args.command == "ls":
             rows = scan(_root(args.dir), "checksum" if args.checksum else "size")
+            hint = None if rows else job_roots_hint(_root(args.dir))
+            if hint:
+                print(f"note: {hint}", file=sys.stderr)
             print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else
                   "\n".join(f"{r.name:<34} {r.status:<11} {_fmt(r.bytes, 'bytes'):>10} {_eval_text(r):>12}  {r.detail}"
                             for r in rows))
@@ -262,6 +319,15 @@ def run(args: argparse.Namespace, refreshes: int | None = None) -> int:
     except OSError as exc:  # a path that cannot be read (permissions, a vanished mount): one line, not a traceback
         print(f"error: {args.command}: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_BAD
+
+
+def _check_reachable(target: str | None) -> None:
+    """An object-store target must answer first: a wrong endpoint or missing credentials is a
+    user mistake (one line, exit 2) found in seconds, not a traceback after the client's retries."""
+    if target is not None and is_uri(target):
+        problem = object_store_problem(target.rstrip("/"), {})
+        if problem:
+            raise UsageError(problem)
 
 
 def _eval_text(row: StepRow) -> str:

@@ -393,12 +393,17 @@ class CheckpointActor:
         """Pick and verify the checkpoint to resume from, newest valid first, and lease it.
 
         ``resume`` is ``latest``, ``none``, a step number or a path to a step directory.
-        A candidate that fails verification is skipped with a warning naming it.
+        With ``latest`` a candidate that fails verification is skipped with a warning naming it;
+        a step named by number or path that is missing or fails raises ``InvalidCheckpoint``.
         """
         if resume == "none":
             return None
         if resume not in ("latest",) and not resume.isdigit():
-            return await asyncio.to_thread(self._point, resume if is_uri(resume) else Path(resume), verify)
+            try:
+                return await asyncio.to_thread(self._point, resume if is_uri(resume) else Path(resume), verify)
+            except InvalidCheckpoint as exc:
+                raise InvalidCheckpoint(f"checkpoint.resume={resume}: the step does not verify ({exc}); name "
+                                        "another step, or use latest for the newest valid one") from None
         candidates = sorted(self.committed, reverse=True)
         if resume.isdigit():
             candidates = [int(resume)] if int(resume) in self.committed else []
@@ -409,8 +414,12 @@ class CheckpointActor:
             try:
                 point = await asyncio.to_thread(self._point, self.layout.step_dir(step), verify)
             except InvalidCheckpoint as exc:
-                logger.warning("not resuming from step %d: %s; trying the previous one", step, exc)
                 self.committed.pop(step, None)
+                if resume.isdigit():  # the step asked for by number: never a silent fresh start instead
+                    raise InvalidCheckpoint(f"checkpoint.resume={resume}: step {step} does not verify ({exc}); "
+                                            f"name another step (committed: {sorted(self.committed)}), or use "
+                                            "latest for the newest valid one") from None
+                logger.warning("not resuming from step %d: %s; trying the previous one", step, exc)
                 continue
             self.leases[holder] = step
             return point

@@ -90,6 +90,9 @@ _VERIFY_THREADS = min(4, os.cpu_count() or 1)
 """Files of one step checksummed at once."""
 
 
+MAX_MANIFEST_BYTES = 64 << 20
+"""Largest manifest.json read: a manifest lists each file in about 80 bytes, so even 100,000 ranks
+stay far below; a bigger file in a step directory is refused before it is read into memory."""
 LEFTOVER_GRACE_S = 3600.0
 """Default ``checkpoint.leftover_grace_s``: how long an uncommitted entry must stay unchanged
 before a running job removes it."""
@@ -193,8 +196,11 @@ def check_file(storage: Storage, path: Location, want: FileEntry, checksum: bool
     size = storage.size(path)
     if size is None:
         _advance(progress, want.size)
-        is_link = isinstance(path, Path) and path.is_symlink()
-        return f"{name} is missing" if not is_link else f"{name} is a symlink, not a file the save wrote"
+        if isinstance(path, Path) and path.is_symlink():
+            return f"{name} is a symlink, not a file the save wrote"
+        if isinstance(path, Path) and path.exists():
+            return f"{name} is not a regular file (a directory, FIFO, socket or device), not a file the save wrote"
+        return f"{name} is missing"
     if size != want.size:
         _advance(progress, want.size)
         return f"{name} has {size} bytes, the manifest says {want.size} (truncated or overwritten)"
@@ -334,6 +340,10 @@ class CheckpointLayout:
             if not self.storage.is_dir(path):
                 raise InvalidCheckpoint(f"{path} is not a directory")
             raise InvalidCheckpoint(f"{path} has no {MANIFEST} (never committed)")
+        size = self.storage.size(mpath)
+        if size is not None and size > MAX_MANIFEST_BYTES:  # data, not trusted: never read a huge file whole
+            raise InvalidCheckpoint(f"{mpath} is {size} bytes, more than any manifest holds "
+                                    f"({MAX_MANIFEST_BYTES >> 20} MiB); it is not one this project wrote")
         try:
             text = self.storage.read_bytes(mpath).decode("utf-8")
             return Manifest.from_json(text)

@@ -64,6 +64,9 @@ def select_step(root: Location, selector: str | int, verify: Verify) -> Selectio
         try:
             manifest = layout.verify(layout.step_dir(step), verify)
         except InvalidCheckpoint as exc:
+            if isinstance(selector, int):  # the one step asked for: its reason is the answer
+                raise ConversionError(f"{root}: step {step} does not verify ({exc}); export another step or "
+                                      "latest") from None
             logger.warning("skipping checkpoint step %d: %s", step, exc)
             continue
         return Selection(layout.step_dir(step), manifest, reason(manifest))
@@ -77,8 +80,8 @@ def _candidates(root: Location, manifests: dict[int, Manifest],
         return sorted(manifests, reverse=True), lambda m: "the newest valid step"
     if isinstance(selector, int):
         if selector not in manifests:
-            raise ConversionError(f"{root}: step {selector} is not a valid committed step; valid steps: "
-                                  f"{sorted(manifests)}")
+            raise ConversionError(f"{root}: step {selector} is not a valid committed step; committed steps whose "
+                                  f"sizes check: {sorted(manifests)}")
         return [selector], lambda m: f"step {selector}"
     policy, note = _ranking(manifests)
     ranked = rank_steps({s: m.metrics()[policy.metric] for s, m in manifests.items()}, policy.mode)

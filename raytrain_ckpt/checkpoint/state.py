@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -168,7 +168,8 @@ def load_app_state(trainer: Any, path: str, same_world_size: bool) -> float:
 
     DCP reshards the model and optimizer to the current layout by FQN, across dp and pp
     degrees. Entries this rank needs that the checkpoint lacks, or holds with another shape,
-    raise ``CheckpointMismatch`` before anything is loaded. RNG states are per rank, so they
+    and model entries no rank of this model has (a deeper model's layers) raise
+    ``CheckpointMismatch`` before anything is loaded. RNG states are per rank, so they
     are restored only at the layout that saved them (same world size and pipeline degree).
     Returns the seconds spent reading the checkpoint into the state dict (``dcp.load``).
     """
@@ -178,6 +179,7 @@ def load_app_state(trainer: Any, path: str, same_world_size: bool) -> float:
         _load_model_only(trainer, path, saved)
         return time.monotonic() - t0
     model_sd, optim_sd, keys = _parts_state(trainer, fill=False)
+    _check_no_extras(path, saved, _model_keys_of_every_rank(model_sd))
     _check_fits(path, saved, model_sd, optim_sd)
     sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd,
                           "train": {"step": 0, "tokens_seen": 0, "samples_seen": 0, "world_size": 0}}
@@ -244,6 +246,27 @@ def _check_fits(path: str, saved: dict[str, Any], model_sd: dict[str, Any], opti
                     "shape, or set checkpoint.resume=none")
 
 
+def _model_keys_of_every_rank(local: Iterable[str]) -> set[str]:
+    """The model FQNs of the whole group (collective): a pipeline rank holds only its stages'."""
+    keys = set(local)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(keys))
+        keys = keys.union(*gathered)
+    return keys
+
+
+def _check_no_extras(path: str, saved: dict[str, Any], model_keys: set[str]) -> None:
+    """Refuse a checkpoint holding model entries this model lacks: DCP loads only what is asked
+    for, so a deeper model's checkpoint would otherwise load its first layers and drop the rest."""
+    extra = sorted(k for k in saved if k.startswith("model.") and k[len("model."):] not in model_keys)
+    if extra:
+        raise CheckpointMismatch(
+            f"checkpoint {path} cannot be loaded into this model: it holds {len(extra)} model entries this model "
+            f"does not have (e.g. {extra[0]}); it was saved from another model (model.name / model.overrides, "
+            "e.g. more layers). Resume with the model that saved it, or set checkpoint.resume=none")
+
+
 def _options(trainer: Any) -> dict[str, Any]:
     return dict(trainer.spec.checkpoint.storage_options)
 
@@ -259,6 +282,8 @@ def _saved_pp(path: str, options: dict[str, Any]) -> int | None:
 
 def _load_model_only(trainer: Any, path: str, saved: dict[str, Any]) -> None:
     """Pretrained weights: the model only; optimizer, schedule, step and RNG stay as built (step 0)."""
+    ours = [key for part in trainer.model_parts for key in get_model_state_dict(part)]
+    _check_no_extras(path, saved, _model_keys_of_every_rank(ours))
     for part in trainer.model_parts:
         model_sd = get_model_state_dict(part)
         _check_fits(path, saved, model_sd, {})

@@ -34,8 +34,8 @@ from raytrain_ckpt.checkpoint.manifest import _ALGORITHMS, Checksum, checksum_fi
 logger = logging.getLogger(__name__)
 
 __all__ = ["EXTRAS", "Location", "ObjectStorage", "PosixStorage", "Storage", "StorageUnavailable", "checksummed_upload",
-           "is_transient", "is_uri", "job_root", "local_path", "object_filesystem", "open_storage", "parent_of",
-           "retry_transient"]
+           "is_transient", "is_uri", "job_root", "local_path", "object_filesystem", "object_store_problem", "open_storage",
+           "parent_of", "retry_transient"]
 
 Location = Path | str
 """A path under a storage: a ``Path`` on POSIX storage, a URI string on an object store."""
@@ -208,6 +208,56 @@ def _filesystem(uri: str, options: dict[str, Any]) -> Any:
     except TypeError as exc:
         raise StorageUnavailable(f"checkpoint.storage_options: not accepted by the {scheme}:// filesystem ({exc})") \
             from None
+
+
+PROBE_TIMEOUT_S = 20.0
+"""How long ``object_store_problem`` waits for the store to answer one listing: an endpoint that
+accepts connections and never replies would otherwise hold the client in its retries for minutes."""
+
+_HINTS = {"s3": "check the endpoint (AWS_ENDPOINT_URL or checkpoint.storage_options endpoint_url) and the "
+                "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE)",
+          "gs": "check the credentials (GOOGLE_APPLICATION_CREDENTIALS) and checkpoint.storage_options"}
+
+
+def object_store_problem(root: str, options: dict[str, Any], timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why the object store holding ``root`` cannot be used, in one line, or None when it answers.
+
+    One listing of ``root`` (and of its bucket when ``root`` does not exist yet), given
+    ``timeout_s`` to answer: a wrong endpoint, missing credentials, a bucket that does not exist
+    or no permission to list fails here, before a job starts or a command reads anything.
+    """
+    import threading
+
+    outcome: list[BaseException | None] = []
+
+    def probe() -> None:
+        try:
+            fs = ObjectStorage(root, options).fs
+            try:
+                fs.ls(root, detail=False, refresh=True)
+            except FileNotFoundError:  # a new prefix: fine if the bucket exists
+                fs.ls(root.split("://", 1)[0] + "://" + fs._strip_protocol(root).split("/", 1)[0],
+                      detail=False, refresh=True)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller as the problem
+            outcome.append(exc)
+
+    # A daemon thread: a store that never answers must not keep the process alive at exit.
+    thread = threading.Thread(target=probe, name="rtc-storage-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    hint = _HINTS.get(EXTRAS.get(root.split("://", 1)[0], ""), "check checkpoint.storage_options")
+    if not outcome:
+        return f"{root}: no answer from the object store within {timeout_s:.0f} s; {hint}"
+    exc = outcome[0]
+    if exc is None:
+        return None
+    if isinstance(exc, StorageUnavailable):
+        return str(exc)
+    if isinstance(exc, FileNotFoundError):
+        return f"{root}: the bucket does not exist; create it or fix the URI"
+    text = " ".join(str(exc).split())[:300]
+    return f"{root}: cannot use the object store ({type(exc).__name__}: {text}); {hint}"
 
 
 class ObjectStorage:

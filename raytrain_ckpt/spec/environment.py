@@ -37,7 +37,7 @@ def environment_problems(spec: JobSpec) -> list[tuple[str, str]]:
         if problem:
             out.append((f"checkpoint.dir={ckpt.dir}", f"{problem}; point it at a writable directory "
                                           "(on a cluster: storage every node mounts)"))
-    elif ckpt.enabled:  # an object store: its filesystem must be installed (access is checked by the first save)
+    elif ckpt.enabled:  # an object store: its filesystem installed, and the store answers a listing
         out += _object_store_problems(str(ckpt.dir), ckpt.storage_options)
     if ckpt.final_export is not None and isinstance(ckpt.final_export.dir, Path):
         problem = _export_dir_problem(ckpt.final_export.dir.expanduser())
@@ -49,13 +49,10 @@ def environment_problems(spec: JobSpec) -> list[tuple[str, str]]:
 
 
 def _object_store_problems(uri: str, options: dict) -> list[tuple[str, str]]:
-    from raytrain_ckpt.checkpoint.storage import StorageUnavailable, open_storage
+    from raytrain_ckpt.checkpoint.storage import object_store_problem
 
-    try:
-        open_storage(uri, options)
-    except StorageUnavailable as exc:
-        return [(f"checkpoint.dir={uri}", str(exc).removeprefix(f"{uri}: "))]
-    return []
+    problem = object_store_problem(uri, options)
+    return [(f"checkpoint.dir={uri}", problem.removeprefix(f"{uri}: "))] if problem else []
 
 
 def writable_dir_problem(path: Path) -> str | None:

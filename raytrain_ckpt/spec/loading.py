@@ -40,22 +40,29 @@ class _SpecLoader(yaml.SafeLoader):
 
     The count is taken while composing, before any Python object is built, so ``&a [*a, *a, ...]``
     chains are refused at the limit instead of expanding in whatever walks the result later.
+    A key given twice in one mapping is refused too: YAML would keep the last one silently, so a
+    second ``checkpoint:`` section would drop the first without a word.
     """
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
         self._sizes: dict[int, int] = {}
+        self._keys: list[str] = []
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
         alias = self.check_event(yaml.AliasEvent)
         self._depth += 1
         if self._depth > MAX_DEPTH:
             raise _Limits(f"nested deeper than {MAX_DEPTH} levels; a job spec needs 3 (section, field, value)")
+        self._keys.append(str(index.value) if isinstance(index, yaml.ScalarNode) else "?")
         try:
             node = super().compose_node(parent, index)
+            if isinstance(node, yaml.MappingNode) and not alias:
+                self._check_unique_keys(node)
         finally:
             self._depth -= 1
+            self._keys.pop()
         if alias:
             if id(node) not in self._sizes:
                 raise _Limits("a YAML alias refers to its own anchor (a recursive structure)")
@@ -68,6 +75,29 @@ class _SpecLoader(yaml.SafeLoader):
                           "values out, a job spec is small")
         self._sizes[id(node)] = size
         return node
+
+
+    def _check_unique_keys(self, node: yaml.MappingNode) -> None:
+        seen: dict[tuple[str, str], yaml.Node] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            first = seen.setdefault((key.tag, key.value), key)
+            if first is not key:
+                where = ".".join([k for k in self._keys if k != "?"] + [key.value])
+                raise _Limits(f"{where}: given twice (lines {first.start_mark.line + 1} and "
+                              f"{key.start_mark.line + 1}); the second would silently replace the first: keep one")
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` of ``json.loads``: a key given twice in one object is refused."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Limits(f"key {key!r} given twice in one object; the second would silently replace the first: "
+                          "keep one")
+        out[key] = value
+    return out
 
 
 # YAML 1.1 (PyYAML) reads 1e-4 as a string: a float needs a dot there. Specs are written the
@@ -151,7 +181,7 @@ def _read_file(path: Path) -> dict[str, Any]:
     kind = path.suffix[1:].upper()
     try:
         if path.suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_pairs)
         elif path.suffix == ".toml":
             data = tomllib.loads(text)
         else:
@@ -252,14 +282,26 @@ def _one_line(exc: BaseException) -> str:
 def format_validation_error(exc: ValidationError) -> list[str]:
     """Turn pydantic errors into ``path[=value]: problem; fix`` lines."""
     lines: list[str] = []
+    branched: set[str] = set()
     for err in exc.errors(include_url=False):
         loc = [str(p) for p in err["loc"]]
         cause = (err.get("ctx") or {}).get("error")
         if isinstance(cause, FieldProblems):
             lines.extend(f"{_join(loc + [p])}: {m}" for p, m in cause.problems)
-        else:
-            lines.append(_format_one(loc, err))
+            continue
+        field = [p for p in loc if not _is_union_branch(p)]
+        if field != loc:  # one error per member of a union type (Path | str): one line for the field
+            if _join(field) in branched:
+                continue
+            branched.add(_join(field))
+            err = {**err, "type": "null_given"} if err.get("input") is None else {**err, "type": "string_type"}
+        lines.append(_format_one(field, err))
     return lines
+
+
+def _is_union_branch(part: str) -> bool:
+    """A location part pydantic adds for a member of a union (``str``, ``lax-or-strict[...]``), not a field."""
+    return "[" in part or part in ("str", "int", "float", "bool", "none")
 
 
 def _join(parts: list[str]) -> str:
@@ -272,6 +314,8 @@ def _format_one(loc: list[str], err: dict[str, Any]) -> str:
         return f"{path}: unknown field{_suggest(loc)}"
     if kind == "missing":
         return f"{path}: required field is missing"
+    if kind == "null_given":
+        return f"{path}: null is not a value here; give one, or leave the field out for its default"
     if kind in _TYPE_HINTS:
         return f"{path}={err.get('input')}: {_TYPE_HINTS[kind]} (got {type(err.get('input')).__name__})"
     msg = msg.removeprefix("Value error, ")

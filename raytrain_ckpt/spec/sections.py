@@ -435,6 +435,13 @@ class CheckpointSpec(_Section):
             raise ValueError(f"{value!r} is neither a whole number of steps nor auto; use e.g. 50, auto or null")
         return value
 
+    @field_validator("dir", mode="before")
+    @classmethod
+    def _dir_not_empty(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():  # Path("") is the working directory: never meant
+            raise ValueError("is empty; give a directory such as checkpoints, or an object-store URI")
+        return value
+
     @field_validator("dir", mode="after")
     @classmethod
     def _dir_kind(cls, value: Path | str) -> Path | str:
@@ -443,7 +450,9 @@ class CheckpointSpec(_Section):
     @field_validator("resume", mode="before")
     @classmethod
     def _resume_int(cls, value: Any) -> Any:
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else value
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise ValueError("a step number is >= 0; use a committed step's number, latest or none")
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
     @field_validator("resume")
     @classmethod

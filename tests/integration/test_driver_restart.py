@@ -67,3 +67,32 @@ def test_resubmitting_after_the_driver_died_resumes_bit_exact(tmp_path):
             if isinstance(v, torch.Tensor):
                 assert torch.equal(v, b[section][k]), (section, k)
     assert a["train"] == b["train"]
+
+
+def test_ctrl_c_stops_the_run_in_one_line_and_the_next_run_resumes(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    root = ckpt / "llama-debug-fsdp"
+    args = _cli(ckpt)[:-2] + ["--set", "training.steps=2000", "--set", "checkpoint.keep_latest_k=2",
+                              "--set", "training.log_every_steps=100"]
+    driver = subprocess.Popen(args, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not (root / "step-00000010").exists() and time.monotonic() < deadline and driver.poll() is None:
+        time.sleep(0.2)
+    assert (root / "step-00000010").exists(), "the run never committed step 10"
+    os.killpg(driver.pid, signal.SIGINT)  # a terminal's Ctrl-C goes to the whole foreground group
+    out, err = driver.communicate(timeout=120)
+    assert driver.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert err.splitlines()[-1] == ("interrupted: job llama-debug-fsdp stopped; its committed checkpoints are kept, "
+                                    "and running the same command again resumes from the newest valid step")
+    steps = sorted(int(p.name[5:]) for p in root.glob("step-*") if p.name[5:].isdigit())
+    assert steps and steps[-1] < 2000
+    check = subprocess.run([sys.executable, "-m", "raytrain_ckpt", "verify", str(root / f"step-{steps[-1]:08d}")],
+                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr     # the newest committed step is intact
+
+    again = subprocess.run(args[:-6] + ["--set", f"training.steps={steps[-1] + 5}"], cwd=REPO, env=_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed at step {steps[-1]}" in again.stdout, again.stdout

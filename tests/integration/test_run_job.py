@@ -110,3 +110,28 @@ def test_spent_budget_fails_with_a_summary_of_every_failure(ray_cluster, monkeyp
     assert crash.headline.startswith("worker process died")
     assert (exc.attempt, exc.kind, exc.rank) == (1, "exception", 0)
     assert "InjectedFault" in exc.headline and "Traceback" in exc.detail
+
+
+@pytest.mark.parametrize(("resume", "expected"), [
+    ("99", "no committed step 99 in {root} (have [2, 4, 6])"),
+    ("6", "step 6 does not verify ({root}/step-00000006: __0_0.distcp fails its CRC-32C check (corrupt)); "
+          "name another step (committed: [2, 4]), or use latest for the newest valid one"),
+])
+def test_a_resume_step_that_cannot_start_the_run_is_one_line_and_exit_2(ray_cluster, tmp_path, cli_stderr,
+                                                                        resume, expected):
+    from raytrain_ckpt.checkpoint.layout import CheckpointLayout
+    from raytrain_ckpt.cli import main
+    from tests.unit.test_checkpoint_layout import _commit
+
+    root = tmp_path / "llama-debug-fsdp"
+    layout = CheckpointLayout(root)
+    for step in (2, 4, 6):
+        _commit(layout, step)
+    (layout.step_dir(6) / "__0_0.distcp").write_bytes(b"y" * 1000)   # same size, other bytes
+    before = sorted(p.name for p in root.glob("step-*"))
+    args = ["run", DEMO, *[f"--set={o}" for o in SHORT], "--set=checkpoint.enabled=true",
+            f"--set=checkpoint.dir={tmp_path}", f"--set=checkpoint.resume={resume}"]
+    assert main(args) == 2
+    errors = [line for line in cli_stderr().splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: checkpoint.resume={resume}: " + expected.format(root=root)]
+    assert sorted(p.name for p in root.glob("step-*")) == before   # nothing moved aside, nothing trained

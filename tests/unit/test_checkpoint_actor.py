@@ -136,6 +136,23 @@ def test_acquire_skips_a_corrupt_latest_and_names_it(tmp_path: Path, caplog) -> 
     assert asyncio.run(actor.acquire("c", "none", "size")) is None
 
 
+@pytest.mark.parametrize("by", ["number", "path"])
+def test_a_corrupt_step_named_by_resume_is_refused_not_replaced_by_a_fresh_start(tmp_path: Path, by: str) -> None:
+    layout = CheckpointLayout(tmp_path)
+    for step in (2, 4, 6):
+        _commit(layout, step)
+    (layout.step_dir(6) / "__0_0.distcp").write_bytes(b"y" * 1000)   # same size, other bytes
+    actor = _actor(tmp_path, k=None)
+    resume = "6" if by == "number" else str(layout.step_dir(6))
+    with pytest.raises(InvalidCheckpoint, match=rf"checkpoint.resume={resume}: .*does not verify .*CRC-32C.*"
+                                                r"use latest for the newest valid one"):
+        asyncio.run(actor.begin("attempt-0", resume, "checksum"))
+    # nothing was moved aside: the older valid steps stay on their timeline
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == \
+        ["step-00000002", "step-00000004", "step-00000006"]
+    assert sorted(layout.valid_steps("checksum")) == [2, 4]
+
+
 def test_settle_aborts_a_step_that_a_rank_never_handed_off(tmp_path: Path) -> None:
     actor = _actor(tmp_path)
 

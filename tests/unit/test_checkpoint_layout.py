@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,29 @@ def test_manifests_written_before_pipelining_read_as_pp_1(tmp_path: Path) -> Non
     assert data["pp_size"] == 1
     del data["pp_size"]  # what an older release wrote
     assert Manifest.from_json(json.dumps(data)).pp_size == 1
+
+
+@pytest.mark.parametrize(("make", "expected"), [
+    (os.mkfifo, "__0_0.distcp is not a regular file (a directory, FIFO, socket or device)"),
+    (os.mkdir, "__0_0.distcp is not a regular file (a directory, FIFO, socket or device)"),
+    (lambda p: None, "__0_0.distcp is missing"),
+])
+def test_a_shard_replaced_by_a_special_file_is_named_as_such(tmp_path: Path, make, expected) -> None:
+    layout = CheckpointLayout(tmp_path)
+    final = _commit(layout, 10)
+    (final / "__0_0.distcp").unlink()
+    make(final / "__0_0.distcp")
+    with pytest.raises(InvalidCheckpoint, match=re.escape(expected)):
+        layout.verify(final, "checksum")
+
+
+def test_a_manifest_larger_than_any_manifest_is_refused_unread(tmp_path: Path) -> None:
+    from raytrain_ckpt.checkpoint.layout import MAX_MANIFEST_BYTES
+
+    layout = CheckpointLayout(tmp_path)
+    final = _commit(layout, 10)
+    with open(final / MANIFEST, "r+b") as f:
+        f.truncate(MAX_MANIFEST_BYTES + 1)          # sparse: a file that size, without the disk
+    with pytest.raises(InvalidCheckpoint, match=rf"is {MAX_MANIFEST_BYTES + 1} bytes, more than any manifest holds"):
+        layout.read_manifest(final)
+    assert list(layout.valid_steps()) == []

@@ -95,3 +95,52 @@ def test_export_of_a_good_step_still_works(paths, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
     assert torch.equal(state["b"], torch.load(paths["weights"], weights_only=True)["b"])
+
+
+def test_status_of_a_job_at_an_address_where_nothing_listens_is_one_line_at_once():
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]       # nothing listens once it is closed
+    t0 = time.monotonic()
+    line = _assert_one_error_line(_cli("status", "--job", "nosuch", "--address", f"127.0.0.1:{port}"), 2)
+    assert time.monotonic() - t0 < 60                  # Ray's own client retried for minutes
+    assert f"cannot reach a Ray cluster at 127.0.0.1:{port} (nothing answers at 127.0.0.1:{port}" in line, line
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan"])
+def test_a_watch_period_that_is_not_positive_is_a_usage_error(paths, value):
+    proc = _cli("status", paths["ckpt"], "--watch", value)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"argument --watch: {value} must be a number of seconds > 0" in proc.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("command", ["status", "ls"])
+def test_checkpoint_dir_given_instead_of_the_job_root_names_the_roots(paths, command):
+    proc = _cli(command, paths["tmp"])                  # holds ckpt/step-00000000, no step itself
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    note = f"note: {paths['tmp']} holds no steps itself, but job checkpoint roots: ckpt; pass one, e.g. {paths['ckpt']}"
+    assert note in (proc.stdout + proc.stderr).splitlines()
+
+
+def test_export_from_a_read_only_mount_needs_no_lease(paths, tmp_path):
+    """An archived checkpoint mounted read-only exports (without a lease, logged), equal to the original's export."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "--bind", str(paths["ckpt"]), str(ro)], capture_output=True).returncode:
+        pytest.skip("mount --bind needs CAP_SYS_ADMIN")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True).returncode:
+            pytest.skip("cannot remount read-only here")
+        proc = _cli("export", ro, "--format", "torch", "--out", tmp_path / "from-ro")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "exporting without one" in proc.stderr
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)
+    ref = _cli("export", paths["ckpt"], "--format", "torch", "--out", tmp_path / "from-rw")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    a = torch.load(tmp_path / "from-ro" / "model.pt")
+    b = torch.load(tmp_path / "from-rw" / "model.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

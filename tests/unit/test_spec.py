@@ -120,6 +120,12 @@ BAD = [
     ("override_nan", {"model": {"overrides": {"norm_eps": float("nan")}}}, "model.overrides.norm_eps=nan: must be"),
     ("seed_past_int64", {"training": {"seed": 2**63}}, "training.seed=9223372036854775808: Input should be less"),
     ("resume_unicode_digit", {"checkpoint": {"resume": "\u00b2"}}, "checkpoint.resume=\u00b2: must be latest, none"),
+    ("resume_negative", {"checkpoint": {"resume": -1}}, "checkpoint.resume=-1: a step number is >= 0; use a committed"),
+    ("checkpoint_dir_empty", {"checkpoint": {"dir": ""}}, "checkpoint.dir=: is empty; give a directory such as"),
+    ("checkpoint_dir_null", {"checkpoint": {"dir": None}},
+     "checkpoint.dir: null is not a value here; give one, or leave the field out for its default"),
+    ("final_export_dir_int", {"checkpoint": {"final_export": {"dir": 5}}},
+     "checkpoint.final_export.dir=5: must be text; quote it (got int)"),
     ("split_point_unicode_digit", {"parallelism": {"pp": 2, "pp_split_points": ["layers.\u00b2"]}},
      "parallelism.pp_split_points: 'layers.\u00b2' is not a layer"),
     # paths the job writes or reads (@TMP: the test's directory, holding a file 'afile' and 'empty_dir/')
@@ -173,7 +179,7 @@ def test_bad_spec_names_the_field(tmp_path, patch, expected):
 
 
 CLI_CASES = ["steps_bool", "lr_inf", "seed_past_int64", "resume_unicode_digit", "checkpoint_dir_dev_null",
-             "data_dev_zero", "model_too_large"]
+             "data_dev_zero", "model_too_large", "checkpoint_dir_null"]
 
 
 @pytest.mark.parametrize("case", CLI_CASES)
@@ -413,3 +419,29 @@ def test_gpu_job_checkpoints_to_the_shared_mount_of_both_cluster_configs():
         assert mounts == {str(shared)}
     assert f"checkpoint.dir={shared}/" in job["spec"]["entrypoint"]
     assert "checkpoint.enabled=true" in job["spec"]["entrypoint"]
+
+
+@pytest.mark.parametrize(("name", "text", "expected"), [
+    ("section.yaml", "name: t\ncheckpoint: {enabled: true}\ntraining: {steps: 4}\ncheckpoint:\n  dir: /tmp/x\n",
+     "checkpoint: given twice (lines 2 and 4)"),
+    ("field.yaml", "name: t\ncheckpoint:\n  dir: /tmp/a\n  enabled: true\n  dir: /tmp/b\n",
+     "checkpoint.dir: given twice (lines 3 and 5)"),
+    ("override.yaml", "name: t\nmodel:\n  overrides:\n    n_layers: 1\n    n_layers: 2\n",
+     "model.overrides.n_layers: given twice (lines 4 and 5)"),
+    ("top.json", '{"name": "t", "training": {"steps": 4}, "training": {"seed": 1}}',
+     "key 'training' given twice in one object"),
+])
+def test_a_key_given_twice_is_refused_not_silently_replaced(tmp_path, name, text, expected):
+    path = tmp_path / name
+    path.write_text(text)
+    proc = _cli("validate", path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [f"error: {path}: {expected}; the second would silently replace the first: "
+                                        "keep one"]
+
+
+def test_a_merge_key_may_be_overridden_in_its_mapping(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("name: t\ntraining:\n  <<: {steps: 4, seq_len: 32}\n  steps: 5\n")
+    spec = load_spec(path)
+    assert (spec.training.steps, spec.training.seq_len) == (5, 32)

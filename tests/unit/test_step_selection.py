@@ -75,7 +75,7 @@ def test_a_damaged_best_step_yields_the_next_best(tmp_path):
 @pytest.mark.parametrize("rows,selector,message", [
     ({10: {}, 20: {"loss": 1.0}}, "best", "no valid committed step records eval_loss"),
     ({10: {"keep_best": MAX_LOSS}}, "best", "no valid committed step records loss"),
-    ({10: {}}, "20", "step 20 is not a valid committed step; valid steps: [10]"),
+    ({10: {}}, "20", "step 20 is not a valid committed step; committed steps whose sizes check: [10]"),
     ({}, "latest", "no valid committed step-N directory"),
 ])
 def test_selector_errors(tmp_path, rows, selector, message):
@@ -86,3 +86,13 @@ def test_selector_errors(tmp_path, rows, selector, message):
 def test_unknown_selector():
     with pytest.raises(ConversionError, match="step selector 'newest': use latest, best or a step number"):
         parse_selector("newest")
+
+
+def test_a_damaged_step_asked_for_by_number_names_its_damage(tmp_path):
+    root = _root(tmp_path, {10: {}, 20: {}})
+    data = bytearray((root / "step-00000020" / "__0_0.distcp").read_bytes())
+    data[100] ^= 0xFF  # same size: only a checksum finds it
+    (root / "step-00000020" / "__0_0.distcp").write_bytes(bytes(data))
+    with pytest.raises(ConversionError, match=r"step 20 does not verify \(.*__0_0.distcp fails its CRC-32C check "
+                                              r"\(corrupt\)\); export another step or latest"):
+        select_step(root, 20, "checksum")
