@@ -51,6 +51,12 @@ class StepAborted(RuntimeError):
     """A step that will never commit (a writer or the actor died, or it was aborted)."""
 
 
+def _refused(resume: str, exc: InvalidCheckpoint) -> InvalidCheckpoint:
+    """The error for a step asked for by ``checkpoint.resume`` that does not verify."""
+    return InvalidCheckpoint(f"checkpoint.resume={resume}: the step is not intact: {exc}; "
+                             "resume from another step (`raytrain-ckpt ls` lists them) or `latest`")
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """A verified checkpoint to load, leased to ``holder`` until released."""
@@ -393,12 +399,17 @@ class CheckpointActor:
         """Pick and verify the checkpoint to resume from, newest valid first, and lease it.
 
         ``resume`` is ``latest``, ``none``, a step number or a path to a step directory.
-        A candidate that fails verification is skipped with a warning naming it.
+        With ``latest`` a candidate that fails verification is skipped with a warning naming it; a
+        step asked for by number or path that fails raises InvalidCheckpoint (starting anywhere
+        else, say at step 0, would hide that the run did not continue from it).
         """
         if resume == "none":
             return None
         if resume not in ("latest",) and not resume.isdigit():
-            return await asyncio.to_thread(self._point, resume if is_uri(resume) else Path(resume), verify)
+            try:
+                return await asyncio.to_thread(self._point, resume if is_uri(resume) else Path(resume), verify)
+            except InvalidCheckpoint as exc:
+                raise _refused(resume, exc) from None
         candidates = sorted(self.committed, reverse=True)
         if resume.isdigit():
             candidates = [int(resume)] if int(resume) in self.committed else []
@@ -409,6 +420,8 @@ class CheckpointActor:
             try:
                 point = await asyncio.to_thread(self._point, self.layout.step_dir(step), verify)
             except InvalidCheckpoint as exc:
+                if resume.isdigit():  # the step asked for, not "the newest that verifies": no fallback
+                    raise _refused(resume, exc) from None
                 logger.warning("not resuming from step %d: %s; trying the previous one", step, exc)
                 self.committed.pop(step, None)
                 continue

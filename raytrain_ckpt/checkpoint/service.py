@@ -16,7 +16,7 @@ from raytrain_ckpt.checkpoint.actor import CheckpointActor, ResumePoint
 from raytrain_ckpt.checkpoint.names import NAMESPACE, ActorByName, actor_name, writer_name
 from raytrain_ckpt.checkpoint.client import SaveSchedule
 from raytrain_ckpt.checkpoint.interval import IntervalHistory
-from raytrain_ckpt.checkpoint.layout import Verify
+from raytrain_ckpt.checkpoint.layout import InvalidCheckpoint, Verify
 from raytrain_ckpt.checkpoint.memcopy import CommittedCopy, CopyFacts, RankSource, choose_sources
 from raytrain_ckpt.checkpoint.probe import StorageNotShared, local_root, missing_probes, unshared_message
 from raytrain_ckpt.checkpoint.replica import ring_peers
@@ -29,7 +29,12 @@ from raytrain_ckpt.spec import CheckpointSpec, JobSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NAMESPACE", "CheckpointService", "actor_name"]
+__all__ = ["NAMESPACE", "CheckpointService", "ResumeRefused", "actor_name"]
+
+
+class ResumeRefused(ValueError):
+    """``checkpoint.resume`` names a step that is missing or not intact: the job cannot start
+    where it was asked to, and starting anywhere else would hide it."""
 
 COPY_QUERY_TIMEOUT_S = 10.0
 """How long a restart waits for a node's writer to say which in-memory copy it holds; a writer
@@ -208,7 +213,10 @@ class CheckpointService:
         self._ask("configure", s.world_size, s.dp_size, s.spec_hash(), s.model.model_dump(mode="json"))
         holder, verify = f"attempt-{attempt}", verify or s.checkpoint.verify_on_load
         if attempt == 0:
-            point = self._ask("begin", holder, s.checkpoint.resume, verify)
+            try:
+                point = self._ask("begin", holder, s.checkpoint.resume, verify)
+            except InvalidCheckpoint as exc:  # Ray's error is an instance of its cause; keep its message only
+                raise ResumeRefused(str(getattr(exc, "cause", exc))) from None
             self._start = point.path if point is not None else None
         else:
             # The newest step of this run's timeline; before its first commit, where the run began.

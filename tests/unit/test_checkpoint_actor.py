@@ -5,6 +5,7 @@ from storage, settling in-flight steps; and shared-memory staging round trips.""
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import threading
 import zlib
@@ -134,6 +135,22 @@ def test_acquire_skips_a_corrupt_latest_and_names_it(tmp_path: Path, caplog) -> 
     with pytest.raises(InvalidCheckpoint, match="no committed step 7"):
         asyncio.run(actor.acquire("b", "7", "size"))
     assert asyncio.run(actor.acquire("c", "none", "size")) is None
+
+
+@pytest.mark.parametrize("by", ["number", "path"])
+def test_begin_refuses_a_damaged_step_asked_for_and_moves_nothing(tmp_path: Path, by: str) -> None:
+    layout = CheckpointLayout(tmp_path)
+    for step in (1, 2, 3):
+        _commit(layout, step)
+    (layout.step_dir(2) / "__0_0.distcp").write_bytes(b"y" * 1000)   # same size, other bytes
+    resume = "2" if by == "number" else str(layout.step_dir(2))
+    actor = _actor(tmp_path, k=None)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    # not "the previous one" and not a fresh start: the run was asked to continue from step 2
+    with pytest.raises(InvalidCheckpoint, match=rf"checkpoint.resume={re.escape(resume)}: .*CRC-32"):
+        asyncio.run(actor.begin("attempt-0", resume, "checksum"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before   # nothing moved aside
+    assert actor.leases == {}
 
 
 def test_settle_aborts_a_step_that_a_rank_never_handed_off(tmp_path: Path) -> None:
