@@ -207,13 +207,13 @@ def check_file(storage: Storage, path: Location, want: FileEntry, checksum: bool
     return None
 
 
-def _metadata_problems(storage: Storage, path: Location) -> Iterator[str]:
+def _metadata_problems(storage: Storage, path: Location, files: Collection[str]) -> Iterator[str]:
     from raytrain_ckpt.checkpoint.unpickling import check_metadata_stream  # loading's verdict, without torch
 
     where = storage.join(path, ".metadata")
     try:
         with storage.open_read(where) as f:
-            check_metadata_stream(f, str(where))
+            check_metadata_stream(f, str(where), files)
     except InvalidCheckpoint as exc:
         yield str(exc).replace(f"{path}/", "", 1)
     except OSError as exc:
@@ -367,7 +367,7 @@ class CheckpointLayout:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         if intact and ".metadata" in manifest.files:
-            yield from _metadata_problems(self.storage, path)
+            yield from _metadata_problems(self.storage, path, set(manifest.files))
 
     def verify(self, path: Location, level: Verify = "checksum") -> Manifest:
         """Check a step directory against its manifest; raises InvalidCheckpoint naming the first problem."""
