@@ -16,7 +16,8 @@ from typing import Any, BinaryIO
 
 from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, UnsafeCheckpoint, check_file_name
 
-__all__ = ["ALLOWED_GLOBALS", "TORCH_DTYPES", "allowed_global", "check_data_files", "check_metadata_file", "check_metadata_stream", "refusal", "unpickle"]
+__all__ = ["ALLOWED_GLOBALS", "TORCH_DTYPES", "allowed_global", "check_data_files", "check_metadata_file",
+           "check_metadata_stream", "refusal", "unpickle"]
 
 ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset({
