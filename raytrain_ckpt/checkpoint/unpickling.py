@@ -10,8 +10,8 @@ import. Loading itself still goes through ``SafeUnpickler``, which builds the re
 from __future__ import annotations
 
 import pickle
-from pathlib import Path
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, UnsafeCheckpoint, check_file_name
