@@ -54,6 +54,7 @@ def run(spec: SpecLike, overrides: list[str] | None = None, address: str | None 
         SpecError: the spec is invalid.
         ResourceError: the spec asks for more than a cluster that cannot grow has.
         StorageNotShared: checkpoint.dir is a local path that not every node shares.
+        ResumeRefused: checkpoint.resume names a step that is missing or not intact.
     """
     import os
 

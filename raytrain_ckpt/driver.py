@@ -82,10 +82,21 @@ def _run_controller(spec: JobSpec) -> JobResult:
 
 
 def _warn_restarts_without_checkpoints(spec: JobSpec) -> None:
-    if not spec.checkpoint.enabled and spec.fault_tolerance.max_restarts > 0:
+    """A job that may restart but saves nothing a restart could resume from says so at start."""
+    restarts, cfg = spec.fault_tolerance.max_restarts, spec.checkpoint
+    if restarts == 0:
+        return
+    if not cfg.enabled:
         logger.warning("fault_tolerance.max_restarts=%d but checkpoint.enabled=false: every restart begins again "
-                       "at step 0; set checkpoint.enabled=true to resume from the latest checkpoint",
-                       spec.fault_tolerance.max_restarts)
+                       "at step 0; set checkpoint.enabled=true to resume from the latest checkpoint", restarts)
+        return
+    steps = cfg.interval_steps
+    if cfg.interval_seconds is None and steps != "auto" and (steps is None or steps >= spec.training.steps):
+        # only the last step can be saved, so a restart has nothing newer than where the run began
+        logger.warning("fault_tolerance.max_restarts=%d but no save falls before the last step "
+                       "(checkpoint.interval_steps=%s, training.steps=%d, no interval_seconds): every restart begins "
+                       "again where this run started; set checkpoint.interval_steps below training.steps or "
+                       "interval_seconds", restarts, steps, spec.training.steps)
 
 
 def _warn_failed_saves(checkpoints: dict) -> None:

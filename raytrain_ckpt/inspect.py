@@ -34,7 +34,7 @@ __all__ = ["StepRow", "add_parsers", "run", "scan", "verify_step"]
 EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
 _ASIDE: dict[EntryKind, tuple[str, str]] = {
     EntryKind.TMP: ("torn", "no manifest: being written, or left by a crash"),
-    EntryKind.INVALID: ("moved-aside", "an invalid step-N moved aside by a re-save"),
+    EntryKind.INVALID: ("moved-aside", "an invalid step-N moved aside (a re-save, or skipped on resume)"),
     EntryKind.ABANDONED: ("abandoned", "a step of an abandoned timeline, moved aside; never loaded"),
 }
 

@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.interval import IntervalDecision
-from raytrain_ckpt.checkpoint.layout import (LEFTOVER_GRACE_S, CheckpointLayout, InvalidCheckpoint, LeftoverWatch,
-                                             Manifest, Verify)
+from raytrain_ckpt.checkpoint.layout import (LEFTOVER_GRACE_S, CheckpointLayout, EntryKind, InvalidCheckpoint,
+                                             LeftoverWatch, Manifest, Verify)
 from raytrain_ckpt.checkpoint.leases import LeaseFiles, purge_lock
 from raytrain_ckpt.checkpoint.dcp_storage import dcp_writer
 from raytrain_ckpt.checkpoint.storage import is_uri
@@ -118,6 +118,8 @@ class CheckpointActor:
         self.layout.remove_leftover_tmp()
         self.committed: dict[int, Manifest] = self.layout.valid_steps("size")
         self.failed: dict[int, str] = {}
+        self._skipped: set[int] = set()
+        """Steps ``acquire`` dropped for failing verification (still on disk under their step-N name)."""
         self._aborted: set[tuple[int, int]] = set()
         """(step, attempt) of every aborted save: a late hand-off of the same save cannot reopen it."""
         self.saves = SaveFailures()
@@ -393,8 +395,9 @@ class CheckpointActor:
         """Pick and verify the checkpoint to resume from, newest valid first, and lease it.
 
         ``resume`` is ``latest``, ``none``, a step number or a path to a step directory.
-        With ``latest`` a candidate that fails verification is skipped with a warning naming it;
-        a step named by number or path that is missing or fails raises ``InvalidCheckpoint``.
+        With ``latest`` a candidate that fails verification is skipped with a warning naming it; a
+        step asked for by number or path that fails raises InvalidCheckpoint (starting anywhere
+        else, say at step 0, would hide that the run did not continue from it).
         """
         if resume == "none":
             return None
@@ -415,11 +418,12 @@ class CheckpointActor:
                 point = await asyncio.to_thread(self._point, self.layout.step_dir(step), verify)
             except InvalidCheckpoint as exc:
                 self.committed.pop(step, None)
-                if resume.isdigit():  # the step asked for by number: never a silent fresh start instead
+                if resume.isdigit():  # the step asked for, not "the newest that verifies": no fallback
                     raise InvalidCheckpoint(f"checkpoint.resume={resume}: step {step} does not verify ({exc}); "
                                             f"name another step (committed: {sorted(self.committed)}), or use "
                                             "latest for the newest valid one") from None
                 logger.warning("not resuming from step %d: %s; trying the previous one", step, exc)
+                self._skipped.add(step)
                 continue
             self.leases[holder] = step
             return point
@@ -461,6 +465,7 @@ class CheckpointActor:
         return lambda: step not in self._file_leased_steps()
 
     def _abandon_after(self, head: int, resume: str) -> None:
+        self._set_damaged_aside(head)
         newer = [s for s in sorted(self.committed) if s > head]
         if not newer:
             return
@@ -476,6 +481,20 @@ class CheckpointActor:
         logger.warning("checkpoint.resume=%s starts a new timeline%s: %d newer committed step(s) moved aside, "
                        "kept and never loaded: %s", resume, f" at step {head}" if head >= 0 else "", len(moved),
                        ", ".join(moved))
+
+    def _set_damaged_aside(self, head: int) -> None:
+        """Move the damaged steps newer than ``head`` that ``acquire`` skipped to ``step-N.invalid-<id>``.
+
+        They are off the new timeline too. Left as ``step-N``, a rebuilt registry (sizes only)
+        would count a step whose damage only its checksum shows, and this timeline's retention
+        would delete it.
+        """
+        for step in sorted(s for s in self._skipped if s > head):
+            if self.layout.is_committed_name(step):
+                self.layout.set_aside(self.layout.step_dir(step), EntryKind.INVALID,
+                                      "not intact, skipped on resume" + (f"; the run continues from step {head}"
+                                                                         if head >= 0 else ""))
+        self._skipped.clear()
 
     def _point(self, path: Path | str, verify: Verify) -> ResumePoint:
         """Verify a step, which may live on another storage than this root (``checkpoint.resume``)."""

@@ -5,7 +5,7 @@
     <checkpoint.dir>/<job name>/
         step-00000040/                     committed: DCP shards, .metadata, manifest.json
         step-00000050.tmp-1a2b3c/          being written (or left over by a crash; removed on start)
-        step-00000030.invalid-9f8e7d6c/    a torn step-N moved aside by a re-save of N (kept, never loaded)
+        step-00000030.invalid-9f8e7d6c/    a torn step-N moved aside by a re-save of N or a resume (kept, never loaded)
         step-00000060.abandoned-5a4b3c2d/  a step of an abandoned timeline moved aside (kept, never loaded)
 
 This module is the one owner of those names: ``step_name`` writes them, ``parse_entry`` reads
@@ -133,7 +133,7 @@ class EntryKind(enum.Enum):
     TMP = "tmp"
     """``step-N.tmp-<id>``: being written, or left by a crash or an interrupted delete."""
     INVALID = "invalid"
-    """``step-N.invalid-<id>``: a step-N that did not verify, moved aside by a re-save of N."""
+    """``step-N.invalid-<id>``: a step-N that did not verify, moved aside by a re-save of N or a resume past it."""
     ABANDONED = "abandoned"
     """``step-N.abandoned-<id>``: a step of a timeline that was abandoned (a resume from an older
     step), moved aside so the new timeline can reuse the number."""
@@ -213,13 +213,13 @@ def check_file(storage: Storage, path: Location, want: FileEntry, checksum: bool
     return None
 
 
-def _metadata_problems(storage: Storage, path: Location) -> Iterator[str]:
+def _metadata_problems(storage: Storage, path: Location, files: Collection[str]) -> Iterator[str]:
     from raytrain_ckpt.checkpoint.unpickling import check_metadata_stream  # loading's verdict, without torch
 
     where = storage.join(path, ".metadata")
     try:
         with storage.open_read(where) as f:
-            check_metadata_stream(f, str(where))
+            check_metadata_stream(f, str(where), files)
     except InvalidCheckpoint as exc:
         yield str(exc).replace(f"{path}/", "", 1)
     except OSError as exc:
@@ -377,7 +377,7 @@ class CheckpointLayout:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         if intact and ".metadata" in manifest.files:
-            yield from _metadata_problems(self.storage, path)
+            yield from _metadata_problems(self.storage, path, set(manifest.files))
 
     def verify(self, path: Location, level: Verify = "checksum") -> Manifest:
         """Check a step directory against its manifest; raises InvalidCheckpoint naming the first problem."""

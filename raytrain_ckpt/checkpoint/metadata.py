@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint._traverse import set_element
 
 from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, UnsafeCheckpoint
-from raytrain_ckpt.checkpoint.unpickling import allowed_global, refusal, unpickle
+from raytrain_ckpt.checkpoint.unpickling import allowed_global, check_data_files, refusal, unpickle
 from raytrain_ckpt.events import headline
 
 __all__ = ["SafeFileSystemReader", "SafeFsspecReader", "SafeLoadPlanner", "SafeUnpickler", "empty_safe_planner",
@@ -53,6 +53,7 @@ def load_metadata(stream: IO[bytes], where: str) -> Metadata:
     metadata = unpickle(SafeUnpickler(stream), where)
     if not isinstance(metadata, Metadata):
         raise InvalidCheckpoint(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
+    check_data_files(metadata.storage_data, where)  # DCP joins these to the step directory and reads them
     return metadata
 
 

@@ -29,7 +29,13 @@ from raytrain_ckpt.spec import CheckpointSpec, JobSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NAMESPACE", "CheckpointService", "ResumeUnavailable", "actor_name"]
+__all__ = ["NAMESPACE", "CheckpointService", "ResumeRefused", "actor_name"]
+
+
+class ResumeRefused(ValueError):
+    """``checkpoint.resume`` names a step that is missing or not intact, or that cannot start a new
+    timeline now: the job cannot start where it was asked to, and starting anywhere else would hide
+    it. A user mistake (exit code 2), raised before anything trains."""
 
 COPY_QUERY_TIMEOUT_S = 10.0
 """How long a restart waits for a node's writer to say which in-memory copy it holds; a writer
@@ -42,11 +48,6 @@ def _retention(cfg: CheckpointSpec) -> RetentionPolicy:
     best = cfg.keep_best
     keep_best = KeepBest(best.metric, best.mode, best.k) if best is not None else None
     return RetentionPolicy(cfg.keep_latest_k, cfg.keep_every_n_steps, keep_best)
-
-
-class ResumeUnavailable(ValueError):
-    """The step ``checkpoint.resume`` names is missing, does not verify, or cannot start a new
-    timeline now: a user mistake (exit code 2), raised before anything trains."""
 
 
 class CheckpointService:
@@ -215,8 +216,8 @@ class CheckpointService:
         if attempt == 0:
             try:
                 point = self._ask("begin", holder, s.checkpoint.resume, verify)
-            except InvalidCheckpoint as exc:  # the step checkpoint.resume names cannot be the start
-                raise ResumeUnavailable(str(getattr(exc, "cause", None) or exc)) from None
+            except InvalidCheckpoint as exc:  # Ray's error is an instance of its cause; keep its message only
+                raise ResumeRefused(str(getattr(exc, "cause", None) or exc)) from None
             self._start = point.path if point is not None else None
         else:
             # The newest step of this run's timeline; before its first commit, where the run began.

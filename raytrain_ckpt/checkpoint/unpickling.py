@@ -10,12 +10,14 @@ import. Loading itself still goes through ``SafeUnpickler``, which builds the re
 from __future__ import annotations
 
 import pickle
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, UnsafeCheckpoint
+from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, UnsafeCheckpoint, check_file_name
 
-__all__ = ["ALLOWED_GLOBALS", "TORCH_DTYPES", "allowed_global", "check_metadata_file", "check_metadata_stream", "refusal", "unpickle"]
+__all__ = ["ALLOWED_GLOBALS", "TORCH_DTYPES", "allowed_global", "check_data_files", "check_metadata_file",
+           "check_metadata_stream", "refusal", "unpickle"]
 
 ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset({
@@ -61,7 +63,12 @@ class _StandIn:
         pass
 
     def __setstate__(self, state: Any) -> None:
-        pass
+        # Kept as plain data (never called or resolved) so that checks can read the file names
+        # the metadata points at; a dataclass with slots pickles its state as (dict, slots).
+        if isinstance(state, tuple) and len(state) == 2:
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if isinstance(state, dict):
+            self.__dict__.update({k: v for k, v in state.items() if isinstance(k, str) and not k.startswith("__")})
 
 
 class _CheckingUnpickler(pickle.Unpickler):
@@ -105,9 +112,38 @@ def unpickle(unpickler: pickle.Unpickler, where: str) -> Any:
         raise InvalidCheckpoint(f"{where} is unreadable ({type(exc).__name__}: {exc})") from None
 
 
-def check_metadata_stream(f: BinaryIO, name: str) -> None:
+def check_metadata_stream(f: BinaryIO, name: str, files: Collection[str] | None = None) -> None:
     """``check_metadata_file`` of an open binary stream (a local file or an object-store object)
-    called ``name`` in messages."""
+    called ``name`` in messages. ``files``: the step's manifest's file names; every file the
+    metadata makes DCP read must be one of them (so every byte loaded is checksummed)."""
     top = unpickle(_CheckingUnpickler(f), name)
     if type(top).__name__ != "torch.distributed.checkpoint.metadata.Metadata":
         raise InvalidCheckpoint(f"{name} holds a {type(top).__name__}, not DCP Metadata")
+    check_data_files(vars(top).get("storage_data"), name, files)
+
+
+def check_data_files(storage_data: Any, name: str, files: Collection[str] | None = None) -> None:
+    """Every file DCP would read for the metadata ``storage_data`` (``_StorageInfo.relative_path``,
+    joined to the step directory by DCP's readers) is a plain name inside the step and, when
+    ``files`` is given, one of the manifest's files: a checkpoint reads only its own files.
+
+    Raises:
+        InvalidCheckpoint: Naming the first path that is not.
+    """
+    if storage_data is None:  # no data files at all: DCP reads nothing but the metadata
+        return
+    if not isinstance(storage_data, dict):
+        raise InvalidCheckpoint(f"{name} has no map of its data files (storage_data is "
+                                f"{type(storage_data).__name__})")
+    for info in storage_data.values():
+        path = getattr(info, "relative_path", None)
+        if not isinstance(path, str):
+            raise InvalidCheckpoint(f"{name} has a data entry without a file name")
+        try:
+            check_file_name(path)
+        except ValueError as exc:
+            raise InvalidCheckpoint(f"{name} points DCP at {path!r}: {exc} (a checkpoint reads only "
+                                    "its own files)") from None
+        if files is not None and path not in files:
+            raise InvalidCheckpoint(f"{name} points DCP at {path!r}, which the manifest does not list "
+                                    "(its bytes would be loaded unchecked)")

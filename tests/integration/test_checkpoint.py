@@ -241,3 +241,29 @@ def test_resuming_an_older_step_starts_a_new_timeline(reference, tmp_path, monke
     manifest = CheckpointLayout(root).read_manifest(aside[0])
     assert manifest.step == 10 and all((aside[0] / name).stat().st_size == f.size
                                        for name, f in manifest.files.items())
+
+
+@pytest.mark.parametrize("how", ["number", "path"])
+def test_resuming_a_damaged_step_asked_for_fails_the_start(ray_cluster, tmp_path, capfd, how):
+    from raytrain_ckpt import cli
+
+    _ok(run_job(_spec(tmp_path, "training.steps=10")))
+    root = tmp_path / "llama-debug-fsdp"
+    shard = next((root / "step-00000010").glob("__0_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size: only the checksum catches it
+    shard.write_bytes(bytes(data))
+    before = sorted(p.name for p in root.iterdir())
+    resume = "10" if how == "number" else str(root / "step-00000010")
+    capfd.readouterr()
+    # the step asked for is damaged: the job does not start (at step 0 or anywhere else)
+    code = cli.main(["run", DEMO, *[a for s in [*BASE, f"checkpoint.dir={tmp_path}", "training.steps=12",
+                                                 f"checkpoint.resume={resume}"] for a in ("--set", s)]])
+    err = capfd.readouterr().err
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and f"checkpoint.resume={resume}" in lines[0] and "__0_" in lines[0], err
+    assert "Traceback" not in err
+    # nothing was trained, moved aside or deleted
+    assert sorted(p.name for p in root.iterdir()) == before
+    assert sorted(CheckpointLayout(root).valid_steps("size")) == [5, 10]

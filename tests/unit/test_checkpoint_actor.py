@@ -5,6 +5,7 @@ from storage, settling in-flight steps; and shared-memory staging round trips.""
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import threading
 import zlib
@@ -151,6 +152,26 @@ def test_a_corrupt_step_named_by_resume_is_refused_not_replaced_by_a_fresh_start
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == \
         ["step-00000002", "step-00000004", "step-00000006"]
     assert sorted(layout.valid_steps("checksum")) == [2, 4]
+    assert actor.leases == {}
+
+
+def test_a_damaged_step_skipped_on_resume_leaves_the_timeline_and_is_never_purged(tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path)
+    for step in (2, 4, 6):
+        _commit(layout, step)
+    (layout.step_dir(6) / "__0_0.distcp").write_bytes(b"y" * 1000)   # same size: only the checksum sees it
+    actor = _actor(tmp_path, k=1)
+    point = asyncio.run(actor.begin("attempt-0", "latest", "checksum"))
+    assert point is not None and point.step == 4
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("step-00000006.invalid-")]
+    assert len(aside) == 1 and not layout.step_dir(6).exists()
+    # a rebuilt actor (sizes only) no longer counts it, so retention of the new timeline cannot delete it
+    rebuilt = _actor(tmp_path, k=1)
+    assert sorted(rebuilt.committed) == [2, 4]
+    _commit(layout, 8)
+    rebuilt.committed = layout.valid_steps("size")
+    rebuilt._purge()
+    assert sorted(layout.valid_steps("size")) == [8] and aside[0].is_dir()
 
 
 def test_settle_aborts_a_step_that_a_rank_never_handed_off(tmp_path: Path) -> None:

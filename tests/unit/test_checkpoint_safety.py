@@ -287,6 +287,55 @@ def test_crafted_metadata_is_refused_by_export(crafted, capsys) -> None:
     assert export_checkpoint(root, root / "out3", "torch", "fp32").step == 1   # the root: the older, intact step
 
 
+def _point_data_at(step_dir: Path, target: str) -> str:
+    """Rewrite ``.metadata`` (with real DCP classes only) so that one shard's data is read from
+    ``target``; the shard leaves the step and the manifest, which records the new ``.metadata``.
+    Returns the shard's name."""
+    with open(step_dir / ".metadata", "rb") as f:
+        md = pickle.load(f)  # our own fresh import: trusted
+    shard = next(info.relative_path for info in md.storage_data.values())
+    for info in md.storage_data.values():
+        if info.relative_path == shard:
+            info.relative_path = target
+    (step_dir / ".metadata").write_bytes(pickle.dumps(md))
+    files = json.loads((step_dir / MANIFEST).read_text())["files"]
+    files.pop(shard)
+    _rewrite_manifest(step_dir, files={**files, ".metadata": describe_file(step_dir / ".metadata")})
+    return shard
+
+
+@pytest.mark.parametrize("where", ["outside", "unlisted"])
+def test_metadata_that_points_at_unchecked_bytes_is_refused(tmp_path: Path, capsys, where: str) -> None:
+    # Every byte a load reads must be a file of the manifest (checksummed): a .metadata that makes
+    # DCP read a file outside the step, or one inside it the manifest does not list, is invalid.
+    root = tmp_path / "job"
+    _real_step(root, 1)
+    bad = _real_step(root, 2)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    if where == "outside":
+        shard = _point_data_at(bad, "../../elsewhere/moved.distcp")
+        os.rename(bad / shard, outside / "moved.distcp")
+    else:
+        shard = _point_data_at(bad, "planted.distcp")
+        os.rename(bad / shard, bad / "planted.distcp")
+    needle = "not a plain name" if where == "outside" else "does not list"
+    with pytest.raises(InvalidCheckpoint, match=needle):
+        CheckpointLayout(root).verify(bad, "checksum")
+    assert main(["verify", str(bad)]) == 1
+    assert needle in capsys.readouterr().out
+    assert [(r.step, r.status) for r in scan(root)] == [(1, "valid"), (2, "corrupt")]
+    point = asyncio.run(CheckpointActor(str(root), RetentionPolicy(None)).acquire("resume", "latest", "checksum"))
+    assert point is not None and point.step == 1
+    with pytest.raises(ConversionError, match=needle):
+        export_checkpoint(bad, root / "out", "torch", "fp32", verify="checksum")
+    assert main(["export", str(bad), "--format", "torch", "--out", str(root / "out2")]) == 2
+    assert not (root / "out").exists() and not (root / "out2").exists()
+    if where == "outside":  # the load path itself refuses, whatever verified before
+        with pytest.raises(InvalidCheckpoint, match=needle):
+            SafeFileSystemReader(str(bad)).read_metadata()
+
+
 def test_a_non_tensor_entry_that_runs_code_is_refused_on_load(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     with warnings.catch_warnings():

@@ -115,6 +115,25 @@ def test_restarts_without_checkpoints_warn_at_start(caplog) -> None:
     assert caplog.text == ""
 
 
+@pytest.mark.parametrize(("checkpoint", "warns"), [
+    ({"interval_steps": None}, True),                            # only save_final: nothing to restart from
+    ({"interval_steps": 100}, True),                             # the interval falls on the last step only
+    ({"interval_steps": 250}, True),
+    ({"interval_steps": None, "interval_seconds": 60}, False),   # the time trigger saves before the end
+    ({"interval_steps": 99}, False),
+    ({"interval_steps": "auto"}, False),
+])
+def test_restarts_with_no_save_before_the_last_step_warn_at_start(caplog, checkpoint, warns) -> None:
+    from raytrain_ckpt.driver import _warn_restarts_without_checkpoints
+    from raytrain_ckpt.spec import JobSpec
+
+    caplog.set_level(logging.WARNING)
+    spec = JobSpec(name="x", training={"steps": 100}, checkpoint={"enabled": True, **checkpoint},
+                   fault_tolerance={"max_restarts": 2})
+    _warn_restarts_without_checkpoints(spec)
+    assert ("no save falls before the last step" in caplog.text) is warns, caplog.text
+
+
 def test_status_of_a_live_job_shows_failing_saves(tmp_path: Path, monkeypatch, capsys) -> None:
     from raytrain_ckpt import inspect as ckpt_inspect
     from raytrain_ckpt.cli import main
