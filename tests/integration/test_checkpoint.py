@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.service import NAMESPACE, actor_name

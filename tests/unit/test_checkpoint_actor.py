@@ -5,7 +5,6 @@ from storage, settling in-flight steps; and shared-memory staging round trips.""
 from __future__ import annotations
 
 import asyncio
-import re
 import shutil
 import threading
 import zlib
