@@ -285,6 +285,7 @@ def _export(args: argparse.Namespace) -> int:
     from raytrain_ckpt.models import describe_model
     from raytrain_ckpt.spec import load_spec
 
+    max_shard = parse_size(args.max_shard_size)
     cfg = None
     if args.spec is not None:
         spec = load_spec(args.spec, args.overrides)
@@ -294,7 +295,7 @@ def _export(args: argparse.Namespace) -> int:
                                   "Hugging Face names; use --format torch")
     dtype = args.dtype or ("bf16" if args.format == "hf" else "fp32")
     r = export_checkpoint(args.ckpt, args.out, args.format, dtype, cfg, args.with_optimizer,
-                          parse_size(args.max_shard_size), args.verify, select=args.step)
+                          max_shard, args.verify, select=args.step)
     print(f"exported step {r.step} ({r.selected}) to {r.out}: {r.tensors} tensors, {r.bytes_written / 1e6:.1f} MB in "
           f"{r.seconds:.2f}s; peak tensor memory {r.peak_tensor_bytes / 1e6:.1f} MB, max RSS {r.max_rss_bytes / 1e6:.0f} MB")
     return EXIT_OK

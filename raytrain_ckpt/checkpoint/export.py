@@ -110,13 +110,16 @@ def peak_rss_bytes() -> int:
 
 def parse_size(text: str) -> int:
     """``"5GB"``, ``"500MB"``, ``"64KiB"`` or a byte count -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*([-+]?\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
     if m is None:
         raise ConversionError(f"--max-shard-size={text}: not a size; use e.g. 5GB, 500MB or a byte count")
     unit = (m.group(2) or "B").upper()
     base = 1024 if "I" in unit else 1000
     power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
-    return int(float(m.group(1)) * base**power)
+    size = int(float(m.group(1)) * base**power)
+    if size < 1:  # 0 would put every tensor in a file of its own
+        raise ConversionError(f"--max-shard-size={text}: must be at least one byte; use e.g. 5GB or 500MB")
+    return size
 
 
 # --- which step ----------------------------------------------------------------------

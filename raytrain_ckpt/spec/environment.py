@@ -37,8 +37,12 @@ def environment_problems(spec: JobSpec) -> list[tuple[str, str]]:
         if problem:
             out.append((f"checkpoint.dir={ckpt.dir}", f"{problem}; point it at a writable directory "
                                           "(on a cluster: storage every node mounts)"))
+    elif ckpt.enabled and _in_process_store(ckpt.dir):
+        out.append((f"checkpoint.dir={ckpt.dir}", _IN_PROCESS_STORE))
     elif ckpt.enabled:  # an object store: its filesystem installed, and the store answers a listing
         out += _object_store_problems(str(ckpt.dir), ckpt.storage_options)
+    if ckpt.final_export is not None and _in_process_store(ckpt.final_export.dir):
+        out.append((f"checkpoint.final_export.dir={ckpt.final_export.dir}", _IN_PROCESS_EXPORT))
     if ckpt.final_export is not None and isinstance(ckpt.final_export.dir, Path):
         problem = _export_dir_problem(ckpt.final_export.dir.expanduser())
         if problem:
@@ -46,6 +50,18 @@ def environment_problems(spec: JobSpec) -> list[tuple[str, str]]:
                         f"{problem}; point it at a new or empty directory, or null for <checkpoint.dir>/<name>"))
     out += _memory_problems(spec)
     return out
+
+
+_IN_PROCESS_STORE = ("memory:// is a store inside one process, but a job's checkpoint actor, writers and ranks are "
+                     "separate processes that would each see their own empty store, so no save could commit; use a "
+                     "directory every node shares, or an object store (s3://bucket/prefix, gs://bucket/prefix)")
+_IN_PROCESS_EXPORT = ("memory:// is a store inside one process: the export would be gone when the job ends; use a "
+                      "directory or an object store (s3://bucket/prefix), or null for <checkpoint.dir>/<name>")
+
+
+def _in_process_store(location: Path | str | None) -> bool:
+    """fsspec's memory:// lives in the process that opened it; a job spans many processes."""
+    return isinstance(location, str) and location.lower().startswith("memory://")
 
 
 def _object_store_problems(uri: str, options: dict) -> list[tuple[str, str]]:

@@ -9,7 +9,7 @@ import math
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -318,6 +318,10 @@ def _format_one(loc: list[str], err: dict[str, Any]) -> str:
         return f"{path}: null is not a value here; give one, or leave the field out for its default"
     if kind in _TYPE_HINTS:
         return f"{path}={err.get('input')}: {_TYPE_HINTS[kind]} (got {type(err.get('input')).__name__})"
+    if kind in _BOUNDS:
+        bounds = {**_field_bounds(loc), **(err.get("ctx") or {})}
+        msg = _out_of_range(path, kind, {k: int(v) if isinstance(v, float) and v.is_integer() else v
+                                         for k, v in bounds.items()})
     msg = msg.removeprefix("Value error, ")
     if kind == "literal_error":
         msg = msg.replace("Input should be", "must be")
@@ -334,6 +338,41 @@ _TYPE_HINTS = {
     "string_type": "must be text; quote it",
     "finite_number": "must be a finite number (inf and nan are never valid settings); give a number",
 }
+
+
+_BOUNDS = {"greater_than": "gt", "greater_than_equal": "ge", "less_than": "lt", "less_than_equal": "le",
+           "multiple_of": "multiple_of"}
+_SYMBOLS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+_WORDS = {"gt": "more than {}", "ge": "{} or more", "lt": "less than {}", "le": "{} or less"}
+
+
+def _out_of_range(path: str, kind: str, bounds: dict[str, Any]) -> str:
+    """``must be >= 1; set training.steps to 1 or more``: the bound broken, and the field's whole range as the fix."""
+    key = _BOUNDS[kind]
+    if key == "multiple_of":
+        return f"must be a multiple of {bounds[key]}; set {path} to a multiple of {bounds[key]}"
+    low = next((k for k in ("ge", "gt") if k in bounds), None)
+    high = next((k for k in ("le", "lt") if k in bounds), None)
+    if (low, high) == ("ge", "le"):
+        fix = f"a value from {bounds['ge']} to {bounds['le']}"
+    else:
+        fix = " and ".join(_WORDS[k].format(bounds[k]) for k in (low, high) if k is not None)
+    return f"must be {_SYMBOLS[key]} {bounds[key]}; set {path} to {fix}"
+
+
+def _field_bounds(loc: list[str]) -> dict[str, Any]:
+    """The numeric bounds (``ge``, ``lt``, ...) declared on the field at ``loc``; empty when it is not found."""
+    model: type[BaseModel] | None = JobSpec
+    field = None
+    for part in loc:
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return {}
+        model = next((t for t in (field.annotation, *get_args(field.annotation))
+                      if isinstance(t, type) and issubclass(t, BaseModel)), None)
+    if field is None:
+        return {}
+    return {k: getattr(m, k) for m in field.metadata for k in (*_SYMBOLS, "multiple_of") if hasattr(m, k)}
 
 
 def _suggest(loc: list[str]) -> str:

@@ -136,7 +136,7 @@ def test_spec_accepts_auto_and_a_prior() -> None:
     (["checkpoint.interval_steps=auto", "checkpoint.enabled=false"],
      "checkpoint.interval_steps: auto chooses how often to save, but checkpoint.enabled=false"),
     (["checkpoint.interval_steps=auto", "fault_tolerance.expected_mtbf_s=0"],
-     "fault_tolerance.expected_mtbf_s=0: Input should be greater than 0"),
+     "fault_tolerance.expected_mtbf_s=0: must be > 0; set fault_tolerance.expected_mtbf_s to more than 0"),
     (["fault_tolerance.expected_mtbf_s=600"], "fault_tolerance.expected_mtbf_s: only used with "
                                               "checkpoint.interval_steps=auto"),
 ])

@@ -67,6 +67,11 @@ CASES = [
     ("export_out_dev_null", ["export", "{ckpt}", "--format", "torch", "--out", "/dev/null"], 2,
      "exists and is not a directory"),
     ("export_out_proc", ["export", "{step}", "--format", "torch", "--out", "/proc/self/x"], 2, "is not writable"),
+    # 0 used to put every tensor in a file of its own
+    ("export_max_shard_size_zero", ["export", "{ckpt}", "--format", "torch", "--out", "{tmp}/out-f",
+                                    "--max-shard-size", "0"], 2, "--max-shard-size=0: must be at least one byte"),
+    ("export_max_shard_size_negative", ["export", "{ckpt}", "--out", "{tmp}/out-g", "--max-shard-size=-5MB"], 2,
+     "--max-shard-size=-5MB: must be at least one byte"),
 ]
 
 

@@ -91,6 +91,9 @@ def test_shard_plan_and_sizes() -> None:
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 << 20 and parse_size("17") == 17
     with pytest.raises(ConversionError, match="max-shard-size"):
         parse_size("lots")
+    for nothing in ("0", "0.1B", "-1GB"):
+        with pytest.raises(ConversionError, match="at least one byte"):
+            parse_size(nothing)
 
 
 def test_streamed_safetensors_header_reads_with_the_library(tmp_path: Path) -> None:

@@ -57,7 +57,17 @@ BAD = [
     ("typo_section", {"trainig": {"steps": 3}}, "trainig: unknown field; did you mean 'training'?"),
     ("typo_field", {"training": {"stpes": 3}}, "training.stpes: unknown field; did you mean 'steps'?"),
     ("wrong_type", {"training": {"steps": "many"}}, "training.steps=many:"),
-    ("negative_steps", {"training": {"steps": -1}}, "training.steps=-1: Input should be greater than or equal to 1"),
+    ("negative_steps", {"training": {"steps": -1}}, "training.steps=-1: must be >= 1; set training.steps to 1 or more"),
+    # a numeric bound names the field's whole range as the fix
+    ("keep_latest_k_negative", {"checkpoint": {"keep_latest_k": -1}},
+     "checkpoint.keep_latest_k=-1: must be >= 1; set checkpoint.keep_latest_k to 1 or more"),
+    ("writer_threads_above_range", {"checkpoint": {"writer_threads": 100}},
+     "checkpoint.writer_threads=100: must be <= 64; set checkpoint.writer_threads to a value from 1 to 64"),
+    ("eval_fraction_above_range", {"data": {"source": "tokens", "path": "@TMP/afile", "eval_fraction": 1.5}},
+     "data.eval_fraction=1.5: must be < 1; set data.eval_fraction to more than 0 and less than 1"),
+    ("lr_zero", {"optimizer": {"lr": 0.0}}, "optimizer.lr=0.0: must be > 0; set optimizer.lr to more than 0"),
+    ("keep_best_k_zero", {"checkpoint": {"keep_best": {"metric": "loss", "k": 0}}},
+     "checkpoint.keep_best.k=0: must be >= 1; set checkpoint.keep_best.k to 1 or more"),
     ("zero_lr", {"optimizer": {"lr": 0}}, "optimizer.lr=0:"),
     ("bad_beta", {"optimizer": {"betas": [0.9, 1.5]}}, "optimizer.betas: each beta must be in [0, 1)"),
     ("batch_not_divisible", {"training": {"global_batch_size": 30, "micro_batch_size": 8}, "parallelism": {"dp_shard": 2}},
@@ -118,7 +128,8 @@ BAD = [
     ("hang_timeout_inf", {"fault_tolerance": {"hang_timeout_s": float("inf")}},
      "fault_tolerance.hang_timeout_s=inf: must be a finite number"),
     ("override_nan", {"model": {"overrides": {"norm_eps": float("nan")}}}, "model.overrides.norm_eps=nan: must be"),
-    ("seed_past_int64", {"training": {"seed": 2**63}}, "training.seed=9223372036854775808: Input should be less"),
+    ("seed_past_int64", {"training": {"seed": 2**63}}, "training.seed=9223372036854775808: must be < "
+     "9223372036854775808; set training.seed to 0 or more and less than 9223372036854775808"),
     ("resume_unicode_digit", {"checkpoint": {"resume": "\u00b2"}}, "checkpoint.resume=\u00b2: must be latest, none"),
     ("resume_negative", {"checkpoint": {"resume": -1}}, "checkpoint.resume=-1: a step number is >= 0; use a committed"),
     ("checkpoint_dir_empty", {"checkpoint": {"dir": ""}}, "checkpoint.dir=: is empty; give a directory such as"),
@@ -139,6 +150,11 @@ BAD = [
      "checkpoint.dir=/proc/self/ckpt: /proc/self is not writable"),
     ("checkpoint_dir_unknown_scheme", {"checkpoint": {"enabled": True, "dir": "nosuch://bucket/ckpt"}},
      "checkpoint.dir=nosuch://bucket/ckpt: unknown storage scheme nosuch://"),
+    # fsspec's memory:// is one process's: the actor, writers and ranks would each see their own store
+    ("checkpoint_dir_memory", {"checkpoint": {"enabled": True, "dir": "memory://ckpt"}},
+     "checkpoint.dir=memory://ckpt: memory:// is a store inside one process"),
+    ("final_export_dir_memory", {"checkpoint": {"enabled": True, "dir": "@TMP/ck", "final_export": {
+        "format": "torch", "dir": "memory://out"}}}, "checkpoint.final_export.dir=memory://out: memory:// is a"),
     ("storage_options_not_a_map", {"checkpoint": {"enabled": True, "dir": "s3://b/c", "storage_options": [1]}},
      "checkpoint.storage_options: Input should be a valid dictionary"),
     ("final_export_dir_is_file", {"checkpoint": {"enabled": True, "dir": "@TMP/ck", "final_export": {
@@ -179,7 +195,8 @@ def test_bad_spec_names_the_field(tmp_path, patch, expected):
 
 
 CLI_CASES = ["steps_bool", "lr_inf", "seed_past_int64", "resume_unicode_digit", "checkpoint_dir_dev_null",
-             "data_dev_zero", "model_too_large", "checkpoint_dir_null"]
+             "data_dev_zero", "model_too_large", "checkpoint_dir_null", "negative_steps", "keep_latest_k_negative",
+             "checkpoint_dir_memory"]
 
 
 @pytest.mark.parametrize("case", CLI_CASES)
