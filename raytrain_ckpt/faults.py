@@ -22,6 +22,8 @@ give the restart's ``attempt``). Two kinds damage that copy instead of the proce
 ``restore``: ``corrupt`` flips one bit of the rank's staging buffer before the rank checksums it,
 and ``stale`` hands the rank its writer's copy of the step before ``S`` (an older buffer).
 ``attempt`` defaults to 0, so the restarted group runs clean unless the plan says otherwise.
+Several faults at one point apply in plan order: ``slow@persist`` then ``exit@persist`` kills
+the writer 3 s into the write, when its hand-off has long been acknowledged.
 """
 
 from __future__ import annotations
@@ -114,9 +116,9 @@ def maybe_inject(point: str, rank: int, step: int, attempt: int) -> None:
         if f.kind == "exit":
             _stamp()
             os._exit(17)
-        if f.kind == "slow":  # a slow disk or a straggler: delay, then carry on
+        if f.kind == "slow":  # a slow disk or a straggler: delay, then carry on (with the next fault here)
             time.sleep(SLOW_S)
-            return
+            continue
         _stamp()
         while True:  # hang: stop making progress until the controller kills us
             time.sleep(3600)

@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GROUP_FILE", "CheckpointActor", "ResumePoint", "SaveFailures", "StepAborted"]
 
+SETTLE_CHECK_S = 0.5
+"""How often ``settle`` asks the writers of a step in flight whether they still hold its hand-offs."""
+WRITER_QUERY_S = 5.0
+"""How long ``settle`` waits for a writer's answer; one that does not answer is waited for as before."""
 GROUP_FILE = ".group.json"
 """The layout of the group last configured, under the job's root (not a step: nothing scans it)."""
 
@@ -88,6 +92,8 @@ class _Pending:
     started: float
     accepted: set[int] = field(default_factory=set)
     """Ranks whose staged data a writer holds: they will report unless the writer dies."""
+    writers: dict[int, tuple[Any, str]] = field(default_factory=dict)
+    """rank -> (handle, node id) of the writer holding its hand-off (what ``settle`` asks)."""
     reports: dict[int, tuple[str, list, dict, dict]] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None
@@ -219,10 +225,13 @@ class CheckpointActor:
             self.failed.pop(step, None)
         return str(p.tmp)
 
-    async def accepted(self, step: int, rank: int, attempt: int) -> str:
-        """A writer took over rank ``rank``'s staged data of ``step``; returns the temporary directory."""
+    async def accepted(self, step: int, rank: int, attempt: int, writer: tuple[Any, str] | None = None) -> str:
+        """A writer (``writer``: its handle and node id) took over rank ``rank``'s staged data of
+        ``step``; returns the temporary directory."""
         tmp = await self.open_step(step, attempt)
         self.pending[step].accepted.add(rank)
+        if writer is not None:
+            self.pending[step].writers[rank] = writer
         self._progress()
         return tmp
 
@@ -230,16 +239,53 @@ class CheckpointActor:
         """Before a new attempt loads: finish what can finish, abort what cannot.
 
         A step some rank never handed to a writer can never commit (that trainer is gone):
-        abort it now. A step every rank handed off is waited for, up to ``timeout_s``.
+        abort it now. A step every rank handed off is waited for, up to ``timeout_s``, unless
+        the writer of a rank that has not reported no longer holds its hand-off (it died, with
+        its node or alone, or its write failed): then it can never commit and is aborted at once.
+        A writer that holds it, or does not answer, is waited for.
         """
         for step, p in list(self.pending.items()):
             if len(p.accepted) < self.world_size:
                 await self.abort(step, f"ranks {sorted(set(range(self.world_size)) - p.accepted)} never handed it off")
                 continue
-            try:
-                await asyncio.wait_for(p.done.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                await self.abort(step, f"not committed within {timeout_s:g}s of the restart")
+            deadline = time.monotonic() + timeout_s
+            while not p.done.is_set():
+                lost = await self._lost_hand_offs(step, p)
+                if lost and not p.done.is_set():
+                    await self.abort(step, f"the writer holding ranks {lost} died or failed before they reported")
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    await self.abort(step, f"not committed within {timeout_s:g}s of the restart")
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(p.done.wait(), min(left, SETTLE_CHECK_S))
+
+    async def _lost_hand_offs(self, step: int, p: _Pending) -> list[int]:
+        """Ranks of ``step`` not reported whose writer surely no longer holds them: its node is
+        dead, Ray says the actor died, or it answers that it does not hold them (a restarted
+        writer holds nothing of its previous incarnation). Unknown (no answer in time) is not lost."""
+        import ray
+        from ray.exceptions import ActorDiedError
+
+        waiting = {r: w for r, w in p.writers.items() if r not in p.reports}
+        if not waiting:
+            return []
+        alive = {n["NodeID"] for n in await asyncio.to_thread(ray.nodes) if n["Alive"]}
+        lost = []
+        for rank, (writer, node) in sorted(waiting.items()):
+            if node in alive:
+                try:
+                    if await asyncio.wait_for(writer.holds.remote(rank, step), WRITER_QUERY_S):
+                        continue
+                except ActorDiedError:
+                    pass
+                except Exception as exc:  # restarting, unreachable or slow to answer: it may still report
+                    logger.debug("writer of rank %d step %d did not answer: %s", rank, step, exc)
+                    continue
+            if rank not in p.reports:  # a report may have come in while we asked
+                lost.append(rank)
+        return lost
 
     async def report(self, step: int, rank: int, attempt: int, plan_id: str, results: list,
                      files: dict, info: dict) -> str:

@@ -266,11 +266,19 @@ class CheckpointWriter(ReplicaEndpoint):
             held.record = None  # the trainer staged over whatever it held
             self._running[key] = req
         try:
-            self._tmp[key] = ray.get(self.coordinator.accepted.remote(req.step, req.rank, req.attempt))
+            me = ray.get_runtime_context()
+            self._tmp[key] = ray.get(self.coordinator.accepted.remote(req.step, req.rank, req.attempt,
+                                                                      (me.current_actor, me.get_node_id())))
         except BaseException:
             self._running.pop(key, None)
             raise
         self._jobs[key] = self._pool.submit(self._persist_and_forget, req)
+
+    def holds(self, rank: int, step: int) -> bool:
+        """Whether this writer still has rank ``rank``'s hand-off of ``step`` to write and report.
+        False once it was reported, failed, or was lost with a previous incarnation of this actor."""
+        with self._lock:
+            return (rank, step) in self._running
 
     def wait(self, rank: int, step: int) -> str:
         """Block until rank ``rank``'s files of ``step`` are written and reported; re-raises a failure."""

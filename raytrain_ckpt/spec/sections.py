@@ -411,7 +411,7 @@ class CheckpointSpec(_Section):
     commit_timeout_s: float = Field(600.0, gt=0)
     """How long a synchronous or final save waits for its commit before the job fails."""
     settle_timeout_s: float = Field(60.0, gt=0)
-    """Before a restart (and when a failed job ends): how long to wait for steps that every rank handed to a writer to commit; a step still unfinished then (its writer may have died with its node) is aborted."""
+    """Before a restart (and when a failed job ends): how long to wait for steps that every rank handed to a writer to commit; a step still unfinished then is aborted. A step whose writer is known dead or restarted (it no longer holds a rank's hand-off, or its node is dead) is aborted at once: this bounds only a writer that is alive but stuck, or does not answer."""
     leftover_grace_s: float = Field(3600.0, gt=0)
     """An uncommitted step (shards without a manifest on an object store, a .tmp- directory on a file system) that no save of this job is writing and that stayed unchanged this long is removed while the job runs (at start, every leftover is removed at once)."""
     writer_threads: int = Field(1, ge=1, le=64)

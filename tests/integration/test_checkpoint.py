@@ -89,6 +89,23 @@ def test_killed_writer_aborts_only_that_step(ray_cluster, reference, tmp_path, m
     assert not any(".tmp-" in p.name for p in (tmp_path / "llama-debug-fsdp").iterdir())
 
 
+def test_a_step_whose_writer_died_is_aborted_at_once_on_restart(ray_cluster, reference, tmp_path, monkeypatch):
+    # both ranks hand step 10 off; rank 1 dies at step 12 while the writer is still (slowly) writing
+    # step 10, so nobody waits on it; then the writer dies. The restart waits while the writer holds
+    # the step, and must not wait settle_timeout_s once the step cannot commit
+    monkeypatch.setenv(ENV_VAR, "slow@persist:rank=0,step=10;exit@persist:rank=0,step=10;exit@step:rank=1,step=12")
+    result = _ok(run_job(_spec(tmp_path, "training.steps=20", "fault_tolerance.max_restarts=1",
+                               "fault_tolerance.poll_interval_s=0.1", "checkpoint.settle_timeout_s=120")))
+    detected = next(t for t, what in result.events if what.startswith("attempt 0 ") and what.endswith(" detected"))
+    restarted = next(t for t, what in result.events if what == "attempt 1 running")
+    assert restarted - detected < 30, result.events
+    assert {5, 10, 15, 20} <= set(result.checkpoints["committed"])   # 10 saved again by the restart
+    assert all(r.start_step == 5 for r in result.results)               # attempt 0's step 10 never committed
+    assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference.results]
+    assert result.losses == {s: v for s, v in reference.losses.items() if s > 5}
+    assert not any(".tmp-" in p.name for p in (tmp_path / "llama-debug-fsdp").iterdir())
+
+
 def test_checkpoint_actor_killed_during_commit(ray_cluster, reference, tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "exit@commit:rank=0,step=10")
     result = _ok(run_job(_spec(tmp_path, "training.steps=20")))
