@@ -56,6 +56,7 @@ def _run_controller(spec: JobSpec) -> JobResult:
         if service is not None:
             service.note_job(ctrl.summary())
 
+    interrupted = False
     try:
         if service is not None:
             service.preflight()  # a checkpoint root some node cannot share fails here, before training
@@ -75,10 +76,13 @@ def _run_controller(spec: JobSpec) -> JobResult:
             out = final_export(spec, service.root)  # leased by a lease file, while the actor still runs
             result.checkpoints["final_export"] = str(out) if out is not None else None
         return result
+    except KeyboardInterrupt:  # Ctrl-C: stop now; what is committed stays, what is in flight is not waited for
+        interrupted = True
+        raise
     finally:
         pool.close()
         if service is not None:
-            service.shutdown()
+            service.shutdown(settle=not interrupted)
 
 
 def _warn_restarts_without_checkpoints(spec: JobSpec) -> None:

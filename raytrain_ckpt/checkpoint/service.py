@@ -365,15 +365,21 @@ class CheckpointService:
                 logger.debug("job note not delivered: %s", exc)
         self._note = self.actor.note_job.remote(info)
 
-    def shutdown(self) -> None:
+    def shutdown(self, settle: bool = True) -> None:
         """Let handed-off saves commit, free staging memory, stop the actors.
 
         A job that failed may leave a step that every rank handed to a writer: it is still
         committed (bounded by checkpoint.settle_timeout_s), so the next run resumes from it.
+        ``settle=False`` (a run stopped by Ctrl-C) does not wait for it: the committed steps stay,
+        and the next start removes what was left in flight.
         """
+        timeout = self.spec.checkpoint.settle_timeout_s
         try:
-            ray.get(self.actor.settle.remote(self.spec.checkpoint.settle_timeout_s))
-        except Exception as exc:  # the actor is gone: nothing in flight can commit anyway
+            if settle:
+                ray.get(self.actor.settle.remote(timeout), timeout=timeout + 30)
+            else:
+                logger.warning("interrupted: a checkpoint still in flight is not waited for")
+        except Exception as exc:  # the actor is gone or stuck: nothing in flight can commit anyway
             logger.warning("could not settle in-flight checkpoints: %s", exc)
         for w in self._writers.values():
             try:
