@@ -23,6 +23,7 @@ import os
 import posixpath
 import random
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -226,8 +227,6 @@ def object_store_problem(root: str, options: dict[str, Any], timeout_s: float = 
     ``timeout_s`` to answer: a wrong endpoint, missing credentials, a bucket that does not exist
     or no permission to list fails here, before a job starts or a command reads anything.
     """
-    import threading
-
     outcome: list[BaseException | None] = []
 
     def probe() -> None:
