@@ -24,7 +24,8 @@ from torch import nn
 from raytrain_ckpt.data import TokenSource, build_data, local_micro_batches
 from raytrain_ckpt.models import build_model, resolve_factory
 from raytrain_ckpt.parallel import PartBuilder, build_mesh, param_dtype_for, supports_deferred_init
-from raytrain_ckpt.parallel.pipeline import SPLIT_HOOK, Pipeline, clip_grad_norm_
+from raytrain_ckpt.parallel.local_math import LocalAdamW, clip_grad_norm_
+from raytrain_ckpt.parallel.pipeline import SPLIT_HOOK, Pipeline
 from raytrain_ckpt.spec import JobSpec, LRSchedulerSpec, OptimizerSpec
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ def build_loss(name: str) -> LossFn:
 def build_optimizer(o: OptimizerSpec, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer named by the spec over ``params``."""
     if o.name == "adamw":
-        return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        # AdamW stepping on the local shards (``parallel/local_math.py``): the same arithmetic, without DTensor's dispatch
+        return LocalAdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
     factory = resolve_factory(o.name, "optimizer factory")
@@ -236,11 +238,8 @@ class Trainer:
         return local_loss
 
     def _clip(self, max_norm: float) -> None:
-        if self.pipeline is None:
-            nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-            return
         params = [p for part in self.model_parts for p in part.parameters()]
-        clip_grad_norm_(params, max_norm, self.pipeline.group)
+        clip_grad_norm_(params, max_norm, self.pipeline.group if self.pipeline is not None else None)
 
     def _is_eval_step(self) -> bool:
         ev, s = self.spec.eval, self.state.step

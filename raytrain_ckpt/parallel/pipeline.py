@@ -29,13 +29,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.tensor import DTensor
 
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Pipeline", "balance", "build_schedule", "clip_grad_norm_", "layer_bounds", "split_model", "stage_indices"]
+__all__ = ["Pipeline", "balance", "build_schedule", "layer_bounds", "split_model", "stage_indices"]
 
 SPLIT_HOOK = "split_for_pipeline"
 
@@ -162,24 +161,6 @@ def build_schedule(
         return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn, scale_grads=True)
     cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
     return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=True)
-
-
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup) -> torch.Tensor:
-    """Clip to the global 2-norm over every stage (and every dp shard); returns that norm.
-
-    Each rank holds only its stages' gradients, so the local norm (already reduced over the
-    dp shards when the gradients are DTensors) is squared, summed over the pipeline group
-    and square-rooted before the common clip coefficient is applied.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    norm = norm**2
-    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)
-    norm = norm.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm
 
 
 class Pipeline:
