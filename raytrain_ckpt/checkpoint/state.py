@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from raytrain_ckpt.checkpoint.layout import MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.metadata import SafeLoadPlanner, safe_reader
 from raytrain_ckpt.checkpoint.storage import open_storage
+from raytrain_ckpt.parallel.local_math import LocalAdamW
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def create_optimizer_state(opt: torch.optim.Optimizer, fill: bool = True) -> boo
         return False
     kind = type(opt)
     groups = opt.param_groups
-    if kind in (torch.optim.Adam, torch.optim.AdamW):
+    if kind in (torch.optim.Adam, torch.optim.AdamW, LocalAdamW):  # LocalAdamW: AdamW's state, its own step
         if any(g.get("capturable") or g.get("fused") or g.get("differentiable") for g in groups):
             return False
         make = _adam_state

@@ -49,7 +49,10 @@ def test_no_schedule_state_is_refused():
 
 
 def _optimizers() -> list[tuple[str, object]]:
+    from raytrain_ckpt.parallel.local_math import LocalAdamW
+
     return [("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1)),
+            ("local adamw", lambda ps: LocalAdamW(ps, lr=1e-3, weight_decay=0.1)),  # what spec adamw builds
             ("adam amsgrad", lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True)),
             ("sgd momentum", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))]
 
