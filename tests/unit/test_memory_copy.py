@@ -101,3 +101,19 @@ def test_copy_fault_kinds_apply_at_restore_only():
     assert parse_faults("corrupt@restore:rank=0,step=10,attempt=1")[0].kind == "corrupt"
     with pytest.raises(ValueError, match="stale applies at restore only"):
         parse_faults("stale@step:rank=0,step=10")
+
+
+def test_the_copy_into_the_state_is_exact_in_pieces_on_several_threads(monkeypatch):
+    import raytrain_ckpt.checkpoint.memcopy as memcopy
+
+    monkeypatch.setattr(memcopy, "_PIECE_BYTES", 4096)  # many pieces, and a tensor's last piece short
+    gen = torch.Generator().manual_seed(0)
+    sources = [torch.randn(3001, generator=gen), torch.randn(64, 33, generator=gen).to(torch.bfloat16),
+               torch.randint(0, 1 << 30, (5000,), generator=gen), torch.randn(0), torch.randn(7, generator=gen)]
+    targets = [torch.empty_like(s) for s in sources]
+    strided = torch.empty(40, 50)[:, ::2]  # not contiguous: copied whole
+    sources.append(torch.randn(40, 25, generator=gen))
+    targets.append(strided)
+    memcopy.copy_in(list(zip(targets, sources)))
+    for dst, src in zip(targets, sources):
+        assert torch.equal(dst, src)
