@@ -324,6 +324,9 @@ def main() -> None:
     for name, m in med.items():
         parts = ", ".join(f"{k} {v:.0f}" if k == "reused" else f"{k} {v:.2f}" for k, v in m.items() if k != "total")
         print(f"{name:<14} kill -> first step after resume {m['total']:6.2f}" + (f"  ({parts})" if parts else ""))
+    for name, runs in rows.items():
+        print(f"{name.strip():<14} each run: " + ", ".join(f"{r['total']:.2f}" for r in runs)
+              + (" (first step " + ", ".join(f"{r['first_step']:.2f}" for r in runs) + ")" if "first_step" in runs[0] else ""))
     if "Ray Train" in med:
         for name in ("raytrain_ckpt", "  no reuse"):
             print(f"ratio {name.strip()} / Ray Train: {med[name]['total'] / med['Ray Train']['total']:.3f}")

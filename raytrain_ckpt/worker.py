@@ -17,7 +17,6 @@ import gc
 import importlib
 import logging
 import os
-import socket
 import threading
 import time
 import traceback
@@ -93,6 +92,8 @@ class TrainWorker:
         self.timings: dict[str, float] = {}
         self._joined = threading.Event()
         self._join_error: str | None = None
+        self._store: dist.TCPStore | None = None
+        """Rank 0's rendezvous store, listening from ``address()`` until ``reset()``."""
         self.metrics = TrainerMetrics(self.spec.name, rank)
         torch.set_num_threads(max(1, int(self.spec.resources.cpus_per_worker)))
         if rank != SPARE_RANK:
@@ -129,6 +130,7 @@ class TrainWorker:
         self.checkpoints = None
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._store = None
         gc.collect()  # only what this attempt made: join() froze everything older (gc.freeze)
         self._progress = Progress(self.rank, 0, None, time.time(), "setup")
 
@@ -137,13 +139,25 @@ class TrainWorker:
         return f"[attempt {self.attempt} rank {self.rank} step {step}] "
 
     def address(self) -> tuple[str, int]:
-        """This node's IP and a free TCP port, for rank 0 to host the rendezvous."""
+        """Host the attempt's rendezvous (rank 0): a store already listening on a free port of
+        this node, and its address for the other ranks' ``join()``.
+
+        The store listens before any rank is asked to join, so no rank's connection is refused:
+        a refused one is retried after a back-off of about half a second (ARCHITECTURE, "Rank 0
+        hosts the rendezvous before the ranks join").
+        """
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        self._store = None  # a previous start's store, if any: closed
+        self._store = dist.TCPStore(ray.util.get_node_ip_address(), 0, self.world_size, is_master=True,
+                                    timeout=self._collective_timeout(), wait_for_workers=False)
+        return ray.util.get_node_ip_address(), self._store.port
+
+    def _collective_timeout(self) -> datetime.timedelta:
+        # The same timeout bounds every collective: a rank whose peer hangs fails on its own
+        # after about hang_timeout_s instead of torch's default 30 minutes (never below a
+        # floor that leaves the rendezvous room on a loaded machine).
+        return datetime.timedelta(seconds=max(self.spec.fault_tolerance.hang_timeout_s, MIN_COLLECTIVE_TIMEOUT_S))
 
     def join(self, master_addr: str, master_port: int) -> None:
         """Join the attempt's process group (rendezvous at rank 0's ``master_addr:master_port``).
@@ -172,16 +186,15 @@ class TrainWorker:
             if self.spec.training.deterministic:
                 _deterministic_cuda()
         t0 = time.monotonic()
-        # The same timeout bounds every collective: a rank whose peer hangs fails on its own
-        # after about hang_timeout_s instead of torch's default 30 minutes (never below a
-        # floor that leaves the rendezvous room on a loaded machine).
-        collective_s = max(self.spec.fault_tolerance.hang_timeout_s, MIN_COLLECTIVE_TIMEOUT_S)
+        timeout = self._collective_timeout()
+        store = self._store if self._store is not None else dist.TCPStore(
+            master_addr, master_port, self.world_size, is_master=False, timeout=timeout)
         dist.init_process_group(
             backend="nccl" if self.spec.resources.use_gpu else "gloo",
-            init_method=f"tcp://{master_addr}:{master_port}",
+            store=store,
             rank=self.rank,
             world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=collective_s),
+            timeout=timeout,
         )
         self.timings["pg_init_s"] = time.monotonic() - t0
 
