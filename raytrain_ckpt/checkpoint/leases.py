@@ -57,7 +57,8 @@ from raytrain_ckpt.checkpoint.storage import Location, Storage, is_uri, open_sto
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HEARTBEAT_S", "LEASE_DIR", "LEASE_TTL_S", "FileLease", "LeaseFiles", "file_leased_steps", "purge_lock"]
+__all__ = ["HEARTBEAT_S", "LEASE_DIR", "LEASE_TTL_S", "RUN_LOCK", "FileLease", "LeaseFiles", "RootInUse",
+           "file_leased_steps", "purge_lock", "run_lock"]
 
 LEASE_DIR = "leases"
 LEASE_TTL_S = 60.0
@@ -214,3 +215,58 @@ class FileLease:
         if self._thread is not None:
             self._thread.join()
         self.storage.remove_file(self.path)
+
+
+RUN_LOCK = ".run.lock"
+"""``<checkpoint root>/.run.lock``: flock'ed by the driver of the run that trains the job."""
+
+
+class RootInUse(ValueError):
+    """Another run of the same job is training into the same checkpoint root. A user mistake
+    (exit code 2), raised before anything starts."""
+
+
+@contextmanager
+def run_lock(root: Location, wait_s: float = 3.0) -> Iterator[None]:
+    """Held for a whole run: a second run of the same job on the same root is refused.
+
+    Two runs at once would interleave their steps under one timeline (the newest step of either
+    is what the next start resumes), refuse each other's commits of the same step number, and
+    each one's start removes the other's saves in flight as leftovers. The kernel drops the lock
+    when the holder dies however it dies, so a crashed driver never blocks its resubmission
+    (``wait_s`` covers its last moments). Nothing on an object store: it has no lock. A root the
+    driver cannot create the file in (its machine does not mount the storage) is not locked.
+    """
+    if is_uri(root):
+        yield
+        return
+    path = Path(str(root).removeprefix("file://")) / RUN_LOCK
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+", encoding="utf-8")
+    except OSError as exc:
+        logger.info("checkpoint root %s: not locked for this run (%s)", path.parent, exc)
+        yield
+        return
+    with f:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    f.seek(0)
+                    holder = f.read(300).strip() or "a process that wrote nothing yet"
+                    raise RootInUse(f"checkpoint.dir: another run of this job is training into {path.parent} "
+                                    f"({holder}); two runs would mix their steps in one timeline: wait for it to "
+                                    "end, or set name or checkpoint.dir to train separately") from None
+                time.sleep(0.1)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
