@@ -99,7 +99,7 @@ def import_checkpoint(src: Path, to: Location) -> ImportResult:
         layout = CheckpointLayout(to)
     except StorageUnavailable as exc:
         raise ConversionError(str(exc)) from None
-    if layout.storage.is_dir(layout.step_dir(0)):
+    if layout.is_committed_name(0):  # an object store's step-00000000/ without a manifest is a leftover, replaced
         raise ConversionError(f"--to {to} already holds {layout.storage.name(layout.step_dir(0))}; pass another "
                               "directory (a checkpoint is never overwritten)")
     model = _read_safetensors(src) if src.is_dir() else _read_torch(src)
