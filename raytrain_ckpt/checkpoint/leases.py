@@ -243,30 +243,30 @@ def run_lock(root: Location, wait_s: float = 3.0) -> Iterator[None]:
     path = Path(str(root).removeprefix("file://")) / RUN_LOCK
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(path, "a+", encoding="utf-8")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # unbuffered: nothing to flush at close
     except OSError as exc:
         logger.info("checkpoint root %s: not locked for this run (%s)", path.parent, exc)
         yield
         return
-    with f:
+    try:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    f.seek(0)
-                    holder = f.read(300).strip() or "a process that wrote nothing yet"
+                    holder = os.pread(fd, 300, 0).decode(errors="replace").strip() or "a process that wrote nothing yet"
                     raise RootInUse(f"checkpoint.dir: another run of this job is training into {path.parent} "
                                     f"({holder}); two runs would mix their steps in one timeline: wait for it to "
                                     "end, or set name or checkpoint.dir to train separately") from None
                 time.sleep(0.1)
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        try:  # who holds it, for the refusal's message; a full disk leaves it empty, the lock holds
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
+                          f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}".encode(), 0)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # drops the lock
