@@ -186,7 +186,11 @@ class FileLease:
             self.storage.write_bytes(self.path, body.encode("utf-8"))  # one PUT: whole or absent
             return
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(body, encoding="utf-8")
+        try:
+            tmp.write_text(body, encoding="utf-8")
+        except OSError:  # a full disk: created, not written; leave nothing behind
+            tmp.unlink(missing_ok=True)
+            raise
         os.rename(tmp, self.path)
 
     def _bump(self) -> bool:

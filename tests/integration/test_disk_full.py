@@ -124,3 +124,23 @@ def test_a_run_on_a_full_disk_is_refused_at_start_in_one_line(tmpfs_ok, tmp_path
     assert "rc=2" in listing, out.stdout
     assert "step-00000005" in listing and listing[-1] == "kept", out.stdout
     assert not any(name.startswith(".probe-") for name in listing), out.stdout
+
+
+def test_an_export_from_a_full_checkpoint_disk_goes_without_a_lease(tmpfs_ok, tmp_path):
+    """The export lease could not be written on the full disk: the export failed with 'No space
+    left ... writing <out>' (the output had room) and left a lease .tmp file behind."""
+    import torch
+
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    torch.save({"w": torch.ones(1000)}, tmp_path / "w.pt")
+    cli = f"{sys.executable} -m raytrain_ckpt"
+    command = (f"mount -t tmpfs -o size=1M tmpfs {disk} && {cli} import {tmp_path / 'w.pt'} --to {disk}/imp && "
+               f"(dd if=/dev/zero of={disk}/fill bs=4k 2>/dev/null; true) && "
+               f"{cli} export {disk}/imp/step-00000000 --format torch --out {out}; echo rc=$?; "
+               f"echo leases: $(ls -A {disk}/imp/leases)")
+    proc = subprocess.run(_isolated(command), capture_output=True, text=True, timeout=300, cwd=SCRIPT.parents[2])
+    assert "rc=0" in proc.stdout.split(), proc.stderr[-3000:]
+    assert "exporting without one" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert torch.equal(torch.load(out / "model.pt", weights_only=True)["w"], torch.ones(1000))
+    assert proc.stdout.splitlines()[-1] == "leases: .lock", proc.stdout   # no lease .tmp file left behind
