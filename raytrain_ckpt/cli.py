@@ -148,6 +148,7 @@ def _factories_importable(spec_path: str) -> None:
 
 def _run(spec: JobSpec, address: str | None) -> int:
     from raytrain_ckpt import api
+    from raytrain_ckpt.checkpoint.leases import RootInUse
     from raytrain_ckpt.checkpoint.probe import StorageNotShared
     from raytrain_ckpt.checkpoint.service import ResumeRefused
     from raytrain_ckpt.driver import ResourceError
@@ -155,7 +156,7 @@ def _run(spec: JobSpec, address: str | None) -> int:
     setup_logging()
     try:
         result = api.run(spec, address=address)
-    except (ResourceError, StorageNotShared, ResumeRefused) as exc:
+    except (ResourceError, StorageNotShared, ResumeRefused, RootInUse) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:  # Ctrl-C: committed steps are on storage; the local Ray stops at exit
@@ -235,15 +236,29 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:
-        print(f"error: {args.command}: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return _conversion_os_error(args, exc)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported, not swallowed: a damaged shard
         # surfaces as whatever torch or DCP raise (DCP's CheckpointException is a BaseException)
         cause = _root_cause(exc)
+        if isinstance(cause, OSError):
+            return _conversion_os_error(args, cause)
         source = args.file if args.command == "import" else args.ckpt
         print(f"error: {args.command} of {source} failed while reading it ({type(cause).__name__}: "
               f"{headline(str(cause))[:200]}); check its files with: raytrain-ckpt verify <step directory>", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _conversion_os_error(args: argparse.Namespace, exc: OSError) -> int:
+    """One line for an OS error of export / import; a full output disk names the output, not the input."""
+    import errno
+
+    out, flag = (args.to, "--to") if args.command == "import" else (args.out, "--out")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        print(f"error: {args.command}: {exc.strerror} writing {out}; nothing was written there; free space "
+              f"or pass another {flag}", file=sys.stderr)
+    else:
+        print(f"error: {args.command}: {exc.filename or out}: {exc.strerror or exc}", file=sys.stderr)
+    return EXIT_FAILED
 
 
 def _check_conversion_paths(args: argparse.Namespace) -> None:
@@ -302,13 +317,20 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _root_cause(exc: BaseException) -> BaseException:
-    """The first rank's exception inside DCP's CheckpointException (which only names the ranks)."""
+    """The first rank's exception inside DCP's CheckpointException (which only names the ranks), or
+    the OS error under it: torch's zip writer answers a failed write (a full disk) with its own
+    RuntimeError, raised while the OSError is handled."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
         if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
-            return first[0]
-    return exc
+            exc = first[0]
+    cause: BaseException | None = exc
+    for _ in range(8):
+        if cause is None or isinstance(cause, OSError):
+            break
+        cause = cause.__cause__ or cause.__context__
+    return cause if isinstance(cause, OSError) else exc
 
 
 def _final(losses: dict[int, float]) -> str:

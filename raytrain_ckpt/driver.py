@@ -7,7 +7,9 @@ import os
 
 import ray
 
+from raytrain_ckpt.checkpoint.leases import run_lock
 from raytrain_ckpt.checkpoint.service import CheckpointService
+from raytrain_ckpt.checkpoint.storage import job_root
 from raytrain_ckpt.checkpoint.summary import failed_saves_text
 from raytrain_ckpt.controller import Controller, JobResult, JobState
 from raytrain_ckpt.dashboard import install_dashboard
@@ -39,7 +41,10 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
         install_dashboard()
         logger.info("job %s: %d workers, dp_shard %d, pp %d, spec %s", spec.name, spec.world_size, spec.dp_size,
                     spec.parallelism.pp, spec.spec_hash())
-        return _run_controller(spec)
+        if not spec.checkpoint.enabled:
+            return _run_controller(spec)
+        with run_lock(job_root(spec.checkpoint.dir, spec.name)):  # one run per job root at a time
+            return _run_controller(spec)
     finally:
         if started_here:
             ray.shutdown()

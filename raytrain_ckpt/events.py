@@ -7,6 +7,7 @@ lets the controller and its tests import them without either.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -68,14 +69,18 @@ class Failure:
         return f"attempt {self.attempt} {self.kind}: {who}{self.headline}"
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 def headline(text: str) -> str:
     """The line of an error message that says what happened.
 
     A traceback's last line names the exception, so a text with a traceback (Python's, or the
     one Ray prints for a remote task) gives its first line (who failed) and its last; any
-    other text gives its first line.
+    other text gives its first line. Terminal colour codes (Ray colours the task's name) are
+    dropped: the line goes into logs, ``--json`` and metrics.
     """
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in _ANSI.sub("", text).strip().splitlines() if ln.strip()]
     if not lines:
         return "(no message)"
     if not any(ln.startswith(("Traceback (most recent call last)", 'File "')) for ln in lines):

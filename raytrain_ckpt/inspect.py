@@ -94,8 +94,12 @@ def _row(layout: CheckpointLayout, path: Location, step: int, level: Verify, now
 
 def job_roots_hint(root: Location, limit: int = 100) -> str | None:
     """When ``root`` holds no steps but its subdirectories do (``checkpoint.dir`` given instead of
-    ``checkpoint.dir/<job name>``), a line naming them; else None."""
+    ``checkpoint.dir/<job name>``), a line naming them; a step's own directory given instead of
+    its job's root (it read as 'no checkpoints, a fresh start'), a line saying so; else None."""
     layout = CheckpointLayout(root)
+    if layout.storage.is_file(layout.storage.join(root, MANIFEST)):
+        return (f"{root} is one step's directory, not a job's checkpoint root; check it with: raytrain-ckpt verify "
+                f"{root}, or list its job with: raytrain-ckpt ls {parent_of(root)}")
     names = []
     for name in layout.storage.listdir(root)[:limit]:
         child = layout.storage.join(root, name)

@@ -394,14 +394,14 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
 def _take_lease(root: Location, step: int) -> FileLease | None:
     """A lease on ``step`` against the job's retention. An exporter that may read the root but not
     write to it (read-only credentials on an object store; a read-only mount or a directory of
-    another user on a file system, e.g. an archived checkpoint) exports without one (logged),
-    protected only by the re-check of the step at the end (``_check_still_committed``)."""
+    another user on a file system, e.g. an archived checkpoint; a full disk) exports without one
+    (logged), protected only by the re-check of the step at the end (``_check_still_committed``)."""
     try:
         return FileLease(root, step).__enter__()
     except InvalidCheckpoint as exc:
         raise ConversionError(str(exc)) from None
     except OSError as exc:
-        if not is_uri(root) and exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+        if not is_uri(root) and exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
             raise
         logger.warning("could not write an export lease under %s (%s); exporting without one: a step that "
                        "retention deletes meanwhile fails the export", root, exc)

@@ -9,6 +9,7 @@ so an export can read each tensor just before writing it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import json
 import os
@@ -172,8 +173,10 @@ def stream_torch_save(path: Path, obj: Any, records: Iterable[tuple[str, torch.T
             # An unfinished writer finishes the zip in its C++ destructor. The traceback keeps it
             # alive until after `f` is closed, and that write to a closed file raises inside the
             # destructor, which aborts the process. Finish it now, while `f` is open; the caller
-            # removes the partial file.
-            writer.write_end_of_file()
+            # removes the partial file. After a failed write (a full disk) finishing fails too; the
+            # write's own error is the one to report.
+            with contextlib.suppress(RuntimeError, OSError):
+                writer.write_end_of_file()
             raise
         writer.write_end_of_file()
         f.flush()

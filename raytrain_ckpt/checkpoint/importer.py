@@ -12,6 +12,7 @@ at step 0 with a fresh optimizer (see ``checkpoint/state.py``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import tempfile
@@ -98,22 +99,31 @@ def import_checkpoint(src: Path, to: Location) -> ImportResult:
         layout = CheckpointLayout(to)
     except StorageUnavailable as exc:
         raise ConversionError(str(exc)) from None
-    if layout.storage.is_dir(layout.step_dir(0)):
+    if layout.is_committed_name(0):  # an object store's step-00000000/ without a manifest is a leftover, replaced
         raise ConversionError(f"--to {to} already holds {layout.storage.name(layout.step_dir(0))}; pass another "
                               "directory (a checkpoint is never overwritten)")
     model = _read_safetensors(src) if src.is_dir() else _read_torch(src)
     origin = hashlib.sha256(str(src).encode()).hexdigest()[:8]
-    if layout.atomic:
-        tmp = Path(layout.new_tmp_dir(0))
-        files = _save(model, tmp)
-    else:
-        with tempfile.TemporaryDirectory(prefix="rtc-import-") as local:
-            files = _save(model, Path(local))
-            tmp = layout.new_tmp_dir(0)  # step-00000000/ itself; nothing is committed before the manifest
-            for name in sorted(files):
-                layout.storage.put_file(Path(local) / name, layout.storage.join(tmp, name))
-    manifest = Manifest(step=0, world_size=1, dp_size=1, spec_hash=f"import-{origin}", files=files)
-    final = layout.commit(tmp, manifest)
+    tmp: Location | None = None
+    try:
+        if layout.atomic:
+            tmp = Path(layout.new_tmp_dir(0))
+            files = _save(model, tmp)
+        else:
+            with tempfile.TemporaryDirectory(prefix="rtc-import-") as local:
+                files = _save(model, Path(local))
+                tmp = layout.new_tmp_dir(0)  # step-00000000/ itself; nothing is committed before the manifest
+                for name in sorted(files):
+                    layout.storage.put_file(Path(local) / name, layout.storage.join(tmp, name))
+        manifest = Manifest(step=0, world_size=1, dp_size=1, spec_hash=f"import-{origin}", files=files)
+        final = layout.commit(tmp, manifest)
+    except BaseException:
+        # a failed import (a full disk) leaves nothing: a partial step-00000000/ on an object store
+        # would refuse the next import into the same place
+        if tmp is not None and not layout.is_committed_name(0):
+            with contextlib.suppress(Exception):
+                layout.storage.remove_tree(tmp)
+        raise
     result = ImportResult(final, len(model), sum(t.nbytes for t in model.values()), time.monotonic() - t0)
     logger.info("imported %d tensors (%.1f MB) from %s as %s in %.2fs", result.tensors, result.bytes / 1e6, src,
                 final, result.seconds)

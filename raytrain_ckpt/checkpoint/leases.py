@@ -57,7 +57,8 @@ from raytrain_ckpt.checkpoint.storage import Location, Storage, is_uri, open_sto
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HEARTBEAT_S", "LEASE_DIR", "LEASE_TTL_S", "FileLease", "LeaseFiles", "file_leased_steps", "purge_lock"]
+__all__ = ["HEARTBEAT_S", "LEASE_DIR", "LEASE_TTL_S", "RUN_LOCK", "FileLease", "LeaseFiles", "RootInUse",
+           "file_leased_steps", "purge_lock", "run_lock"]
 
 LEASE_DIR = "leases"
 LEASE_TTL_S = 60.0
@@ -185,7 +186,11 @@ class FileLease:
             self.storage.write_bytes(self.path, body.encode("utf-8"))  # one PUT: whole or absent
             return
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(body, encoding="utf-8")
+        try:
+            tmp.write_text(body, encoding="utf-8")
+        except OSError:  # a full disk: created, not written; leave nothing behind
+            tmp.unlink(missing_ok=True)
+            raise
         os.rename(tmp, self.path)
 
     def _bump(self) -> bool:
@@ -214,3 +219,58 @@ class FileLease:
         if self._thread is not None:
             self._thread.join()
         self.storage.remove_file(self.path)
+
+
+RUN_LOCK = ".run.lock"
+"""``<checkpoint root>/.run.lock``: flock'ed by the driver of the run that trains the job."""
+
+
+class RootInUse(ValueError):
+    """Another run of the same job is training into the same checkpoint root. A user mistake
+    (exit code 2), raised before anything starts."""
+
+
+@contextmanager
+def run_lock(root: Location, wait_s: float = 3.0) -> Iterator[None]:
+    """Held for a whole run: a second run of the same job on the same root is refused.
+
+    Two runs at once would interleave their steps under one timeline (the newest step of either
+    is what the next start resumes), refuse each other's commits of the same step number, and
+    each one's start removes the other's saves in flight as leftovers. The kernel drops the lock
+    when the holder dies however it dies, so a crashed driver never blocks its resubmission
+    (``wait_s`` covers its last moments). Nothing on an object store: it has no lock. A root the
+    driver cannot create the file in (its machine does not mount the storage) is not locked.
+    """
+    if is_uri(root):
+        yield
+        return
+    path = Path(str(root).removeprefix("file://")) / RUN_LOCK
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # unbuffered: nothing to flush at close
+    except OSError as exc:
+        logger.info("checkpoint root %s: not locked for this run (%s)", path.parent, exc)
+        yield
+        return
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 300, 0).decode(errors="replace").strip() or "a process that wrote nothing yet"
+                    raise RootInUse(f"checkpoint.dir: another run of this job is training into {path.parent} "
+                                    f"({holder}); two runs would mix their steps in one timeline: wait for it to "
+                                    "end, or set name or checkpoint.dir to train separately") from None
+                time.sleep(0.1)
+        try:  # who holds it, for the refusal's message; a full disk leaves it empty, the lock holds
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
+                          f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}".encode(), 0)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # drops the lock

@@ -3,6 +3,7 @@ picks the resume point for each attempt, and cleans up at the end of the job."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 import uuid
@@ -168,8 +169,10 @@ class CheckpointService:
             if not isinstance(exc.cause, OSError):
                 raise
             # a directory a node cannot write is a setup mistake like an unshared one: one line, exit 2
+            fix = ("free space there or point checkpoint.dir at another filesystem (its committed steps stay)"
+                   if exc.cause.errno in (errno.ENOSPC, errno.EDQUOT) else "make the path writable on every node")
             raise StorageNotShared(f"checkpoint.dir={self.spec.checkpoint.dir}: a node cannot write there "
-                                   f"({exc.cause}); make the path writable on every node") from None
+                                   f"({exc.cause}); {fix}") from None
         try:
             actor_node, seen = ray.get(self.actor.probes_seen.remote([p.name for p in probes]), timeout=timeout)
         finally:

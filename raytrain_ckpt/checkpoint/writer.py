@@ -161,7 +161,11 @@ class CheckpointWriter(ReplicaEndpoint):
         node_id = ray.get_runtime_context().get_node_id()
         path = Path(local) / probe_name(node_id, nonce)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(node_id, encoding="ascii")
+        try:
+            path.write_text(node_id, encoding="ascii")
+        except OSError:  # a full disk: created, not written; leave nothing behind
+            path.unlink(missing_ok=True)
+            raise
         return NodeProbe(node_id, ray.util.get_node_ip_address(), path.name)
 
     def remove_probe(self, name: str) -> None:

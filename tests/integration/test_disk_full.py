@@ -102,3 +102,45 @@ def test_a_write_error_in_a_dcp_helper_thread_is_caught(tmpfs_ok, tmp_path):
     seen = json.loads(lines[-1])
     # DCP dropped a helper thread's ENOSPC at least once, and every such write was caught
     assert seen["dropped"] >= 1 and seen["caught"] == seen["dropped"], seen
+
+
+def test_a_run_on_a_full_disk_is_refused_at_start_in_one_line(tmpfs_ok, tmp_path):
+    """A disk filled to the last block (by the job's steps, by anything): the start's probe
+    cannot write. One line that says to free space (it said 'make the path writable'), exit 2,
+    the committed steps untouched and no probe file left behind."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    command = (f"mount -t tmpfs -o size=1M tmpfs {disk} && mkdir -p {disk}/llama-debug-fsdp/step-00000005 && "
+               f"echo kept > {disk}/llama-debug-fsdp/step-00000005/manifest.json && "
+               f"(dd if=/dev/zero of={disk}/fill bs=4k 2>/dev/null; true) && "
+               f"{sys.executable} -m raytrain_ckpt run jobs/llama_debug_fsdp.yaml --set checkpoint.dir={disk} "
+               f"--set training.steps=2; echo rc=$?; ls -a {disk}/llama-debug-fsdp; "
+               f"cat {disk}/llama-debug-fsdp/step-00000005/manifest.json")
+    out = subprocess.run(_isolated(command), capture_output=True, text=True, timeout=300, cwd=SCRIPT.parents[2])
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "No space left on device" in errors[0] and "free space there" in errors[0], errors
+    listing = out.stdout.split()
+    assert "rc=2" in listing, out.stdout
+    assert "step-00000005" in listing and listing[-1] == "kept", out.stdout
+    assert not any(name.startswith(".probe-") for name in listing), out.stdout
+
+
+def test_an_export_from_a_full_checkpoint_disk_goes_without_a_lease(tmpfs_ok, tmp_path):
+    """The export lease could not be written on the full disk: the export failed with 'No space
+    left ... writing <out>' (the output had room) and left a lease .tmp file behind."""
+    import torch
+
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    torch.save({"w": torch.ones(1000)}, tmp_path / "w.pt")
+    cli = f"{sys.executable} -m raytrain_ckpt"
+    command = (f"mount -t tmpfs -o size=1M tmpfs {disk} && {cli} import {tmp_path / 'w.pt'} --to {disk}/imp && "
+               f"(dd if=/dev/zero of={disk}/fill bs=4k 2>/dev/null; true) && "
+               f"{cli} export {disk}/imp/step-00000000 --format torch --out {out}; echo rc=$?; "
+               f"echo leases: $(ls -A {disk}/imp/leases)")
+    proc = subprocess.run(_isolated(command), capture_output=True, text=True, timeout=300, cwd=SCRIPT.parents[2])
+    assert "rc=0" in proc.stdout.split(), proc.stderr[-3000:]
+    assert "exporting without one" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert torch.equal(torch.load(out / "model.pt", weights_only=True)["w"], torch.ones(1000))
+    assert proc.stdout.splitlines()[-1] == "leases: .lock", proc.stdout   # no lease .tmp file left behind

@@ -149,3 +149,12 @@ def test_export_from_a_read_only_mount_needs_no_lease(paths, tmp_path):
     a = torch.load(tmp_path / "from-ro" / "model.pt")
     b = torch.load(tmp_path / "from-rw" / "model.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("command", ["status", "ls"])
+def test_a_step_directory_given_instead_of_the_job_root_says_so(paths, command):
+    proc = _cli(command, paths["step"])                 # a committed step read as 'nothing, a fresh start'
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    note = (f"note: {paths['step']} is one step's directory, not a job's checkpoint root; check it with: "
+            f"raytrain-ckpt verify {paths['step']}, or list its job with: raytrain-ckpt ls {paths['ckpt']}")
+    assert note in (proc.stdout + proc.stderr).splitlines()

@@ -25,6 +25,8 @@ OSError: disk full"""
     ("The actor died unexpectedly before finishing this task.\n\tclass_name: TrainWorker",
      "The actor died unexpectedly before finishing this task."),
     ("  \n", "(no message)"),
+    ("\x1b[36mray::CheckpointWriter.accept()\x1b[39m (pid=12)\n  File \"/x/w.py\", line 1, in f\nOSError: gone",
+     "ray::CheckpointWriter.accept() (pid=12) OSError: gone"),                  # Ray's colours dropped
 ])
 def test_headline_names_what_happened(text, expected):
     assert headline(text) == expected

@@ -139,3 +139,55 @@ def test_hf_export_gives_the_same_logits_in_transformers(tmp_path: Path) -> None
     tokens = torch.randint(0, 256, (2, 64))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
+
+
+def _cli_with_file_size_limit(args: list[str], limit: int) -> "subprocess.CompletedProcess[str]":
+    """``raytrain-ckpt <args>`` (or ``-c CODE``) in a process whose files cannot grow past ``limit``
+    bytes: a real write that fails midway (EFBIG, as ENOSPC on a full disk)."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def limited() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    command = args if args[0] == "-c" else ["-m", "raytrain_ckpt", *args]
+    return subprocess.run([sys.executable, *command], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[2], preexec_fn=limited)
+
+
+FINAL_EXPORT = """
+import sys
+from raytrain_ckpt.checkpoint.export import final_export
+from raytrain_ckpt.spec import load_spec
+spec = load_spec("jobs/llama_debug_fsdp.yaml", ["checkpoint.final_export.format=torch",
+                                                 f"checkpoint.final_export.dir={sys.argv[2]}"])
+print("returned", final_export(spec, sys.argv[1]))
+"""
+
+
+def _errors(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if " INFO " not in ln and ln.strip()]
+
+
+def test_export_and_import_onto_a_full_disk_name_the_output_and_leave_nothing(tmp_path: Path) -> None:
+    """torch's zip writer answers a failed write with its own RuntimeError: it was reported as a
+    damaged checkpoint ('failed while reading it ... verify'), and escaped final_export's handler."""
+    torch.save({"w": torch.ones(256 * 1024)}, tmp_path / "m.pt")  # 1 MB
+    step = import_checkpoint(tmp_path / "m.pt", tmp_path / "imp").path
+    out = _cli_with_file_size_limit(["export", str(step), "--format", "torch", "--out", str(tmp_path / "o")], 200_000)
+    assert out.returncode == 1 and _errors(out.stderr) == [
+        f"error: export: File too large writing {tmp_path / 'o'}; nothing was written there; free space or pass "
+        "another --out"], out.stderr[-3000:]
+    out = _cli_with_file_size_limit(["import", str(tmp_path / "m.pt"), "--to", str(tmp_path / "imp2")], 200_000)
+    assert out.returncode == 1 and _errors(out.stderr) == [
+        f"error: import: File too large writing {tmp_path / 'imp2'}; nothing was written there; free space or pass "
+        "another --to"], out.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["imp", "imp2", "m.pt"]
+    assert list((tmp_path / "imp2").iterdir()) == []                # no step-00000000.tmp-* left behind
+    out = _cli_with_file_size_limit(["-c", FINAL_EXPORT, str(tmp_path / "imp"), str(tmp_path / "fe")], 200_000)
+    assert out.returncode == 0 and out.stdout.split() == ["returned", "None"], out.stderr[-3000:]
+    assert "final export failed: [Errno 27] File too large" in out.stderr, out.stderr[-3000:]  # logged; the job stands
+    assert not (tmp_path / "fe").exists()

@@ -164,3 +164,40 @@ def test_a_killed_exporters_lease_stops_pinning_after_ttl_of_the_readers_clock(t
     assert reader.leased_steps() == {1}
     clock.t += 2
     assert reader.leased_steps() == set() and not path.exists()
+
+
+HOLD_RUN_LOCK = """
+import sys, time
+from raytrain_ckpt.checkpoint.leases import run_lock
+with run_lock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def _hold_run_lock(root: Path) -> subprocess.Popen:
+    """Another process holding the run lock of ``root`` (as a running job's driver does)."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_RUN_LOCK, str(root)], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_run_on_a_job_root_is_refused_until_the_first_dies(tmp_path: Path) -> None:
+    from raytrain_ckpt.checkpoint.leases import RootInUse, run_lock
+
+    root = tmp_path / "job"
+    holder = _hold_run_lock(root)
+    try:
+        with pytest.raises(RootInUse, match=rf"another run of this job is training into {root} \(pid {holder.pid} "):
+            with run_lock(root, wait_s=0.3):
+                pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with run_lock(root, wait_s=5.0):              # the kernel dropped the dead holder's lock
+        with pytest.raises(RootInUse):            # and this holder excludes others in its own process too
+            with run_lock(root, wait_s=0.0):
+                pass
+    with run_lock(tmp_path / "other-job", wait_s=0.0), run_lock(root, wait_s=0.0):
+        pass                                      # released; other roots never contend

@@ -194,6 +194,13 @@ def test_import_to_s3_commits_step_0_that_verifies_and_exports_back(s3_endpoint,
     # a second import never overwrites the committed step
     assert main(["import", str(tmp_path / "m.pt"), "--to", root]) == 2
     assert "already holds step-00000000" in capsys.readouterr().err
+    # an import stopped before its manifest (killed mid-upload) left a leftover, not a checkpoint:
+    # importing again replaces it (it said 'already holds step-00000000; a checkpoint is never overwritten')
+    torn = f"{s3_endpoint.new_bucket()}/imported"
+    layout = CheckpointLayout(torn, options=s3_endpoint.options)
+    layout.storage.write_bytes(layout.storage.join(layout.step_dir(0), "__0_0.distcp"), b"partial")
+    assert main(["import", str(tmp_path / "m.pt"), "--to", torn]) == 0, capsys.readouterr().err
+    assert layout.verify(layout.step_dir(0), "checksum").step == 0
 
 
 class _Clock:
