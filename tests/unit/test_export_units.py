@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -141,12 +142,11 @@ def test_hf_export_gives_the_same_logits_in_transformers(tmp_path: Path) -> None
         torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
 
 
-def _cli_with_file_size_limit(args: list[str], limit: int) -> "subprocess.CompletedProcess[str]":
+def _cli_with_file_size_limit(args: list[str], limit: int) -> subprocess.CompletedProcess[str]:
     """``raytrain-ckpt <args>`` (or ``-c CODE``) in a process whose files cannot grow past ``limit``
     bytes: a real write that fails midway (EFBIG, as ENOSPC on a full disk)."""
     import resource
     import signal
-    import subprocess
     import sys
 
     def limited() -> None:
