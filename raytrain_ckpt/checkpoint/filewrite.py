@@ -37,6 +37,7 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
@@ -66,6 +67,13 @@ _BOUNCE = 8 << 20
 _KEEP_BOUNCE = 8
 """Aligned buffers kept for the next save (a fresh mapping faults every page in again): two per
 file being written, four files at once."""
+_IN_PLACE = 1 << 20
+"""A tensor's bytes from this size on are placed in the file at an offset that agrees with their
+memory address modulo ``_DIRECT_ALIGN`` (zero bytes before the item), and ``O_DIRECT`` writes
+their whole blocks straight from that memory. Smaller ones are copied into the aligned buffer:
+a write of their own per tensor would cost the device more than the copy costs the CPU."""
+_IN_FLIGHT = 2
+"""Writes handed to a file's I/O thread and not yet done, at most (besides the one being filled)."""
 
 Resolve = Callable[[WriteItem], "torch.Tensor | io.BytesIO"]
 
@@ -114,6 +122,11 @@ class ChecksumSink(io.RawIOBase):
         """The first write error: torch.save replaces it with a RuntimeError about a short file."""
         self.spans: list[Span] = []
         """Where each chunk written straight from the caller's memory was, and the CRC around it."""
+        self.item_start = 0
+        """File offset of the item being written (after the zero bytes placed before it, if any)."""
+        self.owner: torch.Tensor | None = None
+        """The tensor whose item is being written: its storage is the memory ``torch.save`` hands
+        over, kept alive by whatever writes from it later (``_DirectFileSink``)."""
 
     def writable(self) -> bool:
         return True
@@ -121,14 +134,35 @@ class ChecksumSink(io.RawIOBase):
     def tell(self) -> int:
         return self.position + len(self._pending)
 
+    def begin_item(self, owner: torch.Tensor | None = None) -> None:
+        """The next bytes start an item (every earlier byte has been flushed); ``owner``: its tensor."""
+        assert not self._pending, "an item starts after the previous one is flushed"
+        self.item_start, self.owner = self.position, owner
+
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         if view.nbytes < _GATHER:
             self._pending += view
         else:
+            address = address_of(view)
+            self._place(view, address)
             self.flush()
-            self._write(view, address_of(view))
+            self._write(view, address)
         return view.nbytes
+
+    def _place(self, view: memoryview, address: int) -> None:
+        """Before the first bytes of a large tensor's storage: zero bytes ahead of its item (whose
+        records so far are all still gathered) so that the storage's file offset and its memory
+        address agree modulo ``_DIRECT_ALIGN`` (DCP records each item's offset and length, so
+        bytes between items are never read)."""
+        owner = self.owner
+        if (owner is None or view.nbytes < _IN_PLACE or self.position != self.item_start
+                or address != owner.untyped_storage().data_ptr()):
+            return
+        pad = (address - self.tell()) % _DIRECT_ALIGN
+        if pad:
+            self._pending[0:0] = bytes(pad)
+            self.item_start += pad
 
     def flush(self) -> None:
         if self._pending:
@@ -149,10 +183,12 @@ class ChecksumSink(io.RawIOBase):
             chunk = view[start:start + _CHUNK]
             t0 = time.perf_counter()
             before, self.crc = self.crc, _crc32c.crc32c(chunk, self.crc)
-            if address is not None:
-                self.spans.append(Span(address + start, chunk.nbytes, before, self.crc))
             t1 = time.perf_counter()
-            self._put(chunk)
+            if address is None:
+                self._put(chunk)
+            else:
+                self.spans.append(Span(address + start, chunk.nbytes, before, self.crc))
+                self._put_in_place(chunk, address + start)
             self.phases.checksum_s += t1 - t0
             self.phases.write_calls_s += time.perf_counter() - t1
         self.position += view.nbytes
@@ -160,6 +196,11 @@ class ChecksumSink(io.RawIOBase):
     def _put(self, chunk: memoryview) -> None:
         """Hand ``chunk`` on; raise when it cannot be."""
         raise NotImplementedError
+
+    def _put_in_place(self, chunk: memoryview, address: int) -> None:
+        """``_put`` a chunk of the caller's memory (at ``address``, unchanged until the write is
+        done and kept alive by ``owner``): a sink may write it from there."""
+        self._put(chunk)
 
 
 class _FileSink(ChecksumSink):
@@ -259,14 +300,19 @@ def _try_direct(fd: int) -> bool:
 
 
 class _DirectFileSink(_FileSink):
-    """Writes through ``O_DIRECT``: chunks are copied into page-aligned buffers and each full buffer
-    goes to the device from there (ARCHITECTURE, "Shards are written with O_DIRECT").
+    """Writes through ``O_DIRECT``: the whole blocks of a large tensor's bytes straight from the
+    caller's memory (the staging buffer), everything else (zip records, pickles, small tensors,
+    the part of a tensor that is not whole blocks) copied into page-aligned buffers first, each
+    written when full or when an in-place write comes next (ARCHITECTURE, "Shards are written
+    with O_DIRECT").
 
-    Two buffers: while one is written (by the sink's own I/O thread, in order), the next is
-    filled, so checksumming, serialising and copying overlap the device's time instead of adding
-    to it (ARCHITECTURE, "A shard's device writes overlap its checksums and copies"). The copy
-    into a buffer is a ``memmove`` that runs without the GIL, so the writes of other ranks in
-    the same process are not held up by it.
+    Writes go to the sink's own I/O thread in file order, one at a time, at most ``_IN_FLIGHT``
+    queued, while the next is checksummed and filled, so checksumming, serialising and copying
+    overlap the device's time instead of adding to it (ARCHITECTURE, "A shard's device writes
+    overlap its checksums and copies"). Two aligned buffers: one is filled while the other is
+    written. The copy into a buffer is a ``memmove`` that runs without the GIL, so the writes of
+    other ranks in the same process are not held up by it. A write from the caller's memory
+    holds the item's tensor (``owner``) until it is done.
 
     The file's last bytes that do not fill an aligned block, and everything after a direct write
     the file system refused (EINVAL) or took only in part (a size limit), are written through the
@@ -280,17 +326,24 @@ class _DirectFileSink(_FileSink):
         """(Slices of a memoryview keep the mapping exported until they are freed: a buffer is
         never closed here, only dropped when the pool is full.)"""
         self.addresses = [address_of(v) for v in self.views]
-        self.writes: list[Future | None] = [None, None]
-        """The write of each buffer in flight (its bytes must stay until it is done)."""
+        self.writes: deque[tuple[Future, int | None]] = deque()
+        """Writes handed to the I/O thread, oldest first, with the aligned buffer each reads (None:
+        the caller's memory)."""
         self.io = ThreadPoolExecutor(1, thread_name_prefix="rtc-direct")
         self.current = 0
         self.filled = 0
         self.offset = 0
-        """File offset of the current buffer's first byte."""
+        """File offset of the current buffer's first byte (a multiple of ``_DIRECT_ALIGN``)."""
+        self.run: _Run | None = None
+        """Whole blocks of the caller's memory gathered for one in-place write, ending at ``offset``."""
         self.direct = True
         """Turned off (on the I/O thread) once the file system refuses a direct write."""
+        self.failed = False
+        """Set (on the I/O thread) once a write failed: later ones are not attempted."""
 
     def _put(self, chunk: memoryview) -> None:
+        if self.run is not None:
+            self._submit_run()  # its bytes come before these
         address = address_of(chunk) if chunk.nbytes else 0
         done = 0
         while done < chunk.nbytes:
@@ -303,41 +356,85 @@ class _DirectFileSink(_FileSink):
             if self.filled == _BOUNCE:
                 self._submit()
 
+    def _put_in_place(self, chunk: memoryview, address: int) -> None:
+        """Whole blocks of ``chunk`` at a file offset that agrees with ``address`` go to the device
+        from ``address``; the bytes around them go through the aligned buffer."""
+        position = self.offset + self.filled
+        head = -position % _DIRECT_ALIGN
+        body = max(chunk.nbytes - head, 0) // _DIRECT_ALIGN * _DIRECT_ALIGN
+        run = self.run
+        extends = run is not None and run.address + run.length == address and not self.filled and not head
+        if not body or not self.direct or (address + head) % _DIRECT_ALIGN or not (extends or body >= _IN_PLACE):
+            self._put(chunk)
+            return
+        if head:
+            self._put(chunk[:head])  # (after the run it may follow)
+        if self.filled:  # ends at a block boundary now: written before the run
+            self._submit()
+        if self.run is not None and (not extends or self.run.length + body > _BOUNCE):
+            self._submit_run()
+        if self.run is None:
+            self.run = _Run(address + head, 0, self.offset, self.owner)
+        self.run.length += body
+        self.offset += body
+        if head + body < chunk.nbytes:
+            self._put(chunk[head + body:])
+
     def finish(self) -> None:
         """Write what the buffers still hold: the aligned part directly, the rest through the cache."""
         super().finish()
         t0 = time.perf_counter()
+        if self.run is not None:
+            self._submit_run()
         if self.filled:
             self._submit()
-        for i in range(len(self.writes)):
-            self._wait(i)
+        while self.writes:
+            self.writes.popleft()[0].result()
         self.phases.write_calls_s += time.perf_counter() - t0
 
     def _submit(self) -> None:
         """Hand the current buffer to the I/O thread and go on with the other one."""
-        self.writes[self.current] = self.io.submit(self._drain, self.current, self.filled, self.offset)
-        self.offset += self.filled
+        i, filled = self.current, self.filled
+        self._hand(self.io.submit(self._drain, self.views[i][:filled], self.offset), i)
+        self.offset += filled
         self.current, self.filled = 1 - self.current, 0
 
-    def _wait(self, i: int) -> None:
-        """Wait for buffer ``i``'s write; re-raises its error."""
-        write, self.writes[i] = self.writes[i], None
-        if write is not None:
-            write.result()
+    def _submit_run(self) -> None:
+        run, self.run = self.run, None
+        assert run is not None
+        view = memoryview((ctypes.c_ubyte * run.length).from_address(run.address)).cast("B")
+        self._hand(self.io.submit(self._drain, view, run.offset, run.owner), None)
 
-    def _drain(self, i: int, filled: int, offset: int) -> None:
-        """On the I/O thread: write buffer ``i``'s first ``filled`` bytes at ``offset``."""
+    def _hand(self, write: Future, buffer: int | None) -> None:
+        self.writes.append((write, buffer))
+        while len(self.writes) > _IN_FLIGHT:
+            self.writes.popleft()[0].result()
+
+    def _wait(self, i: int) -> None:
+        """Wait for aligned buffer ``i``'s write (and every write before it); re-raises their errors."""
+        while any(buffer == i for _, buffer in self.writes):
+            self.writes.popleft()[0].result()
+
+    def _drain(self, view: memoryview, offset: int, owner: torch.Tensor | None = None) -> None:
+        """On the I/O thread: write ``view`` at ``offset`` (``owner`` keeps its memory alive)."""
+        if self.failed:
+            return  # an earlier write's error is raised to the writer
         cpu0 = time.thread_time()
-        view = self.views[i]
-        aligned = filled // _DIRECT_ALIGN * _DIRECT_ALIGN if self.direct else 0
-        done = self._write_direct(view, aligned, offset) if aligned else 0
-        rest = view[done:filled]
-        if rest.nbytes:
-            self._buffered()
-        while rest.nbytes:
-            n = os.pwrite(self.fd, rest, offset + done)
-            rest, done = rest[n:], done + n
-        self.phases.cpu_s += time.thread_time() - cpu0
+        try:
+            filled = view.nbytes
+            aligned = filled // _DIRECT_ALIGN * _DIRECT_ALIGN if self.direct else 0
+            done = self._write_direct(view, aligned, offset) if aligned else 0
+            rest = view[done:filled]
+            if rest.nbytes:
+                self._buffered()
+            while rest.nbytes:
+                n = os.pwrite(self.fd, rest, offset + done)
+                rest, done = rest[n:], done + n
+        except BaseException:
+            self.failed = True
+            raise
+        finally:
+            self.phases.cpu_s += time.thread_time() - cpu0
 
     def _write_direct(self, view: memoryview, length: int, offset: int) -> int:
         """Write ``view``'s first ``length`` bytes directly at ``offset``; returns how many were written."""
@@ -362,10 +459,23 @@ class _DirectFileSink(_FileSink):
     def release(self) -> None:
         """Give the buffers back once no write reads them (also after a failure: the file is closed next)."""
         self.io.shutdown(wait=True)
-        self.writes = [None, None]
+        self.writes.clear()
+        self.run = None
         for bounce in self.bounces:
             _give_bounce(bounce)
         self.bounces = []
+
+
+@dataclass
+class _Run:
+    """Whole blocks of the caller's memory to be written in place by one ``O_DIRECT`` write."""
+
+    address: int
+    length: int
+    offset: int
+    """File offset of the first byte."""
+    owner: torch.Tensor | None
+    """Holds the memory until the write is done."""
 
 
 _bounces: list[mmap.mmap] = []
@@ -405,20 +515,24 @@ def _write_file(open_file: OpenFile, name: str, items: list[WriteItem], resolve:
 def _write_item(sink: ChecksumSink, name: str, item: WriteItem, resolve: Resolve) -> WriteResult:
     t0 = time.perf_counter()
     io_before = sink.phases.write_calls_s + sink.phases.checksum_s
-    offset = sink.tell()
     data = resolve(item)
     if item.type == WriteItemType.BYTE_IO:
         assert isinstance(data, io.BytesIO), f"{item.index.fqn}: a byte item resolved to {type(data).__name__}"
+        sink.begin_item()
         sink.write(data.getbuffer())
     else:
         assert isinstance(data, torch.Tensor), f"{item.index.fqn}: a tensor item resolved to {type(data).__name__}"
+        tensor = _exact_storage(data)
+        sink.begin_item(tensor)
         try:
-            torch.save(_exact_storage(data), sink)
+            torch.save(tensor, sink)
         except RuntimeError:
             if sink.error is not None:  # the real cause (ENOSPC, EIO), not torch's "unexpected pos"
                 raise sink.error from None
             raise
     sink.flush()
+    sink.owner = None
+    offset = sink.item_start
     length = sink.position - offset
     io_spent = sink.phases.write_calls_s + sink.phases.checksum_s - io_before
     sink.phases.serialize_s += time.perf_counter() - t0 - io_spent
