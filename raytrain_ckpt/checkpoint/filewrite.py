@@ -8,18 +8,24 @@ through a Python stream, and the writer then read each file back for the manifes
 Here each item is serialised with ``torch.save`` straight into the file: the tensor is a view
 whose storage is exactly its slot of the staging buffer (no clone), ``torch.save`` hands its
 bytes over as a memoryview of that buffer, and the sink (``ChecksumSink``) checksums each chunk (CRC-32C,
-which covers every byte of the file: zip headers, pickles and data) and, while it is still in
-the cache, copies it into a page-aligned buffer that goes to the device with ``O_DIRECT``
-(``_DirectFileSink``: no page cache to fill, write back and drop; a file system without
-``O_DIRECT`` gets ``os.write`` through the cache). Small records (zip headers, the pickle) are
-gathered and written together. The sink also notes where each chunk it wrote straight from the
-caller's memory lies and the file's CRC around it (``RankFiles.spans``): the staging buffer's
-own CRC-32C follows from them (``crc.region_crc``) without reading the buffer again.
+which covers every byte of the file: zip headers, pickles, data and padding) and hands it to the
+device with ``O_DIRECT`` (``_DirectFileSink``: no page cache to fill, write back and drop; a file
+system without ``O_DIRECT`` gets ``os.write`` through the cache): the whole 4 KiB blocks of a
+tensor of 1 MiB or more straight from the staging buffer, everything else copied into a
+page-aligned buffer first, while it is still in the cache. For that, zero bytes go before such a
+tensor's item so that its bytes start at a file offset that agrees with their address modulo
+4096 (a multiple of 4096 for a staging slot, which starts on a page). Small records (zip
+headers, the pickle) are gathered and written together. The sink also notes where each chunk it
+wrote from the caller's memory lies and the file's CRC around it (``RankFiles.spans``): the
+staging buffer's own CRC-32C follows from them (``crc.region_crc``) without reading the buffer
+again.
 
-The files are plain DCP: the same names, the same items in the same order, the same
-``WriteResult``/``_StorageInfo`` (offset, length) that ``FileSystemWriter`` records, read by
-``dcp.load`` and ``format_utils``. One difference in the bytes: the zip records carry no
-CRC-32 (``torch.serialization.set_crc32_options(False)``, a format ``torch.load`` reads); the
+The files are plain DCP: the same names, the same items in the same order in the same files,
+each item the bytes ``FileSystemWriter`` writes for it, and a ``WriteResult``/``_StorageInfo``
+(offset, length) for each, read by ``dcp.load`` and ``format_utils``. Two differences in the
+bytes: an item of a large tensor may start up to 4095 bytes later (zeros before it, which no
+reader reads: DCP reads each item at its recorded offset), and the zip records carry no CRC-32
+(``torch.serialization.set_crc32_options(False)``, a format ``torch.load`` reads); the
 manifest's CRC-32C over every byte of every file is what proves a file intact, and it is
 verified before anything is loaded.
 

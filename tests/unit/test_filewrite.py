@@ -1,6 +1,7 @@
 """The one-pass local writer produces plain DCP: the same files, offsets and lengths as DCP's
-FileSystemWriter for the same plan, loaded by dcp.load and format_utils, with a CRC-32C that
-is the checksum of every byte on disk."""
+FileSystemWriter for the same plan (large tensors' items start later, their bytes at
+block-aligned offsets written in place with O_DIRECT), loaded by dcp.load and format_utils,
+with a CRC-32C that is the checksum of every byte on disk."""
 
 from __future__ import annotations
 
