@@ -79,7 +79,9 @@ memory address modulo ``_DIRECT_ALIGN`` (zero bytes before the item), and ``O_DI
 their whole blocks straight from that memory. Smaller ones are copied into the aligned buffer:
 a write of their own per tensor would cost the device more than the copy costs the CPU."""
 _IN_FLIGHT = 2
-"""Writes handed to a file's I/O thread and not yet done, at most (besides the one being filled)."""
+"""Writes handed to a file's I/O thread and not yet done, at most (besides the one being gathered)."""
+_SEGMENTS = 256
+"""Segments (in-place runs and aligned-buffer pieces) per write, at most (``IOV_MAX`` is 1024)."""
 
 Resolve = Callable[[WriteItem], "torch.Tensor | io.BytesIO"]
 
@@ -306,14 +308,15 @@ def _try_direct(fd: int) -> bool:
 
 
 class _DirectFileSink(_FileSink):
-    """Writes through ``O_DIRECT``: the whole blocks of a large tensor's bytes straight from the
-    caller's memory (the staging buffer), everything else (zip records, pickles, small tensors,
-    the part of a tensor that is not whole blocks) copied into page-aligned buffers first, each
-    written when full or when an in-place write comes next (ARCHITECTURE, "Shards are written
-    with O_DIRECT").
+    """Writes through ``O_DIRECT`` in writes of about ``_BOUNCE`` bytes, each a ``pwritev`` of
+    segments that follow each other in the file: the whole blocks of a large tensor's bytes straight
+    from the caller's memory (the staging buffer), everything else (zip records, pickles, small
+    tensors, the part of a tensor that is not whole blocks) copied into a page-aligned buffer
+    first (ARCHITECTURE, "Shards are written with O_DIRECT", "Large tensors go to the device
+    straight from the staging buffer").
 
     Writes go to the sink's own I/O thread in file order, one at a time, at most ``_IN_FLIGHT``
-    queued, while the next is checksummed and filled, so checksumming, serialising and copying
+    queued, while the next is checksummed and gathered, so checksumming, serialising and copying
     overlap the device's time instead of adding to it (ARCHITECTURE, "A shard's device writes
     overlap its checksums and copies"). Two aligned buffers: one is filled while the other is
     written. The copy into a buffer is a ``memmove`` that runs without the GIL, so the writes of
@@ -334,82 +337,95 @@ class _DirectFileSink(_FileSink):
         self.addresses = [address_of(v) for v in self.views]
         self.writes: deque[tuple[Future, int | None]] = deque()
         """Writes handed to the I/O thread, oldest first, with the aligned buffer each reads (None:
-        the caller's memory)."""
+        only the caller's memory)."""
         self.io = ThreadPoolExecutor(1, thread_name_prefix="rtc-direct")
         self.current = 0
         self.filled = 0
+        """Bytes of the current aligned buffer in use."""
+        self.open = 0
+        """Where the current buffer's segment not yet closed starts (it ends at ``filled``)."""
+        self.segments: list[list[int]] = []
+        """The next write's closed segments, in file order: [memory address, length]."""
+        self.in_place = False
+        """Whether the last segment is the caller's memory (a later chunk may extend it)."""
+        self.owners: list[torch.Tensor | None] = []
+        """What keeps the next write's in-place segments alive."""
         self.offset = 0
-        """File offset of the current buffer's first byte (a multiple of ``_DIRECT_ALIGN``)."""
-        self.run: _Run | None = None
-        """Whole blocks of the caller's memory gathered for one in-place write, ending at ``offset``."""
+        """File offset of the next write's first byte (a multiple of ``_DIRECT_ALIGN``)."""
+        self.gathered = 0
+        """Bytes of the closed segments."""
         self.direct = True
         """Turned off (on the I/O thread) once the file system refuses a direct write."""
         self.failed = False
         """Set (on the I/O thread) once a write failed: later ones are not attempted."""
 
     def _put(self, chunk: memoryview) -> None:
-        if self.run is not None:
-            self._submit_run()  # its bytes come before these
         address = address_of(chunk) if chunk.nbytes else 0
         done = 0
         while done < chunk.nbytes:
-            if self.filled == 0:
-                self._wait(self.current)  # its previous write still reads it
+            if self.filled == _BOUNCE:
+                self._submit()
             n = min(chunk.nbytes - done, _BOUNCE - self.filled)
             ctypes.memmove(self.addresses[self.current] + self.filled, address + done, n)
             self.filled += n
             done += n
-            if self.filled == _BOUNCE:
-                self._submit()
 
     def _put_in_place(self, chunk: memoryview, address: int) -> None:
-        """Whole blocks of ``chunk`` at a file offset that agrees with ``address`` go to the device
-        from ``address``; the bytes around them go through the aligned buffer."""
-        position = self.offset + self.filled
+        """Whole blocks of ``chunk`` at a file offset that agrees with ``address`` are written from
+        ``address``; the bytes around them go through the aligned buffer."""
+        position = self.offset + self.gathered + self.filled - self.open
         head = -position % _DIRECT_ALIGN
         body = max(chunk.nbytes - head, 0) // _DIRECT_ALIGN * _DIRECT_ALIGN
-        run = self.run
-        extends = run is not None and run.address + run.length == address and not self.filled and not head
+        last = self.segments[-1] if self.in_place and self.filled == self.open else None
+        extends = last is not None and not head and last[0] + last[1] == address
         if not body or not self.direct or (address + head) % _DIRECT_ALIGN or not (extends or body >= _IN_PLACE):
             self._put(chunk)
             return
         if head:
-            self._put(chunk[:head])  # (after the run it may follow)
-        if self.filled:  # ends at a block boundary now: written before the run
+            self._put(chunk[:head])
+        self._close()  # ends at a block boundary now
+        if extends and last is self.segments[-1]:
+            last[1] += body
+        else:
+            self.segments.append([address + head, body])
+            self.owners.append(self.owner)
+        self.in_place = True
+        self.gathered += body
+        if self.gathered >= _BOUNCE or len(self.segments) >= _SEGMENTS:
             self._submit()
-        if self.run is not None and (not extends or self.run.length + body > _BOUNCE):
-            self._submit_run()
-        if self.run is None:
-            self.run = _Run(address + head, 0, self.offset, self.owner)
-        self.run.length += body
-        self.offset += body
         if head + body < chunk.nbytes:
             self._put(chunk[head + body:])
 
+    def _close(self) -> None:
+        """Close the current buffer's open segment (a multiple of ``_DIRECT_ALIGN`` unless the file ends)."""
+        if self.filled > self.open:
+            self.segments.append([self.addresses[self.current] + self.open, self.filled - self.open])
+            self.gathered += self.filled - self.open
+            self.open = self.filled
+            self.in_place = False
+
     def finish(self) -> None:
-        """Write what the buffers still hold: the aligned part directly, the rest through the cache."""
+        """Write what is still gathered: the aligned part directly, the rest through the cache."""
         super().finish()
         t0 = time.perf_counter()
-        if self.run is not None:
-            self._submit_run()
-        if self.filled:
-            self._submit()
+        self._submit()
         while self.writes:
             self.writes.popleft()[0].result()
         self.phases.write_calls_s += time.perf_counter() - t0
 
     def _submit(self) -> None:
-        """Hand the current buffer to the I/O thread and go on with the other one."""
-        i, filled = self.current, self.filled
-        self._hand(self.io.submit(self._drain, self.views[i][:filled], self.offset), i)
-        self.offset += filled
-        self.current, self.filled = 1 - self.current, 0
-
-    def _submit_run(self) -> None:
-        run, self.run = self.run, None
-        assert run is not None
-        view = memoryview((ctypes.c_ubyte * run.length).from_address(run.address)).cast("B")
-        self._hand(self.io.submit(self._drain, view, run.offset, run.owner), None)
+        """Hand the gathered segments to the I/O thread as one write; when they include the current
+        aligned buffer, go on with the other one (once its previous write is done)."""
+        self._close()
+        if self.segments:
+            views = [memoryview((ctypes.c_ubyte * n).from_address(a)).cast("B") for a, n in self.segments]
+            uses = self.current if self.filled else None
+            self._hand(self.io.submit(self._drain, views, self.offset, self.owners), uses)
+            self.offset += self.gathered
+            self.segments, self.owners, self.gathered, self.in_place = [], [], 0, False
+        if self.filled:
+            self.current, self.filled, self.open = 1 - self.current, 0, 0
+            self._wait(self.current)  # its previous write still reads it
 
     def _hand(self, write: Future, buffer: int | None) -> None:
         self.writes.append((write, buffer))
@@ -421,33 +437,34 @@ class _DirectFileSink(_FileSink):
         while any(buffer == i for _, buffer in self.writes):
             self.writes.popleft()[0].result()
 
-    def _drain(self, view: memoryview, offset: int, owner: torch.Tensor | None = None) -> None:
-        """On the I/O thread: write ``view`` at ``offset`` (``owner`` keeps its memory alive)."""
+    def _drain(self, views: list[memoryview], offset: int, owners: list[torch.Tensor | None]) -> None:
+        """On the I/O thread: write ``views`` one after the other from ``offset`` (``owners`` keep
+        the caller's memory among them alive until then)."""
         if self.failed:
             return  # an earlier write's error is raised to the writer
         cpu0 = time.thread_time()
         try:
-            filled = view.nbytes
-            aligned = filled // _DIRECT_ALIGN * _DIRECT_ALIGN if self.direct else 0
-            done = self._write_direct(view, aligned, offset) if aligned else 0
-            rest = view[done:filled]
-            if rest.nbytes:
+            total = sum(v.nbytes for v in views)
+            aligned = total // _DIRECT_ALIGN * _DIRECT_ALIGN if self.direct else 0
+            done = self._write_direct(views, aligned, offset) if aligned else 0
+            rest = _skip(views, done)
+            if rest:
                 self._buffered()
-            while rest.nbytes:
-                n = os.pwrite(self.fd, rest, offset + done)
-                rest, done = rest[n:], done + n
+            while rest:
+                n = os.pwritev(self.fd, rest, offset + done)
+                rest, done = _skip(rest, n), done + n
         except BaseException:
             self.failed = True
             raise
         finally:
             self.phases.cpu_s += time.thread_time() - cpu0
 
-    def _write_direct(self, view: memoryview, length: int, offset: int) -> int:
-        """Write ``view``'s first ``length`` bytes directly at ``offset``; returns how many were written."""
+    def _write_direct(self, views: list[memoryview], length: int, offset: int) -> int:
+        """Write the first ``length`` bytes of ``views`` directly at ``offset``; returns how many were written."""
         done = 0
         while done < length:
             try:
-                n = os.pwrite(self.fd, view[done:length], offset + done)
+                n = os.pwritev(self.fd, _take(_skip(views, done), length - done), offset + done)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
@@ -466,22 +483,33 @@ class _DirectFileSink(_FileSink):
         """Give the buffers back once no write reads them (also after a failure: the file is closed next)."""
         self.io.shutdown(wait=True)
         self.writes.clear()
-        self.run = None
+        self.segments, self.owners = [], []
         for bounce in self.bounces:
             _give_bounce(bounce)
         self.bounces = []
 
 
-@dataclass
-class _Run:
-    """Whole blocks of the caller's memory to be written in place by one ``O_DIRECT`` write."""
+def _skip(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` without their first ``n`` bytes."""
+    out = []
+    for v in views:
+        if n >= v.nbytes:
+            n -= v.nbytes
+            continue
+        out.append(v[n:] if n else v)
+        n = 0
+    return out
 
-    address: int
-    length: int
-    offset: int
-    """File offset of the first byte."""
-    owner: torch.Tensor | None
-    """Holds the memory until the write is done."""
+
+def _take(views: list[memoryview], n: int) -> list[memoryview]:
+    """The first ``n`` bytes of ``views``."""
+    out = []
+    for v in views:
+        if n <= 0:
+            break
+        out.append(v[:n] if n < v.nbytes else v)
+        n -= v.nbytes
+    return out
 
 
 _bounces: list[mmap.mmap] = []
