@@ -77,7 +77,7 @@ _IN_PLACE = 1 << 20
 """A tensor's bytes from this size on are placed in the file at an offset that agrees with their
 memory address modulo ``_DIRECT_ALIGN`` (zero bytes before the item), and ``O_DIRECT`` writes
 their whole blocks straight from that memory. Smaller ones are copied into the aligned buffer:
-a write of their own per tensor would cost the device more than the copy costs the CPU."""
+a copy that small costs less than the zeros and the segment of its own it would save."""
 _IN_FLIGHT = 2
 """Writes handed to a file's I/O thread and not yet done, at most (besides the one being gathered)."""
 _SEGMENTS = 256
@@ -146,6 +146,13 @@ class ChecksumSink(io.RawIOBase):
         """The next bytes start an item (every earlier byte has been flushed); ``owner``: its tensor."""
         assert not self._pending, "an item starts after the previous one is flushed"
         self.item_start, self.owner = self.position, owner
+
+    def owns(self, address: int, length: int) -> bool:
+        """Whether ``length`` bytes at ``address`` are the storage of ``owner`` (memory it keeps alive)."""
+        if self.owner is None:
+            return False
+        storage = self.owner.untyped_storage()
+        return storage.data_ptr() <= address and address + length <= storage.data_ptr() + storage.nbytes()
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
@@ -378,7 +385,8 @@ class _DirectFileSink(_FileSink):
         body = max(chunk.nbytes - head, 0) // _DIRECT_ALIGN * _DIRECT_ALIGN
         last = self.segments[-1] if self.in_place and self.filled == self.open else None
         extends = last is not None and not head and last[0] + last[1] == address
-        if not body or not self.direct or (address + head) % _DIRECT_ALIGN or not (extends or body >= _IN_PLACE):
+        if (not body or not self.direct or (address + head) % _DIRECT_ALIGN or not (extends or body >= _IN_PLACE)
+                or not self.owns(address, chunk.nbytes)):
             self._put(chunk)
             return
         if head:

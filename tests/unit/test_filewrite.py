@@ -282,7 +282,7 @@ def _big_state() -> dict:
     return {"model": {"a": torch.randn(3_000_001, generator=g), "b": torch.randn(1000, generator=g),
                       "c": torch.randn(700_001, generator=g).to(torch.bfloat16),
                       "d": torch.arange(5 << 20, dtype=torch.int32), "e": torch.ones(262_144)},
-            "step": 4, "names": ["x"]}
+            "step": 4, "names": ["x"], "blob": bytes(range(256)) * 12_000}  # a 3 MB byte item: never in place
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -338,11 +338,12 @@ def test_large_tensors_go_to_the_device_from_the_staging_buffer(tmp_path: Path, 
 
     FileSystemWriter(direct_dir).finish(metadata, [written.results])
     for reader in (FileSystemReader(direct_dir), safe_reader(direct_dir)):
-        loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": 0, "names": []}
+        loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": 0, "names": [],
+                  "blob": b""}
         dcp.load(loaded, storage_reader=reader, no_dist=True)
         for k, v in state["model"].items():
             assert torch.equal(loaded["model"][k], v), k
-        assert loaded["step"] == 4 and loaded["names"] == ["x"]
+        assert loaded["step"] == 4 and loaded["names"] == ["x"] and loaded["blob"] == state["blob"]
     dcp_to_torch_save(direct_dir, tmp_path / "whole.pt")
     whole_pt = torch.load(tmp_path / "whole.pt", weights_only=True)
     assert all(torch.equal(whole_pt["model"][k], v) for k, v in state["model"].items())
@@ -351,8 +352,9 @@ def test_large_tensors_go_to_the_device_from_the_staging_buffer(tmp_path: Path, 
 def test_tensors_not_page_aligned_in_memory_are_placed_at_their_address_modulo_a_block(tmp_path: Path,
                                                                                       monkeypatch) -> None:
     """Live tensors (not staged; one a view of a larger storage, written from a temporary clone):
-    each large tensor's bytes land at a file offset equal to its address modulo 4096, the bytes
-    are the page-cache path's, and they load."""
+    each large tensor's bytes land at a file offset equal to its address modulo 4096, and the
+    files load and carry their bytes' CRC-32C, through O_DIRECT and through the page cache. (The
+    clone's address, and so the zeros before its item, may differ from one write to the next.)"""
     _needs_direct(tmp_path)
     g = torch.Generator().manual_seed(2)
     state = {"odd": torch.randn(2_000_000, generator=g)[3:1_500_000], "w": torch.randn(1_234_567, generator=g),
@@ -360,16 +362,18 @@ def test_tensors_not_page_aligned_in_memory_are_placed_at_their_address_modulo_a
     planner = DefaultSavePlanner()
     planner.set_up_planner(state, is_coordinator=True)
     central, metadata = planner.create_global_plan([planner.create_local_plan()])
-    direct_dir, cached_dir = tmp_path / "direct", tmp_path / "cached"
-    direct_dir.mkdir(), cached_dir.mkdir()
-    plan = planner.finish_plan(FileSystemWriter(direct_dir).prepare_global_plan(central)[0])
-    written = write_rank_files(direct_dir, plan, planner.resolve_data)
-    assert _data_offsets(direct_dir, written.results)["w"] % 4096 == state["w"].data_ptr() % 4096
-    monkeypatch.setattr(filewrite, "_try_direct", lambda fd: False)
-    assert write_rank_files(cached_dir, plan, planner.resolve_data).files == written.files
-    for p in direct_dir.iterdir():
-        assert p.read_bytes() == (cached_dir / p.name).read_bytes()
-    FileSystemWriter(direct_dir).finish(metadata, [written.results])
-    loaded = {"odd": torch.zeros(1_499_997), "w": torch.zeros(1_234_567), "step": 0}
-    dcp.load(loaded, storage_reader=FileSystemReader(direct_dir), no_dist=True)
-    assert torch.equal(loaded["odd"], state["odd"]) and torch.equal(loaded["w"], state["w"])
+    for direct in (True, False):
+        out = tmp_path / f"direct={direct}"
+        out.mkdir()
+        if not direct:
+            monkeypatch.setattr(filewrite, "_try_direct", lambda fd: False)
+        plan = planner.finish_plan(FileSystemWriter(out).prepare_global_plan(central)[0])
+        written = write_rank_files(out, plan, planner.resolve_data)
+        assert _data_offsets(out, written.results)["w"] % 4096 == state["w"].data_ptr() % 4096
+        for name, entry in written.files.items():
+            assert entry == {"size": (out / name).stat().st_size, "crc32c": checksum_file(out / name)}
+        FileSystemWriter(out).finish(metadata, [written.results])
+        loaded = {"odd": torch.zeros(1_499_997), "w": torch.zeros(1_234_567), "step": 0}
+        dcp.load(loaded, storage_reader=FileSystemReader(out), no_dist=True)
+        assert torch.equal(loaded["odd"], state["odd"]) and torch.equal(loaded["w"], state["w"])
+        assert loaded["step"] == 1
