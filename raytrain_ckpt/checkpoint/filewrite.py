@@ -8,18 +8,24 @@ through a Python stream, and the writer then read each file back for the manifes
 Here each item is serialised with ``torch.save`` straight into the file: the tensor is a view
 whose storage is exactly its slot of the staging buffer (no clone), ``torch.save`` hands its
 bytes over as a memoryview of that buffer, and the sink (``ChecksumSink``) checksums each chunk (CRC-32C,
-which covers every byte of the file: zip headers, pickles and data) and, while it is still in
-the cache, copies it into a page-aligned buffer that goes to the device with ``O_DIRECT``
-(``_DirectFileSink``: no page cache to fill, write back and drop; a file system without
-``O_DIRECT`` gets ``os.write`` through the cache). Small records (zip headers, the pickle) are
-gathered and written together. The sink also notes where each chunk it wrote straight from the
-caller's memory lies and the file's CRC around it (``RankFiles.spans``): the staging buffer's
-own CRC-32C follows from them (``crc.region_crc``) without reading the buffer again.
+which covers every byte of the file: zip headers, pickles, data and padding) and hands it to the
+device with ``O_DIRECT`` (``_DirectFileSink``: no page cache to fill, write back and drop; a file
+system without ``O_DIRECT`` gets ``os.write`` through the cache): the whole 4 KiB blocks of a
+tensor of 1 MiB or more straight from the staging buffer, everything else copied into a
+page-aligned buffer first, while it is still in the cache. For that, zero bytes go before such a
+tensor's item so that its bytes start at a file offset that agrees with their address modulo
+4096 (a multiple of 4096 for a staging slot, which starts on a page). Small records (zip
+headers, the pickle) are gathered and written together. The sink also notes where each chunk it
+wrote from the caller's memory lies and the file's CRC around it (``RankFiles.spans``): the
+staging buffer's own CRC-32C follows from them (``crc.region_crc``) without reading the buffer
+again.
 
-The files are plain DCP: the same names, the same items in the same order, the same
-``WriteResult``/``_StorageInfo`` (offset, length) that ``FileSystemWriter`` records, read by
-``dcp.load`` and ``format_utils``. One difference in the bytes: the zip records carry no
-CRC-32 (``torch.serialization.set_crc32_options(False)``, a format ``torch.load`` reads); the
+The files are plain DCP: the same names, the same items in the same order in the same files,
+each item the bytes ``FileSystemWriter`` writes for it, and a ``WriteResult``/``_StorageInfo``
+(offset, length) for each, read by ``dcp.load`` and ``format_utils``. Two differences in the
+bytes: an item of a large tensor may start up to 4095 bytes later (zeros before it, which no
+reader reads: DCP reads each item at its recorded offset), and the zip records carry no CRC-32
+(``torch.serialization.set_crc32_options(False)``, a format ``torch.load`` reads); the
 manifest's CRC-32C over every byte of every file is what proves a file intact, and it is
 verified before anything is loaded.
 
@@ -37,6 +43,7 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
@@ -66,6 +73,15 @@ _BOUNCE = 8 << 20
 _KEEP_BOUNCE = 8
 """Aligned buffers kept for the next save (a fresh mapping faults every page in again): two per
 file being written, four files at once."""
+_IN_PLACE = 1 << 20
+"""A tensor's bytes from this size on are placed in the file at an offset that agrees with their
+memory address modulo ``_DIRECT_ALIGN`` (zero bytes before the item), and ``O_DIRECT`` writes
+their whole blocks straight from that memory. Smaller ones are copied into the aligned buffer:
+a copy that small costs less than the zeros and the segment of its own it would save."""
+_IN_FLIGHT = 2
+"""Writes handed to a file's I/O thread and not yet done, at most (besides the one being gathered)."""
+_SEGMENTS = 256
+"""Segments (in-place runs and aligned-buffer pieces) per write, at most (``IOV_MAX`` is 1024)."""
 
 Resolve = Callable[[WriteItem], "torch.Tensor | io.BytesIO"]
 
@@ -114,6 +130,11 @@ class ChecksumSink(io.RawIOBase):
         """The first write error: torch.save replaces it with a RuntimeError about a short file."""
         self.spans: list[Span] = []
         """Where each chunk written straight from the caller's memory was, and the CRC around it."""
+        self.item_start = 0
+        """File offset of the item being written (after the zero bytes placed before it, if any)."""
+        self.owner: torch.Tensor | None = None
+        """The tensor whose item is being written: its storage is the memory ``torch.save`` hands
+        over, kept alive by whatever writes from it later (``_DirectFileSink``)."""
 
     def writable(self) -> bool:
         return True
@@ -121,14 +142,42 @@ class ChecksumSink(io.RawIOBase):
     def tell(self) -> int:
         return self.position + len(self._pending)
 
+    def begin_item(self, owner: torch.Tensor | None = None) -> None:
+        """The next bytes start an item (every earlier byte has been flushed); ``owner``: its tensor."""
+        assert not self._pending, "an item starts after the previous one is flushed"
+        self.item_start, self.owner = self.position, owner
+
+    def owns(self, address: int, length: int) -> bool:
+        """Whether ``length`` bytes at ``address`` are the storage of ``owner`` (memory it keeps alive)."""
+        if self.owner is None:
+            return False
+        storage = self.owner.untyped_storage()
+        return storage.data_ptr() <= address and address + length <= storage.data_ptr() + storage.nbytes()
+
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         if view.nbytes < _GATHER:
             self._pending += view
         else:
+            address = address_of(view)
+            self._place(view, address)
             self.flush()
-            self._write(view, address_of(view))
+            self._write(view, address)
         return view.nbytes
+
+    def _place(self, view: memoryview, address: int) -> None:
+        """Before the first bytes of a large tensor's storage: zero bytes ahead of its item (whose
+        records so far are all still gathered) so that the storage's file offset and its memory
+        address agree modulo ``_DIRECT_ALIGN`` (DCP records each item's offset and length, so
+        bytes between items are never read)."""
+        owner = self.owner
+        if (owner is None or view.nbytes < _IN_PLACE or self.position != self.item_start
+                or address != owner.untyped_storage().data_ptr()):
+            return
+        pad = (address - self.tell()) % _DIRECT_ALIGN
+        if pad:
+            self._pending[0:0] = bytes(pad)
+            self.item_start += pad
 
     def flush(self) -> None:
         if self._pending:
@@ -149,10 +198,12 @@ class ChecksumSink(io.RawIOBase):
             chunk = view[start:start + _CHUNK]
             t0 = time.perf_counter()
             before, self.crc = self.crc, _crc32c.crc32c(chunk, self.crc)
-            if address is not None:
-                self.spans.append(Span(address + start, chunk.nbytes, before, self.crc))
             t1 = time.perf_counter()
-            self._put(chunk)
+            if address is None:
+                self._put(chunk)
+            else:
+                self.spans.append(Span(address + start, chunk.nbytes, before, self.crc))
+                self._put_in_place(chunk, address + start)
             self.phases.checksum_s += t1 - t0
             self.phases.write_calls_s += time.perf_counter() - t1
         self.position += view.nbytes
@@ -160,6 +211,11 @@ class ChecksumSink(io.RawIOBase):
     def _put(self, chunk: memoryview) -> None:
         """Hand ``chunk`` on; raise when it cannot be."""
         raise NotImplementedError
+
+    def _put_in_place(self, chunk: memoryview, address: int) -> None:
+        """``_put`` a chunk of the caller's memory (at ``address``, unchanged until the write is
+        done and kept alive by ``owner``): a sink may write it from there."""
+        self._put(chunk)
 
 
 class _FileSink(ChecksumSink):
@@ -259,14 +315,20 @@ def _try_direct(fd: int) -> bool:
 
 
 class _DirectFileSink(_FileSink):
-    """Writes through ``O_DIRECT``: chunks are copied into page-aligned buffers and each full buffer
-    goes to the device from there (ARCHITECTURE, "Shards are written with O_DIRECT").
+    """Writes through ``O_DIRECT`` in writes of about ``_BOUNCE`` bytes, each a ``pwritev`` of
+    segments that follow each other in the file: the whole blocks of a large tensor's bytes straight
+    from the caller's memory (the staging buffer), everything else (zip records, pickles, small
+    tensors, the part of a tensor that is not whole blocks) copied into a page-aligned buffer
+    first (ARCHITECTURE, "Shards are written with O_DIRECT", "Large tensors go to the device
+    straight from the staging buffer").
 
-    Two buffers: while one is written (by the sink's own I/O thread, in order), the next is
-    filled, so checksumming, serialising and copying overlap the device's time instead of adding
-    to it (ARCHITECTURE, "A shard's device writes overlap its checksums and copies"). The copy
-    into a buffer is a ``memmove`` that runs without the GIL, so the writes of other ranks in
-    the same process are not held up by it.
+    Writes go to the sink's own I/O thread in file order, one at a time, at most ``_IN_FLIGHT``
+    queued, while the next is checksummed and gathered, so checksumming, serialising and copying
+    overlap the device's time instead of adding to it (ARCHITECTURE, "A shard's device writes
+    overlap its checksums and copies"). Two aligned buffers: one is filled while the other is
+    written. The copy into a buffer is a ``memmove`` that runs without the GIL, so the writes of
+    other ranks in the same process are not held up by it. A write from the caller's memory
+    holds the item's tensor (``owner``) until it is done.
 
     The file's last bytes that do not fill an aligned block, and everything after a direct write
     the file system refused (EINVAL) or took only in part (a size limit), are written through the
@@ -280,71 +342,137 @@ class _DirectFileSink(_FileSink):
         """(Slices of a memoryview keep the mapping exported until they are freed: a buffer is
         never closed here, only dropped when the pool is full.)"""
         self.addresses = [address_of(v) for v in self.views]
-        self.writes: list[Future | None] = [None, None]
-        """The write of each buffer in flight (its bytes must stay until it is done)."""
+        self.writes: deque[tuple[Future, int | None]] = deque()
+        """Writes handed to the I/O thread, oldest first, with the aligned buffer each reads (None:
+        only the caller's memory)."""
         self.io = ThreadPoolExecutor(1, thread_name_prefix="rtc-direct")
         self.current = 0
         self.filled = 0
+        """Bytes of the current aligned buffer in use."""
+        self.open = 0
+        """Where the current buffer's segment not yet closed starts (it ends at ``filled``)."""
+        self.segments: list[list[int]] = []
+        """The next write's closed segments, in file order: [memory address, length]."""
+        self.in_place = False
+        """Whether the last segment is the caller's memory (a later chunk may extend it)."""
+        self.owners: list[torch.Tensor | None] = []
+        """What keeps the next write's in-place segments alive."""
         self.offset = 0
-        """File offset of the current buffer's first byte."""
+        """File offset of the next write's first byte (a multiple of ``_DIRECT_ALIGN``)."""
+        self.gathered = 0
+        """Bytes of the closed segments."""
         self.direct = True
         """Turned off (on the I/O thread) once the file system refuses a direct write."""
+        self.failed = False
+        """Set (on the I/O thread) once a write failed: later ones are not attempted."""
 
     def _put(self, chunk: memoryview) -> None:
         address = address_of(chunk) if chunk.nbytes else 0
         done = 0
         while done < chunk.nbytes:
-            if self.filled == 0:
-                self._wait(self.current)  # its previous write still reads it
+            if self.filled == _BOUNCE:
+                self._submit()
             n = min(chunk.nbytes - done, _BOUNCE - self.filled)
             ctypes.memmove(self.addresses[self.current] + self.filled, address + done, n)
             self.filled += n
             done += n
-            if self.filled == _BOUNCE:
-                self._submit()
+
+    def _put_in_place(self, chunk: memoryview, address: int) -> None:
+        """Whole blocks of ``chunk`` at a file offset that agrees with ``address`` are written from
+        ``address``; the bytes around them go through the aligned buffer."""
+        position = self.offset + self.gathered + self.filled - self.open
+        head = -position % _DIRECT_ALIGN
+        body = max(chunk.nbytes - head, 0) // _DIRECT_ALIGN * _DIRECT_ALIGN
+        last = self.segments[-1] if self.in_place and self.filled == self.open else None
+        extends = last is not None and not head and last[0] + last[1] == address
+        if (not body or not self.direct or (address + head) % _DIRECT_ALIGN or not (extends or body >= _IN_PLACE)
+                or not self.owns(address, chunk.nbytes)):
+            self._put(chunk)
+            return
+        if head:
+            self._put(chunk[:head])
+        self._close()  # ends at a block boundary now
+        if extends and last is self.segments[-1]:
+            last[1] += body
+        else:
+            self.segments.append([address + head, body])
+            self.owners.append(self.owner)
+        self.in_place = True
+        self.gathered += body
+        if self.gathered >= _BOUNCE or len(self.segments) >= _SEGMENTS:
+            self._submit()
+        if head + body < chunk.nbytes:
+            self._put(chunk[head + body:])
+
+    def _close(self) -> None:
+        """Close the current buffer's open segment (a multiple of ``_DIRECT_ALIGN`` unless the file ends)."""
+        if self.filled > self.open:
+            self.segments.append([self.addresses[self.current] + self.open, self.filled - self.open])
+            self.gathered += self.filled - self.open
+            self.open = self.filled
+            self.in_place = False
 
     def finish(self) -> None:
-        """Write what the buffers still hold: the aligned part directly, the rest through the cache."""
+        """Write what is still gathered: the aligned part directly, the rest through the cache."""
         super().finish()
         t0 = time.perf_counter()
-        if self.filled:
-            self._submit()
-        for i in range(len(self.writes)):
-            self._wait(i)
+        self._submit()
+        while self.writes:
+            self.writes.popleft()[0].result()
         self.phases.write_calls_s += time.perf_counter() - t0
 
     def _submit(self) -> None:
-        """Hand the current buffer to the I/O thread and go on with the other one."""
-        self.writes[self.current] = self.io.submit(self._drain, self.current, self.filled, self.offset)
-        self.offset += self.filled
-        self.current, self.filled = 1 - self.current, 0
+        """Hand the gathered segments to the I/O thread as one write; when they include the current
+        aligned buffer, go on with the other one (once its previous write is done)."""
+        self._close()
+        if self.segments:
+            views = [memoryview((ctypes.c_ubyte * n).from_address(a)).cast("B") for a, n in self.segments]
+            uses = self.current if self.filled else None
+            self._hand(self.io.submit(self._drain, views, self.offset, self.owners), uses)
+            self.offset += self.gathered
+            self.segments, self.owners, self.gathered, self.in_place = [], [], 0, False
+        if self.filled:
+            self.current, self.filled, self.open = 1 - self.current, 0, 0
+            self._wait(self.current)  # its previous write still reads it
+
+    def _hand(self, write: Future, buffer: int | None) -> None:
+        self.writes.append((write, buffer))
+        while len(self.writes) > _IN_FLIGHT:
+            self.writes.popleft()[0].result()
 
     def _wait(self, i: int) -> None:
-        """Wait for buffer ``i``'s write; re-raises its error."""
-        write, self.writes[i] = self.writes[i], None
-        if write is not None:
-            write.result()
+        """Wait for aligned buffer ``i``'s write (and every write before it); re-raises their errors."""
+        while any(buffer == i for _, buffer in self.writes):
+            self.writes.popleft()[0].result()
 
-    def _drain(self, i: int, filled: int, offset: int) -> None:
-        """On the I/O thread: write buffer ``i``'s first ``filled`` bytes at ``offset``."""
+    def _drain(self, views: list[memoryview], offset: int, owners: list[torch.Tensor | None]) -> None:
+        """On the I/O thread: write ``views`` one after the other from ``offset`` (``owners`` keep
+        the caller's memory among them alive until then)."""
+        if self.failed:
+            return  # an earlier write's error is raised to the writer
         cpu0 = time.thread_time()
-        view = self.views[i]
-        aligned = filled // _DIRECT_ALIGN * _DIRECT_ALIGN if self.direct else 0
-        done = self._write_direct(view, aligned, offset) if aligned else 0
-        rest = view[done:filled]
-        if rest.nbytes:
-            self._buffered()
-        while rest.nbytes:
-            n = os.pwrite(self.fd, rest, offset + done)
-            rest, done = rest[n:], done + n
-        self.phases.cpu_s += time.thread_time() - cpu0
+        try:
+            total = sum(v.nbytes for v in views)
+            aligned = total // _DIRECT_ALIGN * _DIRECT_ALIGN if self.direct else 0
+            done = self._write_direct(views, aligned, offset) if aligned else 0
+            rest = _skip(views, done)
+            if rest:
+                self._buffered()
+            while rest:
+                n = os.pwritev(self.fd, rest, offset + done)
+                rest, done = _skip(rest, n), done + n
+        except BaseException:
+            self.failed = True
+            raise
+        finally:
+            self.phases.cpu_s += time.thread_time() - cpu0
 
-    def _write_direct(self, view: memoryview, length: int, offset: int) -> int:
-        """Write ``view``'s first ``length`` bytes directly at ``offset``; returns how many were written."""
+    def _write_direct(self, views: list[memoryview], length: int, offset: int) -> int:
+        """Write the first ``length`` bytes of ``views`` directly at ``offset``; returns how many were written."""
         done = 0
         while done < length:
             try:
-                n = os.pwrite(self.fd, view[done:length], offset + done)
+                n = os.pwritev(self.fd, _take(_skip(views, done), length - done), offset + done)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
@@ -362,10 +490,34 @@ class _DirectFileSink(_FileSink):
     def release(self) -> None:
         """Give the buffers back once no write reads them (also after a failure: the file is closed next)."""
         self.io.shutdown(wait=True)
-        self.writes = [None, None]
+        self.writes.clear()
+        self.segments, self.owners = [], []
         for bounce in self.bounces:
             _give_bounce(bounce)
         self.bounces = []
+
+
+def _skip(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` without their first ``n`` bytes."""
+    out = []
+    for v in views:
+        if n >= v.nbytes:
+            n -= v.nbytes
+            continue
+        out.append(v[n:] if n else v)
+        n = 0
+    return out
+
+
+def _take(views: list[memoryview], n: int) -> list[memoryview]:
+    """The first ``n`` bytes of ``views``."""
+    out = []
+    for v in views:
+        if n <= 0:
+            break
+        out.append(v[:n] if n < v.nbytes else v)
+        n -= v.nbytes
+    return out
 
 
 _bounces: list[mmap.mmap] = []
@@ -405,20 +557,24 @@ def _write_file(open_file: OpenFile, name: str, items: list[WriteItem], resolve:
 def _write_item(sink: ChecksumSink, name: str, item: WriteItem, resolve: Resolve) -> WriteResult:
     t0 = time.perf_counter()
     io_before = sink.phases.write_calls_s + sink.phases.checksum_s
-    offset = sink.tell()
     data = resolve(item)
     if item.type == WriteItemType.BYTE_IO:
         assert isinstance(data, io.BytesIO), f"{item.index.fqn}: a byte item resolved to {type(data).__name__}"
+        sink.begin_item()
         sink.write(data.getbuffer())
     else:
         assert isinstance(data, torch.Tensor), f"{item.index.fqn}: a tensor item resolved to {type(data).__name__}"
+        tensor = _exact_storage(data)
+        sink.begin_item(tensor)
         try:
-            torch.save(_exact_storage(data), sink)
+            torch.save(tensor, sink)
         except RuntimeError:
             if sink.error is not None:  # the real cause (ENOSPC, EIO), not torch's "unexpected pos"
                 raise sink.error from None
             raise
     sink.flush()
+    sink.owner = None
+    offset = sink.item_start
     length = sink.position - offset
     io_spent = sink.phases.write_calls_s + sink.phases.checksum_s - io_before
     sink.phases.serialize_s += time.perf_counter() - t0 - io_spent

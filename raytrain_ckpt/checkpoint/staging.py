@@ -54,6 +54,11 @@ __all__ = [
 ]
 
 _ALIGN = 64
+_PAGE = 4096
+_PAGE_ALIGNED_FROM = 1 << 20
+"""Slots of this size on start on a page boundary: the writer writes their whole blocks to the
+file with ``O_DIRECT`` straight from the buffer, at file offsets that are then multiples of 4096
+too (``filewrite._IN_PLACE``); smaller ones are packed at ``_ALIGN``."""
 
 
 @dataclass(frozen=True)
@@ -72,9 +77,11 @@ def plan_slots(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorSlot], int]
     slots, offset = [], 0
     for fqn, t in tensors.items():
         nbytes = t.numel() * t.element_size()
+        align = _PAGE if nbytes >= _PAGE_ALIGNED_FROM else _ALIGN
+        offset = -(-offset // align) * align
         slots.append(TensorSlot(fqn, t.dtype, tuple(t.shape), offset, nbytes))
-        offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    return slots, max(offset, _ALIGN)
+        offset += nbytes
+    return slots, max(-(-offset // _ALIGN) * _ALIGN, _ALIGN)
 
 
 def layout_key(slots: list[TensorSlot], object_keys: list[str]) -> str:

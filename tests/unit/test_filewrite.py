@@ -1,9 +1,11 @@
 """The one-pass local writer produces plain DCP: the same files, offsets and lengths as DCP's
-FileSystemWriter for the same plan, loaded by dcp.load and format_utils, with a CRC-32C that
-is the checksum of every byte on disk."""
+FileSystemWriter for the same plan (large tensors' items start later, their bytes at
+block-aligned offsets written in place with O_DIRECT), loaded by dcp.load and format_utils,
+with a CRC-32C that is the checksum of every byte on disk."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from raytrain_ckpt.checkpoint.buffers import OwnedBuffer
 from raytrain_ckpt.checkpoint import filewrite
+from raytrain_ckpt.checkpoint.crc import address_of
 from raytrain_ckpt.checkpoint.filewrite import write_rank_files
 from raytrain_ckpt.checkpoint.manifest import checksum_file
 from raytrain_ckpt.checkpoint.staging import StagedPlanner, map_buffer, map_slots, plan_slots, slot_views
@@ -114,10 +117,10 @@ from raytrain_ckpt.checkpoint import filewrite
 from raytrain_ckpt.checkpoint.filewrite import write_rank_files
 
 out = Path(sys.argv[1])
-if len(sys.argv) > 2:                           # aligned buffers smaller than the file: the failing write
+if int(sys.argv[2]):                            # aligned buffers smaller than the file: the failing write
     filewrite._BOUNCE = int(sys.argv[2])        # is one of several, made while the next buffer fills
 planner = DefaultSavePlanner()
-planner.set_up_planner({"w": torch.ones(64 * 1024)}, is_coordinator=True)
+planner.set_up_planner({"w": torch.ones(int(sys.argv[3]))}, is_coordinator=True)
 central, _ = planner.create_global_plan([planner.create_local_plan()])
 plan = planner.finish_plan(FileSystemWriter(out).prepare_global_plan(central)[0])
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit fails with EFBIG instead
@@ -132,14 +135,15 @@ print("alive")
 """
 
 
-@pytest.mark.parametrize("bounce", [None, 64 << 10])
-def test_a_failed_write_raises_and_restores_the_crc_setting(tmp_path: Path, bounce: int | None) -> None:
-    """A real short write (the file size limit: EFBIG, like ENOSPC a write that fails midway)."""
+@pytest.mark.parametrize("bounce,numel", [(0, 64 * 1024), (64 << 10, 64 * 1024), (0, 1 << 20)])
+def test_a_failed_write_raises_and_restores_the_crc_setting(tmp_path: Path, bounce: int, numel: int) -> None:
+    """A real short write (the file size limit: EFBIG, like ENOSPC a write that fails midway); with
+    a 4 MiB tensor, the write that crosses the limit is one made in place from the tensor's memory."""
     import errno
     import subprocess
     import sys
 
-    args = [str(tmp_path)] + ([str(bounce)] if bounce else [])
+    args = [str(tmp_path), str(bounce), str(numel)]
     out = subprocess.run([sys.executable, "-c", FAILING_WRITE, *args], capture_output=True, text=True,
                          timeout=120, cwd=Path(__file__).parents[2])
     assert out.stdout.split() == ["raised", str(errno.EFBIG), "True", "alive"], out.stderr[-2000:]
@@ -240,3 +244,136 @@ def test_direct_writes_through_many_small_buffers_make_the_same_bytes(tmp_path: 
     direct = _write_state(tmp_path / "direct", state)
     monkeypatch.setattr(filewrite, "_try_direct", lambda fd: False)
     assert direct == _write_state(tmp_path / "cached", state)
+
+
+def _needs_direct(path: Path) -> None:
+    import os
+
+    fd = os.open(path / "probe", os.O_WRONLY | os.O_CREAT)
+    try:
+        if not filewrite._try_direct(fd):
+            pytest.skip(f"{path}: no O_DIRECT on this file system")
+    finally:
+        os.close(fd)
+        (path / "probe").unlink()
+
+
+def _data_offsets(directory: Path, results) -> dict[str, int]:
+    """File offset of each tensor item's storage bytes (its zip record ``data/0``), from the file."""
+    import struct
+    import zipfile
+
+    out = {}
+    for r in results:
+        info = r.storage_data
+        raw = (directory / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+        records = [i for i in zipfile.ZipFile(io.BytesIO(raw)).infolist() if i.filename.endswith("/data/0")]
+        if not records:
+            continue  # a byte item (a pickled object, no storage)
+        record, = records
+        names, extra = struct.unpack("<HH", raw[record.header_offset + 26:record.header_offset + 30])
+        out[r.index.fqn] = info.offset + record.header_offset + 30 + names + extra
+    return out
+
+
+def _big_state() -> dict:
+    """Tensors of 1 MiB and more (written in place) of odd sizes, with small ones between them."""
+    g = torch.Generator().manual_seed(11)
+    return {"model": {"a": torch.randn(3_000_001, generator=g), "b": torch.randn(1000, generator=g),
+                      "c": torch.randn(700_001, generator=g).to(torch.bfloat16),
+                      "d": torch.arange(5 << 20, dtype=torch.int32), "e": torch.ones(262_144)},
+            "step": 4, "names": ["x"], "blob": bytes(range(256)) * 12_000}  # a 3 MB byte item: never in place
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_tensors_go_to_the_device_from_the_staging_buffer(tmp_path: Path, monkeypatch, threads: int) -> None:
+    """The whole blocks of every tensor of 1 MiB or more are written with O_DIRECT straight from
+    the staging buffer, at 4096-aligned file offsets (padding before their items); the files are
+    the page-cache path's bytes, load with dcp.load, the safe reader and format_utils, and the
+    buffer's CRC-32C derived from the write's spans is the CRC-32C of its bytes."""
+    import crc32c
+
+    from raytrain_ckpt.checkpoint.crc import region_crc
+    from raytrain_ckpt.checkpoint.metadata import safe_reader
+    from raytrain_ckpt.checkpoint.staging import map_whole, views_of
+
+    _needs_direct(tmp_path)
+    state = _big_state()
+    plan, metadata, owned, slots, nbytes, objects = _plan_and_stage(state, tmp_path)
+    in_place: list[tuple[int, int]] = []
+    drain = filewrite._DirectFileSink._drain
+
+    def spy(self, views, offset, owners):  # every segment of every write (the buffer's own: in place)
+        in_place.extend((address_of(v), v.nbytes) for v in views)
+        return drain(self, views, offset, owners)
+
+    try:
+        whole = map_whole(owned.path, nbytes)
+        base = address_of(whole)
+        monkeypatch.setattr(filewrite._DirectFileSink, "_drain", spy)
+        direct_dir, cached_dir = tmp_path / "direct", tmp_path / "cached"
+        direct_dir.mkdir(), cached_dir.mkdir()
+        resolve = StagedPlanner({**views_of(whole, slots), **objects}).resolve_data  # as the writer maps it
+        written = write_rank_files(direct_dir, plan, resolve, threads)
+        buffer_crc = region_crc(whole, base, written.spans)
+        assert buffer_crc == crc32c.crc32c(whole)
+        monkeypatch.setattr(filewrite, "_try_direct", lambda fd: False)
+        cached = write_rank_files(cached_dir, plan, resolve, threads)
+    finally:
+        owned.remove()
+
+    big = {s.fqn: s for s in slots if s.nbytes >= filewrite._IN_PLACE}
+    assert sorted(big) == ["model.a", "model.c", "model.d", "model.e"]
+    for fqn, slot in big.items():  # every whole block of the slot went from the buffer itself
+        start, end = base + slot.offset, base + slot.offset + slot.nbytes // 4096 * 4096
+        covered = sum(min(end, a + n) - max(start, a) for a, n in in_place if a < end and a + n > start)
+        assert covered == end - start, fqn
+    offsets = _data_offsets(direct_dir, written.results)
+    assert all(offsets[fqn] % 4096 == 0 for fqn in big), offsets
+    assert offsets["model.b"] % 4096 != 0  # small tensors are not padded
+    for name, entry in written.files.items():
+        assert (direct_dir / name).read_bytes() == (cached_dir / name).read_bytes()
+        assert entry == {"size": (direct_dir / name).stat().st_size, "crc32c": checksum_file(direct_dir / name)}
+    assert written.files == cached.files
+
+    FileSystemWriter(direct_dir).finish(metadata, [written.results])
+    for reader in (FileSystemReader(direct_dir), safe_reader(direct_dir)):
+        loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": 0, "names": [],
+                  "blob": b""}
+        dcp.load(loaded, storage_reader=reader, no_dist=True)
+        for k, v in state["model"].items():
+            assert torch.equal(loaded["model"][k], v), k
+        assert loaded["step"] == 4 and loaded["names"] == ["x"] and loaded["blob"] == state["blob"]
+    dcp_to_torch_save(direct_dir, tmp_path / "whole.pt")
+    whole_pt = torch.load(tmp_path / "whole.pt", weights_only=True)
+    assert all(torch.equal(whole_pt["model"][k], v) for k, v in state["model"].items())
+
+
+def test_tensors_not_page_aligned_in_memory_are_placed_at_their_address_modulo_a_block(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """Live tensors (not staged; one a view of a larger storage, written from a temporary clone):
+    each large tensor's bytes land at a file offset equal to its address modulo 4096, and the
+    files load and carry their bytes' CRC-32C, through O_DIRECT and through the page cache. (The
+    clone's address, and so the zeros before its item, may differ from one write to the next.)"""
+    _needs_direct(tmp_path)
+    g = torch.Generator().manual_seed(2)
+    state = {"odd": torch.randn(2_000_000, generator=g)[3:1_500_000], "w": torch.randn(1_234_567, generator=g),
+             "step": 1}
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, is_coordinator=True)
+    central, metadata = planner.create_global_plan([planner.create_local_plan()])
+    for direct in (True, False):
+        out = tmp_path / f"direct={direct}"
+        out.mkdir()
+        if not direct:
+            monkeypatch.setattr(filewrite, "_try_direct", lambda fd: False)
+        plan = planner.finish_plan(FileSystemWriter(out).prepare_global_plan(central)[0])
+        written = write_rank_files(out, plan, planner.resolve_data)
+        assert _data_offsets(out, written.results)["w"] % 4096 == state["w"].data_ptr() % 4096
+        for name, entry in written.files.items():
+            assert entry == {"size": (out / name).stat().st_size, "crc32c": checksum_file(out / name)}
+        FileSystemWriter(out).finish(metadata, [written.results])
+        loaded = {"odd": torch.zeros(1_499_997), "w": torch.zeros(1_234_567), "step": 0}
+        dcp.load(loaded, storage_reader=FileSystemReader(out), no_dist=True)
+        assert torch.equal(loaded["odd"], state["odd"]) and torch.equal(loaded["w"], state["w"])
+        assert loaded["step"] == 1
