@@ -151,6 +151,8 @@ def memory_vs_storage(reps: int, shape: dict[str, int], cold: bool) -> None:
               + (f" (checksum {m['checksum']:.3f}, then copy)" if name == "from memory" else " (dcp.load)")
               + f"; before it, the driver's resume plan {m['plan']:6.3f}"
               + (" (storage checked to sizes)" if name == "from memory" else f" (storage verified: {verify})"))
+    for name, runs in rows.items():
+        print(f"{name:<14} each run: plan + load " + ", ".join(f"{r['plan']:.3f} + {r['load']:.3f}" for r in runs))
     mem, sto = med["from memory"], med["from storage"]
     print(f"ratio memory / storage: whole load {mem['load'] / sto['load']:.2f}, "
           f"reading the bytes {mem['read'] / sto['read']:.2f}, "
