@@ -231,14 +231,7 @@ def test_direct_writes_make_the_bytes_the_page_cache_writes_make(tmp_path: Path,
 def test_direct_writes_through_many_small_buffers_make_the_same_bytes(tmp_path: Path, monkeypatch) -> None:
     """With buffers far smaller than the state, each of the two is filled, written and reused many
     times while the other is written: the files are still the bytes the page-cache path writes."""
-    import os
-
-    fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT)
-    try:
-        if not filewrite._try_direct(fd):
-            pytest.skip(f"{tmp_path}: no O_DIRECT on this file system")
-    finally:
-        os.close(fd)
+    _needs_direct(tmp_path)
     monkeypatch.setattr(filewrite, "_BOUNCE", 64 << 10)
     state = {"a": torch.randn(300_000), "b": torch.arange(70_001, dtype=torch.int64), "c": torch.ones(3), "step": 9}
     direct = _write_state(tmp_path / "direct", state)
