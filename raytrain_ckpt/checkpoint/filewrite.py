@@ -392,11 +392,11 @@ class _DirectFileSink(_FileSink):
         if head:
             self._put(chunk[:head])
         self._close()  # ends at a block boundary now
-        if extends and last is self.segments[-1]:
+        if extends:  # head is 0 and nothing was gathered since: ``last`` is still the last segment
             last[1] += body
         else:
             self.segments.append([address + head, body])
-            self.owners.append(self.owner)
+        self.owners.append(self.owner)  # an extension may be another tensor's memory: it is held too
         self.in_place = True
         self.gathered += body
         if self.gathered >= _BOUNCE or len(self.segments) >= _SEGMENTS:
