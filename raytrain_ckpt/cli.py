@@ -176,6 +176,11 @@ def _run(spec: JobSpec, address: str | None) -> int:
             print(f"checkpoints in {result.checkpoints['root']}: committed steps {result.checkpoints['committed']}")
             _print_failed_saves(result.checkpoints)
         return EXIT_OK
+    mismatch = next((f for f in result.failures if f.kind == "mismatch"), None)
+    if mismatch is not None:  # the checkpoint does not fit the model: the user's to fix, not a crash
+        print(f"error: {mismatch.headline}\njob {spec.name} stopped before training, without restarting: "
+              "every attempt would fail the same way", file=sys.stderr)
+        return EXIT_USAGE
     summary = "".join(f"\n  {line}" for line in result.failures)
     print(f"job {spec.name} FAILED after {result.attempts} attempt(s); failures:{summary}\nlast error:\n{result.error}",
           file=sys.stderr)

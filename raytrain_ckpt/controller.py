@@ -25,7 +25,15 @@ __all__ = ["Controller", "Decision", "FailureFacts", "FailurePolicy", "GroupPoll
 
 
 class GroupStartError(RuntimeError):
-    """The group could not be placed or could not form its process group in time."""
+    """The group could not be placed or could not form its process group in time.
+
+    ``mismatch``: a rank found that the resume checkpoint does not fit the job's model (the
+    ``CheckpointMismatch`` message); no restart would change that, so the job fails at once.
+    """
+
+    def __init__(self, message: str, mismatch: str | None = None) -> None:
+        super().__init__(message)
+        self.mismatch = mismatch
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,7 @@ class FailurePolicy:
         return self.reuse_workers and kind in ("crash", "exception")
 
     def decide(self, facts: FailureFacts) -> Decision:
+        # a "mismatch" (or "checkpoint") is never in retry_on: the spec's retry_on cannot name it
         if facts.kind not in self.retry_on:
             return Decision.FAIL
         if facts.recent_failures is not None:
@@ -242,7 +251,10 @@ class Controller:
         try:
             self.group.start()
         except GroupStartError as exc:
-            self._on_failure(Failure(self.attempt, "start", None, headline(str(exc)), str(exc)))
+            if exc.mismatch is not None:
+                self._on_failure(Failure(self.attempt, "mismatch", None, headline(exc.mismatch), str(exc)))
+            else:
+                self._on_failure(Failure(self.attempt, "start", None, headline(str(exc)), str(exc)))
             return
         self._last_step, self._last_advance = -1, self._clock()
         self.result.events.append((time.time(), f"attempt {self.attempt} running"))
@@ -284,7 +296,10 @@ class Controller:
         self.result.failures.append(failure)
         decision = self._policy.decide(facts)
         self.result.events.append((time.time(), f"attempt {self.attempt} {kind} detected"))
-        logger.error("attempt %d %s failure:\n%s", self.attempt, kind, failure.detail or failure.headline)
+        if kind == "mismatch":  # a user's mistake: its message, without the ranks' tracebacks
+            logger.error("attempt %d: the resume checkpoint does not fit this job: %s", self.attempt, failure.headline)
+        else:
+            logger.error("attempt %d %s failure:\n%s", self.attempt, kind, failure.detail or failure.headline)
         self.result.error = failure.detail or failure.headline
         if decision is Decision.RESTART:
             self.restarts += 1

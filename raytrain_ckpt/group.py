@@ -171,7 +171,12 @@ class RayWorkerGroup:
             done = {ref: pending.pop(ref) for ref in ready}
             late = f" (rank {_ranks(pending.values())} not done yet)" if pending else ""
             for ref, rank in done.items():
-                self._get(ref, deadline, what.format(rank=rank) + late)
+                try:
+                    self._get(ref, deadline, what.format(rank=rank) + late)
+                except GroupStartError as exc:
+                    if exc.mismatch is not None:
+                        _collect(list(pending), deadline)
+                    raise
 
     def _timed_out(self, what: str) -> GroupStartError:
         return GroupStartError(f"timed out trying to {what} within fault_tolerance.start_timeout_s="
@@ -183,7 +188,9 @@ class RayWorkerGroup:
         except GetTimeoutError:
             raise self._timed_out(what) from None
         except (WorkerFailure, RayActorError) as exc:
-            raise GroupStartError(f"failed to {what}: {exc}") from None
+            # Ray wraps the worker's exception; its cause is the WorkerFailure itself
+            cause = getattr(exc, "cause", None) or exc
+            raise GroupStartError(f"failed to {what}: {exc}", getattr(cause, "mismatch", None)) from None
 
     def poll(self) -> GroupPoll:
         """Collect finished runs and failures, then read every rank's progress."""
@@ -317,3 +324,14 @@ def _ended_alive(ref: ray.ObjectRef) -> bool:
         return True
     return True
 
+
+def _collect(refs: list[ray.ObjectRef], deadline: float, wait_s: float = 5.0) -> None:
+    """Fetch and drop what the other ranks' calls return: after a checkpoint mismatch every rank
+    fails the same way, and Ray prints each failure nobody fetched as an unhandled error, with
+    its traceback, beside the one-line message the user gets."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(wait_s, deadline - time.monotonic())))
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except Exception:  # the same mismatch, reported once already
+            pass

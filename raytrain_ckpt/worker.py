@@ -54,14 +54,23 @@ def _deterministic_cuda() -> None:
 class WorkerFailure(RuntimeError):
     """A rank's exception, with its rank and formatted traceback (picklable across actors)."""
 
-    def __init__(self, rank: int, attempt: int, text: str) -> None:
+    def __init__(self, rank: int, attempt: int, text: str, mismatch: str | None = None) -> None:
         super().__init__(f"rank {rank} (attempt {attempt}) failed:\n{text}")
         self.rank = rank
         self.attempt = attempt
         self.text = text
+        self.mismatch = mismatch
+        """The message of a ``CheckpointMismatch``: the resume checkpoint does not fit this model,
+        which no restart changes (the driver fails the job at once, exit 2)."""
 
     def __reduce__(self) -> tuple:
-        return (WorkerFailure, (self.rank, self.attempt, self.text))
+        return (WorkerFailure, (self.rank, self.attempt, self.text, self.mismatch))
+
+
+def _is_mismatch(exc: BaseException) -> bool:
+    from raytrain_ckpt.checkpoint.state import CheckpointMismatch
+
+    return isinstance(exc, CheckpointMismatch)
 
 
 class TrainWorker:
@@ -210,13 +219,14 @@ class TrainWorker:
             if ckpt is not None:
                 self._setup_checkpoints(ckpt)
             return
-        except Exception:
+        except Exception as exc:
             text = traceback.format_exc()
+            mismatch = str(exc) if _is_mismatch(exc) else None
         self._progress = Progress(self.rank, 0, None, time.time(), "failed")
         # Raised here, outside the except block, on purpose: raised inside it, it would chain the
         # original exception, whose traceback keeps every frame alive (the trainer, its FSDP state
         # and the process group, whose connections then stay open after reset()).
-        raise WorkerFailure(self.rank, self.attempt, text)
+        raise WorkerFailure(self.rank, self.attempt, text, mismatch)
 
     def _setup(self, restoring: bool) -> None:
         from raytrain_ckpt.trainer import Trainer

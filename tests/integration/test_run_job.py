@@ -135,3 +135,31 @@ def test_a_resume_step_that_cannot_start_the_run_is_one_line_and_exit_2(ray_clus
     errors = [line for line in cli_stderr().splitlines() if line.startswith("error: ")]
     assert errors == [f"error: checkpoint.resume={resume}: " + expected.format(root=root)]
     assert sorted(p.name for p in root.glob("step-*")) == before   # nothing moved aside, nothing trained
+
+
+def test_a_checkpoint_of_another_model_shape_fails_at_once_with_one_line_and_exit_2(ray_cluster, tmp_path,
+                                                                                   cli_stderr, caplog):
+    """The resume step is valid but was saved from another model shape: no restart can change
+    that, so the job fails on its first attempt (exit 2, the mismatch in one line, no
+    traceback) instead of spending its restart budget, and the step stays as it was."""
+    from raytrain_ckpt.cli import main
+
+    saved = run_job(_spec("training.steps=2", "checkpoint.enabled=true", "checkpoint.interval_steps=2",
+                          f"checkpoint.dir={tmp_path}"))
+    assert saved.state is JobState.SUCCEEDED and saved.checkpoints["committed"] == [2], saved.error
+    root = tmp_path / "llama-debug-fsdp"
+    before = {p.name: p.stat().st_size for p in (root / "step-00000002").iterdir()}
+    cli_stderr()
+    caplog.set_level("INFO", logger="raytrain_ckpt.controller")
+    args = ["run", DEMO, *[f"--set={o}" for o in SHORT], "--set=checkpoint.enabled=true",
+            f"--set=checkpoint.dir={tmp_path}", "--set=fault_tolerance.max_restarts=2",
+            "--set=model.overrides.dim=96"]
+    assert main(args) == 2
+    err = cli_stderr()
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "has shape" in errors[0] and "checkpoint.resume=none" in errors[0], err
+    assert "Traceback" not in err, err
+    driver_log = "\n".join(r.getMessage() for r in caplog.records if r.name == "raytrain_ckpt.controller")
+    assert "mismatch; 0/2 restarts used" in driver_log and "attempt 1" not in driver_log, driver_log
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000002"]
+    assert {p.name: p.stat().st_size for p in (root / "step-00000002").iterdir()} == before

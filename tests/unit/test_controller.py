@@ -27,6 +27,8 @@ class FakeWorkerGroup:
 
     def __init__(self, spec: JobSpec, attempt: int, start_error: str | None = None) -> None:
         self.spec, self.attempt, self.start_error = spec, attempt, start_error
+        self.mismatch = start_error.removeprefix("mismatch:") if start_error and start_error.startswith("mismatch:") \
+            else None
         self.step, self.done, self.shut = 0, False, 0
         self.failures: list[Failure] = []
         self.kept_warm: list[bool] = []
@@ -34,7 +36,7 @@ class FakeWorkerGroup:
 
     def start(self) -> None:
         if self.start_error:
-            raise GroupStartError(self.start_error)
+            raise GroupStartError(self.start_error, self.mismatch)
 
     def poll(self) -> GroupPoll:
         results = [WorkerResult(r, self.step, 0, {self.step: 1.0}, "x") for r in range(2)] if self.done else []
@@ -169,6 +171,14 @@ def test_start_error_uses_the_restart_budget(make):
     assert result.state is JobState.SUCCEEDED and result.attempts == 2
 
 
+def test_a_checkpoint_mismatch_at_start_fails_at_once_whatever_the_budget(make):
+    ctl, _ = make(max_restarts=3, start_errors=("mismatch:checkpoint /x/step-00000002: w has shape (2,) there",))
+    result = ctl.run()
+    assert result.state is JobState.FAILED and result.attempts == 1 and ctl.restarts == 0
+    (failure,) = result.failures
+    assert failure.kind == "mismatch" and failure.headline == "checkpoint /x/step-00000002: w has shape (2,) there"
+
+
 def test_run_always_releases_the_group(make):
     ctl, _ = make()
     ctl.step()
@@ -185,6 +195,7 @@ def test_run_always_releases_the_group(make):
         ("crash", 1, 1, Decision.FAIL),
         ("hang", 2, 3, Decision.RESTART),
         ("start", 3, 3, Decision.FAIL),
+        ("mismatch", 0, 3, Decision.FAIL),   # a checkpoint that does not fit the model: never retried
     ],
 )
 def test_failure_policy_table(kind, done, budget, expected):
