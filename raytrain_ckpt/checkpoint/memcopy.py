@@ -161,7 +161,7 @@ def open_copy(copy: CommittedCopy, step: int, rank: int, attempt: int = 0) -> _O
     t0 = time.monotonic()
     try:
         size = path.stat().st_size
-        whole = map_whole(path, copy.nbytes, populate=True) if size == copy.nbytes else None
+        whole = map_whole(path, copy.nbytes) if size == copy.nbytes else None
         crc = checksum_view(whole) if whole is not None else None
         views = views_of(whole, copy.slots) if whole is not None and crc == copy.crc32c else {}
     except OSError as exc:  # StagingFileError is a RuntimeError: both mean the buffer is not usable

@@ -192,16 +192,17 @@ def map_slots(path: Path, nbytes: int, slots: list[TensorSlot]) -> dict[str, tor
     return views_of(map_whole(path, nbytes), slots)
 
 
-def map_whole(path: Path, nbytes: int, populate: bool = False) -> memoryview:
+def map_whole(path: Path, nbytes: int) -> memoryview:
     """The first ``nbytes`` of the buffer file ``path``, mapped shared (checked like ``map_buffer``).
 
-    ``populate``: fault every page in now, in one call, rather than one fault per page later
-    (a rank about to read the whole buffer).
+    Pages are mapped as they are first read. ``MAP_POPULATE`` would map them all in one call,
+    but for a rank that then checksums the whole buffer that was slower, not faster: 0.057 s to
+    populate 485 MiB plus 0.029 s to checksum, against 0.052 s for a checksum that faults as it
+    reads (this VM, tmpfs).
     """
     fd = open_buffer(path, nbytes)
-    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     try:
-        mapping = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     return memoryview(mapping)
