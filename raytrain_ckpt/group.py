@@ -175,7 +175,7 @@ class RayWorkerGroup:
                     self._get(ref, deadline, what.format(rank=rank) + late)
                 except GroupStartError as exc:
                     if exc.mismatch is not None:
-                        _collect(list(pending), deadline)
+                        _collect([*done, *pending], deadline)
                     raise
 
     def _timed_out(self, what: str) -> GroupStartError:
