@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -162,6 +163,9 @@ class Trainer:
         self.state = TrainState()
         # Set by checkpointing: waits for an in-flight staging copy of the parameters.
         self.before_optimizer_step: Callable[[], None] = lambda: None
+        self.state_reserve: Any = None
+        """A spare's ``checkpoint.state.StateReserve``: the optimizer state of the load that follows
+        is carved from it (taken once, by the first state created for a load)."""
 
     @property
     def model(self) -> nn.Module:

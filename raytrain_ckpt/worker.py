@@ -20,6 +20,7 @@ import os
 import threading
 import time
 import traceback
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,9 @@ class TrainWorker:
         self.checkpoints = None
         self.served: list[int] = []
         self.was_spare = rank == SPARE_RANK
+        self._reserve: Any = None
+        """Memory touched ahead for the next trainer's loaded optimizer state: a spare's
+        (``reserve_state()``) or the failed attempt's state of a kept process (``reset()``)."""
         self.assign(spec_json, rank, world_size, attempt)
 
     def assign(self, spec_json: str, rank: int, world_size: int, attempt: int) -> None:
@@ -122,6 +126,17 @@ class TrainWorker:
                 importlib.import_module(name)
         return os.getpid()
 
+    def reserve_state(self, nbytes: int) -> int:
+        """Touch ``nbytes`` of memory now, while idle, for the optimizer state of the rank this
+        spare may take over (``checkpoint.state.StateReserve``); returns the bytes reserved."""
+        from raytrain_ckpt.checkpoint.state import StateReserve
+
+        reserve = StateReserve(nbytes)
+        if self.rank != SPARE_RANK:  # assigned a rank meanwhile (the other actor thread): too late to help
+            return 0
+        self._reserve = reserve
+        return nbytes
+
     def reset(self) -> None:
         """Leave the finished or failed attempt: stop staging, drop the trainer, destroy the process group.
 
@@ -130,11 +145,15 @@ class TrainWorker:
         """
         self._stop.set()
         if self.checkpoints is not None:
-            self.checkpoints.close()
+            self.checkpoints.close()  # waits for a running staging copy: nothing reads the state after it
         if self.trainer is not None:
+            from raytrain_ckpt.checkpoint.state import StateReserve, optimizer_tensors
             from raytrain_ckpt.parallel import release_mesh
 
             release_mesh(self.trainer.mesh)
+            if self.trainer.device.type == "cpu" and self.spec.checkpoint.enabled:
+                # the next attempt loads its optimizer state into these pages, not fresh ones
+                self._reserve = StateReserve(recycled=optimizer_tensors(self.trainer))
         self.trainer = None
         self.checkpoints = None
         if dist.is_initialized():
@@ -235,6 +254,9 @@ class TrainWorker:
         t0 = time.monotonic()
         self.trainer = Trainer(self.spec, device, self._prefix, restoring)
         self.timings["build_s"] = time.monotonic() - t0
+        if restoring:  # the load creates the optimizer's state: from the spare's reserve, if any
+            self.trainer.state_reserve = self._reserve
+        self._reserve = None
         if self.rank == 0:
             logger.info("%sprocess group ready: %d ranks, backend %s, pid %d", self._prefix(), self.world_size,
                         dist.get_backend(), os.getpid())
@@ -261,6 +283,7 @@ class TrainWorker:
             self.timings["load_read_s"] = done.read_s
             self.timings["loaded_from_memory"] = float(done.source == "memory")
             self.start_step = trainer.state.step
+            trainer.state_reserve = None  # unused (a load without optimizer state): not kept alive
             kept = copy.path if done.source == "memory" and copy is not None else None
             if self.rank == 0:
                 logger.info("%sresumed step %d from %s in %.2fs (%s)", self._prefix(), self.start_step,

@@ -103,3 +103,77 @@ def test_optimizer_state_is_left_to_dcp_when_not_known():
     with_grad = _params()
     with_grad[0].grad = torch.ones(4, 5)
     assert not create_optimizer_state(torch.optim.AdamW(with_grad, lr=0.1))
+
+
+@pytest.mark.parametrize(("name", "make"), _optimizers(), ids=[n for n, _ in _optimizers()])
+def test_state_for_a_load_carved_from_a_reserve_trains_as_the_usual_state(name, make):
+    """A spare's reserve hands out the optimizer state of a load: each entry is a disjoint,
+    aligned view of the reserve's one buffer (memory touched ahead), with the usual entries,
+    dtypes and shapes; loaded with the same values, it trains to the same parameters bit for bit."""
+    from raytrain_ckpt.checkpoint.state import StateReserve, create_optimizer_state
+
+    reserve = StateReserve(1 << 16)
+    base = reserve._buf.untyped_storage().data_ptr()
+    ours_params, usual_params = _params(), _params()
+    ours, usual = make(ours_params), make(usual_params)
+    assert create_optimizer_state(ours, fill=False, reserve=reserve)
+    assert create_optimizer_state(usual, fill=False)
+    spans = []
+    for p, q in zip(ours_params, usual_params, strict=True):
+        mine, theirs = ours.state.get(p, {}), usual.state.get(q, {})
+        assert mine.keys() == theirs.keys()
+        for key, value in mine.items():
+            assert value.dtype == theirs[key].dtype and value.shape == theirs[key].shape, key
+            if key == "step":
+                continue
+            assert value.untyped_storage().data_ptr() == base, key   # carved from the reserve
+            start = value.data_ptr() - base
+            assert start % 64 == 0
+            spans.append((start, start + value.numel() * value.element_size()))
+            value.copy_(torch.arange(value.numel(), dtype=value.dtype).view(value.shape) / 7)  # "the load"
+            theirs[key].copy_(value)
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and reserve.used == spans[-1][1]
+    for params, opt in ((ours_params, ours), (usual_params, usual)):
+        for _ in range(2):
+            for p in params:
+                if p.requires_grad:
+                    p.grad = torch.cos(p.detach())
+            opt.step()
+    for p, q in zip(ours_params, usual_params, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_reserve_too_small_hands_out_what_fits_and_allocates_the_rest():
+    from raytrain_ckpt.checkpoint.state import StateReserve, create_optimizer_state
+
+    reserve = StateReserve(4 * 20 + 8)  # the first (4, 5) fp32 moment, not the second
+    params = _params()
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    assert create_optimizer_state(opt, fill=False, reserve=reserve)
+    base = reserve._buf.untyped_storage().data_ptr()
+    inside = [k for p in params if p in opt.state for k, v in opt.state[p].items()
+              if k != "step" and v.untyped_storage().data_ptr() == base]
+    assert inside == ["exp_avg"] and reserve.used == 80
+    assert all(v.shape == p.shape for p in params if p in opt.state for k, v in opt.state[p].items() if k != "step")
+
+
+def test_a_kept_process_recycles_its_failed_attempts_optimizer_state_by_shape_and_dtype():
+    """The next attempt's state for a load reuses the previous state's tensors (pages touched
+    already) where shape and dtype match; what matches nothing is allocated as usual."""
+    from raytrain_ckpt.checkpoint.state import StateReserve, create_optimizer_state, optimizer_tensors
+
+    old_params = _params()
+    old = torch.optim.AdamW(old_params, lr=1e-3)
+    assert create_optimizer_state(old)
+    trainer = type("T", (), {"optimizers": [old]})()
+    recycled = optimizer_tensors(trainer)
+    assert len(recycled) == 4 and all(t.dim() > 0 for t in recycled)  # two moments per trained tensor
+    extra = torch.zeros(9)  # a tensor of a shape the new state does not have
+    reserve = StateReserve(recycled=[*recycled, extra])
+    new_params = _params()
+    new = torch.optim.AdamW(new_params, lr=1e-3)
+    assert create_optimizer_state(new, fill=False, reserve=reserve)
+    got = {v.data_ptr() for p in new_params if p in new.state for k, v in new.state[p].items() if k != "step"}
+    assert got == {t.data_ptr() for t in recycled}
+    assert reserve.used == 0 and extra.data_ptr() not in got
