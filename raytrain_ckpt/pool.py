@@ -23,6 +23,7 @@ from ray.util.placement_group import PlacementGroup, placement_group_table, remo
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ckpt.spec import JobSpec
+from raytrain_ckpt.spec.memory import spare_reserve_bytes
 from raytrain_ckpt.worker import SPARE_RANK, TrainWorker
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class WorkerPool:
             return
         nodes = list(dict.fromkeys(bundle_nodes(pg)))
         have = sum(len(v) for v in self._spares.values())
-        reserve = spare_reserve_bytes(self.spec)
+        reserve = spare_reserve_bytes(self.spec)  # memory each spare touches ahead for a takeover
         for i in range(have, want):
             node = nodes[i % len(nodes)]
             spare = ray.remote(TrainWorker).options(
@@ -122,22 +123,6 @@ class WorkerPool:
         if self._pg is not None:
             remove_placement_group(self._pg)
         self._pg, self._survivors, self._spares = None, {}, {}
-
-
-def spare_reserve_bytes(spec: JobSpec) -> int:
-    """What a spare touches ahead for the optimizer state of the rank it may take over (0: none).
-
-    Only when a takeover loads a checkpoint (checkpointing on) into host memory (a CPU job), and
-    the model's size is known (built-in presets; ``spec.memory``'s estimate, 2% and 1 MiB over:
-    FSDP2's first ranks hold a row more of each tensor than the average). A pipeline stage
-    bigger than the average takes what fits and allocates the rest as usual.
-    """
-    if not spec.checkpoint.enabled or spec.resources.use_gpu:
-        return 0
-    from raytrain_ckpt.spec.memory import memory_estimate
-
-    est = memory_estimate(spec)
-    return 0 if est is None or est.optimizer == 0 else int(est.optimizer * 1.02) + (1 << 20)
 
 
 def kill_actor(actor: Any) -> None:

@@ -25,7 +25,7 @@ from raytrain_ckpt.models import describe_model
 from raytrain_ckpt.models.config import LlamaConfig
 from raytrain_ckpt.spec.job import JobSpec
 
-__all__ = ["MemoryEstimate", "memory_estimate"]
+__all__ = ["MemoryEstimate", "memory_estimate", "spare_reserve_bytes"]
 
 _GIB = 1 << 30
 
@@ -44,6 +44,8 @@ class MemoryEstimate:
     """How many staging buffers ``staging`` counts (``checkpoint.memory_copies``)."""
     replica: int = 0
     """Host memory for a peer node's committed copy (``checkpoint.replication``), per rank."""
+    spare: int = 0
+    """Host memory each spare worker holds for a rank's optimizer state (``spare_reserve_bytes``)."""
 
     @property
     def device(self) -> int:
@@ -59,6 +61,9 @@ class MemoryEstimate:
         what = "async checkpoint copy" if self.staging_copies == 1 else \
             f"async checkpoint, {self.staging_copies} buffers: the newest committed step stays in memory for restarts"
         out.append(f"  {'staging':<12} {self.staging / _GIB:8.2f} GiB of host memory ({what})")
+        if self.spare:
+            out.append(f"  {'spare':<12} {self.spare / _GIB:8.2f} GiB of host memory per spare worker "
+                       "(fault_tolerance.spare_workers: a rank's optimizer state, touched ahead for a takeover)")
         if self.replica:
             out.append(f"  {'replica':<12} {self.replica / _GIB:8.2f} GiB of host memory (a peer node's rank's "
                        "committed copy, checkpoint.replication)")
@@ -77,7 +82,30 @@ def memory_estimate(spec: JobSpec) -> MemoryEstimate | None:
     replica = shard * 4 + optimizer if staging and ckpt.replication.mode == "auto" else 0
     return MemoryEstimate(parameters=shard * 4, gradients=shard * 4, optimizer=optimizer, staging=staging,
                           activations=_activation_bytes(spec, cfg), staging_copies=ckpt.memory_copies,
-                          replica=replica)
+                          replica=replica, spare=_spare_reserve(spec, optimizer))
+
+
+def spare_reserve_bytes(spec: JobSpec) -> int:
+    """What a spare worker touches ahead for the optimizer state of the rank it may take over
+    (``checkpoint.state.StateReserve``); 0: none.
+
+    Only where spares run (a CPU job that may restart and reuses workers), a takeover loads a
+    checkpoint (checkpointing on), and the model's size is known (built-in presets): the
+    estimate's optimizer state, 2% and 1 MiB over, since FSDP2's first ranks hold a row more of
+    each tensor than the average.
+    """
+    cfg = describe_model(spec.model.name, spec.model.overrides)
+    if cfg is None:
+        return 0
+    return _spare_reserve(spec, cfg.num_params // spec.world_size * _optimizer_bytes_per_param(spec))
+
+
+def _spare_reserve(spec: JobSpec, optimizer: int) -> int:
+    ft = spec.fault_tolerance
+    spares = ft.spare_workers > 0 and ft.reuse_workers and ft.max_restarts > 0 and not spec.resources.use_gpu
+    if not (spares and spec.checkpoint.enabled and optimizer):
+        return 0
+    return int(optimizer * 1.02) + (1 << 20)
 
 
 def _optimizer_bytes_per_param(spec: JobSpec) -> int:

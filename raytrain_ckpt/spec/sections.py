@@ -502,7 +502,7 @@ class FaultToleranceSpec(_Section):
     reuse_workers: bool = True
     """After a crash or exception on a node that is still alive: keep the placement group and the surviving ranks' processes for the restart and replace only the dead ranks (false: rebuild every process)."""
     spare_workers: int = Field(1, ge=0, le=64)
-    """Idle worker processes (torch already imported, no Ray resources held) kept ready to replace a crashed rank on their node; CPU jobs with max_restarts > 0 and reuse_workers only. 0: start replacements on demand."""
+    """Idle worker processes (torch already imported, no Ray resources held) kept ready to replace a crashed rank on their node; CPU jobs with max_restarts > 0 and reuse_workers only. With checkpointing and a built-in model, each spare also holds about one rank's optimizer state of host memory, touched ahead so that a takeover's load does not wait for fresh pages. 0: start replacements on demand."""
     drain_timeout_s: float = Field(5.0, gt=0)
     """With reuse_workers: how long surviving ranks get to leave the failed step and release their process group before they are killed and replaced instead."""
     expected_mtbf_s: float | None = Field(None, gt=0)

@@ -61,3 +61,27 @@ def test_validate_prints_the_estimate(capsys):
     err = capsys.readouterr().err
     for part in ("memory per rank (estimate)", "parameters", "gradients", "optimizer", "activations", "staging"):
         assert part in err
+
+
+@pytest.mark.parametrize(("overrides", "held"), [
+    ((), True),                                             # a CPU job with checkpointing and spares
+    (("fault_tolerance.spare_workers=0",), False),
+    (("fault_tolerance.max_restarts=0",), False),          # no restart: no spares
+    (("fault_tolerance.reuse_workers=false",), False),
+    (("checkpoint.enabled=false",), False),                # a takeover loads nothing
+    (("optimizer.name=sgd", "optimizer.momentum=0"), False),  # no optimizer state
+])
+def test_a_spare_holds_a_ranks_optimizer_state_where_a_takeover_loads_one(overrides, held):
+    from raytrain_ckpt.spec.memory import spare_reserve_bytes
+
+    spec = load_spec("jobs/llama_debug_fsdp.yaml", ["fault_tolerance.max_restarts=2", *overrides])
+    est = memory_estimate(spec)
+    assert spare_reserve_bytes(spec) == est.spare
+    assert (est.spare > est.optimizer) if held else est.spare == 0
+    assert any(line.lstrip().startswith("spare") for line in est.lines("host RAM")) == held
+
+
+def test_a_gpu_job_has_no_spare_memory():
+    from raytrain_ckpt.spec.memory import spare_reserve_bytes
+
+    assert spare_reserve_bytes(load_spec(GPU_JOB, [])) == 0 and _estimate().spare == 0
