@@ -94,10 +94,8 @@ def spare_reserve_bytes(spec: JobSpec) -> int:
     estimate's optimizer state, 2% and 1 MiB over, since FSDP2's first ranks hold a row more of
     each tensor than the average.
     """
-    cfg = describe_model(spec.model.name, spec.model.overrides)
-    if cfg is None:
-        return 0
-    return _spare_reserve(spec, cfg.num_params // spec.world_size * _optimizer_bytes_per_param(spec))
+    est = memory_estimate(spec)
+    return 0 if est is None else est.spare
 
 
 def _spare_reserve(spec: JobSpec, optimizer: int) -> int:
