@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -194,6 +195,9 @@ class CheckpointClient:
         self._handed_off()  # counted in this save's stall
         if not self._previous_settled(step, final=step == self.total_steps):
             return
+        # The step's temporary directory, opened while this rank plans and starts its copy: the
+        # writer gets the reply, and its first write does not wait for a round trip of its own.
+        opened = self.actor.open_step.remote(step, self.attempt)
         tensors, objects = self._flatten(state)
         try:
             layout = self._ensure_layout(step, tensors, objects)
@@ -207,13 +211,27 @@ class CheckpointClient:
         buf = layout.buffers[layout.active]
         buf.step = None  # staged over from here on
 
-        def hand_off() -> None:
-            info["stage_s"] = time.monotonic() - t0
+        token = secrets.randbits(62) + 1
+        sent: list[Any] = []
+
+        def begin() -> None:
+            """As the copy begins (the buffer's progress is reset for this save): hand the step to
+            the writer, which writes each tensor as soon as the copy has reached it."""
+            info["stage_s"] = time.monotonic() - t0  # the writer adds the copy's own time
             req = PersistRequest(step, self.rank, self.attempt, layout.plan_id, buf.path, layout.nbytes,
-                                 layout.slots, payload, layout.plan, info)
+                                 layout.slots, payload, layout.plan, info, token)
             try:
-                _get_restarting(lambda: self.writer.accept.remote(req))
-            except Exception as exc:  # the writer died: this step is lost, training goes on
+                sent.append(self.writer.accept.remote(req, [opened]))  # nested: a failed call is the writer's to handle
+            except Exception as exc:  # surfaced by hand_off(): the copy goes on, the step is lost
+                sent.append(exc)
+
+        def hand_off() -> None:
+            """Once the copy is complete: the writer holds the step (or this save is lost)."""
+            try:
+                if isinstance(sent[0], Exception):
+                    raise sent[0]
+                ray.get(sent[0])
+            except Exception as exc:  # the writer died or refused the buffer: this step is lost, training goes on
                 self._aborted(step, exc)
                 return
             buf.step = step
@@ -223,7 +241,8 @@ class CheckpointClient:
             maybe_inject("staged", self.rank, step, self.attempt)
 
         self._inflight = None
-        layout.staging.start(tensors, hand_off, lambda: maybe_inject("staging", self.rank, step, self.attempt))
+        layout.staging.start(tensors, hand_off, lambda: maybe_inject("staging", self.rank, step, self.attempt),
+                             token=token, on_begin=begin)
         self.stats.saves += 1
         self._last_save_at = time.monotonic()
         self.stats.stall_s += time.monotonic() - t0

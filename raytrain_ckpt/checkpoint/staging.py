@@ -12,6 +12,9 @@ mapped, and tied to a live owner is ``checkpoint/buffers.py``.
 
 Either way ``wait()`` must return before the optimizer mutates the parameters; the trainer
 calls it right before ``optimizer.step()``.
+
+The buffer's first bytes (``StageProgress``) say how far the copy has got, so that the writer,
+handed the save as the copy starts, writes each tensor as soon as it is in the buffer.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ __all__ = [
     "map_slots",
     "map_whole",
     "Populate",
+    "StageProgress",
+    "StagingAborted",
     "plan_slots",
     "populate_of",
     "populate_range",
@@ -54,6 +59,8 @@ __all__ = [
 ]
 
 _ALIGN = 64
+_HEADER = 64
+"""Bytes at the start of every staging buffer before its first slot: the copy's ``StageProgress``."""
 _PAGE = 4096
 _PAGE_ALIGNED_FROM = 1 << 20
 """Slots of this size on start on a page boundary: the writer writes their whole blocks to the
@@ -73,8 +80,9 @@ class TensorSlot:
 
 
 def plan_slots(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorSlot], int]:
-    """Aligned byte ranges for each tensor, in key order; returns (slots, total bytes)."""
-    slots, offset = [], 0
+    """Aligned byte ranges for each tensor, in key order, after the buffer's ``StageProgress``
+    header; returns (slots, total bytes)."""
+    slots, offset = [], _HEADER
     for fqn, t in tensors.items():
         nbytes = t.numel() * t.element_size()
         align = _PAGE if nbytes >= _PAGE_ALIGNED_FROM else _ALIGN
@@ -249,15 +257,99 @@ def populate_range(start: int, nbytes: int) -> bool:
     return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) == 0
 
 
+class StagingAborted(RuntimeError):
+    """The staging copy a writer was waiting for will never complete: it failed, or the trainer died."""
+
+
+class StageProgress:
+    """How far the staging copy into a buffer has got, kept in the buffer's first ``_HEADER`` bytes.
+
+    The trainer hands a save to the writer as its copy starts, not once it is done, so the
+    writer's first writes overlap the copy (ARCHITECTURE, "The writer starts while the copy
+    runs"). Three int64 words: the save's ``token`` (which save the other two are about), the end
+    offset of the slots copied so far (``-1``: the copy failed), and the copy's duration in
+    microseconds once it is complete. The trainer writes them in an order that lets the writer
+    read them without a lock: the end is reset before the token is set, and the duration is
+    set before the end reaches the buffer's size. Each word is one aligned 8-byte store or load;
+    the copy's own stores are ordered before the end that announces them because a lock
+    operation (the GIL, released and taken around the copy) lies between them in the trainer,
+    and another between the load of the end and the reads of the bytes in the writer.
+    """
+
+    def __init__(self, address: int, owner: object) -> None:
+        assert address % 8 == 0
+        self._owner = owner  # keeps the mapping alive
+        self.words = (ctypes.c_int64 * 3).from_address(address)
+
+    # --- the trainer ---
+    def begin(self, token: int) -> None:
+        self.words[1] = 0
+        self.words[2] = 0
+        self.words[0] = token
+
+    def advance(self, end: int) -> None:
+        self.words[1] = end
+
+    def done(self, end: int, seconds: float) -> None:
+        self.words[2] = max(0, int(seconds * 1e6))
+        self.words[1] = end
+
+    def failed(self) -> None:
+        self.words[1] = -1
+
+    # --- the writer ---
+    def staged(self, token: int) -> int | None:
+        """Bytes copied so far by save ``token`` (-1: the copy failed); None while the buffer is
+        not (yet) about that save."""
+        if self.words[0] != token:
+            return None
+        return self.words[1]
+
+    def copy_s(self) -> float:
+        """The copy's duration, once it is complete."""
+        return self.words[2] / 1e6
+
+    def wait(self, token: int, end: int, alive: Callable[[], bool], poll_s: float = 0.0002,
+             check_s: float = 0.01) -> float:
+        """Block until save ``token`` has copied the bytes up to ``end``; returns the seconds waited.
+
+        Raises StagingAborted when its copy failed, or when ``alive()`` (is the trainer still
+        there? checked every ``check_s`` while waiting) says no and the copy is still short of ``end``.
+        """
+        t0 = last = time.monotonic()
+        while True:
+            staged = self.staged(token)
+            if staged is not None and staged >= end:
+                return time.monotonic() - t0
+            if staged == -1:
+                raise StagingAborted("the trainer's staging copy failed")
+            now = time.monotonic()
+            if now - last >= check_s:
+                last = now
+                if not alive():
+                    staged = self.staged(token)  # it may have finished just before it went
+                    if staged is not None and staged >= end:
+                        return time.monotonic() - t0
+                    raise StagingAborted(f"the trainer went away with {max(staged or 0, 0)} of the first {end} "
+                                         "bytes staged")
+            time.sleep(poll_s)
+
+
 class StagedPlanner(DefaultSavePlanner):
     """A DCP save planner that resolves write items from staged buffers (by FQN) instead of
-    the live state dict: lets a process that never held the model write its shards."""
+    the live state dict: lets a process that never held the model write its shards.
 
-    def __init__(self, staged: dict[str, Any]) -> None:
+    ``ready(fqn)``, when given, is called before an entry is handed out: the writer waits
+    there for the staging copy to have reached it (``StageProgress``)."""
+
+    def __init__(self, staged: dict[str, Any], ready: Callable[[str], None] | None = None) -> None:
         super().__init__()
         self.staged = staged
+        self.ready = ready
 
     def lookup_object(self, index: MetadataIndex) -> Any:
+        if self.ready is not None:
+            self.ready(index.fqn)
         return self.staged[index.fqn]
 
 
@@ -265,11 +357,14 @@ class Staging(Protocol):
     """Fill the buffer from live tensors without blocking the caller."""
 
     def start(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None],
-              midway: Callable[[], None] | None = None) -> None:
+              midway: Callable[[], None] | None = None, token: int = 0,
+              on_begin: Callable[[], None] | None = None) -> None:
         """Begin copying; ``on_done`` runs (on another thread) once the buffer holds the data.
 
         ``midway`` runs on the copying thread when about half of the tensors are copied (the
-        ``staging`` fault-injection point)."""
+        ``staging`` fault-injection point). ``token`` names the save in the buffer's
+        ``StageProgress``; ``on_begin`` runs on the copying thread right after the progress is
+        reset for it and before the first byte is copied (the hand-off to the writer). It must not raise."""
 
     def wait(self) -> float:
         """Block until the copy finished; returns seconds spent blocked. Re-raises copy errors.
@@ -292,24 +387,34 @@ class _ThreadedStaging(abc.ABC):
     def __init__(self, buffer: torch.Tensor, slots: list[TensorSlot]) -> None:
         self.buffer = buffer
         self.views = slot_views(buffer, slots)
+        self.ends = [s.offset + s.nbytes for s in slots]
+        """Where each slot ends, in the order of ``views`` (the order the copy goes in)."""
+        self.progress = StageProgress(buffer.data_ptr(), buffer)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._copied = threading.Event()
 
     def start(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None],
-              midway: Callable[[], None] | None = None) -> None:
+              midway: Callable[[], None] | None = None, token: int = 0,
+              on_begin: Callable[[], None] | None = None) -> None:
         assert self._thread is None, "finish() the previous copy first"
         self._error = None
         self._copied = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(sources, on_done, midway or (lambda: None)),
+        self._thread = threading.Thread(target=self._run, args=(sources, on_done, midway or (lambda: None), token,
+                                                                on_begin or (lambda: None)),
                                         name="rtc-staging", daemon=True)
         self._thread.start()
 
     def _run(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None],
-             midway: Callable[[], None]) -> None:
+             midway: Callable[[], None], token: int, on_begin: Callable[[], None]) -> None:
         try:
+            self.progress.begin(token)
+            on_begin()
+            t0 = time.monotonic()
             self._copy(sources, midway)
+            self.progress.done(self.buffer.numel(), time.monotonic() - t0)
         except BaseException as exc:  # surfaced to the training thread by wait()
+            self.progress.failed()  # a writer waiting for the copy gives the save up
             self._error = exc
             return
         finally:
@@ -362,10 +467,11 @@ class SharedMemoryStaging(_ThreadedStaging):
         self._populate.wait()
         half = len(self.views) // 2
         with torch.no_grad():
-            for i, (fqn, dst) in enumerate(self.views.items()):
+            for i, ((fqn, dst), end) in enumerate(zip(self.views.items(), self.ends)):
                 if i == half:
                     midway()
                 dst.copy_(sources[fqn])
+                self.progress.advance(end)
 
 
 class PinnedCudaStaging(_ThreadedStaging):
@@ -389,7 +495,8 @@ class PinnedCudaStaging(_ThreadedStaging):
         self._event: torch.cuda.Event | None = None
 
     def start(self, sources: dict[str, torch.Tensor], on_done: Callable[[], None],
-              midway: Callable[[], None] | None = None) -> None:
+              midway: Callable[[], None] | None = None, token: int = 0,
+              on_begin: Callable[[], None] | None = None) -> None:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream), torch.no_grad():
@@ -400,7 +507,7 @@ class PinnedCudaStaging(_ThreadedStaging):
                     src.record_stream(self.stream)
             self._event = torch.cuda.Event()
             self._event.record(self.stream)
-        super().start(sources, on_done, midway)
+        super().start(sources, on_done, midway, token, on_begin)
 
     def _copy(self, sources: dict[str, torch.Tensor], midway: Callable[[], None]) -> None:
         assert self._event is not None

@@ -1,10 +1,12 @@
 """CheckpointWriter: one Ray actor per node that owns the staging buffers and persists them.
 
 Trainers map the writer's shared-memory files, copy their state in, and hand the step over
-with ``persist()``. From then on the trainer is out of the picture: the writer writes the
-rank's DCP shard files with its own threads straight from the buffer, checksumming them as it
-writes (``checkpoint/filewrite.py``, ``O_DIRECT``), fsyncs them and reports to the CheckpointActor. A trainer that dies after the hand-off does not stop its step from being
-committed.
+with ``accept()`` as the copy starts. The writer writes the rank's DCP shard files with its own
+threads straight from the buffer, each tensor as soon as the copy has reached it
+(``staging.StageProgress``), checksumming them as it writes (``checkpoint/filewrite.py``,
+``O_DIRECT``), fsyncs them and reports to the CheckpointActor. Once the copy is complete the
+trainer is out of the picture: a trainer that dies after it does not stop its step from being
+committed; one that dies before it loses only that step, which the writer aborts.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import re
 import resource
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +36,8 @@ from raytrain_ckpt.checkpoint.crc import address_of, region_crc
 from raytrain_ckpt.checkpoint.memcopy import CommittedCopy
 from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, probe_name
 from raytrain_ckpt.checkpoint.replica import ReplicaEndpoint
-from raytrain_ckpt.checkpoint.staging import (StagedPlanner, TensorSlot, allocate_buffer, layout_key, map_whole,
-                                              populate_range, views_of)
+from raytrain_ckpt.checkpoint.staging import (StagedPlanner, StageProgress, StagingAborted, TensorSlot, allocate_buffer,
+                                              layout_key, map_whole, populate_range, views_of)
 from raytrain_ckpt.checkpoint.storage import is_transient, is_uri, object_filesystem, retry_transient
 from raytrain_ckpt.checkpoint.upload import is_s3, upload_rank_files
 from raytrain_ckpt.faults import maybe_inject
@@ -112,6 +115,10 @@ class PersistRequest:
     plan: SavePlan
     info: dict[str, float]
     """stage_s, samples_seen, tokens_seen: recorded in the manifest."""
+    token: int = 0
+    """The save's name in the buffer's ``StageProgress``: the request was sent as the copy began,
+    and the writer waits for each tensor's bytes to be staged before writing them (0: the copy was
+    complete before the request was sent)."""
 
 
 class CheckpointWriter(ReplicaEndpoint):
@@ -255,11 +262,20 @@ class CheckpointWriter(ReplicaEndpoint):
         if held is not None:
             held.buffer.remove()
 
-    def accept(self, req: PersistRequest) -> None:
-        """Take over a staged step and start writing it; returns as soon as the request is held here.
+    def accept(self, req: PersistRequest, opened: list[ray.ObjectRef] | None = None) -> None:
+        """Take over a step being staged and start writing it; returns once the CheckpointActor
+        knows this writer holds it.
 
-        From this return on the step no longer depends on the trainer process.
+        From this return on, and once the trainer's copy is complete (``req.token``), the step no
+        longer depends on the trainer process. A trainer whose copy fails or that goes away before
+        its copy is complete loses the step: the write stops and the step is aborted.
+
+        ``opened``: the trainer's call opening the step (``CheckpointActor.open_step``, made while
+        it planned and started its copy). With its reply, the step's temporary directory, the
+        write starts at once, while the actor is told of the hand-off; without one (the call
+        failed: the actor was restarting, the step was aborted) it starts after that.
         """
+        tmp = self._opened(opened)
         key = (req.rank, req.step)
         with self._lock:
             held = self._buffers.get(req.buffer_path)
@@ -269,14 +285,33 @@ class CheckpointWriter(ReplicaEndpoint):
                                        f"belongs to attempt {req.attempt}; this save is dropped")
             held.record = None  # the trainer staged over whatever it held
             self._running[key] = req
+        if tmp is not None:
+            self._tmp[key] = tmp
+            self._jobs[key] = self._pool.submit(self._persist_and_forget, req)
         try:
             me = ray.get_runtime_context()
-            self._tmp[key] = ray.get(self.coordinator.accepted.remote(req.step, req.rank, req.attempt,
-                                                                      (me.current_actor, me.get_node_id())))
+            registered = ray.get(self.coordinator.accepted.remote(req.step, req.rank, req.attempt,
+                                                                  (me.current_actor, me.get_node_id())))
         except BaseException:
-            self._running.pop(key, None)
+            if tmp is None:  # else the write started: it ends (its report is refused) and lets go itself
+                self._running.pop(key, None)
             raise
-        self._jobs[key] = self._pool.submit(self._persist_and_forget, req)
+        if tmp is None:
+            self._tmp[key] = registered
+            self._jobs[key] = self._pool.submit(self._persist_and_forget, req)
+        elif registered != tmp:  # aborted and opened again meanwhile: this write's report will be refused
+            logger.warning("step %d rank %d: written into %s, but the step is now %s", req.step, req.rank, tmp,
+                           registered)
+
+    @staticmethod
+    def _opened(opened: list[ray.ObjectRef] | None) -> str | None:
+        if not opened:
+            return None
+        try:
+            return ray.get(opened[0])
+        except Exception as exc:  # the hand-off's own call to the actor says what is wrong, if anything
+            logger.debug("opening the step ahead failed: %s", exc)
+            return None
 
     def holds(self, rank: int, step: int) -> bool:
         """Whether this writer still has rank ``rank``'s hand-off of ``step`` to write and report.
@@ -294,6 +329,11 @@ class CheckpointWriter(ReplicaEndpoint):
             out = self._persist(req)
             self._copy_for_replica(req)
             return out
+        except StagingAborted as exc:  # nobody will ask for this write: say so now
+            reason = f"rank {req.rank}: {exc}"
+            logger.warning("checkpoint step %d not written: %s", req.step, reason)
+            self.coordinator.abort.remote(req.step, reason, req.attempt)
+            raise
         finally:
             with self._lock:
                 self._running.pop((req.rank, req.step), None)
@@ -325,11 +365,35 @@ class CheckpointWriter(ReplicaEndpoint):
         mapped = self._mapped(req)
         staged = {**mapped.views, **pickle.loads(req.objects)}
         maybe_inject("persist", req.rank, req.step, req.attempt)
-        written = write_rank_files(tmp, req.plan, StagedPlanner(staged).resolve_data, self.io_threads)
+        ready = self._ready(req, mapped)
+        written = write_rank_files(tmp, req.plan, StagedPlanner(staged, ready).resolve_data, self.io_threads)
         check_written(req.plan, written.results, {p.name: p.stat().st_size for p in tmp.iterdir()})
+        self._staged(req, mapped)
         self._record(req, staged, mapped, written)
         t_write = time.monotonic() - t0
         return self._report(req, written, t0, t_write)
+
+    def _ready(self, req: PersistRequest, mapped: _Mapped) -> Callable[[str], None] | None:
+        """For a request sent as its copy began: a wait, per tensor, for the copy to have reached it."""
+        if not req.token:
+            return None
+        progress = StageProgress(mapped.address, mapped.whole)
+        ends = {s.fqn: s.offset + s.nbytes for s in req.slots}
+
+        def ready(fqn: str) -> None:
+            end = ends.get(fqn)
+            if end is not None:
+                progress.wait(req.token, end, lambda: is_leased(Path(req.buffer_path)))
+        return ready
+
+    def _staged(self, req: PersistRequest, mapped: _Mapped) -> None:
+        """Wait until the whole buffer is staged (the plan may leave slots to other ranks; the memory
+        copy and the replica are the whole buffer), and add the copy's time to ``stage_s``."""
+        if not req.token:
+            return
+        progress = StageProgress(mapped.address, mapped.whole)
+        progress.wait(req.token, req.buffer_bytes, lambda: is_leased(Path(req.buffer_path)))
+        req.info["stage_s"] = req.info.get("stage_s", 0.0) + progress.copy_s()
 
     def _report(self, req: PersistRequest, written: RankFiles, t0: float, t_write: float) -> str:
         """Record the write's phases and metrics and report the rank's files to the CheckpointActor."""
@@ -411,22 +475,26 @@ class CheckpointWriter(ReplicaEndpoint):
         mapped = self._mapped(req)
         staged = {**mapped.views, **pickle.loads(req.objects)}
         maybe_inject("persist", req.rank, req.step, req.attempt)
-        written = retry_transient(lambda: self._upload_once(req, dest, staged),
+        ready = self._ready(req, mapped)
+        written = retry_transient(lambda: self._upload_once(req, dest, staged, ready),
                                   f"upload of rank {req.rank} step {req.step}",
                                   on_retry=lambda exc: self.metrics.retried(req.rank), transient=_retryable)
+        self._staged(req, mapped)
         self._record(req, staged, mapped, written)
         t_write = time.monotonic() - t0
         maybe_inject("uploaded", req.rank, req.step, req.attempt)
         return self._report(req, written, t0, t_write)
 
-    def _upload_once(self, req: PersistRequest, dest: str, staged: dict[str, Any]) -> RankFiles:
+    def _upload_once(self, req: PersistRequest, dest: str, staged: dict[str, Any],
+                     ready: Callable[[str], None] | None) -> RankFiles:
         fs = object_filesystem(dest, self.storage_options)
+        planner = StagedPlanner(staged, ready)
         if is_s3(fs):  # parts in parallel from the staging buffer (checkpoint/upload.py)
-            written = upload_rank_files(fs, dest, req.plan, StagedPlanner(staged).resolve_data, self.io_threads)
+            written = upload_rank_files(fs, dest, req.plan, planner.resolve_data, self.io_threads)
         else:
             writer = UploadingWriter(dest, self.storage_options, self.io_threads)
             writer.set_up_storage_writer(False, rank=req.rank)
-            written = RankFiles(results=writer.write_data(req.plan, StagedPlanner(staged)).wait(), files=writer.files)
+            written = RankFiles(results=writer.write_data(req.plan, planner).wait(), files=writer.files)
         check_written(req.plan, written.results, {name: f["size"] for name, f in written.files.items()})
         prefix = req.plan.storage_data.prefix
         written.files = {n: f for n, f in written.files.items() if n.startswith(prefix)}
@@ -436,6 +504,6 @@ class CheckpointWriter(ReplicaEndpoint):
 def _retryable(exc: BaseException) -> bool:
     """Upload errors worth another try: transient ones, and a write that an I/O thread dropped
     (DCP loses those threads' exceptions, so check_written's OSError may hide a transient one)."""
-    if isinstance(exc, (FileNotFoundError, PermissionError)):
+    if isinstance(exc, (FileNotFoundError, PermissionError, StagingAborted)):
         return False
     return is_transient(exc) or isinstance(exc, OSError)

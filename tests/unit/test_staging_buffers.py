@@ -313,10 +313,10 @@ def test_warm_populates_the_buffer_in_the_background_once(tmp_path: Path) -> Non
     from raytrain_ckpt.checkpoint.staging import SharedMemoryStaging, plan_slots
 
     nbytes = 8 << 20
-    owned = allocate_buffer(tmp_path / "rtc-test-a0-rank0-c1.buf", nbytes)
+    tensors = {"w": torch.arange(nbytes // 4, dtype=torch.float32)}
+    slots, size = plan_slots(tensors)
+    owned = allocate_buffer(tmp_path / "rtc-test-a0-rank0-c1.buf", size)
     try:
-        tensors = {"w": torch.arange(nbytes // 4, dtype=torch.float32)}
-        slots, size = plan_slots(tensors)
         buffer = map_buffer(owned.path, size)
         assert _resident_kb(buffer.data_ptr()) == 0
         staging = SharedMemoryStaging(buffer, slots)
@@ -330,6 +330,7 @@ def test_warm_populates_the_buffer_in_the_background_once(tmp_path: Path) -> Non
         again.start(tensors, lambda: done.append(True))
         again.wait()
         assert done and again._populate._thread is populated  # not populated a second time
-        assert torch.equal(map_buffer(owned.path, size)[:nbytes].view(torch.float32), tensors["w"])
+        start = slots[0].offset
+        assert torch.equal(map_buffer(owned.path, size)[start:start + nbytes].view(torch.float32), tensors["w"])
     finally:
         owned.remove()
