@@ -14,7 +14,9 @@ gloo process group, each rank a Ray actor) is saved by
 
 and for each it prints: the stall (time the training thread was blocked), the time to a
 durable checkpoint, stall / memcpy of the state, durable throughput / raw write+fsync of the
-same bytes, and the step-time slowdown of a compute loop while the save persists; for
+same bytes, the step-time slowdown of a compute loop while the save persists, and the training
+time the save cost a rank in all (the stall plus the steps' time beyond their time without a
+save: the slowdown is a rate over the persisting window, this is its total); for
 raytrain_ckpt also the CPU seconds per GB of the writer process (beside the slowdown: what the
 writer takes from the trainers' cores) and where its time goes (per phase, the last save of
 each rank: serialisation, CRC-32C, write calls (on S3: copying into parts and waiting for a
@@ -198,7 +200,7 @@ class BenchRank:
         # When the save became durable, taken as it happened (not at the step the loop noticed)
         durable = (self.durable_at[0] if self.durable_at else time.perf_counter()) - t0
         dist.barrier()
-        out = {"stall_s": stall + waits[0], "durable_s": durable,
+        out = {"stall_s": stall + waits[0], "save_s": stall, "durable_s": durable,
                "step_s": statistics.mean(steps) if steps else float("nan"), "steps": len(steps)}
         if mode.startswith("raytrain_ckpt"):  # the trainer side of the stall
             out["trainer"] = {"setup_s": self.setup_s, "in_save_s": stall, "copy_wait_s": waits[0], **self.copy}
@@ -298,7 +300,7 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=50.0, help="compute per training step (default 50 ms)")
     p.add_argument("--dir", default="bench/out", help="where checkpoints are written (a real disk, not tmpfs)")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--writer-nice", type=int, default=10, help="checkpoint.writer_nice (default 10, the default)")
+    p.add_argument("--writer-nice", type=int, default=2, help="checkpoint.writer_nice (default 2, the default)")
     p.add_argument("--every-save", action="store_true", help="print every raytrain_ckpt save's manifest timings")
     p.add_argument("--local-s3", action="store_true",
                    help="with --dir s3://BUCKET/...: start moto's S3 server on 127.0.0.1 and create BUCKET")
@@ -402,7 +404,7 @@ def _bench(args: argparse.Namespace, out: Path, server: LocalS3 | None) -> None:
           f"of the same bytes measured before every repetition, to {out}")
     print()
     head = (f"{'mode':<24} {'stall s':>14} {'durable s':>14} {'raw s':>6} {'stall/memcpy':>12} {'tput/raw':>13} "
-            f"{'slowdown':>16} {'writer CPU s/GB':>15}")
+            f"{'slowdown':>16} {'lost s':>14} {'writer CPU s/GB':>15}")
     print(head)
     print("-" * len(head))
     profiles, floors = {}, []
@@ -439,8 +441,10 @@ def _bench(args: argparse.Namespace, out: Path, server: LocalS3 | None) -> None:
     print("when it completes: DCP's future's callback, a thread waiting for our commit; not at the next step);")
     print("raw s: the floor measured right before each repetition; tput/raw: per repetition, (bytes / durable) /")
     print("(bytes / its own raw floor); slowdown: mean step time while persisting vs. the step time without a save")
-    print("measured right before it (nan: no step ran while persisting); writer CPU s/GB: the writer process over")
-    print("the whole save. Each figure: the median over the repetitions after the first [the first].")
+    print("measured right before it (nan: no step ran while persisting); lost s: the training time the save cost a")
+    print("rank (its stall, plus the steps while persisting beyond the step time without a save; mean over ranks);")
+    print("writer CPU s/GB: the writer process over the whole save. Each figure: the median over the repetitions")
+    print("after the first [the first].")
     service.shutdown()
 
 
@@ -456,13 +460,15 @@ def _print_row(mode: str, reps: list[dict], memcpy: float, total: int) -> None:
     raw, _ = _median_first([r["raw_s"] for r in reps])
     ratio, ratio0 = _median_first([r["raw_s"] / r["durable_s"] for r in reps])
     slow, slow0 = _median_first([r["step_s"] / r["base_s"] - 1 if r["steps"] else float("nan") for r in reps])
+    lost, lost0 = _median_first([r["lost_s"] for r in reps])
     cpu = ""
     if "writer" in reps[0]:
         gb = total / 1e9
         cpu_gb, cpu0 = _median_first([r["writer"]["cpu_s"] / gb for r in reps])
         cpu = f"{cpu_gb:>8.2f} [{cpu0:>4.2f}]"
     print(f"{mode:<24} {stall:>6.3f} [{stall0:>5.2f}] {durable:>6.3f} [{durable0:>5.2f}] {raw:>6.3f} "
-          f"{stall / memcpy:>12.2f} {ratio:>6.2f} [{ratio0:>4.2f}] {slow * 100:>7.1f}% [{slow0 * 100:>4.0f}%] {cpu:>15}")
+          f"{stall / memcpy:>12.2f} {ratio:>6.2f} [{ratio0:>4.2f}] {slow * 100:>7.1f}% [{slow0 * 100:>4.0f}%] "
+          f"{lost:>6.3f} [{lost0:>5.2f}] {cpu:>15}")
 
 
 def _rep(ranks: list, mode: str, rep: int, ckpt: dict, serial: int, server: LocalS3 | None) -> dict:
@@ -478,9 +484,13 @@ def _rep(ranks: list, mode: str, rep: int, ckpt: dict, serial: int, server: Loca
     before = _cpu_of(pid) if ours else (0.0, 0.0)
     res = ray.get([r.run.remote(mode, rep, ckpt) for r in ranks])
     steps = [x for x in res if x["steps"]]
+    # Training time the save cost a rank: its stall plus what the steps while it persisted took
+    # beyond the step time without a save (the slowdown is a rate over that window; this is the total).
+    # (The staging waits are inside the steps' time: only the save call itself is added.)
+    lost = statistics.mean(x["save_s"] + (x["steps"] * (x["step_s"] - base) if x["steps"] else 0.0) for x in res)
     out = {"stall_s": max(x["stall_s"] for x in res), "durable_s": max(x["durable_s"] for x in res),
            "step_s": statistics.mean(x["step_s"] for x in steps) if steps else float("nan"),
-           "steps": sum(x["steps"] for x in res), "raw_s": raw, "base_s": base, "busy": busy}
+           "steps": sum(x["steps"] for x in res), "raw_s": raw, "base_s": base, "busy": busy, "lost_s": lost}
     if server is not None:
         out["s3_server_cpu_s"] = server.cpu_s() - c0
     if ours:

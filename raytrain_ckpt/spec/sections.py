@@ -416,8 +416,8 @@ class CheckpointSpec(_Section):
     """An uncommitted step (shards without a manifest on an object store, a .tmp- directory on a file system) that no save of this job is writing and that stayed unchanged this long is removed while the job runs (at start, every leftover is removed at once)."""
     writer_threads: int = Field(1, ge=1, le=64)
     """I/O threads per rank in the node's checkpoint writer."""
-    writer_nice: int = Field(10, ge=0, le=19)
-    """CPU priority (nice) of the checkpoint writer process: higher leaves more CPU to training and makes saves durable later."""
+    writer_nice: int = Field(2, ge=0, le=19)
+    """Added to the checkpoint writer process's niceness (Ray starts workers at 15: the default puts it at 17, below the trainers). Higher makes saves durable later; the CPU a save takes from training stays about the same."""
     memory_copies: int = Field(2, ge=1, le=2)
     """Staging buffers per rank in its node's shared memory. 2: ranks stage into them in turn, so the newest committed step stays intact in memory until a newer one commits, and a restart at the same world size loads each rank's shard from there instead of storage (falling back to storage, logged, when a copy is missing or does not verify); costs a second staging buffer of host memory per rank (validate prints it). 1: one buffer; a restart always loads from storage."""
     replication: ReplicationSpec = Field(default_factory=ReplicationSpec)
