@@ -286,8 +286,7 @@ class CheckpointWriter(ReplicaEndpoint):
             held.record = None  # the trainer staged over whatever it held
             self._running[key] = req
         if tmp is not None:
-            self._tmp[key] = tmp
-            self._jobs[key] = self._pool.submit(self._persist_and_forget, req)
+            self._start(req, tmp)
         try:
             me = ray.get_runtime_context()
             registered = ray.get(self.coordinator.accepted.remote(req.step, req.rank, req.attempt,
@@ -297,11 +296,16 @@ class CheckpointWriter(ReplicaEndpoint):
                 self._running.pop(key, None)
             raise
         if tmp is None:
-            self._tmp[key] = registered
-            self._jobs[key] = self._pool.submit(self._persist_and_forget, req)
+            self._start(req, registered)
         elif registered != tmp:  # aborted and opened again meanwhile: this write's report will be refused
             logger.warning("step %d rank %d: written into %s, but the step is now %s", req.step, req.rank, tmp,
                            registered)
+
+    def _start(self, req: PersistRequest, tmp: str) -> None:
+        """Start writing ``req`` into the step's temporary directory ``tmp`` on the pool."""
+        key = (req.rank, req.step)
+        self._tmp[key] = tmp
+        self._jobs[key] = self._pool.submit(self._persist_and_forget, req)
 
     @staticmethod
     def _opened(opened: list[ray.ObjectRef] | None) -> str | None:
@@ -373,27 +377,30 @@ class CheckpointWriter(ReplicaEndpoint):
         t_write = time.monotonic() - t0
         return self._report(req, written, t0, t_write)
 
+    @staticmethod
+    def _wait_staged(req: PersistRequest, mapped: _Mapped, end: int) -> StageProgress:
+        """Block until the trainer's copy of ``req`` has reached ``end`` (StagingAborted if it never will)."""
+        progress = StageProgress(mapped.address, mapped.whole)
+        progress.wait(req.token, end, lambda: is_leased(Path(req.buffer_path)))
+        return progress
+
     def _ready(self, req: PersistRequest, mapped: _Mapped) -> Callable[[str], None] | None:
         """For a request sent as its copy began: a wait, per tensor, for the copy to have reached it."""
         if not req.token:
             return None
-        progress = StageProgress(mapped.address, mapped.whole)
         ends = {s.fqn: s.offset + s.nbytes for s in req.slots}
 
         def ready(fqn: str) -> None:
-            end = ends.get(fqn)
-            if end is not None:
-                progress.wait(req.token, end, lambda: is_leased(Path(req.buffer_path)))
+            if fqn in ends:
+                self._wait_staged(req, mapped, ends[fqn])
         return ready
 
     def _staged(self, req: PersistRequest, mapped: _Mapped) -> None:
         """Wait until the whole buffer is staged (the plan may leave slots to other ranks; the memory
         copy and the replica are the whole buffer), and add the copy's time to ``stage_s``."""
-        if not req.token:
-            return
-        progress = StageProgress(mapped.address, mapped.whole)
-        progress.wait(req.token, req.buffer_bytes, lambda: is_leased(Path(req.buffer_path)))
-        req.info["stage_s"] = req.info.get("stage_s", 0.0) + progress.copy_s()
+        if req.token:
+            progress = self._wait_staged(req, mapped, req.buffer_bytes)
+            req.info["stage_s"] = req.info.get("stage_s", 0.0) + progress.copy_s()
 
     def _report(self, req: PersistRequest, written: RankFiles, t0: float, t_write: float) -> str:
         """Record the write's phases and metrics and report the rank's files to the CheckpointActor."""

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -65,6 +68,23 @@ def _trainer_class() -> type:
     return _Trainer
 
 
+@contextmanager
+def _job(tmp_path: Path, name: str) -> Iterator[tuple[CheckpointService, Any, Any]]:
+    """A job's CheckpointService (actor and this node's writer) and one trainer set up against it."""
+    spec = JobSpec.model_validate({"name": name, "resources": {"num_workers": 1},
+                                   "checkpoint": {"enabled": True, "dir": str(tmp_path), "keep_latest_k": None}})
+    service = CheckpointService(spec)
+    try:
+        service.acquire(0, spec)
+        writer = service.writer_for(ray.get_runtime_context().get_node_id())
+        trainer = ray.remote(_trainer_class()).options(num_cpus=0, max_restarts=0).remote()
+        ray.get(trainer.setup.remote(service.actor, writer, str(tmp_path)))
+        yield service, writer, trainer
+        ray.kill(trainer)
+    finally:
+        service.shutdown()
+
+
 def _values(saves: int) -> dict[str, torch.Tensor]:
     """The trainer's tensors as its ``saves``-th save saved them."""
     torch.manual_seed(0)
@@ -81,14 +101,7 @@ def _values(saves: int) -> dict[str, torch.Tensor]:
 ])
 def test_a_copy_that_never_completes_aborts_its_step_and_keeps_the_committed_one(
         ray_cluster, tmp_path: Path, kind: str, why: str) -> None:
-    spec = JobSpec.model_validate({"name": "handoff", "resources": {"num_workers": 1},
-                                   "checkpoint": {"enabled": True, "dir": str(tmp_path), "keep_latest_k": None}})
-    service = CheckpointService(spec)
-    try:
-        service.acquire(0, spec)
-        writer = service.writer_for(ray.get_runtime_context().get_node_id())
-        trainer = ray.remote(_trainer_class()).options(num_cpus=0, max_restarts=0).remote()
-        ray.get(trainer.setup.remote(service.actor, writer, str(tmp_path)))
+    with _job(tmp_path, "handoff") as (service, writer, trainer):
         ray.get(trainer.save.remote(5))                                   # committed before the fault
 
         with pytest.raises(ray.exceptions.RayError):
@@ -109,22 +122,12 @@ def test_a_copy_that_never_completes_aborts_its_step_and_keeps_the_committed_one
         if kind == "raise":  # the trainer lives on, and its next save commits
             ray.get(trainer.save.remote(15))
             assert set(layout.valid_steps()) == {5, 15}
-        ray.kill(trainer)
-    finally:
-        service.shutdown()
 
 
 def test_the_writer_writes_each_tensor_only_once_the_copy_has_reached_it(ray_cluster, tmp_path: Path) -> None:
     """The copy pauses halfway (``slow@staging``: 3 s) after the writer already holds the step:
     the committed files hold the second half's new values, not what the buffer held before."""
-    spec = JobSpec.model_validate({"name": "paused", "resources": {"num_workers": 1},
-                                   "checkpoint": {"enabled": True, "dir": str(tmp_path), "keep_latest_k": None}})
-    service = CheckpointService(spec)
-    try:
-        service.acquire(0, spec)
-        writer = service.writer_for(ray.get_runtime_context().get_node_id())
-        trainer = ray.remote(_trainer_class()).options(num_cpus=0, max_restarts=0).remote()
-        ray.get(trainer.setup.remote(service.actor, writer, str(tmp_path)))
+    with _job(tmp_path, "paused") as (_, _, trainer):
         ray.get(trainer.save.remote(5))                 # the buffer now holds step 5's values
         ray.get(trainer.save.remote(10, "slow@staging:rank=0,step=10"))
         layout = CheckpointLayout(tmp_path / "paused")
@@ -135,6 +138,3 @@ def test_the_writer_writes_each_tensor_only_once_the_copy_has_reached_it(ray_clu
             loaded = {"model": {f"w{i}": torch.empty(512, 512) for i in range(16)}}
             dcp.load(loaded, checkpoint_id=str(layout.step_dir(step)))
             assert all(torch.equal(loaded["model"][k], v) for k, v in _values(saves).items()), step
-        ray.kill(trainer)
-    finally:
-        service.shutdown()
