@@ -4,7 +4,11 @@ buffers, a real staging thread, a real second process for the lease."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,7 @@ from raytrain_ckpt.checkpoint.buffers import is_leased
 from raytrain_ckpt.checkpoint.crc import address_of
 from raytrain_ckpt.checkpoint.staging import (SharedMemoryStaging, StageProgress, StagingAborted, allocate_buffer,
                                               map_buffer, map_whole, plan_slots)
-from tests.unit.test_staging_buffers import _kill, _leaser
+from tests.unit.test_staging_buffers import REPO, _kill, _leaser
 
 
 def _waiter(progress: StageProgress, token: int, end: int, alive=lambda: True) -> tuple[threading.Thread, list]:
@@ -91,7 +95,7 @@ def test_a_failed_copy_or_a_trainer_gone_with_its_copy_short_gives_the_save_up(t
 def test_the_staging_thread_records_its_progress_and_a_failure(tmp_path: Path) -> None:
     tensors = {f"t{i}": torch.full((1024,), float(i)) for i in range(4)}
     slots, size = plan_slots(tensors)
-    assert slots[0].offset >= 24                           # the progress words come first
+    assert slots[0].offset >= 28                           # the progress words and the count come first
     owned = allocate_buffer(tmp_path / "rtc-s.buf", size)
     try:
         buffer = map_buffer(owned.path, size)
@@ -106,5 +110,50 @@ def test_the_staging_thread_records_its_progress_and_a_failure(tmp_path: Path) -
         with pytest.raises(KeyError):
             staging.wait()
         assert staging.progress.staged(12) == -1
+    finally:
+        owned.remove()
+
+
+_WRITER = """
+import resource, sys, time
+from pathlib import Path
+from raytrain_ckpt.checkpoint.crc import address_of
+from raytrain_ckpt.checkpoint.staging import StageProgress, map_whole
+whole = map_whole(Path(sys.argv[1]), 4096)
+progress = StageProgress(address_of(whole), whole)
+print("ready", flush=True)
+c0 = resource.getrusage(resource.RUSAGE_SELF)
+waited = progress.wait(21, 2048, lambda: True, check_s=5.0)
+c1 = resource.getrusage(resource.RUSAGE_SELF)
+print(waited, c1.ru_utime - c0.ru_utime + c1.ru_stime - c0.ru_stime, flush=True)
+"""
+
+
+def test_a_writer_in_another_process_sleeps_until_the_copy_moves_on(tmp_path: Path) -> None:
+    """The wait sleeps on the futex in the header, shared through the file mapping: a writer
+    process waiting a whole second for the trainer's copy uses next to no CPU (polling every
+    0.2 ms took about 0.1 s of it), and the trainer's advance wakes it long before its check."""
+    owned = allocate_buffer(tmp_path / "rtc-f.buf", 4096)
+    try:
+        buffer = map_buffer(owned.path, 4096)
+        trainer = StageProgress(buffer.data_ptr(), buffer)
+        trainer.begin(21)
+        writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(owned.path)], stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+        try:
+            assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+            time.sleep(1.0)                                 # the copy makes no progress for a second
+            trainer.advance(1024)                           # short of the end: wakes it, it sleeps again
+            time.sleep(0.2)
+            t_advance = time.monotonic()
+            trainer.advance(2048)
+            waited, cpu = map(float, writer.stdout.readline().split())
+            returned = time.monotonic()
+            assert writer.wait(timeout=30) == 0
+        finally:
+            writer.kill()
+        assert waited >= 1.2                                # it returned for the end it needs, no sooner
+        assert returned - t_advance < 2.5                   # woken by the advance, not its 5 s check
+        assert cpu < 0.03, f"the waiting writer used {cpu:.3f} CPU s in {waited:.2f} s"
     finally:
         owned.remove()
