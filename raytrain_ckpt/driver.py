@@ -43,7 +43,8 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
                     spec.parallelism.pp, spec.spec_hash())
         if not spec.checkpoint.enabled:
             return _run_controller(spec)
-        with run_lock(job_root(spec.checkpoint.dir, spec.name)):  # one run per job root at a time
+        with run_lock(job_root(spec.checkpoint.dir, spec.name), options=spec.checkpoint.storage_options):
+            # one run per job root at a time
             return _run_controller(spec)
     finally:
         if started_here:

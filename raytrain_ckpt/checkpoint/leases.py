@@ -53,12 +53,12 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint
-from raytrain_ckpt.checkpoint.storage import Location, Storage, is_uri, open_storage
+from raytrain_ckpt.checkpoint.storage import Location, Storage, is_uri, object_filesystem, open_storage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HEARTBEAT_S", "LEASE_DIR", "LEASE_TTL_S", "RUN_LOCK", "FileLease", "LeaseFiles", "RootInUse",
-           "file_leased_steps", "purge_lock", "run_lock"]
+__all__ = ["HEARTBEAT_S", "LEASE_DIR", "LEASE_TTL_S", "RUN_LOCK", "FileLease", "LeaseFiles", "ObjectRunLock",
+           "RootInUse", "file_leased_steps", "purge_lock", "run_lock"]
 
 LEASE_DIR = "leases"
 LEASE_TTL_S = 60.0
@@ -231,18 +231,23 @@ class RootInUse(ValueError):
 
 
 @contextmanager
-def run_lock(root: Location, wait_s: float = 3.0) -> Iterator[None]:
+def run_lock(root: Location, wait_s: float = 3.0, options: dict[str, Any] | None = None,
+             ttl_s: float = LEASE_TTL_S, beat_s: float = HEARTBEAT_S) -> Iterator[ObjectRunLock | None]:
     """Held for a whole run: a second run of the same job on the same root is refused.
 
     Two runs at once would interleave their steps under one timeline (the newest step of either
-    is what the next start resumes), refuse each other's commits of the same step number, and
-    each one's start removes the other's saves in flight as leftovers. The kernel drops the lock
-    when the holder dies however it dies, so a crashed driver never blocks its resubmission
-    (``wait_s`` covers its last moments). Nothing on an object store: it has no lock. A root the
-    driver cannot create the file in (its machine does not mount the storage) is not locked.
+    is what the next start resumes), refuse each other's commits of the same step number, each
+    one's start removes the other's saves in flight as leftovers, and each one's retention
+    deletes the other's steps. On a file system the kernel drops the lock when the holder dies
+    however it dies, so a crashed driver never blocks its resubmission (``wait_s`` covers its
+    last moments). A root the driver cannot create the file in (its machine does not mount the
+    storage) is not locked. On S3 the lock is an object written with conditional requests
+    (``ObjectRunLock``; ``options``: ``checkpoint.storage_options``); other object stores are
+    not locked (a warning says so).
     """
     if is_uri(root):
-        yield
+        with _object_run_lock(str(root), options or {}, ttl_s, beat_s) as lock:
+            yield lock
         return
     path = Path(str(root).removeprefix("file://")) / RUN_LOCK
     try:
@@ -274,3 +279,149 @@ def run_lock(root: Location, wait_s: float = 3.0) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # drops the lock
+
+
+@contextmanager
+def _object_run_lock(root: str, options: dict[str, Any], ttl_s: float, beat_s: float) -> Iterator[ObjectRunLock | None]:
+    if root.split("://", 1)[0] not in ("s3", "s3a"):
+        logger.warning("checkpoint root %s: no run lock on this store (only S3 has one): two runs of this job on "
+                       "it at once would mix their steps", root)
+        yield None
+        return
+    lock = ObjectRunLock(f"{root.rstrip('/')}/{RUN_LOCK}", object_filesystem(root, options), ttl_s, beat_s)
+    lock.acquire()
+    try:
+        yield lock
+    finally:
+        lock.release()
+
+
+class ObjectRunLock:
+    """The run lock on S3: the object ``<root>/.run.lock``, created with ``If-None-Match: *`` (the
+    store refuses it while the object exists), rewritten every ``beat_s`` with ``If-Match`` on
+    the ETag this holder last wrote, deleted with ``If-Match`` at the end.
+
+    A lock object found at start is live when the store wrote it less than ``ttl_s`` ago: its
+    age is the store's ``Date`` of the reply minus the object's ``Last-Modified``, both the
+    store's clock, so no two machines' clocks are compared. A live one refuses the run at once
+    (RootInUse); an older one is a holder that died without deleting it (a driver killed, its
+    machine gone) and is taken over with ``If-Match`` on its ETag, so of two runs taking it over
+    at once one wins. A beat refused by ``If-Match`` means another run took the root over (this
+    driver stalled past ``ttl_s``): that is logged as an error and ``lost`` is set.
+
+    A store that ignores the conditions would let two runs hold it: the create is tried twice,
+    and a second success says so in a warning (the lock then only names its holder).
+    """
+
+    def __init__(self, uri: str, fs: Any, ttl_s: float, beat_s: float) -> None:
+        self.uri, self.fs, self.ttl_s, self.beat_s = uri, fs, ttl_s, beat_s
+        self.bucket, self.key, _ = fs.split_path(uri)
+        self.holder = (f"pid {os.getpid()} on {socket.gethostname()}, since "
+                       f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+        self.beat = 0
+        self.etag: str | None = None
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _put(self, **condition: str) -> str:
+        body = json.dumps({"holder": self.holder, "beat": self.beat}).encode()
+        return self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=body, **condition)["ETag"]
+
+    def acquire(self) -> None:
+        for _ in range(8):  # each pass ends in a write that lost a race to another start
+            try:
+                self.etag = self._put(IfNoneMatch="*")
+                break
+            except OSError as exc:
+                if not _refused(exc):
+                    raise
+            try:
+                head = self.fs.call_s3("head_object", Bucket=self.bucket, Key=self.key)
+            except FileNotFoundError:
+                continue  # released meanwhile
+            age = _age_s(head)
+            if age < self.ttl_s:
+                raise RootInUse(f"checkpoint.dir: another run of this job is training into "
+                                f"{self.uri.rsplit('/', 1)[0]} ({self._holder_of()}; its lock was renewed "
+                                f"{age:.0f} s ago); two runs would mix their steps in one timeline: wait for "
+                                f"it to end (a run that died without releasing it lets go {self.ttl_s - age:.0f} s "
+                                "from now), or set name or checkpoint.dir to train separately")
+            try:
+                stale = self._holder_of()
+                self.etag = self._put(IfMatch=head["ETag"])
+                logger.warning("checkpoint root %s: took over the run lock of %s, not renewed for %.0f s",
+                               self.uri.rsplit("/", 1)[0], stale, age)
+                break
+            except OSError as exc:
+                if not _refused(exc):
+                    raise
+        else:
+            raise RootInUse(f"checkpoint.dir: other runs of this job keep taking {self.uri} over; start one at a time")
+        try:
+            self.etag = self._put(IfNoneMatch="*")
+            logger.warning("checkpoint root %s: the store ignores conditional writes (If-None-Match): its run "
+                           "lock does not keep a second run out", self.uri.rsplit("/", 1)[0])
+        except OSError as exc:
+            if not _refused(exc):
+                raise
+        self._thread = threading.Thread(target=self._beat, name="rtc-run-lock", daemon=True)
+        self._thread.start()
+
+    def _holder_of(self) -> str:
+        try:
+            return str(json.loads(self.fs.cat_file(self.uri)).get("holder", "a holder that wrote nothing"))
+        except (OSError, ValueError, AttributeError):
+            return "a holder whose lock could not be read"
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.beat_s) and self.renew():
+            pass
+
+    def renew(self) -> bool:
+        """Rewrite the lock with the next beat; False once another run has taken it over."""
+        self.beat += 1
+        try:
+            self.etag = self._put(IfMatch=self.etag or "")
+        except OSError as exc:
+            if _refused(exc):
+                logger.error("checkpoint root %s: another run took this job's root over (this driver did not "
+                             "renew its lock for %.0f s): two runs are training into it", self.uri.rsplit("/", 1)[0],
+                             self.ttl_s)
+                self.lost.set()
+                return False
+            logger.warning("run lock %s: renewal failed (%s), tried again in %.0f s", self.uri, exc, self.beat_s)
+        return True
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.lost.is_set() or self.etag is None:
+            return
+        try:
+            self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self.key, IfMatch=self.etag)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("run lock %s: not released (%s); the next run takes it over %.0f s after its last "
+                           "renewal", self.uri, exc, self.ttl_s)
+
+
+def _refused(exc: OSError) -> bool:
+    """Whether an s3fs error is the store refusing a conditional request (412, or 409 for two at once)."""
+    response = getattr(exc.__cause__, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return isinstance(exc, FileExistsError) or code in ("PreconditionFailed", "ConditionalRequestConflict") \
+        or status in (409, 412)
+
+
+def _age_s(head: dict[str, Any]) -> float:
+    """Seconds since the store wrote the object, by the store's clock (its reply's Date)."""
+    from email.utils import parsedate_to_datetime
+
+    date = head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    if not date:
+        return 0.0  # no Date: judged live, as a just-written lock is
+    return (parsedate_to_datetime(date) - head["LastModified"]).total_seconds()
