@@ -189,12 +189,12 @@ class BenchRank:
         stall = time.perf_counter() - t0
         steps: list[float] = []
         waits = [0.0]
-        hook = None
-        if mode.startswith("raytrain_ckpt"):
-            def hook() -> None:
-                w0 = time.perf_counter()
-                self.client.before_optimizer_step()
-                waits[0] += time.perf_counter() - w0
+
+        def wait_for_copy() -> None:
+            w0 = time.perf_counter()
+            self.client.before_optimizer_step()
+            waits[0] += time.perf_counter() - w0
+        hook = wait_for_copy if mode.startswith("raytrain_ckpt") else None
         while not done():
             steps.append(self._step(hook))
         # When the save became durable, taken as it happened (not at the step the loop noticed)

@@ -148,7 +148,6 @@ def _run(mode: str, rep: int, state: dict, out: Path, step, ours: _Ours) -> dict
     stall = time.perf_counter() - t0
     steps = []
     while not done():
-        s0 = time.perf_counter()
         steps.append(step())
         if mode == "raytrain_ckpt":
             w0 = time.perf_counter()
