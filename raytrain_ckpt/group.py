@@ -65,6 +65,8 @@ class RayWorkerGroup:
             setups = [w.setup.remote(ckpt[rank]) for rank, w in enumerate(self.workers)]
             self._get_all(joins, deadline, "join rank {rank} to the process group")
             self._get_all(setups, deadline, "set up rank {rank}")
+            if self.checkpoints is not None:
+                self.checkpoints.started()  # every rank loaded the start: the timeline begins there
         finally:
             if self.checkpoints is not None:
                 self.checkpoints.release(self.attempt)

@@ -476,19 +476,35 @@ class CheckpointActor:
         return None
 
     async def begin(self, holder: str, resume: str, verify: Verify) -> ResumePoint | None:
-        """Acquire the run's starting point (see ``acquire``) and make it the head of the timeline.
+        """Acquire the run's starting point (see ``acquire``); ``start_timeline`` makes it the head
+        of the timeline once every rank has loaded it.
+
+        Refuses (InvalidCheckpoint) a start that would have to move aside a step an export holds.
+        """
+        point = await self.acquire(holder, resume, verify)
+        head = self._head_of(point.step if point else None, point.path if point else None)
+        await asyncio.to_thread(self._check_unleased, [s for s in self.committed if s > head], resume)
+        return point
+
+    async def start_timeline(self, step: int | None, path: str | None, resume: str) -> None:
+        """Every rank loaded the run's starting point (``step`` at ``path``; None: a fresh start):
+        make it the head of the timeline.
 
         Every committed step of this root that is not on the new timeline is moved aside to
         ``step-N.abandoned-<id>``: the steps newer than a step of this root, or all of them when
         the run starts fresh or from another root's step. Otherwise retention would delete the
         new run's steps (it keeps the highest numbers), a new step would meet an old one of the
-        same number, and a restart would resume the abandoned run.
+        same number, and a restart would resume the abandoned run. Not before the ranks loaded
+        the start: a start that fails (a checkpoint of another model shape) leaves this root's
+        timeline as it was. The driver passes the start back, so an actor restarted meanwhile
+        moves the same steps.
         """
-        point = await self.acquire(holder, resume, verify)
-        own = point is not None and self._same(point.path, self.layout.step_dir(point.step))
-        head = point.step if own and point is not None else -1
-        await asyncio.to_thread(self._abandon_after, head, resume)
-        return point
+        await asyncio.to_thread(self._abandon_after, self._head_of(step, path), resume)
+
+    def _head_of(self, step: int | None, path: str | None) -> int:
+        """The step of this root a run starts from, -1 when it starts fresh or from another root."""
+        own = step is not None and path is not None and self._same(path, self.layout.step_dir(step))
+        return step if own and step is not None else -1
 
     def _same(self, a: str, b: Path | str) -> bool:
         if not self.layout.atomic:
@@ -516,10 +532,7 @@ class CheckpointActor:
         if not newer:
             return
         with self._purge_lock():  # an exporter holds its step by a lease file
-            leased = sorted(set(newer) & self._file_leased_steps())
-            if leased:
-                raise InvalidCheckpoint(f"checkpoint.resume={resume}: step(s) {leased} are being exported and "
-                                        "would be moved aside; wait for the export to finish and start again")
+            self._check_unleased(newer, resume, locked=True)
             tag = uuid.uuid4().hex[:8]
             moved = [self.layout.storage.name(self.layout.abandon(s, tag)) for s in newer]
         for s in newer:
@@ -527,6 +540,16 @@ class CheckpointActor:
         logger.warning("checkpoint.resume=%s starts a new timeline%s: %d newer committed step(s) moved aside, "
                        "kept and never loaded: %s", resume, f" at step {head}" if head >= 0 else "", len(moved),
                        ", ".join(moved))
+
+    def _check_unleased(self, steps: list[int], resume: str, locked: bool = False) -> None:
+        """Raise InvalidCheckpoint when an export holds one of ``steps`` (the steps a new timeline moves aside)."""
+        if not steps:
+            return
+        with contextlib.nullcontext() if locked else self._purge_lock():
+            leased = sorted(set(steps) & self._file_leased_steps())
+        if leased:
+            raise InvalidCheckpoint(f"checkpoint.resume={resume}: step(s) {leased} are being exported and "
+                                    "would be moved aside; wait for the export to finish and start again")
 
     def _set_damaged_aside(self, head: int) -> None:
         """Move the damaged steps newer than ``head`` that ``acquire`` skipped to ``step-N.invalid-<id>``.

@@ -70,6 +70,9 @@ class CheckpointService:
         self._job: dict[str, Any] = {}
         """The controller's newest summary (``note_job``)."""
         self._start: str | None = None
+        self._begun: tuple[ResumePoint | None, str] | None = None
+        """The run's starting point and ``checkpoint.resume``, until every rank of an attempt loaded
+        it (``started``); None once the timeline starts there."""
         """The checkpoint attempt 0 loaded (None: a fresh start)."""
         self._probed: set[str] | None = None
         """Nodes whose view of a local checkpoint root was probed (None: no preflight, or an object store)."""
@@ -216,12 +219,15 @@ class CheckpointService:
             self._ask("settle", s.checkpoint.settle_timeout_s)
         self._ask("configure", s.world_size, s.dp_size, s.spec_hash(), s.model.model_dump(mode="json"))
         holder, verify = f"attempt-{attempt}", verify or s.checkpoint.verify_on_load
-        if attempt == 0:
+        if attempt == 0 or self._begun is not None:
+            # Until an attempt's ranks have loaded it, every attempt starts where the run was asked
+            # to: the steps the new timeline moves aside are still in place (``started``).
             try:
                 point = self._ask("begin", holder, s.checkpoint.resume, verify)
             except InvalidCheckpoint as exc:  # Ray's error is an instance of its cause; keep its message only
                 raise ResumeRefused(str(getattr(exc, "cause", None) or exc)) from None
             self._start = point.path if point is not None else None
+            self._begun = (point, s.checkpoint.resume)
         else:
             # The newest step of this run's timeline; before its first commit, where the run began.
             point = self._ask("acquire", holder, "latest", verify)
@@ -347,6 +353,18 @@ class CheckpointService:
         return IntervalHistory(failures=sum((self._job.get("failures") or {}).values()),
                                survived_s=time.time() - self.started_unix,
                                cost_s=last.get("cost_s"), step_time_s=last.get("step_time_s"))
+
+    def started(self) -> None:
+        """Every rank of an attempt loaded its starting point: the first time, the run's timeline
+        starts there (``CheckpointActor.start_timeline``: the steps not on it are moved aside)."""
+        if self._begun is None:
+            return
+        point, resume = self._begun
+        try:
+            self._ask("start_timeline", point.step if point else None, point.path if point else None, resume)
+        except InvalidCheckpoint as exc:
+            raise ResumeRefused(str(getattr(exc, "cause", None) or exc)) from None
+        self._begun = None
 
     def release(self, attempt: int) -> None:
         self.actor.release.remote(f"attempt-{attempt}")

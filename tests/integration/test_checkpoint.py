@@ -259,6 +259,21 @@ def test_resuming_an_older_step_starts_a_new_timeline(reference, tmp_path, monke
                                        for name, f in manifest.files.items())
 
 
+def test_a_restart_before_every_rank_loaded_the_start_starts_there_again(ray_cluster, tmp_path, monkeypatch):
+    """A run resuming an older step whose first attempt fails while loading: the restart loads the
+    step the run was asked to start from, not the newer step of the timeline it leaves, and that
+    step is moved aside once a start succeeded."""
+    root = tmp_path / "llama-debug-fsdp"
+    _ok(run_job(_spec(tmp_path, "training.steps=10")))
+    monkeypatch.setenv(ENV_VAR, "exit@setup:rank=1,step=0,attempt=0")
+    result = _ok(run_job(_spec(tmp_path, "training.steps=10", "checkpoint.resume=5",
+                               "fault_tolerance.max_restarts=1")))
+    assert result.attempts == 2 and all(r.start_step == 5 for r in result.results)
+    assert result.checkpoints["committed"] == [5, 10]    # the new timeline's step 10
+    aside = [p for p in root.iterdir() if p.name.startswith("step-00000010.abandoned-")]
+    assert len(aside) == 1 and CheckpointLayout(root).read_manifest(aside[0]).step == 10
+
+
 @pytest.mark.parametrize("how", ["number", "path"])
 def test_resuming_a_damaged_step_asked_for_fails_the_start(ray_cluster, tmp_path, capfd, how):
     from raytrain_ckpt import cli

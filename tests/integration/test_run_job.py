@@ -163,3 +163,14 @@ def test_a_checkpoint_of_another_model_shape_fails_at_once_with_one_line_and_exi
     assert "mismatch; 0/2 restarts used" in driver_log and "attempt 1" not in driver_log, driver_log
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000002"]
     assert {p.name: p.stat().st_size for p in (root / "step-00000002").iterdir()} == before
+    # Resumed from another root's step of the other shape: the same refusal, and this root's own
+    # steps stay on its timeline (a new timeline moves them aside only once every rank loaded its start)
+    other = run_job(_spec("training.steps=2", "checkpoint.enabled=true", "checkpoint.interval_steps=2",
+                          f"checkpoint.dir={tmp_path / 'other'}", "model.overrides.dim=96"))
+    assert other.state is JobState.SUCCEEDED, other.error
+    foreign = tmp_path / "other" / "llama-debug-fsdp" / "step-00000002"
+    assert main([*args[:-1], f"--set=checkpoint.resume={foreign}"]) == 2
+    errors = [line for line in cli_stderr().splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "has shape" in errors[0], errors
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-00000002"]
+    assert {p.name: p.stat().st_size for p in (root / "step-00000002").iterdir()} == before

@@ -73,15 +73,19 @@ def test_a_step_removed_by_hand_is_dropped_and_retention_converges(tmp_path: Pat
     ("none", [], [20, 40, 60, 80]),    # a fresh start is a new timeline too
     ("other", [], [20, 40, 60, 80]),   # another root's step: nothing of this root is on its timeline
 ])
-def test_begin_moves_steps_off_the_new_timeline_aside(tmp_path: Path, caplog, resume, kept, aside) -> None:
+def test_starting_a_timeline_moves_the_steps_off_it_aside(tmp_path: Path, caplog, resume, kept, aside) -> None:
     root, other = tmp_path / "job", tmp_path / "other"
     layout = CheckpointLayout(root)
     for step in (20, 40, 60, 80):
         _commit(layout, step)
     if resume == "other":
         resume = str(_commit(CheckpointLayout(other), 50))
-    actor = _actor(root, k=1)
-    asyncio.run(actor.begin("attempt-0", resume, "checksum"))
+    point = asyncio.run(_actor(root, k=1).begin("attempt-0", resume, "checksum"))
+    # nothing moves before the ranks loaded the start (a start that fails leaves the timeline as it was)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == \
+        [f"step-{s:08d}" for s in (20, 40, 60, 80)]
+    actor = _actor(root, k=1)   # the driver passes the start back: an actor restarted meanwhile does the same
+    asyncio.run(actor.start_timeline(point.step if point else None, point.path if point else None, resume))
     assert sorted(actor.committed) == kept
     moved = sorted(p.name for p in root.iterdir() if ".abandoned-" in p.name)
     assert [int(n[5:13]) for n in moved] == aside
@@ -162,6 +166,7 @@ def test_a_damaged_step_skipped_on_resume_leaves_the_timeline_and_is_never_purge
     actor = _actor(tmp_path, k=1)
     point = asyncio.run(actor.begin("attempt-0", "latest", "checksum"))
     assert point is not None and point.step == 4
+    asyncio.run(actor.start_timeline(point.step, point.path, "latest"))
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("step-00000006.invalid-")]
     assert len(aside) == 1 and not layout.step_dir(6).exists()
     # a rebuilt actor (sizes only) no longer counts it, so retention of the new timeline cannot delete it
@@ -281,3 +286,22 @@ def test_staging_error_reaches_the_training_thread(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="copy failed"):
         staging.wait()
     assert staging._thread is None
+
+
+def test_a_new_timeline_that_would_move_an_exported_step_aside_is_refused_and_moves_nothing(tmp_path: Path) -> None:
+    from raytrain_ckpt.checkpoint.leases import FileLease
+
+    layout = CheckpointLayout(tmp_path)
+    for step in (20, 40, 60):
+        _commit(layout, step)
+    actor = _actor(tmp_path, k=1)
+    with FileLease(layout.root, 60):                     # an export reads step 60
+        with pytest.raises(InvalidCheckpoint, match=r"checkpoint.resume=20: step\(s\) \[60\] are being exported"):
+            asyncio.run(actor.begin("attempt-0", "20", "checksum"))
+    point = asyncio.run(actor.begin("attempt-0", "40", "checksum"))
+    with FileLease(layout.root, 60):                     # an export that started while the ranks loaded
+        with pytest.raises(InvalidCheckpoint, match=r"step\(s\) \[60\] are being exported"):
+            asyncio.run(actor.start_timeline(point.step, point.path, "40"))
+        assert sorted(layout.step_dirs()) == [20, 40, 60]
+    asyncio.run(actor.start_timeline(point.step, point.path, "40"))     # the export ended: 60 leaves the timeline
+    assert sorted(layout.step_dirs()) == [20, 40]
