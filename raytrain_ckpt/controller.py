@@ -239,6 +239,17 @@ class Controller:
         self.result.error = message
         self._set_state(JobState.FAILED, kind)
 
+    def stop(self, kind: FailureKind, message: str) -> None:
+        """Fail a job that has not ended, from outside its group (another run took its checkpoint
+        root over): the run loop ends and releases the group; the result says why (exit code 1)."""
+        if self.state.is_terminal:
+            return
+        self.result.failures.append(Failure(self.attempt, kind, None, headline(message), message))
+        self.result.events.append((time.time(), f"attempt {self.attempt} stopped"))
+        logger.error("attempt %d stopped: %s", self.attempt, message)
+        self.result.error = message
+        self._set_state(JobState.FAILED, kind)
+
     def _set_state(self, new: JobState, reason: str) -> None:
         logger.info("%s -> %s (%s)", self.state.value, new.value, reason)
         self.state = new

@@ -7,7 +7,7 @@ import os
 
 import ray
 
-from raytrain_ckpt.checkpoint.leases import run_lock
+from raytrain_ckpt.checkpoint.leases import ObjectRunLock, run_lock
 from raytrain_ckpt.checkpoint.service import CheckpointService
 from raytrain_ckpt.checkpoint.storage import job_root
 from raytrain_ckpt.checkpoint.summary import failed_saves_text
@@ -43,15 +43,15 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
                     spec.parallelism.pp, spec.spec_hash())
         if not spec.checkpoint.enabled:
             return _run_controller(spec)
-        with run_lock(job_root(spec.checkpoint.dir, spec.name), options=spec.checkpoint.storage_options):
+        with run_lock(job_root(spec.checkpoint.dir, spec.name), options=spec.checkpoint.storage_options) as lock:
             # one run per job root at a time
-            return _run_controller(spec)
+            return _run_controller(spec, lock)
     finally:
         if started_here:
             ray.shutdown()
 
 
-def _run_controller(spec: JobSpec) -> JobResult:
+def _run_controller(spec: JobSpec, lock: ObjectRunLock | None = None) -> JobResult:
     pool = WorkerPool(spec, fault_env() or None)
     service = CheckpointService(spec, fault_env() or None) if spec.checkpoint.enabled else None
     metrics = ControllerMetrics(spec.name, checkpointing=service is not None)
@@ -61,6 +61,10 @@ def _run_controller(spec: JobSpec) -> JobResult:
         metrics(ctrl)
         if service is not None:
             service.note_job(ctrl.summary())
+        if lock is not None and lock.lost.is_set():  # two runs training into one root: this one gives way
+            ctrl.stop("checkpoint", f"checkpoint.dir: another run took this job's root over (this driver did not "
+                                    f"renew its run lock {lock.uri} for {lock.ttl_s:.0f} s); this run stopped so "
+                                    "that the two do not mix their steps")
 
     interrupted = False
     try:

@@ -306,8 +306,11 @@ class ObjectRunLock:
     store's clock, so no two machines' clocks are compared. A live one refuses the run at once
     (RootInUse); an older one is a holder that died without deleting it (a driver killed, its
     machine gone) and is taken over with ``If-Match`` on its ETag, so of two runs taking it over
-    at once one wins. A beat refused by ``If-Match`` means another run took the root over (this
-    driver stalled past ``ttl_s``): that is logged as an error and ``lost`` is set.
+    at once one wins. A refused write whose own first try was applied (its reply lost, a retry
+    refused) is recognised by the holder's id and beat in the object and kept. A renewal refused
+    by another holder's write means another run took the root over (this driver stalled past
+    ``ttl_s``): that is logged as an error and ``lost`` is set (the driver stops the job). A lock
+    object removed by hand is written again.
 
     A store that ignores the conditions would let two runs hold it: the create is tried twice,
     and a second success says so in a warning (the lock then only names its holder).
@@ -318,17 +321,38 @@ class ObjectRunLock:
         self.bucket, self.key, _ = fs.split_path(uri)
         self.holder = (f"pid {os.getpid()} on {socket.gethostname()}, since "
                        f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+        self.id = uuid.uuid4().hex
         self.beat = 0
         self.etag: str | None = None
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        try:
+            return self.fs.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
+        except OSError:
+            raise
+        except Exception as exc:  # botocore's connection and credential errors are not OSErrors
+            raise OSError(f"{type(exc).__name__}: {exc}") from exc
+
     def _put(self, **condition: str) -> str:
-        body = json.dumps({"holder": self.holder, "beat": self.beat}).encode()
-        return self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=body, **condition)["ETag"]
+        body = json.dumps({"holder": self.holder, "id": self.id, "beat": self.beat}).encode()
+        return self._call("put_object", Body=body, **condition)["ETag"]
+
+    def _root(self) -> str:
+        return self.uri.rsplit("/", 1)[0]
 
     def acquire(self) -> None:
+        try:
+            self._acquire()
+        except OSError as exc:
+            raise RootInUse(f"checkpoint.dir: could not take this job's run lock {self.uri} ({exc}); check the "
+                            "store's endpoint and credentials (checkpoint.storage_options)") from None
+        self._thread = threading.Thread(target=self._beat, name="rtc-run-lock", daemon=True)
+        self._thread.start()
+
+    def _acquire(self) -> None:
         for _ in range(8):  # each pass ends in a write that lost a race to another start
             try:
                 self.etag = self._put(IfNoneMatch="*")
@@ -337,21 +361,25 @@ class ObjectRunLock:
                 if not _refused(exc):
                     raise
             try:
-                head = self.fs.call_s3("head_object", Bucket=self.bucket, Key=self.key)
+                head = self._call("head_object")
             except FileNotFoundError:
                 continue  # released meanwhile
+            body = self._body()
+            if body.get("id") == self.id:  # this create's own first try, its reply lost
+                self.etag = head["ETag"]
+                break
             age = _age_s(head)
+            holder = str(body.get("holder", "a holder whose lock could not be read"))
             if age < self.ttl_s:
-                raise RootInUse(f"checkpoint.dir: another run of this job is training into "
-                                f"{self.uri.rsplit('/', 1)[0]} ({self._holder_of()}; its lock was renewed "
-                                f"{age:.0f} s ago); two runs would mix their steps in one timeline: wait for "
-                                f"it to end (a run that died without releasing it lets go {self.ttl_s - age:.0f} s "
-                                "from now), or set name or checkpoint.dir to train separately")
+                raise RootInUse(f"checkpoint.dir: another run of this job is training into {self._root()} "
+                                f"({holder}; its lock was renewed {age:.0f} s ago); two runs would mix their steps "
+                                f"in one timeline: wait for it to end (a run that died without releasing it lets go "
+                                f"{self.ttl_s - age:.0f} s from now), or set name or checkpoint.dir to train "
+                                "separately")
             try:
-                stale = self._holder_of()
                 self.etag = self._put(IfMatch=head["ETag"])
                 logger.warning("checkpoint root %s: took over the run lock of %s, not renewed for %.0f s",
-                               self.uri.rsplit("/", 1)[0], stale, age)
+                               self._root(), holder, age)
                 break
             except OSError as exc:
                 if not _refused(exc):
@@ -361,46 +389,76 @@ class ObjectRunLock:
         try:
             self.etag = self._put(IfNoneMatch="*")
             logger.warning("checkpoint root %s: the store ignores conditional writes (If-None-Match): its run "
-                           "lock does not keep a second run out", self.uri.rsplit("/", 1)[0])
+                           "lock does not keep a second run out", self._root())
         except OSError as exc:
             if not _refused(exc):
                 raise
-        self._thread = threading.Thread(target=self._beat, name="rtc-run-lock", daemon=True)
-        self._thread.start()
 
-    def _holder_of(self) -> str:
+    def _body(self) -> dict[str, Any]:
         try:
-            return str(json.loads(self.fs.cat_file(self.uri)).get("holder", "a holder that wrote nothing"))
-        except (OSError, ValueError, AttributeError):
-            return "a holder whose lock could not be read"
+            out = json.loads(self.fs.cat_file(self.uri))
+            return out if isinstance(out, dict) else {}
+        except (OSError, ValueError):
+            return {}
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.beat_s) and self.renew():
-            pass
+        while not self._stop.wait(self.beat_s):
+            try:
+                if not self.renew():
+                    return
+            except Exception as exc:  # noqa: BLE001 - a renewal that failed oddly is retried, never ends the lock
+                logger.warning("run lock %s: renewal failed (%s), tried again in %.0f s", self.uri, exc, self.beat_s)
 
     def renew(self) -> bool:
         """Rewrite the lock with the next beat; False once another run has taken it over."""
         self.beat += 1
         try:
             self.etag = self._put(IfMatch=self.etag or "")
+            return True
+        except FileNotFoundError:  # removed by hand: write it again, unless another run did first
+            return self._recreate()
         except OSError as exc:
-            if _refused(exc):
-                logger.error("checkpoint root %s: another run took this job's root over (this driver did not "
-                             "renew its lock for %.0f s): two runs are training into it", self.uri.rsplit("/", 1)[0],
-                             self.ttl_s)
-                self.lost.set()
-                return False
-            logger.warning("run lock %s: renewal failed (%s), tried again in %.0f s", self.uri, exc, self.beat_s)
-        return True
+            if not _refused(exc):
+                logger.warning("run lock %s: renewal failed (%s), tried again in %.0f s", self.uri, exc, self.beat_s)
+                return True
+        body = self._body()
+        if body.get("id") == self.id and body.get("beat") == self.beat:  # this write's first try was applied
+            try:
+                self.etag = self._call("head_object")["ETag"]
+            except OSError as exc:
+                logger.warning("run lock %s: renewal failed (%s), tried again in %.0f s", self.uri, exc, self.beat_s)
+            return True
+        return self._taken_over(body)
 
-    def release(self) -> None:
+    def _recreate(self) -> bool:
+        try:
+            self.etag = self._put(IfNoneMatch="*")
+            logger.warning("run lock %s: it was removed while this run held it; written again", self.uri)
+            return True
+        except OSError as exc:
+            if not _refused(exc):
+                logger.warning("run lock %s: renewal failed (%s), tried again in %.0f s", self.uri, exc, self.beat_s)
+                return True
+        return self._taken_over(self._body())
+
+    def _taken_over(self, body: dict[str, Any]) -> bool:
+        logger.error("checkpoint root %s: another run (%s) took this job's root over: this driver did not renew its "
+                     "lock for %.0f s; stopping this run", self._root(), body.get("holder", "unknown"), self.ttl_s)
+        self.lost.set()
+        return False
+
+    def release(self, join_s: float = 10.0) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(join_s)
+            if self._thread.is_alive():  # a renewal stuck in the store's timeouts: the TTL frees the lock
+                logger.warning("run lock %s: not released (a renewal is still waiting for the store); the next "
+                               "run takes it over %.0f s after its last renewal", self.uri, self.ttl_s)
+                return
         if self.lost.is_set() or self.etag is None:
             return
         try:
-            self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self.key, IfMatch=self.etag)
+            self._call("delete_object", IfMatch=self.etag)
         except FileNotFoundError:
             pass
         except OSError as exc:

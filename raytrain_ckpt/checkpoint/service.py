@@ -70,10 +70,11 @@ class CheckpointService:
         self._job: dict[str, Any] = {}
         """The controller's newest summary (``note_job``)."""
         self._start: str | None = None
+        """The checkpoint the run began from (None: a fresh start): what a later attempt loads
+        before the run's first commit."""
         self._begun: tuple[ResumePoint | None, str] | None = None
         """The run's starting point and ``checkpoint.resume``, until every rank of an attempt loaded
         it (``started``); None once the timeline starts there."""
-        """The checkpoint attempt 0 loaded (None: a fresh start)."""
         self._probed: set[str] | None = None
         """Nodes whose view of a local checkpoint root was probed (None: no preflight, or an object store)."""
 

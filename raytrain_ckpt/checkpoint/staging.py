@@ -24,6 +24,7 @@ import ctypes
 import hashlib
 import mmap
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -287,6 +288,10 @@ class StagingAborted(RuntimeError):
     """The staging copy a writer was waiting for will never complete: it failed, or the trainer died."""
 
 
+_STARTING = -2
+"""The end word while ``StageProgress.begin`` switches the buffer to a new save."""
+
+
 class StageProgress:
     """How far the staging copy into a buffer has got, kept in the buffer's first ``_HEADER`` bytes.
 
@@ -301,28 +306,30 @@ class StageProgress:
     operation (the GIL, released and taken around the copy) lies between them in the trainer,
     and another between the load of the end and the reads of the bytes in the writer.
 
-    A fourth word, 32 bits at offset 24, counts the trainer's changes: after each change the
-    trainer increments it and wakes the futex on it, and a waiting writer sleeps in
-    ``FUTEX_WAIT`` on the count it last saw, so it wakes when the copy moves on and costs no CPU
-    in between (it polled every 0.2 ms before: about a tenth of a core while a copy ran, taken
-    from the trainers). The buffer is a shared file mapping, so the futex is the file's, shared
-    by the two processes.
+    The writer sleeps while it waits: in ``FUTEX_WAIT`` on the low 32 bits of the end word,
+    which the trainer wakes after every store of the end (it polled every 0.2 ms before: about a
+    tenth of a core while a copy ran, taken from the trainers at their busiest). The buffer is a
+    shared file mapping, so the futex is the file's, shared by the two processes. The end is the
+    last word the trainer stores for every change (``begin`` sets it to ``_STARTING`` before it
+    sets the token and to 0 after), and the writer reads it before the other words: if it saw
+    the final value it sees every store before it; if not, the kernel's compare finds the word
+    changed or the wake after the store finds the writer asleep. Two ends whose low 32 bits are
+    equal (a slot of exactly k x 4 GiB) cost at most a ``check_s`` of delay, never a lost save.
     """
 
     def __init__(self, address: int, owner: object) -> None:
-        assert address % 8 == 0
+        assert address % 8 == 0 and sys.byteorder == "little"  # the futex is the end word's low half
         self._owner = owner  # keeps the mapping alive
         self.words = (ctypes.c_int64 * 3).from_address(address)
-        self._seq_address = address + 24
-        self.seq = ctypes.c_int32.from_address(self._seq_address)
+        self._end_address = address + 8
+        self._end_low = ctypes.c_int32.from_address(self._end_address)
 
     # --- the trainer ---
     def begin(self, token: int) -> None:
-        self.words[1] = 0
+        self.words[1] = _STARTING  # a writer of the previous save reads "not this save's" meanwhile
         self.words[2] = 0
-        self._count()
         self.words[0] = token
-        _futex_wake(self._seq_address)
+        self._publish(0)
 
     def advance(self, end: int) -> None:
         """The slots up to ``end`` are copied (``end`` short of the buffer's size: only ``done``
@@ -337,16 +344,10 @@ class StageProgress:
         self._publish(-1)
 
     def _publish(self, end: int) -> None:
-        # The count first, the end last, the wake after both: the end is the header's last store
-        # of a copy (the writer checksums the header with the buffer once it reads the end), and
-        # a writer that read the count before either store is woken, one that read it after
-        # sleeps on the new count until the wake.
-        self._count()
+        # The end last, the wake after it: the writer checksums the header with the buffer once it
+        # reads the buffer's size there, and it sleeps on this word.
         self.words[1] = end
-        _futex_wake(self._seq_address)
-
-    def _count(self) -> None:
-        self.seq.value = (self.seq.value + 1) & 0x7FFFFFFF
+        _futex_wake(self._end_address)
 
     # --- the writer ---
     def staged(self, token: int) -> int | None:
@@ -354,7 +355,8 @@ class StageProgress:
         not (yet) about that save."""
         if self.words[0] != token:
             return None
-        return self.words[1]
+        end = self.words[1]
+        return None if end == _STARTING else end
 
     def copy_s(self) -> float:
         """The copy's duration, once it is complete."""
@@ -368,7 +370,7 @@ class StageProgress:
         """
         t0 = last = time.monotonic()
         while True:
-            seen = self.seq.value  # read before the words: a change after this wakes the wait below
+            seen = self._end_low.value  # before the other words: a store after this wakes the wait below
             staged = self.staged(token)
             if staged is not None and staged >= end:
                 return time.monotonic() - t0
@@ -383,7 +385,7 @@ class StageProgress:
                         return time.monotonic() - t0
                     raise StagingAborted(f"the trainer went away with {max(staged or 0, 0)} of the first {end} "
                                          "bytes staged")
-            _futex_wait(self._seq_address, seen, max(0.0, check_s - (time.monotonic() - last)))
+            _futex_wait(self._end_address, seen, max(0.0, check_s - (time.monotonic() - last)))
 
 
 class StagedPlanner(DefaultSavePlanner):

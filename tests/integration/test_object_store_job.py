@@ -122,6 +122,40 @@ def test_a_second_run_into_the_same_s3_job_root_is_refused_at_start(ray_cluster,
     assert [o["Key"] for o in listed.get("Contents", [])] == [f"runs/{JOB}/.run.lock"]  # nothing else written
 
 
+def test_a_run_whose_s3_run_lock_another_run_took_over_stops(ray_cluster, s3_endpoint, s3_bucket):
+    """Another run writes the job root's lock while this one trains (as a run does that took over
+    a lock it judged stale): at its next renewal the driver finds the lock is not its own, stops
+    its job (FAILED, one reason) and leaves the other run's lock in place."""
+    import threading
+    import time
+
+    import boto3
+
+    bucket, key = s3_bucket.removeprefix("s3://"), f"runs/{JOB}/.run.lock"
+    client = boto3.client("s3", endpoint_url=s3_endpoint.url)
+    other = json.dumps({"holder": "pid 1 on elsewhere", "id": "other", "beat": 0}).encode()
+
+    def take_over() -> None:
+        while True:
+            try:
+                client.head_object(Bucket=bucket, Key=key)
+                break
+            except client.exceptions.ClientError:
+                time.sleep(0.2)
+        client.put_object(Bucket=bucket, Key=key, Body=other)
+
+    thief = threading.Thread(target=take_over, daemon=True)
+    thief.start()
+    t0 = time.monotonic()
+    result = run_job(_spec(f"{s3_bucket}/runs", s3_endpoint.options, "training.steps=300"))
+    thief.join(timeout=5)
+    assert result.state is JobState.FAILED, result.state
+    assert "another run took this job's root over" in (result.error or ""), result.error
+    assert [f.kind for f in result.failures] == ["checkpoint"], result.failures
+    assert time.monotonic() - t0 < 120                      # stopped, not trained to the end
+    assert client.get_object(Bucket=bucket, Key=key)["Body"].read() == other  # its lock is not ours to delete
+
+
 def test_writer_killed_mid_upload_never_loads_that_step(reference, s3_endpoint, s3_bucket, monkeypatch):
     # the node's writer dies after rank 0's shards of step 5 are in the bucket, before any manifest
     monkeypatch.setenv(ENV_VAR, "exit@uploaded:rank=0,step=5")

@@ -121,6 +121,20 @@ def test_a_finished_job_whose_final_checkpoint_did_not_commit_is_rejected(make):
     assert [str(f) for f in ctl.result.failures] == ["attempt 0 checkpoint: the final checkpoint (step 3) did not commit: disk full"]
 
 
+def test_a_running_job_stopped_from_outside_fails_and_releases_its_group_whatever_the_budget(make):
+    ctl, _ = make(max_restarts=3)
+    ctl.step()
+    FakeWorkerGroup.created[0].advance(2)
+    ctl.stop("checkpoint", "checkpoint.dir: another run took this job's root over")
+    ctl.run()                                      # ends at once: no restart, the group released
+    assert ctl.state is JobState.FAILED and ctl.result.state is JobState.FAILED and ctl.attempt == 0
+    assert FakeWorkerGroup.created[0].shut == 1 and len(FakeWorkerGroup.created) == 1
+    assert [str(f) for f in ctl.result.failures] == ["attempt 0 checkpoint: checkpoint.dir: another run took this "
+                                                     "job's root over"]
+    ctl.stop("checkpoint", "again")                # a job that ended stays as it ended
+    assert len(ctl.result.failures) == 1
+
+
 def test_worker_failure_without_budget_fails_with_rank_in_error(make):
     ctl, _ = make(max_restarts=0)
     ctl.step()

@@ -94,7 +94,7 @@ def test_a_holder_that_stalled_past_the_ttl_learns_it_was_taken_over(s3_endpoint
             first._stop.clear()                   # the stalled driver wakes up and renews
             first._thread = None
             assert not first.renew() and first.lost.is_set()
-            assert "another run took this job's root over" in caplog.text
+            assert "another run (pid" in caplog.text and "took this job's root over" in caplog.text
             first.release()                       # a lost lock is not deleted: it is the second run's
             assert _lock_body(root, s3_endpoint.options)["holder"] == second.holder
     assert not fs.exists(f"{root}/{RUN_LOCK}")
@@ -105,3 +105,41 @@ def test_other_object_stores_are_not_locked_and_say_so(caplog):
         with run_lock("memory://bucket/job") as lock:
             assert lock is None
     assert "no run lock on this store" in caplog.text
+
+
+def test_a_write_whose_reply_was_lost_is_recognised_and_a_lock_removed_by_hand_is_written_again(s3_endpoint,
+                                                                                                 s3_bucket):
+    root = f"{s3_bucket}/retried"
+    fs = object_filesystem(root, s3_endpoint.options)
+    lock = ObjectRunLock(f"{root}/{RUN_LOCK}", fs, TTL, 60.0)
+    lock.acquire()
+    try:
+        lock._acquire()                            # a retried create of its own: refused, its own id, kept
+        assert not lock.lost.is_set()
+        lock.beat += 1
+        lock._put(IfMatch=lock.etag)               # a renewal applied whose reply never came ...
+        lock.beat -= 1
+        assert lock.renew() and not lock.lost.is_set()   # ... so its retry is refused: its own write, kept
+        assert lock.renew() and _lock_body(root, s3_endpoint.options)["beat"] == lock.beat  # and it goes on
+        fs.rm_file(f"{root}/{RUN_LOCK}")           # an operator removes the lock
+        assert lock.renew() and _lock_body(root, s3_endpoint.options)["id"] == lock.id
+        with pytest.raises(RootInUse):
+            with run_lock(root, ttl_s=TTL):
+                pass
+    finally:
+        lock.release()
+    assert not fs.exists(f"{root}/{RUN_LOCK}")
+
+
+def test_a_store_that_cannot_be_reached_is_one_clear_error(tmp_path):
+    import socket
+
+    with socket.socket() as s:                     # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s",
+               "config_kwargs": {"retries": {"max_attempts": 1}}}
+    with pytest.raises(RootInUse, match=rf"could not take this job's run lock s3://nowhere/job/{RUN_LOCK} .*"
+                                        r"check the store's endpoint and credentials"):
+        with run_lock("s3://nowhere/job", options=options):
+            pass

@@ -95,7 +95,7 @@ def test_a_failed_copy_or_a_trainer_gone_with_its_copy_short_gives_the_save_up(t
 def test_the_staging_thread_records_its_progress_and_a_failure(tmp_path: Path) -> None:
     tensors = {f"t{i}": torch.full((1024,), float(i)) for i in range(4)}
     slots, size = plan_slots(tensors)
-    assert slots[0].offset >= 28                           # the progress words and the count come first
+    assert slots[0].offset >= 24                           # the progress words come first
     owned = allocate_buffer(tmp_path / "rtc-s.buf", size)
     try:
         buffer = map_buffer(owned.path, size)
@@ -155,5 +155,29 @@ def test_a_writer_in_another_process_sleeps_until_the_copy_moves_on(tmp_path: Pa
         assert waited >= 1.2                                # it returned for the end it needs, no sooner
         assert returned - t_advance < 2.5                   # woken by the advance, not its 5 s check
         assert cpu < 0.03, f"the waiting writer used {cpu:.3f} CPU s in {waited:.2f} s"
+    finally:
+        owned.remove()
+
+
+def test_only_the_end_of_the_copy_says_the_whole_buffer_is_staged(tmp_path: Path) -> None:
+    """The last slot may end at the buffer's size: its end is not published by the per-slot
+    advance, only by ``done`` after the duration, so a writer that sees the whole buffer staged
+    reads a header that no longer changes (it checksums the header with the buffer)."""
+    tensors = {f"t{i}": torch.full((4096,), float(i)) for i in range(3)}
+    slots, size = plan_slots(tensors)
+    assert slots[-1].offset + slots[-1].nbytes == size   # the case: the last slot ends the buffer
+    owned = allocate_buffer(tmp_path / "rtc-e.buf", size)
+    try:
+        buffer = map_buffer(owned.path, size)
+        staging = SharedMemoryStaging(buffer, slots)
+        published: list[tuple[str, int]] = []
+        advance, done = staging.progress.advance, staging.progress.done
+        staging.progress.advance = lambda end: (published.append(("advance", end)), advance(end))[1]
+        staging.progress.done = lambda end, s: (published.append(("done", end)), done(end, s))[1]
+        staging.start(tensors, lambda: None, token=31)
+        staging.wait()
+        staging.finish()
+        assert published[-1] == ("done", size) and all(end < size for kind, end in published[:-1])
+        assert staging.progress.staged(31) == size and staging.progress.copy_s() > 0
     finally:
         owned.remove()
