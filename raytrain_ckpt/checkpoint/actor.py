@@ -503,8 +503,9 @@ class CheckpointActor:
 
     def _head_of(self, step: int | None, path: str | None) -> int:
         """The step of this root a run starts from, -1 when it starts fresh or from another root."""
-        own = step is not None and path is not None and self._same(path, self.layout.step_dir(step))
-        return step if own and step is not None else -1
+        if step is None or path is None or not self._same(path, self.layout.step_dir(step)):
+            return -1
+        return step
 
     def _same(self, a: str, b: Path | str) -> bool:
         if not self.layout.atomic:

@@ -49,6 +49,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
@@ -407,39 +408,33 @@ class ObjectRunLock:
                 if not self.renew():
                     return
             except Exception as exc:  # noqa: BLE001 - a renewal that failed oddly is retried, never ends the lock
-                logger.warning("run lock %s: renewal failed (%s), tried again in %.0f s", self.uri, exc, self.beat_s)
+                self._retry(exc)
 
     def renew(self) -> bool:
         """Rewrite the lock with the next beat; False once another run has taken it over."""
         self.beat += 1
         try:
-            self.etag = self._put(IfMatch=self.etag or "")
+            try:
+                self.etag = self._put(IfMatch=self.etag or "")
+            except FileNotFoundError:  # removed by hand: write it again, unless another run did first
+                self.etag = self._put(IfNoneMatch="*")
+                logger.warning("run lock %s: it was removed while this run held it; written again", self.uri)
             return True
-        except FileNotFoundError:  # removed by hand: write it again, unless another run did first
-            return self._recreate()
         except OSError as exc:
             if not _refused(exc):
-                logger.warning("run lock %s: renewal failed (%s), tried again in %.0f s", self.uri, exc, self.beat_s)
-                return True
+                return self._retry(exc)
         body = self._body()
         if body.get("id") == self.id and body.get("beat") == self.beat:  # this write's first try was applied
             try:
                 self.etag = self._call("head_object")["ETag"]
             except OSError as exc:
-                logger.warning("run lock %s: renewal failed (%s), tried again in %.0f s", self.uri, exc, self.beat_s)
+                return self._retry(exc)
             return True
         return self._taken_over(body)
 
-    def _recreate(self) -> bool:
-        try:
-            self.etag = self._put(IfNoneMatch="*")
-            logger.warning("run lock %s: it was removed while this run held it; written again", self.uri)
-            return True
-        except OSError as exc:
-            if not _refused(exc):
-                logger.warning("run lock %s: renewal failed (%s), tried again in %.0f s", self.uri, exc, self.beat_s)
-                return True
-        return self._taken_over(self._body())
+    def _retry(self, exc: BaseException) -> bool:
+        logger.warning("run lock %s: renewal failed (%s), tried again in %.0f s", self.uri, exc, self.beat_s)
+        return True
 
     def _taken_over(self, body: dict[str, Any]) -> bool:
         logger.error("checkpoint root %s: another run (%s) took this job's root over: this driver did not renew its "
@@ -477,8 +472,6 @@ def _refused(exc: OSError) -> bool:
 
 def _age_s(head: dict[str, Any]) -> float:
     """Seconds since the store wrote the object, by the store's clock (its reply's Date)."""
-    from email.utils import parsedate_to_datetime
-
     date = head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
     if not date:
         return 0.0  # no Date: judged live, as a just-written lock is

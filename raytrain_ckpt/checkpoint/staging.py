@@ -518,13 +518,13 @@ class SharedMemoryStaging(_ThreadedStaging):
 
     def _copy(self, sources: dict[str, torch.Tensor], midway: Callable[[], None]) -> None:
         self._populate.wait()
-        half = len(self.views) // 2
+        half, size = len(self.views) // 2, self.buffer.numel()
         with torch.no_grad():
             for i, ((fqn, dst), end) in enumerate(zip(self.views.items(), self.ends)):
                 if i == half:
                     midway()
                 dst.copy_(sources[fqn])
-                if end < self.buffer.numel():
+                if end < size:  # the buffer's end is said by done(), after the duration
                     self.progress.advance(end)
 
 

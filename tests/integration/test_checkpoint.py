@@ -291,15 +291,21 @@ def test_resuming_a_damaged_step_asked_for_fails_the_start(ray_cluster, tmp_path
 def test_a_second_run_into_the_same_job_root_is_refused_at_start(ray_cluster, tmp_path, capfd):
     """Two runs of one job on one checkpoint root mixed their steps in one timeline (each
     committing where the other had, each start removing the other's saves in flight)."""
-    from raytrain_ckpt import cli
     from tests.unit.test_lease_liveness import _hold_run_lock
 
     root = tmp_path / "llama-debug-fsdp"
-    holder = _hold_run_lock(root)
+    refused_while_held(_hold_run_lock(root), str(root), capfd, f"checkpoint.dir={tmp_path}")
+    assert sorted(p.name for p in root.iterdir()) == [".run.lock"]  # nothing started, nothing written
+
+
+def refused_while_held(holder, root: str, capfd, *overrides: str) -> None:
+    """``run`` of the demo job (``overrides`` on BASE, 5 steps) while ``holder``, a process holding
+    the run lock of job root ``root``, lives: exit 2, one line naming the holder, no traceback."""
+    from raytrain_ckpt import cli
+
     try:
         capfd.readouterr()
-        code = cli.main(["run", DEMO, *[a for s in [*BASE, f"checkpoint.dir={tmp_path}", "training.steps=5"]
-                                        for a in ("--set", s)]])
+        code = cli.main(["run", DEMO, *[a for s in [*BASE, "training.steps=5", *overrides] for a in ("--set", s)]])
         err = capfd.readouterr().err
     finally:
         holder.kill()
@@ -309,4 +315,3 @@ def test_a_second_run_into_the_same_job_root_is_refused_at_start(ray_cluster, tm
     assert len(lines) == 1 and lines[0].startswith(
         f"error: checkpoint.dir: another run of this job is training into {root} (pid {holder.pid} "), err
     assert "Traceback" not in err
-    assert sorted(p.name for p in root.iterdir()) == [".run.lock"]  # nothing started, nothing written

@@ -98,25 +98,15 @@ def _cli_against_the_bucket(layout: CheckpointLayout, tmp_path: Path, cli_stderr
 def test_a_second_run_into_the_same_s3_job_root_is_refused_at_start(ray_cluster, s3_endpoint, s3_bucket, capfd):
     """On S3 too: a run whose job root another live run holds stops before anything starts,
     with one line naming the holder, exit 2, and nothing written to the bucket."""
+    import boto3
+
+    from tests.integration.test_checkpoint import refused_while_held
     from tests.unit.test_object_run_lock import _holder
 
     root = f"{s3_bucket}/runs/{JOB}"
-    holder = _holder(root)
-    try:
-        capfd.readouterr()
-        opts = ",".join(f"{k}: {v}" for k, v in s3_endpoint.options.items())
-        code = main(["run", DEMO, *[a for s in [*BASE, f"checkpoint.dir={s3_bucket}/runs", "training.steps=5",
-                                                f"checkpoint.storage_options={{{opts}}}"] for a in ("--set", s)]])
-        err = capfd.readouterr().err
-    finally:
-        holder.kill()
-        holder.wait()
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and lines[0].startswith(
-        f"error: checkpoint.dir: another run of this job is training into {root} (pid {holder.pid} "), err
-    assert "Traceback" not in err
-    import boto3
+    opts = ",".join(f"{k}: {v}" for k, v in s3_endpoint.options.items())
+    refused_while_held(_holder(root), root, capfd, f"checkpoint.dir={s3_bucket}/runs",
+                       f"checkpoint.storage_options={{{opts}}}")
 
     listed = boto3.client("s3", endpoint_url=s3_endpoint.url).list_objects_v2(Bucket=s3_bucket.removeprefix("s3://"))
     assert [o["Key"] for o in listed.get("Contents", [])] == [f"runs/{JOB}/.run.lock"]  # nothing else written
