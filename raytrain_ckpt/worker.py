@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["TrainWorker", "WorkerFailure"]
 
-MIN_COLLECTIVE_TIMEOUT_S = 60.0
 SPARE_RANK = -1
 """The rank of an idle spare worker that no attempt has assigned yet."""
 _WARM_MODULES = ("raytrain_ckpt.trainer", "raytrain_ckpt.checkpoint.client", "raytrain_ckpt.checkpoint.state",
@@ -182,10 +181,11 @@ class TrainWorker:
         return ray.util.get_node_ip_address(), self._store.port
 
     def _collective_timeout(self) -> datetime.timedelta:
-        # The same timeout bounds every collective: a rank whose peer hangs fails on its own
-        # after about hang_timeout_s instead of torch's default 30 minutes (never below a
-        # floor that leaves the rendezvous room on a loaded machine).
-        return datetime.timedelta(seconds=max(self.spec.fault_tolerance.hang_timeout_s, MIN_COLLECTIVE_TIMEOUT_S))
+        # The same timeout bounds the rendezvous and every collective: a rank whose peer hangs
+        # fails on its own after about hang_timeout_s instead of torch's default 30 minutes,
+        # never below join_timeout_s, the rendezvous's (room for a loaded machine).
+        ft = self.spec.fault_tolerance
+        return datetime.timedelta(seconds=max(ft.hang_timeout_s, ft.join_s))
 
     def join(self, master_addr: str, master_port: int) -> None:
         """Join the attempt's process group (rendezvous at rank 0's ``master_addr:master_port``).

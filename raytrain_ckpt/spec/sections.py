@@ -477,6 +477,8 @@ class CheckpointSpec(_Section):
         return self
 
 
+DEFAULT_JOIN_S = 60.0
+"""fault_tolerance.join_timeout_s when it is null (and start_timeout_s is at least twice as long)."""
 DEFAULT_MTBF_S = 86400.0
 """The prior of fault_tolerance.expected_mtbf_s when it is null: one failure a day."""
 
@@ -492,9 +494,11 @@ class FaultToleranceSpec(_Section):
     restart_backoff_s: float = Field(0.0, ge=0)
     """Wait this long after tearing a failed group down before building the next one."""
     hang_timeout_s: float = Field(600.0, gt=0)
-    """A running group that completes no step for this long is treated as hung and torn down; also the timeout of every collective (at least 60 s)."""
+    """A running group that completes no step for this long is treated as hung and torn down; also the timeout of every collective (at least join_timeout_s)."""
     start_timeout_s: float = Field(300.0, gt=0)
     """Time allowed for resources to be placed and the process group to form."""
+    join_timeout_s: float | None = Field(None, gt=0)
+    """How long a rank waits at the rendezvous for the others: a rank that never joins is named after this (below start_timeout_s). Also the floor of every collective's timeout, which leaves a loaded machine room when hang_timeout_s is short. null: 60 s, or half of start_timeout_s if that is less."""
     placement_timeout_s: float = Field(60.0, gt=0)
     """With resources.min_workers: how long to wait for the full group before shrinking it."""
     poll_interval_s: float = Field(1.0, gt=0)
@@ -507,6 +511,19 @@ class FaultToleranceSpec(_Section):
     """With reuse_workers: how long surviving ranks get to leave the failed step and release their process group before they are killed and replaced instead."""
     expected_mtbf_s: float | None = Field(None, gt=0)
     """With checkpoint.interval_steps=auto: the prior mean time between failures in seconds, counted as one failure observed and blended with the failures the job sees; null: 86400 (one day)."""
+
+    @model_validator(mode="after")
+    def _join_before_start(self) -> FaultToleranceSpec:
+        if self.join_timeout_s is not None and self.join_timeout_s >= self.start_timeout_s:
+            raise FieldProblems([("join_timeout_s", f"{self.join_timeout_s:g} is not below start_timeout_s="
+                                  f"{self.start_timeout_s:g}: the start would give up before a rank that never "
+                                  "joins is named; lower join_timeout_s or raise start_timeout_s")])
+        return self
+
+    @property
+    def join_s(self) -> float:
+        """join_timeout_s after its default."""
+        return self.join_timeout_s if self.join_timeout_s is not None else min(DEFAULT_JOIN_S, self.start_timeout_s / 2)
 
     @property
     def prior_mtbf_s(self) -> float:

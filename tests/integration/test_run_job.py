@@ -3,6 +3,8 @@ restarts after a real process crash, hang detection, and determinism."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from raytrain_ckpt.controller import JobState
@@ -78,10 +80,13 @@ def test_a_rank_that_cannot_join_fails_the_start_naming_it(ray_cluster, monkeypa
 
 
 def test_a_rank_that_never_joins_is_named_when_the_rendezvous_times_out(ray_cluster, monkeypatch):
-    """Rank 1 hangs before it joins; rank 0's rendezvous gives up first (the collective timeout,
-    60 s, is shorter than the start's): the start failure names rank 1, not only rank 0."""
+    """Rank 1 hangs before it joins; rank 0's rendezvous gives up first (join_timeout_s, shorter
+    than the start's timeout): the start failure names rank 1, not only rank 0, in about join_timeout_s."""
     monkeypatch.setenv(ENV_VAR, "hang@join:rank=1,step=0")
-    result = run_job(_spec("fault_tolerance.hang_timeout_s=4", "fault_tolerance.start_timeout_s=150"))
+    t0 = time.monotonic()
+    result = run_job(_spec("fault_tolerance.hang_timeout_s=4", "fault_tolerance.join_timeout_s=8",
+                           "fault_tolerance.start_timeout_s=60"))
+    assert time.monotonic() - t0 < 50                    # well before the start's own timeout
     assert result.state is JobState.FAILED
     start = result.failures[0]
     assert start.kind == "start" and "failed to join rank 0" in start.headline, start

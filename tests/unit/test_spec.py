@@ -119,6 +119,9 @@ BAD = [
     ("checkpoint_keep_zero", {"checkpoint": {"keep_latest_k": 0}}, "checkpoint.keep_latest_k=0: "),
     ("zero_workers", {"resources": {"num_workers": 0}}, "resources.num_workers=0:"),
     ("hang_timeout_zero", {"fault_tolerance": {"hang_timeout_s": 0}}, "fault_tolerance.hang_timeout_s=0:"),
+    ("join_not_below_start", {"fault_tolerance": {"join_timeout_s": 120, "start_timeout_s": 120}},
+     "fault_tolerance.join_timeout_s: 120 is not below start_timeout_s=120: the start would give up before a rank "
+     "that never joins is named; lower join_timeout_s or raise start_timeout_s"),
     # strict types: a bool or a float is never an int
     ("steps_bool", {"training": {"steps": True}}, "training.steps=True: must be a whole number"),
     ("steps_float", {"training": {"steps": 1e40}}, "training.steps=1e+40: must be a whole number"),
@@ -462,3 +465,9 @@ def test_a_merge_key_may_be_overridden_in_its_mapping(tmp_path):
     path.write_text("name: t\ntraining:\n  <<: {steps: 4, seq_len: 32}\n  steps: 5\n")
     spec = load_spec(path)
     assert (spec.training.steps, spec.training.seq_len) == (5, 32)
+
+
+@pytest.mark.parametrize(("start", "join", "effective"), [(300, None, 60), (60, None, 30), (60, 50, 50)])
+def test_the_rendezvous_timeout_defaults_below_the_starts(tmp_path, start, join, effective):
+    ft = {"start_timeout_s": start} | ({"join_timeout_s": join} if join is not None else {})
+    assert load_spec(_write(tmp_path, _merge(BASE, {"fault_tolerance": ft}))).fault_tolerance.join_s == effective
