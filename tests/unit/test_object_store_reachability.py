@@ -34,12 +34,26 @@ def silent_endpoint():
     server.close()
 
 
-def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _env(env: dict[str, str]) -> dict[str, str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    base |= {"AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
-             "AWS_EC2_METADATA_DISABLED": "true", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "raytrain_ckpt", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120, env=base | env)
+    return base | {"AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+                   "AWS_EC2_METADATA_DISABLED": "true", "PYTHONPATH": str(REPO)} | env
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return _clis([list(args)], env)[0]
+
+
+def _clis(commands: list[list[str]], env: dict[str, str]) -> list[subprocess.CompletedProcess]:
+    """The CLI commands, run at the same time (a refused connection is retried with back-off
+    for seconds, mostly asleep): their results in order."""
+    procs = [subprocess.Popen([sys.executable, "-m", "raytrain_ckpt", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=REPO, env=_env(env)) for args in commands]
+    results = []
+    for args, proc in zip(commands, procs):
+        out, err = proc.communicate(timeout=120)
+        results.append(subprocess.CompletedProcess(args, proc.returncode, out, err))
+    return results
 
 
 def _one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -66,15 +80,15 @@ def test_a_reachable_bucket_passes_and_a_missing_one_is_named(s3_endpoint):
         "s3://no-such-bucket-here/job: the bucket does not exist; create it or fix the URI"
 
 
-@pytest.mark.parametrize("command", [
-    ["ls", "s3://bucket/job"], ["status", "s3://bucket/job"], ["verify", "s3://bucket/job/step-00000002"],
-    ["export", "s3://bucket/job", "--out", "/tmp/rtc-unused-export"],
-])
-def test_every_uri_command_refuses_an_unreachable_endpoint_in_one_line(command):
+def test_every_uri_command_refuses_an_unreachable_endpoint_in_one_line(tmp_path):
     url = f"http://127.0.0.1:{_closed_port()}"
-    line = _one_error_line(_cli(*command, env={"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "k",
-                                               "AWS_SECRET_ACCESS_KEY": "s"}))
-    assert "cannot use the object store (EndpointConnectionError" in line and url in line
+    commands = [["ls", "s3://bucket/job"], ["status", "s3://bucket/job"], ["verify", "s3://bucket/job/step-00000002"],
+                ["export", "s3://bucket/job", "--out", str(tmp_path / "export")]]
+    results = _clis(commands, env={"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
+    for command, proc in zip(commands, results):
+        line = _one_error_line(proc)
+        assert "cannot use the object store (EndpointConnectionError" in line and url in line, command
+    assert not (tmp_path / "export").exists()
 
 
 def test_missing_credentials_are_named(s3_endpoint):
@@ -87,7 +101,7 @@ def test_a_job_spec_on_an_unreachable_store_is_refused_before_anything_starts(tm
     spec = tmp_path / "job.yaml"
     spec.write_text(f"name: t\ncheckpoint:\n  enabled: true\n  dir: s3://bucket/ckpt\n"
                     f"  storage_options: {{endpoint_url: '{url}', key: k, secret: s}}\n")
-    for command in ("validate", "run"):
-        line = _one_error_line(_cli(command, str(spec), env={}))
+    for proc in _clis([["validate", str(spec)], ["run", str(spec)]], env={}):
+        line = _one_error_line(proc)
         assert line.startswith("error: checkpoint.dir=s3://bucket/ckpt: cannot use the object store "
                                "(EndpointConnectionError"), line
