@@ -23,7 +23,13 @@ each rank: serialisation, CRC-32C, write calls (on S3: copying into parts and wa
 free one), fsync (on S3: the last parts and the completion), report), and the trainer side of
 the stall, per save (layout setup: plan, buffer, mapping; the rest of ``save()``; the wait for
 the staging copy before the optimizer step; when the staging thread's copy began after
-``save()`` was called, how long it took, and the hand-off to the writer after it). A
+``save()`` was called, how long it took, and the hand-off to the writer after it). For every
+mode that trains while it persists, where the lost time went: how long the training threads
+were off the CPU beyond their share without a save, beside the CPU that the save's parts used
+in that window (the ranks' other threads: a staging copy, DCP's writing thread; our writer
+process; the kernel's threads: I/O completion, writeback). On a machine whose cores the
+trainers fill, the first is about the sum of the others: a save costs training what it costs
+in CPU. A
 restarted rank's new client is created before the timed save, as a restarted rank does while
 it sets up.
 
@@ -123,7 +129,11 @@ class BenchRank:
 
     def baseline(self, steps: int) -> float:
         dist.barrier()
-        return statistics.median(self._step() for _ in range(steps))
+        w0, c0 = time.perf_counter(), time.thread_time()
+        times = [self._step() for _ in range(steps)]
+        # the share of the loop's wall time its thread was off the CPU without a save (others' work)
+        self.base_off = max(0.0, 1 - (time.thread_time() - c0) / (time.perf_counter() - w0))
+        return statistics.median(times)
 
     def memcpy_floor(self) -> float:
         """memcpy of the local state into buffers whose pages are faulted in (staging buffers are reused)."""
@@ -195,13 +205,18 @@ class BenchRank:
             self.client.before_optimizer_step()
             waits[0] += time.perf_counter() - w0
         hook = wait_for_copy if mode.startswith("raytrain_ckpt") else None
+        w0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         while not done():
             steps.append(self._step(hook))
+        wall, main, proc = time.perf_counter() - w0, time.thread_time() - c0, time.process_time() - p0
         # When the save became durable, taken as it happened (not at the step the loop noticed)
         durable = (self.durable_at[0] if self.durable_at else time.perf_counter()) - t0
         dist.barrier()
         out = {"stall_s": stall + waits[0], "save_s": stall, "durable_s": durable,
-               "step_s": statistics.mean(steps) if steps else float("nan"), "steps": len(steps)}
+               "step_s": statistics.mean(steps) if steps else float("nan"), "steps": len(steps),
+               # while it persisted: the training thread off the CPU beyond its share without a save,
+               # and the CPU of the rank's other threads (staging copy, DCP's thread, Ray, gloo)
+               "cpu": {"off_cpu_s": max(0.0, wall - main - self.base_off * wall), "rank_threads_s": proc - main}}
         if mode.startswith("raytrain_ckpt"):  # the trainer side of the stall
             out["trainer"] = {"setup_s": self.setup_s, "in_save_s": stall, "copy_wait_s": waits[0], **self.copy}
         return out
@@ -415,6 +430,12 @@ def _bench(args: argparse.Namespace, out: Path, server: LocalS3 | None) -> None:
         last = reps[-1]
         if "writer" in last:
             profiles[mode] = last["writer"]
+        if last["steps"]:
+            cpu = {k: _median_first([r["cpu"].get(k, 0.0) for r in reps if r["steps"]])[0] for k in last["cpu"]}
+            print(f"{'':<24} while persisting, summed over ranks (median): training threads off the CPU beyond their "
+                  f"share without a save {cpu['off_cpu_s']:.3f} s; CPU of the ranks' other threads "
+                  f"{cpu['rank_threads_s']:.3f} s" + (f", of the writer {cpu['writer_s']:.3f} s" if "writer_s" in cpu
+                                                      else "") + f", of kernel threads {cpu['kernel_threads_s']:.3f} s")
         if "trainer" in last:
             print(f"{'':<24} trainer side, per save (max over ranks): " + "; ".join(
                 ", ".join(f"{k[:-2]} {v:.3f}" for k, v in r["trainer"].items()) for r in reps))
@@ -443,7 +464,9 @@ def _bench(args: argparse.Namespace, out: Path, server: LocalS3 | None) -> None:
     print("(bytes / its own raw floor); slowdown: mean step time while persisting vs. the step time without a save")
     print("measured right before it (nan: no step ran while persisting); lost s: the training time the save cost a")
     print("rank (its stall, plus the steps while persisting beyond the step time without a save; mean over ranks);")
-    print("writer CPU s/GB: the writer process over the whole save. Each figure: the median over the repetitions")
+    print("writer CPU s/GB: the writer process over the whole save. While persisting: the training threads' time")
+    print("off the CPU beyond their share in the steps without a save, and the CPU other threads used meanwhile.")
+    print("Each figure: the median over the repetitions")
     print("after the first [the first].")
     service.shutdown()
 
@@ -482,7 +505,9 @@ def _rep(ranks: list, mode: str, rep: int, ckpt: dict, serial: int, server: Loca
         busy["s3_server_s"] = server.settle()
         c0 = server.cpu_s()
     before = _cpu_of(pid) if ours else (0.0, 0.0)
+    k0 = _kernel_threads_cpu()
     res = ray.get([r.run.remote(mode, rep, ckpt) for r in ranks])
+    kernel = _kernel_threads_cpu() - k0
     steps = [x for x in res if x["steps"]]
     # Training time the save cost a rank: its stall plus what the steps while it persisted took
     # beyond the step time without a save (the slowdown is a rate over that window; this is the total).
@@ -490,7 +515,8 @@ def _rep(ranks: list, mode: str, rep: int, ckpt: dict, serial: int, server: Loca
     lost = statistics.mean(x["save_s"] + (x["steps"] * (x["step_s"] - base) if x["steps"] else 0.0) for x in res)
     out = {"stall_s": max(x["stall_s"] for x in res), "durable_s": max(x["durable_s"] for x in res),
            "step_s": statistics.mean(x["step_s"] for x in steps) if steps else float("nan"),
-           "steps": sum(x["steps"] for x in res), "raw_s": raw, "base_s": base, "busy": busy, "lost_s": lost}
+           "steps": sum(x["steps"] for x in res), "raw_s": raw, "base_s": base, "busy": busy, "lost_s": lost,
+           "cpu": {k: sum(x["cpu"][k] for x in res) for k in res[0]["cpu"]} | {"kernel_threads_s": kernel}}
     if server is not None:
         out["s3_server_cpu_s"] = server.cpu_s() - c0
     if ours:
@@ -498,6 +524,7 @@ def _rep(ranks: list, mode: str, rep: int, ckpt: dict, serial: int, server: Loca
         after = _cpu_of(pid)
         last = ray.get(ckpt["writer"].usage.remote())["last"] if _has_usage(ckpt["writer"]) else {}
         out["writer"] = {"cpu_s": sum(after) - sum(before), "user_s": after[0] - before[0], "last": last}
+        out["cpu"]["writer_s"] = out["writer"]["cpu_s"]
     return out
 
 
@@ -513,6 +540,22 @@ def _settle(pid: int, busy: float = 0.05, window_s: float = 0.2, limit_s: float 
         if sum(_cpu_of(pid)) - c0 < busy * window_s:
             break
     return max(0.0, time.monotonic() - t0 - window_s)
+
+
+def _kernel_threads_cpu() -> float:
+    """CPU seconds of the kernel's threads (kthreadd's children: block I/O completion, writeback,
+    memory reclaim), summed, from /proc (their share of a save's cost is the kernel's I/O work)."""
+    total = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[1] == "2" or proc.name == "2":  # the parent pid: kthreadd (2) or kthreadd itself
+                total += int((proc / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total / 1e9
 
 
 def _cpu_of(pid: int) -> tuple[float, float]:

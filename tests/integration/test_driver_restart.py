@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 def _cli(ckpt_dir: Path) -> list[str]:
     return [sys.executable, "-m", "raytrain_ckpt", "run", "jobs/llama_debug_fsdp.yaml",
             "--set", "training.steps=30", "--set", f"checkpoint.dir={ckpt_dir}", "--set", "checkpoint.interval_steps=5",
-            "--set", "checkpoint.keep_latest_k=null", "--set", "training.log_every_steps=1"]
+            "--set", "training.seq_len=32", "--set", "checkpoint.keep_latest_k=null",
+            "--set", "training.log_every_steps=1"]
 
 
 def _env() -> dict[str, str]:
