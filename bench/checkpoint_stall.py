@@ -466,8 +466,7 @@ def _bench(args: argparse.Namespace, out: Path, server: LocalS3 | None) -> None:
     print("rank (its stall, plus the steps while persisting beyond the step time without a save; mean over ranks);")
     print("writer CPU s/GB: the writer process over the whole save. While persisting: the training threads' time")
     print("off the CPU beyond their share in the steps without a save, and the CPU other threads used meanwhile.")
-    print("Each figure: the median over the repetitions")
-    print("after the first [the first].")
+    print("Each figure: the median over the repetitions after the first [the first].")
     service.shutdown()
 
 
