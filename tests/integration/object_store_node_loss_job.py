@@ -57,7 +57,7 @@ def main(endpoint: str, root: str) -> None:
     ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}, log_to_driver=False)
     opts = ",".join(f"{k}: {v}" for k, v in options.items())
     spec = load_spec(REPO / "jobs" / "llama_debug_fsdp.yaml", [
-        "training.log_every_steps=1", "lr_scheduler.warmup_steps=2", "checkpoint.enabled=true",
+        "training.log_every_steps=1", "lr_scheduler.warmup_steps=2", "training.seq_len=32", "checkpoint.enabled=true",
         "checkpoint.interval_steps=5", "training.steps=20", "checkpoint.keep_latest_k=null",
         f"checkpoint.dir={root}", f"checkpoint.storage_options={{{opts}}}", "fault_tolerance.max_restarts=1",
         "fault_tolerance.poll_interval_s=0.2", "fault_tolerance.placement_timeout_s=30"])
