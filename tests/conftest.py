@@ -16,9 +16,8 @@ def ray_cluster():
     """A real local Ray (4 logical CPUs so 2-4 rank worlds fit on a 2-core machine)."""
     import ray
 
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}},
-             log_to_driver=True)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
     yield ray
     ray.shutdown()
 

@@ -112,8 +112,9 @@ class CheckpointActor:
     """Async Ray actor; see the module docstring. Methods are called by writers, trainers and the driver."""
 
     def __init__(self, root: str, retention: RetentionPolicy, storage_options: dict[str, Any] | None = None,
-                 leftover_grace_s: float = LEFTOVER_GRACE_S) -> None:
+                 leftover_grace_s: float = LEFTOVER_GRACE_S, fault_env: dict[str, str] | None = None) -> None:
         setup_logging()
+        os.environ.update(fault_env or {})  # an argument, not a runtime_env: see TrainWorker.__init__
         self.layout = CheckpointLayout(root, options=storage_options)
         self.storage_options = dict(storage_options or {})
         self.layout.storage.makedirs(self.layout.root)

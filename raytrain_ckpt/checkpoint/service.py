@@ -59,13 +59,12 @@ class CheckpointService:
         self.started_unix = time.time()
         cfg = spec.checkpoint
         self.root = job_root(cfg.dir, spec.name)
-        env = {"env_vars": fault_env} if fault_env else None
+        # fault settings go as an argument, not a runtime_env (see TrainWorker.__init__)
+        self._env = dict(fault_env or {})
         self.actor = ray.remote(CheckpointActor).options(
             name=actor_name(spec.name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1, max_task_retries=0,
-            runtime_env=env,
-        ).remote(str(self.root), _retention(cfg), cfg.storage_options, cfg.leftover_grace_s)
+        ).remote(str(self.root), _retention(cfg), cfg.storage_options, cfg.leftover_grace_s, self._env)
         self._writers: dict[str, Any] = {}
-        self._env = env
         self._note: ray.ObjectRef | None = None
         self._job: dict[str, Any] = {}
         """The controller's newest summary (``note_job``)."""
@@ -98,12 +97,12 @@ class CheckpointService:
         cls = ray.remote(CheckpointWriter)
         return cls.options(
             name=writer_name(self.spec.name, node_id), namespace=NAMESPACE, num_cpus=0,
-            max_concurrency=64, max_restarts=-1, max_task_retries=0, runtime_env=self._env,
+            max_concurrency=64, max_restarts=-1, max_task_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(self.spec.name, str(self.root), ActorByName(actor_name(self.spec.name)),
                  self.spec.checkpoint.writer_threads,
                  self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options,
-                 self.spec.checkpoint.memory_copies, self.spec.checkpoint.replication.max_mb_per_s)
+                 self.spec.checkpoint.memory_copies, self.spec.checkpoint.replication.max_mb_per_s, self._env)
 
     def replicate_between(self, nodes: list[str]) -> dict[str, str]:
         """Point each rank-hosting node's writer at its peer (``ring_peers``); returns the ring.

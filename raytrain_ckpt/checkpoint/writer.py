@@ -127,8 +127,9 @@ class CheckpointWriter(ReplicaEndpoint):
 
     def __init__(self, job: str, root: str, coordinator: Any, io_threads: int = 1, nice: int = 10,
                  storage_options: dict[str, Any] | None = None, memory_copies: int = 1,
-                 replica_mb_per_s: float | None = None) -> None:
+                 replica_mb_per_s: float | None = None, fault_env: dict[str, str] | None = None) -> None:
         setup_logging()
+        os.environ.update(fault_env or {})  # an argument, not a runtime_env: see TrainWorker.__init__
         self.memory_copies = memory_copies
         """With 2, every written step's buffer is checksummed and recorded (``committed_copy``)."""
         self.prefix = buffer_prefix(job, root)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+os.environ["PYTHONPATH"] = str(REPO)  # inherited by the cluster's processes (see driver._init_ray)
 # A private session root and no auth: this cluster must not touch any other Ray on the machine.
 os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rtc-", dir="/tmp")
 os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -78,8 +79,7 @@ def _loads(step_dir: Path) -> str:
 
 
 def main(ckpt_dir: str) -> None:
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-             log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     spec = load_spec(REPO / "jobs" / "llama_debug_fsdp.yaml", [
         "training.steps=20", "training.log_every_steps=1", "lr_scheduler.warmup_steps=2",
         f"checkpoint.dir={ckpt_dir}", "checkpoint.enabled=true", "checkpoint.interval_steps=5",

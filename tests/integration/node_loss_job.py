@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+os.environ["PYTHONPATH"] = str(REPO)  # inherited by the cluster's processes (see driver._init_ray)
 # A private session root and no auth: this cluster must not touch any other Ray on the machine.
 os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rtc-", dir="/tmp")
 os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -29,7 +30,7 @@ def main(ckpt_dir: str) -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}, log_to_driver=False)
+    ray.init(address=cluster.address, log_to_driver=False)
     spec = load_spec(REPO / "jobs" / "llama_debug_fsdp.yaml", [
         "training.steps=30", "training.log_every_steps=1", "resources.num_workers=4", "resources.min_workers=2",
         "parallelism.dp_shard=-1", f"checkpoint.dir={ckpt_dir}", "checkpoint.interval_steps=5",

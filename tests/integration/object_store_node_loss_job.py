@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+os.environ["PYTHONPATH"] = str(REPO)  # inherited by the cluster's processes (see driver._init_ray)
 # A private session root and no auth: this cluster must not touch any other Ray on the machine.
 os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rtc-", dir="/tmp")
 os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -54,7 +55,7 @@ def main(endpoint: str, root: str) -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}, log_to_driver=False)
+    ray.init(address=cluster.address, log_to_driver=False)
     opts = ",".join(f"{k}: {v}" for k, v in options.items())
     spec = load_spec(REPO / "jobs" / "llama_debug_fsdp.yaml", [
         "training.log_every_steps=1", "lr_scheduler.warmup_steps=2", "training.seq_len=32", "checkpoint.enabled=true",

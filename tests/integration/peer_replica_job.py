@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+os.environ["PYTHONPATH"] = str(REPO)  # inherited by the cluster's processes (see driver._init_ray)
 # A private session root and no auth: this cluster must not touch any other Ray on the machine.
 os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rtc-", dir="/tmp")
 os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -56,7 +57,7 @@ def main(base: str) -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}, log_to_driver=True)
+    ray.init(address=cluster.address, log_to_driver=True)
     clean = run_job(_spec(f"{base}/clean", []))
     spec = _spec(f"{base}/faulty", [])
     os.environ["RAYTRAIN_CKPT_FAULTS"] = f"hang@step:rank=1,step={SAVED + 2}"
