@@ -4,6 +4,7 @@ CheckpointActor, resharding, corrupt steps, and interop with plain DCP."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import threading
@@ -40,6 +41,29 @@ def _ok(result: JobResult) -> JobResult:
 def reference(ray_cluster, tmp_path_factory) -> JobResult:
     """20 uninterrupted steps, checkpointing every 5."""
     return _ok(run_job(_spec(tmp_path_factory.mktemp("ref"), "training.steps=20")))
+
+
+@pytest.fixture(scope="module")
+def ten_steps(ray_cluster, tmp_path_factory) -> Path:
+    """The job root of a 10-step run (steps 5 and 10 committed); tests that damage it take a ``_copy``."""
+    ckpt_dir = tmp_path_factory.mktemp("ten")
+    _ok(run_job(_spec(ckpt_dir, "training.steps=10")))
+    return ckpt_dir / "llama-debug-fsdp"
+
+
+@pytest.fixture(scope="module")
+def died_after_ten(ray_cluster, tmp_path_factory) -> Path:
+    """The job root of a 20-step run that died at step 11, not restarted: step 10 is its last commit."""
+    ckpt_dir = tmp_path_factory.mktemp("died")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV_VAR, "exit@step:rank=0,step=11")
+        assert run_job(_spec(ckpt_dir, "training.steps=20")).state is JobState.FAILED
+    return ckpt_dir / "llama-debug-fsdp"
+
+
+def _copy(root: Path, ckpt_dir: Path) -> Path:
+    """A copy of job root ``root`` under ``ckpt_dir``: the job's own root there (a checkpoint is data)."""
+    return Path(shutil.copytree(root, ckpt_dir / root.name))
 
 
 @pytest.mark.parametrize(("fault", "resumed_at", "dead"), [
@@ -137,9 +161,8 @@ def test_killed_checkpoint_actor_recovers_from_storage(ray_cluster, tmp_path):
     assert sorted(CheckpointLayout(root).valid_steps("checksum")) == result.checkpoints["committed"]
 
 
-def test_corrupt_latest_step_is_skipped_on_resume(ray_cluster, tmp_path):
-    _ok(run_job(_spec(tmp_path, "training.steps=10")))
-    step10 = tmp_path / "llama-debug-fsdp" / "step-00000010"
+def test_corrupt_latest_step_is_skipped_on_resume(ten_steps, tmp_path):
+    step10 = _copy(ten_steps, tmp_path) / "step-00000010"
     shard = next(step10.glob("__1_*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the checksum catches it
@@ -152,11 +175,8 @@ def test_corrupt_latest_step_is_skipped_on_resume(ray_cluster, tmp_path):
 
 
 @pytest.mark.parametrize("workers", [1, 4])
-def test_reshard_resume_at_another_world_size(reference, tmp_path, monkeypatch, workers):
-    # a 2-worker run dies before step 12 and is not restarted; step 10 is its last commit
-    monkeypatch.setenv(ENV_VAR, "exit@step:rank=0,step=11")
-    assert run_job(_spec(tmp_path, "training.steps=20")).state is JobState.FAILED
-    monkeypatch.delenv(ENV_VAR)
+def test_reshard_resume_at_another_world_size(reference, died_after_ten, tmp_path, workers):
+    _copy(died_after_ten, tmp_path)  # a 2-worker run's steps 5 and 10
     result = _ok(run_job(_spec(tmp_path, "training.steps=20", f"resources.num_workers={workers}",
                                "parallelism.dp_shard=-1")))
     assert all(r.start_step == 10 for r in result.results)
@@ -167,9 +187,8 @@ def test_reshard_resume_at_another_world_size(reference, tmp_path, monkeypatch, 
         assert loss == pytest.approx(reference.losses[step], rel=1e-4), step
 
 
-def test_plain_dcp_reads_our_checkpoint_in_another_process(ray_cluster, tmp_path):
-    _ok(run_job(_spec(tmp_path, "training.steps=5")))
-    step = tmp_path / "llama-debug-fsdp" / "step-00000005"
+def test_plain_dcp_reads_our_checkpoint_in_another_process(ten_steps, tmp_path):
+    step = ten_steps / "step-00000005"  # only read
     code = f"""
 import torch, torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -264,11 +283,10 @@ def test_resuming_an_older_step_starts_a_new_timeline(reference, tmp_path, monke
 
 
 @pytest.mark.parametrize("how", ["number", "path"])
-def test_resuming_a_damaged_step_asked_for_fails_the_start(ray_cluster, tmp_path, capfd, how):
+def test_resuming_a_damaged_step_asked_for_fails_the_start(ten_steps, tmp_path, capfd, how):
     from raytrain_ckpt import cli
 
-    _ok(run_job(_spec(tmp_path, "training.steps=10")))
-    root = tmp_path / "llama-debug-fsdp"
+    root = _copy(ten_steps, tmp_path)
     shard = next((root / "step-00000010").glob("__0_*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01  # same size: only the checksum catches it
