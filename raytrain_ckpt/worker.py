@@ -120,8 +120,9 @@ class TrainWorker:
         Under a lock: a spare's own warm() may still be importing when assign() calls it from
         the actor's other thread, and two threads importing at once can deadlock on module locks.
         """
+        pipelined = ("torch.distributed.pipelining",) if self.spec.parallelism.pp > 1 else ()
         with _IMPORT_LOCK:
-            for name in _WARM_MODULES:
+            for name in _WARM_MODULES + pipelined:
                 importlib.import_module(name)
         return os.getpid()
 
