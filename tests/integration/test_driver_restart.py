@@ -20,11 +20,14 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _overrides(ckpt_dir: Path) -> list[str]:
+    return ["training.steps=30", f"checkpoint.dir={ckpt_dir}", "checkpoint.interval_steps=5", "training.seq_len=32",
+            "checkpoint.keep_latest_k=null", "training.log_every_steps=1"]
+
+
 def _cli(ckpt_dir: Path) -> list[str]:
     return [sys.executable, "-m", "raytrain_ckpt", "run", "jobs/llama_debug_fsdp.yaml",
-            "--set", "training.steps=30", "--set", f"checkpoint.dir={ckpt_dir}", "--set", "checkpoint.interval_steps=5",
-            "--set", "training.seq_len=32", "--set", "checkpoint.keep_latest_k=null",
-            "--set", "training.log_every_steps=1"]
+            *[a for o in _overrides(ckpt_dir) for a in ("--set", o)]]
 
 
 def _env() -> dict[str, str]:
@@ -39,10 +42,14 @@ def _final_state(ckpt_dir: Path, tmp: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
-def test_resubmitting_after_the_driver_died_resumes_bit_exact(tmp_path):
+def test_resubmitting_after_the_driver_died_resumes_bit_exact(ray_cluster, tmp_path):
+    from raytrain_ckpt.driver import run_job
+    from raytrain_ckpt.spec import load_spec
+
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
-    ref = subprocess.run(_cli(clean), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    # the uninterrupted reference: the same spec, run in this process on the session's Ray
+    ref = run_job(load_spec(REPO / "jobs" / "llama_debug_fsdp.yaml", _overrides(clean)))
+    assert ref.state.value == "SUCCEEDED", ref.error
 
     driver = subprocess.Popen(_cli(crashed), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
