@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout, Verify
 from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, checksum_view
-from raytrain_ckpt.checkpoint.staging import TensorSlot, layout_key, map_whole, plan_slots, views_of
+from raytrain_ckpt.checkpoint.staging import TensorSlot, copy_bytes, layout_key, map_whole, plan_slots, views_of
 from raytrain_ckpt.checkpoint.state import apply_own_state, load_app_state, own_state
 from raytrain_ckpt.checkpoint.storage import Location, is_uri, parent_of
 from raytrain_ckpt.faults import planned
@@ -242,7 +242,7 @@ _COPY_THREADS = 4
 
 
 def copy_in(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every pair, on up to ``_COPY_THREADS`` threads (at most the CPUs
+    """``copy_bytes(dst, src)`` for every pair, on up to ``_COPY_THREADS`` threads (at most the CPUs
     this process may run on). The destinations of a restarted process are fresh pages: the copy
     is their first touch, and page faults on several threads run side by side (ARCHITECTURE,
     "A load from memory copies on several threads")."""
@@ -258,7 +258,7 @@ def copy_in(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             pieces.extend((flat_dst[i:i + step], flat_src[i:i + step]) for i in range(0, flat_dst.numel(), step))
         if threads == 1:
             for dst, src in pieces:
-                dst.copy_(src)
+                copy_bytes(dst, src)
             return
         with ThreadPoolExecutor(threads, thread_name_prefix="copy-in") as pool:
             for done in [pool.submit(_copy_piece, dst, src) for dst, src in pieces]:
@@ -267,7 +267,7 @@ def copy_in(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def _copy_piece(dst: torch.Tensor, src: torch.Tensor) -> None:
     with torch.no_grad():
-        dst.copy_(src)
+        copy_bytes(dst, src)
 
 
 @dataclass(frozen=True)

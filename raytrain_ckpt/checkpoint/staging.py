@@ -45,6 +45,7 @@ __all__ = [
     "Staging",
     "TensorSlot",
     "allocate_buffer",
+    "copy_bytes",
     "map_buffer",
     "map_slots",
     "map_whole",
@@ -388,6 +389,21 @@ class StageProgress:
             _futex_wait(self._end_address, seen, max(0.0, check_s - (time.monotonic() - last)))
 
 
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, as a ``memmove`` when ``src`` is a CPU tensor holding exactly ``dst``'s
+    bytes (contiguous, same dtype and shape). Both run without the GIL; libc's copy switches to
+    non-temporal stores above a size it derives from the last-level cache each thread gets (well
+    under a tensor's size on a many-core server), which saves the destination's read-for-ownership:
+    256 MiB in 0.022 s against 0.038 s for torch's copy loop, which never does (ARCHITECTURE,
+    "The staging copy is a memmove")."""
+    if (src.device.type == "cpu" and src.layout == torch.strided and src.dtype == dst.dtype
+            and src.shape == dst.shape and src.is_contiguous() and dst.is_contiguous()
+            and not src.is_conj() and not src.is_neg()):
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.nbytes)
+    else:
+        dst.copy_(src)
+
+
 class StagedPlanner(DefaultSavePlanner):
     """A DCP save planner that resolves write items from staged buffers (by FQN) instead of
     the live state dict: lets a process that never held the model write its shards.
@@ -523,7 +539,7 @@ class SharedMemoryStaging(_ThreadedStaging):
             for i, ((fqn, dst), end) in enumerate(zip(self.views.items(), self.ends)):
                 if i == half:
                     midway()
-                dst.copy_(sources[fqn])
+                copy_bytes(dst, sources[fqn])
                 if end < size:  # the buffer's end is said by done(), after the duration
                     self.progress.advance(end)
 

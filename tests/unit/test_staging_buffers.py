@@ -334,3 +334,22 @@ def test_warm_populates_the_buffer_in_the_background_once(tmp_path: Path) -> Non
         assert torch.equal(map_buffer(owned.path, size)[start:start + nbytes].view(torch.float32), tensors["w"])
     finally:
         owned.remove()
+
+
+def test_the_staging_copy_makes_the_bytes_copy_makes_whatever_the_source() -> None:
+    """``copy_bytes`` moves a plain source's bytes with ``memmove`` and leaves every other source
+    (strided, another dtype, another shape to broadcast) to ``copy_``: the result is the same."""
+    import torch
+
+    from raytrain_ckpt.checkpoint.staging import copy_bytes
+
+    torch.manual_seed(0)
+    plain = torch.randn(64, 33)
+    plain[0, :3] = torch.tensor([-0.0, float("nan"), float("inf")])
+    sources = {"plain": plain, "strided": torch.randn(33, 64).t(), "float64": torch.randn(64, 33, dtype=torch.float64),
+               "broadcast": torch.randn(1, 33), "offset": torch.randn(100, 33)[36:]}
+    for name, src in sources.items():
+        dst, want = torch.full((64, 33), 7.0), torch.full((64, 33), 7.0)
+        copy_bytes(dst, src)
+        want.copy_(src)
+        assert torch.equal(dst.view(torch.int32), want.view(torch.int32)), name  # bit for bit, NaN and -0.0 too
