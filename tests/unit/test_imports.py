@@ -130,6 +130,14 @@ def test_validate_of_a_built_in_model_imports_neither_torch_nor_ray():
     assert _loaded_after(code, ("torch", "ray", "numpy")) == []
 
 
+@pytest.mark.parametrize("argv", [["import", "/dev/null", "--to", "{tmp}/out"],
+                                  ["export", "{tmp}", "--format", "torch", "--out", "/dev/null"]])
+def test_export_and_import_refuse_a_bad_path_before_importing_torch(tmp_path, argv):
+    args = [a.format(tmp=tmp_path) for a in argv]
+    code = f"from raytrain_ckpt.cli import main\nassert main({args!r}) == 2"
+    assert _loaded_after(code, ("torch", "ray")) == []
+
+
 def test_validate_of_a_gpu_spec_imports_torch_only_where_a_gpu_driver_is():
     from raytrain_ckpt.spec.environment import _has_gpu_device_files
 
