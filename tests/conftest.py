@@ -22,6 +22,27 @@ def ray_cluster():
     ray.shutdown()
 
 
+REFERENCE_20 = ["training.steps=20", "training.log_every_steps=1", "lr_scheduler.warmup_steps=2", "training.seq_len=32",
+                "checkpoint.enabled=true", "checkpoint.interval_steps=5", "checkpoint.keep_latest_k=null",
+                "fault_tolerance.max_restarts=0"]
+"""The demo job at 32-token sequences, 20 steps, a checkpoint every 5: the uninterrupted run the
+checkpoint, memory-restore and object-store tests compare their faulted runs with."""
+
+
+@pytest.fixture(scope="session")
+def reference_20(ray_cluster, tmp_path_factory):
+    """``REFERENCE_20`` run once, uninterrupted: its parameters, optimizer state and losses do not
+    depend on where the checkpoints went or how many are kept, so every module compares with it."""
+    from raytrain_ckpt.controller import JobState
+    from raytrain_ckpt.driver import run_job
+    from raytrain_ckpt.spec import load_spec
+
+    ckpt_dir = tmp_path_factory.mktemp("reference-20")
+    result = run_job(load_spec(REPO / "jobs" / "llama_debug_fsdp.yaml", [*REFERENCE_20, f"checkpoint.dir={ckpt_dir}"]))
+    assert result.state is JobState.SUCCEEDED, result.error
+    return result
+
+
 # Ray forwards actors' log lines to the driver's stderr on its own schedule, so a test that runs
 # the CLI in the same process after a Ray job may find them mixed into what it captured.
 _RAY_FORWARDED = re.compile(r"^(\x1b\[\d+m)?\((raylet[^)]*|\w+(\(.*\))? pid=\d+[^)]*)\)")

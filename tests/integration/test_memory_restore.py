@@ -33,8 +33,9 @@ def _run(ckpt_dir: Path, *extra: str) -> JobResult:
 
 
 @pytest.fixture(scope="module")
-def reference(ray_cluster, tmp_path_factory) -> JobResult:
-    return _run(tmp_path_factory.mktemp("ref"), "fault_tolerance.max_restarts=0")
+def reference(reference_20) -> JobResult:
+    """20 uninterrupted steps (the session's run of this module's ``BASE``)."""
+    return reference_20
 
 
 def _same_as_reference(result: JobResult, reference: JobResult, resumed_at: int) -> None:

@@ -40,10 +40,9 @@ def _ok(result: JobResult) -> JobResult:
 
 
 @pytest.fixture(scope="module")
-def reference(ray_cluster, tmp_path_factory) -> JobResult:
-    """20 uninterrupted steps, checkpointing every 5 to a local directory."""
-    return _ok(run_job(load_spec(DEMO, [*BASE, f"checkpoint.dir={tmp_path_factory.mktemp('ref')}",
-                                        "training.steps=20"])))
+def reference(reference_20) -> JobResult:
+    """20 uninterrupted steps, checkpointing every 5 to a local directory (the session's run)."""
+    return reference_20
 
 
 def test_killed_worker_resumes_from_s3_bit_exact(reference, s3_endpoint, s3_bucket, monkeypatch, tmp_path,

@@ -71,6 +71,19 @@ class Head:
         self.proc = subprocess.Popen(cmd, env=_env(), stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
+    def wait_for_gcs(self, timeout_s: float = 60) -> None:
+        """Return once the head's GCS port accepts connections."""
+        host, port = self.address.rsplit(":", 1)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+                return
+            except OSError:
+                assert self.proc.poll() is None, (self.tmp / "head.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, f"the head's GCS did not listen within {timeout_s} s"
+                time.sleep(0.1)
+
     def scrape(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """raytrain metrics on the node's endpoint, keyed by (name, sorted labels we set)."""
         from prometheus_client.parser import text_string_to_metric_families
@@ -108,7 +121,7 @@ def hung_job(tmp_path_factory) -> Iterator[dict]:
     log = open(ckpt_dir / "driver.log", "w")
     driver = None
     try:
-        time.sleep(3)  # let the GCS come up before the driver connects
+        head.wait_for_gcs()  # the driver connects once
         driver = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
         job = {"head": head, "name": name, "root": ckpt_dir / name, "env": env, "driver": driver}
