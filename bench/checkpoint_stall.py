@@ -29,7 +29,9 @@ were off the CPU beyond their share without a save, beside the CPU that the save
 in that window (the ranks' other threads: a staging copy, DCP's writing thread; our writer
 process; the kernel's threads: I/O completion, writeback). On a machine whose cores the
 trainers fill, the first is about the sum of the others: a save costs training what it costs
-in CPU. A
+in CPU. Below the table, each raytrain_ckpt mode's lost time per save and slowdown as ratios
+to ``dcp.async_save(thread)``'s in the same run (the slowdown is a rate over each mode's own
+persisting window, so a save durable sooner shows a higher one for the same CPU). A
 restarted rank's new client is created before the timed save, as a restarted rank does while
 it sets up.
 
@@ -424,11 +426,13 @@ def _bench(args: argparse.Namespace, out: Path, server: LocalS3 | None) -> None:
             f"{'slowdown':>16} {'lost s':>14} {'writer CPU s/GB':>15}")
     print(head)
     print("-" * len(head))
-    profiles, floors = {}, []
+    profiles, floors, costs = {}, [], {}
     for mode in args.modes.split(","):
         reps = [_rep(ranks, mode, i, ckpt, len(floors) + i, server) for i in range(args.reps)]
         floors += [r["raw_s"] for r in reps]
         _print_row(mode, reps, memcpy, total)
+        costs[mode] = (_median_first([r["step_s"] / r["base_s"] - 1 if r["steps"] else float("nan") for r in reps])[0],
+                       _median_first([r["lost_s"] for r in reps])[0])
         last = reps[-1]
         if "writer" in last:
             profiles[mode] = last["writer"]
@@ -451,6 +455,7 @@ def _bench(args: argparse.Namespace, out: Path, server: LocalS3 | None) -> None:
     print(f"{floor} floor over all {len(floors)} repetitions: min {min(floors):.3f} s, median "
           f"{statistics.median(floors):.3f} s, max {max(floors):.3f} s ({total / min(floors) / 2**20:.0f} .. "
           f"{total / max(floors) / 2**20:.0f} MiB/s all ranks)")
+    _print_against(costs, "dcp.async_save(thread)")
     for mode, usage in profiles.items():
         _print_profile(mode, usage, total)
     from raytrain_ckpt.checkpoint.layout import CheckpointLayout
@@ -476,6 +481,19 @@ def _median_first(values: list[float]) -> tuple[float, float]:
     """The median over the repetitions after the first (the first alone if there is one), and the first."""
     rest = values[1:] or values
     return statistics.median(rest), values[0]
+
+
+def _print_against(costs: dict[str, tuple[float, float]], peer: str) -> None:
+    """Each raytrain_ckpt mode's cost to training against ``peer``'s in this run: the training time
+    lost per save (what a rank pays in all) and the slowdown, a rate over each mode's own persisting
+    window (a save durable sooner concentrates the same CPU in a shorter window)."""
+    if peer not in costs:
+        return
+    slow, lost = costs[peer]
+    for mode, (s, l) in costs.items():
+        if mode.startswith("raytrain_ckpt"):
+            print(f"{mode} against {peer}: training time lost per save {l / lost:.2f} of it, "
+                  f"slowdown over its own persisting window {s / slow:.2f} of it")
 
 
 def _print_row(mode: str, reps: list[dict], memcpy: float, total: int) -> None:
