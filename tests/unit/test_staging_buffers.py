@@ -347,9 +347,14 @@ def test_the_staging_copy_makes_the_bytes_copy_makes_whatever_the_source() -> No
     plain = torch.randn(64, 33)
     plain[0, :3] = torch.tensor([-0.0, float("nan"), float("inf")])
     sources = {"plain": plain, "strided": torch.randn(33, 64).t(), "float64": torch.randn(64, 33, dtype=torch.float64),
-               "broadcast": torch.randn(1, 33), "offset": torch.randn(100, 33)[36:]}
+               "broadcast": torch.randn(1, 33), "offset": torch.randn(100, 33)[36:], "negated": plain._neg_view()}
     for name, src in sources.items():
         dst, want = torch.full((64, 33), 7.0), torch.full((64, 33), 7.0)
         copy_bytes(dst, src)
         want.copy_(src)
         assert torch.equal(dst.view(torch.int32), want.view(torch.int32)), name  # bit for bit, NaN and -0.0 too
+    # a destination that is not plain either: a transposed view
+    dst, want = torch.full((33, 64), 7.0), torch.full((33, 64), 7.0)
+    copy_bytes(dst.t(), plain)
+    want.t().copy_(plain)
+    assert torch.equal(dst.view(torch.int32), want.view(torch.int32))
