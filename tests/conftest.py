@@ -30,9 +30,10 @@ checkpoint, memory-restore and object-store tests compare their faulted runs wit
 
 
 @pytest.fixture(scope="session")
-def reference_20(ray_cluster, tmp_path_factory):
-    """``REFERENCE_20`` run once, uninterrupted: its parameters, optimizer state and losses do not
-    depend on where the checkpoints went or how many are kept, so every module compares with it."""
+def reference_20_run(ray_cluster, tmp_path_factory):
+    """``REFERENCE_20`` run once, uninterrupted: (its result, its checkpoint directory). Its
+    parameters, optimizer state and losses do not depend on where the checkpoints went or how many
+    are kept, so every module that runs the same job with a fault compares with it."""
     from raytrain_ckpt.controller import JobState
     from raytrain_ckpt.driver import run_job
     from raytrain_ckpt.spec import load_spec
@@ -40,7 +41,13 @@ def reference_20(ray_cluster, tmp_path_factory):
     ckpt_dir = tmp_path_factory.mktemp("reference-20")
     result = run_job(load_spec(REPO / "jobs" / "llama_debug_fsdp.yaml", [*REFERENCE_20, f"checkpoint.dir={ckpt_dir}"]))
     assert result.state is JobState.SUCCEEDED, result.error
-    return result
+    return result, ckpt_dir
+
+
+@pytest.fixture(scope="session")
+def reference_20(reference_20_run):
+    """The result of the uninterrupted ``REFERENCE_20`` run."""
+    return reference_20_run[0]
 
 
 # Ray forwards actors' log lines to the driver's stderr on its own schedule, so a test that runs

@@ -15,44 +15,37 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from tests.conftest import REFERENCE_20
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _overrides(ckpt_dir: Path) -> list[str]:
-    return ["training.steps=30", f"checkpoint.dir={ckpt_dir}", "checkpoint.interval_steps=5", "training.seq_len=32",
-            "checkpoint.keep_latest_k=null", "training.log_every_steps=1"]
-
-
 def _cli(ckpt_dir: Path) -> list[str]:
+    """``REFERENCE_20`` (the session's uninterrupted run) through the CLI, into ``ckpt_dir``."""
     return [sys.executable, "-m", "raytrain_ckpt", "run", "jobs/llama_debug_fsdp.yaml",
-            *[a for o in _overrides(ckpt_dir) for a in ("--set", o)]]
+            *[a for o in [*REFERENCE_20, f"checkpoint.dir={ckpt_dir}"] for a in ("--set", o)]]
 
 
-def _env() -> dict[str, str]:
+def _env(**faults: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAYTRAIN_CKPT_")}
     env.pop("RAY_ADDRESS", None)
-    return env
+    return env | faults
 
 
 def _final_state(ckpt_dir: Path, tmp: Path) -> dict:
-    out = tmp / f"{ckpt_dir.name}.pt"
-    dcp_to_torch_save(ckpt_dir / "llama-debug-fsdp" / "step-00000030", out)
+    out = tmp / f"{ckpt_dir.parent.name}-{ckpt_dir.name}.pt"
+    dcp_to_torch_save(ckpt_dir / "llama-debug-fsdp" / "step-00000020", out)
     return torch.load(out, weights_only=False)
 
 
-def test_resubmitting_after_the_driver_died_resumes_bit_exact(ray_cluster, tmp_path):
-    from raytrain_ckpt.driver import run_job
-    from raytrain_ckpt.spec import load_spec
-
-    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
-    # the uninterrupted reference: the same spec, run in this process on the session's Ray
-    ref = run_job(load_spec(REPO / "jobs" / "llama_debug_fsdp.yaml", _overrides(clean)))
-    assert ref.state.value == "SUCCEEDED", ref.error
-
-    driver = subprocess.Popen(_cli(crashed), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+def test_resubmitting_after_the_driver_died_resumes_bit_exact(reference_20_run, tmp_path):
+    _, clean = reference_20_run  # the same job, uninterrupted, run in this process on the session's Ray
+    crashed = tmp_path / "crashed"
+    # rank 0 pauses 3 s before step 16: the driver is killed in that pause, after step 15 committed
+    driver = subprocess.Popen(_cli(crashed), cwd=REPO, env=_env(RAYTRAIN_CKPT_FAULTS="slow@step:rank=0,step=16"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     step15 = crashed / "llama-debug-fsdp" / "step-00000015"
     deadline = time.monotonic() + 240
     while not step15.exists() and time.monotonic() < deadline and driver.poll() is None:
@@ -60,13 +53,13 @@ def test_resubmitting_after_the_driver_died_resumes_bit_exact(ray_cluster, tmp_p
     assert step15.exists(), "the first run never committed step 15"
     os.killpg(driver.pid, signal.SIGKILL)  # the driver and every process of the Ray it started
     driver.wait(timeout=30)
-    assert not (crashed / "llama-debug-fsdp" / "step-00000030").exists()
+    assert not (crashed / "llama-debug-fsdp" / "step-00000020").exists()
 
     again = subprocess.run(_cli(crashed), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed at step" in again.stdout, again.stdout
     resumed = int(again.stdout.split("resumed at step ")[1].split(",")[0])
-    assert 15 <= resumed < 30
+    assert 15 <= resumed < 20
 
     a, b = _final_state(clean, tmp_path), _final_state(crashed, tmp_path)
     for section in ("model", "optim"):
@@ -80,8 +73,8 @@ def test_resubmitting_after_the_driver_died_resumes_bit_exact(ray_cluster, tmp_p
 def test_ctrl_c_stops_the_run_in_one_line_and_the_next_run_resumes(tmp_path):
     ckpt = tmp_path / "ckpt"
     root = ckpt / "llama-debug-fsdp"
-    args = _cli(ckpt)[:-2] + ["--set", "training.steps=2000", "--set", "checkpoint.keep_latest_k=2",
-                              "--set", "training.log_every_steps=100"]
+    args = _cli(ckpt) + ["--set", "training.steps=2000", "--set", "checkpoint.keep_latest_k=2",
+                         "--set", "training.log_every_steps=100"]
     # as from a terminal: SIGINT at its default (a shell's background job, as CI may run, inherits it ignored)
     driver = subprocess.Popen(args, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
