@@ -89,7 +89,7 @@ def test_a_refused_copy_never_loads_a_damaged_storage_step(reference, tmp_path, 
     monkeypatch.setenv(ENV_VAR, "hang@step:rank=1,step=12;corrupt@restore:rank=0,step=10,attempt=1")
     box: dict[str, JobResult] = {}
     job = threading.Thread(target=lambda: box.setdefault("r", run_job(load_spec(DEMO, [
-        *BASE, f"checkpoint.dir={tmp_path}", "fault_tolerance.max_restarts=2", "fault_tolerance.hang_timeout_s=8",
+        *BASE, f"checkpoint.dir={tmp_path}", "fault_tolerance.max_restarts=2", "fault_tolerance.hang_timeout_s=4",
         "fault_tolerance.poll_interval_s=0.2"]))))
     with caplog.at_level(logging.INFO):
         job.start()
