@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                        help="override a field, e.g. --set training.steps=20 (repeatable; beats the file)")
     sub.choices["run"].add_argument("--address", default=None,
-                                    help="Ray address; default: RAY_ADDRESS, else a cluster `ray start` started on this machine, else start a local Ray")
+                                    help="Ray address; default: RAY_ADDRESS, else a cluster `ray start` started on "
+                                         "this machine, else start a local Ray")
     sub.choices["validate"].add_argument("--format", choices=("yaml", "json"), default="yaml")
     schema = sub.add_parser("schema", help="print the job spec JSON Schema (for editor completion)")
     schema.add_argument("--format", choices=("json", "markdown"), default="json",
