@@ -430,9 +430,7 @@ def _bench(args: argparse.Namespace, out: Path, server: LocalS3 | None) -> None:
     for mode in args.modes.split(","):
         reps = [_rep(ranks, mode, i, ckpt, len(floors) + i, server) for i in range(args.reps)]
         floors += [r["raw_s"] for r in reps]
-        _print_row(mode, reps, memcpy, total)
-        costs[mode] = (_median_first([r["step_s"] / r["base_s"] - 1 if r["steps"] else float("nan") for r in reps])[0],
-                       _median_first([r["lost_s"] for r in reps])[0])
+        costs[mode] = _print_row(mode, reps, memcpy, total)
         last = reps[-1]
         if "writer" in last:
             profiles[mode] = last["writer"]
@@ -496,7 +494,8 @@ def _print_against(costs: dict[str, tuple[float, float]], peer: str) -> None:
                   f"slowdown over its own persisting window {s / slow:.2f} of it")
 
 
-def _print_row(mode: str, reps: list[dict], memcpy: float, total: int) -> None:
+def _print_row(mode: str, reps: list[dict], memcpy: float, total: int) -> tuple[float, float]:
+    """Print the mode's row; returns its (slowdown, lost s) medians."""
     stall, stall0 = _median_first([r["stall_s"] for r in reps])
     durable, durable0 = _median_first([r["durable_s"] for r in reps])
     raw, _ = _median_first([r["raw_s"] for r in reps])
@@ -511,6 +510,7 @@ def _print_row(mode: str, reps: list[dict], memcpy: float, total: int) -> None:
     print(f"{mode:<24} {stall:>6.3f} [{stall0:>5.2f}] {durable:>6.3f} [{durable0:>5.2f}] {raw:>6.3f} "
           f"{stall / memcpy:>12.2f} {ratio:>6.2f} [{ratio0:>4.2f}] {slow * 100:>7.1f}% [{slow0 * 100:>4.0f}%] "
           f"{lost:>6.3f} [{lost0:>5.2f}] {cpu:>15}")
+    return slow, lost
 
 
 def _rep(ranks: list, mode: str, rep: int, ckpt: dict, serial: int, server: LocalS3 | None) -> dict:
