@@ -268,12 +268,11 @@ def write_files(plan: SavePlan, resolve: Resolve, threads: int, open_file: OpenF
     buckets = [(f"{prefix}{i}{DEFAULT_SUFFIX}", bucket)
                for i, bucket in enumerate(_split_by_size_and_type(threads, plan.items))]
     out = RankFiles()
-    with _zip_crc_off():
-        if threads == 1:
-            parts = [_write_file(open_file, name, items, resolve) for name, items in buckets]
-        else:
-            with ThreadPoolExecutor(threads, thread_name_prefix="rtc-filewrite") as pool:
-                parts = list(pool.map(lambda b: _write_file(open_file, b[0], b[1], resolve), buckets))
+    if threads == 1:
+        parts = [_write_file(open_file, name, items, resolve) for name, items in buckets]
+    else:
+        with ThreadPoolExecutor(threads, thread_name_prefix="rtc-filewrite") as pool:
+            parts = list(pool.map(lambda b: _write_file(open_file, b[0], b[1], resolve), buckets))
     for part in parts:
         out.results += part.results
         out.files.update(part.files)
@@ -543,7 +542,7 @@ def _write_file(open_file: OpenFile, name: str, items: list[WriteItem], resolve:
     """One DCP file: byte items first, then tensors, in plan order (``_write_files_from_queue``'s order)."""
     out = RankFiles()
     cpu0 = time.thread_time()
-    with open_file(name, out.phases) as sink:
+    with _zip_crc_off(), open_file(name, out.phases) as sink:
         ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO]
                    + [i for i in items if i.type != WriteItemType.BYTE_IO])
         for item in ordered:
@@ -593,22 +592,41 @@ def _exact_storage(tensor: torch.Tensor) -> torch.Tensor:
 _crc_lock = threading.Lock()
 _crc_users = 0
 _crc_saved = True
+_crc_per_thread: bool | None = None
+"""Whether torch's serialization settings are per thread (None: not known yet)."""
 
 
 @contextmanager
 def _zip_crc_off() -> Iterator[None]:
-    """``torch.save`` without the zip CRC-32 while any write of this module runs (the setting is
-    process-wide; counted so concurrent writes do not turn it back on under each other)."""
-    global _crc_users, _crc_saved
+    """``torch.save`` without the zip CRC-32 in this thread while it writes.
+
+    torch's serialization settings are per thread from torch 2.13 (a ``ContextVar``: a new
+    thread starts from the default, so a setting made in another thread does not reach the
+    thread that writes) and process-wide before it. Each writing thread turns the CRC off for
+    itself; the value is put back by the thread itself where the setting is per thread, and by
+    the last of the writes running at once where it is process-wide (an earlier one would turn
+    it back on under the others). Which of the two holds is found out once, at the first write
+    in a process whose setting is on, from whether turning it off in another thread reaches
+    this one (where it does, it is off everywhere, as the write needs anyway).
+    """
+    global _crc_users, _crc_saved, _crc_per_thread
     with _crc_lock:
+        own = torch.serialization.get_crc32_options()
         if _crc_users == 0:
-            _crc_saved = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
+            _crc_saved = own
+            if _crc_per_thread is None and own:
+                probe = threading.Thread(target=torch.serialization.set_crc32_options, args=(False,))
+                probe.start()
+                probe.join()
+                _crc_per_thread = torch.serialization.get_crc32_options()
         _crc_users += 1
+        torch.serialization.set_crc32_options(False)
     try:
         yield
     finally:
         with _crc_lock:
             _crc_users -= 1
-            if _crc_users == 0:
+            if _crc_per_thread:
+                torch.serialization.set_crc32_options(own)
+            elif _crc_users == 0:
                 torch.serialization.set_crc32_options(_crc_saved)

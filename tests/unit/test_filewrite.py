@@ -107,6 +107,73 @@ def test_an_existing_file_is_never_overwritten(tmp_path: Path) -> None:
     assert (tmp_path / "__0_0.distcp").read_bytes() == b"keep"
 
 
+def _zip_crcs(directory: Path, results) -> list[int]:
+    """The CRC-32 field of every zip record of every tensor item ``results`` name."""
+    import zipfile
+
+    crcs = []
+    for r in results:
+        info = r.storage_data
+        raw = (directory / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+        if raw[:4] == b"PK\x03\x04":  # a tensor's torch.save zip (a byte item is a bare pickle)
+            crcs += [record.CRC for record in zipfile.ZipFile(io.BytesIO(raw)).infolist() if record.file_size]
+    return crcs
+
+
+@pytest.mark.parametrize("setting", ["per thread", "process-wide"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_no_write_computes_the_zip_crc_on_whatever_thread_it_runs(tmp_path: Path, monkeypatch, threads: int,
+                                                                  setting: str) -> None:
+    """Two ranks written at once, each on a thread of its own, as one writer writes a node's ranks
+    (with ``threads`` files each, on threads of their own too): torch's zip CRC-32 is computed for
+    no record (the manifest's CRC-32C covers the bytes), and every thread's setting is back after.
+    torch's setting is per thread (torch 2.13 on); a process-wide one (torch before it) is
+    emulated by replacing torch's getter and setter, which ``torch.save`` calls."""
+    import threading
+
+    monkeypatch.setattr(filewrite, "_crc_per_thread", None)  # found out again, for this setting
+    if setting == "process-wide":
+        value = [True]
+        monkeypatch.setattr(torch.serialization, "get_crc32_options", lambda: value[0])
+        monkeypatch.setattr(torch.serialization, "set_crc32_options", lambda on: value.__setitem__(0, on))
+    state = _state()
+    state["model"]["big"] = torch.randn(1 << 20)
+    plan, _, owned, slots, nbytes, objects = _plan_and_stage(state, tmp_path)
+    staged = {**map_slots(owned.path, nbytes, slots), **objects}
+    start, written, errors = threading.Barrier(2), {}, []
+
+    def write(rank: int) -> None:
+        try:
+            out = tmp_path / f"rank{rank}"
+            out.mkdir()
+            start.wait()
+            written[rank] = write_rank_files(out, plan, StagedPlanner(staged).resolve_data, threads)
+            written[rank, "setting"] = torch.serialization.get_crc32_options()
+        except BaseException as exc:  # raised on the test's thread below
+            errors.append(exc)
+
+    try:
+        ranks = [threading.Thread(target=write, args=(rank,)) for rank in (0, 1)]
+        for t in ranks:
+            t.start()
+        for t in ranks:
+            t.join()
+    finally:
+        owned.remove()
+    assert not errors, errors
+    for rank in (0, 1):
+        crcs = _zip_crcs(tmp_path / f"rank{rank}", written[rank].results)
+        assert len(crcs) >= 5 * 4 and set(crcs) == {0}, (rank, crcs)  # 5 tensors, >= 4 records each
+        if setting == "per thread":  # (process-wide, it stays off until the other write is done too)
+            assert written[rank, "setting"] is True
+    fresh = []
+    probe = threading.Thread(target=lambda: fresh.append(torch.serialization.get_crc32_options()))
+    probe.start()
+    probe.join()
+    assert torch.serialization.get_crc32_options() is True and fresh == [True]
+    assert filewrite._crc_per_thread is (setting == "per thread")
+
+
 FAILING_WRITE = """
 import resource, signal, sys
 from pathlib import Path
