@@ -358,3 +358,48 @@ def test_the_staging_copy_makes_the_bytes_copy_makes_whatever_the_source() -> No
     copy_bytes(dst.t(), plain)
     want.t().copy_(plain)
     assert torch.equal(dst.view(torch.int32), want.view(torch.int32))
+
+
+class _Wrapper(__import__("torch").Tensor):
+    """A wrapper tensor subclass (as a quantised FSDP2 parameter's local shard is): device, layout
+    and contiguity of its inner tensor, but no bytes of its own (``data_ptr`` 0)."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        import torch
+
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        import torch.utils._pytree as pytree
+
+        unwrap = lambda t: t.inner if isinstance(t, _Wrapper) else t  # noqa: E731
+        return func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+
+
+def test_the_staging_copy_leaves_tensors_without_bytes_of_their_own_to_copy() -> None:
+    """A wrapper subclass, an efficient zero tensor and an empty tensor are never ``memmove``d
+    (the first two have ``data_ptr`` 0: a memmove would read or write address 0 and kill the
+    process); ``copy_`` copies them, in either direction."""
+    import torch
+
+    from raytrain_ckpt.checkpoint.staging import _plain, copy_bytes
+
+    values = torch.randn(8, 4)
+    wrapped = _Wrapper(values.clone())
+    zeros = torch._efficientzerotensor(8, 4)
+    assert wrapped.data_ptr() == 0 and zeros.data_ptr() == 0
+    assert not _plain(wrapped) and not _plain(zeros) and not _plain(torch.empty(0, 4)) and _plain(values)
+    dst = torch.full((8, 4), 7.0)
+    copy_bytes(dst, wrapped)
+    assert torch.equal(dst, values)
+    copy_bytes(dst, zeros)
+    assert torch.equal(dst, torch.zeros(8, 4))
+    into = _Wrapper(torch.full((8, 4), 7.0))
+    copy_bytes(into, values)
+    assert torch.equal(into.inner, values)
+    copy_bytes(torch.empty(0, 4), torch.empty(0, 4))
