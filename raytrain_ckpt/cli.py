@@ -282,14 +282,25 @@ def _conversion_path_problem(args: argparse.Namespace) -> str | None:
         problem = object_store_problem(uri, {})
         if problem:
             return problem
-    if "://" in source or "://" in out:  # the rest is checked when the export opens them
+    if "://" not in source:  # (an object store's paths are checked when the conversion opens them)
+        try:
+            path = Path(source).expanduser()
+            special = path.exists() and not (path.is_file() or path.is_dir())
+            not_dir = path.exists() and not path.is_dir()
+        except RuntimeError:  # pathlib's word for a ~user that names no user
+            return f"{source}: {Path(source).parts[0]} names no user of this machine; write the path out in full"
+        except OSError as exc:  # a name too long, a directory on the way that cannot be searched
+            return f"{source}: cannot be read ({exc.strerror or exc}); pass a path you can read"
+        if special:
+            return f"{source}: not a regular file or directory (a device, FIFO or socket)"
+        if args.command == "export" and not_dir:
+            return f"{source}: not a directory; pass a step directory (.../step-00000040) or a job's checkpoint root"
+    if "://" in out:
         return None
-    path = Path(source).expanduser()
-    if path.exists() and not (path.is_file() or path.is_dir()):
-        return f"{source}: not a regular file or directory (a device, FIFO or socket)"
-    if args.command == "export" and path.exists() and not path.is_dir():
-        return f"{source}: not a directory; pass a step directory (.../step-00000040) or a job's checkpoint root"
-    problem = writable_dir_problem(Path(out).expanduser())
+    try:
+        problem = writable_dir_problem(Path(out).expanduser())
+    except RuntimeError:  # pathlib's word for a ~user that names no user
+        problem = f"{Path(out).parts[0]} names no user of this machine; write the path out in full"
     return f"{flag} {out}: {problem}; pass a new directory in a writable place" if problem else None
 
 

@@ -119,7 +119,13 @@ def resume_point(rows: list[StepRow]) -> StepRow | None:
 
 def _location(text: str) -> Location:
     """A path or URI from the command line."""
-    return text.rstrip("/") if is_uri(text) else Path(text).expanduser()
+    if is_uri(text):
+        return text.rstrip("/")
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:  # pathlib's word for a ~user that names no user
+        raise UsageError(f"{text}: {Path(text).parts[0]} names no user of this machine; write the path out in full") \
+            from None
 
 
 def verify_step(path: Location, progress: Callable[[int], None] = lambda n: None) -> list[str]:

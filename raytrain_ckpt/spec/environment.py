@@ -79,13 +79,16 @@ def writable_dir_problem(path: Path) -> str | None:
     read-only mount even for root, which ignores permission bits.
     """
     path = Path(os.path.abspath(path))
-    if path.exists() and not path.is_dir():
-        return "exists and is not a directory (a file or a device)"
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        return f"{probe} is a file, so nothing can be created under it"
+    try:
+        if path.exists() and not path.is_dir():
+            return "exists and is not a directory (a file or a device)"
+        probe = path
+        while not probe.exists():
+            probe = probe.parent
+        if not probe.is_dir():
+            return f"{probe} is a file, so nothing can be created under it"
+    except OSError as exc:  # a name too long, a directory on the way that cannot be searched
+        return f"cannot be looked up ({exc.strerror or exc})"
     if not os.access(probe, os.W_OK | os.X_OK):
         why = "a read-only filesystem" if _read_only(probe) else "no write permission"
         return f"{probe} is not writable ({why})"

@@ -89,7 +89,7 @@ def _resolve_existing(value: Path | None, info: ValidationInfo, what: str) -> Pa
     if value is None:
         return None
     base = (info.context or {}).get("base_dir")
-    path = value.expanduser()
+    path = _known_home(value).expanduser()
     if not path.is_absolute() and base is not None:
         path = Path(base) / path
     if not path.exists():
@@ -342,7 +342,19 @@ class ResourcesSpec(_Section):
 
 def _path_or_uri(value: Path | str) -> Path | str:
     """A URI stays a string (Path would fold "s3://" to "s3:/"); anything else is a local path."""
-    return str(value) if is_uri(str(value)) else Path(str(value).removeprefix("file://"))
+    if is_uri(str(value)):
+        return str(value)
+    return _known_home(Path(str(value).removeprefix("file://")))
+
+
+def _known_home(path: Path) -> Path:
+    """``path``, whose ``~user`` (if it starts with one) names a user of this machine (pathlib
+    raises a RuntimeError deep in whatever expands it otherwise)."""
+    try:
+        path.expanduser()
+    except RuntimeError:
+        raise ValueError(f"{path.parts[0]} names no user of this machine; write the path out in full") from None
+    return path
 
 
 class FinalExportSpec(_Section):
@@ -459,7 +471,7 @@ class CheckpointSpec(_Section):
     def _resume_value(cls, value: str, info: ValidationInfo) -> str:
         if value in ("latest", "none") or is_ascii_digits(value) or is_uri(value):
             return value.rstrip("/")
-        path = Path(value).expanduser()
+        path = _known_home(Path(value)).expanduser()
         base = (info.context or {}).get("base_dir")
         if not path.is_absolute() and base is not None and not path.exists():
             path = Path(base) / path
