@@ -121,17 +121,25 @@ def _warn_failed_saves(checkpoints: dict) -> None:
 
 
 def _init_ray(address: str | None) -> None:
-    if address is not None:
+    # Workers start in Ray's session directory; putting the driver's working directory (and the
+    # spec file's, which the CLI added) on their path lets a user factory 'mypkg.models:build'
+    # import the same way it does for the driver.
+    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    if _SUBMITTED_JOB in os.environ:  # `ray job submit`: the job's runtime_env (working_dir) places the code
         ray.init(address=address, log_to_driver=True)
         return
-    # Workers of a local cluster start in Ray's session directory; putting the driver's
-    # working directory on their path lets a user factory 'mypkg.models:build' import
-    # the same way it does for the driver. The path goes in the environment the local Ray's
-    # processes inherit, not in a runtime_env: with a runtime_env every worker process is
-    # started through Ray's setup process (a second interpreter importing Ray, about 0.5 s
-    # of CPU per worker), which each rank, spare, writer and restart would pay.
+    if address is not None or _cluster_to_join():
+        # A cluster started before this driver (an address, or the one `ray start` recorded on this
+        # machine): its processes never see this one's environment, so the path goes in the job's
+        # runtime_env (where the directories exist on a node, its workers import from them).
+        ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": path}}, log_to_driver=True)
+        return
+    # A local Ray started here: the path goes in the environment its processes inherit, not in a
+    # runtime_env: with a runtime_env every worker process is started through Ray's setup process
+    # (a second interpreter importing Ray, about 0.5 s of CPU per worker), which each rank,
+    # spare, writer and restart would pay.
     saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), saved) if p)
+    os.environ["PYTHONPATH"] = path
     try:
         ray.init(log_to_driver=True)
     finally:
@@ -139,6 +147,21 @@ def _init_ray(address: str | None) -> None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved
+
+
+_SUBMITTED_JOB = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+"""Set by Ray's job supervisor for a submitted job's entrypoint (ray._private.runtime_env.constants)."""
+
+
+def _cluster_to_join() -> bool:
+    """Whether ``ray.init()`` without an address joins a running cluster (RAY_ADDRESS, or the
+    one `ray start` recorded on this machine) rather than starting one: Ray's own rule."""
+    from ray._private import services
+
+    try:
+        return services.canonicalize_bootstrap_address(None) is not None
+    except Exception:  # noqa: BLE001 - a Ray without this helper: ray.init decides, with the path in the environment
+        return False
 
 
 def _check_resources(spec: JobSpec, fixed_size: bool) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_ckpt.events import Progress, WorkerResult
-from raytrain_ckpt.faults import maybe_inject
+from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import TrainerMetrics
 from raytrain_ckpt.spec import JobSpec
@@ -81,7 +81,7 @@ class TrainWorker:
         setup_logging(force=True)
         # Passed as an argument, not a runtime_env: an actor with its own runtime_env cannot use
         # Ray's prestarted worker processes, which makes every restart slower.
-        os.environ.update(fault_env or {})
+        adopt_fault_env(fault_env)
         self.trainer = None
         self.checkpoints = None
         self.served: list[int] = []
@@ -345,5 +345,9 @@ class TrainWorker:
         # Shown in the Ray dashboard's actor list and as the log prefix. Ray evaluates it once,
         # when the actor starts, so it names only what never changes: a kept process keeps its
         # rank across attempts, a spare is named as one (log lines carry the live attempt and rank).
+        # (It is also evaluated when __init__ raised: a spec a rank cannot load is reported as
+        # itself, not as an AttributeError of this method.)
+        if not hasattr(self, "spec"):
+            return "TrainWorker(not started)"
         who = "spare" if self.was_spare else f"rank {self.rank}/{self.world_size}"
         return f"TrainWorker({self.spec.name} {who})"

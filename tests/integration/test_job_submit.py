@@ -158,8 +158,9 @@ class Head:
         return left
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def head():
+    """One head for the module's tests, in order: the last one stops it and checks what is left."""
     h = Head()
     try:
         h.wait_ready()
@@ -193,6 +194,58 @@ def test_job_submit_runs_the_demo_job_on_a_token_auth_head(head):
     code, body = head.get(f"/api/jobs/{sub_id}")
     assert code == 200 and json.loads(body)["status"] == "SUCCEEDED", body
 
+
+
+USER_FACTORY = """
+from torch import nn
+
+
+class Tiny(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.embed = nn.Embedding(256, dim)
+        self.layers = nn.ModuleList([nn.Linear(dim, dim)])
+        self.head = nn.Linear(dim, 256)
+
+    def forward(self, tokens):
+        return self.head(self.layers[0](self.embed(tokens)))
+
+
+def build(dim=16):
+    return Tiny(dim)
+"""
+
+
+def test_run_joins_a_started_cluster_and_its_ranks_import_a_factory_beside_the_spec(head, tmp_path):
+    """`run` without --address on a machine where a cluster runs (RAY_ADDRESS, or the one `ray
+    start` recorded) joins it; its workers started before the driver, so the spec file's
+    directory and the driver's PYTHONPATH reach them only through the job's runtime_env."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "rtc_beside_the_spec.py").write_text(USER_FACTORY)
+    spec = project / "job.yaml"
+    spec.write_text(f"""name: beside-the-spec
+model: {{name: "rtc_beside_the_spec:build", overrides: {{dim: 16}}}}
+training: {{steps: 3, global_batch_size: 4, micro_batch_size: 2, seq_len: 16}}
+resources: {{num_workers: 2, cpus_per_worker: 1}}
+checkpoint: {{enabled: true, dir: {tmp_path / "ckpt"}, interval_steps: 3}}
+""")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = dict(head.env, RAY_ADDRESS=f"127.0.0.1:{head.port}")
+    done = subprocess.run([sys.executable, "-m", "raytrain_ckpt", "run", str(spec)], env=env, cwd=elsewhere,
+                          capture_output=True, text=True, timeout=150)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    assert "SUCCEEDED" in out, out[-6000:]
+    assert (tmp_path / "ckpt" / "beside-the-spec" / "step-00000003").is_dir(), out[-3000:]
+    # the cluster it joined ran the job (a local Ray would have been started and stopped by the driver)
+    code, body = head.get("/api/jobs/")
+    assert code == 200 and any(j.get("type") == "DRIVER" and j.get("status") == "SUCCEEDED"
+                               for j in json.loads(body)), body[-2000:]
+
+
+def test_the_head_stops_with_nothing_left(head):
     left = head.stop()
     assert left == [], f"processes of the head survived SIGTERM: {left}"
     assert _session_pids(head.sid) == []

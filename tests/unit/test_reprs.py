@@ -31,3 +31,14 @@ def test_train_worker_repr_names_job_and_rank_or_spare():
     assert repr(worker) == "TrainWorker(my-job rank 1/2)"
     worker.was_spare = True
     assert repr(worker) == "TrainWorker(my-job spare)"
+
+
+def test_train_worker_repr_of_a_worker_whose_spec_did_not_load():
+    """Ray evaluates the repr also for an actor whose __init__ raised (a spec a rank cannot load:
+    a factory its node cannot import): the repr must not raise, or the driver is told of an
+    AttributeError of the repr instead of the real error."""
+    from raytrain_ckpt.worker import TrainWorker
+
+    worker = object.__new__(TrainWorker)
+    worker.was_spare = False  # what __init__ sets before it loads the spec
+    assert repr(worker) == "TrainWorker(not started)"
