@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV_VAR", "Fault", "InjectedFault", "maybe_inject", "parse_faults", "planned"]
+__all__ = ["ENV_VAR", "Fault", "InjectedFault", "adopt_fault_env", "fault_env", "maybe_inject", "parse_faults", "planned"]
 
 ENV_VAR = "RAYTRAIN_CKPT_FAULTS"
 STAMP_VAR = "RAYTRAIN_CKPT_FAULT_STAMP"
@@ -82,6 +82,18 @@ def parse_faults(text: str) -> list[Fault]:
 def fault_env() -> dict[str, str]:
     """The fault settings of this process, to forward to the actors it creates."""
     return {k: os.environ[k] for k in (ENV_VAR, STAMP_VAR) if os.environ.get(k)}
+
+
+def adopt_fault_env(env: dict[str, str] | None) -> None:
+    """Make ``env`` (the driver's ``fault_env()``) this actor process's fault settings: a setting the
+    driver did not pass is removed, so a cluster whose processes were started with one (a
+    ``ray start`` in a shell that had it) injects nothing into a run that asked for nothing."""
+    for key in (ENV_VAR, STAMP_VAR):
+        value = (env or {}).get(key)
+        if value:
+            os.environ[key] = value
+        else:
+            os.environ.pop(key, None)
 
 
 def _stamp() -> None:

@@ -35,7 +35,7 @@ from raytrain_ckpt.checkpoint.leases import LeaseFiles, purge_lock
 from raytrain_ckpt.checkpoint.dcp_storage import dcp_writer
 from raytrain_ckpt.checkpoint.storage import is_uri
 from raytrain_ckpt.checkpoint.retention import RetentionPolicy
-from raytrain_ckpt.faults import maybe_inject
+from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import CheckpointMetrics, inflight_phase
 
@@ -114,7 +114,7 @@ class CheckpointActor:
     def __init__(self, root: str, retention: RetentionPolicy, storage_options: dict[str, Any] | None = None,
                  leftover_grace_s: float = LEFTOVER_GRACE_S, fault_env: dict[str, str] | None = None) -> None:
         setup_logging()
-        os.environ.update(fault_env or {})  # an argument, not a runtime_env: see TrainWorker.__init__
+        adopt_fault_env(fault_env)  # an argument, not a runtime_env: see TrainWorker.__init__
         self.layout = CheckpointLayout(root, options=storage_options)
         self.storage_options = dict(storage_options or {})
         self.layout.storage.makedirs(self.layout.root)

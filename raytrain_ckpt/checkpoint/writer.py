@@ -40,7 +40,7 @@ from raytrain_ckpt.checkpoint.staging import (StagedPlanner, StageProgress, Stag
                                               layout_key, map_whole, populate_range, views_of)
 from raytrain_ckpt.checkpoint.storage import is_transient, is_uri, object_filesystem, retry_transient
 from raytrain_ckpt.checkpoint.upload import is_s3, upload_rank_files
-from raytrain_ckpt.faults import maybe_inject
+from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import WriterMetrics
 
@@ -129,7 +129,7 @@ class CheckpointWriter(ReplicaEndpoint):
                  storage_options: dict[str, Any] | None = None, memory_copies: int = 1,
                  replica_mb_per_s: float | None = None, fault_env: dict[str, str] | None = None) -> None:
         setup_logging()
-        os.environ.update(fault_env or {})  # an argument, not a runtime_env: see TrainWorker.__init__
+        adopt_fault_env(fault_env)  # an argument, not a runtime_env: see TrainWorker.__init__
         self.memory_copies = memory_copies
         """With 2, every written step's buffer is checksummed and recorded (``committed_copy``)."""
         self.prefix = buffer_prefix(job, root)
