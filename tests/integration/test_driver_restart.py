@@ -4,6 +4,7 @@ an uninterrupted run's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -48,11 +49,14 @@ def test_resubmitting_after_the_driver_died_resumes_bit_exact(reference_20_run, 
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     step15 = crashed / "llama-debug-fsdp" / "step-00000015"
     deadline = time.monotonic() + 240
-    while not step15.exists() and time.monotonic() < deadline and driver.poll() is None:
-        time.sleep(0.2)
-    assert step15.exists(), "the first run never committed step 15"
-    os.killpg(driver.pid, signal.SIGKILL)  # the driver and every process of the Ray it started
-    driver.wait(timeout=30)
+    try:
+        while not step15.exists() and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(0.2)
+        assert step15.exists(), "the first run never committed step 15"
+    finally:  # (a failed wait leaves no driver and Ray behind either)
+        with contextlib.suppress(ProcessLookupError):  # (a driver that exited on its own, with its group)
+            os.killpg(driver.pid, signal.SIGKILL)  # the driver and every process of the Ray it started
+        driver.wait(timeout=30)
     assert not (crashed / "llama-debug-fsdp" / "step-00000020").exists()
 
     again = subprocess.run(_cli(crashed), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
