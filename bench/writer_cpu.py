@@ -4,7 +4,8 @@ One process, no Ray, no training: the cost of persisting one rank's staged state
 in 16 tensors, staged in a real shared-memory buffer file) to ``--dir``, measured as CPU
 seconds (user + system, ``getrusage``) and wall seconds per GB, with a raw write+fsync of the
 same bytes as the floor. Each variant runs ``--reps`` times (the same mapping of the buffer);
-the median is printed.
+the median is printed. ``--ranks N`` writes N ranks' states at once, each from its own buffer on
+a thread of its own, as a node's writer does for the node's ranks (figures per GB of all of them).
 
 By default each repetition's files are deleted before the next (the next write lands on the
 pages just freed). ``--keep`` keeps them until the end, as a job keeps its checkpoints: on a VM
@@ -12,7 +13,7 @@ whose fresh pages cost a host fault each, writes into page cache not used recent
 times more kernel time. The ``page cache kept`` row is the one-pass writer without dropping its
 files from the page cache after the fsync (``POSIX_FADV_DONTNEED``): what the writer did before.
 
-    .venv/bin/python bench/writer_cpu.py [--mb 256] [--reps 3] [--dir bench/out] [--keep]
+    .venv/bin/python bench/writer_cpu.py [--mb 256] [--ranks 1] [--reps 3] [--dir bench/out] [--keep]
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import os
 import resource
 import shutil
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -43,14 +45,20 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _measure(fn: Callable[[Path], None], out: Path, reps: int, keep: bool) -> tuple[float, float]:
+def _measure(fn: Callable[[Path, int], None], out: Path, reps: int, keep: bool, ranks: int) -> tuple[float, float]:
     walls, cpus = [], []
     for i in range(reps):
         d = out / f"{getattr(fn, '__name__', 'fn')}-rep{i}"
         shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
+        dirs = [d / f"rank{r}" for r in range(ranks)]
+        for rank_dir in dirs:
+            rank_dir.mkdir(parents=True)
+        threads = [threading.Thread(target=fn, args=(rank_dir, r)) for r, rank_dir in enumerate(dirs)]
         c0, t0 = _cpu(), time.perf_counter()
-        fn(d)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         walls.append(time.perf_counter() - t0)
         cpus.append(_cpu() - c0)
         if not keep:
@@ -72,6 +80,7 @@ def _page_cache_kept() -> Iterator[None]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=int, default=256)
+    p.add_argument("--ranks", type=int, default=1, help="ranks written at once, each on its own thread (default 1)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dir", default="bench/out", help="a real disk, not tmpfs")
     p.add_argument("--keep", action="store_true", help="keep every repetition's files until the end")
@@ -84,48 +93,51 @@ def main() -> None:
     central, _ = planner.create_global_plan([planner.create_local_plan()])
     plan = planner.finish_plan(FileSystemWriter(out).prepare_global_plan(central)[0])
     slots, nbytes = plan_slots(state)
-    owned = OwnedBuffer.create(shm_dir() / f"rtc-bench-{os.getpid()}-a0-rank0.buf", nbytes)
+    owned = [OwnedBuffer.create(shm_dir() / f"rtc-bench-{os.getpid()}-a0-rank{r}.buf", nbytes) for r in range(args.ranks)]
     try:
-        for fqn, view in slot_views(map_buffer(owned.path, nbytes), slots).items():
-            view.copy_(state[fqn])
-        _run(args, out, plan, owned.path, nbytes, slots)
+        for buffer in owned:
+            for fqn, view in slot_views(map_buffer(buffer.path, nbytes), slots).items():
+                view.copy_(state[fqn])
+        _run(args, out, plan, [b.path for b in owned], nbytes, slots)
     finally:
-        owned.remove()
+        for buffer in owned:
+            buffer.remove()
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _run(args: argparse.Namespace, out: Path, plan, path: Path, nbytes: int, slots) -> None:
-    views, exact = slot_views(map_buffer(path, nbytes), slots), map_slots(path, nbytes, slots)
-    gb = nbytes / 1e9
+def _run(args: argparse.Namespace, out: Path, plan, paths: list[Path], nbytes: int, slots) -> None:
+    views = [slot_views(map_buffer(path, nbytes), slots) for path in paths]
+    exact = [map_slots(path, nbytes, slots) for path in paths]
+    gb = nbytes * len(paths) / 1e9
 
-    def raw(d: Path) -> None:
+    def raw(d: Path, rank: int) -> None:
         with open(d / "raw.bin", "wb") as f:
-            for t in exact.values():
+            for t in exact[rank].values():
                 f.write(memoryview(t.numpy()).cast("B"))
             f.flush()
             os.fsync(f.fileno())
 
-    def dcp_writer(d: Path) -> None:  # what the writer did before: FileSystemWriter, then read back
+    def dcp_writer(d: Path, rank: int) -> None:  # what the writer did before: FileSystemWriter, then read back
         w = FileSystemWriter(d, thread_count=1, sync_files=True, overwrite=False)
         w.set_up_storage_writer(False, rank=0)
-        w.write_data(plan, StagedPlanner(views)).wait()
+        w.write_data(plan, StagedPlanner(views[rank])).wait()
         for f in d.iterdir():
             describe_file(f)
 
-    def one_pass(d: Path) -> None:
-        write_rank_files(d, plan, StagedPlanner(exact).resolve_data, 1)
+    def one_pass(d: Path, rank: int) -> None:
+        write_rank_files(d, plan, StagedPlanner(exact[rank]).resolve_data, 1)
 
-    def one_pass_cached(d: Path) -> None:
-        with _page_cache_kept():
-            one_pass(d)
-
-    print(f"one rank, {nbytes / 2**20:.0f} MiB in {len(slots)} tensors, to {out}; torch {torch.__version__}, "
-          f"{os.cpu_count()} cores; median of {args.reps}; files {'kept' if args.keep else 'deleted'} between reps")
+    print(f"{len(paths)} rank(s) at once, {nbytes / 2**20:.0f} MiB each in {len(slots)} tensors, to {out}; "
+          f"torch {torch.__version__}, {os.cpu_count()} cores; median of {args.reps}; "
+          f"files {'kept' if args.keep else 'deleted'} between reps")
     print(f"{'variant':<46} {'wall s/GB':>10} {'CPU s/GB':>9} {'tput/raw':>9}")
-    floor = _measure(raw, out, args.reps, keep=False)
-    for name, fn in (("raw write+fsync", raw), ("DCP FileSystemWriter + read-back CRC-32C", dcp_writer),
-                     ("one pass (filewrite), page cache kept", one_pass_cached), ("one pass (filewrite)", one_pass)):
-        wall, cpu = floor if fn is raw else _measure(fn, out, args.reps, args.keep)
+    floor = _measure(raw, out, args.reps, False, len(paths))
+    print(f"{'raw write+fsync':<46} {floor[0] / gb:>10.3f} {floor[1] / gb:>9.3f} {1.0:>9.2f}")
+    for name, fn, setting in (("DCP FileSystemWriter + read-back CRC-32C", dcp_writer, nullcontext()),
+                              ("one pass (filewrite), page cache kept", one_pass, _page_cache_kept()),
+                              ("one pass (filewrite)", one_pass, nullcontext())):
+        with setting:  # (around all ranks' threads: the patch is process-wide)
+            wall, cpu = _measure(fn, out, args.reps, args.keep, len(paths))
         print(f"{name:<46} {wall / gb:>10.3f} {cpu / gb:>9.3f} {floor[0] / wall:>9.2f}")
 
 
