@@ -605,20 +605,15 @@ def _zip_crc_off() -> Iterator[None]:
     thread that writes) and process-wide before it. Each writing thread turns the CRC off for
     itself; the value is put back by the thread itself where the setting is per thread, and by
     the last of the writes running at once where it is process-wide (an earlier one would turn
-    it back on under the others). Which of the two holds is found out once, at the first write
-    in a process whose setting is on, from whether turning it off in another thread reaches
-    this one (where it does, it is off everywhere, as the write needs anyway).
+    it back on under the others). Which of the two holds is found out once (``_settings_per_thread``).
     """
     global _crc_users, _crc_saved, _crc_per_thread
     with _crc_lock:
         own = torch.serialization.get_crc32_options()
+        if _crc_per_thread is None:
+            _crc_per_thread = _settings_per_thread(own)
         if _crc_users == 0:
             _crc_saved = own
-            if _crc_per_thread is None and own:
-                probe = threading.Thread(target=torch.serialization.set_crc32_options, args=(False,))
-                probe.start()
-                probe.join()
-                _crc_per_thread = torch.serialization.get_crc32_options()
         _crc_users += 1
         torch.serialization.set_crc32_options(False)
     try:
@@ -630,3 +625,24 @@ def _zip_crc_off() -> Iterator[None]:
                 torch.serialization.set_crc32_options(own)
             elif _crc_users == 0:
                 torch.serialization.set_crc32_options(_crc_saved)
+
+
+def _settings_per_thread(own: bool) -> bool | None:
+    """Whether torch's serialization settings are per thread, from what other threads see: a new
+    thread that reads another value than this one's (``own``), or this thread still reading its
+    own after another turned the CRC off, means per thread; the setting reaching this thread
+    means process-wide (it is then off everywhere, as the write needs anyway). None: the CRC is
+    off here and in a new thread, which tells neither apart, and both are handled alike then."""
+    def on_a_new_thread(fn: Callable[[], object]) -> None:
+        thread = threading.Thread(target=fn)
+        thread.start()
+        thread.join()
+
+    seen: list[bool] = []
+    on_a_new_thread(lambda: seen.append(torch.serialization.get_crc32_options()))
+    if seen[0] != own:
+        return True
+    if not own:
+        return None
+    on_a_new_thread(lambda: torch.serialization.set_crc32_options(False))
+    return torch.serialization.get_crc32_options()

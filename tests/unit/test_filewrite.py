@@ -140,7 +140,7 @@ def test_no_write_computes_the_zip_crc_on_whatever_thread_it_runs(tmp_path: Path
     state["model"]["big"] = torch.randn(1 << 20)
     plan, _, owned, slots, nbytes, objects = _plan_and_stage(state, tmp_path)
     staged = {**map_slots(owned.path, nbytes, slots), **objects}
-    start, written, errors = threading.Barrier(2), {}, []
+    start, written, errors = threading.Barrier(2, timeout=60), {}, []
 
     def write(rank: int) -> None:
         try:
@@ -172,6 +172,44 @@ def test_no_write_computes_the_zip_crc_on_whatever_thread_it_runs(tmp_path: Path
     probe.join()
     assert torch.serialization.get_crc32_options() is True and fresh == [True]
     assert filewrite._crc_per_thread is (setting == "per thread")
+
+
+def test_a_write_from_a_thread_whose_crc_is_off_leaves_every_thread_as_it_was(tmp_path: Path, monkeypatch) -> None:
+    """The first write of a process comes from a thread that had turned torch's CRC off for itself
+    while another thread writes at the same time: neither computes the zip CRC-32, and each
+    thread's setting is what it was before (off here, on there)."""
+    import threading
+
+    monkeypatch.setattr(filewrite, "_crc_per_thread", None)
+    state = _state()
+    state["model"]["big"] = torch.randn(1 << 20)
+    plan, _, owned, slots, nbytes, objects = _plan_and_stage(state, tmp_path)
+    staged = {**map_slots(owned.path, nbytes, slots), **objects}
+    start, written, errors = threading.Barrier(2, timeout=60), {}, []
+
+    def write(rank: int) -> None:
+        try:
+            out = tmp_path / f"rank{rank}"
+            out.mkdir()
+            start.wait()
+            written[rank] = write_rank_files(out, plan, StagedPlanner(staged).resolve_data, 1)
+            written[rank, "setting"] = torch.serialization.get_crc32_options()
+        except BaseException as exc:  # raised on the test's thread below
+            errors.append(exc)
+
+    torch.serialization.set_crc32_options(False)  # this thread's own (torch 2.13: per thread)
+    try:
+        other = threading.Thread(target=write, args=(1,))
+        other.start()
+        write(0)
+        other.join()
+        assert not errors, errors
+        assert written[0, "setting"] is False and written[1, "setting"] is True
+        for rank in (0, 1):
+            assert set(_zip_crcs(tmp_path / f"rank{rank}", written[rank].results)) == {0}, rank
+    finally:
+        torch.serialization.set_crc32_options(True)
+        owned.remove()
 
 
 FAILING_WRITE = """
