@@ -37,7 +37,7 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
     if started_here:
         _init_ray(address)
     try:
-        _check_resources(spec, fixed_size=address is None)
+        _check_resources(spec, fixed_size=address in (None, "local"))
         install_dashboard()
         logger.info("job %s: %d workers, dp_shard %d, pp %d, spec %s", spec.name, spec.world_size, spec.dp_size,
                     spec.parallelism.pp, spec.spec_hash())
@@ -125,23 +125,27 @@ def _init_ray(address: str | None) -> None:
     # spec file's, which the CLI added) on their path lets a user factory 'mypkg.models:build'
     # import the same way it does for the driver.
     path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-    if _SUBMITTED_JOB in os.environ:  # `ray job submit`: the job's runtime_env (working_dir) places the code
+    if address != "local" and (_SUBMITTED_JOB in os.environ or (address or "").startswith("ray://")):
+        # `ray job submit`: the job's runtime_env (working_dir) places the code; a Ray Client
+        # driver's paths are its own machine's, which mean nothing on the cluster
         ray.init(address=address, log_to_driver=True)
         return
-    if address is not None or _cluster_to_join():
+    if address != "local" and (address is not None or _cluster_to_join()):
         # A cluster started before this driver (an address, or the one `ray start` recorded on this
         # machine): its processes never see this one's environment, so the path goes in the job's
-        # runtime_env (where the directories exist on a node, its workers import from them).
-        ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": path}}, log_to_driver=True)
+        # runtime_env (where the directories exist on a node, its workers import from them), ahead
+        # of the PYTHONPATH the node's processes were started with (Ray expands ${...} on the node).
+        env = {"PYTHONPATH": os.pathsep.join((path, "${PYTHONPATH}"))}
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
         return
-    # A local Ray started here: the path goes in the environment its processes inherit, not in a
-    # runtime_env: with a runtime_env every worker process is started through Ray's setup process
-    # (a second interpreter importing Ray, about 0.5 s of CPU per worker), which each rank,
-    # spare, writer and restart would pay.
+    # A local Ray started here (no cluster to join, or "local"): the path goes in the environment
+    # its processes inherit, not in a runtime_env: with a runtime_env every worker process is
+    # started through Ray's setup process (a second interpreter importing Ray, about 0.5 s of CPU
+    # per worker), which each rank, spare, writer and restart would pay.
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = path
     try:
-        ray.init(log_to_driver=True)
+        ray.init(address=address, log_to_driver=True)
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)

@@ -72,7 +72,8 @@ def _session_pids(sid: int) -> list[int]:
 class Head:
     """A `--block` head in its own session; ``stop()`` is idempotent."""
 
-    def __init__(self) -> None:
+    def __init__(self, pythonpath: str | None = None) -> None:
+        """``pythonpath``: the PYTHONPATH the head's processes (its workers) are started with."""
         self.port, self.dashboard_port = _free_ports(2)
         self.api = f"http://127.0.0.1:{self.dashboard_port}"
         # Short path on purpose: Ray's unix sockets live under it (limit ~107 chars).
@@ -84,13 +85,14 @@ class Head:
         # Whatever runs the job must find this checkout's python and package first.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         self.env = env
+        head_env = dict(env, PYTHONPATH=pythonpath) if pythonpath else env
         self.log_path = os.path.join(self.temp_dir, "start_head.log")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             ["bash", str(START_HEAD), "--block", "--port", str(self.port),
              "--dashboard-port", str(self.dashboard_port), "--num-cpus", str(HEAD_CPUS),
              "--temp-dir", self.temp_dir],
-            env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=head_env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             # Own session: pid == pgid == sid, one handle for every process of this head.
             start_new_session=True,
         )
@@ -158,10 +160,19 @@ class Head:
         return left
 
 
+CLUSTER_SIDE = """
+def dim(asked):
+    return asked
+"""
+
+
 @pytest.fixture(scope="module")
-def head():
-    """One head for the module's tests, in order: the last one stops it and checks what is left."""
-    h = Head()
+def head(tmp_path_factory):
+    """One head for the module's tests, in order: the last one stops it and checks what is left.
+    Its processes start with a directory on PYTHONPATH that only they have (``rtc_cluster_side``)."""
+    site = tmp_path_factory.mktemp("cluster-site")
+    (site / "rtc_cluster_side.py").write_text(CLUSTER_SIDE)
+    h = Head(pythonpath=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     try:
         h.wait_ready()
         yield h
@@ -212,14 +223,17 @@ class Tiny(nn.Module):
 
 
 def build(dim=16):
-    return Tiny(dim)
+    import rtc_cluster_side  # on the PYTHONPATH the cluster's processes were started with, not the driver's
+
+    return Tiny(rtc_cluster_side.dim(dim))
 """
 
 
 def test_run_joins_a_started_cluster_and_its_ranks_import_a_factory_beside_the_spec(head, tmp_path):
     """`run` without --address on a machine where a cluster runs (RAY_ADDRESS, or the one `ray
     start` recorded) joins it; its workers started before the driver, so the spec file's
-    directory and the driver's PYTHONPATH reach them only through the job's runtime_env."""
+    directory and the driver's PYTHONPATH reach them only through the job's runtime_env, and the
+    PYTHONPATH the cluster was started with stays theirs too (the factory imports from both)."""
     project = tmp_path / "project"
     project.mkdir()
     (project / "rtc_beside_the_spec.py").write_text(USER_FACTORY)
