@@ -274,7 +274,7 @@ def _conversion_os_error(args: argparse.Namespace, exc: OSError) -> int:
 def _conversion_path_problem(args: argparse.Namespace) -> str | None:
     """Special files as input (reading a FIFO blocks), outputs that cannot be created and object
     stores that do not answer, said in one line; None when the paths are usable. Torch-free."""
-    from raytrain_ckpt.checkpoint.storage import object_store_problem
+    from raytrain_ckpt.checkpoint.storage import home_problem, object_store_problem
     from raytrain_ckpt.spec.environment import writable_dir_problem
 
     source, out, flag = (args.file, args.to, "--to") if args.command == "import" else (args.ckpt, args.out, "--out")
@@ -287,8 +287,8 @@ def _conversion_path_problem(args: argparse.Namespace) -> str | None:
             path = Path(source).expanduser()
             special = path.exists() and not (path.is_file() or path.is_dir())
             not_dir = path.exists() and not path.is_dir()
-        except RuntimeError:  # pathlib's word for a ~user that names no user
-            return f"{source}: {Path(source).parts[0]} names no user of this machine; write the path out in full"
+        except RuntimeError:  # pathlib's word for a ~ it cannot expand
+            return f"{source}: {home_problem(source)}"
         except OSError as exc:  # a name too long, a directory on the way that cannot be searched
             return f"{source}: cannot be read ({exc.strerror or exc}); pass a path you can read"
         if special:
@@ -297,10 +297,9 @@ def _conversion_path_problem(args: argparse.Namespace) -> str | None:
             return f"{source}: not a directory; pass a step directory (.../step-00000040) or a job's checkpoint root"
     if "://" in out:
         return None
-    try:
-        problem = writable_dir_problem(Path(out).expanduser())
-    except RuntimeError:  # pathlib's word for a ~user that names no user
-        problem = f"{Path(out).parts[0]} names no user of this machine; write the path out in full"
+    if home_problem(out):
+        return f"{flag} {out}: {home_problem(out)}"
+    problem = writable_dir_problem(Path(out).expanduser())
     return f"{flag} {out}: {problem}; pass a new directory in a writable place" if problem else None
 
 

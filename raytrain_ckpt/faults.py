@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV_VAR", "Fault", "InjectedFault", "adopt_fault_env", "fault_env", "maybe_inject", "parse_faults", "planned"]
+__all__ = ["ENV_VAR", "Fault", "InjectedFault", "adopt_fault_env", "fault_env", "maybe_inject", "parse_faults",
+           "planned"]
 
 ENV_VAR = "RAYTRAIN_CKPT_FAULTS"
 STAMP_VAR = "RAYTRAIN_CKPT_FAULT_STAMP"

@@ -11,6 +11,7 @@ found the step torn or corrupt, 2 a user mistake (a missing path, no such job, a
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -24,7 +25,8 @@ from typing import Any
 from raytrain_ckpt.checkpoint.interval import IntervalDecision
 from raytrain_ckpt.checkpoint.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, Verify,
                                              parse_entry, step_name)
-from raytrain_ckpt.checkpoint.storage import Location, StorageUnavailable, is_uri, object_store_problem, parent_of
+from raytrain_ckpt.checkpoint.storage import (Location, StorageUnavailable, home_problem, is_uri, object_store_problem,
+                                              parent_of)
 from raytrain_ckpt.checkpoint.summary import failed_saves_text, phase_text, summary_line
 
 logger = logging.getLogger(__name__)
@@ -121,11 +123,10 @@ def _location(text: str) -> Location:
     """A path or URI from the command line."""
     if is_uri(text):
         return text.rstrip("/")
-    try:
-        return Path(text).expanduser()
-    except RuntimeError:  # pathlib's word for a ~user that names no user
-        raise UsageError(f"{text}: {Path(text).parts[0]} names no user of this machine; write the path out in full") \
-            from None
+    problem = home_problem(text)
+    if problem:
+        raise UsageError(f"{text}: {problem}")
+    return Path(text).expanduser()
 
 
 def verify_step(path: Location, progress: Callable[[int], None] = lambda n: None) -> list[str]:
@@ -328,7 +329,7 @@ def run(args: argparse.Namespace, refreshes: int | None = None) -> int:
         return EXIT_USAGE
     except OSError as exc:  # a path that cannot be read (permissions, a vanished mount): one line, not a traceback
         print(f"error: {args.command}: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_BAD
+        return EXIT_USAGE if exc.errno == errno.ENAMETOOLONG else EXIT_BAD  # (a name no file system takes: a typo)
 
 
 def _check_reachable(target: str | None) -> None:

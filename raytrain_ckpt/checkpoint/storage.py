@@ -35,6 +35,7 @@ from raytrain_ckpt.checkpoint.manifest import _ALGORITHMS, Checksum, checksum_fi
 logger = logging.getLogger(__name__)
 
 __all__ = ["EXTRAS", "Location", "ObjectStorage", "PosixStorage", "Storage", "StorageUnavailable", "checksummed_upload",
+           "home_problem",
            "is_transient", "is_uri", "job_root", "local_path", "object_filesystem", "object_store_problem", "open_storage",
            "parent_of", "retry_transient"]
 
@@ -61,6 +62,20 @@ def is_uri(root: str | os.PathLike) -> bool:
 def parent_of(path: Location) -> Location:
     """The directory holding ``path`` (a step's checkpoint root): the URI's prefix for a URI."""
     return str(path).rstrip("/").rsplit("/", 1)[0] if isinstance(path, str) else path.parent
+
+
+def home_problem(path: str | os.PathLike) -> str | None:
+    """Why a leading ``~`` or ``~user`` of a local path cannot be expanded, as the line a user reads;
+    None when it can (pathlib raises a RuntimeError deep in whatever expands it)."""
+    local = Path(os.fspath(path))
+    try:
+        local.expanduser()
+    except RuntimeError:
+        first = local.parts[0]
+        why = ("cannot be expanded (no HOME, and no home for this user id)" if first == "~"
+               else "names no user of this machine")
+        return f"{first} {why}; write the path out in full"
+    return None
 
 
 def local_path(root: str | os.PathLike) -> Path:

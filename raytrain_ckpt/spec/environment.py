@@ -96,8 +96,11 @@ def writable_dir_problem(path: Path) -> str | None:
 
 
 def _export_dir_problem(path: Path) -> str | None:
-    if path.is_dir() and any(path.iterdir()):
-        return "exists and is not empty (an export never overwrites)"
+    try:
+        if path.is_dir() and any(path.iterdir()):
+            return "exists and is not empty (an export never overwrites)"
+    except OSError as exc:  # a name too long, a directory that cannot be listed
+        return f"cannot be looked up ({exc.strerror or exc})"
     return writable_dir_problem(path)
 
 

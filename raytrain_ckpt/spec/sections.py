@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from raytrain_ckpt.checkpoint.storage import is_uri
+from raytrain_ckpt.checkpoint.storage import home_problem, is_uri
 from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES
 from raytrain_ckpt.models import PRESETS, describe_model, resolve_factory
 
@@ -92,9 +92,18 @@ def _resolve_existing(value: Path | None, info: ValidationInfo, what: str) -> Pa
     path = _known_home(value).expanduser()
     if not path.is_absolute() and base is not None:
         path = Path(base) / path
-    if not path.exists():
+    if not _exists(path):
         raise ValueError(f"{value} does not exist (resolved to {path}); point it at {what}")
     return path.resolve()
+
+
+def _exists(path: Path) -> bool:
+    """``path.exists()``, with the lookup's own error (a name too long, a directory that cannot be
+    searched) as the ValueError a user reads instead of an OSError."""
+    try:
+        return path.exists()
+    except OSError as exc:
+        raise ValueError(f"cannot be looked up ({exc.strerror or exc})") from None
 
 
 def _builtin_or_import_path(value: str, builtins: tuple[str, ...], kind: str, not_a_path: str) -> str | None:
@@ -348,12 +357,10 @@ def _path_or_uri(value: Path | str) -> Path | str:
 
 
 def _known_home(path: Path) -> Path:
-    """``path``, whose ``~user`` (if it starts with one) names a user of this machine (pathlib
-    raises a RuntimeError deep in whatever expands it otherwise)."""
-    try:
-        path.expanduser()
-    except RuntimeError:
-        raise ValueError(f"{path.parts[0]} names no user of this machine; write the path out in full") from None
+    """``path``, whose leading ``~`` or ``~user`` (if any) can be expanded."""
+    problem = home_problem(path)
+    if problem:
+        raise ValueError(problem)
     return path
 
 
@@ -473,9 +480,9 @@ class CheckpointSpec(_Section):
             return value.rstrip("/")
         path = _known_home(Path(value)).expanduser()
         base = (info.context or {}).get("base_dir")
-        if not path.is_absolute() and base is not None and not path.exists():
+        if not path.is_absolute() and base is not None and not _exists(path):
             path = Path(base) / path
-        if not path.is_dir():
+        if not (_exists(path) and path.is_dir()):
             raise ValueError("must be latest, none, a step number, or the path of an existing step directory "
                              f"(resolved to {path}, which is not a directory)")
         return str(path.resolve())
