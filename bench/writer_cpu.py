@@ -45,15 +45,24 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _measure(fn: Callable[[Path, int], None], out: Path, reps: int, keep: bool, ranks: int) -> tuple[float, float]:
+def _measure(fn: Callable[[Path, int], None], out: Path, label: str, reps: int, keep: bool,
+             ranks: int) -> tuple[float, float]:
     walls, cpus = [], []
     for i in range(reps):
-        d = out / f"{getattr(fn, '__name__', 'fn')}-rep{i}"
+        d = out / f"{label}-rep{i}"
         shutil.rmtree(d, ignore_errors=True)
         dirs = [d / f"rank{r}" for r in range(ranks)]
         for rank_dir in dirs:
             rank_dir.mkdir(parents=True)
-        threads = [threading.Thread(target=fn, args=(rank_dir, r)) for r, rank_dir in enumerate(dirs)]
+        errors: list[BaseException] = []
+
+        def rank(rank_dir: Path, r: int) -> None:
+            try:
+                fn(rank_dir, r)
+            except BaseException as exc:  # raised below: a failed write is not a figure
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank, args=(rank_dir, r)) for r, rank_dir in enumerate(dirs)]
         c0, t0 = _cpu(), time.perf_counter()
         for t in threads:
             t.start()
@@ -61,6 +70,8 @@ def _measure(fn: Callable[[Path, int], None], out: Path, reps: int, keep: bool, 
             t.join()
         walls.append(time.perf_counter() - t0)
         cpus.append(_cpu() - c0)
+        if errors:
+            raise errors[0]
         if not keep:
             shutil.rmtree(d)
     return statistics.median(walls), statistics.median(cpus)
@@ -85,6 +96,8 @@ def main() -> None:
     p.add_argument("--dir", default="bench/out", help="a real disk, not tmpfs")
     p.add_argument("--keep", action="store_true", help="keep every repetition's files until the end")
     args = p.parse_args()
+    if args.ranks < 1 or args.mb < 1 or args.reps < 1:
+        p.error("--ranks, --mb and --reps are at least 1")
     out = Path(args.dir).resolve() / "writer_cpu"
     torch.manual_seed(0)
     state = {f"layer{i}.weight": torch.randn(1024, args.mb * 2**20 // (16 * 1024 * 4)) for i in range(16)}
@@ -93,7 +106,8 @@ def main() -> None:
     central, _ = planner.create_global_plan([planner.create_local_plan()])
     plan = planner.finish_plan(FileSystemWriter(out).prepare_global_plan(central)[0])
     slots, nbytes = plan_slots(state)
-    owned = [OwnedBuffer.create(shm_dir() / f"rtc-bench-{os.getpid()}-a0-rank{r}.buf", nbytes) for r in range(args.ranks)]
+    owned = [OwnedBuffer.create(shm_dir() / f"rtc-bench-{os.getpid()}-a0-rank{r}.buf", nbytes)
+             for r in range(args.ranks)]
     try:
         for buffer in owned:
             for fqn, view in slot_views(map_buffer(buffer.path, nbytes), slots).items():
@@ -131,13 +145,13 @@ def _run(args: argparse.Namespace, out: Path, plan, paths: list[Path], nbytes: i
           f"torch {torch.__version__}, {os.cpu_count()} cores; median of {args.reps}; "
           f"files {'kept' if args.keep else 'deleted'} between reps")
     print(f"{'variant':<46} {'wall s/GB':>10} {'CPU s/GB':>9} {'tput/raw':>9}")
-    floor = _measure(raw, out, args.reps, False, len(paths))
+    floor = _measure(raw, out, "raw", args.reps, False, len(paths))
     print(f"{'raw write+fsync':<46} {floor[0] / gb:>10.3f} {floor[1] / gb:>9.3f} {1.0:>9.2f}")
-    for name, fn, setting in (("DCP FileSystemWriter + read-back CRC-32C", dcp_writer, nullcontext()),
-                              ("one pass (filewrite), page cache kept", one_pass, _page_cache_kept()),
-                              ("one pass (filewrite)", one_pass, nullcontext())):
+    for i, (name, fn, setting) in enumerate((("DCP FileSystemWriter + read-back CRC-32C", dcp_writer, nullcontext()),
+                                             ("one pass (filewrite), page cache kept", one_pass, _page_cache_kept()),
+                                             ("one pass (filewrite)", one_pass, nullcontext()))):
         with setting:  # (around all ranks' threads: the patch is process-wide)
-            wall, cpu = _measure(fn, out, args.reps, args.keep, len(paths))
+            wall, cpu = _measure(fn, out, f"row{i}", args.reps, args.keep, len(paths))
         print(f"{name:<46} {wall / gb:>10.3f} {cpu / gb:>9.3f} {floor[0] / wall:>9.2f}")
 
 
