@@ -16,8 +16,12 @@ def ray_cluster():
     """A real local Ray (4 logical CPUs so 2-4 rank worlds fit on a 2-core machine)."""
     import ray
 
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
+    # The workers import this checkout (and tests.*): the path goes in the environment the local
+    # Ray's processes inherit at start, and only for them (every other subprocess of the session
+    # sets up its own path, as a user's would).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
     yield ray
     ray.shutdown()
 
