@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a field, e.g. --set training.steps=20 (repeatable; beats the file)")
     sub.choices["run"].add_argument("--address", default=None,
                                     help="Ray address; default: RAY_ADDRESS, else a cluster `ray start` started on "
-                                         "this machine, else start a local Ray")
+                                         "this machine, else start a local Ray ('local': always start one)")
     sub.choices["validate"].add_argument("--format", choices=("yaml", "json"), default="yaml")
     schema = sub.add_parser("schema", help="print the job spec JSON Schema (for editor completion)")
     schema.add_argument("--format", choices=("json", "markdown"), default="json",
