@@ -120,22 +120,12 @@ def _zip_crcs(directory: Path, results) -> list[int]:
     return crcs
 
 
-@pytest.mark.parametrize("setting", ["per thread", "process-wide"])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_no_write_computes_the_zip_crc_on_whatever_thread_it_runs(tmp_path: Path, monkeypatch, threads: int,
-                                                                  setting: str) -> None:
-    """Two ranks written at once, each on a thread of its own, as one writer writes a node's ranks
-    (with ``threads`` files each, on threads of their own too): torch's zip CRC-32 is computed for
-    no record (the manifest's CRC-32C covers the bytes), and every thread's setting is back after.
-    torch's setting is per thread (torch 2.13 on); a process-wide one (torch before it) is
-    emulated by replacing torch's getter and setter, which ``torch.save`` calls."""
+def _two_ranks_at_once(tmp_path: Path, threads: int, rank0_here: bool = False) -> dict:
+    """Write two ranks' states at once, each on a thread of its own (rank 0 on the calling thread
+    with ``rank0_here``) as one writer writes a node's ranks; returns, per rank, its
+    ``RankFiles`` and (rank, "setting"): its thread's CRC setting right after its write."""
     import threading
 
-    monkeypatch.setattr(filewrite, "_crc_per_thread", None)  # found out again, for this setting
-    if setting == "process-wide":
-        value = [True]
-        monkeypatch.setattr(torch.serialization, "get_crc32_options", lambda: value[0])
-        monkeypatch.setattr(torch.serialization, "set_crc32_options", lambda on: value.__setitem__(0, on))
     state = _state()
     state["model"]["big"] = torch.randn(1 << 20)
     plan, _, owned, slots, nbytes, objects = _plan_and_stage(state, tmp_path)
@@ -153,10 +143,12 @@ def test_no_write_computes_the_zip_crc_on_whatever_thread_it_runs(tmp_path: Path
             errors.append(exc)
 
     try:
-        ranks = [threading.Thread(target=write, args=(rank,)) for rank in (0, 1)]
-        for t in ranks:
+        others = [threading.Thread(target=write, args=(rank,)) for rank in ((1,) if rank0_here else (0, 1))]
+        for t in others:
             t.start()
-        for t in ranks:
+        if rank0_here:
+            write(0)
+        for t in others:
             t.join()
     finally:
         owned.remove()
@@ -164,8 +156,28 @@ def test_no_write_computes_the_zip_crc_on_whatever_thread_it_runs(tmp_path: Path
     for rank in (0, 1):
         crcs = _zip_crcs(tmp_path / f"rank{rank}", written[rank].results)
         assert len(crcs) >= 5 * 4 and set(crcs) == {0}, (rank, crcs)  # 5 tensors, >= 4 records each
-        if setting == "per thread":  # (process-wide, it stays off until the other write is done too)
-            assert written[rank, "setting"] is True
+    return written
+
+
+@pytest.mark.parametrize("setting", ["per thread", "process-wide"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_no_write_computes_the_zip_crc_on_whatever_thread_it_runs(tmp_path: Path, monkeypatch, threads: int,
+                                                                  setting: str) -> None:
+    """Two ranks written at once (with ``threads`` files each, on threads of their own too):
+    torch's zip CRC-32 is computed for no record (the manifest's CRC-32C covers the bytes), and
+    every thread's setting is back after. torch's setting is per thread (torch 2.13 on); a
+    process-wide one (torch before it) is emulated by replacing torch's getter and setter, which
+    ``torch.save`` calls."""
+    import threading
+
+    monkeypatch.setattr(filewrite, "_crc_per_thread", None)  # found out again, for this setting
+    if setting == "process-wide":
+        value = [True]
+        monkeypatch.setattr(torch.serialization, "get_crc32_options", lambda: value[0])
+        monkeypatch.setattr(torch.serialization, "set_crc32_options", lambda on: value.__setitem__(0, on))
+    written = _two_ranks_at_once(tmp_path, threads)
+    if setting == "per thread":  # (process-wide, it stays off until the other write is done too)
+        assert written[0, "setting"] is True and written[1, "setting"] is True
     fresh = []
     probe = threading.Thread(target=lambda: fresh.append(torch.serialization.get_crc32_options()))
     probe.start()
@@ -178,38 +190,13 @@ def test_a_write_from_a_thread_whose_crc_is_off_leaves_every_thread_as_it_was(tm
     """The first write of a process comes from a thread that had turned torch's CRC off for itself
     while another thread writes at the same time: neither computes the zip CRC-32, and each
     thread's setting is what it was before (off here, on there)."""
-    import threading
-
     monkeypatch.setattr(filewrite, "_crc_per_thread", None)
-    state = _state()
-    state["model"]["big"] = torch.randn(1 << 20)
-    plan, _, owned, slots, nbytes, objects = _plan_and_stage(state, tmp_path)
-    staged = {**map_slots(owned.path, nbytes, slots), **objects}
-    start, written, errors = threading.Barrier(2, timeout=60), {}, []
-
-    def write(rank: int) -> None:
-        try:
-            out = tmp_path / f"rank{rank}"
-            out.mkdir()
-            start.wait()
-            written[rank] = write_rank_files(out, plan, StagedPlanner(staged).resolve_data, 1)
-            written[rank, "setting"] = torch.serialization.get_crc32_options()
-        except BaseException as exc:  # raised on the test's thread below
-            errors.append(exc)
-
     torch.serialization.set_crc32_options(False)  # this thread's own (torch 2.13: per thread)
     try:
-        other = threading.Thread(target=write, args=(1,))
-        other.start()
-        write(0)
-        other.join()
-        assert not errors, errors
-        assert written[0, "setting"] is False and written[1, "setting"] is True
-        for rank in (0, 1):
-            assert set(_zip_crcs(tmp_path / f"rank{rank}", written[rank].results)) == {0}, rank
+        written = _two_ranks_at_once(tmp_path, 1, rank0_here=True)
     finally:
         torch.serialization.set_crc32_options(True)
-        owned.remove()
+    assert written[0, "setting"] is False and written[1, "setting"] is True
 
 
 FAILING_WRITE = """
