@@ -282,13 +282,15 @@ def _conversion_path_problem(args: argparse.Namespace) -> str | None:
         problem = object_store_problem(uri, {})
         if problem:
             return problem
+    for named, local in ((source, source), (f"{flag} {out}", out)):
+        problem = None if "://" in local else home_problem(local)
+        if problem:
+            return f"{named}: {problem}"
     if "://" not in source:  # (an object store's paths are checked when the conversion opens them)
         try:
             path = Path(source).expanduser()
             special = path.exists() and not (path.is_file() or path.is_dir())
             not_dir = path.exists() and not path.is_dir()
-        except RuntimeError:  # pathlib's word for a ~ it cannot expand
-            return f"{source}: {home_problem(source)}"
         except OSError as exc:  # a name too long, a directory on the way that cannot be searched
             return f"{source}: cannot be read ({exc.strerror or exc}); pass a path you can read"
         if special:
@@ -297,8 +299,6 @@ def _conversion_path_problem(args: argparse.Namespace) -> str | None:
             return f"{source}: not a directory; pass a step directory (.../step-00000040) or a job's checkpoint root"
     if "://" in out:
         return None
-    if home_problem(out):
-        return f"{flag} {out}: {home_problem(out)}"
     problem = writable_dir_problem(Path(out).expanduser())
     return f"{flag} {out}: {problem}; pass a new directory in a writable place" if problem else None
 
