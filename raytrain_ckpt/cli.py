@@ -65,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``raytrain-ckpt`` and ``python -m raytrain_ckpt``."""
     args = _parser().parse_args(argv)
+    _file_uris_as_paths(args)
     if args.command in ("export", "import"):
         return _convert(args)
     if args.command == "clean-buffers":
@@ -269,6 +270,19 @@ def _conversion_os_error(args: argparse.Namespace, exc: OSError) -> int:
     else:
         print(f"error: {args.command}: {exc.filename or out}: {exc.strerror or exc}", file=sys.stderr)
     return EXIT_FAILED
+
+
+_PATH_ARGS = ("ckpt", "out", "file", "to", "dir", "step_dir")
+"""The arguments that name a checkpoint, a step or an output: a path or an object-store URI."""
+
+
+def _file_uris_as_paths(args: argparse.Namespace) -> None:
+    """``file:///x`` on the command line is the local path ``/x``, as in a spec's checkpoint.dir:
+    every check and command after this sees the path."""
+    for name in _PATH_ARGS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value.startswith("file://"):
+            setattr(args, name, value.removeprefix("file://"))
 
 
 def _conversion_path_problem(args: argparse.Namespace) -> str | None:

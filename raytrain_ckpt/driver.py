@@ -29,7 +29,9 @@ class ResourceError(ValueError):
 
 
 def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
-    """Run ``spec`` to completion on the Ray cluster at ``address`` (None: start a local one).
+    """Run ``spec`` to completion on the Ray cluster at ``address`` (None: the cluster this
+    process belongs to, a submitted job's or the one RAY_ADDRESS or `ray start` names, else a
+    local one started here; "local": always a local one).
 
     An already initialised Ray (tests, notebooks) is reused as it is.
     """
@@ -37,7 +39,7 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
     if started_here:
         _init_ray(address)
     try:
-        _check_resources(spec, fixed_size=address in (None, "local"))
+        _check_resources(spec, fixed_size=_local_ray())
         install_dashboard()
         logger.info("job %s: %d workers, dp_shard %d, pp %d, spec %s", spec.name, spec.world_size, spec.dp_size,
                     spec.parallelism.pp, spec.spec_hash())
@@ -121,10 +123,10 @@ def _warn_failed_saves(checkpoints: dict) -> None:
 
 
 def _init_ray(address: str | None) -> None:
-    # Workers start in Ray's session directory; putting the driver's working directory (and the
-    # spec file's, which the CLI added) on their path lets a user factory 'mypkg.models:build'
-    # import the same way it does for the driver.
-    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    # A worker's working directory is not the driver's; putting the driver's (and the spec
+    # file's, which the CLI added) on their path, as absolute paths, lets a user factory
+    # 'mypkg.models:build' import the same way it does for the driver.
+    path = _worker_path()
     if address != "local" and (_SUBMITTED_JOB in os.environ or (address or "").startswith("ray://")):
         # `ray job submit`: the job's runtime_env (working_dir) places the code; a Ray Client
         # driver's paths are its own machine's, which mean nothing on the cluster
@@ -134,7 +136,9 @@ def _init_ray(address: str | None) -> None:
         # A cluster started before this driver (an address, or the one `ray start` recorded on this
         # machine): its processes never see this one's environment, so the path goes in the job's
         # runtime_env (where the directories exist on a node, its workers import from them), ahead
-        # of the PYTHONPATH the node's processes were started with (Ray expands ${...} on the node).
+        # of the PYTHONPATH the node's processes were started with (Ray expands ${...} on the node;
+        # where the node has none, the empty entry left behind puts the worker's own working
+        # directory on its path, after every directory named here).
         env = {"PYTHONPATH": os.pathsep.join((path, "${PYTHONPATH}"))}
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
         return
@@ -151,6 +155,22 @@ def _init_ray(address: str | None) -> None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved
+
+
+def _worker_path() -> str:
+    """The driver's working directory and PYTHONPATH, every entry absolute: a worker resolves a
+    relative entry against its own working directory, not the driver's."""
+    entries = [os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return os.pathsep.join(dict.fromkeys(os.path.abspath(e) for e in entries if e))
+
+
+def _local_ray() -> bool:
+    """Whether the Ray this process is connected to was started by it: a local cluster that
+    cannot grow, so a spec asking for more than it has fails at once instead of waiting."""
+    from ray._private import worker
+
+    node = getattr(worker, "_global_node", None)  # a Ray Client driver has none: a remote cluster
+    return bool(getattr(node, "head", False))
 
 
 _SUBMITTED_JOB = "RAY_JOB_CONFIG_JSON_ENV_VAR"

@@ -405,11 +405,13 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 def _plain(t: torch.Tensor) -> bool:
     """Whether ``t``'s bytes in memory are its values, in order: a contiguous dense CPU tensor with
     bytes of its own, without a lazy conjugate or negation bit. A subclass (a wrapper such as a
-    quantised parameter's local shard, whose ``data_ptr`` is 0 or not its values) and a tensor
-    without bytes (empty, or an efficient zero tensor) go through ``copy_``, which knows them."""
+    quantised parameter's local shard, whose ``data_ptr`` is 0 or not its values), a tensor
+    without bytes (empty, or an efficient zero tensor), a quantized tensor (its values are its
+    bytes and its quantizer's scale, which ``copy_`` copies too) and a nested one go through
+    ``copy_``, which knows them."""
     return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.layout == torch.strided
-            and t.is_contiguous() and not t.is_conj() and not t.is_neg() and not t._is_zerotensor()
-            and t.nbytes > 0 and t.data_ptr() != 0)
+            and not t.is_quantized and not t.is_nested and t.is_contiguous() and not t.is_conj()
+            and not t.is_neg() and not t._is_zerotensor() and t.nbytes > 0 and t.data_ptr() != 0)
 
 
 class StagedPlanner(DefaultSavePlanner):

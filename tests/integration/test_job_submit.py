@@ -224,8 +224,9 @@ class Tiny(nn.Module):
 
 def build(dim=16):
     import rtc_cluster_side  # on the PYTHONPATH the cluster's processes were started with, not the driver's
+    import rtc_relative  # on the driver's PYTHONPATH, as a path relative to the driver's working directory
 
-    return Tiny(rtc_cluster_side.dim(dim))
+    return Tiny(rtc_cluster_side.dim(rtc_relative.dim(dim)))
 """
 
 
@@ -233,7 +234,8 @@ def test_run_joins_a_started_cluster_and_its_ranks_import_a_factory_beside_the_s
     """`run` without --address on a machine where a cluster runs (RAY_ADDRESS, or the one `ray
     start` recorded) joins it; its workers started before the driver, so the spec file's
     directory and the driver's PYTHONPATH reach them only through the job's runtime_env, and the
-    PYTHONPATH the cluster was started with stays theirs too (the factory imports from both)."""
+    PYTHONPATH the cluster was started with stays theirs too (the factory imports from both); a
+    relative entry of the driver's PYTHONPATH means the driver's directory on every node."""
     project = tmp_path / "project"
     project.mkdir()
     (project / "rtc_beside_the_spec.py").write_text(USER_FACTORY)
@@ -245,8 +247,10 @@ resources: {{num_workers: 2, cpus_per_worker: 1}}
 checkpoint: {{enabled: true, dir: {tmp_path / "ckpt"}, interval_steps: 3}}
 """)
     elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    env = dict(head.env, RAY_ADDRESS=f"127.0.0.1:{head.port}")
+    (elsewhere / "relative-site").mkdir(parents=True)
+    (elsewhere / "relative-site" / "rtc_relative.py").write_text(CLUSTER_SIDE)
+    env = dict(head.env, RAY_ADDRESS=f"127.0.0.1:{head.port}",
+               PYTHONPATH=os.pathsep.join(["relative-site", head.env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     done = subprocess.run([sys.executable, "-m", "raytrain_ckpt", "run", str(spec)], env=env, cwd=elsewhere,
                           capture_output=True, text=True, timeout=150)
     out = done.stdout + done.stderr
@@ -257,6 +261,28 @@ checkpoint: {{enabled: true, dir: {tmp_path / "ckpt"}, interval_steps: 3}}
     code, body = head.get("/api/jobs/")
     assert code == 200 and any(j.get("type") == "DRIVER" and j.get("status") == "SUCCEEDED"
                                for j in json.loads(body)), body[-2000:]
+
+
+def test_a_joined_cluster_may_grow_so_a_spec_larger_than_it_waits(head, tmp_path):
+    """Joined without --address (RAY_ADDRESS), as with --address: the cluster may be autoscaled, so
+    a spec asking for more CPUs than it has now waits start_timeout_s for it to grow instead of
+    failing at once as it does on a local Ray this driver started."""
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"""name: larger-than-the-cluster
+model: {{name: debug}}
+training: {{steps: 2, global_batch_size: 4, micro_batch_size: 1, seq_len: 8}}
+resources: {{num_workers: {HEAD_CPUS + 2}, cpus_per_worker: 1}}
+checkpoint: {{enabled: false}}
+fault_tolerance: {{max_restarts: 0, start_timeout_s: 2}}
+""")
+    env = dict(head.env, RAY_ADDRESS=f"127.0.0.1:{head.port}")
+    done = subprocess.run([sys.executable, "-m", "raytrain_ckpt", "run", str(spec)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=150)
+    out = done.stdout + done.stderr
+    assert done.returncode not in (0, 2), out[-4000:]  # not a usage error: the cluster might have grown
+    assert f"{HEAD_CPUS + 2:g} CPU needed, {HEAD_CPUS:g} in the cluster" in out, out[-4000:]
+    assert "waiting up to fault_tolerance.start_timeout_s for the cluster to grow" in out, out[-4000:]
+    assert f"could not reserve {HEAD_CPUS + 2} x {{'CPU': 1.0}} within 2s" in out, out[-4000:]
 
 
 def test_the_head_stops_with_nothing_left(head):

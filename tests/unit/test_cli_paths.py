@@ -83,6 +83,12 @@ CASES = [
     ("validate_dir_unknown_home", ["validate", str(REPO / "jobs" / "llama_debug_fsdp.yaml"), "--set",
                                    "checkpoint.dir=~rtc-no-such-user/c"], 2,
      "checkpoint.dir=~rtc-no-such-user/c: ~rtc-no-such-user names no user"),
+    # file:// is a local path, as in a spec
+    ("ls_file_uri_unknown_home", ["ls", "file://~rtc-no-such-user/c"], 2, "names no user"),
+    ("export_file_uri_out_unknown_home", ["export", "file://{ckpt}", "--out", "file://~rtc-no-such-user/o"], 2,
+     "names no user"),
+    ("import_file_uri_to_dev_null", ["import", "file://{weights}", "--to", "file:///dev/null"], 2,
+     "exists and is not a directory"),
     ("ls_name_too_long", ["ls", "{tmp}/" + "x" * 300], 2, "File name too long"),
     ("verify_name_too_long", ["verify", "{tmp}/" + "x" * 300 + "/step-00000001"], 2, "File name too long"),
     ("status_name_too_long", ["status", "{tmp}/" + "x" * 300], 2, "File name too long"),
@@ -127,6 +133,10 @@ def test_torch_export_of_a_damaged_shard_fails_cleanly(paths, tmp_path):
 def test_export_of_a_good_step_still_works(paths, tmp_path):
     proc = _cli("export", paths["ckpt"], "--format", "torch", "--out", tmp_path / "out")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    listed = _cli("ls", f"file://{paths['ckpt']}")  # file:// names the same local root
+    assert listed.returncode == 0 and "step-00000000" in listed.stdout, listed.stderr[-3000:]
+    checked = _cli("verify", f"file://{paths['step']}")
+    assert checked.returncode == 0 and "VALID" in checked.stdout, checked.stderr[-3000:]
     state = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
     assert torch.equal(state["b"], torch.load(paths["weights"], weights_only=True)["b"])
 

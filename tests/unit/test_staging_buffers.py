@@ -403,3 +403,22 @@ def test_the_staging_copy_leaves_tensors_without_bytes_of_their_own_to_copy() ->
     copy_bytes(into, values)
     assert torch.equal(into.inner, values)
     copy_bytes(torch.empty(0, 4), torch.empty(0, 4))
+
+
+def test_the_staging_copy_copies_a_quantized_tensors_scale_and_a_nested_ones_parts() -> None:
+    """Tensors whose values are not just their bytes go through ``copy_``: a quantized one's bytes
+    alone would read back at the destination's scale."""
+    import torch
+
+    from raytrain_ckpt.checkpoint.staging import _plain, copy_bytes
+
+    src = torch.quantize_per_tensor(torch.tensor([1.0, 2.0, 3.0, 4.0]), 0.1, 0, torch.qint8)
+    dst = torch.quantize_per_tensor(torch.zeros(4), 0.5, 3, torch.qint8)
+    assert not _plain(src) and not _plain(dst)
+    copy_bytes(dst, src)
+    assert torch.equal(dst.dequantize(), src.dequantize())
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    into = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    assert not _plain(nested)
+    copy_bytes(into, nested)
+    assert all(torch.equal(a, b) for a, b in zip(into.unbind(), nested.unbind()))
