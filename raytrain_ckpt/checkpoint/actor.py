@@ -14,7 +14,6 @@ import contextlib
 import copy
 import json
 import logging
-import os
 import time
 import uuid
 from collections import Counter
@@ -33,7 +32,7 @@ from raytrain_ckpt.checkpoint.layout import (LEFTOVER_GRACE_S, CheckpointLayout,
                                              LeftoverWatch, Manifest, Verify)
 from raytrain_ckpt.checkpoint.leases import LeaseFiles, purge_lock
 from raytrain_ckpt.checkpoint.dcp_storage import dcp_writer
-from raytrain_ckpt.checkpoint.storage import is_uri
+from raytrain_ckpt.checkpoint.storage import is_uri, replace_file
 from raytrain_ckpt.checkpoint.retention import RetentionPolicy
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
@@ -165,9 +164,7 @@ class CheckpointActor:
         if not self.layout.atomic:  # one PUT replaces the object atomically
             await asyncio.to_thread(storage.write_bytes, storage.join(self.layout.root, GROUP_FILE), text.encode())
             return
-        tmp = Path(self.layout.root) / f"{GROUP_FILE}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, Path(self.layout.root) / GROUP_FILE)
+        await asyncio.to_thread(replace_file, Path(self.layout.root) / GROUP_FILE, text.encode())
 
     def _load_group(self) -> None:
         storage = self.layout.storage

@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from raytrain_ckpt.checkpoint.formats import (ConversionError, hf_config, hf_name, lazy_tensor,
                                               plan_shards, safetensors_header, stream_torch_save)
-from raytrain_ckpt.checkpoint.layout import (CheckpointLayout, InvalidCheckpoint, Manifest, Verify, fsync_dir,
+from raytrain_ckpt.checkpoint.layout import (MANIFEST, CheckpointLayout, InvalidCheckpoint, Manifest, Verify, fsync_dir,
                                              parse_entry, step_name)
 from raytrain_ckpt.checkpoint.metadata import SafeLoadPlanner, empty_safe_planner, safe_reader
 from raytrain_ckpt.checkpoint.storage import Location, StorageUnavailable, is_uri, open_storage, parent_of
@@ -132,8 +132,15 @@ def resolve_step(ckpt: Location, verify: Verify = "checksum", select: str | None
     return step_dir, manifest
 
 
+def _named_as_given(path: Location) -> Path:
+    """An absolute path whose last name is the one given: a step directory that is a symbolic
+    link is judged by its own name (``step-00000006`` linked to step 2's directory is not step 2)."""
+    p = Path(path).expanduser().absolute()
+    return p.resolve() if p.name in ("", "..") else p.parent.resolve() / p.name
+
+
 def _resolve(ckpt: Location, verify: Verify, select: str | None) -> tuple[Location, Manifest, str]:
-    ckpt = str(ckpt).rstrip("/") if is_uri(ckpt) else Path(ckpt).expanduser().resolve()
+    ckpt = str(ckpt).rstrip("/") if is_uri(ckpt) else _named_as_given(ckpt)
     try:
         storage = open_storage(ckpt)
     except StorageUnavailable as exc:
@@ -376,6 +383,8 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
         ConversionError: Bad arguments or a missing, invalid or torn checkpoint.
     """
     t0 = time.monotonic()
+    if not is_uri(out):
+        _check_out_outside_checkpoints(Path(out))
     step_dir, manifest, why = _resolve(ckpt, verify, select)
     if model_cfg is None and fmt == "hf" and manifest.model is not None:
         model_cfg = _manifest_model(manifest)
@@ -389,6 +398,20 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
     finally:
         if lease is not None:
             lease.__exit__(None, None, None)
+
+
+def _check_out_outside_checkpoints(out: Path) -> None:
+    """An export is never written into a step directory (retention would delete it with the
+    step, and the step would no longer be what its manifest lists) nor as a step-like entry of a
+    checkpoint root (read as a torn save)."""
+    p = _named_as_given(out)
+    for d in p.parents:
+        if (d / MANIFEST).is_file() and parse_entry(d.name) is not None:
+            raise ConversionError(f"--out {out} is inside the step directory {d}; pass a directory outside "
+                                  "every checkpoint (an export never changes a step)")
+    if parse_entry(p.name) is not None and p.parent.is_dir() and CheckpointLayout(p.parent).entries():
+        raise ConversionError(f"--out {out} would be a step entry of the checkpoint root {p.parent}; pass a "
+                              "directory outside it, or another name")
 
 
 def _take_lease(root: Location, step: int) -> FileLease | None:
@@ -445,7 +468,7 @@ def _manifest_model(manifest: Manifest) -> LlamaConfig | None:
     model = manifest.model or {}
     try:
         return describe_model(model.get("name", ""), model.get("overrides") or {})
-    except ValueError as exc:
+    except (ValueError, TypeError, OverflowError) as exc:  # data: any shape of field may be in it
         raise ConversionError(f"step {manifest.step}: the manifest's model {model} is not usable: {exc}; "
                               "pass the job spec with --spec") from None
 

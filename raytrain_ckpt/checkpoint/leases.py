@@ -54,7 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint
-from raytrain_ckpt.checkpoint.storage import Location, Storage, is_uri, object_filesystem, open_storage
+from raytrain_ckpt.checkpoint.storage import (Location, NotOwnFile, Storage, is_uri, object_filesystem, open_own_file,
+                                              open_storage, replace_file)
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +84,12 @@ def purge_lock(root: Location) -> Iterator[None]:
         return
     d = Path(root) / LEASE_DIR
     d.mkdir(parents=True, exist_ok=True)
-    with open(d / ".lock", "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    fd = open_own_file(d / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
 
 
 class LeaseFiles:
@@ -186,13 +187,7 @@ class FileLease:
         if not isinstance(self.path, Path):
             self.storage.write_bytes(self.path, body.encode("utf-8"))  # one PUT: whole or absent
             return
-        tmp = self.path.with_suffix(".tmp")
-        try:
-            tmp.write_text(body, encoding="utf-8")
-        except OSError:  # a full disk: created, not written; leave nothing behind
-            tmp.unlink(missing_ok=True)
-            raise
-        os.rename(tmp, self.path)
+        replace_file(self.path, body.encode("utf-8"))
 
     def _bump(self) -> bool:
         """One heartbeat; False when the lease file is gone (a reader removed it as stale)."""
@@ -253,7 +248,10 @@ def run_lock(root: Location, wait_s: float = 3.0, options: dict[str, Any] | None
     path = Path(str(root).removeprefix("file://")) / RUN_LOCK
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # unbuffered: nothing to flush at close
+        fd = open_own_file(path, os.O_RDWR | os.O_CREAT)  # unbuffered: nothing to flush at close
+    except NotOwnFile as exc:  # planted: the lock's holder line would be written into whatever it names
+        raise RootInUse(f"checkpoint.dir: {path} is {exc.strerror}; a run locks its root only in a file of its "
+                        f"own: remove {path} (the next run creates it)") from None
     except OSError as exc:
         logger.info("checkpoint root %s: not locked for this run (%s)", path.parent, exc)
         yield

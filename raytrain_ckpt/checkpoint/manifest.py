@@ -25,7 +25,7 @@ import os
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import crc32c as _crc32c
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -114,9 +114,9 @@ class Manifest(BaseModel):
     """File name (plain, inside the step directory) -> size and checksum."""
     samples_seen: int = Field(default=0, ge=0)
     tokens_seen: int = Field(default=0, ge=0)
-    wall: dict[str, float] = Field(default_factory=dict)
+    wall: dict[str, Annotated[float, Field(allow_inf_nan=False)]] = Field(default_factory=dict)
     """Timings of the save: stage_s, persist_s, commit_s, total_s."""
-    created_unix: float = 0.0
+    created_unix: float = Field(0.0, allow_inf_nan=False)
     format: int = MANIFEST_FORMAT
     pp_size: int = Field(default=1, ge=1)
     """Pipeline-parallel degree of the saving job (world_size = pp_size x dp_size); 1 in older manifests."""

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint._traverse import set_element
 
-from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, UnsafeCheckpoint
+from raytrain_ckpt.checkpoint.manifest import MANIFEST, InvalidCheckpoint, Manifest, UnsafeCheckpoint
 from raytrain_ckpt.checkpoint.unpickling import allowed_global, check_data_files, refusal, unpickle
 from raytrain_ckpt.events import headline
 
@@ -76,10 +76,23 @@ class _SafeMetadata:
         path = locate(kwargs.get("rank")) if locate is not None else self.fs.concat_path(self.path, ".metadata")
         with self.fs.create_stream(path, "rb") as f:
             metadata = load_metadata(f, str(path))
+        self._check_listed(metadata, str(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+    def _check_listed(self, metadata: Metadata, where: str) -> None:
+        """Every file the metadata makes DCP read is one the step's manifest lists, as the check
+        before loading found (``unpickling.check_metadata_stream``): said again here, on the objects
+        loading built, so that no difference between the two parsers lets unchecked bytes in."""
+        manifest_path = self.fs.concat_path(self.path, MANIFEST)
+        if not self.fs.exists(manifest_path):  # (a step without a manifest is refused before any load)
+            return
+        with self.fs.create_stream(manifest_path, "rb") as f:
+            manifest = Manifest.from_json(f.read().decode("utf-8", errors="replace"))
+        check_data_files(metadata.storage_data, where, set(manifest.files))
 
 
 class SafeFileSystemReader(_SafeMetadata, FileSystemReader):

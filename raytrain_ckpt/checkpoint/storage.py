@@ -23,7 +23,9 @@ import os
 import posixpath
 import random
 import shutil
+import stat
 import threading
+import uuid
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,13 +36,55 @@ from raytrain_ckpt.checkpoint.manifest import _ALGORITHMS, Checksum, checksum_fi
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXTRAS", "Location", "ObjectStorage", "PosixStorage", "Storage", "StorageUnavailable", "checksummed_upload",
-           "home_problem",
+__all__ = ["EXTRAS", "Location", "NotOwnFile", "ObjectStorage", "PosixStorage", "Storage", "StorageUnavailable",
+           "checksummed_upload", "home_problem", "open_own_file", "replace_file",
            "is_transient", "is_uri", "job_root", "local_path", "object_filesystem", "object_store_problem", "open_storage",
            "parent_of", "retry_transient"]
 
 Location = Path | str
 """A path under a storage: a ``Path`` on POSIX storage, a URI string on an object store."""
+
+
+class NotOwnFile(OSError):
+    """A name under a checkpoint root that this code writes is a symbolic link, another name of
+    a file (a hard link: a shard, a user's file) or not a regular file: it is never written
+    through, whoever planted it."""
+
+
+def open_own_file(path: Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open(path, flags)`` for a file under a checkpoint root that this code creates or
+    rewrites in place (locks, a manifest put back): never through a link planted at the name.
+    Raises NotOwnFile for a symbolic link, a file with more than one name, or not a regular file."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotOwnFile(errno.ELOOP, "a symbolic link, which is never written through", str(path)) from None
+        raise
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink <= 1:
+        return fd
+    os.close(fd)
+    what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"a file with {st.st_nlink} names (hard links)"
+    raise NotOwnFile(errno.EPERM, f"{what}, which is never written through", str(path))
+
+
+def replace_file(path: Path, data: bytes, durable: bool = False) -> None:
+    """Replace ``path`` with a file holding ``data``, whole: written under a new name of its own
+    (created exclusively, so no planted link is followed) and renamed over ``path`` (a link at
+    ``path`` is replaced, not followed). ``durable``: fsync the file before the rename."""
+    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: created, not written; leave nothing behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 """URI scheme -> the pip extra that installs its filesystem (``raytrain-ckpt[s3]``)."""
@@ -157,8 +201,11 @@ class PosixStorage:
         return Path(path).read_bytes()
 
     def write_bytes(self, path: Location, data: bytes) -> None:
-        """Write and fsync the file (the caller fsyncs its directory when the name must be durable)."""
-        with open(path, "wb") as f:
+        """Write and fsync the file (the caller fsyncs its directory when the name must be durable);
+        never through a link planted at the name (``open_own_file``)."""
+        fd = open_own_file(Path(path), os.O_WRONLY | os.O_CREAT)
+        with os.fdopen(fd, "wb") as f:
+            f.truncate(0)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -54,13 +54,21 @@ def refusal(module: str, name: str) -> UnsafeCheckpoint:
 
 
 class _StandIn:
-    """An inert object in place of a torch class: takes any arguments and state, runs nothing."""
+    """An inert object in place of a torch class: takes any arguments and state, runs nothing.
+
+    Arguments are noted (``_called_with``), not applied: the real class would apply them, so a
+    check that reads fields must refuse an object built from arguments rather than judge the
+    fields it does not see (DCP pickles its dataclasses without any: a new object, then state)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> _StandIn:
-        return object.__new__(cls)
+        obj = object.__new__(cls)
+        if args or kwargs:
+            obj.__dict__["_called_with"] = True
+        return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        if args or kwargs:
+            self.__dict__["_called_with"] = True
 
     def __setstate__(self, state: Any) -> None:
         # Kept as plain data (never called or resolved) so that checks can read the file names
@@ -119,6 +127,9 @@ def check_metadata_stream(f: BinaryIO, name: str, files: Collection[str] | None 
     top = unpickle(_CheckingUnpickler(f), name)
     if type(top).__name__ != "torch.distributed.checkpoint.metadata.Metadata":
         raise InvalidCheckpoint(f"{name} holds a {type(top).__name__}, not DCP Metadata")
+    if vars(top).get("_called_with"):
+        raise InvalidCheckpoint(f"{name} builds its Metadata by calling it with arguments, which DCP never writes "
+                                "(its fields could not be checked)")
     check_data_files(vars(top).get("storage_data"), name, files)
 
 
@@ -136,6 +147,9 @@ def check_data_files(storage_data: Any, name: str, files: Collection[str] | None
         raise InvalidCheckpoint(f"{name} has no map of its data files (storage_data is "
                                 f"{type(storage_data).__name__})")
     for info in storage_data.values():
+        if vars(info).get("_called_with") if isinstance(info, _StandIn) else False:
+            raise InvalidCheckpoint(f"{name} builds a data entry by calling it with arguments, which DCP never "
+                                    "writes (its file could not be checked)")
         path = getattr(info, "relative_path", None)
         if not isinstance(path, str):
             raise InvalidCheckpoint(f"{name} has a data entry without a file name")

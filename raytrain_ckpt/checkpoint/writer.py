@@ -38,7 +38,7 @@ from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, probe_name
 from raytrain_ckpt.checkpoint.replica import ReplicaEndpoint
 from raytrain_ckpt.checkpoint.staging import (StagedPlanner, StageProgress, StagingAborted, TensorSlot, allocate_buffer,
                                               layout_key, map_whole, populate_range, views_of)
-from raytrain_ckpt.checkpoint.storage import is_transient, is_uri, object_filesystem, retry_transient
+from raytrain_ckpt.checkpoint.storage import is_transient, is_uri, object_filesystem, replace_file, retry_transient
 from raytrain_ckpt.checkpoint.upload import is_s3, upload_rank_files
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
@@ -169,11 +169,7 @@ class CheckpointWriter(ReplicaEndpoint):
         node_id = ray.get_runtime_context().get_node_id()
         path = Path(local) / probe_name(node_id, nonce)
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            path.write_text(node_id, encoding="ascii")
-        except OSError:  # a full disk: created, not written; leave nothing behind
-            path.unlink(missing_ok=True)
-            raise
+        replace_file(path, node_id.encode("ascii"))
         return NodeProbe(node_id, ray.util.get_node_ip_address(), path.name)
 
     def remove_probe(self, name: str) -> None:

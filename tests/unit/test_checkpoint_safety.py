@@ -103,6 +103,32 @@ def test_a_moved_aside_step_is_listed_and_never_loaded(tmp_path: Path) -> None:
         export_checkpoint(aside, tmp_path / "out", "torch", "fp32")
 
 
+def test_a_step_name_linked_to_another_step_is_judged_by_its_own_name(tmp_path: Path) -> None:
+    """``step-00000006`` as a symbolic link to step 2's directory holds step 2's manifest: it is not
+    step 6, for export as for verify; the root given through a link of its own still works."""
+    root = tmp_path / "job"
+    _real_step(root, 2)
+    os.symlink(root / "step-00000002", root / "step-00000006")
+    with pytest.raises(ConversionError, match="manifest of step 2"):
+        export_checkpoint(root / "step-00000006", tmp_path / "out", "torch", "fp32")
+    assert verify_step(root / "step-00000006")
+    os.symlink(root, tmp_path / "linked-root")
+    assert export_checkpoint(tmp_path / "linked-root" / "step-00000002", tmp_path / "out", "torch", "fp32").step == 2
+
+
+def test_an_export_is_never_written_into_a_step_or_as_a_step_of_a_root(tmp_path: Path) -> None:
+    root = tmp_path / "job"
+    step = _real_step(root, 2)
+    before = {p.name: p.read_bytes() for p in step.iterdir()}
+    for out, needle in ((step / "sub", "inside the step directory"), (root / "step-00000008", "would be a step entry")):
+        with pytest.raises(ConversionError, match=needle):
+            export_checkpoint(root, out, "torch", "fp32")
+        assert not out.exists()
+    assert {p.name: p.read_bytes() for p in step.iterdir()} == before
+    assert [(r.step, r.status) for r in scan(root)] == [(2, "valid")]
+    assert export_checkpoint(root, root / "exports" / "latest", "torch", "fp32").step == 2  # beside the steps: fine
+
+
 # --- the manifest -----------------------------------------------------------------------
 
 _GOOD = {"step": 3, "world_size": 2, "dp_size": 2, "spec_hash": "h",
@@ -133,6 +159,8 @@ def _with(path: str, value: object) -> dict:
     (_with("world_size", 0), "world_size"),
     (_with("spec_hash", 5), "spec_hash"),
     (_with("wall", {"total_s": "fast"}), "wall"),
+    (_with("wall", {"total_s": float("inf")}), "wall.total_s: Input should be a finite number"),
+    (_with("created_unix", float("nan")), "created_unix: Input should be a finite number"),
     (_with("format", 3), "format"),
     (_with("format", None), "format"),
     ({**_GOOD, "unexpected": 1}, "unexpected"),
@@ -174,6 +202,17 @@ def test_new_manifests_record_crc32c(tmp_path: Path) -> None:
     data = json.loads((_commit(CheckpointLayout(tmp_path), 1) / MANIFEST).read_text())
     assert data["format"] == 2
     assert all(set(e) == {"size", "crc32c"} for e in data["files"].values())
+
+
+@pytest.mark.parametrize("model", [{"name": 5}, {"name": "debug", "overrides": [1, 2]}])
+def test_a_manifests_model_of_any_shape_is_a_usage_error_of_export(tmp_path: Path, model: object, capsys) -> None:
+    """The manifest's ``model`` is data: any shape of it gives one error line and exit 2 (pass --spec)."""
+    step = _real_step(tmp_path, 1)
+    _rewrite_manifest(step, model=model)
+    assert main(["export", str(step), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "the manifest's model" in err and "--spec" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("manifest", [[1, 2], {"step": 2, "files": []}, {**_GOOD, "step": 2, "files": {
@@ -287,27 +326,41 @@ def test_crafted_metadata_is_refused_by_export(crafted, capsys) -> None:
     assert export_checkpoint(root, root / "out3", "torch", "fp32").step == 1   # the root: the older, intact step
 
 
-def _point_data_at(step_dir: Path, target: str) -> str:
+class _BuiltByCall:
+    """Pickles as a call of DCP's ``Metadata`` with its fields as arguments (the real class
+    applies them; DCP itself never writes this form)."""
+
+    def __init__(self, md: object) -> None:
+        self.md = md
+
+    def __reduce__(self) -> tuple:
+        import dataclasses
+
+        return type(self.md), tuple(getattr(self.md, f.name) for f in dataclasses.fields(self.md))
+
+
+def _point_data_at(step_dir: Path, target: str, by_call: bool = False) -> str:
     """Rewrite ``.metadata`` (with real DCP classes only) so that one shard's data is read from
     ``target``; the shard leaves the step and the manifest, which records the new ``.metadata``.
-    Returns the shard's name."""
+    ``by_call``: the Metadata is rebuilt by a call with arguments. Returns the shard's name."""
     with open(step_dir / ".metadata", "rb") as f:
         md = pickle.load(f)  # our own fresh import: trusted
     shard = next(info.relative_path for info in md.storage_data.values())
     for info in md.storage_data.values():
         if info.relative_path == shard:
             info.relative_path = target
-    (step_dir / ".metadata").write_bytes(pickle.dumps(md))
+    (step_dir / ".metadata").write_bytes(pickle.dumps(_BuiltByCall(md) if by_call else md))
     files = json.loads((step_dir / MANIFEST).read_text())["files"]
     files.pop(shard)
     _rewrite_manifest(step_dir, files={**files, ".metadata": describe_file(step_dir / ".metadata")})
     return shard
 
 
-@pytest.mark.parametrize("where", ["outside", "unlisted"])
+@pytest.mark.parametrize("where", ["outside", "unlisted", "unlisted-by-call"])
 def test_metadata_that_points_at_unchecked_bytes_is_refused(tmp_path: Path, capsys, where: str) -> None:
     # Every byte a load reads must be a file of the manifest (checksummed): a .metadata that makes
-    # DCP read a file outside the step, or one inside it the manifest does not list, is invalid.
+    # DCP read a file outside the step, or one inside it the manifest does not list, is invalid;
+    # so is one whose Metadata is built by a call (the check cannot read the fields it passes).
     root = tmp_path / "job"
     _real_step(root, 1)
     bad = _real_step(root, 2)
@@ -317,9 +370,10 @@ def test_metadata_that_points_at_unchecked_bytes_is_refused(tmp_path: Path, caps
         shard = _point_data_at(bad, "../../elsewhere/moved.distcp")
         os.rename(bad / shard, outside / "moved.distcp")
     else:
-        shard = _point_data_at(bad, "planted.distcp")
+        shard = _point_data_at(bad, "planted.distcp", by_call=where == "unlisted-by-call")
         os.rename(bad / shard, bad / "planted.distcp")
-    needle = "not a plain name" if where == "outside" else "does not list"
+    needle = {"outside": "not a plain name", "unlisted": "does not list",
+              "unlisted-by-call": "calling it with arguments"}[where]
     with pytest.raises(InvalidCheckpoint, match=needle):
         CheckpointLayout(root).verify(bad, "checksum")
     assert main(["verify", str(bad)]) == 1
@@ -331,9 +385,9 @@ def test_metadata_that_points_at_unchecked_bytes_is_refused(tmp_path: Path, caps
         export_checkpoint(bad, root / "out", "torch", "fp32", verify="checksum")
     assert main(["export", str(bad), "--format", "torch", "--out", str(root / "out2")]) == 2
     assert not (root / "out").exists() and not (root / "out2").exists()
-    if where == "outside":  # the load path itself refuses, whatever verified before
-        with pytest.raises(InvalidCheckpoint, match=needle):
-            SafeFileSystemReader(str(bad)).read_metadata()
+    # the load path itself refuses, whatever verified before
+    with pytest.raises(InvalidCheckpoint, match="not a plain name" if where == "outside" else "does not list"):
+        SafeFileSystemReader(str(bad)).read_metadata()
 
 
 def test_a_non_tensor_entry_that_runs_code_is_refused_on_load(tmp_path: Path) -> None:

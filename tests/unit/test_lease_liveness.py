@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,8 +109,9 @@ def test_heartbeat_bumps_the_beat_and_survives_a_transient_error(tmp_path: Path)
     _commit(CheckpointLayout(tmp_path), 1)
     with FileLease(tmp_path, 1, heartbeat_s=0.01) as lease:
         _until(lambda: lease.beats >= 2, "two heartbeats")
-        blocker = lease.path.with_suffix(".tmp")
-        blocker.mkdir()                                  # a real OSError on every write while it is there
+        blocker = lease.path.parent / ".lock"           # the purge lock every beat takes
+        blocker.unlink()
+        blocker.mkdir()                                  # a real OSError (EISDIR) on every beat while it is there
         _until(lambda: lease.failed_beats >= 1, "a failing beat")
         stuck, failed = lease.beats, lease.failed_beats
         _until(lambda: lease.failed_beats >= failed + 2, "more failing beats")
@@ -201,3 +203,51 @@ def test_a_second_run_on_a_job_root_is_refused_until_the_first_dies(tmp_path: Pa
                 pass
     with run_lock(tmp_path / "other-job", wait_s=0.0), run_lock(root, wait_s=0.0):
         pass                                      # released; other roots never contend
+
+
+def test_a_link_planted_at_the_run_lock_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    """A symbolic or hard link at ``.run.lock`` (to a committed shard, to a user's file) is never
+    written through: the run is refused as a usage error naming the file, the target keeps its bytes."""
+    from raytrain_ckpt.checkpoint.leases import RUN_LOCK, RootInUse, run_lock
+
+    victim = tmp_path / "shard.distcp"
+    victim.write_bytes(b"committed bytes")
+    for kind, plant in (("symbolic link", os.symlink), ("2 names (hard links)", os.link)):
+        root = tmp_path / f"job-{kind.split()[0]}"
+        root.mkdir()
+        plant(victim, root / RUN_LOCK)
+        with pytest.raises(RootInUse, match=rf"{root / RUN_LOCK} is a (file with )?{re.escape(kind)}.*remove"):
+            with run_lock(root, wait_s=0.0):
+                pass
+        assert victim.read_bytes() == b"committed bytes"
+    dangling = tmp_path / "job-dangling"
+    dangling.mkdir()
+    os.symlink(tmp_path / "created-elsewhere", dangling / RUN_LOCK)
+    with pytest.raises(RootInUse):
+        with run_lock(dangling, wait_s=0.0):
+            pass
+    assert not (tmp_path / "created-elsewhere").exists()
+
+
+def test_files_the_root_holds_are_replaced_or_refused_never_written_through_a_link(tmp_path: Path) -> None:
+    """``replace_file`` (the group file, leases, probes) replaces a link planted at the name
+    instead of following it; ``open_own_file`` (the purge lock, a manifest put back) refuses one."""
+    from raytrain_ckpt.checkpoint.leases import purge_lock
+    from raytrain_ckpt.checkpoint.storage import NotOwnFile, PosixStorage, replace_file
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"committed bytes")
+    root = tmp_path / "job"
+    (root / "leases").mkdir(parents=True)
+    os.symlink(victim, root / ".group.json")
+    replace_file(root / ".group.json", b"{}")
+    assert not (root / ".group.json").is_symlink() and (root / ".group.json").read_bytes() == b"{}"
+    assert sorted(p.name for p in root.iterdir()) == [".group.json", "leases"]  # no temporary left behind
+    os.symlink(victim, root / "leases" / ".lock")
+    with pytest.raises(NotOwnFile, match="symbolic link"):
+        with purge_lock(root):
+            pass
+    os.link(victim, root / "MANIFEST.json")
+    with pytest.raises(NotOwnFile, match="hard links"):
+        PosixStorage().write_bytes(root / "MANIFEST.json", b"{}")
+    assert victim.read_bytes() == b"committed bytes"
