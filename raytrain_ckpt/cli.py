@@ -153,12 +153,12 @@ def _run(spec: JobSpec, address: str | None) -> int:
     from raytrain_ckpt.checkpoint.leases import RootInUse
     from raytrain_ckpt.checkpoint.probe import StorageNotShared
     from raytrain_ckpt.checkpoint.service import ResumeRefused
-    from raytrain_ckpt.driver import ResourceError
+    from raytrain_ckpt.driver import ClusterUnreachable, ResourceError
 
     setup_logging()
     try:
         result = api.run(spec, address=address)
-    except (ResourceError, StorageNotShared, ResumeRefused, RootInUse) as exc:
+    except (ResourceError, ClusterUnreachable, StorageNotShared, ResumeRefused, RootInUse) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:  # Ctrl-C: committed steps are on storage; the local Ray stops at exit

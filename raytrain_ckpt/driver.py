@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import ray
 
@@ -13,6 +14,7 @@ from raytrain_ckpt.checkpoint.storage import job_root
 from raytrain_ckpt.checkpoint.summary import failed_saves_text
 from raytrain_ckpt.controller import Controller, JobResult, JobState
 from raytrain_ckpt.dashboard import install_dashboard
+from raytrain_ckpt.events import headline
 from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.group import RayWorkerGroup
 from raytrain_ckpt.metrics import ControllerMetrics
@@ -21,11 +23,21 @@ from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ResourceError", "run_job"]
+__all__ = ["ClusterUnreachable", "ResourceError", "run_job"]
 
 
 class ResourceError(ValueError):
     """The spec asks for more than a cluster that cannot grow has."""
+
+
+class ClusterUnreachable(ValueError):
+    """The Ray cluster to join (``--address``, RAY_ADDRESS, or the one `ray start` recorded on
+    this machine) cannot be parsed or does not answer: a usage error, said before Ray's own
+    client retries it for minutes."""
+
+
+_ADDRESS_HINT = ("pass the address `ray start --head` printed (host:6379), ray://host:10001 for Ray Client, or "
+                 "--address local to start a Ray here")
 
 
 def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
@@ -130,9 +142,12 @@ def _init_ray(address: str | None) -> None:
     if address != "local" and (_SUBMITTED_JOB in os.environ or (address or "").startswith("ray://")):
         # `ray job submit`: the job's runtime_env (working_dir) places the code; a Ray Client
         # driver's paths are its own machine's, which mean nothing on the cluster
-        ray.init(address=address, log_to_driver=True)
+        _connect(address or os.environ.get("RAY_ADDRESS"), lambda: ray.init(address=address, log_to_driver=True))
         return
-    if address != "local" and (address is not None or _cluster_to_join()):
+    target = address if address != "local" and address is not None else None
+    if address is None:
+        target = _cluster_to_join()
+    if target is not None:
         # A cluster started before this driver (an address, or the one `ray start` recorded on this
         # machine): its processes never see this one's environment, so the path goes in the job's
         # runtime_env (where the directories exist on a node, its workers import from them), ahead
@@ -140,7 +155,7 @@ def _init_ray(address: str | None) -> None:
         # where the node has none, the empty entry left behind puts the worker's own working
         # directory on its path, after every directory named here).
         env = {"PYTHONPATH": os.pathsep.join((path, "${PYTHONPATH}"))}
-        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+        _connect(target, lambda: ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True))
         return
     # A local Ray started here (no cluster to join, or "local"): the path goes in the environment
     # its processes inherit, not in a runtime_env: with a runtime_env every worker process is
@@ -177,15 +192,34 @@ _SUBMITTED_JOB = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 """Set by Ray's job supervisor for a submitted job's entrypoint (ray._private.runtime_env.constants)."""
 
 
-def _cluster_to_join() -> bool:
-    """Whether ``ray.init()`` without an address joins a running cluster (RAY_ADDRESS, or the
-    one `ray start` recorded on this machine) rather than starting one: Ray's own rule."""
+def _cluster_to_join() -> str | None:
+    """The cluster ``ray.init()`` without an address joins (RAY_ADDRESS, or the one `ray start`
+    recorded on this machine), or None when it starts one: Ray's own rule."""
     from ray._private import services
 
     try:
-        return services.canonicalize_bootstrap_address(None) is not None
+        return services.canonicalize_bootstrap_address(None)
+    except ValueError as exc:  # RAY_ADDRESS that is not an address
+        raise ClusterUnreachable(f"RAY_ADDRESS={os.environ.get('RAY_ADDRESS', '')!r}: {exc}; {_ADDRESS_HINT}") from None
     except Exception:  # noqa: BLE001 - a Ray without this helper: ray.init decides, with the path in the environment
-        return False
+        return None
+
+
+def _connect(target: str | None, init: Callable[[], object]) -> None:
+    """``init()`` (a ``ray.init`` joining ``target``) after checking that something answers
+    there; a target that does not, or that Ray refuses, is a ClusterUnreachable."""
+    from raytrain_ckpt.inspect import unreachable_address
+
+    named = target if target is not None else "auto"
+    if "RAY_ADDRESS" in os.environ and target == os.environ["RAY_ADDRESS"]:
+        named = f"RAY_ADDRESS={target}"
+    problem = unreachable_address(target) if target else None
+    if problem:
+        raise ClusterUnreachable(f"Ray cluster {named}: {problem}; {_ADDRESS_HINT}")
+    try:
+        init()
+    except (ValueError, ConnectionError) as exc:
+        raise ClusterUnreachable(f"Ray cluster {named}: {headline(str(exc))}; {_ADDRESS_HINT}") from None
 
 
 def _check_resources(spec: JobSpec, fixed_size: bool) -> None:

@@ -149,7 +149,7 @@ def live_status(job: str, address: str | None) -> dict[str, Any]:
 
     if not ray.is_initialized():
         target = address or os.environ.get("RAY_ADDRESS") or "auto"
-        problem = _unreachable(target)
+        problem = unreachable_address(target)
         if problem:
             raise UsageError(f"--job {job}: cannot reach a Ray cluster at {target} ({problem}); start one, "
                              "or pass --address / RAY_ADDRESS")
@@ -167,11 +167,11 @@ def live_status(job: str, address: str | None) -> dict[str, Any]:
 
 
 CONNECT_TIMEOUT_S = 5.0
-"""How long ``status --job`` waits for a TCP connection to an explicit Ray address: Ray's own
-client retries an address where nothing answers for minutes."""
+"""How long ``status --job`` and ``run`` wait for a TCP connection to an explicit Ray address:
+Ray's own client retries an address where nothing answers for minutes."""
 
 
-def _unreachable(target: str) -> str | None:
+def unreachable_address(target: str) -> str | None:
     """Why nothing accepts connections at a ``host:port`` (or ``ray://host:port``) address, or None.
     ``auto`` and other forms are left to Ray, which finds a local cluster itself."""
     import socket

@@ -4,7 +4,8 @@
 
 - a path or ``file://...``: ``PosixStorage``: rename is atomic, files and directories are
   fsynced. The commit protocol built on it is "write a temporary directory, rename it".
-- ``s3://``, ``gs://``, ``memory://`` and any other fsspec protocol: ``ObjectStorage``. An
+- ``s3://``, ``gs://`` and ``memory://`` (the schemes a job spec accepts; the commands read
+  any fsspec protocol): ``ObjectStorage``. An
   object store has no rename and no directories (a "directory" is a key prefix), but a PUT is
   atomic and durable once it returns. The commit protocol built on it is "write the objects in
   place, the manifest last". Filesystem packages are optional extras: a missing one is a
@@ -267,7 +268,7 @@ def _filesystem(uri: str, options: dict[str, Any]) -> Any:
         raise StorageUnavailable(f"{uri}: the {scheme}:// filesystem is not installed ({exc}); {hint}") from None
     except ValueError as exc:
         raise StorageUnavailable(f"{uri}: unknown storage scheme {scheme}:// ({exc}); use a local path, "
-                                 "s3://, gs:// or another fsspec protocol") from None
+                                 "s3://bucket/prefix or gs://bucket/prefix") from None
     except TypeError as exc:
         raise StorageUnavailable(f"checkpoint.storage_options: not accepted by the {scheme}:// filesystem ({exc})") \
             from None

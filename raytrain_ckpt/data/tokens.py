@@ -74,7 +74,11 @@ def _open_shard(path: Path, dtype: np.dtype) -> np.ndarray:
         return _random_access(arr)
     if path.suffix != ".bin":
         raise ValueError(f"token shard {str(path)!r}: expected a .bin or .npy file")
-    size = path.stat().st_size
+    try:
+        size = path.stat().st_size
+    except OSError as exc:  # a shard meta.json lists, removed since
+        raise ValueError(f"token shard {str(path)!r} cannot be read ({exc.strerror or exc}); restore it, or "
+                         "rerun `raytrain-ckpt prepare-data`") from None
     if size % dtype.itemsize:
         raise ValueError(f"token shard {str(path)!r} has {size} bytes, not a multiple of {dtype.itemsize} "
                          f"(data.dtype={dtype.name}); the shard was written with another dtype: set data.dtype")
@@ -96,11 +100,24 @@ def _random_access(arr: np.ndarray) -> np.ndarray:
 
 
 def read_meta(path: Path) -> dict[str, Any] | None:
-    """The ``meta.json`` next to the shards (the directory itself, or a single shard's parent)."""
+    """The ``meta.json`` next to the shards (the directory itself, or a single shard's parent).
+
+    Raises:
+        ValueError: It is unreadable, not JSON, or not an object of the fields prepare-data writes.
+    """
     meta = (path if path.is_dir() else path.parent) / META_FILE
     if not meta.is_file():
         return None
-    return json.loads(meta.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{meta} is unreadable ({exc}); rerun `raytrain-ckpt prepare-data` into a new "
+                         "directory") from None
+    shards = data.get("shards", {}) if isinstance(data, dict) else None  # name -> tokens (a list in older ones)
+    if not isinstance(shards, (dict, list)) or not all(isinstance(n, str) and n and "/" not in n for n in shards):
+        raise ValueError(f"{meta} is not what prepare-data writes (an object whose shards are file names); "
+                         "rerun `raytrain-ckpt prepare-data` into a new directory")
+    return data
 
 
 class TokenCorpus:

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 __all__ = ["PRESETS", "LlamaConfig"]
 
+_MAX_DIM = 2**31 - 1
+"""The largest size a shape field may have."""
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -65,10 +68,13 @@ class LlamaConfig:
                 raise ValueError(f"LlamaConfig.{name} must be an integer, got {value!r}")
             if value <= 0:
                 raise ValueError(f"LlamaConfig.{name} must be positive, got {value}")
+            if value > _MAX_DIM:  # a tensor dimension torch indexes with 32 bits at most
+                raise ValueError(f"LlamaConfig.{name} must be at most {_MAX_DIM}, got {value}")
         for name in ("norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"LlamaConfig.{name} must be a positive number, got {value!r}")
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf")
+                    or (isinstance(value, int) and value > _MAX_DIM)):
+                raise ValueError(f"LlamaConfig.{name} must be a positive finite number, got {value!r}")
         if self.dim % self.n_heads != 0:
             raise ValueError(
                 f"LlamaConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"

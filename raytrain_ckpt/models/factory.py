@@ -49,6 +49,12 @@ def resolve_factory(path: str, kind: str = "model factory") -> Callable[..., Any
         raise ValueError(f"{kind} {path!r}: {_FORMAT_HINT}")
     try:
         module = importlib.import_module(module_name)
+    except SystemExit as exc:  # a script's sys.exit / argparse at import time: not ours to end the process
+        raise ValueError(
+            f"{kind} {path!r}: importing module {module_name!r} exits the process (SystemExit({exc.code!r})); "
+            "a factory's module must not run a program when it is imported: put that under "
+            "if __name__ == '__main__':"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - any import-time error is a user error here
         raise ValueError(
             f"{kind} {path!r}: cannot import module {module_name!r} "

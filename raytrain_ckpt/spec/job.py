@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 
 from pydantic import Field, model_validator
 
@@ -129,15 +130,20 @@ def _model_data_problems(spec: JobSpec) -> list[tuple[str, str]]:
     if spec.training.seq_len > cfg.max_seq_len:
         out.append(("training.seq_len", f"{spec.training.seq_len} exceeds the model context {cfg.max_seq_len} "
                     f"of '{spec.model.name}'; lower it or set model.overrides.max_seq_len"))
-    if spec.data.source == "tokens":
-        from raytrain_ckpt.data.tokens import TokenCorpus  # numpy and torch: only for token jobs
+    bos = spec.data.bos_id
+    if spec.data.source == "tokens" and bos is not None and bos >= cfg.vocab_size:
+        out.append(("data.bos_id", f"{bos} is outside the model vocabulary (vocab_size {cfg.vocab_size}); use the "
+                    "tokenizer's BOS id, below vocab_size, or raise model.overrides.vocab_size"))
+    elif spec.data.source == "tokens":
+        from raytrain_ckpt.data.tokens import CorpusWindows, TokenCorpus  # numpy and torch: only for token jobs
 
-        # Opening the shards is cheap (a stat and a memory map each) and catches a wrong dtype
-        # or a tokenizer larger than the model before any worker starts.
+        # Opening the shards is cheap (a stat and a memory map each) and catches a wrong dtype,
+        # a tokenizer larger than the model or a corpus shorter than one sample before any
+        # worker starts.
         for name, path in (("data.path", spec.data.path), ("data.eval_path", spec.data.eval_path)):
             try:
                 if path is not None:
-                    TokenCorpus(path, spec.data.dtype, cfg.vocab_size)
+                    CorpusWindows(TokenCorpus(path, spec.data.dtype, cfg.vocab_size), spec.training.seq_len, bos)
             except ValueError as exc:
                 out.append((name, str(exc)))
     if spec.data.source == "text" and cfg.vocab_size < 256:
@@ -213,11 +219,13 @@ def _keep_best_problems(spec: JobSpec) -> list[tuple[str, str]]:
     if cfg.interval_steps == "auto":  # the interval may come to any length, 1 included: some step can rank
         return []
     every = spec.eval.every_steps if best.metric == "eval_loss" and spec.eval else spec.training.log_every_steps
-    last = spec.training.steps
-    saves = set(range(cfg.interval_steps, last + 1, cfg.interval_steps)) if cfg.interval_steps else set()
-    if cfg.save_final:
-        saves.add(last)
-    if cfg.interval_seconds is None and not any(s % every == 0 or s == last for s in saves):
+    last, interval = spec.training.steps, cfg.interval_steps
+    # A save ranks when it falls on a recording step or is the last step. Saves fall on the
+    # multiples of the interval up to the last step (and on the last with save_final); the first
+    # multiple of both the interval and the recording period is their lcm (counted, not listed:
+    # training.steps may be in the billions).
+    rankable = cfg.save_final or (bool(interval) and (last % interval == 0 or math.lcm(interval, every) <= last))
+    if cfg.interval_seconds is None and not rankable:
         knob = "eval.every_steps" if best.metric == "eval_loss" else "training.log_every_steps"
         return [("checkpoint.keep_best.metric", f"{best.metric} is recorded every {every} steps ({knob}) but no save "
                  f"step (checkpoint.interval_steps={cfg.interval_steps}) falls on one, so no step could rank; make "

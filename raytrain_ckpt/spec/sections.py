@@ -6,6 +6,7 @@ sections live with ``JobSpec`` in ``job.py``.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -80,6 +81,10 @@ class ModelSpec(_Section):
             raise FieldProblems([("overrides", str(exc))]) from None
         return self
 
+
+MAX_SECONDS = 1e9
+"""The longest duration a spec field may give (about 31 years): a timer longer than this is
+never what is meant, and Python's waits and timedeltas refuse ones much longer."""
 
 _BUILTIN_SOURCES = ("synthetic", "text", "tokens")
 
@@ -349,11 +354,32 @@ class ResourcesSpec(_Section):
         return self
 
 
+_STORES = ("s3", "s3a", "gs", "gcs", "memory")
+"""URI schemes a checkpoint or export may name (memory:// only where one process is all there is)."""
+_MANGLED_URI = re.compile(r"^(s3a?|gs|gcs|file):/?(?!/)", re.IGNORECASE)
+_ENV_VAR = re.compile(r"\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")
+
+
 def _path_or_uri(value: Path | str) -> Path | str:
-    """A URI stays a string (Path would fold "s3://" to "s3:/"); anything else is a local path."""
-    if is_uri(str(value)):
-        return str(value)
-    return _known_home(Path(str(value).removeprefix("file://")))
+    """A URI stays a string (Path would fold "s3://" to "s3:/"); anything else is a local path.
+    A scheme no store here speaks, a URI missing a slash, and a ``$VARIABLE`` (a spec expands
+    none) are refused rather than taken as a literal local directory."""
+    text = str(value)
+    if is_uri(text):
+        scheme = text.split("://", 1)[0]
+        if scheme not in _STORES:
+            raise ValueError(f"{scheme}:// is not a store checkpoints can live on; use a local or shared file "
+                             "system path, s3://bucket/prefix or gs://bucket/prefix")
+        return text
+    mangled = _MANGLED_URI.match(text)
+    if mangled:
+        scheme = mangled.group(1)
+        raise ValueError(f"looks like a {scheme}:// URI missing a slash; write {scheme}://{text[mangled.end():]}")
+    variable = _ENV_VAR.search(text)
+    if variable:
+        raise ValueError(f"{variable.group(0)} is not expanded (a spec reads paths as written); write the path out, "
+                         "or start it with ~ for the home directory")
+    return _known_home(Path(text.removeprefix("file://")))
 
 
 def _known_home(path: Path) -> Path:
@@ -411,7 +437,7 @@ class CheckpointSpec(_Section):
     """async: stage into shared memory, write in the background, training goes on; sync: training waits for the commit."""
     interval_steps: int | Literal["auto"] | None = 50  # >= 1: _interval_hint
     """Save every this many steps; auto: choose the interval from the measured cost of a save and the failure rate (Young-Daly, see fault_tolerance.expected_mtbf_s); null saves only on interval_seconds / save_final."""
-    interval_seconds: float | None = Field(None, gt=0)
+    interval_seconds: float | None = Field(None, gt=0, le=MAX_SECONDS)
     """Also save when this much time passed since the last save; null turns the time trigger off."""
     keep_latest_k: int | None = Field(3, ge=1)
     """Keep the newest k committed steps (plus keep_every_n_steps); null keeps every step."""
@@ -427,11 +453,11 @@ class CheckpointSpec(_Section):
     """A save due while the previous one is still writing: wait for it (training stalls), or skip this save (logged)."""
     verify_on_load: Literal["size", "checksum"] = "checksum"
     """Before loading: check every file's size and checksum against the manifest (reads every file, CRC-32C at several GB/s), or sizes only (a flipped bit is then loaded). A restart that loads from the in-memory copies checks their checksums instead and reads only sizes from storage."""
-    commit_timeout_s: float = Field(600.0, gt=0)
+    commit_timeout_s: float = Field(600.0, gt=0, le=MAX_SECONDS)
     """How long a synchronous or final save waits for its commit before the job fails."""
-    settle_timeout_s: float = Field(60.0, gt=0)
+    settle_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS)
     """Before a restart (and when a failed job ends): how long to wait for steps that every rank handed to a writer to commit; a step still unfinished then is aborted. A step whose writer is known dead or restarted (it no longer holds a rank's hand-off, or its node is dead) is aborted at once: this bounds only a writer that is alive but stuck, or does not answer."""
-    leftover_grace_s: float = Field(3600.0, gt=0)
+    leftover_grace_s: float = Field(3600.0, gt=0, le=MAX_SECONDS)
     """An uncommitted step (shards without a manifest on an object store, a .tmp- directory on a file system) that no save of this job is writing and that stayed unchanged this long is removed while the job runs (at start, every leftover is removed at once)."""
     writer_threads: int = Field(1, ge=1, le=64)
     """I/O threads per rank in the node's checkpoint writer."""
@@ -505,30 +531,30 @@ DEFAULT_MTBF_S = 86400.0
 class FaultToleranceSpec(_Section):
     max_restarts: int = Field(0, ge=0)
     """Times the whole worker group is rebuilt after a worker failure or hang before the job fails (within failure_window_s, if set)."""
-    failure_window_s: float | None = Field(None, gt=0)
+    failure_window_s: float | None = Field(None, gt=0, le=MAX_SECONDS)
     """Count only failures within this many seconds against max_restarts; null counts every failure of the job."""
     retry_on: list[Literal["crash", "exception", "hang", "start"]] = Field(
         default_factory=lambda: ["crash", "exception", "hang", "start"])
     """Failures that restart the group: crash (a rank's process or node died), exception (a rank raised), hang, start (the group could not be placed or formed). Others fail the job at once."""
-    restart_backoff_s: float = Field(0.0, ge=0)
+    restart_backoff_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
     """Wait this long after tearing a failed group down before building the next one."""
-    hang_timeout_s: float = Field(600.0, gt=0)
+    hang_timeout_s: float = Field(600.0, gt=0, le=MAX_SECONDS)
     """A running group that completes no step for this long is treated as hung and torn down; also the timeout of every collective (at least join_timeout_s)."""
-    start_timeout_s: float = Field(300.0, gt=0)
+    start_timeout_s: float = Field(300.0, gt=0, le=MAX_SECONDS)
     """Time allowed for resources to be placed and the process group to form."""
-    join_timeout_s: float | None = Field(None, gt=0)
+    join_timeout_s: float | None = Field(None, gt=0, le=MAX_SECONDS)
     """How long a rank waits at the rendezvous for the others: a rank that never joins is named after this (below start_timeout_s). Also the floor of every collective's timeout, which leaves a loaded machine room when hang_timeout_s is short. null: 60 s, or half of start_timeout_s if that is less."""
-    placement_timeout_s: float = Field(60.0, gt=0)
+    placement_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS)
     """With resources.min_workers: how long to wait for the full group before shrinking it."""
-    poll_interval_s: float = Field(1.0, gt=0)
+    poll_interval_s: float = Field(1.0, gt=0, le=MAX_SECONDS)
     """How often the driver polls worker progress (the hang check). A crash or an exception is seen at once, not at the next poll."""
     reuse_workers: bool = True
     """After a crash or exception on a node that is still alive: keep the placement group and the surviving ranks' processes for the restart and replace only the dead ranks (false: rebuild every process)."""
     spare_workers: int = Field(1, ge=0, le=64)
     """Idle worker processes (torch already imported, no Ray resources held) kept ready to replace a crashed rank on their node; CPU jobs with max_restarts > 0 and reuse_workers only. With checkpointing and a built-in model, each spare also holds about one rank's optimizer state of host memory, touched ahead so that a takeover's load does not wait for fresh pages. 0: start replacements on demand."""
-    drain_timeout_s: float = Field(5.0, gt=0)
+    drain_timeout_s: float = Field(5.0, gt=0, le=MAX_SECONDS)
     """With reuse_workers: how long surviving ranks get to leave the failed step and release their process group before they are killed and replaced instead."""
-    expected_mtbf_s: float | None = Field(None, gt=0)
+    expected_mtbf_s: float | None = Field(None, gt=0, le=MAX_SECONDS)
     """With checkpoint.interval_steps=auto: the prior mean time between failures in seconds, counted as one failure observed and blended with the failures the job sees; null: 86400 (one day)."""
 
     @model_validator(mode="after")

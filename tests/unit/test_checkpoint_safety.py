@@ -204,7 +204,8 @@ def test_new_manifests_record_crc32c(tmp_path: Path) -> None:
     assert all(set(e) == {"size", "crc32c"} for e in data["files"].values())
 
 
-@pytest.mark.parametrize("model", [{"name": 5}, {"name": "debug", "overrides": [1, 2]}])
+@pytest.mark.parametrize("model", [{"name": 5}, {"name": "debug", "overrides": [1, 2]},
+                                   {"name": "debug", "overrides": {"dim": 10 ** 30}}])
 def test_a_manifests_model_of_any_shape_is_a_usage_error_of_export(tmp_path: Path, model: object, capsys) -> None:
     """The manifest's ``model`` is data: any shape of it gives one error line and exit 2 (pass --spec)."""
     step = _real_step(tmp_path, 1)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +15,12 @@ import pytest
 import yaml
 from tokenizers import Tokenizer
 
+import raytrain_ckpt
+from raytrain_ckpt import prepare
 from raytrain_ckpt.cli import main
 from raytrain_ckpt.data import TokenCorpus, build_data
+
+ROOT = Path(raytrain_ckpt.__file__).resolve().parents[1]
 
 DOCS = ["The quick brown fox jumps over the lazy dog. " * 20,
         "Checkpoints are data; job specs are code. " * 15,
@@ -77,6 +84,10 @@ def test_jsonl_field_and_parquet_column(tmp_path):
     (["--field", "nope"], "a.jsonl:1: no string field 'nope'; pick the text field with --field"),
     ([], "give --tokenizer PATH/tokenizer.json, or --vocab-size N"),
     (["--vocab-size", "100"], "--vocab-size 100: a byte-level BPE needs at least 257"),
+    (["--vocab-size", "99999999999999999999999"], "--vocab-size 99999999999999999999999: too large, token ids "
+                                                  "are stored as uint32; give at most 4294967296"),
+    (["--workers", "0"], "--workers 0: must be >= 1"),
+    (["--tokenizer", "t.json", "--vocab-size", "300"], "--tokenizer and --vocab-size: give one"),
 ])
 def test_user_mistakes_are_one_line_and_exit_2(tmp_path, capsys, args, expected):
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
@@ -117,3 +128,127 @@ def test_validate_refuses_a_model_vocab_smaller_than_the_tokenizer(tmp_path, tex
     data = build_data(source="tokens", path=out, dtype="uint16", eval_path=None, eval_fraction=0.2, bos_id=None,
                       kwargs={}, seq_len=16, seed=0, vocab_size=300)
     assert data.train.sample(0).shape == (17,) and data.eval is not None
+
+
+# --- mistakes found before any work, and bad input files: one line, exit 2, nothing left behind ---------
+
+def _cli(*args: str, cwd: Path) -> list[str]:
+    """Run the real CLI in a fresh process; returns its stderr lines that are not log lines,
+    after checking for the one exit-2 ``error:`` line the contract promises."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "raytrain_ckpt", "prepare-data", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if " INFO " not in line]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes()) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def tokenizer(tmp_path: Path, texts: Path) -> Path:
+    out = tmp_path / "tok"
+    assert main(["prepare-data", str(texts), "--out", str(out), "--vocab-size", "300", "--workers", "1"]) == 0
+    return out / "tokenizer.json"
+
+
+@pytest.mark.parametrize("out,expected", [
+    ("taken.txt", "--out taken.txt: exists and is not a directory"),
+    ("/dev/null/x", "--out /dev/null/x: /dev/null is a file, so nothing can be created under it"),
+    ("/proc/tok", "--out /proc/tok: "),  # root may write /proc, yet nothing can be made there
+    ("~nosuchuser4711/out", "--out ~nosuchuser4711/out: ~nosuchuser4711 names no user of this machine; "
+                            "write the path out in full"),
+])
+def test_an_out_that_cannot_be_a_directory_is_refused_before_any_work(tmp_path, texts, out, expected):
+    if out.startswith("/") and not Path(out).parent.exists():
+        pytest.skip(f"{Path(out).parent} is not on this machine")
+    (tmp_path / "taken.txt").write_text("mine")
+    before = _snapshot(tmp_path)
+    [line] = _cli(str(texts), "--out", out, "--vocab-size", "300", "--workers", "1", cwd=tmp_path)
+    assert expected in line and ("; give" in line or "; write" in line), line
+    assert _snapshot(tmp_path) == before  # the file is untouched and no `~nosuchuser4711` directory was made
+
+
+def test_a_tokenizer_that_is_not_a_tokenizer_file_is_refused_and_not_copied(tmp_path, texts):
+    (tmp_path / "notes.txt").write_text("not JSON at all\n")
+    [line] = _cli(str(texts), "--out", "out", "--tokenizer", "notes.txt", "--workers", "1", cwd=tmp_path)
+    assert line.startswith("error: --tokenizer notes.txt: not a Hugging Face tokenizers file (") and \
+        "; give the tokenizer.json" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_holding_files_prepare_data_did_not_write_is_left_untouched(tmp_path, texts, tokenizer):
+    model = tmp_path / "model"  # a model directory: its own tokenizer.json and meta.json
+    model.mkdir()
+    (model / "tokenizer.json").write_text('{"version": "1.0", "model": "theirs"}')
+    (model / "meta.json").write_text('{"model_type": "llama"}')
+    before = _snapshot(model)
+    [line] = _cli(str(texts), "--out", str(model), "--tokenizer", str(tokenizer), "--workers", "1", cwd=tmp_path)
+    assert f"--out {model}: holds files prepare-data did not write (meta.json, tokenizer.json); " \
+           "give a new or empty directory" in line, line
+    assert _snapshot(model) == before
+
+
+def _bad_jsonl(path: Path) -> None:
+    path.write_bytes(json.dumps({"text": "fine"}).encode() + b'\n{"text": "caf\xe9"}\n')
+
+
+def _parquet_of_ints(path: Path) -> None:
+    pq.write_table(pa.table({"text": [1, 2, 3]}), path)
+
+
+@pytest.mark.parametrize("how", ["given", "trained"])
+@pytest.mark.parametrize("name,write,expected", [
+    ("bad.jsonl", _bad_jsonl, "bad.jsonl:2: not UTF-8 (byte 0xe9 at column 14); save the file as UTF-8"),
+    ("text.parquet", lambda p: p.write_text("plain text, renamed\n"), "text.parquet: not a readable Parquet file ("),
+    ("ints.parquet", _parquet_of_ints, "ints.parquet: column 'text' holds int64, not strings; "
+                                       "pick the text column with --column"),
+])
+def test_a_bad_input_file_is_named_and_leaves_no_temporary_files(tmp_path, texts, tokenizer, how, name, write,
+                                                                 expected):
+    """Given a tokenizer, the bad file fails in a worker process; training, in this one."""
+    write(texts / name)
+    out = tmp_path / "out"
+    flags = ["--tokenizer", str(tokenizer)] if how == "given" else ["--vocab-size", "300"]
+    [line] = _cli(str(texts), "--out", str(out), *flags, "--workers", "2", cwd=tmp_path)
+    assert expected in line, line
+    if how == "given":  # finished shards are kept for the rerun; no half-written one is
+        assert not [p.name for p in out.iterdir() if ".tmp-" in p.name]
+    else:  # it failed before anything was written: no empty directory either
+        assert not out.exists()
+
+
+def test_a_rerun_with_another_vocab_size_trains_again(tmp_path, texts):
+    out = tmp_path / "out"
+    args = ["prepare-data", str(texts), "--out", str(out), "--workers", "1"]
+    assert main([*args, "--vocab-size", "300"]) == 0
+    assert json.loads((out / "meta.json").read_text())["vocab_size"] == 300
+    assert main([*args, "--vocab-size", "1000"]) == 0  # more than these documents can fill: they give 346
+    meta = json.loads((out / "meta.json").read_text())
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert 300 < meta["vocab_size"] == tok.get_vocab_size(with_added_tokens=True)
+    for i, doc in enumerate(DOCS):
+        assert _decode(out, f"0000{i}-doc{i}.bin") == [doc]
+    done = _snapshot(out)
+    assert main([*args, "--vocab-size", "1000"]) == 0  # the same request again: nothing is redone
+    assert main(args) == 0  # no tokenizer flag: the kept one is used
+    again = _snapshot(out)
+    assert {k: v for k, v in again.items() if k != "meta.json"} == {k: v for k, v in done.items() if k != "meta.json"}
+
+
+def test_workers_are_capped_at_the_number_of_input_files(tmp_path, texts, monkeypatch):
+    sizes: list[int] = []
+
+    class Recording(prepare.ProcessPoolExecutor):
+        def __init__(self, max_workers: int) -> None:
+            sizes.append(max_workers)
+            super().__init__(max_workers=max_workers)
+
+    monkeypatch.setattr(prepare, "ProcessPoolExecutor", Recording)
+    assert main(["prepare-data", str(texts / "doc0.txt"), "--out", str(tmp_path / "out"), "--vocab-size", "300",
+                 "--workers", "40"]) == 0
+    assert sizes == [1]
+    assert _decode(tmp_path / "out", "00000-doc0.bin") == [DOCS[0]]

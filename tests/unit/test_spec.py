@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,7 +153,16 @@ BAD = [
     ("checkpoint_dir_not_writable", {"checkpoint": {"enabled": True, "dir": "/proc/self/ckpt"}},
      "checkpoint.dir=/proc/self/ckpt: /proc/self is not writable"),
     ("checkpoint_dir_unknown_scheme", {"checkpoint": {"enabled": True, "dir": "nosuch://bucket/ckpt"}},
-     "checkpoint.dir=nosuch://bucket/ckpt: unknown storage scheme nosuch://"),
+     "checkpoint.dir=nosuch://bucket/ckpt: nosuch:// is not a store checkpoints can live on"),
+    # an fsspec protocol that is no object store: refused before any connection is tried
+    ("checkpoint_dir_ftp", {"checkpoint": {"enabled": True, "dir": "ftp://host/x"}},
+     "checkpoint.dir=ftp://host/x: ftp:// is not a store checkpoints can live on; use a local"),
+    ("checkpoint_dir_uri_missing_a_slash", {"checkpoint": {"enabled": True, "dir": "s3:/bucket/ck"}},
+     "checkpoint.dir=s3:/bucket/ck: looks like a s3:// URI missing a slash; write s3://bucket/ck"),
+    ("checkpoint_dir_env_var", {"checkpoint": {"enabled": True, "dir": "$HOME/ck"}},
+     "checkpoint.dir=$HOME/ck: $HOME is not expanded"),
+    ("final_export_dir_env_var", {"checkpoint": {"enabled": True, "dir": "@TMP/ck", "final_export": {
+        "format": "torch", "dir": "${OUT}/x"}}}, "checkpoint.final_export.dir=${OUT}/x: ${OUT} is not expanded"),
     # fsspec's memory:// is one process's: the actor, writers and ranks would each see their own store
     ("checkpoint_dir_memory", {"checkpoint": {"enabled": True, "dir": "memory://ckpt"}},
      "checkpoint.dir=memory://ckpt: memory:// is a store inside one process"),
@@ -167,7 +177,10 @@ BAD = [
     ("data_dir_without_text", {"data": {"source": "text", "path": "@TMP/empty_dir"}},
      "data.path=@TMP/empty_dir: directory @TMP/empty_dir has no text files"),
     # parameters + gradients + AdamW state of a 10-billion-token vocabulary fit no host
-    ("model_too_large", {"model": {"overrides": {"vocab_size": 10**10}}}, "model.name: 'debug' needs about"),
+    ("model_too_large", {"model": {"overrides": {"vocab_size": 2 * 10**9}}}, "model.name: 'debug' needs about"),
+    ("model_dim_past_int32", {"model": {"overrides": {"n_layers": 10**310}}}, "model.overrides: preset 'debug'"),
+    ("hang_timeout_past_a_timer", {"fault_tolerance": {"hang_timeout_s": 1e15}},
+     "fault_tolerance.hang_timeout_s=1000000000000000.0: must be <= 1000000000"),
 ]
 
 
@@ -197,7 +210,7 @@ def test_bad_spec_names_the_field(tmp_path, patch, expected):
     assert any(p.startswith(expected) for p in info.value.problems), info.value.problems
 
 
-CLI_CASES = ["steps_bool", "lr_inf", "seed_past_int64", "resume_unicode_digit", "checkpoint_dir_dev_null",
+CLI_CASES = ["checkpoint_dir_ftp", "steps_bool", "lr_inf", "seed_past_int64", "resume_unicode_digit", "checkpoint_dir_dev_null",
              "data_dev_zero", "model_too_large", "checkpoint_dir_null", "negative_steps", "keep_latest_k_negative",
              "checkpoint_dir_memory"]
 
@@ -252,6 +265,39 @@ def test_alias_bomb_deep_file_and_fifo_through_the_real_cli(tmp_path):
         proc = _cli("validate", path)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert len(proc.stderr.splitlines()) == 1 and expected in proc.stderr
+
+
+@pytest.mark.parametrize("body", ["import sys\nsys.exit()\n", "import sys\nsys.exit(3)\n",
+                                  "import argparse\nargparse.ArgumentParser().parse_args(['--lr'])\n"])
+def test_a_factory_module_that_exits_when_imported_is_a_usage_error(tmp_path, body):
+    """A script's sys.exit or argument parsing at import time would end validate and run silently
+    (exit 0: nothing trained): it is one error line naming model.name, exit 2."""
+    (tmp_path / "rtc_exits.py").write_text("def build(**kw):\n    pass\n" + body)
+    spec = tmp_path / "job.yaml"
+    spec.write_text('name: t\nmodel: {name: "rtc_exits:build"}\n')
+    proc = _cli("validate", spec)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "model.name" in errors[0] and "exits the process" in errors[0], proc.stderr
+
+
+def test_a_token_corpus_shorter_than_a_sample_or_a_bos_past_the_vocabulary_fails_validate(tmp_path):
+    """Found by `validate` (one line each), not by every rank of every attempt at run time."""
+    import numpy as np
+
+    (tmp_path / "c").mkdir()
+    np.arange(10, dtype=np.uint16).tofile(tmp_path / "c" / "shard.bin")
+    base = _merge(BASE, {"model": {"overrides": {"vocab_size": 512}}, "training": {"seq_len": 16},
+                         "data": {"source": "tokens", "path": str(tmp_path / "c")}})
+    with pytest.raises(SpecError) as info:
+        load_spec(_write(tmp_path, base))
+    assert any(p.startswith("data.path") and "fewer than one sample of 17" in p for p in info.value.problems)
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "c" / "shard.bin")
+    load_spec(_write(tmp_path, base))
+    with pytest.raises(SpecError) as info:
+        load_spec(_write(tmp_path, _merge(base, {"data": {"bos_id": 100000}})))
+    assert any(p.startswith("data.bos_id") and "outside the model vocabulary (vocab_size 512)" in p
+               for p in info.value.problems), info.value.problems
 
 
 def test_override_values_are_bounded_too(tmp_path):
@@ -471,3 +517,30 @@ def test_a_merge_key_may_be_overridden_in_its_mapping(tmp_path):
 def test_the_rendezvous_timeout_defaults_below_the_starts(tmp_path, start, join, effective):
     ft = {"start_timeout_s": start} | ({"join_timeout_s": join} if join is not None else {})
     assert load_spec(_write(tmp_path, _merge(BASE, {"fault_tolerance": ft}))).fault_tolerance.join_s == effective
+
+
+@pytest.mark.parametrize(("steps", "interval", "log_every", "save_final", "rankable"), [
+    (100, 10, 10, False, True),     # every save is a log step
+    (100, 7, 10, False, True),      # 70 is both
+    (60, 7, 10, False, False),      # 70 is past the last step; 60 is not a save
+    (70, 7, 10, False, True),       # the last step is a save
+    (65, 7, 10, True, True),        # save_final saves the last step, which always ranks
+    (65, 7, 10, False, False),
+    (999_983 * 1_000_003 - 1, 999_983, 1_000_003, False, False),  # primes: their first common step is one past
+    (999_983 * 1_000_003, 999_983, 1_000_003, False, True),
+])
+def test_keep_best_needs_a_save_that_can_rank_counted_not_listed(tmp_path, steps, interval, log_every, save_final,
+                                                                 rankable):
+    """A save ranks on a step its metric is recorded at or on the last step; whether one exists
+    is arithmetic, so a billion-step job validates at once (listing the saves took minutes and
+    gigabytes)."""
+    data = _merge(BASE, {"training": {"steps": steps, "log_every_steps": log_every},
+                         "checkpoint": {"enabled": True, "interval_steps": interval, "save_final": save_final,
+                                        "keep_best": {"metric": "loss"}}})
+    started = time.monotonic()
+    if rankable:
+        load_spec(_write(tmp_path, data))
+    else:
+        with pytest.raises(SpecError, match="no save step .* falls on one"):
+            load_spec(_write(tmp_path, data))
+    assert time.monotonic() - started < 5

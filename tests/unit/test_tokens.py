@@ -128,6 +128,23 @@ def test_meta_dtype_and_vocab_mismatch_are_refused(tmp_path: Path) -> None:
         TokenCorpus(tmp_path / "c", "uint16", 1000)
 
 
+@pytest.mark.parametrize("meta", ["[1, 2]", "{not json", '{"shards": "x.bin"}', '{"shards": {"../up.bin": 5}}'])
+def test_a_damaged_meta_json_is_refused_with_the_fix(tmp_path: Path, meta: str) -> None:
+    _shards(tmp_path / "c", [100])
+    (tmp_path / "c" / META_FILE).write_text(meta)
+    with pytest.raises(ValueError, match=r"meta.json is (unreadable|not what prepare-data writes).*prepare-data"):
+        TokenCorpus(tmp_path / "c", "uint16", 1000)
+
+
+def test_a_shard_meta_json_lists_that_is_gone_is_refused_with_the_fix(tmp_path: Path) -> None:
+    _shards(tmp_path / "c", [100, 100])
+    (tmp_path / "c" / META_FILE).write_text(json.dumps({"dtype": "uint16", "shards": {"shard-000.bin": 100,
+                                                                                      "shard-001.bin": 100}}))
+    (tmp_path / "c" / "shard-001.bin").unlink()
+    with pytest.raises(ValueError, match=r"shard-001.bin' cannot be read \(No such file or directory\); restore it"):
+        TokenCorpus(tmp_path / "c", "uint16", 1000)
+
+
 def test_token_outside_the_vocabulary_is_refused(tmp_path: Path) -> None:
     _shards(tmp_path / "c", [100], vocab=1000)
     src = _data(tmp_path / "c", vocab=50).train
