@@ -82,6 +82,12 @@ class _SpecLoader(yaml.SafeLoader):
         for key, _ in node.value:
             if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
                 continue
+            if key.tag != "tag:yaml.org,2002:str":  # YAML 1.1 reads on/off/yes/no, numbers and null as values
+                where = ".".join([k for k in self._keys if k != "?"] + [key.value])
+                kind = {"bool": "true or false", "int": "a number", "float": "a number", "null": "null"}.get(
+                    key.tag.rsplit(":", 1)[-1], key.tag)
+                raise _Limits(f"{where}: the key {key.value!r} (line {key.start_mark.line + 1}) is read by YAML as "
+                              f"{kind}, not as a name; quote it: '{key.value}':")
             first = seen.setdefault((key.tag, key.value), key)
             if first is not key:
                 where = ".".join([k for k in self._keys if k != "?"] + [key.value])
@@ -316,8 +322,17 @@ def _format_one(loc: list[str], err: dict[str, Any]) -> str:
         return f"{path}: required field is missing"
     if kind == "null_given":
         return f"{path}: null is not a value here; give one, or leave the field out for its default"
+    if path in _FIELD_HINTS and kind in _TYPE_HINTS:
+        return f"{path}={err.get('input')}: {_FIELD_HINTS[path]} (got {type(err.get('input')).__name__})"
     if kind in _TYPE_HINTS:
         return f"{path}={err.get('input')}: {_TYPE_HINTS[kind]} (got {type(err.get('input')).__name__})"
+    if kind in ("model_type", "model_attributes_type"):
+        return (f"{path}={err.get('input')}: must be a section of fields, e.g. {loc[-1] if loc else path}: "
+                f"{{...}}{_suggest(loc + [''], fields_only=True)}")
+    if kind == "dict_type":
+        return f"{path}={err.get('input')}: must be a mapping, e.g. {loc[-1] if loc else path}: {{key: value}}"
+    if kind == "string_pattern_mismatch" and path in _FIELD_HINTS:
+        return f"{path}={err.get('input')}: {_FIELD_HINTS[path]}"
     if kind in _BOUNDS:
         bounds = {**_field_bounds(loc), **(err.get("ctx") or {})}
         msg = _out_of_range(path, kind, {k: int(v) if isinstance(v, float) and v.is_integer() else v
@@ -337,7 +352,16 @@ _TYPE_HINTS = {
     "bool_type": "must be true or false",
     "string_type": "must be text; quote it",
     "finite_number": "must be a finite number (inf and nan are never valid settings); give a number",
+    "tuple_type": "must be a list such as [0.9, 0.95]",
+    "list_type": "must be a list such as [a, b]",
 }
+
+_FIELD_HINTS = {
+    "name": "must be 1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit (it names "
+            "the job's checkpoint directory and its Ray actors)",
+    "checkpoint.resume": "must be latest, none, a step number such as 40, or the path of a step directory",
+}
+"""What a field takes, where the general hint for its type would mislead."""
 
 
 _BOUNDS = {"greater_than": "gt", "greater_than_equal": "ge", "less_than": "lt", "less_than_equal": "le",
@@ -375,15 +399,18 @@ def _field_bounds(loc: list[str]) -> dict[str, Any]:
     return {k: getattr(m, k) for m in field.metadata for k in (*_SYMBOLS, "multiple_of") if hasattr(m, k)}
 
 
-def _suggest(loc: list[str]) -> str:
+def _suggest(loc: list[str], fields_only: bool = False) -> str:
+    """``; did you mean 'x'? (valid fields: ...)`` for the unknown field at ``loc``; with
+    ``fields_only`` just `` (valid fields: ...)`` of the section ``loc[:-1]``."""
     model: type[BaseModel] = JobSpec
     for part in loc[:-1]:
         field = model.model_fields.get(part)
         ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        section = next((t for t in (ann, *get_args(ann)) if isinstance(t, type) and issubclass(t, BaseModel)), None)
+        if section is None:  # (a section that may be null is ``Section | None``)
             return ""
-        model = ann
+        model = section
     names = list(model.model_fields)
-    close = difflib.get_close_matches(loc[-1], names, n=1)
+    close = [] if fields_only else difflib.get_close_matches(loc[-1], names, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return f"{hint} (valid fields: {', '.join(names)})"

@@ -108,7 +108,7 @@ BAD = [
     ("text_without_path", {"data": {"source": "text"}}, "data.path: required when source=text"),
     ("bad_source", {"data": {"source": "parquet"}}, "data.source=parquet: must be synthetic, text, tokens or a dataset factory"),
     ("missing_name", {"name": None}, "name:"),
-    ("bad_name", {"name": "my job!"}, "name=my job!: String should match pattern"),
+    ("bad_name", {"name": "my job!"}, "name=my job!: must be 1 to 64 letters, digits, '_', '.' or '-'"),
     ("bad_precision", {"training": {"mixed_precision": "fp8"}}, "training.mixed_precision=fp8: must be 'auto', 'bf16' or 'fp32'"),
     ("checkpoint_interval_zero", {"checkpoint": {"interval_steps": 0}},
      "checkpoint.interval_steps=0: must be >= 1; use checkpoint.enabled=false"),
@@ -169,7 +169,7 @@ BAD = [
     ("final_export_dir_memory", {"checkpoint": {"enabled": True, "dir": "@TMP/ck", "final_export": {
         "format": "torch", "dir": "memory://out"}}}, "checkpoint.final_export.dir=memory://out: memory:// is a"),
     ("storage_options_not_a_map", {"checkpoint": {"enabled": True, "dir": "s3://b/c", "storage_options": [1]}},
-     "checkpoint.storage_options: Input should be a valid dictionary"),
+     "checkpoint.storage_options=[1]: must be a mapping, e.g. storage_options: {key: value}"),
     ("final_export_dir_is_file", {"checkpoint": {"enabled": True, "dir": "@TMP/ck", "final_export": {
         "format": "torch", "dir": "@TMP/afile"}}}, "checkpoint.final_export.dir=@TMP/afile: exists and is not a"),
     ("data_dev_zero", {"data": {"source": "text", "path": "/dev/zero"}},
@@ -178,6 +178,13 @@ BAD = [
      "data.path=@TMP/empty_dir: directory @TMP/empty_dir has no text files"),
     # parameters + gradients + AdamW state of a 10-billion-token vocabulary fit no host
     ("model_too_large", {"model": {"overrides": {"vocab_size": 2 * 10**9}}}, "model.name: 'debug' needs about"),
+    ("training_not_a_section", {"training": 5}, "training=5: must be a section of fields, e.g. training: {...} "
+                                                "(valid fields: steps,"),
+    ("betas_not_a_list", {"optimizer": {"betas": 0.9}}, "optimizer.betas=0.9: must be a list such as [0.9, 0.95]"),
+    ("keep_best_typo", {"checkpoint": {"keep_best": {"metrc": "loss"}}},
+     "checkpoint.keep_best.metrc: unknown field; did you mean 'metric'? (valid fields: metric, mode, k)"),
+    ("resume_a_float", {"checkpoint": {"resume": 1.5}}, "checkpoint.resume=1.5: must be latest, none, a step number"),
+    ("name_with_a_space", {"name": "bad name!"}, "name=bad name!: must be 1 to 64 letters, digits"),
     ("model_dim_past_int32", {"model": {"overrides": {"n_layers": 10**310}}}, "model.overrides: preset 'debug'"),
     ("hang_timeout_past_a_timer", {"fault_tolerance": {"hang_timeout_s": 1e15}},
      "fault_tolerance.hang_timeout_s=1000000000000000.0: must be <= 1000000000"),
@@ -244,6 +251,10 @@ BAD_FILES = [
     ("json_nan", "job.json", b'{"name": "t", "optimizer": {"lr": NaN}}', "optimizer.lr=nan: must be a finite number"),
     ("toml_inf", "job.toml", b'name = "t"\n[training]\nsteps = inf\n', "training.steps=inf: must be a finite"),
     ("too_big", "job.yaml", b"# " + b"x" * (1 << 21) + b"\n", "more than a job spec's"),
+    ("yaml_key_read_as_bool", "job.yaml", b"name: t\non: 1\n",
+     "on: the key 'on' (line 2) is read by YAML as true or false, not as a name; quote it"),
+    ("yaml_key_read_as_number", "job.yaml", b"name: t\nmodel: {overrides: {1: 2}}\n",
+     "model.overrides.1: the key '1' (line 2) is read by YAML as a number"),
 ]
 
 
