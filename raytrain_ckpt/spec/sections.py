@@ -363,8 +363,17 @@ _ENV_VAR = re.compile(r"\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")
 def _path_or_uri(value: Path | str) -> Path | str:
     """A URI stays a string (Path would fold "s3://" to "s3:/"); anything else is a local path.
     A scheme no store here speaks, a URI missing a slash, and a ``$VARIABLE`` (a spec expands
-    none) are refused rather than taken as a literal local directory."""
+    none) are refused rather than taken as a literal local directory.
+
+    A JSON string may reach here as a Path (``model_validate_json`` on a worker picks the
+    union's first member), its ``s3://`` already folded to ``s3:/``: a Path that reads as a
+    folded URI is the URI; a string that does was typed that way, and is refused."""
     text = str(value)
+    folded = _MANGLED_URI.match(text) if isinstance(value, Path) else None
+    if folded and folded.group(1).lower() == "file":
+        text = text[len("file:"):]  # file:///x folds to file:/x: the local path /x
+    elif folded:
+        text = f"{folded.group(1)}://{text[folded.end():]}"
     if is_uri(text):
         scheme = text.split("://", 1)[0]
         if scheme not in _STORES:

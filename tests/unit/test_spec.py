@@ -555,3 +555,17 @@ def test_keep_best_needs_a_save_that_can_rank_counted_not_listed(tmp_path, steps
         with pytest.raises(SpecError, match="no save step .* falls on one"):
             load_spec(_write(tmp_path, data))
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("where", ["s3://bucket/runs", "gs://bucket/runs", "file:///tmp/rtc-x", "/tmp/rtc-y"])
+def test_a_checkpoint_location_survives_the_json_round_trip_workers_make(where):
+    """Workers rebuild the spec with ``model_validate_json``, where a JSON string may become a Path
+    first (``s3://`` folded to ``s3:/``): the location they see is the driver's."""
+    from raytrain_ckpt.spec import JobSpec
+
+    spec = JobSpec.model_validate({**BASE, "checkpoint": {"enabled": True, "dir": where, "final_export": {
+        "format": "torch", "dir": where + "-export"}}})
+    again = JobSpec.model_validate_json(spec.model_dump_json())
+    assert (again.checkpoint.dir, again.checkpoint.final_export.dir) == (spec.checkpoint.dir,
+                                                                         spec.checkpoint.final_export.dir)
+    assert str(again.checkpoint.dir) == where.removeprefix("file://")
