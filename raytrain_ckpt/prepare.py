@@ -279,13 +279,9 @@ def _write_shard(job: _Job, tok: Any, shard: Path) -> int:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write ``path`` under a temporary name and rename it, so a reader sees the old file or the new one."""
-    tmp = path.with_name(path.name + f"{_TMP}{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    from raytrain_ckpt.checkpoint.storage import replace_file  # (its temporary is ``<name>.tmp-<id>`` too)
+
+    replace_file(path, data)
 
 
 # --- the tokenizer ---------------------------------------------------------------------------------
