@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import ray
 
-from raytrain_ckpt.checkpoint.leases import ObjectRunLock, run_lock
+from raytrain_ckpt.checkpoint.leases import FileRunLock, ObjectRunLock, run_lock
 from raytrain_ckpt.checkpoint.service import CheckpointService
 from raytrain_ckpt.checkpoint.storage import job_root
 from raytrain_ckpt.checkpoint.summary import failed_saves_text
@@ -65,7 +65,7 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
             ray.shutdown()
 
 
-def _run_controller(spec: JobSpec, lock: ObjectRunLock | None = None) -> JobResult:
+def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = None) -> JobResult:
     pool = WorkerPool(spec, fault_env() or None)
     service = CheckpointService(spec, fault_env() or None) if spec.checkpoint.enabled else None
     metrics = ControllerMetrics(spec.name, checkpointing=service is not None)
@@ -75,10 +75,9 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | None = None) -> JobResu
         metrics(ctrl)
         if service is not None:
             service.note_job(ctrl.summary())
-        if lock is not None and lock.lost.is_set():  # two runs training into one root: this one gives way
-            ctrl.stop("checkpoint", f"checkpoint.dir: another run took this job's root over (this driver did not "
-                                    f"renew its run lock {lock.uri} for {lock.ttl_s:.0f} s); this run stopped so "
-                                    "that the two do not mix their steps")
+        problem = lock.lost_problem() if lock is not None else None
+        if problem is not None:  # two runs could train into one root: this one gives way
+            ctrl.stop("checkpoint", problem)
 
     interrupted = False
     try:

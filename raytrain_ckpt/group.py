@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -193,6 +193,9 @@ class RayWorkerGroup:
             # Ray wraps the worker's exception; its cause is the WorkerFailure itself
             cause = getattr(exc, "cause", None) or exc
             raise GroupStartError(f"failed to {what}: {exc}", getattr(cause, "mismatch", None)) from None
+        except RayTaskError as exc:  # anything else a rank raised while starting: a failed start, counted
+            cause = getattr(exc, "cause", None) or exc
+            raise GroupStartError(f"failed to {what}: {type(cause).__name__}: {headline(str(cause))}") from None
 
     def poll(self) -> GroupPoll:
         """Collect finished runs and failures, then read every rank's progress."""

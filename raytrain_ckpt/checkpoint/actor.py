@@ -161,10 +161,19 @@ class CheckpointActor:
         self.world_size, self.dp_size, self.spec_hash, self.model = world_size, dp_size, spec_hash, model
         text = json.dumps({"world_size": world_size, "dp_size": dp_size, "spec_hash": spec_hash, "model": model})
         storage = self.layout.storage
-        if not self.layout.atomic:  # one PUT replaces the object atomically
-            await asyncio.to_thread(storage.write_bytes, storage.join(self.layout.root, GROUP_FILE), text.encode())
-            return
-        await asyncio.to_thread(replace_file, Path(self.layout.root) / GROUP_FILE, text.encode())
+        path = storage.join(self.layout.root, GROUP_FILE)
+        try:
+            if not self.layout.atomic:  # one PUT replaces the object atomically
+                await asyncio.to_thread(storage.write_bytes, path, text.encode())
+            else:
+                await asyncio.to_thread(replace_file, Path(path), text.encode())
+        except Exception as exc:  # noqa: BLE001 - a full disk, a root moved away: the group still starts
+            # The layout is in memory for this actor's life; the file only serves an actor Ray
+            # restarts, which must not read the previous group's layout instead.
+            logger.warning("could not record the group's layout in %s (%s); training goes on, saves fail "
+                           "until the storage takes writes again", path, exc)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(storage.remove_file, path)
 
     def _load_group(self) -> None:
         storage = self.layout.storage

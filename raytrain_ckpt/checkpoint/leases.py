@@ -226,9 +226,35 @@ class RootInUse(ValueError):
     (exit code 2), raised before anything starts."""
 
 
+class FileRunLock:
+    """The run lock on a file system, held by an open descriptor of ``<root>/.run.lock``.
+
+    The kernel's ``flock`` belongs to the file, not to its name: moving the root away, or
+    deleting or replacing the lock file, leaves this run holding a lock no second run sees, and
+    the second run would train into the same root. ``lost_problem`` notices (the name no longer
+    leads to the locked file), and the driver stops this run."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd, self.path = fd, path
+        st = os.fstat(fd)
+        self._identity = (st.st_dev, st.st_ino)
+
+    def lost_problem(self) -> str | None:
+        """Why this run must stop (its root's lock file is no longer the one it holds), or None."""
+        try:
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._identity:
+                return None
+        except OSError:
+            pass
+        return (f"checkpoint.dir: this job's root {self.path.parent} was moved, or its run lock {self.path} removed "
+                "or replaced, while this run trained; a second run could take the root over, so this run stopped "
+                "(put the root back, or run again to resume from the newest valid step under checkpoint.dir)")
+
+
 @contextmanager
 def run_lock(root: Location, wait_s: float = 3.0, options: dict[str, Any] | None = None,
-             ttl_s: float = LEASE_TTL_S, beat_s: float = HEARTBEAT_S) -> Iterator[ObjectRunLock | None]:
+             ttl_s: float = LEASE_TTL_S, beat_s: float = HEARTBEAT_S) -> Iterator[ObjectRunLock | FileRunLock | None]:
     """Held for a whole run: a second run of the same job on the same root is refused.
 
     Two runs at once would interleave their steps under one timeline (the newest step of either
@@ -237,7 +263,8 @@ def run_lock(root: Location, wait_s: float = 3.0, options: dict[str, Any] | None
     deletes the other's steps. On a file system the kernel drops the lock when the holder dies
     however it dies, so a crashed driver never blocks its resubmission (``wait_s`` covers its
     last moments). A root the driver cannot create the file in (its machine does not mount the
-    storage) is not locked. On S3 the lock is an object written with conditional requests
+    storage) is not locked. The lock object's ``lost_problem`` says when the root moved away or
+    its lock file was removed (``FileRunLock``) or another run took an S3 root over. On S3 the lock is an object written with conditional requests
     (``ObjectRunLock``; ``options``: ``checkpoint.storage_options``); other object stores are
     not locked (a warning says so).
     """
@@ -275,7 +302,7 @@ def run_lock(root: Location, wait_s: float = 3.0, options: dict[str, Any] | None
                           f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}".encode(), 0)
         except OSError:
             pass
-        yield
+        yield FileRunLock(fd, path)
     finally:
         os.close(fd)  # drops the lock
 
@@ -439,6 +466,13 @@ class ObjectRunLock:
                      "lock for %.0f s; stopping this run", self._root(), body.get("holder", "unknown"), self.ttl_s)
         self.lost.set()
         return False
+
+    def lost_problem(self) -> str | None:
+        """Why this run must stop (another run took the root over), or None while the lock holds."""
+        if not self.lost.is_set():
+            return None
+        return (f"checkpoint.dir: another run took this job's root over (this driver did not renew its run lock "
+                f"{self.uri} for {self.ttl_s:.0f} s); this run stopped so that the two do not mix their steps")
 
     def release(self, join_s: float = 10.0) -> None:
         self._stop.set()

@@ -15,6 +15,7 @@ from pathlib import Path
 from raytrain_ckpt.models import describe_model
 from raytrain_ckpt.spec.job import JobSpec
 from raytrain_ckpt.spec.memory import MemoryEstimate, memory_estimate
+from raytrain_ckpt.spec.sections import is_ascii_digits
 
 __all__ = [
     "STATE_BYTES_PER_PARAM",
@@ -48,6 +49,16 @@ def environment_problems(spec: JobSpec) -> list[tuple[str, str]]:
         if problem:
             out.append((f"checkpoint.final_export.dir={ckpt.final_export.dir}",
                         f"{problem}; point it at a new or empty directory, or null for <checkpoint.dir>/<name>"))
+    resume = ckpt.resume
+    if resume not in ("latest", "none") and not is_ascii_digits(resume) and "://" not in resume:
+        path = Path(resume)  # (a file's spec had this checked and resolved when it was read)
+        try:
+            found = path.is_dir()
+        except OSError:
+            found = False
+        if not found:
+            out.append((f"checkpoint.resume={resume}", "must be latest, none, a step number, or the path of an "
+                        "existing step directory"))
     out += _memory_problems(spec)
     return out
 

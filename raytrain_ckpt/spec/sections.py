@@ -515,7 +515,9 @@ class CheckpointSpec(_Section):
             return value.rstrip("/")
         path = _known_home(Path(value)).expanduser()
         base = (info.context or {}).get("base_dir")
-        if not path.is_absolute() and base is not None and not _exists(path):
+        if base is None:  # a spec resolved where it entered, validated again (a worker): no disk to ask
+            return str(path)
+        if not path.is_absolute() and not _exists(path):
             path = Path(base) / path
         if not (_exists(path) and path.is_dir()):
             raise ValueError("must be latest, none, a step number, or the path of an existing step directory "

@@ -43,6 +43,24 @@ async def _save(actor: CheckpointActor, step: int, attempt: int = 0) -> str:
     return await actor.report(step, 0, attempt, plan_id, results, files, {"stage_s": 0.0, "persist_s": 0.0})
 
 
+def test_a_group_whose_layout_cannot_be_recorded_still_starts(tmp_path: Path, caplog) -> None:
+    """A full disk or a root moved away makes the group file unwritable (a real OSError here: a
+    directory in its place); a restart's configure must not fail the driver, and no stale layout
+    is left for an actor Ray restarts."""
+    actor = _single_rank_actor(tmp_path, None)
+    (tmp_path / ".group.json").unlink()
+    (tmp_path / ".group.json").mkdir()
+    (tmp_path / ".group.json" / "x").write_text("in the way")
+    asyncio.run(actor.configure(world_size=2, dp_size=2, spec_hash="h2"))
+    assert (actor.world_size, actor.spec_hash) == (2, "h2")
+    assert "could not record the group's layout" in caplog.text
+    shutil.rmtree(tmp_path / ".group.json")
+    moved = CheckpointActor(str(tmp_path / "gone" / "job"), RetentionPolicy(None))
+    shutil.rmtree(tmp_path / "gone")  # the root moved away after the actor started
+    asyncio.run(moved.configure(world_size=1, dp_size=1, spec_hash="h"))
+    assert moved.world_size == 1
+
+
 def _single_rank_actor(root: Path, k: int | None) -> CheckpointActor:
     actor = CheckpointActor(str(root), RetentionPolicy(k))
     asyncio.run(actor.configure(world_size=1, dp_size=1, spec_hash="h"))

@@ -251,3 +251,23 @@ def test_files_the_root_holds_are_replaced_or_refused_never_written_through_a_li
     with pytest.raises(NotOwnFile, match="hard links"):
         PosixStorage().write_bytes(root / "MANIFEST.json", b"{}")
     assert victim.read_bytes() == b"committed bytes"
+
+
+def test_the_run_lock_knows_when_its_root_moved_or_its_file_went(tmp_path: Path) -> None:
+    """An ``flock`` belongs to the file: a root moved away (or its lock file removed or replaced)
+    leaves this run holding a lock a second run never sees. The lock object says so, and a second
+    run is no longer refused, which is why the driver stops the first on it."""
+    from raytrain_ckpt.checkpoint.leases import RUN_LOCK, run_lock
+
+    root = tmp_path / "job"
+    with run_lock(root, wait_s=0.0) as lock:
+        assert lock is not None and lock.lost_problem() is None
+        os.rename(root, tmp_path / "moved")
+        problem = lock.lost_problem()
+        assert problem is not None and f"root {root} was moved" in problem and "stopped" in problem
+        with run_lock(root, wait_s=0.0) as second:  # what the driver stops the first run for
+            assert second.lost_problem() is None
+        assert lock.lost_problem() is not None  # a new root with a new lock file is not this run's
+    with run_lock(root, wait_s=0.0) as lock:
+        (root / RUN_LOCK).unlink()  # removed by hand
+        assert lock.lost_problem() is not None

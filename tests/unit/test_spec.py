@@ -569,3 +569,22 @@ def test_a_checkpoint_location_survives_the_json_round_trip_workers_make(where):
     assert (again.checkpoint.dir, again.checkpoint.final_export.dir) == (spec.checkpoint.dir,
                                                                          spec.checkpoint.final_export.dir)
     assert str(again.checkpoint.dir) == where.removeprefix("file://")
+
+
+def test_a_resume_directory_is_checked_where_the_spec_enters_not_where_it_is_validated_again(tmp_path):
+    """A worker validates the driver's resolved spec again at every start; retention may since have
+    deleted the step named by checkpoint.resume (the run moved on), which must not fail a restart.
+    Where a spec enters (a file, a dict, a JobSpec given to the API) the directory must exist."""
+    from raytrain_ckpt.api import resolve_spec
+    from raytrain_ckpt.spec import JobSpec
+
+    step = tmp_path / "job" / "step-00000050"
+    step.mkdir(parents=True)
+    spec = load_spec(_write(tmp_path, _merge(BASE, {"checkpoint": {"resume": str(step)}})))
+    step.rmdir()  # retention deleted it once newer steps committed
+    again = JobSpec.model_validate_json(spec.model_dump_json())
+    assert again.checkpoint.resume == str(step)
+    with pytest.raises(SpecError, match=r"checkpoint.resume=.*step-00000050: must be latest, none, a step number"):
+        resolve_spec(again)
+    with pytest.raises(SpecError, match="checkpoint.resume="):
+        resolve_spec({**BASE, "checkpoint": {"resume": str(step)}})
