@@ -143,9 +143,7 @@ def _init_ray(address: str | None) -> None:
         # driver's paths are its own machine's, which mean nothing on the cluster
         _connect(address or os.environ.get("RAY_ADDRESS"), lambda: ray.init(address=address, log_to_driver=True))
         return
-    target = address if address != "local" and address is not None else None
-    if address is None:
-        target = _cluster_to_join()
+    target = _cluster_to_join() if address is None else None if address == "local" else address
     if target is not None:
         # A cluster started before this driver (an address, or the one `ray start` recorded on this
         # machine): its processes never see this one's environment, so the path goes in the job's

@@ -26,8 +26,8 @@ import random
 import shutil
 import stat
 import threading
-import uuid
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
