@@ -163,8 +163,6 @@ def tokenizer(tmp_path: Path, texts: Path) -> Path:
                             "write the path out in full"),
 ])
 def test_an_out_that_cannot_be_a_directory_is_refused_before_any_work(tmp_path, texts, out, expected):
-    if out.startswith("/") and not Path(out).parent.exists():
-        pytest.skip(f"{Path(out).parent} is not on this machine")
     (tmp_path / "taken.txt").write_text("mine")
     before = _snapshot(tmp_path)
     [line] = _cli(str(texts), "--out", out, "--vocab-size", "300", "--workers", "1", cwd=tmp_path)
