@@ -235,7 +235,7 @@ class FileRunLock:
     leads to the locked file), and the driver stops this run."""
 
     def __init__(self, fd: int, path: Path) -> None:
-        self.fd, self.path = fd, path
+        self.path = path
         st = os.fstat(fd)
         self._identity = (st.st_dev, st.st_ino)
 

@@ -67,8 +67,7 @@ class _StandIn:
         return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if args or kwargs:
-            self.__dict__["_called_with"] = True
+        pass  # (a call with arguments was noted by __new__, which every construction passes through)
 
     def __setstate__(self, state: Any) -> None:
         # Kept as plain data (never called or resolved) so that checks can read the file names
@@ -147,7 +146,7 @@ def check_data_files(storage_data: Any, name: str, files: Collection[str] | None
         raise InvalidCheckpoint(f"{name} has no map of its data files (storage_data is "
                                 f"{type(storage_data).__name__})")
     for info in storage_data.values():
-        if vars(info).get("_called_with") if isinstance(info, _StandIn) else False:
+        if isinstance(info, _StandIn) and vars(info).get("_called_with"):
             raise InvalidCheckpoint(f"{name} builds a data entry by calling it with arguments, which DCP never "
                                     "writes (its file could not be checked)")
         path = getattr(info, "relative_path", None)

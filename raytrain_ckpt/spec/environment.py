@@ -15,7 +15,7 @@ from pathlib import Path
 from raytrain_ckpt.models import describe_model
 from raytrain_ckpt.spec.job import JobSpec
 from raytrain_ckpt.spec.memory import MemoryEstimate, memory_estimate
-from raytrain_ckpt.spec.sections import is_ascii_digits
+from raytrain_ckpt.spec.sections import RESUME_VALUES, is_ascii_digits
 
 __all__ = [
     "STATE_BYTES_PER_PARAM",
@@ -57,8 +57,7 @@ def environment_problems(spec: JobSpec) -> list[tuple[str, str]]:
         except OSError:
             found = False
         if not found:
-            out.append((f"checkpoint.resume={resume}", "must be latest, none, a step number, or the path of an "
-                        "existing step directory"))
+            out.append((f"checkpoint.resume={resume}", RESUME_VALUES))
     out += _memory_problems(spec)
     return out
 

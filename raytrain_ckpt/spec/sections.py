@@ -82,6 +82,9 @@ class ModelSpec(_Section):
         return self
 
 
+RESUME_VALUES = "must be latest, none, a step number, or the path of an existing step directory"
+"""What checkpoint.resume takes, as its errors say."""
+
 MAX_SECONDS = 1e9
 """The longest duration a spec field may give (about 31 years): a timer longer than this is
 never what is meant, and Python's waits and timedeltas refuse ones much longer."""
@@ -520,8 +523,7 @@ class CheckpointSpec(_Section):
         if not path.is_absolute() and not _exists(path):
             path = Path(base) / path
         if not (_exists(path) and path.is_dir()):
-            raise ValueError("must be latest, none, a step number, or the path of an existing step directory "
-                             f"(resolved to {path}, which is not a directory)")
+            raise ValueError(f"{RESUME_VALUES} (resolved to {path}, which is not a directory)")
         return str(path.resolve())
 
     @model_validator(mode="after")
