@@ -244,7 +244,7 @@ class BenchRank:
 
     def _new_client(self, ckpt: dict) -> None:
         """A new CheckpointClient of the next attempt (the first: attempt 0), the previous one closed."""
-        from raytrain_ckpt.checkpoint.client import CheckpointClient
+        from raytrain_ckpt.checkpoint.roles.client import CheckpointClient
         from raytrain_ckpt.spec import CheckpointSpec
 
         if self.client is not None:
@@ -395,7 +395,7 @@ class LocalS3:
 
 
 def _bench(args: argparse.Namespace, out: Path, server: LocalS3 | None) -> None:
-    from raytrain_ckpt.checkpoint.service import CheckpointService
+    from raytrain_ckpt.checkpoint.roles.service import CheckpointService
     from raytrain_ckpt.spec import JobSpec
 
     spec = JobSpec.model_validate({"name": "bench", "resources": {"num_workers": args.ranks},
@@ -456,7 +456,7 @@ def _bench(args: argparse.Namespace, out: Path, server: LocalS3 | None) -> None:
     _print_against(costs, "dcp.async_save(thread)")
     for mode, usage in profiles.items():
         _print_profile(mode, usage, total)
-    from raytrain_ckpt.checkpoint.layout import CheckpointLayout
+    from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 
     layout = CheckpointLayout(f"{out}/bench" if isinstance(out, str) else out / "bench")
     steps = layout.valid_steps()

@@ -62,7 +62,7 @@ def main() -> None:
                             args=(DEMO, [*SHORT, "training.steps=100000", "name=cli-latency-live",
                                          f"checkpoint.dir={work}"]))
     live.start()
-    from raytrain_ckpt.checkpoint.names import NAMESPACE, actor_name
+    from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name
 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from raytrain_ckpt.checkpoint.staging import PinnedCudaStaging, StagedPlanner, allocate_buffer, map_buffer, plan_slots
+from raytrain_ckpt.checkpoint.datapath.staging import PinnedCudaStaging, StagedPlanner, allocate_buffer, map_buffer, plan_slots
 
 DEV = torch.device("cuda", 0)
 

@@ -22,7 +22,7 @@ import torch
 
 _CHILD = """
 import json, sys
-from raytrain_ckpt.checkpoint.export import export_checkpoint, peak_rss_bytes
+from raytrain_ckpt.checkpoint.interchange.export import export_checkpoint, peak_rss_bytes
 from raytrain_ckpt.models import describe_model
 fmt, step, out, preset, overrides = sys.argv[1:6]
 if fmt == "baseline":
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=None, help="override the preset's vocab_size")
     ap.add_argument("--dir", default="bench/out/export")
     args = ap.parse_args()
-    from raytrain_ckpt.checkpoint.importer import import_checkpoint
+    from raytrain_ckpt.checkpoint.interchange.importer import import_checkpoint
     from raytrain_ckpt.models import build_model
 
     work = Path(args.dir).resolve()

@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout, Manifest, describe_file
-from raytrain_ckpt.checkpoint.metadata import SafeFileSystemReader, SafeLoadPlanner
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, Manifest, describe_file
+from raytrain_ckpt.checkpoint.format.metadata import SafeFileSystemReader, SafeLoadPlanner
 
 _WORLD = 2
 _TENSORS = 4

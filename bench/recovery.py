@@ -164,7 +164,7 @@ def _ray_train_loop(config: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from ray import train
 
-    from raytrain_ckpt.checkpoint.state import app_state, load_app_state
+    from raytrain_ckpt.checkpoint.recovery.state import app_state, load_app_state
     from raytrain_ckpt.spec import JobSpec
     from raytrain_ckpt.trainer import Trainer
 
@@ -214,7 +214,7 @@ def ray_train(tmp: Path) -> dict[str, float] | None:
 
 
 def _held_both(job: str, nodes: list[str], step: int) -> bool:
-    from raytrain_ckpt.checkpoint.names import NAMESPACE, writer_name
+    from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, writer_name
 
     for node in nodes:
         try:

@@ -33,11 +33,11 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, shm_dir
-from raytrain_ckpt.checkpoint import filewrite
-from raytrain_ckpt.checkpoint.filewrite import write_rank_files
-from raytrain_ckpt.checkpoint.manifest import describe_file
-from raytrain_ckpt.checkpoint.staging import StagedPlanner, map_buffer, map_slots, plan_slots, slot_views
+from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer, shm_dir
+from raytrain_ckpt.checkpoint.datapath import filewrite
+from raytrain_ckpt.checkpoint.datapath.filewrite import write_rank_files
+from raytrain_ckpt.checkpoint.format.manifest import describe_file
+from raytrain_ckpt.checkpoint.datapath.staging import StagedPlanner, map_buffer, map_slots, plan_slots, slot_views
 
 
 def _cpu() -> float:

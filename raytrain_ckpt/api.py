@@ -14,7 +14,7 @@ from raytrain_ckpt.spec import JobSpec, apply_overrides, check_environment, load
 
 if TYPE_CHECKING:
     from raytrain_ckpt.controller import JobResult
-    from raytrain_ckpt.inspect import StepRow
+    from raytrain_ckpt.inventory import StepRow
 
 __all__ = ["ls", "resolve_spec", "run", "status", "verify"]
 
@@ -69,7 +69,7 @@ def ls(root: str | Path, checksum: bool = False) -> list[StepRow]:
 
     ``checksum`` also checks every file's CRC-32 (reads every byte); otherwise file sizes.
     """
-    from raytrain_ckpt.inspect import StepRow, status_report
+    from raytrain_ckpt.inventory import StepRow, status_report
 
     data = status_report(str(root), None, None, "checksum" if checksum else "size")[1]
     return [StepRow(**row) for row in data["steps"]]
@@ -81,7 +81,7 @@ def verify(step_dir: str | Path) -> list[str]:
     Raises:
         ValueError: ``step_dir`` is not a directory.
     """
-    from raytrain_ckpt.inspect import UsageError, verify_step
+    from raytrain_ckpt.inventory import UsageError, verify_step
 
     path = Path(step_dir)
     if not path.is_dir():
@@ -92,7 +92,7 @@ def verify(step_dir: str | Path) -> list[str]:
 def status(root: str | Path | None = None, job: str | None = None, address: str | None = None) -> dict[str, Any]:
     """Checkpoint progress as ``raytrain-ckpt status --json`` prints it: of a checkpoint root on
     disk, or (``job``) of a running job, asked of its CheckpointActor on the Ray cluster."""
-    from raytrain_ckpt.inspect import status_report
+    from raytrain_ckpt.inventory import status_report
 
     return status_report(str(root) if root is not None else None, job, address)[1]
 

@@ -1,6 +1,6 @@
 """``raytrain-ckpt clean-buffers``: remove staging buffers whose owning writer is dead.
 
-The same sweep a CheckpointWriter runs when it starts (``checkpoint/buffers.py``), for a node
+The same sweep a CheckpointWriter runs when it starts (``checkpoint/datapath/buffers.py``), for a node
 where no job will run again soon: a killed driver's buffers otherwise hold RAM in /dev/shm.
 Buffers whose writer is alive are never touched.
 """
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from raytrain_ckpt.checkpoint.buffers import shm_dir, sweep_orphans
+from raytrain_ckpt.checkpoint.datapath.buffers import shm_dir, sweep_orphans
 
 __all__ = ["add_parser", "run"]
 

@@ -49,8 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     schema.add_argument("--format", choices=("json", "markdown"), default="json",
                         help="json: JSON Schema; markdown: the field reference table in README")
     _add_conversion_commands(sub)
-    # checkpoint progress and checks: status, ls, verify (raytrain_ckpt/inspect.py)
-    from raytrain_ckpt import inspect as ckpt_inspect
+    # checkpoint progress and checks: status, ls, verify (raytrain_ckpt/inventory.py)
+    from raytrain_ckpt import inventory as ckpt_inspect
 
     ckpt_inspect.add_parsers(sub)
     from raytrain_ckpt import clean_buffers
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return prepare.run(args)
     if args.command in ("status", "ls", "verify"):
-        from raytrain_ckpt import inspect as ckpt_inspect
+        from raytrain_ckpt import inventory as ckpt_inspect
 
         return ckpt_inspect.run(args)
     # Only the commands that read a spec import it (pydantic and the spec models): status, ls
@@ -115,7 +115,7 @@ def _explain_interval(spec: JobSpec, as_comment: bool) -> None:
     """With ``interval_steps: auto``: how the interval is chosen (a YAML comment, or on stderr)."""
     if spec.checkpoint.interval_steps != "auto":
         return
-    from raytrain_ckpt.checkpoint.interval import explain
+    from raytrain_ckpt.checkpoint.policy.interval import explain
 
     text = explain(spec.fault_tolerance.prior_mtbf_s, spec.training.steps)
     print(f"# {text}" if as_comment else text, file=sys.stdout if as_comment else sys.stderr)
@@ -150,9 +150,9 @@ def _factories_importable(spec_path: str) -> None:
 
 def _run(spec: JobSpec, address: str | None) -> int:
     from raytrain_ckpt import api
-    from raytrain_ckpt.checkpoint.leases import RootInUse
-    from raytrain_ckpt.checkpoint.probe import StorageNotShared
-    from raytrain_ckpt.checkpoint.service import ResumeRefused
+    from raytrain_ckpt.checkpoint.storage.leases import RootInUse
+    from raytrain_ckpt.checkpoint.storage.probe import StorageNotShared
+    from raytrain_ckpt.checkpoint.roles.service import ResumeRefused
     from raytrain_ckpt.driver import ClusterUnreachable, ResourceError
 
     setup_logging()
@@ -190,7 +190,7 @@ def _run(spec: JobSpec, address: str | None) -> int:
 
 
 def _print_failed_saves(checkpoints: dict) -> None:
-    from raytrain_ckpt.checkpoint.summary import failed_saves_text
+    from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text
 
     text = failed_saves_text(checkpoints)
     if text is not None:
@@ -233,7 +233,7 @@ def _convert(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from raytrain_ckpt.checkpoint.formats import ConversionError
+    from raytrain_ckpt.checkpoint.interchange.formats import ConversionError
     from raytrain_ckpt.events import headline
     from raytrain_ckpt.spec import SpecError
 
@@ -288,7 +288,7 @@ def _file_uris_as_paths(args: argparse.Namespace) -> None:
 def _conversion_path_problem(args: argparse.Namespace) -> str | None:
     """Special files as input (reading a FIFO blocks), outputs that cannot be created and object
     stores that do not answer, said in one line; None when the paths are usable. Torch-free."""
-    from raytrain_ckpt.checkpoint.storage import home_problem, object_store_problem
+    from raytrain_ckpt.checkpoint.storage.backends import home_problem, object_store_problem
     from raytrain_ckpt.spec.environment import writable_dir_problem
 
     source, out, flag = (args.file, args.to, "--to") if args.command == "import" else (args.ckpt, args.out, "--out")
@@ -318,7 +318,7 @@ def _conversion_path_problem(args: argparse.Namespace) -> str | None:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from raytrain_ckpt.checkpoint.importer import import_checkpoint
+    from raytrain_ckpt.checkpoint.interchange.importer import import_checkpoint
 
     r = import_checkpoint(args.file, args.to)
     print(f"imported {r.tensors} tensors into {r.path}; resume from it with --set checkpoint.resume={r.path}")
@@ -326,8 +326,8 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from raytrain_ckpt.checkpoint.export import export_checkpoint, parse_size
-    from raytrain_ckpt.checkpoint.formats import ConversionError
+    from raytrain_ckpt.checkpoint.interchange.export import export_checkpoint, parse_size
+    from raytrain_ckpt.checkpoint.interchange.formats import ConversionError
     from raytrain_ckpt.models import describe_model
     from raytrain_ckpt.spec import load_spec
 

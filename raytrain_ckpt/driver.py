@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 import ray
 
-from raytrain_ckpt.checkpoint.leases import FileRunLock, ObjectRunLock, run_lock
-from raytrain_ckpt.checkpoint.service import CheckpointService
-from raytrain_ckpt.checkpoint.storage import job_root
-from raytrain_ckpt.checkpoint.summary import failed_saves_text
+from raytrain_ckpt.checkpoint.storage.leases import FileRunLock, ObjectRunLock, run_lock
+from raytrain_ckpt.checkpoint.roles.service import CheckpointService
+from raytrain_ckpt.checkpoint.storage.backends import job_root
+from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text
 from raytrain_ckpt.controller import Controller, JobResult, JobState
 from raytrain_ckpt.dashboard import install_dashboard
 from raytrain_ckpt.events import headline
@@ -94,7 +94,7 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
                 controller.reject("checkpoint", problem)
             _warn_failed_saves(result.checkpoints)
         if service is not None and spec.checkpoint.final_export is not None and result.state.value == "SUCCEEDED":
-            from raytrain_ckpt.checkpoint.export import final_export
+            from raytrain_ckpt.checkpoint.interchange.export import final_export
 
             out = final_export(spec, service.root)  # leased by a lease file, while the actor still runs
             result.checkpoints["final_export"] = str(out) if out is not None else None
@@ -205,7 +205,7 @@ def _cluster_to_join() -> str | None:
 def _connect(target: str | None, init: Callable[[], object]) -> None:
     """``init()`` (a ``ray.init`` joining ``target``) after checking that something answers
     there; a target that does not, or that Ray refuses, is a ClusterUnreachable."""
-    from raytrain_ckpt.inspect import unreachable_address
+    from raytrain_ckpt.inventory import unreachable_address
 
     named = target if target is not None else "auto"
     if "RAY_ADDRESS" in os.environ and target == os.environ["RAY_ADDRESS"]:

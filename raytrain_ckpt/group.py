@@ -15,7 +15,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raytrain_ckpt.checkpoint.service import CheckpointService
+from raytrain_ckpt.checkpoint.roles.service import CheckpointService
 from raytrain_ckpt.controller import GroupPoll, GroupStartError, elastic_world_size
 from raytrain_ckpt.events import Failure, Progress, WorkerResult, headline
 from raytrain_ckpt.faults import fault_env

@@ -89,7 +89,7 @@ def _check_flags(tokenizer: Path | None, vocab_size: int | None, workers: int) -
 def _expand(path: Path, flag: str) -> Path:
     """``path`` with a leading ``~`` expanded: ``--out=~/x`` reaches us unexpanded, and a literal
     ``~`` directory in the working directory is never what was meant."""
-    from raytrain_ckpt.checkpoint.storage import home_problem
+    from raytrain_ckpt.checkpoint.storage.backends import home_problem
 
     problem = home_problem(path)
     if problem is not None:
@@ -279,7 +279,7 @@ def _write_shard(job: _Job, tok: Any, shard: Path) -> int:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write ``path`` under a temporary name and rename it, so a reader sees the old file or the new one."""
-    from raytrain_ckpt.checkpoint.storage import replace_file  # (its temporary is ``<name>.tmp-<id>`` too)
+    from raytrain_ckpt.checkpoint.storage.backends import replace_file  # (its temporary is ``<name>.tmp-<id>`` too)
 
     replace_file(path, data)
 

@@ -37,7 +37,7 @@ __all__ = ["TrainWorker", "WorkerFailure"]
 
 SPARE_RANK = -1
 """The rank of an idle spare worker that no attempt has assigned yet."""
-_WARM_MODULES = ("raytrain_ckpt.trainer", "raytrain_ckpt.checkpoint.client", "raytrain_ckpt.checkpoint.state",
+_WARM_MODULES = ("raytrain_ckpt.trainer", "raytrain_ckpt.checkpoint.roles.client", "raytrain_ckpt.checkpoint.recovery.state",
                  "torch.distributed.checkpoint", "torch.distributed.fsdp")
 _IMPORT_LOCK = threading.Lock()
 
@@ -68,7 +68,7 @@ class WorkerFailure(RuntimeError):
 
 
 def _is_mismatch(exc: BaseException) -> bool:
-    from raytrain_ckpt.checkpoint.state import CheckpointMismatch
+    from raytrain_ckpt.checkpoint.recovery.state import CheckpointMismatch
 
     return isinstance(exc, CheckpointMismatch)
 
@@ -129,7 +129,7 @@ class TrainWorker:
     def reserve_state(self, nbytes: int) -> int:
         """Touch ``nbytes`` of memory now, while idle, for the optimizer state of the rank this
         spare may take over (``checkpoint.state.StateReserve``); returns the bytes reserved."""
-        from raytrain_ckpt.checkpoint.state import StateReserve
+        from raytrain_ckpt.checkpoint.recovery.state import StateReserve
 
         reserve = StateReserve(nbytes)
         if self.rank != SPARE_RANK:  # assigned a rank meanwhile (the other actor thread): too late to help
@@ -147,7 +147,7 @@ class TrainWorker:
         if self.checkpoints is not None:
             self.checkpoints.close()  # waits for a running staging copy: nothing reads the state after it
         if self.trainer is not None:
-            from raytrain_ckpt.checkpoint.state import StateReserve, optimizer_tensors
+            from raytrain_ckpt.checkpoint.recovery.state import StateReserve, optimizer_tensors
             from raytrain_ckpt.parallel import release_mesh
 
             release_mesh(self.trainer.mesh)
@@ -263,8 +263,8 @@ class TrainWorker:
                         dist.get_backend(), os.getpid())
 
     def _setup_checkpoints(self, ckpt: dict) -> None:
-        from raytrain_ckpt.checkpoint.client import CheckpointClient
-        from raytrain_ckpt.checkpoint.memcopy import restore
+        from raytrain_ckpt.checkpoint.roles.client import CheckpointClient
+        from raytrain_ckpt.checkpoint.recovery.memcopy import restore
 
         trainer = self.trainer
         assert trainer is not None
@@ -306,7 +306,7 @@ class TrainWorker:
         raise WorkerFailure(self.rank, self.attempt, text)  # outside the except block: see setup()
 
     def _run(self) -> WorkerResult:
-        from raytrain_ckpt.checkpoint.state import app_state
+        from raytrain_ckpt.checkpoint.recovery.state import app_state
 
         trainer = self.trainer
         assert trainer is not None, "setup() must succeed before run()"

@@ -16,8 +16,8 @@ def _schedule(steps: int) -> list[tuple[int, int]]:
     import torch
     import torch.distributed as dist
 
-    from raytrain_ckpt.checkpoint.client import CheckpointClient
-    from raytrain_ckpt.checkpoint.interval import IntervalHistory
+    from raytrain_ckpt.checkpoint.roles.client import CheckpointClient
+    from raytrain_ckpt.checkpoint.policy.interval import IntervalHistory
     from raytrain_ckpt.spec import CheckpointSpec
 
     rank = dist.get_rank()

@@ -36,7 +36,7 @@ def save_then_resume(save_spec: str, resume_spec: str, path: str, resume_steps: 
     """Train ``save_spec`` to SAVE_AT, save, finish; load the save into ``resume_spec`` and train on."""
     import torch.distributed.checkpoint as dcp
 
-    from raytrain_ckpt.checkpoint.state import app_state, load_app_state
+    from raytrain_ckpt.checkpoint.recovery.state import app_state, load_app_state
 
     saver = _trainer(save_spec)
     for _ in range(save_at):

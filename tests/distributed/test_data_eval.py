@@ -44,7 +44,7 @@ def _trainer(spec_json: str):
 
 
 def _optim_state(trainer) -> dict[str, torch.Tensor]:
-    from raytrain_ckpt.checkpoint.state import app_state
+    from raytrain_ckpt.checkpoint.recovery.state import app_state
 
     return {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
             for k, v in app_state(trainer)["optim"].items() if isinstance(v, torch.Tensor)}
@@ -69,7 +69,7 @@ def train(spec_json: str, save_path: str = "") -> dict:
     """Train STEPS; with ``save_path`` also save at SAVE_AT."""
     import torch.distributed.checkpoint as dcp
 
-    from raytrain_ckpt.checkpoint.state import app_state
+    from raytrain_ckpt.checkpoint.recovery.state import app_state
 
     trainer = _trainer(spec_json)
     trainer.source = recording = _Recording(trainer.source)
@@ -85,7 +85,7 @@ def train(spec_json: str, save_path: str = "") -> dict:
 
 
 def resume(spec_json: str, path: str) -> dict:
-    from raytrain_ckpt.checkpoint.state import load_app_state
+    from raytrain_ckpt.checkpoint.recovery.state import load_app_state
 
     trainer = _trainer(spec_json)
     trainer.source = recording = _Recording(trainer.source)

@@ -56,7 +56,7 @@ def train(specs: dict[str, str], save_as: str | None = None, path: str = "") -> 
     trainer loads that save and finishes the run (the resumed run)."""
     import torch.distributed.checkpoint as dcp
 
-    from raytrain_ckpt.checkpoint.state import app_state, load_app_state
+    from raytrain_ckpt.checkpoint.recovery.state import app_state, load_app_state
 
     out = {}
     for name, spec_json in specs.items():
@@ -143,7 +143,7 @@ def test_resume_at_the_same_layout_is_bit_identical(pp_runs):
 
 
 def load_other_layouts(specs: dict[str, str], path: str) -> dict:
-    from raytrain_ckpt.checkpoint.state import CheckpointMismatch, load_app_state
+    from raytrain_ckpt.checkpoint.recovery.state import CheckpointMismatch, load_app_state
 
     out = {}
     for name, spec_json in specs.items():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_ckpt.checkpoint.staging import PinnedCudaStaging, allocate_buffer, map_buffer, plan_slots, slot_views
+from raytrain_ckpt.checkpoint.datapath.staging import PinnedCudaStaging, allocate_buffer, map_buffer, plan_slots, slot_views
 
 pytestmark = [
     pytest.mark.gpu,

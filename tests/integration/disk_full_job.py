@@ -24,7 +24,7 @@ os.environ["RAYTRAIN_CKPT_FAULTS"] = "slow@step:rank=0,step=7;slow@step:rank=0,s
 
 import ray  # noqa: E402
 
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout  # noqa: E402
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout  # noqa: E402
 from raytrain_ckpt.driver import run_job  # noqa: E402
 from raytrain_ckpt.spec import load_spec  # noqa: E402
 

@@ -36,7 +36,7 @@ os.environ.pop("RAY_ADDRESS", None)
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from raytrain_ckpt.checkpoint.service import CheckpointService  # noqa: E402
+from raytrain_ckpt.checkpoint.roles.service import CheckpointService  # noqa: E402
 from raytrain_ckpt.spec import load_spec  # noqa: E402
 
 JOB = REPO / "jobs" / "llama_debug_fsdp.yaml"
@@ -87,8 +87,8 @@ def _shared_preflight(ckpt: Path) -> tuple[dict, CheckpointService]:
     logs: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: logs.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("raytrain_ckpt.checkpoint.service").addHandler(handler)
-    logging.getLogger("raytrain_ckpt.checkpoint.service").setLevel(logging.INFO)
+    logging.getLogger("raytrain_ckpt.checkpoint.roles.service").addHandler(handler)
+    logging.getLogger("raytrain_ckpt.checkpoint.roles.service").setLevel(logging.INFO)
     service = CheckpointService(spec)
     try:
         service.preflight()

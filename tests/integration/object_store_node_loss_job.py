@@ -32,8 +32,8 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util import placement_group_table  # noqa: E402
 
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout  # noqa: E402
-from raytrain_ckpt.checkpoint.names import NAMESPACE, actor_name  # noqa: E402
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout  # noqa: E402
+from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name  # noqa: E402
 from raytrain_ckpt.driver import run_job  # noqa: E402
 from raytrain_ckpt.faults import ENV_VAR  # noqa: E402
 from raytrain_ckpt.spec import load_spec  # noqa: E402

@@ -28,7 +28,7 @@ os.environ.pop("RAY_ADDRESS", None)
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from raytrain_ckpt.checkpoint.names import NAMESPACE, actor_name, writer_name  # noqa: E402
+from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name, writer_name  # noqa: E402
 from raytrain_ckpt.driver import run_job  # noqa: E402
 from raytrain_ckpt.logs import setup_logging  # noqa: E402
 from raytrain_ckpt.spec import load_spec  # noqa: E402

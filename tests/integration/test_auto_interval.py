@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from raytrain_ckpt.checkpoint.interval import PRIOR_WEIGHT
+from raytrain_ckpt.checkpoint.policy.interval import PRIOR_WEIGHT
 from raytrain_ckpt.controller import JobState
 from raytrain_ckpt.driver import run_job
 from raytrain_ckpt.faults import ENV_VAR

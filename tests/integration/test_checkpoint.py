@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout
-from raytrain_ckpt.checkpoint.service import NAMESPACE, actor_name
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+from raytrain_ckpt.checkpoint.roles.service import NAMESPACE, actor_name
 from raytrain_ckpt.controller import JobResult, JobState
 from raytrain_ckpt.driver import run_job
 from raytrain_ckpt.faults import ENV_VAR, STAMP_VAR

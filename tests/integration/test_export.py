@@ -16,11 +16,11 @@ import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from raytrain_ckpt.checkpoint import export as export_mod
-from raytrain_ckpt.checkpoint.export import export_checkpoint
-from raytrain_ckpt.checkpoint.formats import ConversionError, hf_name
-from raytrain_ckpt.checkpoint.importer import import_checkpoint
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout
+from raytrain_ckpt.checkpoint.interchange import export as export_mod
+from raytrain_ckpt.checkpoint.interchange.export import export_checkpoint
+from raytrain_ckpt.checkpoint.interchange.formats import ConversionError, hf_name
+from raytrain_ckpt.checkpoint.interchange.importer import import_checkpoint
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.cli import main
 from raytrain_ckpt.controller import JobResult, JobState
 from raytrain_ckpt.driver import run_job

@@ -52,7 +52,7 @@ def _same_as_reference(result: JobResult, reference: JobResult, resumed_at: int)
 ])
 def test_restart_loads_from_memory_bit_exact(reference, tmp_path, monkeypatch, caplog, fault, resumed_at):
     monkeypatch.setenv(ENV_VAR, fault)
-    with caplog.at_level(logging.INFO, logger="raytrain_ckpt.checkpoint.service"):
+    with caplog.at_level(logging.INFO, logger="raytrain_ckpt.checkpoint.roles.service"):
         result = _run(tmp_path, "fault_tolerance.max_restarts=1")
     _same_as_reference(result, reference, resumed_at)
     assert [r.timings["loaded_from_memory"] for r in result.results] == [1.0, 1.0]
@@ -123,8 +123,8 @@ def test_a_writer_that_does_not_answer_costs_one_deadline(ray_cluster, tmp_path,
     import os
     import signal
 
-    from raytrain_ckpt.checkpoint import service as service_mod
-    from raytrain_ckpt.checkpoint.actor import ResumePoint
+    from raytrain_ckpt.checkpoint.roles import service as service_mod
+    from raytrain_ckpt.checkpoint.roles.actor import ResumePoint
 
     ray = ray_cluster
     monkeypatch.setattr(service_mod, "COPY_QUERY_TIMEOUT_S", 3.0)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.cli import main
 from raytrain_ckpt.controller import JobResult, JobState
 from raytrain_ckpt.driver import run_job

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.controller import JobResult, JobState
 from raytrain_ckpt.driver import run_job
 from raytrain_ckpt.faults import ENV_VAR

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 
 pytestmark = pytest.mark.integration
 

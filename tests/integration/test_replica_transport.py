@@ -29,14 +29,14 @@ def _copy_type():
 
 
 def _writer(ray, job: str, rate: float | None = None):
-    from raytrain_ckpt.checkpoint.writer import CheckpointWriter
+    from raytrain_ckpt.checkpoint.roles.writer import CheckpointWriter
 
     return ray.remote(CheckpointWriter).options(num_cpus=0, max_concurrency=16).remote(
         job, f"/tmp/{job}", None, replica_mb_per_s=rate)
 
 
 def _source(tmp: Path, rank: int, step: int, nbytes: int):
-    from raytrain_ckpt.checkpoint.buffers import OwnedBuffer
+    from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer
 
     buf = OwnedBuffer.create(tmp / f"rtc-test-src-rank{rank}-step{step}.buf", nbytes)
     data = os.urandom(nbytes)
@@ -102,7 +102,7 @@ def test_sends_and_failed_sends_reach_the_senders_metrics(ray_cluster, tmp_path,
     """What a node's writer sent to its peer, and what it failed to send, is on its metrics
     (the dashboard's replica panel): the sender runs in this process to capture its records."""
     from raytrain_ckpt import metrics
-    from raytrain_ckpt.checkpoint.writer import CheckpointWriter
+    from raytrain_ckpt.checkpoint.roles.writer import CheckpointWriter
 
     ray = ray_cluster
     recorded: list[tuple[str, float, str]] = []

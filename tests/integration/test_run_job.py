@@ -129,7 +129,7 @@ def test_spent_budget_fails_with_a_summary_of_every_failure(ray_cluster, monkeyp
 ])
 def test_a_resume_step_that_cannot_start_the_run_is_one_line_and_exit_2(ray_cluster, tmp_path, cli_stderr,
                                                                         resume, expected):
-    from raytrain_ckpt.checkpoint.layout import CheckpointLayout
+    from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
     from raytrain_ckpt.cli import main
     from tests.unit.test_checkpoint_layout import _commit
 

@@ -21,9 +21,9 @@ import pytest
 import ray
 import torch
 
-from raytrain_ckpt.checkpoint.actor import StepAborted
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout
-from raytrain_ckpt.checkpoint.service import CheckpointService
+from raytrain_ckpt.checkpoint.roles.actor import StepAborted
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+from raytrain_ckpt.checkpoint.roles.service import CheckpointService
 from raytrain_ckpt.faults import ENV_VAR
 from raytrain_ckpt.spec import JobSpec
 
@@ -41,7 +41,7 @@ def _trainer_class() -> type:
 
             import torch.distributed as dist
 
-            from raytrain_ckpt.checkpoint.client import CheckpointClient
+            from raytrain_ckpt.checkpoint.roles.client import CheckpointClient
             from raytrain_ckpt.spec import CheckpointSpec
 
             with socket.socket() as s:

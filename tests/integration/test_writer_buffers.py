@@ -14,8 +14,8 @@ import pytest
 import ray
 from torch.distributed.checkpoint.planner import SavePlan
 
-from raytrain_ckpt.checkpoint.buffers import SHM_DIR_ENV, StagingFileError, sweep_orphans
-from raytrain_ckpt.checkpoint.writer import CheckpointWriter, PersistRequest
+from raytrain_ckpt.checkpoint.datapath.buffers import SHM_DIR_ENV, StagingFileError, sweep_orphans
+from raytrain_ckpt.checkpoint.roles.writer import CheckpointWriter, PersistRequest
 from tests.unit.test_staging_buffers import _holder, _kill, _leaser
 
 

@@ -15,10 +15,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from raytrain_ckpt.checkpoint.actor import CheckpointActor, StepAborted
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint
-from raytrain_ckpt.checkpoint.retention import RetentionPolicy
-from raytrain_ckpt.checkpoint.staging import SharedMemoryStaging, allocate_buffer, map_buffer, plan_slots, slot_views
+from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor, StepAborted
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, InvalidCheckpoint
+from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
+from raytrain_ckpt.checkpoint.datapath.staging import SharedMemoryStaging, allocate_buffer, map_buffer, plan_slots, slot_views
 from tests.unit.test_checkpoint_layout import _commit
 
 
@@ -234,7 +234,7 @@ def test_a_hand_off_after_the_save_was_aborted_is_refused(tmp_path: Path, opened
 
 
 def test_a_leftover_unchanged_for_the_grace_period_is_removed_after_a_commit(tmp_path: Path) -> None:
-    from raytrain_ckpt.checkpoint.layout import LeftoverWatch
+    from raytrain_ckpt.checkpoint.storage.layout import LeftoverWatch
 
     actor = _single_rank_actor(tmp_path, k=None)
     clock = [0.0]
@@ -307,7 +307,7 @@ def test_staging_error_reaches_the_training_thread(tmp_path: Path) -> None:
 
 
 def test_a_new_timeline_that_would_move_an_exported_step_aside_is_refused_and_moves_nothing(tmp_path: Path) -> None:
-    from raytrain_ckpt.checkpoint.leases import FileLease
+    from raytrain_ckpt.checkpoint.storage.leases import FileLease
 
     layout = CheckpointLayout(tmp_path)
     for step in (20, 40, 60):

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from raytrain_ckpt.checkpoint.client import SaveSchedule
-from raytrain_ckpt.checkpoint.interval import (
+from raytrain_ckpt.checkpoint.roles.client import SaveSchedule
+from raytrain_ckpt.checkpoint.policy.interval import (
     BOOTSTRAP_STEPS,
     PRIOR_WEIGHT,
     CostMeter,
@@ -149,8 +149,8 @@ def test_spec_mistakes_are_one_clear_line(overrides, message) -> None:
 def test_status_shows_the_decision_and_validate_explains_auto() -> None:
     from dataclasses import asdict
 
-    from raytrain_ckpt.checkpoint.interval import explain
-    from raytrain_ckpt.inspect import interval_text
+    from raytrain_ckpt.checkpoint.policy.interval import explain
+    from raytrain_ckpt.inventory import interval_text
 
     d = choose_interval(IntervalFacts(10_000, 3600.0, 2, 1800.0, 2.0, 1.0))
     text = interval_text({"step": 30, **asdict(d)})

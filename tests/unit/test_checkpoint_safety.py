@@ -17,16 +17,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from raytrain_ckpt.checkpoint.actor import CheckpointActor
-from raytrain_ckpt.checkpoint.retention import RetentionPolicy
-from raytrain_ckpt.checkpoint.export import export_checkpoint
-from raytrain_ckpt.checkpoint.formats import ConversionError
-from raytrain_ckpt.checkpoint.importer import import_checkpoint
-from raytrain_ckpt.checkpoint.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, Manifest,
+from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
+from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
+from raytrain_ckpt.checkpoint.interchange.export import export_checkpoint
+from raytrain_ckpt.checkpoint.interchange.formats import ConversionError
+from raytrain_ckpt.checkpoint.interchange.importer import import_checkpoint
+from raytrain_ckpt.checkpoint.storage.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, Manifest,
                                              UnsafeCheckpoint, describe_file, file_crc32, parse_entry, step_name)
-from raytrain_ckpt.checkpoint.metadata import SafeFileSystemReader, SafeLoadPlanner
+from raytrain_ckpt.checkpoint.format.metadata import SafeFileSystemReader, SafeLoadPlanner
 from raytrain_ckpt.cli import main
-from raytrain_ckpt.inspect import scan, verify_step
+from raytrain_ckpt.inventory import scan, verify_step
 from raytrain_ckpt.models import build_model
 from raytrain_ckpt.spec.sections import CheckpointSpec
 from tests.unit.test_checkpoint_layout import _commit
@@ -424,7 +424,7 @@ def _record_fsyncs(monkeypatch, module: object, watch: Path) -> list[tuple[Path,
 
 
 def test_delete_fsyncs_the_parent_after_its_rename(tmp_path: Path, monkeypatch) -> None:
-    import raytrain_ckpt.checkpoint.layout as layout_module
+    import raytrain_ckpt.checkpoint.storage.layout as layout_module
 
     layout = CheckpointLayout(tmp_path)
     _commit(layout, 1)
@@ -434,7 +434,7 @@ def test_delete_fsyncs_the_parent_after_its_rename(tmp_path: Path, monkeypatch) 
 
 
 def test_export_fsyncs_its_output_and_the_parent_after_the_rename(tmp_path: Path, monkeypatch) -> None:
-    import raytrain_ckpt.checkpoint.export as export_module
+    import raytrain_ckpt.checkpoint.interchange.export as export_module
 
     step = _real_step(tmp_path / "job", 1)
     out = tmp_path / "exports" / "hf"

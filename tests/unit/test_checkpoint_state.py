@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorProperties, TensorStorageMetadata
 
-from raytrain_ckpt.checkpoint.state import CheckpointMismatch, _check_fits, _scheduler_source
+from raytrain_ckpt.checkpoint.recovery.state import CheckpointMismatch, _check_fits, _scheduler_source
 
 
 def _tensor_meta(*shape: int) -> TensorStorageMetadata:
@@ -72,7 +72,7 @@ def test_created_optimizer_state_is_the_one_a_zero_step_creates(name, make, fill
     only entries, dtypes, shapes and devices must match (the load overwrites them)."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-    from raytrain_ckpt.checkpoint.state import create_optimizer_state
+    from raytrain_ckpt.checkpoint.recovery.state import create_optimizer_state
 
     ours_params, dcp_params = _params(), _params()
     ours, theirs = make(ours_params), make(dcp_params)
@@ -95,7 +95,7 @@ def test_created_optimizer_state_is_the_one_a_zero_step_creates(name, make, fill
 
 def test_optimizer_state_is_left_to_dcp_when_not_known():
     """Unknown or configured-away optimizers keep DCP's way (a zero step): nothing is created."""
-    from raytrain_ckpt.checkpoint.state import create_optimizer_state
+    from raytrain_ckpt.checkpoint.recovery.state import create_optimizer_state
 
     assert not create_optimizer_state(torch.optim.RMSprop(_params(), lr=0.1))
     assert not create_optimizer_state(torch.optim.SGD(_params(), lr=0.1))  # no momentum: no state at all
@@ -110,7 +110,7 @@ def test_state_for_a_load_carved_from_a_reserve_trains_as_the_usual_state(name, 
     """A spare's reserve hands out the optimizer state of a load: each entry is a disjoint,
     aligned view of the reserve's one buffer (memory touched ahead), with the usual entries,
     dtypes and shapes; loaded with the same values, it trains to the same parameters bit for bit."""
-    from raytrain_ckpt.checkpoint.state import StateReserve, create_optimizer_state
+    from raytrain_ckpt.checkpoint.recovery.state import StateReserve, create_optimizer_state
 
     reserve = StateReserve(1 << 16)
     base = reserve._buf.untyped_storage().data_ptr()
@@ -145,7 +145,7 @@ def test_state_for_a_load_carved_from_a_reserve_trains_as_the_usual_state(name, 
 
 
 def test_a_reserve_too_small_hands_out_what_fits_and_allocates_the_rest():
-    from raytrain_ckpt.checkpoint.state import StateReserve, create_optimizer_state
+    from raytrain_ckpt.checkpoint.recovery.state import StateReserve, create_optimizer_state
 
     reserve = StateReserve(4 * 20 + 8)  # the first (4, 5) fp32 moment, not the second
     params = _params()
@@ -161,7 +161,7 @@ def test_a_reserve_too_small_hands_out_what_fits_and_allocates_the_rest():
 def test_a_kept_process_recycles_its_failed_attempts_optimizer_state_by_shape_and_dtype():
     """The next attempt's state for a load reuses the previous state's tensors (pages touched
     already) where shape and dtype match; what matches nothing is allocated as usual."""
-    from raytrain_ckpt.checkpoint.state import StateReserve, create_optimizer_state, optimizer_tensors
+    from raytrain_ckpt.checkpoint.recovery.state import StateReserve, create_optimizer_state, optimizer_tensors
 
     old_params = _params()
     old = torch.optim.AdamW(old_params, lr=1e-3)

@@ -11,8 +11,8 @@ import pytest
 import torch
 import yaml
 
-from raytrain_ckpt.checkpoint.manifest import METRICS, KeepBestRecord
-from raytrain_ckpt.checkpoint.retention import KeepBest, RetentionPolicy, rank_steps
+from raytrain_ckpt.checkpoint.format.manifest import METRICS, KeepBestRecord
+from raytrain_ckpt.checkpoint.policy.retention import KeepBest, RetentionPolicy, rank_steps
 from raytrain_ckpt.cli import main
 from raytrain_ckpt.spec import SpecError, load_spec
 from raytrain_ckpt.spec.sections import KeepBestSpec, OptimizerSpec

@@ -12,13 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from raytrain_ckpt.checkpoint.actor import CheckpointActor
-from raytrain_ckpt.checkpoint.export import export_checkpoint, parse_size
-from raytrain_ckpt.checkpoint.formats import ConversionError, hf_name, our_name, plan_shards, safetensors_header
-from raytrain_ckpt.checkpoint.importer import import_checkpoint
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint
-from raytrain_ckpt.checkpoint.leases import LEASE_TTL_S, FileLease, LeaseFiles, file_leased_steps
-from raytrain_ckpt.checkpoint.retention import RetentionPolicy
+from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
+from raytrain_ckpt.checkpoint.interchange.export import export_checkpoint, parse_size
+from raytrain_ckpt.checkpoint.interchange.formats import ConversionError, hf_name, our_name, plan_shards, safetensors_header
+from raytrain_ckpt.checkpoint.interchange.importer import import_checkpoint
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, InvalidCheckpoint
+from raytrain_ckpt.checkpoint.storage.leases import LEASE_TTL_S, FileLease, LeaseFiles, file_leased_steps
+from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.models import build_model, describe_model
 from raytrain_ckpt.spec import SpecError, load_spec
 from tests.unit.test_checkpoint_layout import _commit
@@ -160,7 +160,7 @@ def _cli_with_file_size_limit(args: list[str], limit: int) -> subprocess.Complet
 
 FINAL_EXPORT = """
 import sys
-from raytrain_ckpt.checkpoint.export import final_export
+from raytrain_ckpt.checkpoint.interchange.export import final_export
 from raytrain_ckpt.spec import load_spec
 spec = load_spec("jobs/llama_debug_fsdp.yaml", ["checkpoint.final_export.format=torch",
                                                  f"checkpoint.final_export.dir={sys.argv[2]}"])

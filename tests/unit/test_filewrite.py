@@ -15,12 +15,12 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from raytrain_ckpt.checkpoint.buffers import OwnedBuffer
-from raytrain_ckpt.checkpoint import filewrite
-from raytrain_ckpt.checkpoint.crc import address_of
-from raytrain_ckpt.checkpoint.filewrite import write_rank_files
-from raytrain_ckpt.checkpoint.manifest import checksum_file
-from raytrain_ckpt.checkpoint.staging import StagedPlanner, map_buffer, map_slots, plan_slots, slot_views
+from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer
+from raytrain_ckpt.checkpoint.datapath import filewrite
+from raytrain_ckpt.checkpoint.format.crc import address_of
+from raytrain_ckpt.checkpoint.datapath.filewrite import write_rank_files
+from raytrain_ckpt.checkpoint.format.manifest import checksum_file
+from raytrain_ckpt.checkpoint.datapath.staging import StagedPlanner, map_buffer, map_slots, plan_slots, slot_views
 
 
 def _state() -> dict:
@@ -205,8 +205,8 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from raytrain_ckpt.checkpoint import filewrite
-from raytrain_ckpt.checkpoint.filewrite import write_rank_files
+from raytrain_ckpt.checkpoint.datapath import filewrite
+from raytrain_ckpt.checkpoint.datapath.filewrite import write_rank_files
 
 out = Path(sys.argv[1])
 if int(sys.argv[2]):                            # aligned buffers smaller than the file: the failing write
@@ -378,9 +378,9 @@ def test_large_tensors_go_to_the_device_from_the_staging_buffer(tmp_path: Path, 
     buffer's CRC-32C derived from the write's spans is the CRC-32C of its bytes."""
     import crc32c
 
-    from raytrain_ckpt.checkpoint.crc import region_crc
-    from raytrain_ckpt.checkpoint.metadata import safe_reader
-    from raytrain_ckpt.checkpoint.staging import map_whole, views_of
+    from raytrain_ckpt.checkpoint.format.crc import region_crc
+    from raytrain_ckpt.checkpoint.format.metadata import safe_reader
+    from raytrain_ckpt.checkpoint.datapath.staging import map_whole, views_of
 
     _needs_direct(tmp_path)
     state = _big_state()

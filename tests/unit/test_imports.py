@@ -106,7 +106,7 @@ LIGHT = [
     # what the controller's unit tests import, and the CLI's offline commands
     (["raytrain_ckpt.controller", "raytrain_ckpt.events", "raytrain_ckpt.spec", "raytrain_ckpt.metrics",
       "tests.unit.test_controller"], ("torch", "ray")),
-    (["raytrain_ckpt", "raytrain_ckpt.api", "raytrain_ckpt.cli", "raytrain_ckpt.inspect"], ("torch", "ray")),
+    (["raytrain_ckpt", "raytrain_ckpt.api", "raytrain_ckpt.cli", "raytrain_ckpt.inventory"], ("torch", "ray")),
 ]
 
 

@@ -13,7 +13,7 @@ import crc32c
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from raytrain_ckpt.checkpoint.layout import MANIFEST, CheckpointLayout, InvalidCheckpoint, Manifest
+from raytrain_ckpt.checkpoint.storage.layout import MANIFEST, CheckpointLayout, InvalidCheckpoint, Manifest
 from tests.unit.test_checkpoint_layout import _commit
 
 _SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,10 +9,10 @@ import pickle
 import pytest
 import torch
 
-from raytrain_ckpt.checkpoint.client import next_buffer
-from raytrain_ckpt.checkpoint.manifest import checksum_file
-from raytrain_ckpt.checkpoint.memcopy import CommittedCopy, CopyFacts, CopyMismatch, choose_sources, open_copy
-from raytrain_ckpt.checkpoint.staging import allocate_buffer, layout_key, map_buffer, plan_slots, slot_views
+from raytrain_ckpt.checkpoint.roles.client import next_buffer
+from raytrain_ckpt.checkpoint.format.manifest import checksum_file
+from raytrain_ckpt.checkpoint.recovery.memcopy import CommittedCopy, CopyFacts, CopyMismatch, choose_sources, open_copy
+from raytrain_ckpt.checkpoint.datapath.staging import allocate_buffer, layout_key, map_buffer, plan_slots, slot_views
 from raytrain_ckpt.faults import ENV_VAR, parse_faults
 
 FILES = {"__0_0.distcp": {"size": 100, "crc32c": 7}, "__1_0.distcp": {"size": 90, "crc32c": 8}}
@@ -104,7 +104,7 @@ def test_copy_fault_kinds_apply_at_restore_only():
 
 
 def test_the_copy_into_the_state_is_exact_in_pieces_on_several_threads(monkeypatch):
-    import raytrain_ckpt.checkpoint.memcopy as memcopy
+    import raytrain_ckpt.checkpoint.recovery.memcopy as memcopy
 
     monkeypatch.setattr(memcopy, "_PIECE_BYTES", 4096)  # many pieces, and a tensor's last piece short
     gen = torch.Generator().manual_seed(0)

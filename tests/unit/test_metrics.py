@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_ckpt.cli import main
-from raytrain_ckpt.checkpoint.summary import summary_line
+from raytrain_ckpt.checkpoint.roles.summary import summary_line
 from raytrain_ckpt.metrics import METRICS, PHASES, exported_names, inflight_phase
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "grafana_dashboard.json"
@@ -87,7 +87,7 @@ def test_inspect_commands_reject_bad_paths(tmp_path, capsys):
 def test_status_watch_refreshes(tmp_path, capsys):
     import argparse
 
-    from raytrain_ckpt import inspect as ckpt_inspect
+    from raytrain_ckpt import inventory as ckpt_inspect
 
     args = argparse.Namespace(command="status", dir=str(tmp_path), job=None, address=None, watch=0.01, json=False,
                               checksum=False)

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from raytrain_ckpt.checkpoint.names import NAMESPACE, ActorByName, actor_name
+from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, ActorByName, actor_name
 
 
 def test_actor_by_name_pickles_as_its_name_without_looking_it_up():

@@ -14,15 +14,15 @@ import time
 
 import pytest
 
-from raytrain_ckpt.checkpoint.leases import RUN_LOCK, ObjectRunLock, RootInUse, run_lock
-from raytrain_ckpt.checkpoint.storage import object_filesystem
+from raytrain_ckpt.checkpoint.storage.leases import RUN_LOCK, ObjectRunLock, RootInUse, run_lock
+from raytrain_ckpt.checkpoint.storage.backends import object_filesystem
 from tests.unit.test_staging_buffers import REPO
 
 TTL = 3.0
 
 HOLDER = """
 import sys, time
-from raytrain_ckpt.checkpoint.leases import run_lock
+from raytrain_ckpt.checkpoint.storage.leases import run_lock
 with run_lock(sys.argv[1], ttl_s=float(sys.argv[2]), beat_s=0.5):
     print("held", flush=True)
     time.sleep(600)
@@ -88,7 +88,7 @@ def test_a_holder_that_stalled_past_the_ttl_learns_it_was_taken_over(s3_endpoint
     first._stop.set()                             # its driver stalls: no renewals
     first._thread.join()
     time.sleep(TTL + 1.0)
-    with caplog.at_level(logging.WARNING, logger="raytrain_ckpt.checkpoint.leases"):
+    with caplog.at_level(logging.WARNING, logger="raytrain_ckpt.checkpoint.storage.leases"):
         with run_lock(root, ttl_s=TTL) as second:
             assert "took over the run lock of pid" in caplog.text
             first._stop.clear()                   # the stalled driver wakes up and renews
@@ -101,7 +101,7 @@ def test_a_holder_that_stalled_past_the_ttl_learns_it_was_taken_over(s3_endpoint
 
 
 def test_other_object_stores_are_not_locked_and_say_so(caplog):
-    with caplog.at_level(logging.WARNING, logger="raytrain_ckpt.checkpoint.leases"):
+    with caplog.at_level(logging.WARNING, logger="raytrain_ckpt.checkpoint.storage.leases"):
         with run_lock("memory://bucket/job") as lock:
             assert lock is None
     assert "no run lock on this store" in caplog.text

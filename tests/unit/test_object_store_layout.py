@@ -10,9 +10,9 @@ import uuid
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata
 
-from raytrain_ckpt.checkpoint.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, LeftoverWatch,
+from raytrain_ckpt.checkpoint.storage.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, LeftoverWatch,
                                              Manifest)
-from raytrain_ckpt.checkpoint.storage import ObjectStorage, StorageUnavailable, open_storage, retry_transient
+from raytrain_ckpt.checkpoint.storage.backends import ObjectStorage, StorageUnavailable, open_storage, retry_transient
 
 METADATA = pickle.dumps(Metadata(state_dict_metadata={}))
 SHARD = "__0_0.distcp"
@@ -251,8 +251,8 @@ def test_stale_leftovers_are_removed_after_the_grace_period_never_in_flight(layo
 
 
 def _s3_actor(s3_endpoint, steps: list[int]):
-    from raytrain_ckpt.checkpoint.actor import CheckpointActor
-    from raytrain_ckpt.checkpoint.retention import RetentionPolicy
+    from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
+    from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 
     root = f"{s3_endpoint.new_bucket()}/runs/job"
     layout = CheckpointLayout(root, options=s3_endpoint.options)
@@ -262,7 +262,7 @@ def _s3_actor(s3_endpoint, steps: list[int]):
 
 
 def test_an_export_lease_on_s3_keeps_its_step_from_retention(s3_endpoint) -> None:
-    from raytrain_ckpt.checkpoint.leases import LEASE_DIR, FileLease
+    from raytrain_ckpt.checkpoint.storage.leases import LEASE_DIR, FileLease
 
     actor, layout = _s3_actor(s3_endpoint, [1, 2])
     with FileLease(layout.root, 1) as lease:
@@ -276,7 +276,7 @@ def test_an_export_lease_on_s3_keeps_its_step_from_retention(s3_endpoint) -> Non
 
 
 def test_a_lease_taken_while_retention_deletes_on_s3_puts_the_manifest_back(s3_endpoint, monkeypatch) -> None:
-    from raytrain_ckpt.checkpoint.leases import FileLease
+    from raytrain_ckpt.checkpoint.storage.leases import FileLease
 
     actor, layout = _s3_actor(s3_endpoint, [1, 2])
     # the exporter's PUT lands just after the actor read the leases: retention decides to delete
@@ -293,7 +293,7 @@ def test_a_lease_taken_while_retention_deletes_on_s3_puts_the_manifest_back(s3_e
 
 
 def test_an_exporter_that_finds_the_manifest_gone_on_s3_says_so(s3_endpoint) -> None:
-    from raytrain_ckpt.checkpoint.leases import LEASE_DIR, FileLease
+    from raytrain_ckpt.checkpoint.storage.leases import LEASE_DIR, FileLease
 
     _, layout = _s3_actor(s3_endpoint, [1, 2])
     layout.delete(1)                                        # retention got there first
@@ -305,7 +305,7 @@ def test_an_exporter_that_finds_the_manifest_gone_on_s3_says_so(s3_endpoint) -> 
 def test_a_stale_lease_object_stops_pinning_after_ttl_of_the_readers_clock(s3_endpoint) -> None:
     import time
 
-    from raytrain_ckpt.checkpoint.leases import FileLease, LeaseFiles
+    from raytrain_ckpt.checkpoint.storage.leases import FileLease, LeaseFiles
 
     _, layout = _s3_actor(s3_endpoint, [1])
     clock = _Clock()
@@ -328,9 +328,9 @@ def test_a_stale_lease_object_stops_pinning_after_ttl_of_the_readers_clock(s3_en
 def test_an_export_whose_step_is_deleted_meanwhile_writes_nothing(s3_endpoint, tmp_path, monkeypatch) -> None:
     import torch
 
-    from raytrain_ckpt.checkpoint import export
-    from raytrain_ckpt.checkpoint.formats import ConversionError
-    from raytrain_ckpt.checkpoint.importer import import_checkpoint
+    from raytrain_ckpt.checkpoint.interchange import export
+    from raytrain_ckpt.checkpoint.interchange.formats import ConversionError
+    from raytrain_ckpt.checkpoint.interchange.importer import import_checkpoint
 
     torch.save({"norm.weight": torch.rand(8)}, tmp_path / "m.pt")
     step = import_checkpoint(tmp_path / "m.pt", f"{s3_endpoint.new_bucket()}/runs").path
@@ -351,8 +351,8 @@ def test_an_export_whose_step_is_deleted_meanwhile_writes_nothing(s3_endpoint, t
 def test_an_exporter_that_cannot_put_a_lease_exports_without_one(s3_endpoint, tmp_path, monkeypatch, caplog) -> None:
     import torch
 
-    from raytrain_ckpt.checkpoint.export import export_checkpoint
-    from raytrain_ckpt.checkpoint.importer import import_checkpoint
+    from raytrain_ckpt.checkpoint.interchange.export import export_checkpoint
+    from raytrain_ckpt.checkpoint.interchange.importer import import_checkpoint
 
     weights = {"norm.weight": torch.rand(8)}
     torch.save(weights, tmp_path / "m.pt")

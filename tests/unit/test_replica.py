@@ -1,4 +1,4 @@
-"""Peer replicas (checkpoint/replica.py): the ring, the pacing, and a store that keeps only
+"""Peer replicas (checkpoint/datapath/replica.py): the ring, the pacing, and a store that keeps only
 verified, newest replicas. Real buffer files in a temp dir; the "peer" is called directly."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.checkpoint.buffers import OwnedBuffer
-from raytrain_ckpt.checkpoint.replica import Pacer, ReplicaError, ReplicaStore, ring_peers, send_replica
+from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer
+from raytrain_ckpt.checkpoint.datapath.replica import Pacer, ReplicaError, ReplicaStore, ring_peers, send_replica
 
 
 @pytest.mark.parametrize("nodes, expected", [

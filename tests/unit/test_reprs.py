@@ -3,8 +3,8 @@ so a repr must hold only what stays true for the actor's life."""
 
 from __future__ import annotations
 
-from raytrain_ckpt.checkpoint.actor import CheckpointActor
-from raytrain_ckpt.checkpoint.retention import RetentionPolicy
+from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
+from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 
 
 def test_checkpoint_actor_repr_names_job_root_node_and_where_live_progress_is(tmp_path):

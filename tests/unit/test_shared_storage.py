@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from raytrain_ckpt import metrics
-from raytrain_ckpt.checkpoint.actor import SaveFailures
-from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, missing_probes, probe_name, unshared_message
-from raytrain_ckpt.checkpoint.summary import failed_saves_text
+from raytrain_ckpt.checkpoint.roles.actor import SaveFailures
+from raytrain_ckpt.checkpoint.storage.probe import NodeProbe, local_root, missing_probes, probe_name, unshared_message
+from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text
 from tests.unit.test_checkpoint_actor import _save, _single_rank_actor
 
 A = NodeProbe("a" * 56, "10.0.0.1", probe_name("a" * 56, "n1"))
@@ -135,7 +135,7 @@ def test_restarts_with_no_save_before_the_last_step_warn_at_start(caplog, checkp
 
 
 def test_status_of_a_live_job_shows_failing_saves(tmp_path: Path, monkeypatch, capsys) -> None:
-    from raytrain_ckpt import inspect as ckpt_inspect
+    from raytrain_ckpt import inventory as ckpt_inspect
     from raytrain_ckpt.cli import main
 
     actor = _single_rank_actor(tmp_path / "job", k=None)
@@ -164,7 +164,7 @@ def test_status_of_a_live_job_shows_failing_saves(tmp_path: Path, monkeypatch, c
 ])
 def test_run_reports_an_unshared_dir_and_failing_saves(monkeypatch, capsys, outcome, code, stream, line) -> None:
     from raytrain_ckpt import api, cli
-    from raytrain_ckpt.checkpoint.probe import StorageNotShared
+    from raytrain_ckpt.checkpoint.storage.probe import StorageNotShared
     from raytrain_ckpt.controller import JobResult, JobState
     from raytrain_ckpt.spec import JobSpec
 

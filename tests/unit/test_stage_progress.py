@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_ckpt.checkpoint.buffers import is_leased
-from raytrain_ckpt.checkpoint.crc import address_of
-from raytrain_ckpt.checkpoint.staging import (SharedMemoryStaging, StageProgress, StagingAborted, allocate_buffer,
+from raytrain_ckpt.checkpoint.datapath.buffers import is_leased
+from raytrain_ckpt.checkpoint.format.crc import address_of
+from raytrain_ckpt.checkpoint.datapath.staging import (SharedMemoryStaging, StageProgress, StagingAborted, allocate_buffer,
                                               map_buffer, map_whole, plan_slots)
 from tests.unit.test_staging_buffers import REPO, _kill, _leaser
 
@@ -117,8 +117,8 @@ def test_the_staging_thread_records_its_progress_and_a_failure(tmp_path: Path) -
 _WRITER = """
 import resource, sys, time
 from pathlib import Path
-from raytrain_ckpt.checkpoint.crc import address_of
-from raytrain_ckpt.checkpoint.staging import StageProgress, map_whole
+from raytrain_ckpt.checkpoint.format.crc import address_of
+from raytrain_ckpt.checkpoint.datapath.staging import StageProgress, map_whole
 whole = map_whole(Path(sys.argv[1]), 4096)
 progress = StageProgress(address_of(whole), whole)
 print("ready", flush=True)

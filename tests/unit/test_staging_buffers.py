@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.checkpoint.buffers import BufferLease, OwnedBuffer, StagingFileError, is_leased, sweep_orphans
-from raytrain_ckpt.checkpoint.staging import allocate_buffer, map_buffer
+from raytrain_ckpt.checkpoint.datapath.buffers import BufferLease, OwnedBuffer, StagingFileError, is_leased, sweep_orphans
+from raytrain_ckpt.checkpoint.datapath.staging import allocate_buffer, map_buffer
 
 REPO = Path(__file__).resolve().parents[2]
 _HOLDER = """
 import sys
 from pathlib import Path
-from raytrain_ckpt.checkpoint.buffers import OwnedBuffer
+from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer
 held = [OwnedBuffer.create(Path(p), 4096 * (i + 1)) for i, p in enumerate(sys.argv[1:])]
 print("ready", flush=True)
 sys.stdin.read()
@@ -179,7 +179,7 @@ def test_remove_leaves_a_file_that_replaced_ours_alone(tmp_path: Path) -> None:
 _LEASER = """
 import sys
 from pathlib import Path
-from raytrain_ckpt.checkpoint.buffers import BufferLease
+from raytrain_ckpt.checkpoint.datapath.buffers import BufferLease
 lease = BufferLease(Path(sys.argv[1]))
 print("ready", flush=True)
 sys.stdin.read()
@@ -214,7 +214,7 @@ def test_a_lease_is_seen_by_other_processes_and_ends_with_its_holder(tmp_path: P
 
 def _expect_lease_fails(path: Path) -> None:
     """Take a lease in another process (our own process's POSIX locks never conflict with each other)."""
-    code = ("import sys\nfrom pathlib import Path\nfrom raytrain_ckpt.checkpoint.buffers import BufferLease\n"
+    code = ("import sys\nfrom pathlib import Path\nfrom raytrain_ckpt.checkpoint.datapath.buffers import BufferLease\n"
             "BufferLease(Path(sys.argv[1]))")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -236,7 +236,7 @@ def test_prefault_maps_every_page_of_a_new_mapping_in_one_call(tmp_path: Path) -
 
     import torch
 
-    from raytrain_ckpt.checkpoint.staging import prefault
+    from raytrain_ckpt.checkpoint.datapath.staging import prefault
 
     nbytes = 8 << 20
     owned = allocate_buffer(tmp_path / "rtc-test-a0-rank0.buf", nbytes)
@@ -310,7 +310,7 @@ def test_warm_populates_the_buffer_in_the_background_once(tmp_path: Path) -> Non
     nothing again, and a new staging of the same kept mapping does not either."""
     import torch
 
-    from raytrain_ckpt.checkpoint.staging import SharedMemoryStaging, plan_slots
+    from raytrain_ckpt.checkpoint.datapath.staging import SharedMemoryStaging, plan_slots
 
     nbytes = 8 << 20
     tensors = {"w": torch.arange(nbytes // 4, dtype=torch.float32)}
@@ -341,7 +341,7 @@ def test_the_staging_copy_makes_the_bytes_copy_makes_whatever_the_source() -> No
     (strided, another dtype, another shape to broadcast) to ``copy_``: the result is the same."""
     import torch
 
-    from raytrain_ckpt.checkpoint.staging import copy_bytes
+    from raytrain_ckpt.checkpoint.datapath.staging import copy_bytes
 
     torch.manual_seed(0)
     plain = torch.randn(64, 33)
@@ -387,7 +387,7 @@ def test_the_staging_copy_leaves_tensors_without_bytes_of_their_own_to_copy() ->
     process); ``copy_`` copies them, in either direction."""
     import torch
 
-    from raytrain_ckpt.checkpoint.staging import _plain, copy_bytes
+    from raytrain_ckpt.checkpoint.datapath.staging import _plain, copy_bytes
 
     values = torch.randn(8, 4)
     wrapped = _Wrapper(values.clone())
@@ -410,7 +410,7 @@ def test_the_staging_copy_copies_a_quantized_tensors_scale_and_a_nested_ones_par
     alone would read back at the destination's scale."""
     import torch
 
-    from raytrain_ckpt.checkpoint.staging import _plain, copy_bytes
+    from raytrain_ckpt.checkpoint.datapath.staging import _plain, copy_bytes
 
     src = torch.quantize_per_tensor(torch.tensor([1.0, 2.0, 3.0, 4.0]), 0.1, 0, torch.qint8)
     dst = torch.quantize_per_tensor(torch.zeros(4), 0.5, 3, torch.qint8)

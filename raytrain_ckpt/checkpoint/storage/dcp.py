@@ -15,7 +15,7 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
 
-from raytrain_ckpt.checkpoint.storage import Location, checksummed_upload, is_uri
+from raytrain_ckpt.checkpoint.storage.backends import Location, checksummed_upload, is_uri
 
 __all__ = ["UploadingWriter", "dcp_writer"]
 

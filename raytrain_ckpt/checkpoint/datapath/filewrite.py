@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _split_by_si
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from raytrain_ckpt.checkpoint.crc import Span, address_of
+from raytrain_ckpt.checkpoint.format.crc import Span, address_of
 
 __all__ = ["ChecksumSink", "OpenFile", "Phases", "RankFiles", "write_files", "write_rank_files"]
 

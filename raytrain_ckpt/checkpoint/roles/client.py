@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
-from raytrain_ckpt.checkpoint.actor import StepAborted
-from raytrain_ckpt.checkpoint.buffers import BufferLease, StagingFileError
-from raytrain_ckpt.checkpoint.interval import CostMeter, IntervalDecision, IntervalFacts, IntervalHistory, choose_interval
-from raytrain_ckpt.checkpoint.staging import (
+from raytrain_ckpt.checkpoint.roles.actor import StepAborted
+from raytrain_ckpt.checkpoint.datapath.buffers import BufferLease, StagingFileError
+from raytrain_ckpt.checkpoint.policy.interval import CostMeter, IntervalDecision, IntervalFacts, IntervalHistory, choose_interval
+from raytrain_ckpt.checkpoint.datapath.staging import (
     PinnedCudaStaging,
     SharedMemoryStaging,
     Staging,
@@ -38,7 +38,7 @@ from raytrain_ckpt.checkpoint.staging import (
     map_buffer,
     plan_slots,
 )
-from raytrain_ckpt.checkpoint.writer import PersistRequest
+from raytrain_ckpt.checkpoint.roles.writer import PersistRequest
 from raytrain_ckpt.events import headline
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.spec import CheckpointSpec

@@ -60,9 +60,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from raytrain_ckpt.checkpoint.manifest import (MANIFEST, FileEntry, InvalidCheckpoint, Manifest, UnsafeCheckpoint,
+from raytrain_ckpt.checkpoint.format.manifest import (MANIFEST, FileEntry, InvalidCheckpoint, Manifest, UnsafeCheckpoint,
                                                checksum_name, describe_file, file_crc32)
-from raytrain_ckpt.checkpoint.storage import Location, Storage, open_storage
+from raytrain_ckpt.checkpoint.storage.backends import Location, Storage, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ def check_file(storage: Storage, path: Location, want: FileEntry, checksum: bool
 
 
 def _metadata_problems(storage: Storage, path: Location, files: Collection[str]) -> Iterator[str]:
-    from raytrain_ckpt.checkpoint.unpickling import check_metadata_stream  # loading's verdict, without torch
+    from raytrain_ckpt.checkpoint.format.unpickling import check_metadata_stream  # loading's verdict, without torch
 
     where = storage.join(path, ".metadata")
     try:

@@ -22,12 +22,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_ckpt.checkpoint.interval import IntervalDecision
-from raytrain_ckpt.checkpoint.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, Verify,
+from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
+from raytrain_ckpt.checkpoint.storage.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, Verify,
                                              parse_entry, step_name)
-from raytrain_ckpt.checkpoint.storage import (Location, StorageUnavailable, home_problem, is_uri, object_store_problem,
+from raytrain_ckpt.checkpoint.storage.backends import (Location, StorageUnavailable, home_problem, is_uri, object_store_problem,
                                               parent_of)
-from raytrain_ckpt.checkpoint.summary import failed_saves_text, phase_text, summary_line
+from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text, phase_text, summary_line
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def live_status(job: str, address: str | None) -> dict[str, Any]:
     """The CheckpointActor's status of a running job; raises UsageError when there is none."""
     import ray
 
-    from raytrain_ckpt.checkpoint.names import NAMESPACE, actor_name
+    from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name
 
     if not ray.is_initialized():
         target = address or os.environ.get("RAY_ADDRESS") or "auto"

@@ -3,7 +3,7 @@
 The buffer is a file in ``/dev/shm`` created by the node's CheckpointWriter; the trainer maps
 it (``mmap``, shared) and fills it, the writer maps the same file and persists it. Allocated
 once per layout and reused for every save. How the file is created, checked before it is
-mapped, and tied to a live owner is ``checkpoint/buffers.py``.
+mapped, and tied to a live owner is ``checkpoint/datapath/buffers.py``.
 
 * CPU: ``SharedMemoryStaging`` copies on a background thread (``copy_`` releases the GIL), so
   the copy overlaps the next forward/backward.
@@ -36,7 +36,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, open_buffer
+from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer, open_buffer
 
 __all__ = [
     "PinnedCudaStaging",
@@ -107,7 +107,7 @@ def allocate_buffer(path: Path, nbytes: int) -> OwnedBuffer:
     """Create the shared-memory file ``path`` (exclusively, mode 0600) and own it until ``remove()``.
 
     Raises StagingFileError when the name is taken by anything but an orphaned buffer of ours
-    (see ``checkpoint/buffers.py``).
+    (see ``checkpoint/datapath/buffers.py``).
     """
     return OwnedBuffer.create(path, nbytes)
 

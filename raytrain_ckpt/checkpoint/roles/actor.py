@@ -27,13 +27,13 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from raytrain_ckpt.checkpoint.interval import IntervalDecision
-from raytrain_ckpt.checkpoint.layout import (LEFTOVER_GRACE_S, CheckpointLayout, EntryKind, InvalidCheckpoint,
+from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
+from raytrain_ckpt.checkpoint.storage.layout import (LEFTOVER_GRACE_S, CheckpointLayout, EntryKind, InvalidCheckpoint,
                                              LeftoverWatch, Manifest, Verify)
-from raytrain_ckpt.checkpoint.leases import LeaseFiles, purge_lock
-from raytrain_ckpt.checkpoint.dcp_storage import dcp_writer
-from raytrain_ckpt.checkpoint.storage import is_uri, replace_file
-from raytrain_ckpt.checkpoint.retention import RetentionPolicy
+from raytrain_ckpt.checkpoint.storage.leases import LeaseFiles, purge_lock
+from raytrain_ckpt.checkpoint.storage.dcp import dcp_writer
+from raytrain_ckpt.checkpoint.storage.backends import is_uri, replace_file
+from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import CheckpointMetrics, inflight_phase
@@ -433,10 +433,10 @@ class CheckpointActor:
 
     async def probes_seen(self, names: list[str]) -> tuple[str, list[str]]:
         """This actor's node id and which of the writers' probe files it sees under the root
-        (the shared-storage preflight, checkpoint/probe.py)."""
+        (the shared-storage preflight, checkpoint/storage/probe.py)."""
         import ray
 
-        from raytrain_ckpt.checkpoint.probe import local_root
+        from raytrain_ckpt.checkpoint.storage.probe import local_root
 
         local = local_root(str(self.layout.root))
         seen = [n for n in names if local is not None and (Path(local) / n).is_file()]

@@ -43,7 +43,7 @@ from typing import Any
 import crc32c as _crc32c
 from torch.distributed.checkpoint.planner import SavePlan
 
-from raytrain_ckpt.checkpoint.filewrite import ChecksumSink, Phases, RankFiles, Resolve, write_files
+from raytrain_ckpt.checkpoint.datapath.filewrite import ChecksumSink, Phases, RankFiles, Resolve, write_files
 
 __all__ = ["INFLIGHT", "PART_SIZE", "is_s3", "upload_rank_files"]
 

@@ -53,8 +53,8 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout, InvalidCheckpoint
-from raytrain_ckpt.checkpoint.storage import (Location, NotOwnFile, Storage, is_uri, object_filesystem, open_own_file,
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, InvalidCheckpoint
+from raytrain_ckpt.checkpoint.storage.backends import (Location, NotOwnFile, Storage, is_uri, object_filesystem, open_own_file,
                                               open_storage, replace_file)
 
 logger = logging.getLogger(__name__)

@@ -14,11 +14,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from raytrain_ckpt.checkpoint.formats import ConversionError
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout, Verify
-from raytrain_ckpt.checkpoint.storage import Location
-from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, Manifest
-from raytrain_ckpt.checkpoint.retention import KeepBest, rank_steps
+from raytrain_ckpt.checkpoint.interchange.formats import ConversionError
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, Verify
+from raytrain_ckpt.checkpoint.storage.backends import Location
+from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint, Manifest
+from raytrain_ckpt.checkpoint.policy.retention import KeepBest, rank_steps
 
 logger = logging.getLogger(__name__)
 

@@ -13,17 +13,17 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raytrain_ckpt.checkpoint.actor import CheckpointActor, ResumePoint
-from raytrain_ckpt.checkpoint.names import NAMESPACE, ActorByName, actor_name, writer_name
-from raytrain_ckpt.checkpoint.client import SaveSchedule
-from raytrain_ckpt.checkpoint.interval import IntervalHistory
-from raytrain_ckpt.checkpoint.layout import InvalidCheckpoint, Verify
-from raytrain_ckpt.checkpoint.memcopy import CommittedCopy, CopyFacts, RankSource, choose_sources
-from raytrain_ckpt.checkpoint.probe import StorageNotShared, local_root, missing_probes, unshared_message
-from raytrain_ckpt.checkpoint.replica import ring_peers
-from raytrain_ckpt.checkpoint.retention import KeepBest, RetentionPolicy
-from raytrain_ckpt.checkpoint.storage import job_root
-from raytrain_ckpt.checkpoint.writer import CheckpointWriter
+from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor, ResumePoint
+from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, ActorByName, actor_name, writer_name
+from raytrain_ckpt.checkpoint.roles.client import SaveSchedule
+from raytrain_ckpt.checkpoint.policy.interval import IntervalHistory
+from raytrain_ckpt.checkpoint.storage.layout import InvalidCheckpoint, Verify
+from raytrain_ckpt.checkpoint.recovery.memcopy import CommittedCopy, CopyFacts, RankSource, choose_sources
+from raytrain_ckpt.checkpoint.storage.probe import StorageNotShared, local_root, missing_probes, unshared_message
+from raytrain_ckpt.checkpoint.datapath.replica import ring_peers
+from raytrain_ckpt.checkpoint.policy.retention import KeepBest, RetentionPolicy
+from raytrain_ckpt.checkpoint.storage.backends import job_root
+from raytrain_ckpt.checkpoint.roles.writer import CheckpointWriter
 from raytrain_ckpt.events import headline
 from raytrain_ckpt.faults import planned
 from raytrain_ckpt.spec import CheckpointSpec, JobSpec
@@ -148,7 +148,7 @@ class CheckpointService:
 
     def preflight(self) -> None:
         """Before anything trains: check that every node that may host a rank shares the
-        checkpoint root with the CheckpointActor (checkpoint/probe.py).
+        checkpoint root with the CheckpointActor (checkpoint/storage/probe.py).
 
         Raises:
             StorageNotShared: some nodes write to a disk the actor cannot see; names them.

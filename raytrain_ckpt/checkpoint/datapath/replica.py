@@ -12,7 +12,7 @@ peer; storage is the fallback. Four pieces, each small and testable without Ray:
   peer's writer), paced to ``max_mb_per_s`` so it never competes with training for the network
   or the cores. It runs on the writer's own threads, after the commit: off the training path.
 * ``ReplicaStore``: the receiving side. Each replica lives in a staging-buffer file of its own
-  (``checkpoint/buffers.py``: created exclusively, 0600, owned by the live writer, swept when
+  (``checkpoint/datapath/buffers.py``: created exclusively, 0600, owned by the live writer, swept when
   the writer dies). A replica becomes visible only after all its bytes arrived and their
   CRC-32C equals the sender's; then the older replica of that source rank is removed: only the
   newest committed step per source rank is kept.
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import crc32c as _crc32c
 
-from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, open_buffer
+from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer, open_buffer
 
 if TYPE_CHECKING:
     from raytrain_ckpt.metrics import WriterMetrics

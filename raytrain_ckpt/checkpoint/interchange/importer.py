@@ -7,7 +7,7 @@ files are uploaded into ``step-00000000/`` and the manifest is written last, the
 commit protocol of ``layout.py``. A job
 resumes from it with ``checkpoint.resume: DIR/step-00000000`` (or by importing into
 ``<checkpoint.dir>/<job name>`` and resuming ``latest``); it loads the model only and starts
-at step 0 with a fresh optimizer (see ``checkpoint/state.py``).
+at step 0 with a fresh optimizer (see ``checkpoint/recovery/state.py``).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from raytrain_ckpt.checkpoint.export import progress_bar
-from raytrain_ckpt.checkpoint.formats import ConversionError, our_name
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout, Manifest, describe_file
-from raytrain_ckpt.checkpoint.storage import Location, StorageUnavailable, is_uri
+from raytrain_ckpt.checkpoint.interchange.export import progress_bar
+from raytrain_ckpt.checkpoint.interchange.formats import ConversionError, our_name
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, Manifest, describe_file
+from raytrain_ckpt.checkpoint.storage.backends import Location, StorageUnavailable, is_uri
 from raytrain_ckpt.events import headline
 
 logger = logging.getLogger(__name__)

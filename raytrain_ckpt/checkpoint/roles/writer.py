@@ -3,7 +3,7 @@
 Trainers map the writer's shared-memory files, copy their state in, and hand the step over
 with ``accept()`` as the copy starts. The writer writes the rank's DCP shard files with its own
 threads straight from the buffer, each tensor as soon as the copy has reached it
-(``staging.StageProgress``), checksumming them as it writes (``checkpoint/filewrite.py``,
+(``staging.StageProgress``), checksumming them as it writes (``checkpoint/datapath/filewrite.py``,
 ``O_DIRECT``), fsyncs them and reports to the CheckpointActor. Once the copy is complete the
 trainer is out of the picture: a trainer that dies after it does not stop its step from being
 committed; one that dies before it loses only that step, which the writer aborts.
@@ -29,17 +29,17 @@ import ray
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from raytrain_ckpt.checkpoint.buffers import OwnedBuffer, StagingFileError, is_leased, shm_dir, sweep_orphans
-from raytrain_ckpt.checkpoint.dcp_storage import UploadingWriter
-from raytrain_ckpt.checkpoint.filewrite import RankFiles, write_rank_files
-from raytrain_ckpt.checkpoint.crc import address_of, region_crc
-from raytrain_ckpt.checkpoint.memcopy import CommittedCopy
-from raytrain_ckpt.checkpoint.probe import NodeProbe, local_root, probe_name
-from raytrain_ckpt.checkpoint.replica import ReplicaEndpoint
-from raytrain_ckpt.checkpoint.staging import (StagedPlanner, StageProgress, StagingAborted, TensorSlot, allocate_buffer,
+from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer, StagingFileError, is_leased, shm_dir, sweep_orphans
+from raytrain_ckpt.checkpoint.storage.dcp import UploadingWriter
+from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles, write_rank_files
+from raytrain_ckpt.checkpoint.format.crc import address_of, region_crc
+from raytrain_ckpt.checkpoint.recovery.memcopy import CommittedCopy
+from raytrain_ckpt.checkpoint.storage.probe import NodeProbe, local_root, probe_name
+from raytrain_ckpt.checkpoint.datapath.replica import ReplicaEndpoint
+from raytrain_ckpt.checkpoint.datapath.staging import (StagedPlanner, StageProgress, StagingAborted, TensorSlot, allocate_buffer,
                                               layout_key, map_whole, populate_range, views_of)
-from raytrain_ckpt.checkpoint.storage import is_transient, is_uri, object_filesystem, replace_file, retry_transient
-from raytrain_ckpt.checkpoint.upload import is_s3, upload_rank_files
+from raytrain_ckpt.checkpoint.storage.backends import is_transient, is_uri, object_filesystem, replace_file, retry_transient
+from raytrain_ckpt.checkpoint.datapath.upload import is_s3, upload_rank_files
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import WriterMetrics
@@ -123,7 +123,7 @@ class PersistRequest:
 
 class CheckpointWriter(ReplicaEndpoint):
     """Per-node writer actor (threaded actor; writes run on its own thread pool). It also holds
-    and sends peer replicas (``checkpoint/replica.py``)."""
+    and sends peer replicas (``checkpoint/datapath/replica.py``)."""
 
     def __init__(self, job: str, root: str, coordinator: Any, io_threads: int = 1, nice: int = 10,
                  storage_options: dict[str, Any] | None = None, memory_copies: int = 1,
@@ -161,7 +161,7 @@ class CheckpointWriter(ReplicaEndpoint):
         self._init_replicas(shm_dir(), replica_mb_per_s)
 
     def write_probe(self, nonce: str) -> NodeProbe | None:
-        """Write this node's shared-storage probe under the root (see checkpoint/probe.py);
+        """Write this node's shared-storage probe under the root (see checkpoint/storage/probe.py);
         None for an object-store root, which needs none."""
         local = local_root(self.root)
         if local is None:
@@ -493,7 +493,7 @@ class CheckpointWriter(ReplicaEndpoint):
                      ready: Callable[[str], None] | None) -> RankFiles:
         fs = object_filesystem(dest, self.storage_options)
         planner = StagedPlanner(staged, ready)
-        if is_s3(fs):  # parts in parallel from the staging buffer (checkpoint/upload.py)
+        if is_s3(fs):  # parts in parallel from the staging buffer (checkpoint/datapath/upload.py)
             written = upload_rank_files(fs, dest, req.plan, planner.resolve_data, self.io_threads)
         else:
             writer = UploadingWriter(dest, self.storage_options, self.io_threads)

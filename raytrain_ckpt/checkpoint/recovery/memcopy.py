@@ -32,11 +32,11 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
-from raytrain_ckpt.checkpoint.layout import CheckpointLayout, Verify
-from raytrain_ckpt.checkpoint.manifest import InvalidCheckpoint, checksum_view
-from raytrain_ckpt.checkpoint.staging import TensorSlot, copy_bytes, layout_key, map_whole, plan_slots, views_of
-from raytrain_ckpt.checkpoint.state import apply_own_state, load_app_state, own_state
-from raytrain_ckpt.checkpoint.storage import Location, is_uri, parent_of
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, Verify
+from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint, checksum_view
+from raytrain_ckpt.checkpoint.datapath.staging import TensorSlot, copy_bytes, layout_key, map_whole, plan_slots, views_of
+from raytrain_ckpt.checkpoint.recovery.state import apply_own_state, load_app_state, own_state
+from raytrain_ckpt.checkpoint.storage.backends import Location, is_uri, parent_of
 from raytrain_ckpt.faults import planned
 
 logger = logging.getLogger(__name__)

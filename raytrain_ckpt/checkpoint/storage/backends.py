@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Protocol, TypeVar
 
-from raytrain_ckpt.checkpoint.manifest import _ALGORITHMS, Checksum, checksum_file
+from raytrain_ckpt.checkpoint.format.manifest import _ALGORITHMS, Checksum, checksum_file
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ and written. Peak memory is about the largest tensor (twice, for the cast), what
 
 The step is verified against its manifest first (checksums by default): a corrupt step is
 refused, never exported. DCP's ``.metadata`` is read with the restricted unpickler of
-``checkpoint/metadata.py``: nothing in the checkpoint is executed.
+``checkpoint/format/metadata.py``: nothing in the checkpoint is executed.
 
 The output is written to ``<out>.tmp-<id>``, every file and the directory fsynced, and renamed
 to ``<out>`` at the end (the parent fsynced): a directory named ``<out>`` is always a complete,
@@ -55,14 +55,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from raytrain_ckpt.checkpoint.formats import (ConversionError, hf_config, hf_name, lazy_tensor,
+from raytrain_ckpt.checkpoint.interchange.formats import (ConversionError, hf_config, hf_name, lazy_tensor,
                                               plan_shards, safetensors_header, stream_torch_save)
-from raytrain_ckpt.checkpoint.layout import (MANIFEST, CheckpointLayout, InvalidCheckpoint, Manifest, Verify, fsync_dir,
+from raytrain_ckpt.checkpoint.storage.layout import (MANIFEST, CheckpointLayout, InvalidCheckpoint, Manifest, Verify, fsync_dir,
                                              parse_entry, step_name)
-from raytrain_ckpt.checkpoint.metadata import SafeLoadPlanner, empty_safe_planner, safe_reader
-from raytrain_ckpt.checkpoint.storage import Location, StorageUnavailable, is_uri, open_storage, parent_of
-from raytrain_ckpt.checkpoint.leases import FileLease
-from raytrain_ckpt.checkpoint.selection import parse_selector, select_step
+from raytrain_ckpt.checkpoint.format.metadata import SafeLoadPlanner, empty_safe_planner, safe_reader
+from raytrain_ckpt.checkpoint.storage.backends import Location, StorageUnavailable, is_uri, open_storage, parent_of
+from raytrain_ckpt.checkpoint.storage.leases import FileLease
+from raytrain_ckpt.checkpoint.policy.selection import parse_selector, select_step
 from raytrain_ckpt.events import headline
 from raytrain_ckpt.models import describe_model
 from raytrain_ckpt.models.llama import Llama, LlamaConfig

@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint._traverse import set_element
 
-from raytrain_ckpt.checkpoint.manifest import MANIFEST, InvalidCheckpoint, Manifest, UnsafeCheckpoint
-from raytrain_ckpt.checkpoint.unpickling import allowed_global, check_data_files, refusal, unpickle
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint, Manifest, UnsafeCheckpoint
+from raytrain_ckpt.checkpoint.format.unpickling import allowed_global, check_data_files, refusal, unpickle
 from raytrain_ckpt.events import headline
 
 __all__ = ["SafeFileSystemReader", "SafeFsspecReader", "SafeLoadPlanner", "SafeUnpickler", "empty_safe_planner",
@@ -105,7 +105,7 @@ class SafeFsspecReader(_SafeMetadata, FsspecReader):
 
 def safe_reader(path: str | Path, storage_options: dict[str, Any] | None = None) -> FileSystemReader:
     """The safe DCP reader of a step directory: local path or object-store URI."""
-    from raytrain_ckpt.checkpoint.storage import is_uri
+    from raytrain_ckpt.checkpoint.storage.backends import is_uri
 
     if is_uri(path):
         return SafeFsspecReader(str(path), **(storage_options or {}))
