@@ -9,3 +9,48 @@ remote method's signature says what it takes. Plain data: they import neither to
 from __future__ import annotations
 
 __all__: list[str] = []
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ += ["RankReport", "SaveTimings", "TrainingPoint"]
+
+
+@dataclass(frozen=True)
+class TrainingPoint:
+    """What the trainers knew when they saved a step; recorded in its manifest."""
+
+    samples_seen: int = 0
+    tokens_seen: int = 0
+    loss: float | None = None
+    eval_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class SaveTimings:
+    """One rank's phases of one save, in seconds; the manifest's ``wall`` takes the slowest rank's."""
+
+    stage_s: float = 0.0
+    """The trainer's blocking part plus the writer's wait for the staging copy to finish."""
+    persist_s: float = 0.0
+    """From the writer taking the request to the rank's files being durable (or uploaded)."""
+    write_s: float = 0.0
+    """Of ``persist_s``, writing the files."""
+    phases: tuple[tuple[str, float], ...] = ()
+    """The writer's own breakdown of ``write_s`` (checksum, write calls, fsync...), name -> seconds."""
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """A writer's report to the CheckpointActor: rank ``rank``'s files of ``step`` are written."""
+
+    step: int
+    rank: int
+    attempt: int
+    plan_id: str
+    results: list[Any]
+    """DCP's ``WriteResult`` of every item the rank wrote (what ``.metadata`` is finished from)."""
+    files: dict[str, Any] = field(default_factory=dict)
+    """File name -> ``format.manifest.FileEntry`` (size and CRC-32C) of each file the rank wrote."""
+    point: TrainingPoint = TrainingPoint()
+    timings: SaveTimings = SaveTimings()
