@@ -60,7 +60,7 @@ def _init_single_rank() -> None:
 def _trainer(corpus: Path, per_rank_batch: int):
     import torch
 
-    from raytrain_ckpt.spec import load_spec
+    from raytrain_ckpt.preflight import load_spec
     from raytrain_ckpt.trainer import Trainer
 
     spec = load_spec(REPO / "jobs/llama_debug_tokens.yaml", [

@@ -60,7 +60,7 @@ def _overrides(ckpt_dir: str) -> list[str]:
 
 def ours(tmp: Path, reuse: bool = True) -> dict[str, float]:
     from raytrain_ckpt.driver import run_job
-    from raytrain_ckpt.spec import load_spec
+    from raytrain_ckpt.preflight import load_spec
 
     stamp = tmp / "kill"
     os.environ[STAMP_VAR] = str(stamp)
@@ -106,7 +106,7 @@ def _evict_when_killed(stamp: Path, root: Path, done: threading.Event) -> None:
 def load_rows(tmp: Path, copies: int, shape: dict[str, int], cold: bool) -> dict[str, float]:
     """One restart of the large model, loading from memory (``copies`` 2) or storage (1)."""
     from raytrain_ckpt.driver import run_job
-    from raytrain_ckpt.spec import load_spec
+    from raytrain_ckpt.preflight import load_spec
 
     os.environ[ENV_VAR] = "exit@step:rank=1,step=3"
     os.environ[STAMP_VAR] = str(tmp / "kill")
@@ -199,7 +199,7 @@ def ray_train(tmp: Path) -> dict[str, float] | None:
         from ray.train.torch import TorchTrainer
     except ImportError:
         return None
-    from raytrain_ckpt.spec import load_spec
+    from raytrain_ckpt.preflight import load_spec
 
     spec = load_spec(SPEC, _overrides(str(tmp / "unused")))
     trainer = TorchTrainer(
@@ -233,7 +233,7 @@ def node_loss(tmp: Path, mode: str) -> dict[str, float]:
     from ray.cluster_utils import Cluster
 
     from raytrain_ckpt.driver import run_job
-    from raytrain_ckpt.spec import load_spec
+    from raytrain_ckpt.preflight import load_spec
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     workers = [cluster.add_node(num_cpus=1) for _ in range(2)]

@@ -10,7 +10,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raytrain_ckpt.spec import JobSpec, apply_overrides, check_environment, load_spec, validate_spec
+from raytrain_ckpt.spec import JobSpec, apply_overrides
+
+from raytrain_ckpt.preflight import check_environment, load_spec, validate_spec
 
 if TYPE_CHECKING:
     from raytrain_ckpt.controller import JobResult

@@ -289,7 +289,7 @@ def _conversion_path_problem(args: argparse.Namespace) -> str | None:
     """Special files as input (reading a FIFO blocks), outputs that cannot be created and object
     stores that do not answer, said in one line; None when the paths are usable. Torch-free."""
     from raytrain_ckpt.checkpoint.storage.backends import home_problem, object_store_problem
-    from raytrain_ckpt.spec.environment import writable_dir_problem
+    from raytrain_ckpt.preflight import writable_dir_problem
 
     source, out, flag = (args.file, args.to, "--to") if args.command == "import" else (args.ckpt, args.out, "--out")
     for uri in (u.rstrip("/") for u in (source, out) if "://" in u):  # an object store must answer first
@@ -329,7 +329,7 @@ def _export(args: argparse.Namespace) -> int:
     from raytrain_ckpt.checkpoint.interchange.export import export_checkpoint, parse_size
     from raytrain_ckpt.checkpoint.interchange.formats import ConversionError
     from raytrain_ckpt.models import describe_model
-    from raytrain_ckpt.spec import load_spec
+    from raytrain_ckpt.preflight import load_spec
 
     max_shard = parse_size(args.max_shard_size)
     cfg = None

@@ -117,7 +117,7 @@ def _is_ours(out: Path) -> bool:
 
 def _check_out(out: Path) -> None:
     """Refuse an ``--out`` that cannot be written, or that holds files prepare-data did not write."""
-    from raytrain_ckpt.spec.environment import writable_dir_problem
+    from raytrain_ckpt.preflight import writable_dir_problem
 
     problem = writable_dir_problem(out)
     if problem is not None:

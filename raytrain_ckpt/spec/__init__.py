@@ -4,12 +4,13 @@ Precedence, stated once: CLI ``--set path=value`` > spec file > field defaults.
 Every problem is reported as ``path[=value]: what is wrong; how to fix it``.
 
 ``sections.py`` holds one pydantic model per section, ``job.py`` the whole ``JobSpec`` and the
-checks across sections, ``loading.py`` file reading, overrides and error formatting.
+checks across sections, ``loading.py`` file reading, overrides and error formatting. Checks of a
+spec against the machine (paths, memory, an object store) and ``load_spec`` are in
+``raytrain_ckpt/preflight.py``: this package imports nothing of the checkpoint machinery.
 """
 
 from raytrain_ckpt.spec.job import JobSpec
-from raytrain_ckpt.spec.loading import (apply_overrides, check_environment, format_validation_error, load_spec,
-                                        parse_overrides, validate_spec)
+from raytrain_ckpt.spec.loading import apply_overrides, format_validation_error, parse_overrides, parse_spec, read_spec
 from raytrain_ckpt.spec.sections import (
     CheckpointSpec,
     DataSpec,
@@ -40,9 +41,8 @@ __all__ = [
     "SpecError",
     "TrainingSpec",
     "apply_overrides",
-    "check_environment",
     "format_validation_error",
-    "load_spec",
     "parse_overrides",
-    "validate_spec",
+    "parse_spec",
+    "read_spec",
 ]

@@ -14,12 +14,10 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from raytrain_ckpt.spec.environment import environment_problems
 from raytrain_ckpt.spec.job import JobSpec
 from raytrain_ckpt.spec.sections import FieldProblems, SpecError
 
-__all__ = ["apply_overrides", "check_environment", "format_validation_error", "load_spec", "parse_overrides",
-           "validate_spec"]
+__all__ = ["apply_overrides", "format_validation_error", "parse_overrides", "parse_spec", "read_spec"]
 
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".json", ".toml")
@@ -123,24 +121,6 @@ def _yaml_load(text: str) -> Any:
 # --- loading -----------------------------------------------------------------
 
 
-def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
-    """Read a YAML, JSON or TOML job spec, apply ``--set`` overrides and validate it.
-
-    Args:
-        path: The spec file.
-        overrides: ``dotted.path=value`` strings; values are parsed as YAML scalars/lists.
-
-    Returns:
-        The validated spec.
-
-    Raises:
-        SpecError: The file is missing or unreadable, the spec is invalid, or it does not fit
-            this machine (see ``environment.py``).
-    """
-    path = Path(path)
-    return validate_spec(apply_overrides(_read_file(path), overrides), base_dir=path.resolve().parent)
-
-
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
     """Apply ``--set`` strings (``"training.steps=20"``) to a spec shaped as the file is, in place.
 
@@ -157,8 +137,18 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[st
     return raw
 
 
-def validate_spec(raw: dict[str, Any], base_dir: Path) -> JobSpec:
-    """Validate a spec shaped as the file is, then check it against this machine (``environment.py``).
+def read_spec(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """A spec file's sections with ``--set`` overrides applied, not yet validated.
+
+    Raises:
+        SpecError: The file is missing, unreadable or not a spec, or an override is malformed.
+    """
+    return apply_overrides(_read_file(Path(path)), overrides)
+
+
+def parse_spec(raw: dict[str, Any], base_dir: Path) -> JobSpec:
+    """Validate a spec shaped as the file is (its own rules only, not this machine: see
+    ``raytrain_ckpt/preflight.py``).
 
     Args:
         raw: The spec's sections, overrides already applied.
@@ -168,18 +158,9 @@ def validate_spec(raw: dict[str, Any], base_dir: Path) -> JobSpec:
         SpecError: One line per problem.
     """
     try:
-        spec = JobSpec.model_validate(raw, context={"base_dir": base_dir})
+        return JobSpec.model_validate(raw, context={"base_dir": base_dir})
     except ValidationError as exc:
         raise SpecError(format_validation_error(exc)) from None
-    check_environment(spec)
-    return spec
-
-
-def check_environment(spec: JobSpec) -> None:
-    """Raise ``SpecError`` with every problem of a valid spec on this machine (paths, memory)."""
-    problems = environment_problems(spec)
-    if problems:
-        raise SpecError([f"{where}: {what}" for where, what in problems])
 
 
 def _read_file(path: Path) -> dict[str, Any]:

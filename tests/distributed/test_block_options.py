@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_ckpt.spec import load_spec
+from raytrain_ckpt.preflight import load_spec
 from tests.distributed.launch import run_ranks
 
 pytestmark = pytest.mark.distributed

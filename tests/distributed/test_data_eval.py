@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain_ckpt.spec import load_spec
+from raytrain_ckpt.preflight import load_spec
 from tests.distributed.launch import run_ranks
 
 pytestmark = pytest.mark.distributed

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from raytrain_ckpt.models import Llama, describe_model
-from raytrain_ckpt.spec import JobSpec, load_spec
+from raytrain_ckpt.spec import JobSpec
+from raytrain_ckpt.preflight import load_spec
 from tests.distributed.launch import run_ranks
 
 pytestmark = pytest.mark.distributed

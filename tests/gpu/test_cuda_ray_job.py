@@ -12,7 +12,7 @@ from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.controller import JobResult, JobState
 from raytrain_ckpt.driver import run_job
 from raytrain_ckpt.faults import ENV_VAR
-from raytrain_ckpt.spec import load_spec
+from raytrain_ckpt.preflight import load_spec
 
 pytestmark = [
     pytest.mark.gpu,

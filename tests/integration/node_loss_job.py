@@ -23,7 +23,7 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from raytrain_ckpt.driver import run_job  # noqa: E402
-from raytrain_ckpt.spec import load_spec  # noqa: E402
+from raytrain_ckpt.preflight import load_spec  # noqa: E402
 
 
 def main(ckpt_dir: str) -> None:

@@ -36,7 +36,7 @@ from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout  # noqa: E4
 from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name  # noqa: E402
 from raytrain_ckpt.driver import run_job  # noqa: E402
 from raytrain_ckpt.faults import ENV_VAR  # noqa: E402
-from raytrain_ckpt.spec import load_spec  # noqa: E402
+from raytrain_ckpt.preflight import load_spec  # noqa: E402
 
 STEP_TIMEOUT_S = 240.0
 

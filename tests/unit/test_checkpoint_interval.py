@@ -16,7 +16,8 @@ from raytrain_ckpt.checkpoint.policy.interval import (
     blend_mtbf,
     choose_interval,
 )
-from raytrain_ckpt.spec import SpecError, load_spec
+from raytrain_ckpt.spec import SpecError
+from raytrain_ckpt.preflight import load_spec
 
 DAY = 86400.0
 

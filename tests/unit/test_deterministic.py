@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from raytrain_ckpt.spec import load_spec
+from raytrain_ckpt.preflight import load_spec
 
 
 def test_deterministic_cuda_switches_torch_to_deterministic_kernels():

@@ -139,7 +139,7 @@ def test_export_and_import_refuse_a_bad_path_before_importing_torch(tmp_path, ar
 
 
 def test_validate_of_a_gpu_spec_imports_torch_only_where_a_gpu_driver_is():
-    from raytrain_ckpt.spec.environment import _has_gpu_device_files
+    from raytrain_ckpt.preflight import _has_gpu_device_files
 
     # torch.cuda tells the GPU's memory; a driver machine without a GPU skips that check
     code = "from raytrain_ckpt.cli import main\nassert main(['validate', 'jobs/llama_8b_gpu.yaml']) == 0"

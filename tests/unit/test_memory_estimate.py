@@ -6,8 +6,9 @@ import pytest
 
 from raytrain_ckpt.cli import main
 from raytrain_ckpt.models import PRESETS
-from raytrain_ckpt.spec import SpecError, load_spec
-from raytrain_ckpt.spec import environment
+from raytrain_ckpt.spec import SpecError
+from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt import preflight as environment
 from raytrain_ckpt.spec.memory import memory_estimate
 
 GPU_JOB = "jobs/llama_8b_gpu.yaml"

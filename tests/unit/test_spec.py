@@ -14,7 +14,8 @@ import yaml
 from pydantic import BaseModel
 
 from raytrain_ckpt.cli import main
-from raytrain_ckpt.spec import JobSpec, SpecError, load_spec
+from raytrain_ckpt.spec import JobSpec, SpecError
+from raytrain_ckpt.preflight import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = sorted((REPO / "jobs").glob("*.yaml"))

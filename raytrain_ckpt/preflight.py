@@ -1,6 +1,9 @@
-"""Checks of a valid spec against the machine that loads it: paths it will write, memory it needs.
+"""A spec checked against the machine that loads it: paths it will write, memory it needs, the
+object store it names. ``load_spec`` here is the one entry for a spec file: read, validate, check.
 
-They run where the spec enters (``load_spec``: the CLI's ``validate`` and ``run``, the driver),
+Outside ``spec/`` because the checks reach into the checkpoint storage (an object store's
+reachability), and the spec package imports nothing of the checkpoint machinery. They run where
+the spec enters (``load_spec``: the CLI's ``validate`` and ``run``, the driver, the Python API),
 not in the pydantic validators, because a worker re-validates the spec on its own node and
 must not judge the driver's paths or RAM. A spec for a cluster is best validated where its
 driver runs (the head node), which sees the same shared ``checkpoint.dir`` as the workers.
@@ -14,19 +17,53 @@ from pathlib import Path
 
 from raytrain_ckpt.models import describe_model
 from raytrain_ckpt.spec.job import JobSpec
+from raytrain_ckpt.spec.loading import parse_spec, read_spec
 from raytrain_ckpt.spec.memory import MemoryEstimate, memory_estimate
-from raytrain_ckpt.spec.sections import RESUME_VALUES, is_ascii_digits
+from raytrain_ckpt.spec.sections import RESUME_VALUES, SpecError, is_ascii_digits
 
 __all__ = [
-    "STATE_BYTES_PER_PARAM",
+    "check_environment",
     "environment_problems",
     "gpu_memory_bytes",
     "host_memory_bytes",
-    "train_state_bytes",
+    "load_spec",
+    "validate_spec",
 ]
 
-STATE_BYTES_PER_PARAM = 16
-"""fp32 parameter, fp32 gradient, and AdamW's two fp32 moments; activations come on top."""
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+    """Read a YAML, JSON or TOML job spec, apply ``--set`` overrides, validate it and check it
+    against this machine.
+
+    Args:
+        path: The spec file.
+        overrides: ``dotted.path=value`` strings; values are parsed as YAML scalars/lists.
+
+    Returns:
+        The validated spec.
+
+    Raises:
+        SpecError: The file is missing or unreadable, the spec is invalid, or it does not fit
+            this machine.
+    """
+    return validate_spec(read_spec(path, overrides), base_dir=Path(path).resolve().parent)
+
+
+def validate_spec(raw: dict, base_dir: Path) -> JobSpec:
+    """Validate a spec shaped as the file is (overrides applied), then check it against this machine.
+
+    Raises:
+        SpecError: One line per problem.
+    """
+    spec = parse_spec(raw, base_dir)
+    check_environment(spec)
+    return spec
+
+
+def check_environment(spec: JobSpec) -> None:
+    """Raise ``SpecError`` with every problem of a valid spec on this machine (paths, memory)."""
+    problems = environment_problems(spec)
+    if problems:
+        raise SpecError([f"{where}: {what}" for where, what in problems])
 
 
 def environment_problems(spec: JobSpec) -> list[tuple[str, str]]:
@@ -122,19 +159,6 @@ def _read_only(path: Path) -> bool:
 
 
 # --- memory -------------------------------------------------------------------------
-
-
-def train_state_bytes(spec: JobSpec) -> int | None:
-    """Bytes of parameters, gradients and optimizer state one rank holds; None for a user factory.
-
-    FSDP2 shards every tensor over the data-parallel ranks and a pipeline splits the layers
-    over its stages, so each rank holds about 1/world_size of the model's training state.
-    """
-    cfg = describe_model(spec.model.name, spec.model.overrides)
-    if cfg is None:
-        return None
-    # Counted from the shape, not by building the model on the meta device: `validate` stays torch-free.
-    return cfg.num_params * STATE_BYTES_PER_PARAM // spec.world_size
 
 
 def host_memory_bytes() -> int:
