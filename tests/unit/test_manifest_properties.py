@@ -13,7 +13,7 @@ import crc32c
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint, MANIFEST, Manifest
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint, Manifest
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from tests.unit.test_checkpoint_layout import _commit
 

@@ -29,12 +29,11 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
 from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint, Manifest
-from raytrain_ckpt.checkpoint.format.names import EntryKind
+from raytrain_ckpt.checkpoint.format.names import EntryKind, is_uri
 from raytrain_ckpt.checkpoint.format.verify import Verify, verify_step
-from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, LEFTOVER_GRACE_S, LeftoverWatch
+from raytrain_ckpt.checkpoint.storage.layout import LEFTOVER_GRACE_S, CheckpointLayout, LeftoverWatch
 from raytrain_ckpt.checkpoint.storage.leases import LeaseFiles, purge_lock
 from raytrain_ckpt.checkpoint.storage.dcp import dcp_writer
-from raytrain_ckpt.checkpoint.format.names import is_uri
 from raytrain_ckpt.checkpoint.storage.backends import open_storage
 from raytrain_ckpt.checkpoint.storage.commit import protocol_for
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
