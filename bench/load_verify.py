@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, Manifest, describe_file
+from raytrain_ckpt.checkpoint.format.manifest import Manifest, describe_file
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.format.metadata import SafeFileSystemReader, SafeLoadPlanner
 
 _WORLD = 2

@@ -49,10 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     schema.add_argument("--format", choices=("json", "markdown"), default="json",
                         help="json: JSON Schema; markdown: the field reference table in README")
     _add_conversion_commands(sub)
-    # checkpoint progress and checks: status, ls, verify (raytrain_ckpt/inventory.py)
-    from raytrain_ckpt import inventory as ckpt_inspect
+    # checkpoint progress and checks: status, ls, verify (raytrain_ckpt/inventory_cli.py)
+    from raytrain_ckpt import inventory_cli
 
-    ckpt_inspect.add_parsers(sub)
+    inventory_cli.add_parsers(sub)
     from raytrain_ckpt import clean_buffers
 
     clean_buffers.add_parser(sub)
@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return prepare.run(args)
     if args.command in ("status", "ls", "verify"):
-        from raytrain_ckpt import inventory as ckpt_inspect
+        from raytrain_ckpt import inventory_cli
 
-        return ckpt_inspect.run(args)
+        return inventory_cli.run(args)
     # Only the commands that read a spec import it (pydantic and the spec models): status, ls
     # and verify start faster without.
     from raytrain_ckpt import api
@@ -150,7 +150,7 @@ def _factories_importable(spec_path: str) -> None:
 
 def _run(spec: JobSpec, address: str | None) -> int:
     from raytrain_ckpt import api
-    from raytrain_ckpt.checkpoint.storage.leases import RootInUse
+    from raytrain_ckpt.checkpoint.storage.runlock import RootInUse
     from raytrain_ckpt.checkpoint.storage.probe import StorageNotShared
     from raytrain_ckpt.checkpoint.roles.service import ResumeRefused
     from raytrain_ckpt.driver import ClusterUnreachable, ResourceError
@@ -233,7 +233,7 @@ def _convert(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from raytrain_ckpt.checkpoint.interchange.formats import ConversionError
+    from raytrain_ckpt.checkpoint.errors import ConversionError
     from raytrain_ckpt.events import headline
     from raytrain_ckpt.spec import SpecError
 
@@ -288,7 +288,8 @@ def _file_uris_as_paths(args: argparse.Namespace) -> None:
 def _conversion_path_problem(args: argparse.Namespace) -> str | None:
     """Special files as input (reading a FIFO blocks), outputs that cannot be created and object
     stores that do not answer, said in one line; None when the paths are usable. Torch-free."""
-    from raytrain_ckpt.checkpoint.storage.backends import home_problem, object_store_problem
+    from raytrain_ckpt.checkpoint.storage.backends import home_problem
+    from raytrain_ckpt.checkpoint.storage.objects import object_store_problem
     from raytrain_ckpt.preflight import writable_dir_problem
 
     source, out, flag = (args.file, args.to, "--to") if args.command == "import" else (args.ckpt, args.out, "--out")
@@ -327,7 +328,7 @@ def _import(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from raytrain_ckpt.checkpoint.interchange.export import export_checkpoint, parse_size
-    from raytrain_ckpt.checkpoint.interchange.formats import ConversionError
+    from raytrain_ckpt.checkpoint.errors import ConversionError
     from raytrain_ckpt.models import describe_model
     from raytrain_ckpt.preflight import load_spec
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import ray
 
-from raytrain_ckpt.checkpoint.storage.leases import FileRunLock, ObjectRunLock, run_lock
+from raytrain_ckpt.checkpoint.storage.runlock import FileRunLock, ObjectRunLock, run_lock
 from raytrain_ckpt.checkpoint.roles.service import CheckpointService
 from raytrain_ckpt.checkpoint.storage.backends import job_root
 from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text

@@ -1,18 +1,14 @@
-"""``raytrain-ckpt status | ls | verify``: checkpoint progress of a running job or of a directory.
+"""The inventory of a job's checkpoints: every step entry with its status, from the manifests on
+disk (``scan``) or from a running job's CheckpointActor (``live_status``), and the report
+``status`` prints (``status_report``). The API half: ``api.py`` and the driver use it;
+``inventory_cli.py`` puts ``raytrain-ckpt status | ls | verify`` on top.
 
-``status --job NAME`` asks the job's live CheckpointActor (named ``rtc-ckpt-<job>`` in the
-``raytrain_ckpt`` Ray namespace); ``status DIR`` and ``ls DIR`` read the manifests on disk;
-``verify DIR/step-N`` checks every file's size and checksum. DIR may be an object-store URI
-(``s3://bucket/prefix/<job>``; credentials and endpoint from the environment, as boto reads
-them, e.g. ``AWS_ENDPOINT_URL``). Exit codes: 0 fine, 1 ``verify``
-found the step torn or corrupt, 2 a user mistake (a missing path, no such job, a bad flag).
+A directory may be an object-store URI (``s3://bucket/prefix/<job>``; credentials and endpoint
+from the environment, as boto reads them, e.g. ``AWS_ENDPOINT_URL``).
 """
 
 from __future__ import annotations
 
-import argparse
-import errno
-import json
 import logging
 import os
 import sys
@@ -22,18 +18,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint
+from raytrain_ckpt.checkpoint.format.names import EntryKind, Location, is_uri, parent_of, parse_entry, step_name
+from raytrain_ckpt.checkpoint.format.verify import Verify, step_problems
 from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
-from raytrain_ckpt.checkpoint.storage.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, Verify,
-                                             parse_entry, step_name)
-from raytrain_ckpt.checkpoint.storage.backends import (Location, StorageUnavailable, home_problem, is_uri, object_store_problem,
-                                              parent_of)
 from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text, phase_text, summary_line
+from raytrain_ckpt.checkpoint.storage.backends import home_problem, open_storage
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepRow", "add_parsers", "run", "scan", "verify_step"]
+__all__ = ["StepRow", "UsageError", "format_cell", "interval_text", "job_roots_hint", "live_rows", "live_status",
+           "location", "progress_bar", "resume_point", "root_dir", "scan", "status_report", "table",
+           "unreachable_address", "verify_step"]
 
-EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
 _ASIDE: dict[EntryKind, tuple[str, str]] = {
     EntryKind.TMP: ("torn", "no manifest: being written, or left by a crash"),
     EntryKind.INVALID: ("moved-aside", "an invalid step-N moved aside (a re-save, or skipped on resume)"),
@@ -69,7 +67,7 @@ def scan(root: Location, level: Verify = "size", now: float | None = None) -> li
     layout, now = CheckpointLayout(root), now or time.time()
     rows = []
     entries = layout.entries()
-    bar = _progress_bar(len(entries), "checksum", unit="dir") if level == "checksum" else None
+    bar = progress_bar(len(entries), "checksum", unit="dir") if level == "checksum" else None
     for entry, path in entries:
         if bar is not None:
             bar.update(1)
@@ -119,7 +117,7 @@ def resume_point(rows: list[StepRow]) -> StepRow | None:
     return max(valid, key=lambda r: r.step) if valid else None
 
 
-def _location(text: str) -> Location:
+def location(text: str) -> Location:
     """A path or URI from the command line."""
     if is_uri(text):
         return text.rstrip("/")
@@ -131,12 +129,7 @@ def _location(text: str) -> Location:
 
 def verify_step(path: Location, progress: Callable[[int], None] = lambda n: None) -> list[str]:
     """Every problem of a step directory against its manifest (sizes and checksums); [] means valid."""
-    layout = CheckpointLayout(parent_of(path))
-    try:
-        manifest = layout.read_manifest(path)
-    except InvalidCheckpoint as exc:
-        return [str(exc)]
-    return list(layout.problems(path, manifest, "checksum", progress))
+    return step_problems(path, open_storage(path), progress)
 
 
 # --- live: a running job's CheckpointActor -------------------------------------------------
@@ -186,17 +179,6 @@ def unreachable_address(target: str) -> str | None:
     return None
 
 
-def _positive_seconds(text: str) -> float:
-    """argparse type of ``--watch``: a refresh period > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds > 0, e.g. 2")
-    return value
-
-
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:200]
 
@@ -217,7 +199,8 @@ def live_rows(status: dict[str, Any], now: float | None = None) -> list[StepRow]
 
 # --- output ---------------------------------------------------------------------------------
 
-def _fmt(value: float | None, kind: str) -> str:
+def format_cell(value: float | None, kind: str) -> str:
+    """One cell of the status table: bytes as MB, an age as minutes or hours, else seconds; ``-`` for None."""
     if value is None:
         return "-"
     if kind == "bytes":
@@ -229,10 +212,12 @@ def _fmt(value: float | None, kind: str) -> str:
 
 
 def table(rows: list[StepRow]) -> str:
+    """The status table (the text form of ``status``'s rows)."""
     lines = [f"{'STEP':>9}  {'STATUS':<11} {'SIZE':>10} {'SAVE':>8} {'STALL':>8} {'AGE':>7}  DETAIL"]
     for r in rows:
-        lines.append(f"{r.step:>9}  {r.status:<11} {_fmt(r.bytes, 'bytes'):>10} {_fmt(r.save_s, 's'):>8} "
-                     f"{_fmt(r.stall_s, 's'):>8} {_fmt(r.age_s, 'age'):>7}  {r.detail}")
+        lines.append(f"{r.step:>9}  {r.status:<11} {format_cell(r.bytes, 'bytes'):>10} "
+                     f"{format_cell(r.save_s, 's'):>8} {format_cell(r.stall_s, 's'):>8} "
+                     f"{format_cell(r.age_s, 'age'):>7}  {r.detail}")
     return "\n".join(lines)
 
 
@@ -256,7 +241,7 @@ def status_report(target: str | None, job: str | None, address: str | None,
         data = {"root": root, "job": info, "summary": summary_line(st), "at_risk": risk,
                 "failed_saves": st.get("failed_saves"), "interval": interval}
     else:
-        root = _root(target)
+        root = root_dir(target)
         rows = scan(root, level)
         best = resume_point(rows)
         point = f"step {best.step} ({root}/{best.name})" if best else "none (a fresh start)"
@@ -276,124 +261,17 @@ def interval_text(interval: dict[str, Any]) -> str:
     return f"checkpoint interval (auto): {interval['steps']} steps, chosen at step {interval['step']} ({why})"
 
 
-def _root(target: str | None) -> Location:
+def root_dir(target: str | None) -> Location:
+    """A job's checkpoint root named on the command line, checked to be a directory; raises UsageError."""
     if target is None:
         raise UsageError("status: give a checkpoint directory (checkpoint.dir/<job name>) or --job NAME")
-    root = _location(target)
-    if not CheckpointLayout(root).storage.is_dir(root):
+    root = location(target)
+    if not open_storage(root).is_dir(root):
         raise UsageError(f"{target}: not a directory; pass a job's checkpoint root, e.g. checkpoints/llama-debug-fsdp")
     return root
 
 
-# --- command line -----------------------------------------------------------------------------
-
-def add_parsers(sub: Any) -> None:
-    """Add ``status``, ``ls`` and ``verify`` to the CLI's subparsers."""
-    st = sub.add_parser("status", help="checkpoint progress of a running job (--job) or a checkpoint directory")
-    st.add_argument("dir", nargs="?", help="a job's checkpoint root (checkpoint.dir/<job name>)")
-    st.add_argument("--job", help="name of a running job: ask its CheckpointActor")
-    st.add_argument("--address", help="Ray address for --job; default: RAY_ADDRESS, else the local cluster")
-    st.add_argument("--watch", type=_positive_seconds, nargs="?", const=2.0, metavar="SECONDS",
-                    help="refresh every SECONDS (default 2) until Ctrl-C")
-    st.add_argument("--json", action="store_true", help="print JSON (for scripts)")
-    st.add_argument("--checksum", action="store_true", help="with a directory: also check every file's checksum")
-    ls = sub.add_parser("ls", help="list the steps of a checkpoint directory with their status")
-    ls.add_argument("dir", help="a job's checkpoint root (checkpoint.dir/<job name>)")
-    ls.add_argument("--json", action="store_true", help="print JSON (for scripts)")
-    ls.add_argument("--checksum", action="store_true", help="also check every file's checksum (reads every file)")
-    v = sub.add_parser("verify", help="check every file of a step against its manifest (size and checksum)")
-    v.add_argument("step_dir", help="a step directory, e.g. checkpoints/llama-debug-fsdp/step-00000040")
-    v.add_argument("--json", action="store_true", help="print JSON (for scripts)")
-
-
-def run(args: argparse.Namespace, refreshes: int | None = None) -> int:
-    """Run ``status``, ``ls`` or ``verify``; user mistakes print one line and return 2."""
-    try:
-        _check_reachable(args.step_dir if args.command == "verify" else args.dir)
-        if args.command == "verify":
-            return _verify(_location(args.step_dir), args.json)
-        if args.command == "ls":
-            rows = scan(_root(args.dir), "checksum" if args.checksum else "size")
-            hint = None if rows else job_roots_hint(_root(args.dir))
-            if hint:
-                print(f"note: {hint}", file=sys.stderr)
-            print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else
-                  "\n".join(f"{r.name:<34} {r.status:<11} {_fmt(r.bytes, 'bytes'):>10} {_eval_text(r):>12}  {r.detail}"
-                            for r in rows))
-            return EXIT_OK
-        if args.job is not None and args.dir is not None:
-            raise UsageError("status: give either a checkpoint directory or --job, not both")
-        return _status(args, refreshes)
-    except (UsageError, StorageUnavailable) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:  # a path that cannot be read (permissions, a vanished mount): one line, not a traceback
-        print(f"error: {args.command}: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_USAGE if exc.errno == errno.ENAMETOOLONG else EXIT_BAD  # (a name no file system takes: a typo)
-
-
-def _check_reachable(target: str | None) -> None:
-    """An object-store target must answer first: a wrong endpoint or missing credentials is a
-    user mistake (one line, exit 2) found in seconds, not a traceback after the client's retries."""
-    if target is not None and is_uri(target):
-        problem = object_store_problem(target.rstrip("/"), {})
-        if problem:
-            raise UsageError(problem)
-
-
-def _eval_text(row: StepRow) -> str:
-    return f"eval {row.eval_loss:.4f}" if row.eval_loss is not None else "eval -"
-
-
-def _status(args: argparse.Namespace, refreshes: int | None) -> int:
-    n = 0
-    while True:
-        text, data = status_report(args.dir, args.job, args.address, "checksum" if args.checksum else "size")
-        if args.watch is not None and sys.stdout.isatty():
-            print("\x1b[2J\x1b[H", end="")  # clear the terminal: a refreshing view, not a scrolling log
-        print(json.dumps(data, indent=1, default=str) if args.json else text, flush=True)
-        n += 1
-        if args.watch is None or (refreshes is not None and n >= refreshes):
-            return EXIT_OK
-        try:
-            time.sleep(args.watch)
-        except KeyboardInterrupt:
-            return EXIT_OK
-
-
-def _verify(path: Location, as_json: bool) -> int:
-    storage = CheckpointLayout(parent_of(path)).storage
-    if not storage.is_dir(path):
-        raise UsageError(f"{path}: no such step directory; pass one like checkpoints/<job>/step-00000040")
-    name = storage.name(path)
-    if parse_entry(name) is None:
-        raise UsageError(f"{path}: not a step directory (expected a name like step-00000040)")
-    total = _manifest_bytes(path)
-    bar = _progress_bar(total, f"verify {name}")
-    try:
-        problems = verify_step(path, bar.update if bar else lambda n: None)
-    finally:
-        if bar:
-            bar.close()
-    status = "valid" if not problems else ("torn" if not storage.is_file(storage.join(path, MANIFEST)) else "corrupt")
-    if as_json:
-        print(json.dumps({"path": str(path), "status": status, "problems": problems}, indent=1))
-    else:
-        print(f"{path}: {status.upper()}" + ("" if problems else f" (every file's size and checksum match, "
-                                                                  f"{total / 1e6:.1f} MB)"))
-        for p in problems:
-            print(f"  {p}")
-    return EXIT_OK if not problems else EXIT_BAD
-
-
-def _manifest_bytes(path: Location) -> int:
-    try:
-        return CheckpointLayout(parent_of(path)).read_manifest(path).total_bytes
-    except InvalidCheckpoint:
-        return 0
-
-
-def _progress_bar(total: int, desc: str, unit: str = "B") -> Any:
+def progress_bar(total: int, desc: str, unit: str = "B") -> Any:
     """A progress bar on stderr, only for an interactive terminal (logs and pipes stay clean)."""
     if total <= 0 or not sys.stderr.isatty():
         return None

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from raytrain_ckpt.checkpoint.storage.layout import Manifest
+    from raytrain_ckpt.checkpoint.format.manifest import Manifest
     from raytrain_ckpt.controller import Controller
     from raytrain_ckpt.trainer import StepReport
 

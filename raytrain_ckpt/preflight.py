@@ -112,7 +112,7 @@ def _in_process_store(location: Path | str | None) -> bool:
 
 
 def _object_store_problems(uri: str, options: dict) -> list[tuple[str, str]]:
-    from raytrain_ckpt.checkpoint.storage.backends import object_store_problem
+    from raytrain_ckpt.checkpoint.storage.objects import object_store_problem
 
     problem = object_store_problem(uri, options)
     return [(f"checkpoint.dir={uri}", problem.removeprefix(f"{uri}: "))] if problem else []

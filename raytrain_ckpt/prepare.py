@@ -279,7 +279,7 @@ def _write_shard(job: _Job, tok: Any, shard: Path) -> int:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write ``path`` under a temporary name and rename it, so a reader sees the old file or the new one."""
-    from raytrain_ckpt.checkpoint.storage.backends import replace_file  # (its temporary is ``<name>.tmp-<id>`` too)
+    from raytrain_ckpt.checkpoint.storage.posix import replace_file
 
     replace_file(path, data)
 

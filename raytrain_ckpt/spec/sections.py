@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from raytrain_ckpt.checkpoint.storage.backends import home_problem, is_uri
+from raytrain_ckpt.checkpoint.format.names import is_uri
+from raytrain_ckpt.checkpoint.storage.backends import home_problem
 from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES
 from raytrain_ckpt.models import PRESETS, describe_model, resolve_factory
 

@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from raytrain_ckpt.checkpoint.interchange import export as export_mod
 from raytrain_ckpt.checkpoint.interchange.export import export_checkpoint
-from raytrain_ckpt.checkpoint.interchange.formats import ConversionError, hf_name
+from raytrain_ckpt.checkpoint.errors import ConversionError
+from raytrain_ckpt.models.hf import hf_name
 from raytrain_ckpt.checkpoint.interchange.importer import import_checkpoint
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.cli import main

@@ -16,7 +16,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor, StepAborted
-from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, InvalidCheckpoint
+from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.datapath.staging import SharedMemoryStaging, allocate_buffer, map_buffer, plan_slots, slot_views
 from tests.unit.test_checkpoint_layout import _commit

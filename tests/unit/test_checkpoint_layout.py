@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata
 
-from raytrain_ckpt.checkpoint.storage.layout import MANIFEST, CheckpointLayout, InvalidCheckpoint, Manifest, describe_file
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint, Manifest, describe_file
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 
 METADATA = pickle.dumps(Metadata(state_dict_metadata={}))
@@ -160,7 +161,7 @@ def test_a_shard_replaced_by_a_special_file_is_named_as_such(tmp_path: Path, mak
 
 
 def test_a_manifest_larger_than_any_manifest_is_refused_unread(tmp_path: Path) -> None:
-    from raytrain_ckpt.checkpoint.storage.layout import MAX_MANIFEST_BYTES
+    from raytrain_ckpt.checkpoint.format.verify import MAX_MANIFEST_BYTES
 
     layout = CheckpointLayout(tmp_path)
     final = _commit(layout, 10)

@@ -20,10 +20,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.interchange.export import export_checkpoint
-from raytrain_ckpt.checkpoint.interchange.formats import ConversionError
+from raytrain_ckpt.checkpoint.errors import ConversionError
 from raytrain_ckpt.checkpoint.interchange.importer import import_checkpoint
-from raytrain_ckpt.checkpoint.storage.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, Manifest,
-                                             UnsafeCheckpoint, describe_file, file_crc32, parse_entry, step_name)
+from raytrain_ckpt.checkpoint.format.manifest import (InvalidCheckpoint, MANIFEST, Manifest, UnsafeCheckpoint,
+                                                      describe_file, file_crc32)
+from raytrain_ckpt.checkpoint.format.names import EntryKind, parse_entry, step_name
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.format.metadata import SafeFileSystemReader, SafeLoadPlanner
 from raytrain_ckpt.cli import main
 from raytrain_ckpt.inventory import scan, verify_step
@@ -424,7 +426,7 @@ def _record_fsyncs(monkeypatch, module: object, watch: Path) -> list[tuple[Path,
 
 
 def test_delete_fsyncs_the_parent_after_its_rename(tmp_path: Path, monkeypatch) -> None:
-    import raytrain_ckpt.checkpoint.storage.layout as layout_module
+    import raytrain_ckpt.checkpoint.storage.commit as layout_module
 
     layout = CheckpointLayout(tmp_path)
     _commit(layout, 1)

@@ -14,9 +14,12 @@ from safetensors.torch import load_file
 
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
 from raytrain_ckpt.checkpoint.interchange.export import export_checkpoint, parse_size
-from raytrain_ckpt.checkpoint.interchange.formats import ConversionError, hf_name, our_name, plan_shards, safetensors_header
+from raytrain_ckpt.checkpoint.errors import ConversionError
+from raytrain_ckpt.checkpoint.interchange.formats import plan_shards, safetensors_header
+from raytrain_ckpt.models.hf import hf_name, our_name
 from raytrain_ckpt.checkpoint.interchange.importer import import_checkpoint
-from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, InvalidCheckpoint
+from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.storage.leases import LEASE_TTL_S, FileLease, LeaseFiles, file_leased_steps
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.models import build_model, describe_model

@@ -170,7 +170,7 @@ def test_a_killed_exporters_lease_stops_pinning_after_ttl_of_the_readers_clock(t
 
 HOLD_RUN_LOCK = """
 import sys, time
-from raytrain_ckpt.checkpoint.storage.leases import run_lock
+from raytrain_ckpt.checkpoint.storage.runlock import run_lock
 with run_lock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(600)
@@ -186,7 +186,7 @@ def _hold_run_lock(root: Path) -> subprocess.Popen:
 
 
 def test_a_second_run_on_a_job_root_is_refused_until_the_first_dies(tmp_path: Path) -> None:
-    from raytrain_ckpt.checkpoint.storage.leases import RootInUse, run_lock
+    from raytrain_ckpt.checkpoint.storage.runlock import RootInUse, run_lock
 
     root = tmp_path / "job"
     holder = _hold_run_lock(root)
@@ -208,7 +208,7 @@ def test_a_second_run_on_a_job_root_is_refused_until_the_first_dies(tmp_path: Pa
 def test_a_link_planted_at_the_run_lock_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
     """A symbolic or hard link at ``.run.lock`` (to a committed shard, to a user's file) is never
     written through: the run is refused as a usage error naming the file, the target keeps its bytes."""
-    from raytrain_ckpt.checkpoint.storage.leases import RUN_LOCK, RootInUse, run_lock
+    from raytrain_ckpt.checkpoint.storage.runlock import RUN_LOCK, RootInUse, run_lock
 
     victim = tmp_path / "shard.distcp"
     victim.write_bytes(b"committed bytes")
@@ -233,7 +233,7 @@ def test_files_the_root_holds_are_replaced_or_refused_never_written_through_a_li
     """``replace_file`` (the group file, leases, probes) replaces a link planted at the name
     instead of following it; ``open_own_file`` (the purge lock, a manifest put back) refuses one."""
     from raytrain_ckpt.checkpoint.storage.leases import purge_lock
-    from raytrain_ckpt.checkpoint.storage.backends import NotOwnFile, PosixStorage, replace_file
+    from raytrain_ckpt.checkpoint.storage.posix import NotOwnFile, PosixStorage, replace_file
 
     victim = tmp_path / "victim"
     victim.write_bytes(b"committed bytes")
@@ -257,7 +257,7 @@ def test_the_run_lock_knows_when_its_root_moved_or_its_file_went(tmp_path: Path)
     """An ``flock`` belongs to the file: a root moved away (or its lock file removed or replaced)
     leaves this run holding a lock a second run never sees. The lock object says so, and a second
     run is no longer refused, which is why the driver stops the first on it."""
-    from raytrain_ckpt.checkpoint.storage.leases import RUN_LOCK, run_lock
+    from raytrain_ckpt.checkpoint.storage.runlock import RUN_LOCK, run_lock
 
     root = tmp_path / "job"
     with run_lock(root, wait_s=0.0) as lock:

@@ -13,7 +13,8 @@ import crc32c
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from raytrain_ckpt.checkpoint.storage.layout import MANIFEST, CheckpointLayout, InvalidCheckpoint, Manifest
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint, Manifest
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from tests.unit.test_checkpoint_layout import _commit
 
 _SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -87,7 +87,7 @@ def test_inspect_commands_reject_bad_paths(tmp_path, capsys):
 def test_status_watch_refreshes(tmp_path, capsys):
     import argparse
 
-    from raytrain_ckpt import inventory as ckpt_inspect
+    from raytrain_ckpt import inventory_cli as ckpt_inspect
 
     args = argparse.Namespace(command="status", dir=str(tmp_path), job=None, address=None, watch=0.01, json=False,
                               checksum=False)

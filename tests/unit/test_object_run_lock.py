@@ -14,15 +14,15 @@ import time
 
 import pytest
 
-from raytrain_ckpt.checkpoint.storage.leases import RUN_LOCK, ObjectRunLock, RootInUse, run_lock
-from raytrain_ckpt.checkpoint.storage.backends import object_filesystem
+from raytrain_ckpt.checkpoint.storage.runlock import RUN_LOCK, ObjectRunLock, RootInUse, run_lock
+from raytrain_ckpt.checkpoint.storage.objects import object_filesystem
 from tests.unit.test_staging_buffers import REPO
 
 TTL = 3.0
 
 HOLDER = """
 import sys, time
-from raytrain_ckpt.checkpoint.storage.leases import run_lock
+from raytrain_ckpt.checkpoint.storage.runlock import run_lock
 with run_lock(sys.argv[1], ttl_s=float(sys.argv[2]), beat_s=0.5):
     print("held", flush=True)
     time.sleep(600)

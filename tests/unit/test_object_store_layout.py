@@ -10,9 +10,13 @@ import uuid
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata
 
-from raytrain_ckpt.checkpoint.storage.layout import (MANIFEST, CheckpointLayout, EntryKind, InvalidCheckpoint, LeftoverWatch,
-                                             Manifest)
-from raytrain_ckpt.checkpoint.storage.backends import ObjectStorage, StorageUnavailable, open_storage, retry_transient
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint, Manifest
+from raytrain_ckpt.checkpoint.format.names import EntryKind
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, LeftoverWatch
+from raytrain_ckpt.checkpoint.errors import StorageUnavailable
+from raytrain_ckpt.checkpoint.storage.backends import open_storage
+from raytrain_ckpt.checkpoint.storage.objects import ObjectStorage
+from raytrain_ckpt.checkpoint.storage.retries import retry_transient
 
 METADATA = pickle.dumps(Metadata(state_dict_metadata={}))
 SHARD = "__0_0.distcp"
@@ -329,7 +333,7 @@ def test_an_export_whose_step_is_deleted_meanwhile_writes_nothing(s3_endpoint, t
     import torch
 
     from raytrain_ckpt.checkpoint.interchange import export
-    from raytrain_ckpt.checkpoint.interchange.formats import ConversionError
+    from raytrain_ckpt.checkpoint.errors import ConversionError
     from raytrain_ckpt.checkpoint.interchange.importer import import_checkpoint
 
     torch.save({"norm.weight": torch.rand(8)}, tmp_path / "m.pt")

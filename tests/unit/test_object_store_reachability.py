@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.checkpoint.storage.backends import object_store_problem
+from raytrain_ckpt.checkpoint.storage.objects import object_store_problem
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata
 
-from raytrain_ckpt.checkpoint.interchange.formats import ConversionError
-from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, Manifest, describe_file
-from raytrain_ckpt.checkpoint.policy.selection import parse_selector, select_step
+from raytrain_ckpt.checkpoint.errors import ConversionError
+from raytrain_ckpt.checkpoint.format.manifest import Manifest, describe_file
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+from raytrain_ckpt.checkpoint.interchange.steps import select_step
+from raytrain_ckpt.checkpoint.policy.selection import parse_selector
 
 METADATA = pickle.dumps(Metadata(state_dict_metadata={}))
 MIN_EVAL = {"metric": "eval_loss", "mode": "min", "k": 1}

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint._traverse import set_element
 
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint, Manifest, UnsafeCheckpoint
+from raytrain_ckpt.checkpoint.format.names import is_uri
 from raytrain_ckpt.checkpoint.format.unpickling import allowed_global, check_data_files, refusal, unpickle
 from raytrain_ckpt.events import headline
 
@@ -105,8 +106,6 @@ class SafeFsspecReader(_SafeMetadata, FsspecReader):
 
 def safe_reader(path: str | Path, storage_options: dict[str, Any] | None = None) -> FileSystemReader:
     """The safe DCP reader of a step directory: local path or object-store URI."""
-    from raytrain_ckpt.checkpoint.storage.backends import is_uri
-
     if is_uri(path):
         return SafeFsspecReader(str(path), **(storage_options or {}))
     return SafeFileSystemReader(str(path))

@@ -35,7 +35,6 @@ changed meanwhile fails the export, never produces a wrong one.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import re
@@ -55,23 +54,28 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from raytrain_ckpt.checkpoint.interchange.formats import (ConversionError, hf_config, hf_name, lazy_tensor,
-                                              plan_shards, safetensors_header, stream_torch_save)
-from raytrain_ckpt.checkpoint.storage.layout import (MANIFEST, CheckpointLayout, InvalidCheckpoint, Manifest, Verify, fsync_dir,
-                                             parse_entry, step_name)
+from raytrain_ckpt.checkpoint.errors import ConversionError
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint, Manifest
 from raytrain_ckpt.checkpoint.format.metadata import SafeLoadPlanner, empty_safe_planner, safe_reader
-from raytrain_ckpt.checkpoint.storage.backends import Location, StorageUnavailable, is_uri, open_storage, parent_of
+from raytrain_ckpt.checkpoint.format.names import Location, is_uri, parent_of, parse_entry, step_name
+from raytrain_ckpt.checkpoint.format.verify import Verify, verify_step
+from raytrain_ckpt.checkpoint.interchange.formats import lazy_tensor, stream_torch_save
+from raytrain_ckpt.checkpoint.interchange.hf_export import write_hf
+from raytrain_ckpt.checkpoint.interchange.steps import named_as_given, resolve, resolve_step
+from raytrain_ckpt.checkpoint.storage.backends import open_storage
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.storage.leases import FileLease
-from raytrain_ckpt.checkpoint.policy.selection import parse_selector, select_step
+from raytrain_ckpt.checkpoint.storage.posix import fsync_dir
 from raytrain_ckpt.events import headline
 from raytrain_ckpt.models import describe_model
-from raytrain_ckpt.models.llama import Llama, LlamaConfig
+from raytrain_ckpt.models.config import LlamaConfig
+from raytrain_ckpt.models.hf import hf_adapter
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DTYPES", "ExportResult", "export_checkpoint", "final_export", "parse_size", "peak_rss_bytes",
-           "progress_bar", "resolve_step"]
+           "progress_bar"]
 
 Format = Literal["hf", "torch"]
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -120,49 +124,6 @@ def parse_size(text: str) -> int:
     if size < 1:  # 0 would put every tensor in a file of its own
         raise ConversionError(f"--max-shard-size={text}: must be at least one byte; use e.g. 5GB or 500MB")
     return size
-
-
-# --- which step ----------------------------------------------------------------------
-
-
-def resolve_step(ckpt: Location, verify: Verify = "checksum", select: str | None = None) -> tuple[Location, Manifest]:
-    """A step directory (verified), or the step of a job's checkpoint root (a path or a URI) that
-    ``select`` names (``latest``, the default; ``best``; or a step number: see ``selection``)."""
-    step_dir, manifest, _ = _resolve(ckpt, verify, select)
-    return step_dir, manifest
-
-
-def _named_as_given(path: Location) -> Path:
-    """An absolute path whose last name is the one given: a step directory that is a symbolic
-    link is judged by its own name (``step-00000006`` linked to step 2's directory is not step 2)."""
-    p = Path(path).expanduser().absolute()
-    return p.resolve() if p.name in ("", "..") else p.parent.resolve() / p.name
-
-
-def _resolve(ckpt: Location, verify: Verify, select: str | None) -> tuple[Location, Manifest, str]:
-    ckpt = str(ckpt).rstrip("/") if is_uri(ckpt) else _named_as_given(ckpt)
-    try:
-        storage = open_storage(ckpt)
-    except StorageUnavailable as exc:
-        raise ConversionError(str(exc)) from None
-    if not storage.is_dir(ckpt):
-        raise ConversionError(f"{ckpt}: no such checkpoint; pass a step directory (.../step-00000040) "
-                          "or a job's checkpoint root")
-    entry = parse_entry(storage.name(ckpt))
-    if entry is not None and not entry.kind.is_loadable:
-        raise ConversionError(f"{ckpt} is a {entry.kind.value} entry, not a committed step (never loaded or "
-                              "exported); pass a step-N directory")
-    if entry is not None and select is not None:
-        raise ConversionError(f"{ckpt} is a step directory; the step selector {select!r} picks among the steps of "
-                              f"a job's checkpoint root: pass {parent_of(ckpt)}")
-    if entry is not None:
-        try:
-            return ckpt, CheckpointLayout(parent_of(ckpt), storage).verify(ckpt, verify), "the step given"
-        except InvalidCheckpoint as exc:
-            raise ConversionError(f"{ckpt} is not a valid committed checkpoint: {exc}") from None
-    chosen = select_step(ckpt, parse_selector(select or "latest"), verify)
-    logger.info("%s: exporting step %d, %s", ckpt, chosen.manifest.step, chosen.reason)
-    return chosen.step_dir, chosen.manifest, chosen.reason
 
 
 # --- reading one tensor at a time ----------------------------------------------------
@@ -226,58 +187,6 @@ def progress_bar(total: int, desc: str) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="tensor", disable=not sys.stderr.isatty(), leave=False)
-
-
-# --- hf --------------------------------------------------------------------------------
-
-
-def _hf_entries(reader: _Reader, cfg: LlamaConfig) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(hf name, checkpoint key, shape) in the model's parameter order, checked against ``cfg``."""
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Llama(cfg).state_dict().items()}
-    saved = {k.removeprefix("model."): tuple(v.size) for k, v in reader.tensor_keys("model.").items()}
-    if set(saved) != set(expected):
-        missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
-        raise ConversionError(f"the checkpoint's model does not match the spec's model: missing {missing[:3]}, "
-                          f"unexpected {extra[:3]}; pass the spec the job ran with (--spec, --set)")
-    for name, shape in expected.items():
-        if saved[name] != shape:
-            raise ConversionError(f"{name}: checkpoint shape {list(saved[name])}, spec model shape {list(shape)}; "
-                              "pass the spec the job ran with (--spec, --set model.overrides...)")
-    return [(hf_name(k), f"model.{k}", shape) for k, shape in expected.items()]
-
-
-def _write_hf(reader: _Reader, tmp: Path, cfg: LlamaConfig, dtype: torch.dtype, max_shard: int) -> tuple[int, int]:
-    entries = _hf_entries(reader, cfg)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = [itemsize * int(torch.Size(shape).numel()) for _, _, shape in entries]
-    shards = plan_shards(sizes, max_shard)
-    weight_map: dict[str, str] = {}
-    bar = progress_bar(len(entries), "export hf")
-    for s, idx in enumerate(shards, 1):
-        fname = f"model-{s:05d}-of-{len(shards):05d}.safetensors"
-        with open(tmp / fname, "wb") as f:
-            f.write(safetensors_header([(entries[i][0], entries[i][2]) for i in idx], dtype))
-            for i in idx:
-                t = reader.read(entries[i][1], dtype).contiguous()
-                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-                reader.release(t)
-                weight_map[entries[i][0]] = fname
-                bar.update(1)
-            f.flush()
-            os.fsync(f.fileno())
-    bar.close()
-    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-    _write_durably(tmp / "model.safetensors.index.json", json.dumps(index, indent=2, sort_keys=True))
-    _write_durably(tmp / "config.json", json.dumps(hf_config(cfg, dtype), indent=2))
-    return len(entries), sum(sizes)
-
-
-def _write_durably(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # --- torch -----------------------------------------------------------------------------
@@ -385,7 +294,7 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
     t0 = time.monotonic()
     if not is_uri(out):
         _check_out_outside_checkpoints(Path(out))
-    step_dir, manifest, why = _resolve(ckpt, verify, select)
+    step_dir, manifest, why = resolve(ckpt, verify, select)
     if model_cfg is None and fmt == "hf" and manifest.model is not None:
         model_cfg = _manifest_model(manifest)
     _check_args(fmt, dtype, model_cfg, with_optimizer)
@@ -404,7 +313,7 @@ def _check_out_outside_checkpoints(out: Path) -> None:
     """An export is never written into a step directory (retention would delete it with the
     step, and the step would no longer be what its manifest lists) nor as a step-like entry of a
     checkpoint root (read as a torn save)."""
-    p = _named_as_given(out)
+    p = named_as_given(out)
     for d in p.parents:
         if (d / MANIFEST).is_file() and parse_entry(d.name) is not None:
             raise ConversionError(f"--out {out} is inside the step directory {d}; pass a directory outside "
@@ -457,7 +366,7 @@ def _check_still_committed(step_dir: Location) -> None:
     """The step is still committed and whole after every tensor was read: an export that raced a
     delete its lease did not stop (a lease judged stale) fails, it never writes a wrong model."""
     try:
-        CheckpointLayout(parent_of(step_dir)).verify(step_dir, "size")
+        verify_step(step_dir, "size", open_storage(step_dir))
     except InvalidCheckpoint as exc:
         raise ConversionError(f"{step_dir} changed while it was being exported ({exc}); nothing was written; "
                               "export another step") from None
@@ -492,7 +401,7 @@ def _export_leased(step_dir: Location, manifest: Manifest, out: Path, fmt: Forma
     # Verified again under the lease: retention may have raced us before the lease was taken. A
     # deletion shows in the sizes; the checksums were read by resolve_step already.
     try:
-        CheckpointLayout(parent_of(step_dir)).verify(step_dir, "size")
+        verify_step(step_dir, "size", open_storage(step_dir))
     except InvalidCheckpoint as exc:
         raise ConversionError(f"{step_dir} is not a valid committed checkpoint: {exc}") from None
     reader = _Reader(step_dir)
@@ -501,7 +410,7 @@ def _export_leased(step_dir: Location, manifest: Manifest, out: Path, fmt: Forma
     with _staged_output(out) as tmp:
         if fmt == "hf":
             assert model_cfg is not None
-            n, nbytes = _write_hf(reader, tmp, model_cfg, dtype, max_shard)
+            n, nbytes = write_hf(reader, tmp, hf_adapter(model_cfg), dtype, max_shard, progress_bar)
         else:
             n, nbytes = _write_torch(reader, tmp, dtype, with_optimizer)
         files = sorted(p.name for p in tmp.iterdir())

@@ -1,6 +1,6 @@
-"""The file formats an export writes, and the names in them: Hugging Face Llama names for our
-FQNs, ``config.json``, size-bounded shard plans, a safetensors header computed ahead of the
-data, and ``torch.save``'s zip layout written one storage record at a time.
+"""The file formats an export writes: size-bounded shard plans, a safetensors header computed
+ahead of the data, and ``torch.save``'s zip layout written one storage record at a time. (The
+names in them are the model's: ``models/hf.py``.)
 
 Both writers put the tensor data last, after a header that needs only names, dtypes and shapes,
 so an export can read each tensor just before writing it.
@@ -14,7 +14,6 @@ import io
 import json
 import os
 import pickle
-import re
 import struct
 import sys
 from collections.abc import Iterable
@@ -23,77 +22,13 @@ from typing import Any
 
 import torch
 
-from raytrain_ckpt.models.llama import LlamaConfig
-
-__all__ = ["ConversionError", "hf_config", "hf_name", "lazy_tensor", "our_name", "plan_shards",
-           "safetensors_header", "stream_torch_save"]
+__all__ = ["lazy_tensor", "plan_shards", "safetensors_header", "stream_torch_save"]
 
 _ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 _STORAGE_TYPES: dict[torch.dtype, type] = {
     torch.float32: torch.FloatStorage, torch.bfloat16: torch.BFloat16Storage, torch.float16: torch.HalfStorage,
     torch.float64: torch.DoubleStorage, torch.int64: torch.LongStorage, torch.int32: torch.IntStorage,
 }
-_HF_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-# Our FQN -> the Hugging Face LlamaForCausalLM name. Our RoPE is the rotate-halves form, the
-# same as HF's rotate_half, so q/k need no permutation.
-_HF_NAMES: list[tuple[str, str]] = [
-    ("tok_embeddings.weight", "model.embed_tokens.weight"),
-    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("output.weight", "lm_head.weight"),
-]
-
-
-
-class ConversionError(ValueError):
-    """A bad export or import request, or an unusable checkpoint: one line saying what and how to fix it."""
-
-
-def _rename(name: str, to_hf: bool) -> str | None:
-    for ours, hf in _HF_NAMES:
-        src, dst = (ours, hf) if to_hf else (hf, ours)
-        m = re.fullmatch(re.escape(src).replace(r"\{i\}", r"(?P<i>\d+)"), name)
-        if m:
-            return dst.format(**m.groupdict())
-    return None
-
-
-def hf_name(fqn: str) -> str:
-    """The Hugging Face Llama name of one of our built-in model's parameter FQNs."""
-    name = _rename(fqn, to_hf=True)
-    if name is None:
-        raise ConversionError(f"parameter {fqn!r} has no Hugging Face Llama name: --format hf exports only the built-in "
-                          "Llama; use --format torch")
-    return name
-
-
-def our_name(name: str) -> str:
-    """The inverse of :func:`hf_name`."""
-    fqn = _rename(name, to_hf=False)
-    if fqn is None:
-        raise ConversionError(f"tensor {name!r} is not a Hugging Face Llama parameter of the built-in model")
-    return fqn
-
-
-def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """``config.json`` for ``LlamaForCausalLM`` with this model's shape."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "rope_scaling": None, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": False, "initializer_range": 0.02, "torch_dtype": _HF_DTYPE[dtype],
-    }
 
 
 def plan_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:

@@ -26,9 +26,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from raytrain_ckpt.checkpoint.interchange.export import progress_bar
-from raytrain_ckpt.checkpoint.interchange.formats import ConversionError, our_name
-from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, Manifest, describe_file
-from raytrain_ckpt.checkpoint.storage.backends import Location, StorageUnavailable, is_uri
+from raytrain_ckpt.checkpoint.errors import ConversionError, StorageUnavailable
+from raytrain_ckpt.checkpoint.format.manifest import Manifest, describe_file
+from raytrain_ckpt.checkpoint.format.names import Location, is_uri
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+from raytrain_ckpt.models.hf import HFAdapter, hf_adapter
 from raytrain_ckpt.events import headline
 
 logger = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
     return obj
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _read_safetensors(path: Path, adapter: HFAdapter) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -76,7 +78,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
             with safe_open(str(f), framework="pt") as st:
                 bar.total = (bar.total or 0) + len(st.keys())
                 for name in st.keys():
-                    out[our_name(name)] = st.get_tensor(name)
+                    out[adapter.our_name(name)] = st.get_tensor(name)
                     bar.update(1)
         except (SafetensorError, OSError) as exc:
             raise ConversionError(f"{f}: not a readable safetensors file ({exc})") from None
@@ -102,11 +104,11 @@ def import_checkpoint(src: Path, to: Location) -> ImportResult:
     if layout.is_committed_name(0):  # an object store's step-00000000/ without a manifest is a leftover, replaced
         raise ConversionError(f"--to {to} already holds {layout.storage.name(layout.step_dir(0))}; pass another "
                               "directory (a checkpoint is never overwritten)")
-    model = _read_safetensors(src) if src.is_dir() else _read_torch(src)
+    model = _read_safetensors(src, hf_adapter()) if src.is_dir() else _read_torch(src)
     origin = hashlib.sha256(str(src).encode()).hexdigest()[:8]
     tmp: Location | None = None
     try:
-        if layout.atomic:
+        if layout.protocol.local_tmp:
             tmp = Path(layout.new_tmp_dir(0))
             files = _save(model, tmp)
         else:

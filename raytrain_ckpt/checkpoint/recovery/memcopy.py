@@ -32,11 +32,12 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
-from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, Verify
+from raytrain_ckpt.checkpoint.format.verify import Verify, verify_step
+from raytrain_ckpt.checkpoint.storage.backends import open_storage
 from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint, checksum_view
 from raytrain_ckpt.checkpoint.datapath.staging import TensorSlot, copy_bytes, layout_key, map_whole, plan_slots, views_of
 from raytrain_ckpt.checkpoint.recovery.state import apply_own_state, load_app_state, own_state
-from raytrain_ckpt.checkpoint.storage.backends import Location, is_uri, parent_of
+from raytrain_ckpt.checkpoint.format.names import Location, is_uri
 from raytrain_ckpt.faults import planned
 
 logger = logging.getLogger(__name__)
@@ -330,7 +331,7 @@ def restore(trainer: Any, path: str, step: int, same_world_size: bool, copy: Com
 def _storage_problem(path: str, verify: Verify) -> str | None:
     location: Location = path if is_uri(path) else Path(path)
     try:
-        CheckpointLayout(parent_of(location)).verify(location, verify)
+        verify_step(location, verify, open_storage(location))
     except InvalidCheckpoint as exc:
         return str(exc)
     return None

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
 
-from raytrain_ckpt.checkpoint.storage.layout import MANIFEST, Manifest
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.metadata import SafeLoadPlanner, safe_reader
 from raytrain_ckpt.checkpoint.storage.backends import open_storage
 from raytrain_ckpt.parallel.local_math import LocalAdamW

@@ -28,11 +28,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
-from raytrain_ckpt.checkpoint.storage.layout import (LEFTOVER_GRACE_S, CheckpointLayout, EntryKind, InvalidCheckpoint,
-                                             LeftoverWatch, Manifest, Verify)
+from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint, Manifest
+from raytrain_ckpt.checkpoint.format.names import EntryKind, is_uri
+from raytrain_ckpt.checkpoint.format.verify import Verify, verify_step
+from raytrain_ckpt.checkpoint.storage.layout import LEFTOVER_GRACE_S, CheckpointLayout, LeftoverWatch
 from raytrain_ckpt.checkpoint.storage.leases import LeaseFiles, purge_lock
 from raytrain_ckpt.checkpoint.storage.dcp import dcp_writer
-from raytrain_ckpt.checkpoint.storage.backends import is_uri, replace_file
+from raytrain_ckpt.checkpoint.storage.backends import open_storage
+from raytrain_ckpt.checkpoint.storage.commit import protocol_for
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
@@ -163,10 +166,7 @@ class CheckpointActor:
         storage = self.layout.storage
         path = storage.join(self.layout.root, GROUP_FILE)
         try:
-            if not self.layout.atomic:  # one PUT replaces the object atomically
-                await asyncio.to_thread(storage.write_bytes, path, text.encode())
-            else:
-                await asyncio.to_thread(replace_file, Path(path), text.encode())
+            await asyncio.to_thread(self.layout.protocol.replace_small_file, path, text.encode())
         except Exception as exc:  # noqa: BLE001 - a full disk, a root moved away: the group still starts
             # The layout is in memory for this actor's life; the file only serves an actor Ray
             # restarts, which must not read the previous group's layout instead.
@@ -515,9 +515,7 @@ class CheckpointActor:
         return step
 
     def _same(self, a: str, b: Path | str) -> bool:
-        if not self.layout.atomic:
-            return a.rstrip("/") == str(b).rstrip("/")
-        return Path(a).resolve() == Path(b).resolve()
+        return self.layout.protocol.same_path(a, b)
 
     @contextlib.contextmanager
     def _purge_lock(self) -> Iterator[None]:
@@ -530,7 +528,7 @@ class CheckpointActor:
 
     def _still_unleased(self, step: int) -> Callable[[], bool] | None:
         """Object store (no lease lock): the re-check ``layout.delete`` makes after removing the manifest."""
-        if self.layout.atomic:
+        if self.layout.protocol.file_locks:
             return None
         return lambda: step not in self._file_leased_steps()
 
@@ -575,10 +573,9 @@ class CheckpointActor:
 
     def _point(self, path: Path | str, verify: Verify) -> ResumePoint:
         """Verify a step, which may live on another storage than this root (``checkpoint.resume``)."""
-        same = is_uri(path) == (not self.layout.atomic)
-        options = self.storage_options if is_uri(path) else None
-        layout = self.layout if same else CheckpointLayout(str(path).rsplit("/", 1)[0], options=options)
-        m = layout.verify(path, verify)
+        same = protocol_for(path) is type(self.layout.protocol)
+        storage = self.layout.storage if same else open_storage(path, self.storage_options if is_uri(path) else None)
+        m = verify_step(path, verify, storage)
         return ResumePoint(m.step, str(path), m.world_size, m.samples_seen)
 
     async def release(self, holder: str) -> None:

@@ -17,7 +17,8 @@ from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor, ResumePoint
 from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, ActorByName, actor_name, writer_name
 from raytrain_ckpt.checkpoint.roles.client import SaveSchedule
 from raytrain_ckpt.checkpoint.policy.interval import IntervalHistory
-from raytrain_ckpt.checkpoint.storage.layout import InvalidCheckpoint, Verify
+from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.format.verify import Verify
 from raytrain_ckpt.checkpoint.recovery.memcopy import CommittedCopy, CopyFacts, RankSource, choose_sources
 from raytrain_ckpt.checkpoint.storage.probe import StorageNotShared, local_root, missing_probes, unshared_message
 from raytrain_ckpt.checkpoint.datapath.replica import ring_peers

@@ -38,7 +38,10 @@ from raytrain_ckpt.checkpoint.storage.probe import NodeProbe, local_root, probe_
 from raytrain_ckpt.checkpoint.datapath.replica import ReplicaEndpoint
 from raytrain_ckpt.checkpoint.datapath.staging import (StagedPlanner, StageProgress, StagingAborted, TensorSlot, allocate_buffer,
                                               layout_key, map_whole, populate_range, views_of)
-from raytrain_ckpt.checkpoint.storage.backends import is_transient, is_uri, object_filesystem, replace_file, retry_transient
+from raytrain_ckpt.checkpoint.format.names import is_uri
+from raytrain_ckpt.checkpoint.storage.objects import object_filesystem
+from raytrain_ckpt.checkpoint.storage.posix import replace_file
+from raytrain_ckpt.checkpoint.storage.retries import is_transient, retry_transient
 from raytrain_ckpt.checkpoint.datapath.upload import is_s3, upload_rank_files
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging

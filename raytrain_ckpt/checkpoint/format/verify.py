@@ -1,0 +1,155 @@
+"""How a step is verified: the one place that decides whether a step directory may be loaded.
+
+A step directory is valid only if ``manifest.json`` parses into a valid ``Manifest``, names
+this step, and every file it lists is a regular file with the recorded size (and checksum when
+verifying checksums; ``.metadata``, which is unpickled on load, is always checksummed and then
+read with the restricted unpickler: a step whose metadata asks for code is invalid).
+
+Every reader (the registry, resume, a restart from memory, export, ``status``/``ls``/``verify``)
+calls ``verify_step`` or ``step_problems`` here, with the storage the step lives on: any
+``StepFiles`` (the storage backends satisfy it), so this module needs nothing of ``storage``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Literal, Protocol
+
+from raytrain_ckpt.checkpoint.format.manifest import (MANIFEST, Checksum, FileEntry, InvalidCheckpoint, Manifest,
+                                                      checksum_name)
+from raytrain_ckpt.checkpoint.format.names import Location, parse_entry
+from raytrain_ckpt.checkpoint.format.unpickling import check_metadata_stream
+
+__all__ = ["MAX_MANIFEST_BYTES", "StepFiles", "Verify", "check_file", "read_manifest", "step_problems",
+           "verify_step"]
+
+Verify = Literal["size", "checksum"]
+"""How deep a step is verified: file sizes (cheap), or also every file's checksum (reads every byte)."""
+
+MAX_MANIFEST_BYTES = 64 << 20
+"""Largest manifest.json read: a manifest lists each file in about 80 bytes, so even 100,000 ranks
+stay far below; a bigger file in a step directory is refused before it is read into memory."""
+
+_VERIFY_THREADS = min(4, os.cpu_count() or 1)
+"""Files of one step checksummed at once."""
+
+
+class StepFiles(Protocol):
+    """What verifying a step reads of the storage it lives on (``storage.backends.Storage`` has it all)."""
+
+    def join(self, base: Location, *names: str) -> Location: ...
+    def name(self, path: Location) -> str: ...
+    def is_dir(self, path: Location) -> bool: ...
+    def is_file(self, path: Location) -> bool: ...
+    def size(self, path: Location) -> int | None: ...
+    def read_bytes(self, path: Location) -> bytes: ...
+    def open_read(self, path: Location) -> IO[bytes]: ...
+    def checksum(self, path: Location, algorithm: Checksum,
+                 progress: Callable[[int], None] | None = None) -> int: ...
+
+
+def verify_step(path: Location, level: Verify, files: StepFiles) -> Manifest:
+    """Check a step directory against its manifest; raises InvalidCheckpoint naming the first problem."""
+    manifest = read_manifest(files, path)
+    problem = next(_problems(files, path, manifest, level), None)
+    if problem is not None:
+        raise InvalidCheckpoint(f"{path}: {problem}")
+    return manifest
+
+
+def step_problems(path: Location, files: StepFiles, progress: Callable[[int], None] | None = None,
+                  level: Verify = "checksum") -> list[str]:
+    """Every problem of a step directory against its manifest; [] means valid."""
+    try:
+        manifest = read_manifest(files, path)
+    except InvalidCheckpoint as exc:
+        return [str(exc)]
+    return list(_problems(files, path, manifest, level, progress))
+
+
+def read_manifest(files: StepFiles, path: Location) -> Manifest:
+    """The validated manifest of a step directory; raises InvalidCheckpoint."""
+    mpath = files.join(path, MANIFEST)
+    if not files.is_file(mpath):
+        if not files.is_dir(path):
+            raise InvalidCheckpoint(f"{path} is not a directory")
+        raise InvalidCheckpoint(f"{path} has no {MANIFEST} (never committed)")
+    size = files.size(mpath)
+    if size is not None and size > MAX_MANIFEST_BYTES:  # data, not trusted: never read a huge file whole
+        raise InvalidCheckpoint(f"{mpath} is {size} bytes, more than any manifest holds "
+                                f"({MAX_MANIFEST_BYTES >> 20} MiB); it is not one this project wrote")
+    try:
+        text = files.read_bytes(mpath).decode("utf-8")
+        return Manifest.from_json(text)
+    except (InvalidCheckpoint, OSError, UnicodeDecodeError) as exc:
+        raise InvalidCheckpoint(f"{mpath} is unreadable: {exc}") from None
+
+
+def _problems(files: StepFiles, path: Location, manifest: Manifest, level: Verify = "checksum",
+              progress: Callable[[int], None] | None = None) -> Iterator[str]:
+    """Every problem of a step directory against its manifest, lazily (stop at the first to fail fast)."""
+    name = files.name(path)
+    entry = parse_entry(name)
+    if entry is None or not entry.kind.is_loadable or entry.step != manifest.step:
+        yield f"{name} holds the manifest of step {manifest.step} (not its committed step-N name)"
+    if ".metadata" not in manifest.files:
+        yield "the manifest lists no .metadata"
+    intact = True
+    items = sorted(manifest.files.items())
+    # Files are checked on a few threads (CRC-32C releases the GIL), results in manifest order.
+    pool = ThreadPoolExecutor(max_workers=min(_VERIFY_THREADS, len(items) or 1))
+    try:
+        checks = pool.map(lambda item: check_file(files, files.join(path, item[0]), item[1],
+                                                  level == "checksum" or item[0] == ".metadata", progress), items)
+        for problem in checks:
+            if problem is not None:
+                intact = False
+                yield problem
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    if intact and ".metadata" in manifest.files:
+        yield from _metadata_problems(files, path, set(manifest.files))
+
+
+def check_file(files: StepFiles, path: Location, want: FileEntry, checksum: bool,
+               progress: Callable[[int], None] | None = None) -> str | None:
+    """The problem of one listed file against its manifest entry, or None."""
+    name = files.name(path)
+    size = files.size(path)
+    if size is None:
+        _advance(progress, want.size)
+        if isinstance(path, Path) and path.is_symlink():
+            return f"{name} is a symlink, not a file the save wrote"
+        if isinstance(path, Path) and path.exists():
+            return f"{name} is not a regular file (a directory, FIFO, socket or device), not a file the save wrote"
+        return f"{name} is missing"
+    if size != want.size:
+        _advance(progress, want.size)
+        return f"{name} has {size} bytes, the manifest says {want.size} (truncated or overwritten)"
+    if not checksum:
+        _advance(progress, want.size)
+        return None
+    algorithm, value = want.checksum
+    if files.checksum(path, algorithm, progress) != value:
+        return f"{name} fails its {checksum_name(algorithm)} check (corrupt)"
+    return None
+
+
+def _metadata_problems(files: StepFiles, path: Location, listed: Collection[str]) -> Iterator[str]:
+    # loading's verdict, without torch
+    where = files.join(path, ".metadata")
+    try:
+        with files.open_read(where) as f:
+            check_metadata_stream(f, str(where), listed)
+    except InvalidCheckpoint as exc:
+        yield str(exc).replace(f"{path}/", "", 1)
+    except OSError as exc:
+        yield f".metadata is unreadable ({exc})"
+
+
+def _advance(progress: Callable[[int], None] | None, n: int) -> None:
+    if progress is not None:
+        progress(n)
