@@ -12,21 +12,15 @@ import errno
 import os
 from pathlib import Path
 
-from raytrain_ckpt.models import describe_model
 from raytrain_ckpt.spec.job import JobSpec
 from raytrain_ckpt.spec.memory import MemoryEstimate, memory_estimate
 from raytrain_ckpt.spec.sections import RESUME_VALUES, is_ascii_digits
 
 __all__ = [
-    "STATE_BYTES_PER_PARAM",
     "environment_problems",
     "gpu_memory_bytes",
     "host_memory_bytes",
-    "train_state_bytes",
 ]
-
-STATE_BYTES_PER_PARAM = 16
-"""fp32 parameter, fp32 gradient, and AdamW's two fp32 moments; activations come on top."""
 
 
 def environment_problems(spec: JobSpec) -> list[tuple[str, str]]:
@@ -122,19 +116,6 @@ def _read_only(path: Path) -> bool:
 
 
 # --- memory -------------------------------------------------------------------------
-
-
-def train_state_bytes(spec: JobSpec) -> int | None:
-    """Bytes of parameters, gradients and optimizer state one rank holds; None for a user factory.
-
-    FSDP2 shards every tensor over the data-parallel ranks and a pipeline splits the layers
-    over its stages, so each rank holds about 1/world_size of the model's training state.
-    """
-    cfg = describe_model(spec.model.name, spec.model.overrides)
-    if cfg is None:
-        return None
-    # Counted from the shape, not by building the model on the meta device: `validate` stays torch-free.
-    return cfg.num_params * STATE_BYTES_PER_PARAM // spec.world_size
 
 
 def host_memory_bytes() -> int:
