@@ -31,13 +31,15 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer, StagingFileError, is_leased, shm_dir, sweep_orphans
 from raytrain_ckpt.checkpoint.storage.dcp import UploadingWriter
-from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles, write_rank_files
+from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles
+from raytrain_ckpt.checkpoint.datapath.localfile import write_rank_files
 from raytrain_ckpt.checkpoint.format.crc import address_of, region_crc
 from raytrain_ckpt.checkpoint.recovery.memcopy import CommittedCopy
 from raytrain_ckpt.checkpoint.storage.probe import NodeProbe, local_root, probe_name
 from raytrain_ckpt.checkpoint.datapath.replica import ReplicaEndpoint
-from raytrain_ckpt.checkpoint.datapath.staging import (StagedPlanner, StageProgress, StagingAborted, TensorSlot, allocate_buffer,
-                                              layout_key, map_whole, populate_range, views_of)
+from raytrain_ckpt.checkpoint.datapath.progress import StageProgress, StagingAborted
+from raytrain_ckpt.checkpoint.datapath.staging import (StagedPlanner, TensorSlot, allocate_buffer, layout_key, map_whole,
+                                                       populate_range, views_of)
 from raytrain_ckpt.checkpoint.storage.backends import is_transient, is_uri, object_filesystem, replace_file, retry_transient
 from raytrain_ckpt.checkpoint.datapath.upload import is_s3, upload_rank_files
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
