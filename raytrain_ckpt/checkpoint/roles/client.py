@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
+from raytrain_ckpt.checkpoint.records import PersistRequest, TrainingPoint
 from raytrain_ckpt.checkpoint.roles.actor import StepAborted
 from raytrain_ckpt.checkpoint.datapath.buffers import BufferLease, StagingFileError
 from raytrain_ckpt.checkpoint.policy.interval import CostMeter, IntervalDecision, IntervalFacts, IntervalHistory, choose_interval
@@ -39,7 +40,6 @@ from raytrain_ckpt.checkpoint.datapath.staging import (
     map_buffer,
     plan_slots,
 )
-from raytrain_ckpt.checkpoint.roles.writer import PersistRequest
 from raytrain_ckpt.events import headline
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.spec import CheckpointSpec
@@ -157,11 +157,11 @@ class CheckpointClient:
         """Wait until the last save's hand-off is done (it sets ``_inflight``); returns the seconds blocked."""
         return self._layout.staging.finish() if self._layout is not None else 0.0
 
-    def save(self, step: int, state: dict[str, Any], info: dict[str, float] | None = None) -> None:
+    def save(self, step: int, state: dict[str, Any], point: TrainingPoint | None = None) -> None:
         """Save ``state`` (a DCP state dict of live tensors, e.g. ``app_state(trainer)``) as ``step``.
 
-        Collective: every rank calls it for the same steps. ``info`` (samples_seen,
-        tokens_seen) goes into the manifest.
+        Collective: every rank calls it for the same steps. ``point`` (samples and tokens seen,
+        losses) goes into the manifest.
         """
         t0 = time.monotonic()
         self._handed_off()  # counted in this save's stall
@@ -177,7 +177,6 @@ class CheckpointClient:
             # lose this save, not the run
             self._aborted(step, exc)
             return
-        info = dict(info or {})
         payload = pickle.dumps(objects)
         layout.active = next_buffer([b.step for b in layout.buffers])
         buf = layout.buffers[layout.active]
@@ -189,9 +188,9 @@ class CheckpointClient:
         def begin() -> None:
             """As the copy begins (the buffer's progress is reset for this save): hand the step to
             the writer, which writes each tensor as soon as the copy has reached it."""
-            info["stage_s"] = time.monotonic() - t0  # the writer adds the copy's own time
-            req = PersistRequest(step, self.rank, self.attempt, layout.plan_id, buf.path, layout.nbytes,
-                                 layout.slots, payload, layout.plan, info, token)
+            req = PersistRequest(step, self.rank, self.attempt, layout.plan_id, buf.path, layout.nbytes, layout.slots,
+                                 payload, layout.plan, point or TrainingPoint(),
+                                 stage_s=time.monotonic() - t0, token=token)  # the writer adds the copy's own time
             try:
                 sent.append(self.writer.accept.remote(req, [opened]))  # nested: a failed call is the writer's to handle
             except Exception as exc:  # surfaced by hand_off(): the copy goes on, the step is lost
