@@ -541,7 +541,7 @@ def _rep(ranks: list, mode: str, rep: int, ckpt: dict, serial: int, server: Loca
     if ours:
         out["trainer"] = {k: max(x["trainer"][k] for x in res) for k in res[0]["trainer"]}
         after = _cpu_of(pid)
-        last = ray.get(ckpt["writer"].usage.remote())["last"] if _has_usage(ckpt["writer"]) else {}
+        last = ray.get(ckpt["writer"].usage.remote()).last if _has_usage(ckpt["writer"]) else {}
         out["writer"] = {"cpu_s": sum(after) - sum(before), "user_s": after[0] - before[0], "last": last}
         out["cpu"]["writer_s"] = out["writer"]["cpu_s"]
     return out

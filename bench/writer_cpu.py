@@ -34,8 +34,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer, shm_dir
-from raytrain_ckpt.checkpoint.datapath import filewrite
-from raytrain_ckpt.checkpoint.datapath.filewrite import write_rank_files
+from raytrain_ckpt.checkpoint.datapath import localfile
+from raytrain_ckpt.checkpoint.datapath.localfile import write_rank_files
 from raytrain_ckpt.checkpoint.format.manifest import describe_file
 from raytrain_ckpt.checkpoint.datapath.staging import StagedPlanner, map_buffer, map_slots, plan_slots, slot_views
 
@@ -80,12 +80,12 @@ def _measure(fn: Callable[[Path, int], None], out: Path, label: str, reps: int, 
 @contextmanager
 def _page_cache_kept() -> Iterator[None]:
     """The one-pass writer as it was before it dropped its files from the page cache."""
-    saved = filewrite._FileSink.drop_cache
-    filewrite._FileSink.drop_cache = lambda self: None
+    saved = localfile._FileSink.drop_cache
+    localfile._FileSink.drop_cache = lambda self: None
     try:
         yield
     finally:
-        filewrite._FileSink.drop_cache = saved
+        localfile._FileSink.drop_cache = saved
 
 
 def main() -> None:

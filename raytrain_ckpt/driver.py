@@ -12,6 +12,7 @@ from raytrain_ckpt.checkpoint.storage.runlock import FileRunLock, ObjectRunLock,
 from raytrain_ckpt.checkpoint.roles.service import CheckpointService
 from raytrain_ckpt.checkpoint.storage.backends import job_root
 from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text
+from raytrain_ckpt.checkpoint.policy.schedule import saves_before_last
 from raytrain_ckpt.controller import Controller, JobResult, JobState
 from raytrain_ckpt.dashboard import install_dashboard
 from raytrain_ckpt.events import headline
@@ -118,7 +119,7 @@ def _warn_restarts_without_checkpoints(spec: JobSpec) -> None:
                        "at step 0; set checkpoint.enabled=true to resume from the latest checkpoint", restarts)
         return
     steps = cfg.interval_steps
-    if cfg.interval_seconds is None and steps != "auto" and (steps is None or steps >= spec.training.steps):
+    if not saves_before_last(spec.training.steps, steps, cfg.interval_seconds):
         # only the last step can be saved, so a restart has nothing newer than where the run began
         logger.warning("fault_tolerance.max_restarts=%d but no save falls before the last step "
                        "(checkpoint.interval_steps=%s, training.steps=%d, no interval_seconds): every restart begins "

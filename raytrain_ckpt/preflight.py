@@ -15,7 +15,6 @@ import errno
 import os
 from pathlib import Path
 
-from raytrain_ckpt.models import describe_model
 from raytrain_ckpt.spec.job import JobSpec
 from raytrain_ckpt.spec.loading import parse_spec, read_spec
 from raytrain_ckpt.spec.memory import MemoryEstimate, memory_estimate

@@ -307,6 +307,7 @@ class TrainWorker:
 
     def _run(self) -> WorkerResult:
         from raytrain_ckpt.checkpoint.recovery.state import app_state
+        from raytrain_ckpt.checkpoint.records import TrainingPoint
 
         trainer = self.trainer
         assert trainer is not None, "setup() must succeed before run()"
@@ -316,13 +317,9 @@ class TrainWorker:
             maybe_inject("step", self.rank, trainer.state.step, self.attempt)
             report = trainer.train_step()
             if ckpt is not None and ckpt.due(report.step):
-                info = {"samples_seen": report.step * self.spec.training.global_batch_size,
-                        "tokens_seen": trainer.state.tokens_seen}
-                if report.eval_loss is not None:
-                    info["eval_loss"] = report.eval_loss
-                if report.loss is not None:
-                    info["loss"] = report.loss
-                ckpt.save(report.step, app_state(trainer), info)
+                point = TrainingPoint(report.step * self.spec.training.global_batch_size, trainer.state.tokens_seen,
+                                      report.loss, report.eval_loss)
+                ckpt.save(report.step, app_state(trainer), point)
             trainer.log(report)
             self.metrics.after_step(report, ckpt)
             loss = report.loss if report.loss is not None else loss

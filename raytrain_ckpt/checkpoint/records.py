@@ -54,3 +54,45 @@ class RankReport:
     """File name -> ``format.manifest.FileEntry`` (size and CRC-32C) of each file the rank wrote."""
     point: TrainingPoint = TrainingPoint()
     timings: SaveTimings = SaveTimings()
+
+
+__all__ += ["PersistRequest"]
+
+
+@dataclass(frozen=True)
+class PersistRequest:
+    """One rank's staged step, handed from the trainer to its node's writer (``CheckpointWriter.accept``)."""
+
+    step: int
+    rank: int
+    attempt: int
+    plan_id: str
+    buffer_path: str
+    buffer_bytes: int
+    slots: list[Any]
+    """The ``datapath.staging.TensorSlot`` of every tensor in the buffer."""
+    objects: bytes
+    """Pickled non-tensor entries of the flat state dict (small: counters, scheduler, RNG)."""
+    plan: Any
+    """The rank's central DCP ``SavePlan``."""
+    point: TrainingPoint = TrainingPoint()
+    """What the trainers knew at the step: recorded in the manifest."""
+    stage_s: float = 0.0
+    """The trainer's blocking part of the save, up to the copy's start (the writer adds the copy's own time)."""
+    token: int = 0
+    """The save's name in the buffer's ``StageProgress``: the request was sent as the copy began,
+    and the writer waits for each tensor's bytes to be staged before writing them (0: the copy was
+    complete before the request was sent)."""
+
+
+__all__ += ["WriterUsage"]
+
+
+@dataclass(frozen=True)
+class WriterUsage:
+    """What a node's writer process has used: for benchmarks and diagnosis."""
+
+    user_s: float
+    system_s: float
+    last: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Rank -> the phases of its last write (seconds: serialize, checksum, write calls, fsync, report...)."""

@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from raytrain_ckpt.checkpoint.roles.writer import check_written
+from raytrain_ckpt.checkpoint.datapath.sink import check_written
 
 disk = Path(sys.argv[1])
 seen = {"raised": 0, "dropped": 0, "caught": 0}

@@ -15,7 +15,8 @@ import ray
 from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.datapath.buffers import SHM_DIR_ENV, StagingFileError, sweep_orphans
-from raytrain_ckpt.checkpoint.roles.writer import CheckpointWriter, PersistRequest
+from raytrain_ckpt.checkpoint.records import PersistRequest
+from raytrain_ckpt.checkpoint.roles.writer import CheckpointWriter
 from tests.unit.test_staging_buffers import _holder, _kill, _leaser
 
 
@@ -55,7 +56,7 @@ def test_a_buffer_still_leased_or_read_is_not_given_to_the_next_attempt(ray_clus
     third = Path(ray.get(writer.allocate.remote(0, 2, 16384)))  # nobody leases them now: one is reused, resized
     assert third in (first, second) and os.stat(third).st_size == 16384
     late = PersistRequest(step=3, rank=0, attempt=1, plan_id="1.3", buffer_path=str(third), buffer_bytes=16384,
-                          slots=[], objects=pickle.dumps({}), plan=SavePlan([]), info={})
+                          slots=[], objects=pickle.dumps({}), plan=SavePlan([]))
     with pytest.raises(StagingFileError, match="no longer belongs to attempt 1"):
         ray.get(writer.accept.remote(late))                     # attempt 1's late hand-off is refused
     ray.get(writer.release_all.remote())

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from raytrain_ckpt.checkpoint.records import RankReport
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor, StepAborted
 from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
@@ -41,7 +42,7 @@ async def _save(actor: CheckpointActor, step: int, attempt: int = 0) -> str:
     writer.set_up_storage_writer(False, rank=0)
     results = writer.write_data(plan, planner).wait()
     files = {p.name: {"size": p.stat().st_size, "crc32": zlib.crc32(p.read_bytes())} for p in tmp.iterdir()}
-    return await actor.report(step, 0, attempt, plan_id, results, files, {"stage_s": 0.0, "persist_s": 0.0})
+    return await actor.report(RankReport(step, 0, attempt, plan_id, results, files))
 
 
 def test_a_group_whose_layout_cannot_be_recorded_still_starts(tmp_path: Path, caplog) -> None:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from raytrain_ckpt.checkpoint.roles.client import SaveSchedule
+from raytrain_ckpt.checkpoint.policy.schedule import SaveSchedule
 from raytrain_ckpt.checkpoint.policy.interval import (
     BOOTSTRAP_STEPS,
     PRIOR_WEIGHT,

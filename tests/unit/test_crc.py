@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from raytrain_ckpt.checkpoint.format.crc import Span, combine, region_crc
-from raytrain_ckpt.checkpoint.datapath.filewrite import _GATHER, write_rank_files
+from raytrain_ckpt.checkpoint.datapath.filewrite import _GATHER
+from raytrain_ckpt.checkpoint.datapath.localfile import write_rank_files
 from raytrain_ckpt.checkpoint.datapath.staging import StagedPlanner, map_whole, views_of
 from tests.unit.test_filewrite import _plan_and_stage
 

@@ -16,9 +16,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer
-from raytrain_ckpt.checkpoint.datapath import filewrite
+from raytrain_ckpt.checkpoint.datapath import filewrite, localfile
 from raytrain_ckpt.checkpoint.format.crc import address_of
-from raytrain_ckpt.checkpoint.datapath.filewrite import write_rank_files
+from raytrain_ckpt.checkpoint.datapath.localfile import write_rank_files
 from raytrain_ckpt.checkpoint.format.manifest import checksum_file
 from raytrain_ckpt.checkpoint.datapath.staging import StagedPlanner, map_buffer, map_slots, plan_slots, slot_views
 
@@ -205,12 +205,12 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from raytrain_ckpt.checkpoint.datapath import filewrite
-from raytrain_ckpt.checkpoint.datapath.filewrite import write_rank_files
+from raytrain_ckpt.checkpoint.datapath import localfile
+from raytrain_ckpt.checkpoint.datapath.localfile import write_rank_files
 
 out = Path(sys.argv[1])
 if int(sys.argv[2]):                            # aligned buffers smaller than the file: the failing write
-    filewrite._BOUNCE = int(sys.argv[2])        # is one of several, made while the next buffer fills
+    localfile._BOUNCE = int(sys.argv[2])        # is one of several, made while the next buffer fills
 planner = DefaultSavePlanner()
 planner.set_up_planner({"w": torch.ones(int(sys.argv[3]))}, is_coordinator=True)
 central, _ = planner.create_global_plan([planner.create_local_plan()])
@@ -297,7 +297,7 @@ def _write_state(directory: Path, state: dict) -> dict[str, bytes]:
     return files
 
 
-@pytest.mark.parametrize("align", [filewrite._DIRECT_ALIGN, 100])
+@pytest.mark.parametrize("align", [filewrite.DIRECT_ALIGN, 100])
 def test_direct_writes_make_the_bytes_the_page_cache_writes_make(tmp_path: Path, monkeypatch, align: int) -> None:
     """Through O_DIRECT (a full aligned buffer, then a tail that is not a whole block) the files are
     the bytes the page-cache path writes. With an alignment the device does not have (100), the file
@@ -307,16 +307,16 @@ def test_direct_writes_make_the_bytes_the_page_cache_writes_make(tmp_path: Path,
 
     fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT)
     try:
-        if not filewrite._try_direct(fd):
+        if not localfile._try_direct(fd):
             pytest.skip(f"{tmp_path}: no O_DIRECT on this file system")
         assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
     finally:
         os.close(fd)
-    state = {"a": torch.arange(filewrite._BOUNCE // 4 + 1000, dtype=torch.float32), "b": torch.ones(30_000),
+    state = {"a": torch.arange(localfile._BOUNCE // 4 + 1000, dtype=torch.float32), "b": torch.ones(30_000),
              "c": torch.arange(7), "step": 3}
-    monkeypatch.setattr(filewrite, "_DIRECT_ALIGN", align)
+    monkeypatch.setattr(localfile, "DIRECT_ALIGN", align)
     direct = _write_state(tmp_path / "direct", state)
-    monkeypatch.setattr(filewrite, "_try_direct", lambda fd: False)
+    monkeypatch.setattr(localfile, "_try_direct", lambda fd: False)
     assert direct == _write_state(tmp_path / "cached", state)
 
 
@@ -324,10 +324,10 @@ def test_direct_writes_through_many_small_buffers_make_the_same_bytes(tmp_path: 
     """With buffers far smaller than the state, each of the two is filled, written and reused many
     times while the other is written: the files are still the bytes the page-cache path writes."""
     _needs_direct(tmp_path)
-    monkeypatch.setattr(filewrite, "_BOUNCE", 64 << 10)
+    monkeypatch.setattr(localfile, "_BOUNCE", 64 << 10)
     state = {"a": torch.randn(300_000), "b": torch.arange(70_001, dtype=torch.int64), "c": torch.ones(3), "step": 9}
     direct = _write_state(tmp_path / "direct", state)
-    monkeypatch.setattr(filewrite, "_try_direct", lambda fd: False)
+    monkeypatch.setattr(localfile, "_try_direct", lambda fd: False)
     assert direct == _write_state(tmp_path / "cached", state)
 
 
@@ -336,7 +336,7 @@ def _needs_direct(path: Path) -> None:
 
     fd = os.open(path / "probe", os.O_WRONLY | os.O_CREAT)
     try:
-        if not filewrite._try_direct(fd):
+        if not localfile._try_direct(fd):
             pytest.skip(f"{path}: no O_DIRECT on this file system")
     finally:
         os.close(fd)
@@ -386,7 +386,7 @@ def test_large_tensors_go_to_the_device_from_the_staging_buffer(tmp_path: Path, 
     state = _big_state()
     plan, metadata, owned, slots, nbytes, objects = _plan_and_stage(state, tmp_path)
     in_place: list[tuple[int, int]] = []
-    drain = filewrite._DirectFileSink._drain
+    drain = localfile._DirectFileSink._drain
 
     def spy(self, views, offset, owners):  # every segment of every write (the buffer's own: in place)
         in_place.extend((address_of(v), v.nbytes) for v in views)
@@ -395,19 +395,19 @@ def test_large_tensors_go_to_the_device_from_the_staging_buffer(tmp_path: Path, 
     try:
         whole = map_whole(owned.path, nbytes)
         base = address_of(whole)
-        monkeypatch.setattr(filewrite._DirectFileSink, "_drain", spy)
+        monkeypatch.setattr(localfile._DirectFileSink, "_drain", spy)
         direct_dir, cached_dir = tmp_path / "direct", tmp_path / "cached"
         direct_dir.mkdir(), cached_dir.mkdir()
         resolve = StagedPlanner({**views_of(whole, slots), **objects}).resolve_data  # as the writer maps it
         written = write_rank_files(direct_dir, plan, resolve, threads)
         buffer_crc = region_crc(whole, base, written.spans)
         assert buffer_crc == crc32c.crc32c(whole)
-        monkeypatch.setattr(filewrite, "_try_direct", lambda fd: False)
+        monkeypatch.setattr(localfile, "_try_direct", lambda fd: False)
         cached = write_rank_files(cached_dir, plan, resolve, threads)
     finally:
         owned.remove()
 
-    big = {s.fqn: s for s in slots if s.nbytes >= filewrite._IN_PLACE}
+    big = {s.fqn: s for s in slots if s.nbytes >= filewrite.IN_PLACE}
     assert sorted(big) == ["model.a", "model.c", "model.d", "model.e"]
     for fqn, slot in big.items():  # every whole block of the slot went from the buffer itself
         start, end = base + slot.offset, base + slot.offset + slot.nbytes // 4096 * 4096
@@ -451,7 +451,7 @@ def test_tensors_not_page_aligned_in_memory_are_placed_at_their_address_modulo_a
         out = tmp_path / f"direct={direct}"
         out.mkdir()
         if not direct:
-            monkeypatch.setattr(filewrite, "_try_direct", lambda fd: False)
+            monkeypatch.setattr(localfile, "_try_direct", lambda fd: False)
         plan = planner.finish_plan(FileSystemWriter(out).prepare_global_plan(central)[0])
         written = write_rank_files(out, plan, planner.resolve_data)
         assert _data_offsets(out, written.results)["w"] % 4096 == state["w"].data_ptr() % 4096

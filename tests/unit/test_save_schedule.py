@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytrain_ckpt.checkpoint.roles.client import CheckpointClient, SaveSchedule
+from raytrain_ckpt.checkpoint.policy.schedule import SaveSchedule
+from raytrain_ckpt.checkpoint.roles.client import CheckpointClient
 from raytrain_ckpt.spec import CheckpointSpec
 
 # (interval_steps, save_final, step, total_steps) -> due

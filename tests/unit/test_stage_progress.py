@@ -16,8 +16,8 @@ import torch
 
 from raytrain_ckpt.checkpoint.datapath.buffers import is_leased
 from raytrain_ckpt.checkpoint.format.crc import address_of
-from raytrain_ckpt.checkpoint.datapath.staging import (SharedMemoryStaging, StageProgress, StagingAborted, allocate_buffer,
-                                              map_buffer, map_whole, plan_slots)
+from raytrain_ckpt.checkpoint.datapath.progress import StageProgress, StagingAborted
+from raytrain_ckpt.checkpoint.datapath.staging import SharedMemoryStaging, allocate_buffer, map_buffer, map_whole, plan_slots
 from tests.unit.test_staging_buffers import REPO, _kill, _leaser
 
 
@@ -118,7 +118,8 @@ _WRITER = """
 import resource, sys, time
 from pathlib import Path
 from raytrain_ckpt.checkpoint.format.crc import address_of
-from raytrain_ckpt.checkpoint.datapath.staging import StageProgress, map_whole
+from raytrain_ckpt.checkpoint.datapath.progress import StageProgress
+from raytrain_ckpt.checkpoint.datapath.staging import map_whole
 whole = map_whole(Path(sys.argv[1]), 4096)
 progress = StageProgress(address_of(whole), whole)
 print("ready", flush=True)

@@ -10,7 +10,7 @@ import fsspec
 import pytest
 import torch
 
-from raytrain_ckpt.checkpoint.datapath.filewrite import write_rank_files
+from raytrain_ckpt.checkpoint.datapath.localfile import write_rank_files
 from raytrain_ckpt.checkpoint.datapath.staging import StagedPlanner, map_slots
 from raytrain_ckpt.checkpoint.datapath.upload import is_s3, upload_rank_files
 from tests.unit.test_filewrite import _plan_and_stage

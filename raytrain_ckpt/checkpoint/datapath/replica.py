@@ -3,7 +3,8 @@
 After a step commits, a node's writer sends each of its ranks' committed copies (the bytes of
 the copy plus its descriptor) to one other node's writer, the node's **peer**. When a node is
 lost, the ranks placed on a replacement node are restored from the replica on the surviving
-peer; storage is the fallback. Four pieces, each small and testable without Ray:
+peer; storage is the fallback. Four pieces, each small and testable without Ray (the writer's
+side that calls Ray, ``Replication``, is ``checkpoint/roles/replication.py``):
 
 * ``ring_peers``: which node holds whose replica. Nodes are sorted by id and each sends to the
   next one around the ring. Losing a node only moves the replica of the node that sent to it
@@ -32,28 +33,19 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import crc32c as _crc32c
 
 from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer, open_buffer
 
-if TYPE_CHECKING:
-    from raytrain_ckpt.metrics import WriterMetrics
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["CHUNK_BYTES", "CommittedBytes", "Pacer", "Replica", "ReplicaEndpoint", "ReplicaError", "ReplicaStore",
+__all__ = ["CHUNK_BYTES", "CommittedBytes", "Pacer", "Replica", "ReplicaError", "ReplicaStore",
            "read_chunks", "ring_peers", "send_replica"]
 
-_COMMIT_WAIT_S = 600.0
-"""How long a writer waits for a step it wrote to commit before giving up its replica."""
-_SEND_THREADS = 2
-"""Threads of a writer's replica sends (and their waits for the commit): their own pool, so a
-wait never holds a thread that a write of the next step needs."""
 CHUNK_BYTES = 8 << 20
 """Bytes per chunk sent to the peer: large enough to amortise a Ray call, small enough to pace."""
 
@@ -279,142 +271,3 @@ class ReplicaStore:
             buffer.remove()
         for inc in incoming:
             inc.buffer.remove()
-
-
-class ReplicaEndpoint:
-    """The CheckpointWriter's side of replication, mixed into it so Ray calls reach these methods.
-
-    A writer is both a sender and a receiver. As a sender, once a step it wrote for a rank
-    commits, it sends the rank's committed copy (``committed_copy``: the staging buffer that
-    ``checkpoint.memory_copies: 2`` keeps intact until a newer step commits) to its peer. As a
-    receiver it holds its predecessor's ranks' replicas (``ReplicaStore``). Sends run on the
-    writer's own threads after the commit, one rank at a time, paced: never on the training path.
-    A send that reads a buffer restaged meanwhile (a newer step committed) fails its CRC-32C at
-    the peer and is dropped; the newer step's send follows.
-    """
-
-    _lock: threading.Lock
-    _buffers: dict[str, Any]
-    prefix: str
-    coordinator: Any
-    metrics: WriterMetrics
-
-    def _init_replicas(self, directory: Path, max_mb_per_s: float | None) -> None:
-        import ray
-
-        self._node_id = ray.get_runtime_context().get_node_id()
-        # The node in the names: nodes that share a /dev/shm (one machine) must not collide.
-        self.replicas = ReplicaStore(directory, f"{self.prefix}-n{self._node_id[:8]}")
-        self._peer: tuple[str, Any] | None = None
-        self._replica_rate = max_mb_per_s
-        self._replica_lock = threading.Lock()
-        self._rank_locks: dict[int, threading.Lock] = {}
-        self._newest_sent: dict[int, int] = {}
-        self._send_pool = ThreadPoolExecutor(max_workers=_SEND_THREADS, thread_name_prefix="rtc-replica")
-
-    def set_peer(self, node_id: str | None, peer: Any | None) -> None:
-        """Send replicas to ``peer`` (the writer on ``node_id``) from now on; None stops sending."""
-        with self._replica_lock:
-            self._peer = None if peer is None else (str(node_id), peer)
-        logger.info("replicas of this node's ranks go to node %s", (node_id or "none (off)")[:12])
-
-    def replica_begin(self, source_node: str, copy: Any) -> None:
-        self.replicas.begin(source_node, copy)
-
-    def replica_put(self, rank: int, step: int, offset: int, data: bytes) -> None:
-        self.replicas.put(rank, step, offset, data)
-
-    def replica_finish(self, rank: int, step: int, crc32c: int) -> Replica:
-        replica = self.replicas.finish(rank, step, crc32c)
-        logger.info("holding the replica of rank %d step %d from node %s (%.1f MB, CRC-32C verified)",
-                    rank, step, replica.source_node[:12], replica.nbytes / 1e6)
-        return replica
-
-    def replicas_held(self) -> list[Replica]:
-        """Every verified replica this writer holds (one per source rank, the newest step)."""
-        return self.replicas.held()
-
-    def copies_held(self, step: int) -> list[Replica]:
-        """The copies of ``step`` on this node: its own ranks' committed copies (``source_node`` is
-        this node) and the replicas it holds for its predecessor's ranks."""
-        with self._lock:
-            own = [h.record for h in self._buffers.values() if h.record is not None and h.record.step == step]
-        return ([Replica(self._node_id, c.step, c.rank, c.nbytes, c.crc32c, c) for c in own]
-                + [r for r in self.replicas.held() if r.step == step])
-
-    def replicate(self, copy: Any, wait: bool = False) -> Replica | None:
-        """Send ``copy`` (a committed copy of one of this node's ranks) to the peer, in the
-        background; with ``wait``, block and return the peer's replica (None: no peer, or the
-        send failed, logged)."""
-        with self._replica_lock:
-            peer = self._peer
-        if peer is None:
-            return None
-        future = self._send_pool.submit(self._send_logged, copy, self._node_id, peer)
-        return future.result() if wait else None
-
-    def push_replica(self, rank: int, step: int, to: Any, to_node: str) -> Replica:
-        """Send the copy of ``rank`` at ``step`` held here (own or replica) to another writer: a
-        rank restored on another node loads from there. Re-checked here first; returns the
-        receiver's replica."""
-        held = next((c for c in self.copies_held(step) if c.rank == rank), None)
-        if held is None:
-            raise ReplicaError(f"no verified copy of rank {rank} step {step} is held on node {self._node_id[:12]}")
-        self.replicas.check(held)
-        return self._send(held.copy, held.source_node, (to_node, to))
-
-    def _after_write(self, rank: int, step: int) -> None:
-        """Rank ``rank``'s files of ``step`` are written: with a peer, send its copy once the step commits."""
-        with self._replica_lock:
-            if self._peer is None:
-                return
-        self._send_pool.submit(self._commit_and_send, rank, step)
-
-    def _commit_and_send(self, rank: int, step: int) -> None:
-        import ray
-
-        try:
-            ray.get(self.coordinator.wait_committed.remote(step, _COMMIT_WAIT_S))
-        except Exception as exc:  # aborted or never committed: nothing to replicate
-            logger.info("no replica of rank %d step %d: the step did not commit (%s)", rank, step, exc)
-            return
-        with self._replica_lock:
-            lock = self._rank_locks.setdefault(rank, threading.Lock())
-        with lock:  # one send per rank at a time; an older step whose turn comes late is skipped
-            with self._replica_lock:
-                peer, newest = self._peer, self._newest_sent.get(rank, -1)
-            copy = self.committed_copy(rank, step)
-            if peer is None or step <= newest or copy is None:
-                return
-            if self._send_logged(copy, self._node_id, peer) is not None:
-                with self._replica_lock:
-                    self._newest_sent[rank] = max(step, self._newest_sent.get(rank, -1))
-
-    def _release_replicas(self) -> None:
-        self.replicas.remove_all()
-
-    def _send_logged(self, copy: Any, source_node: str, peer: tuple[str, Any]) -> Replica | None:
-        t0 = time.monotonic()
-        try:
-            replica = self._send(copy, source_node, peer)
-        except Exception as exc:  # the step is committed on storage: a lost replica only costs recovery time
-            logger.warning("replica of rank %d step %d not sent to node %s: %s", copy.rank, copy.step,
-                           peer[0][:12], exc)
-            self.metrics.replica_failed(copy.rank)
-            return None
-        self.metrics.replicated(copy.rank, copy.step, copy.nbytes, time.monotonic() - t0)
-        return replica
-
-    def _send(self, copy: Any, source_node: str, peer: tuple[str, Any]) -> Replica:
-        import ray
-
-        node, handle = peer
-        t0 = time.monotonic()
-        replica = send_replica(
-            copy, lambda c: ray.get(handle.replica_begin.remote(source_node, c)),
-            lambda rank, step, offset, data: ray.get(handle.replica_put.remote(rank, step, offset, data)),
-            lambda rank, step, crc: ray.get(handle.replica_finish.remote(rank, step, crc)),
-            Pacer(self._replica_rate))
-        logger.info("replica of rank %d step %d sent to node %s: %.1f MB in %.2fs", copy.rank, copy.step,
-                    node[:12], copy.nbytes / 1e6, time.monotonic() - t0)
-        return replica

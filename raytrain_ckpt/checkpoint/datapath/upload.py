@@ -70,7 +70,7 @@ def upload_rank_files(fs: Any, directory: str, plan: SavePlan, resolve: Resolve,
                       part_size: int = PART_SIZE, inflight: int = INFLIGHT) -> RankFiles:
     """Upload the items of ``plan`` as DCP files under ``directory`` (``s3://bucket/prefix``) on ``fs``.
 
-    The files, results and CRC-32C entries are those ``filewrite.write_rank_files`` writes locally.
+    The files, results and CRC-32C entries are those ``localfile.write_rank_files`` writes locally.
     """
     bucket, prefix, _ = fs.split_path(directory)
 

@@ -43,7 +43,7 @@ from raytrain_ckpt.faults import planned
 logger = logging.getLogger(__name__)
 
 __all__ = ["CommittedCopy", "CopyFacts", "CopyMismatch", "RankSource", "Restored", "choose_sources",
-           "load_from_copy", "open_copy", "restore"]
+           "open_copy", "restore"]
 
 
 class CopyMismatch(RuntimeError):
@@ -227,14 +227,6 @@ def _apply(trainer: Any, p: _Prepared) -> float:
         set_element(p.sd, p.mappings[fqn], value)
     apply_own_state(trainer, p.sd, p.keys)
     return copy_s
-
-
-def load_from_copy(trainer: Any, copy: CommittedCopy, step: int, attempt: int = 0) -> None:
-    """Load rank ``trainer.rank``'s state of ``step`` from its in-memory copy (not collective).
-
-    Raises CopyMismatch, before anything is changed, when the copy is not exactly that state.
-    """
-    _apply(trainer, _prepare(trainer, copy, step, attempt))
 
 
 _PIECE_BYTES = 8 << 20

@@ -32,6 +32,7 @@ from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint, Manifest
 from raytrain_ckpt.checkpoint.format.names import EntryKind, is_uri
 from raytrain_ckpt.checkpoint.format.verify import Verify, verify_step
 from raytrain_ckpt.checkpoint.storage.layout import LEFTOVER_GRACE_S, CheckpointLayout, LeftoverWatch
+from raytrain_ckpt.checkpoint.records import RankReport
 from raytrain_ckpt.checkpoint.storage.leases import LeaseFiles, purge_lock
 from raytrain_ckpt.checkpoint.storage.dcp import dcp_writer
 from raytrain_ckpt.checkpoint.storage.backends import open_storage
@@ -294,9 +295,13 @@ class CheckpointActor:
                 lost.append(rank)
         return lost
 
-    async def report(self, step: int, rank: int, attempt: int, plan_id: str, results: list,
-                     files: dict, info: dict) -> str:
+    async def report(self, report: RankReport) -> str:
         """A writer finished rank ``rank`` of ``step``; commits when all ranks are in."""
+        step, rank, plan_id, results, files = report.step, report.rank, report.plan_id, report.results, report.files
+        t, point = report.timings, report.point
+        info = {"stage_s": t.stage_s, "persist_s": t.persist_s, "write_s": t.write_s,
+                "samples_seen": point.samples_seen, "tokens_seen": point.tokens_seen,
+                "loss": point.loss, "eval_loss": point.eval_loss}
         p = self.pending.get(step)
         if p is None or p.error is not None:
             raise StepAborted(f"step {step} is not in flight (aborted or the checkpoint actor restarted)")

@@ -26,9 +26,11 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
+from raytrain_ckpt.checkpoint.records import PersistRequest, TrainingPoint
 from raytrain_ckpt.checkpoint.roles.actor import StepAborted
 from raytrain_ckpt.checkpoint.datapath.buffers import BufferLease, StagingFileError
 from raytrain_ckpt.checkpoint.policy.interval import CostMeter, IntervalDecision, IntervalFacts, IntervalHistory, choose_interval
+from raytrain_ckpt.checkpoint.policy.schedule import SaveSchedule, on_busy_choice
 from raytrain_ckpt.checkpoint.datapath.staging import (
     PinnedCudaStaging,
     SharedMemoryStaging,
@@ -38,42 +40,13 @@ from raytrain_ckpt.checkpoint.datapath.staging import (
     map_buffer,
     plan_slots,
 )
-from raytrain_ckpt.checkpoint.roles.writer import PersistRequest
 from raytrain_ckpt.events import headline
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.spec import CheckpointSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointClient", "SaveSchedule", "SaveStats", "next_buffer"]
-
-
-@dataclass(frozen=True)
-class SaveSchedule:
-    """When a step is saved: a pure decision, table-tested.
-
-    ``interval_steps`` decides for every step, the last one included, counted from ``anchor``
-    (0 for a fixed interval; with ``interval_steps: auto`` the step where the policy last chose
-    one); ``save_final`` only adds a save of the last step; the time trigger (``clock_due``:
-    ``interval_seconds`` passed on some rank) adds a save of any step.
-    """
-
-    total_steps: int
-    interval_steps: int | None
-    save_final: bool
-    anchor: int = 0
-
-    def on_interval(self, step: int) -> bool:
-        """The interval falls on ``step``."""
-        n = self.interval_steps
-        return n is not None and step > self.anchor and (step - self.anchor) % n == 0
-
-    def by_step(self, step: int) -> bool:
-        """Due whatever the clock says (the same answer on every rank, no collective)."""
-        return self.on_interval(step) or (self.save_final and step == self.total_steps)
-
-    def due(self, step: int, clock_due: bool = False) -> bool:
-        return self.by_step(step) or clock_due
+__all__ = ["CheckpointClient", "SaveStats", "next_buffer"]
 
 
 @dataclass
@@ -142,8 +115,7 @@ class CheckpointClient:
         self.actor, self.writer, self.device = actor, writer, device
         self.stats = SaveStats()
         self._stall_reported = 0.0
-        fixed = None if cfg.interval_steps == "auto" else cfg.interval_steps
-        self.schedule = SaveSchedule(total_steps, fixed, cfg.save_final)
+        self.schedule = SaveSchedule.configured(total_steps, cfg.interval_steps, cfg.save_final)
         self.interval: _AutoInterval | None = None
         if cfg.interval_steps == "auto":
             assert prior_mtbf_s is not None, "interval_steps=auto needs fault_tolerance.expected_mtbf_s"
@@ -162,11 +134,11 @@ class CheckpointClient:
         when the interval falls on it, chooses the next interval.
         """
         schedule = self.interval.tick(step) if self.interval is not None else self.schedule
-        if schedule.by_step(step) or self.cfg.interval_seconds is None:
+        every = self.cfg.interval_seconds
+        if not schedule.asks_clock(step, every):
             return schedule.due(step)
-        # Clocks differ per rank: agree, or one rank would save a step the others skip.
-        elapsed = time.monotonic() - self._last_save_at
-        return schedule.due(step, self._any_rank(elapsed >= self.cfg.interval_seconds))
+        assert every is not None
+        return schedule.due(step, self._any_rank(time.monotonic() - self._last_save_at >= every))
 
     def _any_rank(self, flag: bool) -> bool:
         t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
@@ -185,11 +157,11 @@ class CheckpointClient:
         """Wait until the last save's hand-off is done (it sets ``_inflight``); returns the seconds blocked."""
         return self._layout.staging.finish() if self._layout is not None else 0.0
 
-    def save(self, step: int, state: dict[str, Any], info: dict[str, float] | None = None) -> None:
+    def save(self, step: int, state: dict[str, Any], point: TrainingPoint | None = None) -> None:
         """Save ``state`` (a DCP state dict of live tensors, e.g. ``app_state(trainer)``) as ``step``.
 
-        Collective: every rank calls it for the same steps. ``info`` (samples_seen,
-        tokens_seen) goes into the manifest.
+        Collective: every rank calls it for the same steps. ``point`` (samples and tokens seen,
+        losses) goes into the manifest.
         """
         t0 = time.monotonic()
         self._handed_off()  # counted in this save's stall
@@ -205,7 +177,6 @@ class CheckpointClient:
             # lose this save, not the run
             self._aborted(step, exc)
             return
-        info = dict(info or {})
         payload = pickle.dumps(objects)
         layout.active = next_buffer([b.step for b in layout.buffers])
         buf = layout.buffers[layout.active]
@@ -217,9 +188,9 @@ class CheckpointClient:
         def begin() -> None:
             """As the copy begins (the buffer's progress is reset for this save): hand the step to
             the writer, which writes each tensor as soon as the copy has reached it."""
-            info["stage_s"] = time.monotonic() - t0  # the writer adds the copy's own time
-            req = PersistRequest(step, self.rank, self.attempt, layout.plan_id, buf.path, layout.nbytes,
-                                 layout.slots, payload, layout.plan, info, token)
+            req = PersistRequest(step, self.rank, self.attempt, layout.plan_id, buf.path, layout.nbytes, layout.slots,
+                                 payload, layout.plan, point or TrainingPoint(),
+                                 stage_s=time.monotonic() - t0, token=token)  # the writer adds the copy's own time
             try:
                 sent.append(self.writer.accept.remote(req, [opened]))  # nested: a failed call is the writer's to handle
             except Exception as exc:  # surfaced by hand_off(): the copy goes on, the step is lost
@@ -263,7 +234,7 @@ class CheckpointClient:
         The final save is never skipped: it waits.
         """
         busy = self._inflight is not None and not ray.wait([self._inflight[1]], timeout=0)[0]
-        if self.cfg.on_busy == "skip" and not final and self._any_rank(busy):
+        if on_busy_choice(self.cfg.on_busy, final, lambda: self._any_rank(busy)) == "skip":
             self.stats.skipped += 1
             logger.warning("checkpoint step %d skipped: the previous save is still being written "
                            "(checkpoint.on_busy=skip)", step)

@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor, ResumePoint
 from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, ActorByName, actor_name, writer_name
-from raytrain_ckpt.checkpoint.roles.client import SaveSchedule
+from raytrain_ckpt.checkpoint.policy.schedule import SaveSchedule
 from raytrain_ckpt.checkpoint.policy.interval import IntervalHistory
 from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.verify import Verify
@@ -334,8 +334,7 @@ class CheckpointService:
         trained = bool(results) and results[0].start_step < total
         failed: dict[int, str] = status["failed"]
         # With interval_steps=auto only save_final makes the last step's save certain.
-        interval = None if cfg.interval_steps == "auto" else cfg.interval_steps
-        if trained and SaveSchedule(total, interval, cfg.save_final).by_step(total) \
+        if trained and SaveSchedule.configured(total, cfg.interval_steps, cfg.save_final).by_step(total) \
                 and total not in status["committed"]:
             return f"the final checkpoint (step {total}) did not commit: {failed.get(total, 'it was never saved')}"
         new = [s for s, info in status["steps"].items() if info["created_unix"] >= self.started_unix]
