@@ -6,6 +6,7 @@ sections live with ``JobSpec`` in ``job.py``.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -32,15 +33,29 @@ __all__ = [
     "ResourcesSpec",
     "SpecError",
     "TrainingSpec",
+    "mask_uri",
 ]
 
 
 class SpecError(ValueError):
-    """A user mistake in a job spec: one human-readable line per problem."""
+    """A user mistake in a job spec: one human-readable line per problem (a secret in a URI masked)."""
 
     def __init__(self, problems: list[str]) -> None:
+        problems = [mask_uri(p) for p in problems]
         super().__init__("\n".join(problems))
         self.problems = problems
+
+
+_USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)([^/@\s]+)@")
+
+
+def mask_uri(text: str) -> str:
+    """``text`` with the password (or a lone token) of every ``scheme://user:secret@host`` in it
+    replaced by ``***``: what a spec error or log line may show of a URI."""
+    def masked(m: re.Match[str]) -> str:
+        user, sep, _ = m.group(2).partition(":")
+        return f"{m.group(1)}{user}:***@" if sep else f"{m.group(1)}***@"
+    return _USERINFO.sub(masked, text)
 
 
 class FieldProblems(ValueError):
@@ -438,16 +453,36 @@ class ReplicationSpec(_Section):
         return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
 
 
+RESULTS_ENV = "RAYTRAIN_CKPT_RESULTS"
+"""Environment variable naming the persistent results base (a directory or an object-store URI)."""
+DEFAULT_RESULTS = "~/raytrain_results"
+"""The persistent results base when RAYTRAIN_CKPT_RESULTS is unset, as Ray Train keeps ~/ray_results."""
+
+
+def results_dir() -> Path | str:
+    """Where a job's checkpoints go when its spec names no checkpoint.dir: $RAYTRAIN_CKPT_RESULTS,
+    else ~/raytrain_results, made absolute here (the driver), so that every process of the job
+    reads the same place from the resolved spec. Also the base of a relative checkpoint.dir under
+    ``ray job submit`` (see ``raytrain_ckpt/preflight.py``)."""
+    text = os.environ.get(RESULTS_ENV) or DEFAULT_RESULTS
+    if is_uri(text):
+        return text.rstrip("/")
+    try:
+        return Path(os.path.abspath(Path(text).expanduser()))
+    except RuntimeError:  # no home directory to expand ~ to: preflight names the unusable path
+        return Path(text)
+
+
 class CheckpointSpec(_Section):
-    enabled: bool = False
-    """Save checkpoints (and resume from them). false: no checkpoint is written or loaded."""
-    dir: Path | str = Path("checkpoints")
-    """Root directory or object-store URI (s3://bucket/prefix, gs://bucket/prefix; needs the [s3] / [gcs] extra); this job's steps go to <dir>/<name>/step-<N>/. A relative path is resolved against the working directory."""
+    enabled: bool = True
+    """Save checkpoints (and resume from them): on unless a spec turns it off. false: no checkpoint is written or loaded, and a failure loses every step since the start."""
+    dir: Path | str = Field(default_factory=results_dir)
+    """Root directory or object-store URI (s3://bucket/prefix, gs://bucket/prefix; needs the [s3] / [gcs] extra); this job's steps go to <dir>/<name>/step-<N>/. Default: $RAYTRAIN_CKPT_RESULTS, else ~/raytrain_results. A relative path is resolved against the working directory; under `ray job submit` (whose working directory is a temporary copy of the code) against the default instead."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """For a URI dir: options passed to its fsspec filesystem (e.g. {endpoint_url: http://minio:9000} or {anon: false}); credentials come from the usual environment and profiles (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws)."""
     mode: Literal["async", "sync"] = "async"
     """async: stage into shared memory, write in the background, training goes on; sync: training waits for the commit."""
-    interval_steps: int | Literal["auto"] | None = 50  # >= 1: _interval_hint
+    interval_steps: int | Literal["auto"] | None = "auto"  # >= 1: _interval_hint
     """Save every this many steps; auto: choose the interval from the measured cost of a save and the failure rate (Young-Daly, see fault_tolerance.expected_mtbf_s); null saves only on interval_seconds / save_final."""
     interval_seconds: float | None = Field(None, gt=0, le=MAX_SECONDS)
     """Also save when this much time passed since the last save; null turns the time trigger off."""
@@ -542,9 +577,9 @@ DEFAULT_MTBF_S = 86400.0
 
 
 class FaultToleranceSpec(_Section):
-    max_restarts: int = Field(0, ge=0)
-    """Times the whole worker group is rebuilt after a worker failure or hang before the job fails (within failure_window_s, if set)."""
-    failure_window_s: float | None = Field(None, gt=0, le=MAX_SECONDS)
+    max_restarts: int = Field(3, ge=0)
+    """Times the whole worker group is rebuilt after a worker failure or hang before the job fails (within failure_window_s, if set); 0: never restart, any failure ends the job."""
+    failure_window_s: float | None = Field(3600.0, gt=0, le=MAX_SECONDS)
     """Count only failures within this many seconds against max_restarts; null counts every failure of the job."""
     retry_on: list[Literal["crash", "exception", "hang", "start"]] = Field(
         default_factory=lambda: ["crash", "exception", "hang", "start"])
