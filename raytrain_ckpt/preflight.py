@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from pathlib import Path
 
 from raytrain_ckpt.models import describe_model
@@ -200,16 +201,19 @@ def writable_dir_problem(path: Path) -> str | None:
     read-only mount even for root, which ignores permission bits.
     """
     path = Path(os.path.abspath(path))
-    try:
-        if path.exists() and not path.is_dir():
-            return "exists and is not a directory (a file or a device)"
-        probe = path
-        while not probe.exists():
+    probe = path
+    while True:
+        try:  # os.stat, not Path.exists: exists() answers False for a symlink loop, which mkdir then fails on
+            st = os.stat(probe)
+            break
+        except (FileNotFoundError, NotADirectoryError):  # (a file on the way: found when the walk reaches it)
             probe = probe.parent
-        if not probe.is_dir():
-            return f"{probe} is a file, so nothing can be created under it"
-    except OSError as exc:  # a name too long, a directory on the way that cannot be searched
-        return f"cannot be looked up ({exc.strerror or exc})"
+        except OSError as exc:  # a symlink loop, a name too long, a directory on the way that cannot be searched
+            return f"cannot be looked up ({exc.strerror or exc}{': a symbolic link loop' if exc.errno == errno.ELOOP else ''})"
+    if not stat.S_ISDIR(st.st_mode):
+        if probe == path:
+            return "exists and is not a directory (a file or a device)"
+        return f"{probe} is a file, so nothing can be created under it"
     if not os.access(probe, os.W_OK | os.X_OK):
         why = "a read-only filesystem" if _read_only(probe) else "no write permission"
         return f"{probe} is not writable ({why})"

@@ -47,8 +47,16 @@ def test_the_job_says_what_it_is_not_protected_against():
     assert "no checkpoints, a restart begins at step 0 (checkpoint.enabled=false)" in off
     some = protection_line(JobSpec(name="x", fault_tolerance={"retry_on": ["crash"], "failure_window_s": None}))
     assert "hang failures, not in fault_tolerance.retry_on" in some and "in the whole job" in some
-    secret = protection_line(JobSpec(name="x", checkpoint={"dir": "s3://user:hunter2@bucket/x"}))
-    assert "hunter2" not in secret and "s3://user:***@bucket/x" in secret
+
+
+
+def test_credentials_in_a_uri_are_refused_and_never_echoed():
+    from raytrain_ckpt.spec import parse_spec
+
+    with pytest.raises(SpecError) as err:
+        parse_spec({"name": "x", "checkpoint": {"dir": "s3://user:hunter2@bucket/x"}}, Path.cwd())
+    (line,) = err.value.problems
+    assert "hunter2" not in line and "s3://user:***@bucket/x" in line and "holds credentials" in line
 
 
 @pytest.mark.parametrize(("cwd", "env", "inside"), [
