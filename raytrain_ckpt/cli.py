@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         _explain_interval(spec, as_comment=args.format == "yaml")
         _print_memory_estimate(spec)
         return EXIT_OK
+    from raytrain_ckpt.faults import fault_plan_problem
+
+    if (problem := fault_plan_problem()) is not None:  # before Ray starts: every attempt would fail on it
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     return _run(spec, args.address)
 
 

@@ -20,6 +20,7 @@ from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.group import RayWorkerGroup
 from raytrain_ckpt.metrics import ControllerMetrics
 from raytrain_ckpt.pool import WorkerPool
+from raytrain_ckpt.preflight import protection_line
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
         install_dashboard()
         logger.info("job %s: %d workers, dp_shard %d, pp %d, spec %s", spec.name, spec.world_size, spec.dp_size,
                     spec.parallelism.pp, spec.spec_hash())
+        logger.info("%s", protection_line(spec))
         if not spec.checkpoint.enabled:
             return _run_controller(spec)
         with run_lock(job_root(spec.checkpoint.dir, spec.name), options=spec.checkpoint.storage_options) as lock:

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV_VAR", "Fault", "InjectedFault", "adopt_fault_env", "fault_env", "maybe_inject", "parse_faults",
-           "planned"]
+__all__ = ["ENV_VAR", "Fault", "InjectedFault", "adopt_fault_env", "fault_env", "fault_plan_problem", "maybe_inject",
+           "parse_faults", "planned"]
 
 ENV_VAR = "RAYTRAIN_CKPT_FAULTS"
 STAMP_VAR = "RAYTRAIN_CKPT_FAULT_STAMP"
@@ -78,6 +78,20 @@ def parse_faults(text: str) -> list[Fault]:
             raise ValueError(f"{ENV_VAR}: bad fault {entry!r}; {fault.kind} applies at restore only")
         faults.append(fault)
     return faults
+
+
+def fault_plan_problem(environ: dict[str, str] | None = None) -> str | None:
+    """Why this process's ``RAYTRAIN_CKPT_FAULTS`` is not a fault plan (an unknown kind or point, a
+    malformed entry), or None. Checked before Ray starts: otherwise each rank would raise the
+    same error at its first fault point, and the job would restart into it until it failed."""
+    text = (os.environ if environ is None else environ).get(ENV_VAR)
+    if not text:
+        return None
+    try:
+        parse_faults(text)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def fault_env() -> dict[str, str]:

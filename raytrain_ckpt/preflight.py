@@ -12,13 +12,17 @@ driver runs (the head node), which sees the same shared ``checkpoint.dir`` as th
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import stat
 from pathlib import Path
 
 from raytrain_ckpt.spec.job import JobSpec
 from raytrain_ckpt.spec.loading import parse_spec, read_spec
 from raytrain_ckpt.spec.memory import MemoryEstimate, memory_estimate
-from raytrain_ckpt.spec.sections import RESUME_VALUES, SpecError, is_ascii_digits
+from raytrain_ckpt.spec.sections import RESUME_VALUES, SpecError, is_ascii_digits, mask_uri, results_dir
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "check_environment",
@@ -26,6 +30,8 @@ __all__ = [
     "gpu_memory_bytes",
     "host_memory_bytes",
     "load_spec",
+    "persistent_paths",
+    "protection_line",
     "validate_spec",
 ]
 
@@ -53,9 +59,78 @@ def validate_spec(raw: dict, base_dir: Path) -> JobSpec:
     Raises:
         SpecError: One line per problem.
     """
-    spec = parse_spec(raw, base_dir)
+    spec = persistent_paths(parse_spec(raw, base_dir))
     check_environment(spec)
     return spec
+
+
+_SUBMITTED_JOB = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+"""Set by Ray's job supervisor for a submitted job's entrypoint (ray._private.runtime_env.constants)."""
+
+
+def in_ray_package_dir(cwd: str | None = None, environ: dict[str, str] | None = None) -> bool:
+    """Whether relative paths here land in a directory Ray made up for this job: the entrypoint of
+    ``ray job submit`` (its working directory is a copy of the code under Ray's
+    ``runtime_resources/.../_ray_pkg_<hash>``, a new one whenever the code changes, removed with
+    the session), or any process working inside such a copy."""
+    env = os.environ if environ is None else environ
+    parts = Path(cwd if cwd is not None else os.getcwd()).parts
+    return _SUBMITTED_JOB in env or "runtime_resources" in parts or any(p.startswith("_ray_pkg_") for p in parts)
+
+
+def persistent_paths(spec: JobSpec, cwd: str | None = None, environ: dict[str, str] | None = None) -> JobSpec:
+    """``spec`` whose relative checkpoint.dir and final_export.dir are under the results base
+    (``$RAYTRAIN_CKPT_RESULTS``, else ``~/raytrain_results``) when the working directory is Ray's
+    temporary package directory (``in_ray_package_dir``); ``spec`` itself otherwise.
+
+    Resolved rather than refused: the job files' ``dir: checkpoints`` then means the same place
+    at every submit, so a second submit after a code change resumes instead of starting over in a
+    new, empty package directory. Logged, so the user sees where the steps go.
+    """
+    ckpt = spec.checkpoint
+    moved: dict[str, Path | str] = {}
+    for name, value in (("dir", ckpt.dir), ("final_export.dir", ckpt.final_export and ckpt.final_export.dir)):
+        if isinstance(value, Path) and not value.expanduser().is_absolute():
+            base = results_dir()
+            moved[name] = f"{base}/{value.as_posix()}" if isinstance(base, str) else base / value
+    if not moved or not in_ray_package_dir(cwd, environ):
+        return spec
+    for name, value in moved.items():
+        logger.info("checkpoint.%s is relative and this is a submitted Ray job, whose working directory is a "
+                    "temporary copy of the code: using %s (set RAYTRAIN_CKPT_RESULTS or an absolute path to "
+                    "choose another place)", name, value)
+    export = ckpt.final_export
+    if export is not None and "final_export.dir" in moved:
+        export = export.model_copy(update={"dir": moved["final_export.dir"]})
+    update = {"final_export": export, **({"dir": moved["dir"]} if "dir" in moved else {})}
+    return spec.model_copy(update={"checkpoint": ckpt.model_copy(update=update)})
+
+
+def protection_line(spec: JobSpec) -> str:
+    """One line for the start of a job: the failures it recovers from, and what it is not
+    protected against (each with the setting that decides it)."""
+    ckpt, ft = spec.checkpoint, spec.fault_tolerance
+    window = f"within {ft.failure_window_s:g} s" if ft.failure_window_s is not None else "in the whole job"
+    gaps: list[str] = []
+    if ft.max_restarts == 0:
+        gaps.append("any worker failure ends the job (fault_tolerance.max_restarts=0)")
+    else:
+        gaps.append(f"more than {ft.max_restarts} failures {window} (fault_tolerance.max_restarts, failure_window_s)")
+        gaps += [f"{kind} failures, not in fault_tolerance.retry_on" for kind in ("crash", "exception", "hang", "start")
+                 if kind not in ft.retry_on]
+    if not ckpt.enabled:
+        gaps.append("losing progress: no checkpoints, a restart begins at step 0 (checkpoint.enabled=false)")
+    elif ckpt.interval_steps is None and ckpt.interval_seconds is None:
+        gaps.append("losing progress before the final save (no checkpoint.interval_steps or interval_seconds)")
+    if ckpt.enabled:
+        gaps.append(f"the loss of the storage under checkpoint.dir={mask_uri(str(ckpt.dir))}")
+    gaps.append("a failure of this driver process (running the same command again "
+                + ("resumes from the newest checkpoint)" if ckpt.enabled else "starts over)"))
+    saves = (f"checkpoints every {ckpt.interval_steps} steps" if isinstance(ckpt.interval_steps, int)
+             else "checkpoints at an auto interval" if ckpt.interval_steps == "auto" else "checkpoints")
+    recovers = (f"restarts up to {ft.max_restarts} times {window}" if ft.max_restarts else "no restarts")
+    recovers += f", {saves}" if ckpt.enabled else ", no checkpoints"
+    return f"fault tolerance: {recovers}; not protected against: {'; '.join(gaps)}"
 
 
 def check_environment(spec: JobSpec) -> None:
@@ -125,16 +200,19 @@ def writable_dir_problem(path: Path) -> str | None:
     read-only mount even for root, which ignores permission bits.
     """
     path = Path(os.path.abspath(path))
-    try:
-        if path.exists() and not path.is_dir():
-            return "exists and is not a directory (a file or a device)"
-        probe = path
-        while not probe.exists():
+    probe = path
+    while True:
+        try:  # os.stat, not Path.exists: exists() answers False for a symlink loop, which mkdir then fails on
+            st = os.stat(probe)
+            break
+        except (FileNotFoundError, NotADirectoryError):  # (a file on the way: found when the walk reaches it)
             probe = probe.parent
-        if not probe.is_dir():
-            return f"{probe} is a file, so nothing can be created under it"
-    except OSError as exc:  # a name too long, a directory on the way that cannot be searched
-        return f"cannot be looked up ({exc.strerror or exc})"
+        except OSError as exc:  # a symlink loop, a name too long, a directory on the way that cannot be searched
+            return f"cannot be looked up ({exc.strerror or exc}{': a symbolic link loop' if exc.errno == errno.ELOOP else ''})"
+    if not stat.S_ISDIR(st.st_mode):
+        if probe == path:
+            return "exists and is not a directory (a file or a device)"
+        return f"{probe} is a file, so nothing can be created under it"
     if not os.access(probe, os.W_OK | os.X_OK):
         why = "a read-only filesystem" if _read_only(probe) else "no write permission"
         return f"{probe} is not writable ({why})"

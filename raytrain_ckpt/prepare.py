@@ -32,13 +32,13 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES
+from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES, input_files
 from raytrain_ckpt.logs import setup_logging
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,13 @@ SEPARATOR = "<|endoftext|>"
 MAX_VOCAB = 1 << 32  # token ids are stored as uint32 at most
 _INPUT_SUFFIXES = frozenset(TEXT_SUFFIXES - {".json"}) | {".jsonl", ".parquet"}
 _BATCH = 256
+CHUNK_CHARS = 1 << 18
+"""Longest piece of a document the tokenizer is given at once: a longer document is read and
+tokenized in pieces cut before a whitespace that starts a word (where a byte-level BPE never
+merges across), so memory is bounded by this, not by the largest document (the tokenizer's
+encodings take about 200 bytes per character)."""
+BATCH_CHARS = 1 << 20
+"""Characters tokenized in one batch (at most _BATCH pieces)."""
 _TMP = ".tmp-"
 
 
@@ -142,7 +149,10 @@ def _input_files(inputs: list[Path]) -> list[Path]:
         if path.is_file():
             files.append(path)
         else:
-            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _INPUT_SUFFIXES)
+            try:
+                files += input_files(path, _INPUT_SUFFIXES)
+            except ValueError as exc:
+                raise PrepareError(str(exc)) from None
     if not files:
         raise PrepareError(f"no input files with a suffix in {sorted(_INPUT_SUFFIXES)} under {[str(p) for p in inputs]}")
     for f in files:
@@ -163,15 +173,51 @@ def _load_tokenizer(path: Path, what: str, fix: str) -> Any:
 
 # --- reading inputs ----------------------------------------------------------------------------
 
-def _documents(path: Path, field: str, column: str) -> Iterator[str]:
-    """The documents of one input file: the whole file, a JSONL field per line, or a Parquet column per row."""
+def _pieces(path: Path, field: str, column: str) -> Iterator[tuple[str, bool]]:
+    """The documents of one input file (the whole file, a JSONL field per line, or a Parquet column
+    per row) as pieces of at most about CHUNK_CHARS characters: ``(text, ends its document)``."""
     suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        yield from _jsonl_documents(path, field)
-    elif suffix == ".parquet":
-        yield from _parquet_documents(path, column)
-    else:
-        yield path.read_text(encoding="utf-8", errors="replace")
+    if suffix in (".jsonl", ".parquet"):
+        docs = _jsonl_documents(path, field) if suffix == ".jsonl" else _parquet_documents(path, column)
+        for doc in docs:
+            yield from _cut([doc])
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:  # read in chunks: a text file is one document
+        yield from _cut(iter(lambda: f.read(CHUNK_CHARS), ""))
+
+
+def _cut(chunks: Iterable[str]) -> Iterator[tuple[str, bool]]:
+    """One document given as ``chunks`` of text, re-cut into pieces of at most CHUNK_CHARS characters
+    at word starts (a piece is longer only when no word starts in it)."""
+    carry = ""
+    for chunk in chunks:
+        text = carry + chunk
+        while len(text) > CHUNK_CHARS:
+            at = _cut_point(text, CHUNK_CHARS)
+            yield text[:at], False
+            text = text[at:]
+        carry = text
+    yield carry, True
+
+
+def _cut_point(text: str, limit: int) -> int:
+    """The last index <= ``limit`` of a whitespace character followed by a non-whitespace one (a
+    word start: byte-level pre-tokenizers split there, so the pieces tokenize as the whole), or
+    ``limit`` when the text has none there."""
+    end = limit
+    while end > 0:
+        at = max(text.rfind(" ", 0, end), text.rfind("\n", 0, end), text.rfind("\t", 0, end))
+        if at <= 0:
+            break
+        if not text[at + 1].isspace():
+            return at
+        end = at
+    return limit
+
+
+def _documents(path: Path, field: str, column: str) -> Iterator[str]:
+    """The pieces of one input file's documents, for training a tokenizer (which needs no boundaries)."""
+    return (piece for piece, _ in _pieces(path, field, column))
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
@@ -217,13 +263,15 @@ def _parquet_documents(path: Path, column: str) -> Iterator[str]:
                            "convert it to Parquet, or give it the suffix of what it holds (.txt, .jsonl)") from None
 
 
-def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for doc in docs:
-        batch.append(doc)
-        if len(batch) == _BATCH:
+def _batches(pieces: Iterator[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:
+    batch: list[tuple[str, bool]] = []
+    chars = 0
+    for piece in pieces:
+        batch.append(piece)
+        chars += len(piece[0])
+        if len(batch) == _BATCH or chars >= BATCH_CHARS:
             yield batch
-            batch = []
+            batch, chars = [], 0
     if batch:
         yield batch
 
@@ -263,9 +311,10 @@ def _write_shard(job: _Job, tok: Any, shard: Path) -> int:
     count = 0
     try:
         with open(tmp, "wb") as f:
-            for batch in _batches(_documents(Path(job.source), job.field, job.column)):
-                for enc in tok.encode_batch(batch, add_special_tokens=False):
-                    ids = enc.ids if job.separator_id is None else [*enc.ids, job.separator_id]
+            for batch in _batches(_pieces(Path(job.source), job.field, job.column)):
+                encodings = tok.encode_batch([text for text, _ in batch], add_special_tokens=False)
+                for enc, (_, last) in zip(encodings, batch):
+                    ids = [*enc.ids, job.separator_id] if last and job.separator_id is not None else enc.ids
                     np.asarray(ids, dtype=job.dtype).tofile(f)
                     count += len(ids)
             f.flush()

@@ -17,6 +17,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from raytrain_ckpt.spec import JobSpec
+from raytrain_ckpt.spec.sections import DEFAULT_RESULTS, RESULTS_ENV, results_dir
 
 __all__ = ["BEGIN", "END", "spec_reference_markdown"]
 
@@ -65,6 +66,8 @@ def _type_name(ann: Any) -> str:
 def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "required"
+    if field.default_factory is results_dir:  # this machine's home directory is no default to print
+        return f"`${RESULTS_ENV}`, else `{DEFAULT_RESULTS}`"
     value = field.default_factory() if field.default is PydanticUndefined else field.default  # type: ignore[misc]
     if isinstance(value, Path):
         return f"`{value}`"

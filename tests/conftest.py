@@ -11,8 +11,19 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def results_dir(tmp_path_factory):
+    """The default checkpoint location (``~/raytrain_results`` for a user) is a temporary directory:
+    a test never writes into the real home directory. Set first (autouse, session), so the local
+    Ray and every subprocess a test starts inherit it."""
+    path = tmp_path_factory.mktemp("raytrain_results")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAYTRAIN_CKPT_RESULTS", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(results_dir):
     """A real local Ray (4 logical CPUs so 2-4 rank worlds fit on a 2-core machine)."""
     import ray
 

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES
+from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES, input_files
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def _list_text_files(path: Path) -> list[Path]:
         raise ValueError(f"text data path {str(path)!r} does not exist")
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+    files = input_files(path, TEXT_SUFFIXES)
     if not files:
         raise ValueError(
             f"text data directory {str(path)!r} has no files with suffix in "

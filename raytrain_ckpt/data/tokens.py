@@ -19,6 +19,8 @@ import bisect
 import json
 import logging
 import mmap
+import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from raytrain_ckpt.data.permutation import FeistelPermutation
+from raytrain_ckpt.data.suffixes import input_files
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,7 @@ class Windows(Protocol):
 def _shard_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _SHARD_SUFFIXES)
+    files = [p for p in input_files(path, _SHARD_SUFFIXES) if p.suffix in _SHARD_SUFFIXES]
     if not files:
         raise ValueError(f"token data directory {str(path)!r} has no .bin or .npy shards; "
                          "write them with `raytrain-ckpt prepare-data`")
@@ -65,7 +68,14 @@ def _shard_files(path: Path) -> list[Path]:
 
 
 def _open_shard(path: Path, dtype: np.dtype) -> np.ndarray:
-    """A read-only memory map of one shard; checks its size and dtype."""
+    """A read-only memory map of one shard; checks it is a regular file, its size and dtype."""
+    try:
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:  # (a shard meta.json lists, removed since: said below)
+        regular = True
+    if not regular:  # a FIFO would block np.load forever, and memory-map as 0 tokens
+        raise ValueError(f"token shard {str(path)!r} is not a regular file (a FIFO, device, socket or directory); "
+                         "remove it, or rerun `raytrain-ckpt prepare-data`")
     if path.suffix == ".npy":
         arr = np.load(path, mmap_mode="r")
         if arr.ndim != 1 or arr.dtype.kind not in "ui":

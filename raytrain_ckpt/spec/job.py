@@ -249,7 +249,7 @@ def _final_export_problems(spec: JobSpec) -> list[tuple[str, str]]:
 def _auto_interval_problems(spec: JobSpec) -> list[tuple[str, str]]:
     cfg, ft = spec.checkpoint, spec.fault_tolerance
     auto = cfg.interval_steps == "auto"
-    if auto and not cfg.enabled:
+    if auto and not cfg.enabled and "interval_steps" in cfg.model_fields_set:  # (the default says nothing)
         return [("checkpoint.interval_steps", "auto chooses how often to save, but checkpoint.enabled=false; "
                  "set checkpoint.enabled=true, or remove interval_steps")]
     if ft.expected_mtbf_s is not None and not auto:

@@ -7,6 +7,7 @@ import difflib
 import json
 import math
 import re
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any, get_args
@@ -15,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from raytrain_ckpt.spec.job import JobSpec
-from raytrain_ckpt.spec.sections import FieldProblems, SpecError
+from raytrain_ckpt.spec.sections import MAX_INT, FieldProblems, SpecError
 
 __all__ = ["apply_overrides", "format_validation_error", "parse_overrides", "parse_spec", "read_spec"]
 
@@ -27,6 +28,10 @@ MAX_DEPTH = 32
 """Deepest nesting of sections, lists and mappings a spec may have (the schema needs 3)."""
 MAX_VALUES = 100_000
 """Most values a spec may hold once YAML aliases are expanded: bounds an alias bomb before it expands."""
+_PRINTABLE_BITS = 14_000
+"""Whole numbers longer than this (about 4,200 digits) Python refuses to print or to read from text."""
+MAX_SHOWN = 120
+"""Characters of a value an error line repeats; a longer one is cut, with its length said."""
 
 
 class _Limits(ValueError):
@@ -157,6 +162,7 @@ def parse_spec(raw: dict[str, Any], base_dir: Path) -> JobSpec:
     Raises:
         SpecError: One line per problem.
     """
+    _check_values(raw, "", "the spec")  # (a dict from the Python API has not been through a file's checks)
     try:
         return JobSpec.model_validate(raw, context={"base_dir": base_dir})
     except ValidationError as exc:
@@ -177,6 +183,8 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise SpecError([f"{path}: not valid {kind}: {_one_line(exc)}"]) from None
     except _Limits as exc:
         raise SpecError([f"{path}: {exc}"]) from None
+    except ValueError as exc:  # a number of thousands of digits: Python's int() refuses to convert it
+        raise SpecError([f"{path}: {_too_long_number(exc)}"]) from None
     except RecursionError:
         raise SpecError([f"{path}: nested deeper than {MAX_DEPTH} levels; a job spec needs 3 "
                          "(section, field, value)"]) from None
@@ -213,8 +221,14 @@ def _read_text(path: Path) -> str:
                          "save the spec as UTF-8"]) from None
 
 
+def _too_long_number(exc: ValueError) -> str:
+    return (f"holds a number too long to read ({str(exc).split(';')[0]}); a setting is a whole number up to "
+            f"{MAX_INT} ({len(str(MAX_INT))} digits) or a decimal number")
+
+
 def _check_values(value: Any, where: str, path: Path | str) -> None:
-    """Refuse non-finite floats anywhere (also inside model.overrides) and nesting past MAX_DEPTH.
+    """Refuse non-finite and subnormal floats anywhere (also inside model.overrides), whole numbers
+    beyond 64 bits, and nesting past MAX_DEPTH.
 
     Iterative, so that a deep JSON or TOML document is reported instead of exhausting the stack.
     """
@@ -227,6 +241,11 @@ def _check_values(value: Any, where: str, path: Path | str) -> None:
         if isinstance(item, float) and not math.isfinite(item):
             raise SpecError([f"{at}={item}: must be a finite number (inf and nan are never valid settings); "
                              "give a number"])
+        if isinstance(item, float) and 0 < abs(item) < sys.float_info.min:
+            raise SpecError([f"{at}={item}: is subnormal (closer to 0 than {sys.float_info.min:.1e}): arithmetic "
+                             "on it underflows to 0; give 0 or a larger number"])
+        if isinstance(item, int) and item.bit_length() > _PRINTABLE_BITS:  # (a dict of the Python API)
+            raise SpecError([f"{at}: a number of thousands of digits; a setting is a whole number up to {MAX_INT}"])
         children = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
         stack.extend((v, _join([at, str(k)]), depth + 1) for k, v in children)
 
@@ -237,11 +256,13 @@ def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
     for item in items:
         dotted, sep, text = item.partition("=")
         if not sep or not dotted or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", dotted):
-            raise SpecError([f"--set {item!r}: expected path.to.field=value, e.g. --set training.steps=20"])
+            raise SpecError([f"--set {_shown(item)}: expected path.to.field=value, e.g. --set training.steps=20"])
         try:
             value = _yaml_load(text) if text != "" else ""
         except (yaml.YAMLError, _Limits, RecursionError) as exc:
-            raise SpecError([f"--set {item!r}: value is not valid YAML: {_one_line(exc)}"]) from None
+            raise SpecError([f"--set {_shown(item)}: value is not valid YAML: {_one_line(exc)}"]) from None
+        except ValueError as exc:  # (a number of thousands of digits)
+            raise SpecError([f"--set {dotted}: {_too_long_number(exc)}"]) from None
         _check_values(value, dotted, "--set")
         out.append((dotted, value))
     return out
@@ -304,16 +325,16 @@ def _format_one(loc: list[str], err: dict[str, Any]) -> str:
     if kind == "null_given":
         return f"{path}: null is not a value here; give one, or leave the field out for its default"
     if path in _FIELD_HINTS and kind in _TYPE_HINTS:
-        return f"{path}={err.get('input')}: {_FIELD_HINTS[path]} (got {type(err.get('input')).__name__})"
+        return f"{path}={_shown(err.get('input'))}: {_FIELD_HINTS[path]} (got {type(err.get('input')).__name__})"
     if kind in _TYPE_HINTS:
-        return f"{path}={err.get('input')}: {_TYPE_HINTS[kind]} (got {type(err.get('input')).__name__})"
+        return f"{path}={_shown(err.get('input'))}: {_TYPE_HINTS[kind]} (got {type(err.get('input')).__name__})"
     if kind in ("model_type", "model_attributes_type"):
-        return (f"{path}={err.get('input')}: must be a section of fields, e.g. {loc[-1] if loc else path}: "
+        return (f"{path}={_shown(err.get('input'))}: must be a section of fields, e.g. {loc[-1] if loc else path}: "
                 f"{{...}}{_suggest(loc + [''], fields_only=True)}")
     if kind == "dict_type":
-        return f"{path}={err.get('input')}: must be a mapping, e.g. {loc[-1] if loc else path}: {{key: value}}"
+        return f"{path}={_shown(err.get('input'))}: must be a mapping, e.g. {loc[-1] if loc else path}: {{key: value}}"
     if kind == "string_pattern_mismatch" and path in _FIELD_HINTS:
-        return f"{path}={err.get('input')}: {_FIELD_HINTS[path]}"
+        return f"{path}={_shown(err.get('input'))}: {_FIELD_HINTS[path]}"
     if kind in _BOUNDS:
         bounds = {**_field_bounds(loc), **(err.get("ctx") or {})}
         msg = _out_of_range(path, kind, {k: int(v) if isinstance(v, float) and v.is_integer() else v
@@ -324,7 +345,13 @@ def _format_one(loc: list[str], err: dict[str, Any]) -> str:
     value = err.get("input")
     if isinstance(value, (dict, list)) or value is None:
         return f"{path}: {msg}"
-    return f"{path}={value}: {msg}"
+    return f"{path}={_shown(value)}: {msg}"
+
+
+def _shown(value: Any) -> str:
+    """``value`` as an error line repeats it: cut to MAX_SHOWN characters (its length said)."""
+    text = str(value)
+    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}... ({len(text)} characters)"
 
 
 _TYPE_HINTS = {

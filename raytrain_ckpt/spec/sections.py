@@ -6,6 +6,7 @@ sections live with ``JobSpec`` in ``job.py``.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -14,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from raytrain_ckpt.checkpoint.format.names import is_uri
 from raytrain_ckpt.checkpoint.storage.backends import home_problem
-from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES
+from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES, input_files
 from raytrain_ckpt.models import PRESETS, describe_model, resolve_factory
 
 __all__ = [
@@ -33,15 +34,37 @@ __all__ = [
     "ResourcesSpec",
     "SpecError",
     "TrainingSpec",
+    "mask_uri",
 ]
 
 
 class SpecError(ValueError):
-    """A user mistake in a job spec: one human-readable line per problem."""
+    """A user mistake in a job spec: one human-readable line per problem (a secret in a URI masked)."""
 
     def __init__(self, problems: list[str]) -> None:
+        problems = [_printable(mask_uri(p)) for p in problems]
         super().__init__("\n".join(problems))
         self.problems = problems
+
+
+def _printable(line: str) -> str:
+    """``line`` with control and separator characters (a NUL, a newline, U+2028) escaped: one
+    problem stays one line, and a NUL in a value is seen."""
+    if line.isprintable():
+        return line
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in line)
+
+
+_USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/{1,2})([^/@\s]+)@")  # (a Path folds :// to :/)
+
+
+def mask_uri(text: str) -> str:
+    """``text`` with the password (or a lone token) of every ``scheme://user:secret@host`` in it
+    replaced by ``***``: what a spec error or log line may show of a URI."""
+    def masked(m: re.Match[str]) -> str:
+        user, sep, _ = m.group(2).partition(":")
+        return f"{m.group(1)}{user}:***@" if sep else f"{m.group(1)}***@"
+    return _USERINFO.sub(masked, text)
 
 
 class FieldProblems(ValueError):
@@ -57,6 +80,15 @@ class _Section(BaseModel):
     # Paths and the betas pair opt out of strictness per field (a str is a fine path, a list a fine pair).
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True, strict=True,
                               allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _within_64_bits(cls, value: Any) -> Any:
+        # After each field's own bounds (which say more): any whole number beyond 64 bits validates
+        # and then overflows in torch, Ray or a manifest at run time.
+        if isinstance(value, int) and not isinstance(value, bool) and not -MAX_INT - 1 <= value <= MAX_INT:
+            raise ValueError(f"a number of {len(str(abs(value)))} digits, beyond 64 bits; give at most {MAX_INT}")
+        return value
 
 
 class ModelSpec(_Section):
@@ -83,12 +115,28 @@ class ModelSpec(_Section):
         return self
 
 
+MAX_INT = 2**63 - 1
+"""The largest whole number a spec field may hold (19 digits): torch, Ray and the manifests keep
+counts and seeds in 64-bit integers, so a larger one would validate and then overflow at run time."""
+
 RESUME_VALUES = "must be latest, none, a step number, or the path of an existing step directory"
 """What checkpoint.resume takes, as its errors say."""
 
 MAX_SECONDS = 1e9
 """The longest duration a spec field may give (about 31 years): a timer longer than this is
 never what is meant, and Python's waits and timedeltas refuse ones much longer."""
+
+MIN_SECONDS = 0.001
+"""The shortest duration a spec field may give: a timer below a millisecond expires before
+anything it waits for could happen (and a collective's timeout of 0 fails at once)."""
+MAX_STEP = MAX_INT
+"""The largest step number (64 bits, as the manifests and torch record it)."""
+RESOURCE_UNIT = 0.0001
+"""Ray's granularity of a fractional resource: it refuses a quantity finer than this."""
+MAX_RESOURCE_PER_WORKER = 1e6
+"""The most CPUs or GPUs one worker may reserve (no node has more; Ray keeps quantities in fixed point)."""
+MIN_MB_PER_S = 0.001
+"""The slowest rate a bandwidth limit may set (1 KB/s): below it a send's wait overflows."""
 
 _BUILTIN_SOURCES = ("synthetic", "text", "tokens")
 
@@ -350,12 +398,31 @@ class ResourcesSpec(_Section):
         if self.min_workers is not None and self.min_workers > self.num_workers:
             raise FieldProblems([("min_workers", f"{self.min_workers} exceeds num_workers={self.num_workers}; "
                                                  "set it to at most num_workers, or null to never shrink")])
+        problems = _resource_problems("cpus_per_worker", self.cpus_per_worker)
+        if self.gpus_per_worker is not None:
+            problems += _resource_problems("gpus_per_worker", self.gpus_per_worker)
+        if problems:
+            raise FieldProblems(problems)
         g = self.gpus_per_worker
         if g is not None and g > 0 and not self.use_gpu:
             raise FieldProblems([("gpus_per_worker", f"{g} GPUs requested but use_gpu is false; set resources.use_gpu=true or gpus_per_worker=0")])
         if g == 0 and self.use_gpu:
             raise FieldProblems([("gpus_per_worker", "0 with use_gpu=true; each worker needs a GPU share > 0")])
         return self
+
+
+def _resource_problems(name: str, value: float) -> list[tuple[str, str]]:
+    """What Ray would refuse when it places a worker reserving ``value`` of a resource."""
+    if value > MAX_RESOURCE_PER_WORKER:
+        return [(name, f"{value:g} is more than any node has; give at most {MAX_RESOURCE_PER_WORKER:g}")]
+    units = value / RESOURCE_UNIT
+    if value and (units < 1 or abs(units - round(units)) > 1e-6 * units):
+        return [(name, f"{value!r} is finer than Ray's resource granularity {RESOURCE_UNIT}; round it to a "
+                       f"multiple of {RESOURCE_UNIT} (e.g. {max(RESOURCE_UNIT, round(units) * RESOURCE_UNIT):.4f})")]
+    if name == "gpus_per_worker" and value > 1 and not value.is_integer():
+        return [(name, f"{value:g}: Ray gives a worker more than one GPU only in whole GPUs; use a whole number, "
+                       "or a fraction below 1")]
+    return []
 
 
 _STORES = ("s3", "s3a", "gs", "gcs", "memory")
@@ -373,6 +440,10 @@ def _path_or_uri(value: Path | str) -> Path | str:
     union's first member), its ``s3://`` already folded to ``s3:/``: a Path that reads as a
     folded URI is the URI; a string that does was typed that way, and is refused."""
     text = str(value)
+    if "\0" in text:  # the OS refuses such a name, at the first mkdir of the run
+        raise ValueError("contains a NUL byte, which no path or URI can hold; write the path out")
+    if not text.strip():  # Path("") is the working directory: never meant
+        raise ValueError("is empty; give a directory such as checkpoints, or an object-store URI")
     folded = _MANGLED_URI.match(text) if isinstance(value, Path) else None
     if folded and folded.group(1).lower() == "file":
         text = text[len("file:"):]  # file:///x folds to file:/x: the local path /x
@@ -380,6 +451,10 @@ def _path_or_uri(value: Path | str) -> Path | str:
         text = f"{folded.group(1)}://{text[folded.end():]}"
     if is_uri(text):
         scheme = text.split("://", 1)[0]
+        if "@" in text.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError("holds credentials (user:password@); a spec is printed and logged: give them in the "
+                             "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile) or "
+                             "checkpoint.storage_options instead")
         if scheme not in _STORES:
             raise ValueError(f"{scheme}:// is not a store checkpoints can live on; use a local or shared file "
                              "system path, s3://bucket/prefix or gs://bucket/prefix")
@@ -432,6 +507,11 @@ class ReplicationSpec(_Section):
     max_mb_per_s: float | None = Field(200.0, gt=0)
     """Bandwidth limit of one writer's replica sends, in MB/s (1e6 bytes); null: unlimited. Sends run after the commit, off the training path."""
 
+    @field_validator("max_mb_per_s")
+    @classmethod
+    def _rate_floor(cls, value: float | None) -> float | None:
+        return _at_least(value, MIN_MB_PER_S, "MB/s")
+
     @field_validator("mode", mode="before")
     @classmethod
     def _yaml_words(cls, value: Any) -> Any:
@@ -439,16 +519,36 @@ class ReplicationSpec(_Section):
         return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
 
 
+RESULTS_ENV = "RAYTRAIN_CKPT_RESULTS"
+"""Environment variable naming the persistent results base (a directory or an object-store URI)."""
+DEFAULT_RESULTS = "~/raytrain_results"
+"""The persistent results base when RAYTRAIN_CKPT_RESULTS is unset, as Ray Train keeps ~/ray_results."""
+
+
+def results_dir() -> Path | str:
+    """Where a job's checkpoints go when its spec names no checkpoint.dir: $RAYTRAIN_CKPT_RESULTS,
+    else ~/raytrain_results, made absolute here (the driver), so that every process of the job
+    reads the same place from the resolved spec. Also the base of a relative checkpoint.dir under
+    ``ray job submit`` (see ``raytrain_ckpt/preflight.py``)."""
+    text = os.environ.get(RESULTS_ENV) or DEFAULT_RESULTS
+    if is_uri(text):
+        return text.rstrip("/")
+    try:
+        return Path(os.path.abspath(Path(text).expanduser()))
+    except RuntimeError:  # no home directory to expand ~ to: preflight names the unusable path
+        return Path(text)
+
+
 class CheckpointSpec(_Section):
-    enabled: bool = False
-    """Save checkpoints (and resume from them). false: no checkpoint is written or loaded."""
-    dir: Path | str = Path("checkpoints")
-    """Root directory or object-store URI (s3://bucket/prefix, gs://bucket/prefix; needs the [s3] / [gcs] extra); this job's steps go to <dir>/<name>/step-<N>/. A relative path is resolved against the working directory."""
+    enabled: bool = True
+    """Save checkpoints (and resume from them): on unless a spec turns it off. false: no checkpoint is written or loaded, and a failure loses every step since the start."""
+    dir: Path | str = Field(default_factory=results_dir)
+    """Root directory or object-store URI (s3://bucket/prefix, gs://bucket/prefix; needs the [s3] / [gcs] extra); this job's steps go to <dir>/<name>/step-<N>/. Default: $RAYTRAIN_CKPT_RESULTS, else ~/raytrain_results. A relative path is resolved against the working directory; under `ray job submit` (whose working directory is a temporary copy of the code) against the default instead."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """For a URI dir: options passed to its fsspec filesystem (e.g. {endpoint_url: http://minio:9000} or {anon: false}); credentials come from the usual environment and profiles (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws)."""
     mode: Literal["async", "sync"] = "async"
     """async: stage into shared memory, write in the background, training goes on; sync: training waits for the commit."""
-    interval_steps: int | Literal["auto"] | None = 50  # >= 1: _interval_hint
+    interval_steps: int | Literal["auto"] | None = "auto"  # >= 1: _interval_hint
     """Save every this many steps; auto: choose the interval from the measured cost of a save and the failure rate (Young-Daly, see fault_tolerance.expected_mtbf_s); null saves only on interval_seconds / save_final."""
     interval_seconds: float | None = Field(None, gt=0, le=MAX_SECONDS)
     """Also save when this much time passed since the last save; null turns the time trigger off."""
@@ -483,6 +583,11 @@ class CheckpointSpec(_Section):
     final_export: FinalExportSpec | None = None
     """After the last step commits, the driver exports it once: format (hf or torch), dtype (bf16, fp16, fp32), dir (null: <checkpoint.dir>/<name>/export-step-<N>); null: no export."""
 
+    @field_validator("interval_seconds", "commit_timeout_s", "settle_timeout_s", "leftover_grace_s")
+    @classmethod
+    def _duration_floor(cls, value: float | None) -> float | None:
+        return _at_least(value, MIN_SECONDS, "s")
+
     @field_validator("interval_steps", mode="before")
     @classmethod
     def _interval_hint(cls, value: Any) -> Any:
@@ -515,6 +620,10 @@ class CheckpointSpec(_Section):
     @field_validator("resume")
     @classmethod
     def _resume_value(cls, value: str, info: ValidationInfo) -> str:
+        if not value.strip() or "\0" in value:
+            raise ValueError(RESUME_VALUES)
+        if is_ascii_digits(value) and (len(value) > 19 or int(value) > MAX_STEP):
+            raise ValueError(f"step {value[:30]} is beyond any step a job can reach ({MAX_STEP}); {RESUME_VALUES}")
         if value in ("latest", "none") or is_ascii_digits(value) or is_uri(value):
             return value.rstrip("/")
         path = _known_home(Path(value)).expanduser()
@@ -543,9 +652,9 @@ DEFAULT_MTBF_S = 86400.0
 
 
 class FaultToleranceSpec(_Section):
-    max_restarts: int = Field(0, ge=0)
-    """Times the whole worker group is rebuilt after a worker failure or hang before the job fails (within failure_window_s, if set)."""
-    failure_window_s: float | None = Field(None, gt=0, le=MAX_SECONDS)
+    max_restarts: int = Field(3, ge=0)
+    """Times the whole worker group is rebuilt after a worker failure or hang before the job fails (within failure_window_s, if set); 0: never restart, any failure ends the job."""
+    failure_window_s: float | None = Field(3600.0, gt=0, le=MAX_SECONDS)
     """Count only failures within this many seconds against max_restarts; null counts every failure of the job."""
     retry_on: list[Literal["crash", "exception", "hang", "start"]] = Field(
         default_factory=lambda: ["crash", "exception", "hang", "start"])
@@ -571,6 +680,12 @@ class FaultToleranceSpec(_Section):
     expected_mtbf_s: float | None = Field(None, gt=0, le=MAX_SECONDS)
     """With checkpoint.interval_steps=auto: the prior mean time between failures in seconds, counted as one failure observed and blended with the failures the job sees; null: 86400 (one day)."""
 
+    @field_validator("failure_window_s", "hang_timeout_s", "start_timeout_s", "join_timeout_s", "placement_timeout_s",
+                     "poll_interval_s", "drain_timeout_s", "expected_mtbf_s")
+    @classmethod
+    def _duration_floor(cls, value: float | None) -> float | None:
+        return _at_least(value, MIN_SECONDS, "s")
+
     @model_validator(mode="after")
     def _join_before_start(self) -> FaultToleranceSpec:
         if self.join_timeout_s is not None and self.join_timeout_s >= self.start_timeout_s:
@@ -590,6 +705,14 @@ class FaultToleranceSpec(_Section):
         return self.expected_mtbf_s if self.expected_mtbf_s is not None else DEFAULT_MTBF_S
 
 
+def _at_least(value: float | None, floor: float, unit: str) -> float | None:
+    """``value`` when it is null or at least ``floor`` (a duration or rate below it cannot work)."""
+    if value is not None and value < floor:
+        raise ValueError(f"{value!r} {unit} is below {floor:g} {unit}, the least this setting can work with; "
+                         f"give {floor:g} or more")
+    return value
+
+
 def is_ascii_digits(text: str) -> bool:
     """``"40"`` but not ``"\u00b2"``: str.isdigit alone accepts Unicode digits that int() rejects."""
     return text.isascii() and text.isdigit()
@@ -601,7 +724,11 @@ def _text_path_problem(path: Path) -> str | None:
         return None
     if not path.is_dir():
         return f"{path} is not a regular file or a directory (a device, FIFO or socket)"
-    if not any(p.is_file() and p.suffix.lower() in TEXT_SUFFIXES for p in path.rglob("*")):
+    try:
+        found = input_files(path, TEXT_SUFFIXES)
+    except ValueError as exc:  # a FIFO among them, which the run would block on
+        return str(exc)
+    if not found:
         return f"directory {path} has no text files (suffixes {', '.join(sorted(TEXT_SUFFIXES))})"
     return None
 

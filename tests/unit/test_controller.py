@@ -257,7 +257,7 @@ def test_failure_window_forgives_old_failures_and_backoff_waits(make):
 
 
 def test_without_window_two_crashes_spend_a_budget_of_one(make):
-    ctl, clock = make(max_restarts=1)
+    ctl, clock = make(max_restarts=1, failure_window_s=None)
     ctl.step()
     ctl.group.kill(1)
     ctl.step()

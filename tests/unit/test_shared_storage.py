@@ -106,7 +106,8 @@ def test_restarts_without_checkpoints_warn_at_start(caplog) -> None:
     from raytrain_ckpt.spec import JobSpec
 
     caplog.set_level(logging.WARNING)
-    _warn_restarts_without_checkpoints(JobSpec(name="x", fault_tolerance={"max_restarts": 2}))
+    _warn_restarts_without_checkpoints(JobSpec(name="x", checkpoint={"enabled": False},
+                                               fault_tolerance={"max_restarts": 2}))
     assert "every restart begins again at step 0" in caplog.text and "checkpoint.enabled=true" in caplog.text
     caplog.clear()
     _warn_restarts_without_checkpoints(JobSpec(name="x", fault_tolerance={"max_restarts": 0}))
