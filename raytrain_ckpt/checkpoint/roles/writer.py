@@ -33,6 +33,7 @@ from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer, StagingFileEr
 from raytrain_ckpt.checkpoint.storage.dcp import UploadingWriter
 from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles, write_rank_files
 from raytrain_ckpt.checkpoint.format.crc import address_of, region_crc
+from raytrain_ckpt.checkpoint.records import RankReport, SaveTimings, TrainingPoint, WriterRef
 from raytrain_ckpt.checkpoint.recovery.memcopy import CommittedCopy
 from raytrain_ckpt.checkpoint.storage.probe import NodeProbe, local_root, probe_name
 from raytrain_ckpt.checkpoint.datapath.replica import ReplicaEndpoint
@@ -287,7 +288,7 @@ class CheckpointWriter(ReplicaEndpoint):
         try:
             me = ray.get_runtime_context()
             registered = ray.get(self.coordinator.accepted.remote(req.step, req.rank, req.attempt,
-                                                                  (me.current_actor, me.get_node_id())))
+                                                                  WriterRef(me.current_actor, me.get_node_id())))
         except BaseException:
             if tmp is None:  # else the write started: it ends (its report is refused) and lets go itself
                 self._running.pop(key, None)
@@ -405,8 +406,12 @@ class CheckpointWriter(ReplicaEndpoint):
         info = {**req.info, **phases, "persist_s": time.monotonic() - t0, "write_s": t_write}
         self.metrics.wrote(req.rank, sum(f["size"] for f in written.files.values()), info["persist_s"])
         t_report = time.monotonic()
-        out = ray.get(self.coordinator.report.remote(req.step, req.rank, req.attempt, req.plan_id,
-                                                     written.results, written.files, info))
+        i = req.info
+        point = TrainingPoint(int(i.get("samples_seen", 0)), int(i.get("tokens_seen", 0)), i.get("loss"),
+                              i.get("eval_loss"))
+        timings = SaveTimings(info["stage_s"], info["persist_s"], t_write, tuple(phases.items()))
+        out = ray.get(self.coordinator.report.remote(RankReport(req.step, req.rank, req.attempt, req.plan_id,
+                                                                written.results, written.files, point, timings)))
         self._last_phases[req.rank] = {**phases, "report_s": time.monotonic() - t_report}
         return out
 
