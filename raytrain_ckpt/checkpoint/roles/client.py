@@ -13,7 +13,6 @@ import logging
 import pickle
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -339,7 +339,8 @@ class CopySources:
                     continue
                 if holder != node:
                     found = ray.get(self.fleet.writer_for(holder).push_replica.remote(
-                        rank, step, self.fleet.writer_for(node), node), timeout=self.spec.fault_tolerance.start_timeout_s)
+                        rank, step, self.fleet.writer_for(node), node),
+                        timeout=self.spec.fault_tolerance.start_timeout_s)
             except Exception as exc:  # a writer restarting, gone, or a failed move: try the next holder
                 if isinstance(exc, GetTimeoutError):  # not asked again for the next rank
                     silent.add(holder)

@@ -27,7 +27,8 @@ def summary_line(status: dict[str, Any]) -> str:
     inflight = status["inflight"]
     if inflight["step"] is None:
         return text + " inflight=-"
-    return text + f" inflight={inflight['step']} {phase_text(inflight['phase'], inflight['ranks'], status['world_size'])}"
+    phase = phase_text(inflight["phase"], inflight["ranks"], status["world_size"])
+    return text + f" inflight={inflight['step']} {phase}"
 
 
 def failed_saves_text(status: dict[str, Any]) -> str | None:
