@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import ray
 
+from raytrain_ckpt.checkpoint.records import JobNote
 from raytrain_ckpt.checkpoint.storage.runlock import FileRunLock, ObjectRunLock, run_lock
 from raytrain_ckpt.checkpoint.roles.service import CheckpointService
 from raytrain_ckpt.checkpoint.storage.backends import job_root
@@ -77,7 +78,7 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
     def observe(ctrl: Controller) -> None:
         metrics(ctrl)
         if service is not None:
-            service.note_job(ctrl.summary())
+            service.note_job(JobNote(**ctrl.summary()))
         problem = lock.lost_problem() if lock is not None else None
         if problem is not None:  # two runs could train into one root: this one gives way
             ctrl.stop("checkpoint", problem)
@@ -89,9 +90,10 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         controller = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool), observer=observe)
         result = controller.run()
         if service is not None:
-            result.checkpoints = service.status()
+            status = service.status()
+            result.checkpoints = status.to_dict()
             finished = result.state is JobState.SUCCEEDED
-            problem = service.unsaved(result.results, result.checkpoints) if finished else None
+            problem = service.unsaved(result.results, status) if finished else None
             result.checkpoints["save_error"] = problem
             if problem is not None:
                 controller.reject("checkpoint", problem)

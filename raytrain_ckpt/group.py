@@ -58,11 +58,14 @@ class RayWorkerGroup:
         self.workers = self._assign_workers(survivors, deadline)
         # rendezvous at rank 0's node; plan the resume point while the ranks join, then set up
         # every rank concurrently
-        addr, port = self._get(self.workers[0].address.remote(), deadline, "locate rank 0")
+        meet = self._get(self.workers[0].address.remote(), deadline, "locate rank 0")
+        addr, port = meet.host, meet.port
         joins = [w.join.remote(addr, port) for w in self.workers]
         try:
-            ckpt = self._checkpoint_args()
-            setups = [w.setup.remote(ckpt[rank]) for rank, w in enumerate(self.workers)]
+            ckpt = (self.checkpoints.plan_attempt(self.attempt, self.spec, bundle_nodes(self._pg))
+                    if self.checkpoints is not None else None)
+            setups = [w.setup.remote(ckpt.ranks[rank] if ckpt is not None else None)
+                      for rank, w in enumerate(self.workers)]
             self._get_all(joins, deadline, "join rank {rank} to the process group")
             self._get_all(setups, deadline, "set up rank {rank}")
             if self.checkpoints is not None:
@@ -143,22 +146,6 @@ class RayWorkerGroup:
             f"{ray.available_resources()} available. Lower resources.num_workers / cpus_per_worker, add nodes, "
             "or set resources.min_workers to allow a smaller group."
         )
-
-    def _checkpoint_args(self) -> list[dict | None]:
-        """Per rank: the CheckpointActor, the writer on the rank's node, and what to resume from."""
-        if self.checkpoints is None:
-            return [None] * self.spec.world_size
-        nodes = bundle_nodes(self._pg)
-        t0 = time.monotonic()
-        point, sources = self.checkpoints.resume_plan(self.attempt, self.spec, nodes)
-        plan_s = time.monotonic() - t0  # verifying the resume step on storage and choosing each rank's source
-        self.checkpoints.replicate_between(nodes)
-        history = self.checkpoints.interval_history()  # the same on every rank: they agree on the interval
-        return [{"actor": self.checkpoints.actor, "writer": self.checkpoints.writer_for(nodes[rank]),
-                 "resume_path": point.path if point else None, "resume_step": point.step if point else None,
-                 "resume_world_size": point.world_size if point else None, "interval": history,
-                 "resume_source": sources[rank] if sources else None, "resume_plan_s": plan_s}
-                for rank in range(self.spec.world_size)]
 
     def _get_all(self, refs: list[ray.ObjectRef], deadline: float, what: str) -> None:
         """Every rank's ``refs[rank]``, in the order they finish: the first failure raises at once

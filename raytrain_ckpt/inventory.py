@@ -22,6 +22,7 @@ from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.names import EntryKind, Location, is_uri, parent_of, parse_entry, step_name
 from raytrain_ckpt.checkpoint.format.verify import Verify, step_problems
 from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
+from raytrain_ckpt.checkpoint.records import ActorStatus
 from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text, phase_text, summary_line
 from raytrain_ckpt.checkpoint.storage.backends import home_problem, open_storage
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
@@ -134,7 +135,7 @@ def verify_step(path: Location, progress: Callable[[int], None] = lambda n: None
 
 # --- live: a running job's CheckpointActor -------------------------------------------------
 
-def live_status(job: str, address: str | None) -> dict[str, Any]:
+def live_status(job: str, address: str | None) -> ActorStatus:
     """The CheckpointActor's status of a running job; raises UsageError when there is none."""
     import ray
 
@@ -183,17 +184,17 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:200]
 
 
-def live_rows(status: dict[str, Any], now: float | None = None) -> list[StepRow]:
+def live_rows(status: ActorStatus, now: float | None = None) -> list[StepRow]:
     now = now or time.time()
-    rows = [StepRow(int(s), step_name(int(s)), "valid", info["bytes"], info["wall"].get("total_s"),
-                    info["wall"].get("stall_s"), now - info["created_unix"] if info["created_unix"] else None)
-            for s, info in status["steps"].items()]
-    rows += [StepRow(int(s), step_name(int(s)), "aborted", detail=reason) for s, reason in status["failed"].items()
-             if int(s) not in status["steps"]]
-    inflight = status["inflight"]
-    if inflight["step"] is not None:
-        rows.append(StepRow(inflight["step"], step_name(inflight["step"]), "in-flight",
-                            detail=phase_text(inflight, status["world_size"])))
+    rows = [StepRow(s, step_name(s), "valid", info.bytes, info.wall.get("total_s"), info.wall.get("stall_s"),
+                    now - info.created_unix if info.created_unix else None)
+            for s, info in status.steps.items()]
+    rows += [StepRow(s, step_name(s), "aborted", detail=reason) for s, reason in status.failed.items()
+             if s not in status.steps]
+    inflight = status.inflight
+    if inflight.step is not None:
+        rows.append(StepRow(inflight.step, step_name(inflight.step), "in-flight",
+                            detail=phase_text(inflight.phase_name, inflight.ranks, status.world_size)))
     return sorted(rows, key=lambda r: r.step)
 
 
@@ -225,21 +226,22 @@ def status_report(target: str | None, job: str | None, address: str | None,
                   level: Verify = "size") -> tuple[str, dict[str, Any]]:
     """The text and the JSON form of ``status``, for a directory or a live job."""
     if job is not None:
-        st = live_status(job, address)
-        rows, root = live_rows(st), st["root"]
-        point = f"step {st['latest']}" if st["latest"] is not None else "none (a fresh start)"
-        info, risk = st.get("job_info") or {}, st["at_risk"]
-        head = (f"job {st['job']}: {info.get('state', '?')}, attempt {info.get('attempt', 0)}, training step "
+        live = live_status(job, address)
+        st = live.to_dict()  # the JSON view: what --json prints and the summary lines read
+        rows, root = live_rows(live), live.root
+        point = f"step {live.latest}" if live.latest is not None else "none (a fresh start)"
+        info, risk = st["job_info"], st["at_risk"]
+        head = (f"job {live.job}: {info.get('state', '?')}, attempt {info.get('attempt', 0)}, training step "
                 f"{info.get('train_step', '?')}; {summary_line(st)}; work at risk {risk['steps']} steps, "
                 f"{risk['seconds']:.0f}s")
         failing = failed_saves_text(st)
         if failing is not None:
             head += f"\nsaves failing: {failing}"
-        interval = st.get("interval")
+        interval = st["interval"]
         if interval is not None:
             head += f"\n{interval_text(interval)}"
         data = {"root": root, "job": info, "summary": summary_line(st), "at_risk": risk,
-                "failed_saves": st.get("failed_saves"), "interval": interval}
+                "failed_saves": st["failed_saves"], "interval": interval}
     else:
         root = root_dir(target)
         rows = scan(root, level)

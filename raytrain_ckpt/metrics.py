@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from raytrain_ckpt.checkpoint.records import IN_FLIGHT_PHASES, InFlight, WorkAtRisk
+
 if TYPE_CHECKING:
     from raytrain_ckpt.checkpoint.format.manifest import Manifest
     from raytrain_ckpt.controller import Controller
@@ -42,12 +44,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["METRICS", "PHASES", "CheckpointMetrics", "ControllerMetrics", "MetricDef", "TrainerMetrics",
-           "WriterMetrics", "exported_names", "inflight_phase"]
+           "WriterMetrics", "exported_names"]
 
 Kind = Literal["gauge", "counter", "histogram"]
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-PHASES = ("idle", "planning", "staging", "writing", "committing")
-"""Phases of the in-flight step, in order (``raytrain_ckpt_checkpoint_inflight_phase`` has one series each)."""
+PHASES = ("idle", *(p.value for p in IN_FLIGHT_PHASES))
+"""Phases of the in-flight step, in order (``raytrain_ckpt_checkpoint_inflight_phase`` has one series each):
+``idle`` when none is in flight, else its ``StepPhase``."""
 PREFIX = "raytrain_ckpt_"
 
 
@@ -213,17 +216,6 @@ def record(name: str, value: float, tags: dict[str, str]) -> None:
         _warn_once(name, exc)
 
 
-def inflight_phase(planning: bool, handed_off: int, written: int, world_size: int) -> str:
-    """The phase of a step from what the CheckpointActor knows of it."""
-    if written >= world_size:
-        return "committing"
-    if handed_off >= world_size:
-        return "writing"
-    if handed_off > 0 or not planning:
-        return "staging"
-    return "planning"
-
-
 class TrainerMetrics:
     """Per rank: training progress after every step, and the stall each save cost."""
 
@@ -299,10 +291,11 @@ class CheckpointMetrics:
         record("checkpoint_committed_step", self.committed_step, self._tags)
         record("checkpoint_last_commit_timestamp_seconds", self.commit_unix, self._tags)
         record("checkpoint_consecutive_failed_saves", 0, self._tags)
-        self.progress(None, "idle", {}, 0)
+        self.progress(InFlight(), 0)
 
-    def progress(self, step: int | None, phase: str, ranks: dict[int, int], world_size: int) -> None:
+    def progress(self, inflight: InFlight, world_size: int) -> None:
         """The in-flight step (None: none), its phase and each rank's progress (0, 1, 2)."""
+        step, phase, ranks = inflight.step, inflight.phase_name, inflight.ranks
         record("checkpoint_inflight_step", -1 if step is None else step, self._tags)
         for p in PHASES:
             record("checkpoint_inflight_phase", int(p == phase), {**self._tags, "phase": p})
@@ -350,15 +343,15 @@ class CheckpointMetrics:
     def purged(self, count: int) -> None:
         record("checkpoint_purged_total", count, self._tags)
 
-    def at_risk(self, train_step: int | None = None) -> dict[str, float]:
+    def at_risk(self, train_step: int | None = None) -> WorkAtRisk:
         """Seconds and steps since the newest commit; recorded and returned."""
         if train_step is not None:
             self.train_step = train_step
         since = self.commit_unix or self.started
-        risk = {"seconds": max(0.0, time.time() - since),
-                "steps": max(0, self.train_step - max(self.committed_step, 0))}
-        record("work_at_risk_seconds", risk["seconds"], self._tags)
-        record("work_at_risk_steps", risk["steps"], self._tags)
+        risk = WorkAtRisk(seconds=max(0.0, time.time() - since),
+                          steps=max(0, self.train_step - max(self.committed_step, 0)))
+        record("work_at_risk_seconds", risk.seconds, self._tags)
+        record("work_at_risk_steps", risk.steps, self._tags)
         return risk
 
 

@@ -20,11 +20,13 @@ import os
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from raytrain_ckpt.checkpoint.records import RankCheckpointPlan
 from raytrain_ckpt.events import Progress, WorkerResult
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
@@ -33,7 +35,7 @@ from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainWorker", "WorkerFailure"]
+__all__ = ["Rendezvous", "TrainWorker", "WorkerFailure"]
 
 SPARE_RANK = -1
 """The rank of an idle spare worker that no attempt has assigned yet."""
@@ -49,6 +51,14 @@ def _deterministic_cuda() -> None:
     not run one before."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where an attempt's ranks meet: the store rank 0 hosts (``TrainWorker.address``)."""
+
+    host: str
+    port: int
 
 
 class WorkerFailure(RuntimeError):
@@ -166,7 +176,7 @@ class TrainWorker:
         step = self.trainer.state.step if self.trainer else 0
         return f"[attempt {self.attempt} rank {self.rank} step {step}] "
 
-    def address(self) -> tuple[str, int]:
+    def address(self) -> Rendezvous:
         """Host the attempt's rendezvous (rank 0): a store already listening on a free port of
         this node, and its address for the other ranks' ``join()``.
 
@@ -179,7 +189,7 @@ class TrainWorker:
         self._store = None  # a previous start's store, if any: closed
         self._store = dist.TCPStore(ray.util.get_node_ip_address(), 0, self.world_size, is_master=True,
                                     timeout=self._collective_timeout(), wait_for_workers=False)
-        return ray.util.get_node_ip_address(), self._store.port
+        return Rendezvous(ray.util.get_node_ip_address(), self._store.port)
 
     def _collective_timeout(self) -> datetime.timedelta:
         # The same timeout bounds the rendezvous and every collective: a rank whose peer hangs
@@ -227,15 +237,16 @@ class TrainWorker:
         )
         self.timings["pg_init_s"] = time.monotonic() - t0
 
-    def setup(self, ckpt: dict | None = None) -> None:
-        """Once ``join()`` is done: build model, optimizer and data, and load the resume checkpoint."""
+    def setup(self, ckpt: RankCheckpointPlan | None = None) -> None:
+        """Once ``join()`` is done: build model, optimizer and data, and load the resume checkpoint
+        (``ckpt``: this rank's checkpoint plan; None: checkpointing is off)."""
         try:
             if not self._joined.wait(self.spec.fault_tolerance.start_timeout_s):
                 raise TimeoutError("join() did not finish within fault_tolerance.start_timeout_s")
             if self._join_error is not None:
                 raise RuntimeError(f"joining the process group failed:\n{self._join_error}")
             maybe_inject("setup", self.rank, 0, self.attempt)
-            self._setup(restoring=bool(ckpt and ckpt["resume_path"] is not None))
+            self._setup(restoring=ckpt is not None and ckpt.resume is not None)
             if ckpt is not None:
                 self._setup_checkpoints(ckpt)
             return
@@ -262,23 +273,23 @@ class TrainWorker:
             logger.info("%sprocess group ready: %d ranks, backend %s, pid %d", self._prefix(), self.world_size,
                         dist.get_backend(), os.getpid())
 
-    def _setup_checkpoints(self, ckpt: dict) -> None:
+    def _setup_checkpoints(self, ckpt: RankCheckpointPlan) -> None:
         from raytrain_ckpt.checkpoint.roles.client import CheckpointClient
         from raytrain_ckpt.checkpoint.recovery.memcopy import restore
 
         trainer = self.trainer
         assert trainer is not None
         kept = None
-        if ckpt["resume_path"] is not None:
-            source = ckpt.get("resume_source")
+        point = ckpt.resume
+        if point is not None:
+            source = ckpt.source
             copy = source.copy if source is not None else None
-            done = restore(trainer, ckpt["resume_path"], ckpt["resume_step"],
-                           ckpt["resume_world_size"] == self.world_size, copy,
+            done = restore(trainer, point.path, point.step, point.world_size == self.world_size, copy,
                            source.why if source is not None else "", self.attempt,
                            self.spec.checkpoint.verify_on_load,
-                           lambda: ckpt["writer"].forget_copy.remote(self.rank, ckpt["resume_step"]))
+                           lambda: ckpt.writer.forget_copy.remote(self.rank, point.step))
             self.timings["load_s"] = done.seconds
-            self.timings["resume_plan_s"] = ckpt.get("resume_plan_s", 0.0)
+            self.timings["resume_plan_s"] = ckpt.plan_s
             self.timings["load_verify_s"] = done.verify_s
             self.timings["load_checksum_s"] = done.checksum_s
             self.timings["load_read_s"] = done.read_s
@@ -288,10 +299,10 @@ class TrainWorker:
             kept = copy.path if done.source == "memory" and copy is not None else None
             if self.rank == 0:
                 logger.info("%sresumed step %d from %s in %.2fs (%s)", self._prefix(), self.start_step,
-                            "memory" if kept else ckpt["resume_path"], done.seconds, done.why)
+                            "memory" if kept else point.path, done.seconds, done.why)
         self.checkpoints = CheckpointClient(self.spec.checkpoint, self.rank, self.attempt, self.spec.training.steps,
-                                            ckpt["actor"], ckpt["writer"], trainer.device,
-                                            self.spec.fault_tolerance.prior_mtbf_s, ckpt.get("interval"),
+                                            ckpt.actor, ckpt.writer, trainer.device,
+                                            self.spec.fault_tolerance.prior_mtbf_s, ckpt.interval,
                                             kept_copy=(kept, self.start_step) if kept else None)
         trainer.before_optimizer_step = self.checkpoints.before_optimizer_step
         self._progress = Progress(self.rank, self.start_step, None, time.time(), "setup")

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 __all__: list[str] = []
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotation only: records import no other module of the package
+    from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
 
 __all__ += ["RankReport", "SaveTimings", "TrainingPoint"]
 
@@ -96,3 +100,244 @@ class WriterUsage:
     system_s: float
     last: dict[int, dict[str, float]] = field(default_factory=dict)
     """Rank -> the phases of its last write (seconds: serialize, checksum, write calls, fsync, report...)."""
+
+
+# --- a step's phase ------------------------------------------------------------------------
+
+__all__ += ["StepPhase"]
+
+
+class StepPhase(str, Enum):
+    """Where a step's save is: the one answer, kept by the CheckpointActor's step registry.
+
+    A ``str`` so that the phase reads (and serialises) as its name: ``status --json``, the
+    ``raytrain_ckpt_checkpoint_inflight_phase`` metric's ``phase`` tag.
+    """
+
+    PLANNING = "planning"
+    """The ranks' local plans are being gathered."""
+    STAGING = "staging"
+    """Some ranks handed their staged data to a writer, not all yet."""
+    WRITING = "writing"
+    """Every rank handed off; writers are writing the files."""
+    COMMITTING = "committing"
+    """Every rank's files are written; the manifest is being committed."""
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (StepPhase.COMMITTED, StepPhase.ABORTED)
+
+
+IN_FLIGHT_PHASES: tuple[StepPhase, ...] = tuple(p for p in StepPhase if not p.is_terminal)
+"""The phases of a step in flight, in order."""
+__all__ += ["IN_FLIGHT_PHASES"]
+
+
+# --- what the driver hands the trainers ----------------------------------------------------
+
+__all__ += ["AttemptPlan", "GroupLayout", "RankCheckpointPlan", "ResumePoint", "SaveCosts", "WriterRef"]
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """The layout of the group an attempt starts (the driver's ``configure``), recorded in
+    every manifest; kept in ``.group.json`` so that a restarted CheckpointActor has it."""
+
+    world_size: int = 0
+    dp_size: int = 0
+    spec_hash: str = ""
+    model: dict[str, Any] | None = None
+    """The spec's model section (free-form, as the manifest records it)."""
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A verified checkpoint to load, leased to ``holder`` until released."""
+
+    step: int
+    path: str
+    world_size: int
+    samples_seen: int
+
+
+@dataclass(frozen=True)
+class SaveCosts:
+    """Rank 0's newest measured save cost and step time (``interval_steps: auto``)."""
+
+    cost_s: float | None = None
+    step_time_s: float | None = None
+
+
+@dataclass(frozen=True)
+class WriterRef:
+    """The writer that took a rank's hand-off: its actor handle and its node's id."""
+
+    handle: Any
+    """A Ray actor handle (records import no Ray)."""
+    node_id: str
+
+
+@dataclass(frozen=True)
+class RankCheckpointPlan:
+    """What one rank of an attempt needs to checkpoint: the CheckpointActor, its node's writer,
+    and what it resumes from and where it loads it from."""
+
+    actor: Any
+    """The CheckpointActor's handle."""
+    writer: Any
+    """The handle of the CheckpointWriter on the rank's node."""
+    resume: ResumePoint | None = None
+    """None: a fresh start."""
+    source: Any = None
+    """``recovery.memcopy.RankSource``: memory or storage (None: nothing to load)."""
+    interval: Any = None
+    """``policy.interval.IntervalHistory`` (None: a fixed interval); the same on every rank."""
+    plan_s: float = 0.0
+    """Seconds the driver took verifying the resume step and choosing each rank's source."""
+
+
+@dataclass(frozen=True)
+class AttemptPlan:
+    """The checkpoint plan of an attempt: one ``RankCheckpointPlan`` per rank, by rank."""
+
+    ranks: tuple[RankCheckpointPlan, ...]
+
+
+# --- the CheckpointActor's status ----------------------------------------------------------
+
+__all__ += ["ActorStatus", "CentralPlan", "CommittedStep", "FailedSaves", "FileSum", "InFlight", "IntervalChoice",
+            "JobNote", "ProbesSeen", "WorkAtRisk"]
+
+
+@dataclass(frozen=True)
+class CentralPlan:
+    """A rank's part of the global save plan, and the plan's id (its cached metadata)."""
+
+    plan: Any
+    """DCP's ``SavePlan``."""
+    plan_id: str
+
+
+@dataclass(frozen=True)
+class FileSum:
+    """A committed file's size and CRC-32C, as its step's manifest lists them."""
+
+    size: int
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class ProbesSeen:
+    """The CheckpointActor's node and which of the writers' probe files it sees under the root."""
+
+    node_id: str
+    seen: list[str]
+
+
+@dataclass(frozen=True)
+class JobNote:
+    """The driver's view of the job after each controller step (``Controller.summary``)."""
+
+    state: str
+    attempt: int
+    restarts: int
+    failures: dict[str, int]
+    """Failures by kind."""
+    train_step: int | None
+
+
+@dataclass(frozen=True)
+class FailedSaves:
+    """Failed saves, counted per step: a job whose saves keep failing must say so."""
+
+    total: int = 0
+    consecutive: int = 0
+    """Failed saves since the last commit."""
+    last_step: int | None = None
+    last_error: str | None = None
+
+
+@dataclass(frozen=True)
+class CommittedStep:
+    """A committed step as ``status`` shows it."""
+
+    bytes: int
+    wall: dict[str, float]
+    """The manifest's phase times, with the slowest rank's stall (``stall_s``) when known."""
+    created_unix: float
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The newest step in flight, its phase, and each rank's progress (1 handed off, 2 written)."""
+
+    step: int | None = None
+    """None: nothing in flight."""
+    phase: StepPhase | None = None
+    """None: idle."""
+    ranks: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def phase_name(self) -> str:
+        """The phase as ``status`` and the metrics name it (``idle`` when nothing is in flight)."""
+        return self.phase.value if self.phase is not None else "idle"
+
+
+@dataclass(frozen=True)
+class WorkAtRisk:
+    """What a failure now would lose: seconds and training steps since the newest commit."""
+
+    seconds: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class IntervalChoice:
+    """The newest ``interval_steps: auto`` decision and the step it was taken at."""
+
+    step: int
+    decision: IntervalDecision
+
+
+@dataclass(frozen=True)
+class ActorStatus:
+    """The CheckpointActor's state: committed, in-flight and failed steps, leases, the job's
+    last note and the work at risk. ``to_dict`` is its JSON view (``status --json``, a job's result)."""
+
+    root: str
+    job: str
+    world_size: int
+    committed: list[int]
+    in_flight: list[int]
+    failed: dict[int, str]
+    """Step -> why its save failed (the first reason, not the echoes)."""
+    purge_errors: int
+    failed_saves: FailedSaves
+    leases: dict[int, int]
+    """Step -> how many holders lease it."""
+    steps: dict[int, CommittedStep]
+    inflight: InFlight
+    job_info: JobNote | None
+    at_risk: WorkAtRisk
+    interval: IntervalChoice | None
+
+    @property
+    def latest(self) -> int | None:
+        return max(self.committed) if self.committed else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON view, with the keys and order ``status`` has always printed."""
+        inflight = self.inflight
+        return {"root": self.root, "committed": list(self.committed), "in_flight": list(self.in_flight),
+                "failed": dict(self.failed), "purge_errors": self.purge_errors,
+                "failed_saves": asdict(self.failed_saves), "leases": dict(self.leases), "latest": self.latest,
+                "job": self.job, "world_size": self.world_size,
+                "steps": {s: {"bytes": c.bytes, "wall": dict(c.wall), "created_unix": c.created_unix}
+                          for s, c in self.steps.items()},
+                "inflight": {"step": inflight.step, "phase": inflight.phase_name, "ranks": dict(inflight.ranks)},
+                "job_info": asdict(self.job_info) if self.job_info is not None else {},
+                "at_risk": {"seconds": self.at_risk.seconds, "steps": self.at_risk.steps},
+                "interval": ({"step": self.interval.step, **asdict(self.interval.decision)}
+                             if self.interval is not None else None)}

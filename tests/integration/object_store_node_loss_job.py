@@ -78,7 +78,7 @@ def main(endpoint: str, root: str) -> None:
         time.sleep(0.2)
     committed_before = sorted(layout.step_dirs())
     actor = ray.get_actor(actor_name(spec.name), namespace=NAMESPACE)
-    actor_node, _ = ray.get(actor.probes_seen.remote([]))
+    actor_node = ray.get(actor.probes_seen.remote([])).node_id
     ranks = [_rank_node(0), _rank_node(1)]
     victim = actor_node if actor_node in ranks else ranks[1]
     survivor = next(n for n in ranks if n != victim) if len(set(ranks)) == 2 else None

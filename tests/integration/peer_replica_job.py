@@ -74,7 +74,7 @@ def main(base: str) -> None:
     # Both nodes hold both ranks' copies: lose the one without the CheckpointActor (an actor
     # restarting on another node is another test's subject; here the copies are).
     actor = ray.get_actor(actor_name(spec.name), namespace=NAMESPACE)
-    actor_node = ray.get(actor.probes_seen.remote([]), timeout=30)[0]
+    actor_node = ray.get(actor.probes_seen.remote([]), timeout=30).node_id
     lost = next(n for n in sorted(held) if n != actor_node)
     rank = next(r for r, s, src in held[lost] if src == lost and s == SAVED)
     shard = next((Path(base) / "faulty" / spec.name / f"step-{SAVED:08d}").glob(f"__{rank}_*.distcp"))

@@ -124,7 +124,7 @@ def test_a_writer_that_does_not_answer_costs_one_deadline(ray_cluster, tmp_path,
     import signal
 
     from raytrain_ckpt.checkpoint.roles import service as service_mod
-    from raytrain_ckpt.checkpoint.roles.actor import ResumePoint
+    from raytrain_ckpt.checkpoint.records import ResumePoint
 
     ray = ray_cluster
     monkeypatch.setattr(service_mod, "COPY_QUERY_TIMEOUT_S", 3.0)

@@ -15,9 +15,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from raytrain_ckpt.checkpoint.records import RankReport
-from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor, StepAborted
 from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport
+from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
+from raytrain_ckpt.checkpoint.roles.steps import StepAborted
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.datapath.staging import SharedMemoryStaging, allocate_buffer, map_buffer, plan_slots, slot_views
@@ -26,7 +27,7 @@ from tests.unit.test_checkpoint_layout import _commit
 
 def _actor(root: Path, k: int | None = 1) -> CheckpointActor:
     actor = CheckpointActor(str(root), RetentionPolicy(k))
-    asyncio.run(actor.configure(world_size=2, dp_size=2, spec_hash="h"))
+    asyncio.run(actor.configure(GroupLayout(world_size=2, dp_size=2, spec_hash="h")))
     return actor
 
 
@@ -35,8 +36,8 @@ async def _save(actor: CheckpointActor, step: int, attempt: int = 0) -> str:
     state = {"w": torch.arange(64.0) + step, "step": step}
     planner = DefaultSavePlanner()
     planner.set_up_planner(state, is_coordinator=True)
-    central, plan_id = await actor.plan(attempt, step, 0, planner.create_local_plan(), timeout_s=5)
-    plan = planner.finish_plan(central)
+    central = await actor.plan(attempt, step, 0, planner.create_local_plan(), timeout_s=5)
+    plan_id, plan = central.plan_id, planner.finish_plan(central.plan)
     tmp = Path(await actor.accepted(step, 0, attempt))
     writer = FileSystemWriter(tmp, sync_files=False)
     writer.set_up_storage_writer(False, rank=0)
@@ -53,19 +54,19 @@ def test_a_group_whose_layout_cannot_be_recorded_still_starts(tmp_path: Path, ca
     (tmp_path / ".group.json").unlink()
     (tmp_path / ".group.json").mkdir()
     (tmp_path / ".group.json" / "x").write_text("in the way")
-    asyncio.run(actor.configure(world_size=2, dp_size=2, spec_hash="h2"))
+    asyncio.run(actor.configure(GroupLayout(world_size=2, dp_size=2, spec_hash="h2")))
     assert (actor.world_size, actor.spec_hash) == (2, "h2")
     assert "could not record the group's layout" in caplog.text
     shutil.rmtree(tmp_path / ".group.json")
     moved = CheckpointActor(str(tmp_path / "gone" / "job"), RetentionPolicy(None))
     shutil.rmtree(tmp_path / "gone")  # the root moved away after the actor started
-    asyncio.run(moved.configure(world_size=1, dp_size=1, spec_hash="h"))
+    asyncio.run(moved.configure(GroupLayout(world_size=1, dp_size=1, spec_hash="h")))
     assert moved.world_size == 1
 
 
 def _single_rank_actor(root: Path, k: int | None) -> CheckpointActor:
     actor = CheckpointActor(str(root), RetentionPolicy(k))
-    asyncio.run(actor.configure(world_size=1, dp_size=1, spec_hash="h"))
+    asyncio.run(actor.configure(GroupLayout(world_size=1, dp_size=1, spec_hash="h")))
     return actor
 
 
@@ -82,7 +83,7 @@ def test_a_step_removed_by_hand_is_dropped_and_retention_converges(tmp_path: Pat
 
     assert asyncio.run(scenario()) == ["committed"] * 5
     assert "step 1 vanished" in caplog.text
-    status = asyncio.run(actor.status())
+    status = asyncio.run(actor.status()).to_dict()
     assert status["committed"] == [4, 5] and status["failed"] == {} and status["purge_errors"] == 0
     assert sorted(layout.valid_steps("checksum")) == [4, 5]   # the disk follows the policy again
 
@@ -122,7 +123,7 @@ def test_restarted_actor_rebuilds_its_state_from_storage(tmp_path: Path) -> None
     (tmp_path / "step-00000012").mkdir()                    # torn: no manifest
     leftover = layout.new_tmp_dir(15)
     actor = _actor(tmp_path)
-    status = asyncio.run(actor.status())
+    status = asyncio.run(actor.status()).to_dict()
     assert status["committed"] == [5, 10] and status["latest"] == 10
     assert not leftover.exists()
 
@@ -193,7 +194,7 @@ def test_a_damaged_step_skipped_on_resume_leaves_the_timeline_and_is_never_purge
     rebuilt = _actor(tmp_path, k=1)
     assert sorted(rebuilt.committed) == [2, 4]
     _commit(layout, 8)
-    rebuilt.committed = layout.valid_steps("size")
+    rebuilt.steps.committed = layout.valid_steps("size")
     rebuilt._purge()
     assert sorted(layout.valid_steps("size")) == [8] and aside[0].is_dir()
 
@@ -208,7 +209,7 @@ def test_settle_aborts_a_step_that_a_rank_never_handed_off(tmp_path: Path) -> No
         with pytest.raises(StepAborted):
             await actor.wait_committed(7, timeout_s=1)
         assert not Path(tmp).exists()
-        return await actor.status()
+        return (await actor.status()).to_dict()
 
     status = asyncio.run(scenario())
     assert status["in_flight"] == [] and "never handed it off" in status["failed"][7]
@@ -229,7 +230,7 @@ def test_a_hand_off_after_the_save_was_aborted_is_refused(tmp_path: Path, opened
             await actor.accepted(10, rank=1, attempt=0)
         with pytest.raises(StepAborted):
             await actor.wait_committed(10, timeout_s=1)
-        assert (await actor.status())["in_flight"] == []
+        assert (await actor.status()).to_dict()["in_flight"] == []
         assert Path(await actor.accepted(10, rank=0, attempt=1)).is_dir()
 
     asyncio.run(scenario())
@@ -240,7 +241,7 @@ def test_a_leftover_unchanged_for_the_grace_period_is_removed_after_a_commit(tmp
 
     actor = _single_rank_actor(tmp_path, k=None)
     clock = [0.0]
-    actor.leftovers = LeftoverWatch(60.0, lambda: clock[0])
+    actor.retainer.leftovers = LeftoverWatch(60.0, lambda: clock[0])
     # an aborted step's directory that a slow writer wrote into after the abort removed it
     leftover = tmp_path / "step-00000002.tmp-0a1b2c3d4e5f"
     leftover.mkdir()

@@ -226,7 +226,7 @@ def test_registry_ls_verify_and_export_survive_a_malformed_manifest(tmp_path: Pa
     bad = _real_step(tmp_path, 2)
     (bad / MANIFEST).write_text(json.dumps(manifest))
     actor = CheckpointActor(str(tmp_path), RetentionPolicy(None))
-    assert asyncio.run(actor.status())["committed"] == [1]
+    assert asyncio.run(actor.status()).to_dict()["committed"] == [1]
     assert [(r.step, r.status) for r in scan(tmp_path)] == [(1, "valid"), (2, "corrupt")]
     assert verify_step(bad) and "unreadable" in verify_step(bad)[0]
     assert main(["verify", str(bad)]) == 1

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from raytrain_ckpt.checkpoint.records import GroupLayout
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
 from raytrain_ckpt.checkpoint.interchange.export import export_checkpoint, parse_size
 from raytrain_ckpt.checkpoint.errors import ConversionError
@@ -30,7 +31,7 @@ from tests.unit.test_checkpoint_layout import _commit
 
 def _actor(root: Path) -> CheckpointActor:
     actor = CheckpointActor(str(root), RetentionPolicy(1))
-    asyncio.run(actor.configure(world_size=2, dp_size=2, spec_hash="h"))
+    asyncio.run(actor.configure(GroupLayout(world_size=2, dp_size=2, spec_hash="h")))
     return actor
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from raytrain_ckpt.cli import main
 from raytrain_ckpt.checkpoint.roles.summary import summary_line
-from raytrain_ckpt.metrics import METRICS, PHASES, exported_names, inflight_phase
+from raytrain_ckpt.checkpoint.roles.steps import inflight_phase
+from raytrain_ckpt.metrics import METRICS, PHASES, exported_names
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "grafana_dashboard.json"
 _NAME = re.compile(r"\bray_[a-z0-9_]+")

@@ -29,7 +29,8 @@ def _accepts(addr: str, port: int) -> bool:
 
 def test_the_address_rank_0_hands_out_is_already_listening():
     worker = _worker()
-    addr, port = worker.address()
+    meet = worker.address()
+    addr, port = meet.host, meet.port
     assert _accepts(addr, port)  # listening before anyone joins: no refused connection, no back-off
     client = dist.TCPStore(addr, port, 2, is_master=False, timeout=datetime.timedelta(seconds=5))
     client.set("k", "v")
@@ -38,8 +39,9 @@ def test_the_address_rank_0_hands_out_is_already_listening():
 
 def test_a_new_address_closes_the_previous_store():
     worker = _worker()
-    addr, first = worker.address()
-    _, second = worker.address()
+    meet = worker.address()
+    addr, first = meet.host, meet.port
+    second = worker.address().port
     assert second != first and _accepts(addr, second)
     with pytest.raises(OSError):
         socket.create_connection((addr, first), timeout=5).close()

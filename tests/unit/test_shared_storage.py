@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_ckpt import metrics
-from raytrain_ckpt.checkpoint.roles.actor import SaveFailures
+from raytrain_ckpt.checkpoint.roles.steps import SaveFailures
 from raytrain_ckpt.checkpoint.storage.probe import NodeProbe, local_root, missing_probes, probe_name, unshared_message
 from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text
 from tests.unit.test_checkpoint_actor import _save, _single_rank_actor
@@ -83,9 +83,9 @@ def test_actor_counts_each_failed_step_once_and_a_commit_resets_the_run(tmp_path
             await actor.open_step(step, 0)
             await actor.abort(step, f"rank 0: disk full at step {step}")
             await actor.abort(step, f"rank 1: step {step} is not in flight")  # a second rank: same step
-        seen.append(await actor.status())
+        seen.append((await actor.status()).to_dict())
         await _save(actor, 4)
-        seen.append(await actor.status())
+        seen.append((await actor.status()).to_dict())
         return seen
 
     failing, recovered = asyncio.run(scenario())

@@ -13,7 +13,6 @@ import logging
 import pickle
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,13 +20,14 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
-from ray.exceptions import ActorUnavailableError, RayError
+from ray.exceptions import RayError
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
 from raytrain_ckpt.checkpoint.records import PersistRequest, TrainingPoint
-from raytrain_ckpt.checkpoint.roles.actor import StepAborted
+from raytrain_ckpt.checkpoint.roles.names import call_restarting
+from raytrain_ckpt.checkpoint.roles.steps import StepAborted
 from raytrain_ckpt.checkpoint.datapath.buffers import BufferLease, StagingFileError
 from raytrain_ckpt.checkpoint.policy.interval import CostMeter, IntervalDecision, IntervalFacts, IntervalHistory, choose_interval
 from raytrain_ckpt.checkpoint.policy.schedule import SaveSchedule, on_busy_choice
@@ -282,11 +282,13 @@ class CheckpointClient:
             assert self._layout is not None
             return self._layout
         local = self._planner.create_local_plan()
-        central, plan_id = _get_restarting(
-            lambda: self.actor.plan.remote(self.attempt, step, self.rank, local, self.cfg.commit_timeout_s))
-        plan = self._planner.finish_plan(central)
-        paths = [_get_restarting(lambda c=c: self.writer.allocate.remote(self.rank, self.attempt, nbytes, c))
-                 for c in range(self.cfg.memory_copies)]
+        central = call_restarting(
+            lambda: self.actor.plan.remote(self.attempt, step, self.rank, local, self.cfg.commit_timeout_s),
+            RESTART_WAIT_S)
+        plan_id = central.plan_id
+        plan = self._planner.finish_plan(central.plan)
+        paths = [call_restarting(lambda c=c: self.writer.allocate.remote(self.rank, self.attempt, nbytes, c),
+                                 RESTART_WAIT_S) for c in range(self.cfg.memory_copies)]
         if self._layout is not None:  # before mapping: closing any fd of the file would drop it anyway
             for b in self._layout.buffers:
                 b.lease.release()
@@ -428,16 +430,3 @@ class _AutoInterval:
 
 RESTART_WAIT_S = 30.0
 """How long a call waits for a restarting writer before the save is given up."""
-
-
-def _get_restarting(call: Callable[[], ray.ObjectRef]) -> Any:
-    """``ray.get(call())``, retried while the actor is restarting (after a crash Ray brings it back)."""
-    deadline = time.monotonic() + RESTART_WAIT_S
-    while True:
-        try:
-            return ray.get(call())
-        except ActorUnavailableError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-

@@ -1,13 +1,22 @@
-"""Ray names of a job's checkpoint actors: the driver creates them, ``raytrain-ckpt status --job`` finds them.
+"""Ray names of a job's checkpoint actors: the driver creates them, ``raytrain-ckpt status --job`` finds them;
+and the one way to call such an actor while Ray restarts it.
 
 Kept apart from ``service.py`` so that finding an actor imports neither torch nor the actor.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["NAMESPACE", "ActorByName", "actor_name", "writer_name"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["NAMESPACE", "RESTART_POLL_S", "ActorByName", "actor_name", "call_restarting", "writer_name"]
+
+RESTART_POLL_S = 0.2
+"""Pause between calls to an actor Ray is restarting (the wait itself is bounded by the caller's timeout)."""
 
 NAMESPACE = "raytrain_ckpt"
 """Ray namespace of a job's named actors, whatever namespace the driver runs in, so that
@@ -52,3 +61,25 @@ class ActorByName:
 
     def __repr__(self) -> str:
         return f"ActorByName({self.namespace}/{self.name})"
+
+
+def call_restarting(call: Callable[[], Any], timeout_s: float, what: str | None = None) -> Any:
+    """``ray.get(call())``, called again while the actor is restarting (after a crash Ray brings
+    it back, elsewhere when its node was lost), for up to ``timeout_s``; then the error raises.
+
+    Only for idempotent calls: one may have run before the actor went away. ``what`` names the
+    call in a warning logged at each retry (None: retried quietly).
+    """
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(call())
+        except ActorUnavailableError as exc:
+            if time.monotonic() > deadline:
+                raise
+            if what is not None:
+                logger.warning("%s: actor unavailable (restarting?), retrying: %s", what, str(exc).splitlines()[0])
+            time.sleep(RESTART_POLL_S)

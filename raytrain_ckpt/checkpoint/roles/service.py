@@ -1,37 +1,36 @@
 """The driver's handle on checkpointing: creates the CheckpointActor and one writer per node,
-picks the resume point for each attempt, and cleans up at the end of the job."""
+plans each attempt's checkpoints (the resume point, each rank's source, its writer), and cleans
+up at the end of the job."""
 
 from __future__ import annotations
 
-import errno
 import logging
 import time
-import uuid
+from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayTaskError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.exceptions import GetTimeoutError
 
-from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor, ResumePoint
-from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, ActorByName, actor_name, writer_name
-from raytrain_ckpt.checkpoint.policy.schedule import SaveSchedule
 from raytrain_ckpt.checkpoint.policy.interval import IntervalHistory
-from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint
-from raytrain_ckpt.checkpoint.format.verify import Verify
-from raytrain_ckpt.checkpoint.recovery.memcopy import CommittedCopy, CopyFacts, RankSource, choose_sources
-from raytrain_ckpt.checkpoint.storage.probe import StorageNotShared, local_root, missing_probes, unshared_message
-from raytrain_ckpt.checkpoint.datapath.replica import ring_peers
+from raytrain_ckpt.checkpoint.policy.schedule import SaveSchedule
 from raytrain_ckpt.checkpoint.policy.retention import KeepBest, RetentionPolicy
+from raytrain_ckpt.checkpoint.records import (ActorStatus, AttemptPlan, GroupLayout, JobNote, RankCheckpointPlan,
+                                              ResumePoint)
+from raytrain_ckpt.checkpoint.recovery.memcopy import CommittedCopy, CopyFacts, RankSource, choose_sources
+from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
+from raytrain_ckpt.checkpoint.roles.fleet import WriterFleet
+from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name, call_restarting
 from raytrain_ckpt.checkpoint.storage.backends import job_root
-from raytrain_ckpt.checkpoint.roles.writer import CheckpointWriter
+from raytrain_ckpt.checkpoint.storage.layout import InvalidCheckpoint, Verify
 from raytrain_ckpt.events import headline
 from raytrain_ckpt.faults import planned
 from raytrain_ckpt.spec import CheckpointSpec, JobSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NAMESPACE", "CheckpointService", "ResumeRefused", "actor_name"]
+__all__ = ["NAMESPACE", "CheckpointService", "CopySources", "ResumeRefused", "actor_name"]
 
 
 class ResumeRefused(ValueError):
@@ -42,8 +41,6 @@ class ResumeRefused(ValueError):
 COPY_QUERY_TIMEOUT_S = 10.0
 """How long a restart waits for a node's writer to say which in-memory copy it holds; a writer
 that does not answer in time (its node is going away) sends the restart to storage."""
-_RETRY_S = 0.5
-"""Pause between calls to a restarting CheckpointActor (the wait is bounded by start_timeout_s)."""
 
 
 def _retention(cfg: CheckpointSpec) -> RetentionPolicy:
@@ -61,13 +58,14 @@ class CheckpointService:
         cfg = spec.checkpoint
         self.root = job_root(cfg.dir, spec.name)
         # fault settings go as an argument, not a runtime_env (see TrainWorker.__init__)
-        self._env = dict(fault_env or {})
+        env = dict(fault_env or {})
         self.actor = ray.remote(CheckpointActor).options(
             name=actor_name(spec.name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1, max_task_retries=0,
-        ).remote(str(self.root), _retention(cfg), cfg.storage_options, cfg.leftover_grace_s, self._env)
-        self._writers: dict[str, Any] = {}
+        ).remote(str(self.root), _retention(cfg), cfg.storage_options, cfg.leftover_grace_s, env)
+        self.fleet = WriterFleet(spec, str(self.root), self.actor, env)
+        self.sources = CopySources(spec, self.fleet, self._ask)
         self._note: ray.ObjectRef | None = None
-        self._job: dict[str, Any] = {}
+        self._job: JobNote | None = None
         """The controller's newest summary (``note_job``)."""
         self._start: str | None = None
         """The checkpoint the run began from (None: a fresh start): what a later attempt loads
@@ -75,118 +73,28 @@ class CheckpointService:
         self._begun: tuple[ResumePoint | None, str] | None = None
         """The run's starting point and ``checkpoint.resume``, until every rank of an attempt loaded
         it (``started``); None once the timeline starts there."""
-        self._probed: set[str] | None = None
-        """Nodes whose view of a local checkpoint root was probed (None: no preflight, or an object store)."""
 
     def writer_for(self, node_id: str) -> Any:
-        """The CheckpointWriter pinned to ``node_id`` (created on first use).
-
-        A node that the start's preflight did not probe (it joined later: an autoscaler's or a
-        replacement node, at a restart) is probed now, before its ranks get the writer.
-
-        Raises:
-            StorageNotShared: that node does not share a local checkpoint root.
-        """
-        if self._probed is not None and node_id not in self._probed:  # until a probe from it passes
-            logger.info("node %s joined after the start: probing the checkpoint root from it", node_id[:12])
-            self._probe([node_id])
-        if node_id not in self._writers:
-            self._writers[node_id] = self._new_writer(node_id)
-        return self._writers[node_id]
-
-    def _new_writer(self, node_id: str) -> Any:
-        cls = ray.remote(CheckpointWriter)
-        return cls.options(
-            name=writer_name(self.spec.name, node_id), namespace=NAMESPACE, num_cpus=0,
-            max_concurrency=64, max_restarts=-1, max_task_retries=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(self.spec.name, str(self.root), ActorByName(actor_name(self.spec.name)),
-                 self.spec.checkpoint.writer_threads,
-                 self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options,
-                 self.spec.checkpoint.memory_copies, self.spec.checkpoint.replication.max_mb_per_s, self._env)
-
-    def replicate_between(self, nodes: list[str]) -> dict[str, str]:
-        """Point each rank-hosting node's writer at its peer (``ring_peers``); returns the ring.
-        Empty when replication is off or the ranks share one node (logged)."""
-        if self.spec.checkpoint.replication.mode == "off":
-            return {}
-        ring = ring_peers(nodes)
-        if not ring:
-            logger.info("checkpoint.replication: off, every rank runs on one node (no peer to hold a replica)")
-        # Not waited for: a writer on a new node may still be starting, and nothing before the
-        # attempt's first commit needs the peer (a restore reads copies, it sends none by ring).
-        for node in sorted(set(nodes)):
-            self.writer_for(node).set_peer.remote(ring.get(node), self.writer_for(ring[node]) if node in ring else None)
-        if ring:
-            logger.info("checkpoint.replication: %s", ", ".join(f"{a[:8]} -> {b[:8]}" for a, b in sorted(ring.items())))
-        return ring
-
-    def _copy_from_peer(self, rank: int, node: str, step: int, silent: set[str]) -> CommittedCopy | None:
-        """Rank ``rank``'s copy of ``step`` from another node (its old node's own copy, or the
-        replica its old node sent to its peer), moved to the writer on ``node`` where the rank now
-        runs (re-checked on both ends). None when no alive node holds one, or moving it failed.
-        ``silent``: nodes whose writer did not answer in time, not asked (one that times out here
-        is added)."""
-        alive = ({n["NodeID"] for n in ray.nodes() if n["Alive"]} & set(self._writers)) - silent
-        for holder in sorted(alive, key=lambda n: (n != node, n)):  # the rank's node first: nothing to move
-            try:
-                held = ray.get(self._writers[holder].copies_held.remote(step), timeout=COPY_QUERY_TIMEOUT_S)
-                found = next((c for c in held if c.rank == rank), None)
-                if found is None:
-                    continue
-                if holder != node:
-                    found = ray.get(self.writer_for(holder).push_replica.remote(rank, step, self.writer_for(node), node),
-                                    timeout=self.spec.fault_tolerance.start_timeout_s)
-            except Exception as exc:  # a writer restarting, gone, or a failed move: try the next holder
-                if isinstance(exc, GetTimeoutError):  # not asked again for the next rank
-                    silent.add(holder)
-                logger.info("rank %d: no copy of step %d from node %s: %s", rank, step, holder[:12], headline(str(exc)))
-                continue
-            logger.info("rank %d loads step %d from the peer replica on node %s (copy of node %s)", rank, step,
-                        holder[:12], found.source_node[:12])
-            return found.copy
-        return None
+        """See ``WriterFleet.writer_for``."""
+        return self.fleet.writer_for(node_id)
 
     def preflight(self) -> None:
-        """Before anything trains: check that every node that may host a rank shares the
-        checkpoint root with the CheckpointActor (checkpoint/storage/probe.py).
+        """See ``WriterFleet.preflight``."""
+        self.fleet.preflight()
 
-        Raises:
-            StorageNotShared: some nodes write to a disk the actor cannot see; names them.
-        """
-        if local_root(str(self.root)) is None:
-            return
-        self._probed = set()
-        self._probe(_rank_nodes(self.spec))
-
-    def _probe(self, nodes: list[str]) -> None:
-        """The shared-storage probe from ``nodes`` (see ``preflight``); remembers them as probed."""
-        for node in nodes:
-            if node not in self._writers:
-                self._writers[node] = self._new_writer(node)
-        writers = [self._writers[node] for node in nodes]
-        timeout = self.spec.fault_tolerance.start_timeout_s  # writers start like workers do
-        nonce = uuid.uuid4().hex[:12]
-        try:
-            probes = ray.get([w.write_probe.remote(nonce) for w in writers], timeout=timeout)
-        except RayTaskError as exc:
-            if not isinstance(exc.cause, OSError):
-                raise
-            # a directory a node cannot write is a setup mistake like an unshared one: one line, exit 2
-            fix = ("free space there or point checkpoint.dir at another filesystem (its committed steps stay)"
-                   if exc.cause.errno in (errno.ENOSPC, errno.EDQUOT) else "make the path writable on every node")
-            raise StorageNotShared(f"checkpoint.dir={self.spec.checkpoint.dir}: a node cannot write there "
-                                   f"({exc.cause}); {fix}") from None
-        try:
-            actor_node, seen = ray.get(self.actor.probes_seen.remote([p.name for p in probes]), timeout=timeout)
-        finally:
-            ray.get([w.remove_probe.remote(p.name) for w, p in zip(writers, probes)], timeout=timeout)
-        missing = missing_probes(probes, set(seen))
-        if missing:
-            raise StorageNotShared(unshared_message(str(self.spec.checkpoint.dir), missing, actor_node))
-        assert self._probed is not None
-        self._probed.update(nodes)
-        logger.info("checkpoint root %s is shared by the %d node(s) that may host ranks", self.root, len(probes))
+    def plan_attempt(self, attempt: int, spec: JobSpec, nodes: list[str]) -> AttemptPlan:
+        """Each rank's checkpoint plan for ``attempt`` (``spec``: its layout; ``nodes``: every
+        rank's node id): the actor, the writer on its node, the resume point and its source, and
+        the interval history (the same on every rank: they agree on the interval)."""
+        t0 = time.monotonic()
+        point, sources = self.resume_plan(attempt, spec, nodes)
+        plan_s = time.monotonic() - t0  # verifying the resume step on storage and choosing each rank's source
+        self.fleet.replicate_between(nodes)
+        history = self.interval_history()
+        return AttemptPlan(tuple(
+            RankCheckpointPlan(self.actor, self.writer_for(nodes[rank]), point,
+                               sources[rank] if sources else None, history, plan_s)
+            for rank in range(spec.world_size)))
 
     def resume_plan(self, attempt: int, spec: JobSpec,
                     nodes: list[str]) -> tuple[ResumePoint | None, list[RankSource] | None]:
@@ -218,7 +126,7 @@ class CheckpointService:
         s = spec
         if attempt > 0:
             self._ask("settle", s.checkpoint.settle_timeout_s)
-        self._ask("configure", s.world_size, s.dp_size, s.spec_hash(), s.model.model_dump(mode="json"))
+        self._ask("configure", GroupLayout(s.world_size, s.dp_size, s.spec_hash(), s.model.model_dump(mode="json")))
         holder, verify = f"attempt-{attempt}", verify or s.checkpoint.verify_on_load
         if attempt == 0 or self._begun is not None:
             # Until an attempt's ranks have loaded it, every attempt starts where the run was asked
@@ -243,86 +151,17 @@ class CheckpointService:
 
     def recovery_sources(self, attempt: int, spec: JobSpec, point: ResumePoint | None,
                          nodes: list[str]) -> list[RankSource] | None:
-        """Where each rank of ``attempt`` loads ``point`` from: its node's in-memory copy or storage,
-        decided in one place (``memcopy.choose_sources``) and logged in one line. None: nothing to load.
-
-        ``nodes``: the node id of every rank of the attempt.
-        """
-        if point is None:
-            return None
-        if attempt == 0:  # a new job: its writers hold nothing yet
-            return [RankSource(r, "storage", "the job's first attempt") for r in range(spec.world_size)]
-        asked = [self._ask_copy(attempt, rank, node, point.step) for rank, node in enumerate(nodes)]
-        deadline = time.monotonic() + COPY_QUERY_TIMEOUT_S  # for all answers together
-        answers = [self._answer(ref, deadline) for _, ref in asked]
-        # A writer that did not answer in time (its node is going away) is not asked again for
-        # each of its ranks, nor sent a copy: the one deadline is all it costs the restart.
-        silent = {node for node, answer in zip(nodes, answers) if answer is not None and answer[2]}
-        facts = [self._copy_facts(rank, node, step, answer, silent)
-                 for rank, (node, (step, _), answer) in enumerate(zip(nodes, asked, answers))]
-        listed = self._ask("manifest_files", point.step)
-        sources = choose_sources(point.step, spec.world_size, point.world_size, spec.checkpoint.memory_copies,
-                                 facts, listed)
-        if sources[0].source == "memory":
-            logger.info("attempt %d: every rank loads step %d from its node's in-memory copy (%d node(s))",
-                        attempt, point.step, len(set(nodes)))
-        else:
-            logger.info("attempt %d: loading step %d from storage: %s", attempt, point.step, sources[0].why)
-        return sources
-
-    def _ask_copy(self, attempt: int, rank: int, node: str,
-                  step: int) -> tuple[int, ray.ObjectRef | Exception | None]:
-        """Ask ``node``'s writer for rank ``rank``'s copy of ``step``, without waiting for the answer
-        (every rank's question is out before any answer is awaited): the step asked for and the
-        answer's ref, the error that kept the question from being sent, or None (no copies kept)."""
-        if self.spec.checkpoint.memory_copies < 2:
-            return step, None
-        if planned("stale", "restore", rank, step, attempt):  # the copy of the step before
-            step = max((s for s in self.status()["committed"] if s < step), default=-1)
-        try:
-            return step, self.writer_for(node).committed_copy.remote(rank, step)
-        except Exception as exc:  # no writer there (e.g. the node does not share the root): storage serves
-            return step, exc
-
-    def _answer(self, asked: ray.ObjectRef | Exception | None,
-                deadline: float) -> tuple[CommittedCopy | None, str | None, bool] | None:
-        """A writer's answer to ``_ask_copy`` by ``deadline``: its copy, why it could not be asked,
-        and whether it did not answer in time (None: no copies kept, nothing was asked)."""
-        if asked is None:
-            return None
-        if isinstance(asked, Exception):
-            return None, f"{type(asked).__name__}: {headline(str(asked))}", False
-        try:
-            return ray.get(asked, timeout=max(0.0, deadline - time.monotonic())), None, False
-        except Exception as exc:  # a dead, unreachable or silent writer: its copy is lost, storage serves
-            return None, f"{type(exc).__name__}: {headline(str(exc))}", isinstance(exc, GetTimeoutError)
-
-    def _copy_facts(self, rank: int, node: str, step: int,
-                    answer: tuple[CommittedCopy | None, str | None, bool] | None, silent: set[str]) -> CopyFacts:
-        if answer is None:
-            return CopyFacts(rank, None)
-        copy, why, _ = answer
-        if copy is None and self.spec.checkpoint.replication.mode == "auto" and node not in silent:
-            copy = self._copy_from_peer(rank, node, step, silent)  # the rank moved node, or its writer is gone
-            why = None if copy is not None else why
-        return CopyFacts(rank, copy, why)
+        """See ``CopySources.recovery_sources``."""
+        return self.sources.recovery_sources(attempt, spec, point, nodes)
 
     def _ask(self, method: str, *args: Any) -> Any:
         """Call the CheckpointActor, waiting out a restart (it was on a lost node; Ray restarts it
         elsewhere and it rebuilds its state from storage) for up to fault_tolerance.start_timeout_s.
         Only idempotent methods are asked this way: a call may have run before the actor went away."""
-        deadline = time.monotonic() + self.spec.fault_tolerance.start_timeout_s
-        while True:
-            try:
-                return ray.get(getattr(self.actor, method).remote(*args))
-            except ActorUnavailableError as exc:
-                if time.monotonic() > deadline:
-                    raise
-                logger.warning("checkpoint actor unavailable for %s (restarting?), retrying: %s", method,
-                               str(exc).splitlines()[0])
-                time.sleep(_RETRY_S)
+        return call_restarting(lambda: getattr(self.actor, method).remote(*args),
+                               self.spec.fault_tolerance.start_timeout_s, f"checkpoint actor {method}")
 
-    def unsaved(self, results: list[Any], status: dict[str, Any]) -> str | None:
+    def unsaved(self, results: list[Any], status: ActorStatus) -> str | None:
         """Why a finished job's checkpoints are not what it asked for, or None.
 
         Two cases fail the job: the save of the last step was due (by the interval or
@@ -332,12 +171,12 @@ class CheckpointService:
         total = self.spec.training.steps
         cfg = self.spec.checkpoint
         trained = bool(results) and results[0].start_step < total
-        failed: dict[int, str] = status["failed"]
+        failed = status.failed
         # With interval_steps=auto only save_final makes the last step's save certain.
         if trained and SaveSchedule.configured(total, cfg.interval_steps, cfg.save_final).by_step(total) \
-                and total not in status["committed"]:
+                and total not in status.committed:
             return f"the final checkpoint (step {total}) did not commit: {failed.get(total, 'it was never saved')}"
-        new = [s for s, info in status["steps"].items() if info["created_unix"] >= self.started_unix]
+        new = [s for s, info in status.steps.items() if info.created_unix >= self.started_unix]
         if failed and not new:
             reasons = "; ".join(f"step {s}: {why}" for s, why in sorted(failed.items()))
             return f"no checkpoint of this run committed, {len(failed)} save(s) failed ({reasons})"
@@ -350,9 +189,9 @@ class CheckpointService:
         if self.spec.checkpoint.interval_steps != "auto":
             return None
         last = self._ask("interval_history")
-        return IntervalHistory(failures=sum((self._job.get("failures") or {}).values()),
+        return IntervalHistory(failures=sum(self._job.failures.values()) if self._job is not None else 0,
                                survived_s=time.time() - self.started_unix,
-                               cost_s=last.get("cost_s"), step_time_s=last.get("step_time_s"))
+                               cost_s=last.cost_s if last else None, step_time_s=last.step_time_s if last else None)
 
     def started(self) -> None:
         """Every rank of an attempt loaded its starting point: the first time, the run's timeline
@@ -369,10 +208,10 @@ class CheckpointService:
     def release(self, attempt: int) -> None:
         self.actor.release.remote(f"attempt-{attempt}")
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> ActorStatus:
         return self._ask("status")
 
-    def note_job(self, info: dict[str, Any]) -> None:
+    def note_job(self, info: JobNote) -> None:
         """Tell the CheckpointActor the job's state and training step (it turns them into work at
         risk and ``status --job``), unless the previous note is still on its way: a restarting
         actor must not queue up one call per poll."""
@@ -402,7 +241,7 @@ class CheckpointService:
                 logger.warning("interrupted: a checkpoint still in flight is not waited for")
         except Exception as exc:  # the actor is gone or stuck: nothing in flight can commit anyway
             logger.warning("could not settle in-flight checkpoints: %s", exc)
-        for w in self._writers.values():
+        for w in self.fleet.writers.values():
             try:
                 ray.get(w.release_all.remote(), timeout=30)
             except Exception as exc:  # a dead writer's files are gone with its node, or leak in /dev/shm
@@ -411,9 +250,102 @@ class CheckpointService:
         ray.kill(self.actor, no_restart=True)
 
 
-def _rank_nodes(spec: JobSpec) -> list[str]:
-    """Ids of the alive nodes with room for at least one rank (a 0-CPU head hosts none)."""
-    res = spec.resources
-    need = {"CPU": res.cpus_per_worker, "GPU": res.gpus}
-    return [n["NodeID"] for n in ray.nodes()
-            if n["Alive"] and all(n["Resources"].get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)]
+class CopySources:
+    """Where each rank of a restart loads its step from: the in-memory copy on its node, a peer's
+    replica moved to its node, or storage (``memcopy.choose_sources`` decides)."""
+
+    def __init__(self, spec: JobSpec, fleet: WriterFleet, ask: Callable[..., Any]) -> None:
+        self.spec, self.fleet, self._ask = spec, fleet, ask
+
+    def recovery_sources(self, attempt: int, spec: JobSpec, point: ResumePoint | None,
+                         nodes: list[str]) -> list[RankSource] | None:
+        """Where each rank of ``attempt`` loads ``point`` from: its node's in-memory copy or storage,
+        decided in one place (``memcopy.choose_sources``) and logged in one line. None: nothing to load.
+
+        ``nodes``: the node id of every rank of the attempt.
+        """
+        if point is None:
+            return None
+        if attempt == 0:  # a new job: its writers hold nothing yet
+            return [RankSource(r, "storage", "the job's first attempt") for r in range(spec.world_size)]
+        asked = [self._ask_copy(attempt, rank, node, point.step) for rank, node in enumerate(nodes)]
+        deadline = time.monotonic() + COPY_QUERY_TIMEOUT_S  # for all answers together
+        answers = [self._answer(ref, deadline) for _, ref in asked]
+        # A writer that did not answer in time (its node is going away) is not asked again for
+        # each of its ranks, nor sent a copy: the one deadline is all it costs the restart.
+        silent = {node for node, answer in zip(nodes, answers) if answer is not None and answer[2]}
+        facts = [self._copy_facts(rank, node, step, answer, silent)
+                 for rank, (node, (step, _), answer) in enumerate(zip(nodes, asked, answers))]
+        listed = {n: asdict(f) for n, f in self._ask("manifest_files", point.step).items()}
+        sources = choose_sources(point.step, spec.world_size, point.world_size, spec.checkpoint.memory_copies,
+                                 facts, listed)
+        if sources[0].source == "memory":
+            logger.info("attempt %d: every rank loads step %d from its node's in-memory copy (%d node(s))",
+                        attempt, point.step, len(set(nodes)))
+        else:
+            logger.info("attempt %d: loading step %d from storage: %s", attempt, point.step, sources[0].why)
+        return sources
+
+    def _ask_copy(self, attempt: int, rank: int, node: str,
+                  step: int) -> tuple[int, ray.ObjectRef | Exception | None]:
+        """Ask ``node``'s writer for rank ``rank``'s copy of ``step``, without waiting for the answer
+        (every rank's question is out before any answer is awaited): the step asked for and the
+        answer's ref, the error that kept the question from being sent, or None (no copies kept)."""
+        if self.spec.checkpoint.memory_copies < 2:
+            return step, None
+        if planned("stale", "restore", rank, step, attempt):  # the copy of the step before
+            step = max((s for s in self._ask("status").committed if s < step), default=-1)
+        try:
+            return step, self.fleet.writer_for(node).committed_copy.remote(rank, step)
+        except Exception as exc:  # no writer there (e.g. the node does not share the root): storage serves
+            return step, exc
+
+    def _answer(self, asked: ray.ObjectRef | Exception | None,
+                deadline: float) -> tuple[CommittedCopy | None, str | None, bool] | None:
+        """A writer's answer to ``_ask_copy`` by ``deadline``: its copy, why it could not be asked,
+        and whether it did not answer in time (None: no copies kept, nothing was asked)."""
+        if asked is None:
+            return None
+        if isinstance(asked, Exception):
+            return None, f"{type(asked).__name__}: {headline(str(asked))}", False
+        try:
+            return ray.get(asked, timeout=max(0.0, deadline - time.monotonic())), None, False
+        except Exception as exc:  # a dead, unreachable or silent writer: its copy is lost, storage serves
+            return None, f"{type(exc).__name__}: {headline(str(exc))}", isinstance(exc, GetTimeoutError)
+
+    def _copy_facts(self, rank: int, node: str, step: int,
+                    answer: tuple[CommittedCopy | None, str | None, bool] | None, silent: set[str]) -> CopyFacts:
+        if answer is None:
+            return CopyFacts(rank, None)
+        copy, why, _ = answer
+        if copy is None and self.spec.checkpoint.replication.mode == "auto" and node not in silent:
+            copy = self._copy_from_peer(rank, node, step, silent)  # the rank moved node, or its writer is gone
+            why = None if copy is not None else why
+        return CopyFacts(rank, copy, why)
+
+    def _copy_from_peer(self, rank: int, node: str, step: int, silent: set[str]) -> CommittedCopy | None:
+        """Rank ``rank``'s copy of ``step`` from another node (its old node's own copy, or the
+        replica its old node sent to its peer), moved to the writer on ``node`` where the rank now
+        runs (re-checked on both ends). None when no alive node holds one, or moving it failed.
+        ``silent``: nodes whose writer did not answer in time, not asked (one that times out here
+        is added)."""
+        alive = ({n["NodeID"] for n in ray.nodes() if n["Alive"]} & set(self.fleet.writers)) - silent
+        for holder in sorted(alive, key=lambda n: (n != node, n)):  # the rank's node first: nothing to move
+            try:
+                held = ray.get(self.fleet.writers[holder].copies_held.remote(step), timeout=COPY_QUERY_TIMEOUT_S)
+                found = next((c for c in held if c.rank == rank), None)
+                if found is None:
+                    continue
+                if holder != node:
+                    found = ray.get(self.fleet.writer_for(holder).push_replica.remote(
+                        rank, step, self.fleet.writer_for(node), node),
+                        timeout=self.spec.fault_tolerance.start_timeout_s)
+            except Exception as exc:  # a writer restarting, gone, or a failed move: try the next holder
+                if isinstance(exc, GetTimeoutError):  # not asked again for the next rank
+                    silent.add(holder)
+                logger.info("rank %d: no copy of step %d from node %s: %s", rank, step, holder[:12], headline(str(exc)))
+                continue
+            logger.info("rank %d loads step %d from the peer replica on node %s (copy of node %s)", rank, step,
+                        holder[:12], found.source_node[:12])
+            return found.copy
+        return None

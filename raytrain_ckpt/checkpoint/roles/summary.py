@@ -1,18 +1,24 @@
-"""The one-line view of a CheckpointActor's status, shared by ``raytrain-ckpt status`` and the actor's logs."""
+"""The one-line view of a CheckpointActor's status, shared by ``raytrain-ckpt status`` and a job's end.
+
+These read the status's JSON view (``ActorStatus.to_dict``): it is what a job's result carries
+(``JobResult.checkpoints``) and what ``status --json`` prints, so a saved result reads the same.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from raytrain_ckpt.checkpoint.records import StepPhase
+
 __all__ = ["failed_saves_text", "phase_text", "summary_line"]
 
 
-def phase_text(inflight: dict[str, Any], world_size: int) -> str:
+def phase_text(phase: str, ranks: dict[int, int], world_size: int) -> str:
     """``writing 3/4 ranks``: the in-flight step's phase and how many ranks are through it."""
-    values = list(inflight["ranks"].values())
-    done = {"staging": sum(v >= 1 for v in values), "writing": sum(v >= 2 for v in values)}
-    n = done.get(inflight["phase"], world_size if inflight["phase"] == "committing" else 0)
-    return f"{inflight['phase']} {n}/{world_size} ranks"
+    values = list(ranks.values())
+    done = {StepPhase.STAGING.value: sum(v >= 1 for v in values), StepPhase.WRITING.value: sum(v >= 2 for v in values)}
+    n = done.get(phase, world_size if phase == StepPhase.COMMITTING.value else 0)
+    return f"{phase} {n}/{world_size} ranks"
 
 
 def summary_line(status: dict[str, Any]) -> str:
@@ -21,7 +27,8 @@ def summary_line(status: dict[str, Any]) -> str:
     inflight = status["inflight"]
     if inflight["step"] is None:
         return text + " inflight=-"
-    return text + f" inflight={inflight['step']} {phase_text(inflight, status['world_size'])}"
+    phase = phase_text(inflight["phase"], inflight["ranks"], status["world_size"])
+    return text + f" inflight={inflight['step']} {phase}"
 
 
 def failed_saves_text(status: dict[str, Any]) -> str | None:

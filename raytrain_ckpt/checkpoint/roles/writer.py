@@ -31,7 +31,7 @@ from raytrain_ckpt.checkpoint.datapath.progress import StageProgress, StagingAbo
 from raytrain_ckpt.checkpoint.datapath.replica import Replica
 from raytrain_ckpt.checkpoint.datapath.sink import ShardSink, pick_sink
 from raytrain_ckpt.checkpoint.datapath.staging import StagedPlanner
-from raytrain_ckpt.checkpoint.records import PersistRequest, RankReport, SaveTimings, WriterUsage
+from raytrain_ckpt.checkpoint.records import PersistRequest, RankReport, SaveTimings, WriterRef, WriterUsage
 from raytrain_ckpt.checkpoint.recovery.memcopy import CommittedCopy
 from raytrain_ckpt.checkpoint.roles.replication import Replication
 from raytrain_ckpt.checkpoint.roles.writer_buffers import Mapped, WriterBuffers
@@ -155,7 +155,7 @@ class CheckpointWriter:
         try:
             me = ray.get_runtime_context()
             registered = ray.get(self.coordinator.accepted.remote(req.step, req.rank, req.attempt,
-                                                                  (me.current_actor, me.get_node_id())))
+                                                                  WriterRef(me.current_actor, me.get_node_id())))
         except BaseException:
             if tmp is None:  # else the write started: it ends (its report is refused) and lets go itself
                 self._running.pop(key, None)

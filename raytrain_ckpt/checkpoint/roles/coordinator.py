@@ -1,0 +1,130 @@
+"""The DCP coordinator of a job's saves: plans each layout once, commits each step.
+
+It gathers each rank's local save plan and builds the global plan (cached per layout: a
+layout that does not change is planned once per attempt), then, once every rank's writer
+reported, finishes ``.metadata`` from their write results and commits the step with its
+manifest. Which steps are in flight, and their phases, is the step registry's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+
+from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
+from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, RankReport
+from raytrain_ckpt.checkpoint.roles.steps import InFlightStep, StepAborted, StepRegistry
+from raytrain_ckpt.checkpoint.storage.dcp import dcp_writer
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, Manifest
+from raytrain_ckpt.faults import maybe_inject
+from raytrain_ckpt.metrics import CheckpointMetrics
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SaveCoordinator"]
+
+
+@dataclass
+class _Gather:
+    plans: dict[int, SavePlan] = field(default_factory=dict)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    central: list[SavePlan] | None = None
+    plan_id: str = ""
+    started: float = field(default_factory=time.monotonic)
+
+
+class SaveCoordinator:
+    """Plans and commits; see the module docstring."""
+
+    def __init__(self, layout: CheckpointLayout, storage_options: dict, steps: StepRegistry,
+                 retention: RetentionPolicy, metrics: CheckpointMetrics, group: Callable[[], GroupLayout],
+                 stall: Callable[[int], dict[str, float]]) -> None:
+        self.layout, self.storage_options, self.steps = layout, storage_options, steps
+        self.retention, self.metrics, self._group, self._stall = retention, metrics, group, stall
+        self._gathers: dict[tuple[int, int], _Gather] = {}
+        self._metadata: dict[str, Metadata] = {}
+
+    def planning(self) -> list[int]:
+        """Steps whose ranks' plans are still being gathered."""
+        return [s for (_, s), g in list(self._gathers.items()) if not g.ready.is_set()]
+
+    async def plan(self, attempt: int, step: int, rank: int, local_plan: SavePlan, timeout_s: float) -> CentralPlan:
+        """Gather every rank's local plan for the save of ``step`` in ``attempt`` (the first save
+        of a layout; later saves reuse it), then return this rank's central plan and the id of
+        the global plan (its cached metadata)."""
+        world = self._group().world_size
+        g = self._gathers.setdefault((attempt, step), _Gather())
+        g.plans[rank] = local_plan
+        if len(g.plans) == world and g.central is None:
+            planner = DefaultSavePlanner()
+            ordered = [g.plans[r] for r in range(world)]
+            central, metadata = planner.create_global_plan(ordered)
+            g.central = FileSystemWriter(self.layout.root).prepare_global_plan(central)
+            g.plan_id = f"{attempt}.{step}"
+            self._metadata[g.plan_id] = metadata
+            g.ready.set()
+            self.metrics.planned(time.monotonic() - g.started)
+        try:
+            await asyncio.wait_for(g.ready.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise StepAborted(f"save planning: only ranks {sorted(g.plans)} of {world} arrived "
+                              f"within {timeout_s:g}s") from None
+        assert g.central is not None
+        return CentralPlan(g.central[rank], g.plan_id)
+
+    async def report(self, report: RankReport) -> str:
+        """A writer finished rank ``report.rank`` of its step; commits when all ranks are in:
+        ``committed``, else ``pending``."""
+        step = report.step
+        self.steps.in_flight(step)
+        if report.plan_id not in self._metadata:
+            await self.steps.abort(step, "plan unknown after a checkpoint actor restart")
+            raise StepAborted(f"step {step}: plan {report.plan_id} unknown; the next save plans again")
+        p = self.steps.reported(report)
+        if len(p.reports) < self._group().world_size:
+            return "pending"
+        try:
+            await asyncio.to_thread(self._commit, step, p)
+        except Exception as exc:
+            await self.steps.abort(step, f"commit failed: {exc}")
+            raise
+        return "committed"
+
+    def _commit(self, step: int, p: InFlightStep) -> None:
+        t0 = time.monotonic()
+        reports = list(p.reports.values())
+        writer = dcp_writer(p.tmp, self.storage_options)
+        writer.set_up_storage_writer(True, rank=0)
+        writer.finish(copy.deepcopy(self._metadata[reports[0].plan_id]), [r.results for r in reports])
+        files: dict[str, dict[str, int]] = {}
+        for r in reports:
+            files.update(r.files)
+        files[".metadata"] = self.layout.describe(self.layout.storage.join(p.tmp, ".metadata"))
+        timings = [r.timings for r in reports]
+        wall = {"stage_s": max(t.stage_s for t in timings), "persist_s": max(t.persist_s for t in timings),
+                "write_s": max(t.write_s for t in timings),
+                "commit_s": time.monotonic() - t0, "total_s": time.monotonic() - p.started, **self._stall(step)}
+        manifest = self._manifest(step, files, wall, reports[0])
+        maybe_inject("commit", 0, step, p.attempt)
+        self.layout.commit(p.tmp, manifest)
+        self.steps.commit_done(step, manifest)
+        logger.info("committed step %d: %.1f MB, stage %.3fs persist %.3fs commit %.3fs", step,
+                    manifest.total_bytes / 1e6, wall["stage_s"], wall["persist_s"], wall["commit_s"])
+
+    def _manifest(self, step: int, files: dict[str, dict[str, int]], wall: dict[str, float],
+                  first: RankReport) -> Manifest:
+        g, point = self._group(), first.point
+        return Manifest(step=step, world_size=g.world_size, dp_size=g.dp_size, spec_hash=g.spec_hash,
+                        files=files, samples_seen=int(point.samples_seen), tokens_seen=int(point.tokens_seen),
+                        wall=wall, pp_size=g.world_size // g.dp_size,  # the spec makes world = pp x dp
+                        model=g.model, eval_loss=point.eval_loss, loss=point.loss,
+                        keep_best=best.record() if (best := self.retention.keep_best) else None)

@@ -1,0 +1,125 @@
+"""A job's CheckpointWriters, one per node that hosts ranks: created on first use, probed for a
+shared checkpoint root before their ranks get them, and pointed at their replication peers."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import uuid
+from typing import Any
+
+import ray
+from ray.exceptions import RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raytrain_ckpt.checkpoint.datapath.replica import ring_peers
+from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, ActorByName, actor_name, writer_name
+from raytrain_ckpt.checkpoint.roles.writer import CheckpointWriter
+from raytrain_ckpt.checkpoint.storage.probe import StorageNotShared, local_root, missing_probes, unshared_message
+from raytrain_ckpt.spec import JobSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WriterFleet"]
+
+
+class WriterFleet:
+    """The writers of a job, by node id."""
+
+    def __init__(self, spec: JobSpec, root: str, actor: Any, env: dict[str, str]) -> None:
+        self.spec, self.root, self.actor, self._env = spec, root, actor, env
+        self.writers: dict[str, Any] = {}
+        self._probed: set[str] | None = None
+        """Nodes whose view of a local checkpoint root was probed (None: no preflight, or an object store)."""
+
+    def writer_for(self, node_id: str) -> Any:
+        """The CheckpointWriter pinned to ``node_id`` (created on first use).
+
+        A node that the start's preflight did not probe (it joined later: an autoscaler's or a
+        replacement node, at a restart) is probed now, before its ranks get the writer.
+
+        Raises:
+            StorageNotShared: that node does not share a local checkpoint root.
+        """
+        if self._probed is not None and node_id not in self._probed:  # until a probe from it passes
+            logger.info("node %s joined after the start: probing the checkpoint root from it", node_id[:12])
+            self._probe([node_id])
+        if node_id not in self.writers:
+            self.writers[node_id] = self._new_writer(node_id)
+        return self.writers[node_id]
+
+    def _new_writer(self, node_id: str) -> Any:
+        cls = ray.remote(CheckpointWriter)
+        return cls.options(
+            name=writer_name(self.spec.name, node_id), namespace=NAMESPACE, num_cpus=0,
+            max_concurrency=64, max_restarts=-1, max_task_retries=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(self.spec.name, self.root, ActorByName(actor_name(self.spec.name)),
+                 self.spec.checkpoint.writer_threads,
+                 self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options,
+                 self.spec.checkpoint.memory_copies, self.spec.checkpoint.replication.max_mb_per_s, self._env)
+
+    def replicate_between(self, nodes: list[str]) -> dict[str, str]:
+        """Point each rank-hosting node's writer at its peer (``ring_peers``); returns the ring.
+        Empty when replication is off or the ranks share one node (logged)."""
+        if self.spec.checkpoint.replication.mode == "off":
+            return {}
+        ring = ring_peers(nodes)
+        if not ring:
+            logger.info("checkpoint.replication: off, every rank runs on one node (no peer to hold a replica)")
+        # Not waited for: a writer on a new node may still be starting, and nothing before the
+        # attempt's first commit needs the peer (a restore reads copies, it sends none by ring).
+        for node in sorted(set(nodes)):
+            self.writer_for(node).set_peer.remote(ring.get(node), self.writer_for(ring[node]) if node in ring else None)
+        if ring:
+            logger.info("checkpoint.replication: %s", ", ".join(f"{a[:8]} -> {b[:8]}" for a, b in sorted(ring.items())))
+        return ring
+
+    def preflight(self) -> None:
+        """Before anything trains: check that every node that may host a rank shares the
+        checkpoint root with the CheckpointActor (checkpoint/storage/probe.py).
+
+        Raises:
+            StorageNotShared: some nodes write to a disk the actor cannot see; names them.
+        """
+        if local_root(self.root) is None:
+            return
+        self._probed = set()
+        self._probe(_rank_nodes(self.spec))
+
+    def _probe(self, nodes: list[str]) -> None:
+        """The shared-storage probe from ``nodes`` (see ``preflight``); remembers them as probed."""
+        for node in nodes:
+            if node not in self.writers:
+                self.writers[node] = self._new_writer(node)
+        writers = [self.writers[node] for node in nodes]
+        timeout = self.spec.fault_tolerance.start_timeout_s  # writers start like workers do
+        nonce = uuid.uuid4().hex[:12]
+        try:
+            probes = ray.get([w.write_probe.remote(nonce) for w in writers], timeout=timeout)
+        except RayTaskError as exc:
+            if not isinstance(exc.cause, OSError):
+                raise
+            # a directory a node cannot write is a setup mistake like an unshared one: one line, exit 2
+            fix = ("free space there or point checkpoint.dir at another filesystem (its committed steps stay)"
+                   if exc.cause.errno in (errno.ENOSPC, errno.EDQUOT) else "make the path writable on every node")
+            raise StorageNotShared(f"checkpoint.dir={self.spec.checkpoint.dir}: a node cannot write there "
+                                   f"({exc.cause}); {fix}") from None
+        try:
+            seen = ray.get(self.actor.probes_seen.remote([p.name for p in probes]), timeout=timeout)
+        finally:
+            ray.get([w.remove_probe.remote(p.name) for w, p in zip(writers, probes)], timeout=timeout)
+        missing = missing_probes(probes, set(seen.seen))
+        if missing:
+            raise StorageNotShared(unshared_message(str(self.spec.checkpoint.dir), missing, seen.node_id))
+        assert self._probed is not None
+        self._probed.update(nodes)
+        logger.info("checkpoint root %s is shared by the %d node(s) that may host ranks", self.root, len(probes))
+
+
+def _rank_nodes(spec: JobSpec) -> list[str]:
+    """Ids of the alive nodes with room for at least one rank (a 0-CPU head hosts none)."""
+    res = spec.resources
+    need = {"CPU": res.cpus_per_worker, "GPU": res.gpus}
+    return [n["NodeID"] for n in ray.nodes()
+            if n["Alive"] and all(n["Resources"].get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)]

@@ -1,0 +1,108 @@
+"""Retention with leases: after each commit, delete what the policy lets go, never a leased step.
+
+A step is held by a lease of an attempt loading it (``leases``: holder -> step, in memory) or
+of an exporter outside the job (a lease file, judged live by the actor's clock: see
+``storage/leases.py``). Deletes run under the lease lock of a POSIX root; on an object store
+``layout.delete`` re-checks the leases after removing the manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
+from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
+from raytrain_ckpt.checkpoint.roles.steps import StepRegistry
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, LeftoverWatch
+from raytrain_ckpt.checkpoint.storage.leases import LeaseFiles, purge_lock
+from raytrain_ckpt.metrics import CheckpointMetrics
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Retainer"]
+
+
+class Retainer:
+    """Applies ``RetentionPolicy`` to the registry's committed steps, honouring leases."""
+
+    def __init__(self, layout: CheckpointLayout, retention: RetentionPolicy, steps: StepRegistry,
+                 metrics: CheckpointMetrics, leftover_grace_s: float) -> None:
+        self.layout, self.retention, self.steps, self.metrics = layout, retention, steps, metrics
+        self.leases: dict[str, int] = {}
+        """holder -> the step it loads (an attempt's lease, ``CheckpointActor.acquire``)."""
+        self.lease_files = LeaseFiles(layout.root, storage=layout.storage)
+        """Exporters' leases, judged live by our own clock (see leases.py)."""
+        self.purge_errors = 0
+        """Retention deletes that failed (logged); the commits they followed stand."""
+        self.leftovers = LeftoverWatch(leftover_grace_s)
+        """Uncommitted entries (an aborted step a slow writer kept uploading into), judged by our clock."""
+
+    @contextlib.contextmanager
+    def purge_lock(self) -> Iterator[None]:
+        """The lease lock of a POSIX root; nothing on an object store (``delete`` re-checks there)."""
+        with purge_lock(self.layout.root):
+            yield
+
+    def file_leased_steps(self) -> set[int]:
+        return self.lease_files.leased_steps()
+
+    def _still_unleased(self, step: int) -> Callable[[], bool] | None:
+        """Object store (no lease lock): the re-check ``layout.delete`` makes after removing the manifest."""
+        if self.layout.protocol.file_locks:
+            return None
+        return lambda: step not in self.file_leased_steps()
+
+    def purge(self) -> None:
+        """Apply retention after a commit. Never raises: the commit it follows is durable; an
+        error is logged and counted, and the purge after the next commit tries again."""
+        committed = self.steps.committed
+        try:
+            self._drop_missing()
+            # Under the lease lock: an exporter outside the job either sees its step gone or we see its lease file.
+            with self.purge_lock():
+                leased = [*self.leases.values(), *self.file_leased_steps()]
+                doomed = self.retention.to_delete(committed, leased, self.steps.pending,
+                                                  {s: m.metrics() for s, m in committed.items()})
+                removed = [step for step in doomed if self._delete(step)]
+        except Exception as exc:  # see the docstring: retention is retried, the commit stands
+            self.purge_errors += 1
+            logger.error("retention failed (%d failure(s) so far), steps kept for now: %s", self.purge_errors, exc)
+            return
+        if removed:
+            logger.info("retention removed step(s) %s", removed)
+            self.metrics.purged(len(removed))
+        self._remove_stale_leftovers()
+
+    def _remove_stale_leftovers(self) -> None:
+        """After retention: remove entries that never committed and stayed unchanged for
+        ``checkpoint.leftover_grace_s`` (never a step in flight). Never raises, like ``purge``."""
+        try:
+            self.layout.remove_stale_leftovers(self.leftovers, [p.tmp for p in list(self.steps.pending.values())],
+                                               set(self.steps.committed))
+        except Exception as exc:  # the next commit's pass tries again; nothing committed is touched
+            self.purge_errors += 1
+            logger.error("could not remove uncommitted leftovers (%d failure(s) so far): %s", self.purge_errors, exc)
+
+    def _delete(self, step: int) -> bool:
+        """Delete one committed step; a failure is logged and counted, and the step stays registered."""
+        try:
+            if not self.layout.delete(step, self._still_unleased(step)):
+                return False  # an exporter leased it meanwhile (object store): kept, deleted by a later pass
+        except FileNotFoundError:
+            logger.warning("checkpoint step %d vanished from %s (removed by hand?); dropped from the registry",
+                           step, self.layout.root)
+        except OSError as exc:  # retried after the next commit; the step is still registered and on disk
+            self.purge_errors += 1
+            logger.error("retention could not delete step %d (%d failure(s) so far): %s", step, self.purge_errors, exc)
+            return False
+        del self.steps.committed[step]
+        return True
+
+    def _drop_missing(self) -> None:
+        """Forget committed steps whose directory is gone: retention must count what is on disk."""
+        for step in sorted(self.steps.committed):
+            if not self.layout.is_committed_name(step):
+                logger.warning("checkpoint step %d vanished from %s (removed by hand?); dropped from the registry",
+                               step, self.layout.root)
+                del self.steps.committed[step]

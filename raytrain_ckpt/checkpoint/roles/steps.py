@@ -1,0 +1,252 @@
+"""The CheckpointActor's step registry: every step it knows and the phase each one is in.
+
+A step is committed (its manifest), in flight (an ``InFlightStep``: which ranks handed off,
+which reported) or aborted (why). ``phase_of`` and ``inflight`` derive the ``StepPhase``
+from those facts, the one place that does: ``status``, the metrics and the CLI read it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from raytrain_ckpt.checkpoint.records import FailedSaves, GroupLayout, InFlight, RankReport, StepPhase, WriterRef
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, Manifest
+from raytrain_ckpt.metrics import CheckpointMetrics
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["InFlightStep", "SaveFailures", "StepAborted", "StepRegistry", "inflight_phase"]
+
+SETTLE_CHECK_S = 0.5
+"""How often ``settle`` asks the writers of a step in flight whether they still hold its hand-offs."""
+WRITER_QUERY_S = 5.0
+"""How long ``settle`` waits for a writer's answer; one that does not answer is waited for as before."""
+
+
+class StepAborted(RuntimeError):
+    """A step that will never commit (a writer or the actor died, or it was aborted)."""
+
+
+def inflight_phase(planning: bool, handed_off: int, written: int, world_size: int) -> StepPhase:
+    """The phase of a step in flight from what the CheckpointActor knows of it."""
+    if written >= world_size:
+        return StepPhase.COMMITTING
+    if handed_off >= world_size:
+        return StepPhase.WRITING
+    if planning and handed_off == 0:
+        return StepPhase.PLANNING
+    return StepPhase.STAGING
+
+
+@dataclass
+class SaveFailures:
+    """Failed saves as ``status``, the metrics and the job's end report them: a job whose saves
+    keep failing must say so. Counted per step (every rank of a failed step reports it)."""
+
+    total: int = 0
+    consecutive: int = 0
+    """Failed saves since the last commit."""
+    last_step: int | None = None
+    last_error: str | None = None
+
+    def failed(self, step: int, reason: str) -> None:
+        self.total += 1
+        self.consecutive += 1
+        self.last_step, self.last_error = step, reason
+
+    def committed(self) -> None:
+        self.consecutive = 0
+
+    def record(self) -> FailedSaves:
+        return FailedSaves(self.total, self.consecutive, self.last_step, self.last_error)
+
+
+@dataclass
+class InFlightStep:
+    """A step being saved: its temporary directory and what its ranks did so far."""
+
+    tmp: Path
+    attempt: int
+    started: float
+    accepted: set[int] = field(default_factory=set)
+    """Ranks whose staged data a writer holds: they will report unless the writer dies."""
+    writers: dict[int, WriterRef] = field(default_factory=dict)
+    """rank -> the writer holding its hand-off (what ``settle`` asks)."""
+    reports: dict[int, RankReport] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str | None = None
+
+
+class StepRegistry:
+    """Committed, in-flight and aborted steps; opens, aborts and settles steps in flight."""
+
+    def __init__(self, layout: CheckpointLayout, metrics: CheckpointMetrics, group: Callable[[], GroupLayout],
+                 on_change: Callable[[], None]) -> None:
+        self.layout, self.metrics, self._group, self._on_change = layout, metrics, group, on_change
+        self.committed: dict[int, Manifest] = layout.valid_steps("size")
+        self.pending: dict[int, InFlightStep] = {}
+        self.failed: dict[int, str] = {}
+        self._aborted: set[tuple[int, int]] = set()
+        """(step, attempt) of every aborted save: a late hand-off of the same save cannot reopen it."""
+        self.saves = SaveFailures()
+
+    @property
+    def world_size(self) -> int:
+        return self._group().world_size
+
+    def phase_of(self, step: int, planning: bool = False) -> StepPhase | None:
+        """``step``'s phase (None: unknown here); ``planning``: its plans are being gathered."""
+        if step in self.committed:
+            return StepPhase.COMMITTED
+        p = self.pending.get(step)
+        if p is not None:
+            return inflight_phase(planning, len(p.accepted), len(p.reports), self.world_size)
+        if step in self.failed:
+            return StepPhase.ABORTED
+        return StepPhase.PLANNING if planning else None
+
+    def inflight(self, planning: list[int]) -> InFlight:
+        """The newest step in flight, its phase and each rank's progress (1 handed off, 2 written);
+        ``planning``: the steps whose plans are being gathered."""
+        if not self.pending:
+            return InFlight(max(planning), StepPhase.PLANNING) if planning else InFlight()
+        step = max(self.pending)
+        p = self.pending[step]
+        ranks = {r: 1 for r in p.accepted} | {r: 2 for r in p.reports}
+        return InFlight(step, self.phase_of(step, step in planning), ranks)
+
+    def open_step(self, step: int, attempt: int) -> str:
+        """The temporary directory every rank of ``step`` writes into (created on first call)."""
+        if step in self.committed:
+            raise StepAborted(f"step {step} is already committed")
+        if (step, attempt) in self._aborted:
+            # A rank whose hand-off comes after another rank's write of this save failed: without
+            # this, it would open the step again and its final save would wait for a rank that
+            # already gave up on it.
+            raise StepAborted(f"step {step} was aborted: {self.failed.get(step, 'an earlier failure')}")
+        p = self.pending.get(step)
+        if p is None or p.error is not None:
+            # No await between the lookup and the insert: concurrent callers must share one directory.
+            p = InFlightStep(self.layout.new_tmp_dir(step), attempt, time.monotonic())
+            self.pending[step] = p
+            self.failed.pop(step, None)
+        return str(p.tmp)
+
+    def accepted(self, step: int, rank: int, attempt: int, writer: WriterRef | None) -> str:
+        tmp = self.open_step(step, attempt)
+        self.pending[step].accepted.add(rank)
+        if writer is not None:
+            self.pending[step].writers[rank] = writer
+        self._on_change()
+        return tmp
+
+    def in_flight(self, step: int) -> InFlightStep:
+        """``step`` in flight; raises StepAborted when it is not (aborted, or not known since a restart)."""
+        p = self.pending.get(step)
+        if p is None or p.error is not None:
+            raise StepAborted(f"step {step} is not in flight (aborted or the checkpoint actor restarted)")
+        return p
+
+    def reported(self, report: RankReport) -> InFlightStep:
+        """Record a rank's report; the step in flight it belongs to."""
+        p = self.in_flight(report.step)
+        p.reports[report.rank] = report
+        self._on_change()
+        return p
+
+    def commit_done(self, step: int, manifest: Manifest) -> None:
+        """``step`` is committed: its manifest is registered, its waiters wake."""
+        p = self.pending.pop(step)
+        self.committed[step] = manifest
+        self.saves.committed()
+        p.done.set()
+        self.metrics.committed(manifest)
+        self._on_change()
+
+    async def abort(self, step: int, reason: str, attempt: int | None = None) -> None:
+        """Give up on an in-flight step (of ``attempt``, when the caller knows it): remove its
+        temporary directory, remember why."""
+        p = self.pending.pop(step, None)
+        for a in {attempt, p.attempt if p is not None else None} - {None}:
+            self._aborted.add((step, a))
+        if step not in self.failed:  # the first reason is the cause; later ranks only see the step gone
+            self.failed[step] = reason
+            self.saves.failed(step, reason)
+            self.metrics.save_failed(self.saves.consecutive)
+        if p is not None:
+            p.error = reason
+            p.done.set()
+            await asyncio.to_thread(self.layout.storage.remove_tree, p.tmp)
+            self.metrics.aborted()
+            self._on_change()
+        logger.warning("checkpoint step %d aborted: %s", step, reason)
+
+    async def wait_committed(self, step: int, timeout_s: float) -> None:
+        """Block until ``step`` is committed; raises StepAborted or TimeoutError."""
+        if step in self.committed:
+            return
+        p = self.pending.get(step)
+        if p is None:
+            raise StepAborted(f"step {step} is not in flight: {self.failed.get(step, 'never started')}")
+        await asyncio.wait_for(p.done.wait(), timeout_s)
+        if step not in self.committed:
+            raise StepAborted(f"step {step} aborted: {p.error}")
+
+    async def settle(self, timeout_s: float) -> None:
+        """Before a new attempt loads: finish what can finish, abort what cannot.
+
+        A step some rank never handed to a writer can never commit (that trainer is gone):
+        abort it now. A step every rank handed off is waited for, up to ``timeout_s``, unless
+        the writer of a rank that has not reported no longer holds its hand-off (it died, with
+        its node or alone, or its write failed): then it can never commit and is aborted at once.
+        A writer that holds it, or does not answer, is waited for.
+        """
+        world = self.world_size
+        for step, p in list(self.pending.items()):
+            if len(p.accepted) < world:
+                await self.abort(step, f"ranks {sorted(set(range(world)) - p.accepted)} never handed it off")
+                continue
+            deadline = time.monotonic() + timeout_s
+            while not p.done.is_set():
+                lost = await self._lost_hand_offs(step, p)
+                if lost and not p.done.is_set():
+                    await self.abort(step, f"the writer holding ranks {lost} died or failed before they reported")
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    await self.abort(step, f"not committed within {timeout_s:g}s of the restart")
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(p.done.wait(), min(left, SETTLE_CHECK_S))
+
+    async def _lost_hand_offs(self, step: int, p: InFlightStep) -> list[int]:
+        """Ranks of ``step`` not reported whose writer surely no longer holds them: its node is
+        dead, Ray says the actor died, or it answers that it does not hold them (a restarted
+        writer holds nothing of its previous incarnation). Unknown (no answer in time) is not lost."""
+        import ray
+        from ray.exceptions import ActorDiedError
+
+        waiting = {r: w for r, w in p.writers.items() if r not in p.reports}
+        if not waiting:
+            return []
+        alive = {n["NodeID"] for n in await asyncio.to_thread(ray.nodes) if n["Alive"]}
+        lost = []
+        for rank, writer in sorted(waiting.items()):
+            if writer.node_id in alive:
+                try:
+                    if await asyncio.wait_for(writer.handle.holds.remote(rank, step), WRITER_QUERY_S):
+                        continue
+                except ActorDiedError:
+                    pass
+                except Exception as exc:  # restarting, unreachable or slow to answer: it may still report
+                    logger.debug("writer of rank %d step %d did not answer: %s", rank, step, exc)
+                    continue
+            if rank not in p.reports:  # a report may have come in while we asked
+                lost.append(rank)
+        return lost
