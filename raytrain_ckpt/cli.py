@@ -293,7 +293,7 @@ def _file_uris_as_paths(args: argparse.Namespace) -> None:
 def _conversion_path_problem(args: argparse.Namespace) -> str | None:
     """Special files as input (reading a FIFO blocks), outputs that cannot be created and object
     stores that do not answer, said in one line; None when the paths are usable. Torch-free."""
-    from raytrain_ckpt.checkpoint.storage.backends import home_problem
+    from raytrain_ckpt.locations import home_problem
     from raytrain_ckpt.checkpoint.storage.objects import object_store_problem
     from raytrain_ckpt.preflight import writable_dir_problem
 

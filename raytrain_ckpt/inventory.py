@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint
-from raytrain_ckpt.checkpoint.format.names import EntryKind, Location, is_uri, parent_of, parse_entry, step_name
+from raytrain_ckpt.checkpoint.format.names import EntryKind, Location, parent_of, parse_entry, step_name
+from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.format.verify import Verify, step_problems
 from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
 from raytrain_ckpt.checkpoint.records import ActorStatus
 from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text, phase_text, summary_line
-from raytrain_ckpt.checkpoint.storage.backends import home_problem, open_storage
+from raytrain_ckpt.checkpoint.storage.backends import open_storage
+from raytrain_ckpt.locations import home_problem
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,8 @@ from typing import Any
 
 from raytrain_ckpt.checkpoint.errors import StorageUnavailable
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint
-from raytrain_ckpt.checkpoint.format.names import Location, is_uri, parse_entry
+from raytrain_ckpt.checkpoint.format.names import Location, parse_entry
+from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.format.verify import read_manifest
 from raytrain_ckpt.checkpoint.storage.backends import open_storage
 from raytrain_ckpt.checkpoint.storage.objects import object_store_problem

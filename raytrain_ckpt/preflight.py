@@ -20,7 +20,8 @@ from pathlib import Path
 from raytrain_ckpt.spec.job import JobSpec
 from raytrain_ckpt.spec.loading import parse_spec, read_spec
 from raytrain_ckpt.spec.memory import MemoryEstimate, memory_estimate
-from raytrain_ckpt.spec.sections import RESUME_VALUES, SpecError, is_ascii_digits, mask_uri, results_dir
+from raytrain_ckpt.spec.sections import RESUME_VALUES, SpecError, is_ascii_digits, results_dir
+from raytrain_ckpt.locations import mask_uri
 
 logger = logging.getLogger(__name__)
 

@@ -96,7 +96,7 @@ def _check_flags(tokenizer: Path | None, vocab_size: int | None, workers: int) -
 def _expand(path: Path, flag: str) -> Path:
     """``path`` with a leading ``~`` expanded: ``--out=~/x`` reaches us unexpanded, and a literal
     ``~`` directory in the working directory is never what was meant."""
-    from raytrain_ckpt.checkpoint.storage.backends import home_problem
+    from raytrain_ckpt.locations import home_problem
 
     problem = home_problem(path)
     if problem is not None:

@@ -341,3 +341,61 @@ class ActorStatus:
                 "at_risk": {"seconds": self.at_risk.seconds, "steps": self.at_risk.steps},
                 "interval": ({"step": self.interval.step, **asdict(self.interval.decision)}
                              if self.interval is not None else None)}
+
+
+__all__ += ["CommittedCopy"]
+
+
+@dataclass(frozen=True)
+class CommittedCopy:
+    """Where one rank's copy of a written step lives on its node, and what it must hash to."""
+
+    step: int
+    rank: int
+    layout: str
+    """``staging.layout_key`` of the state it holds: the same key means the same slots and objects."""
+    nbytes: int
+    slots: list[Any]
+    """The ``datapath.staging.TensorSlot`` of every tensor in the buffer."""
+    objects: bytes
+    """The pickled non-tensor entries of the rank's flat state dict (as handed to the writer)."""
+    crc32c: int
+    """CRC-32C of the buffer's first ``nbytes`` (its whole file), taken when the step was written."""
+    path: str
+    """The staging buffer file (``/dev/shm``) that holds the bytes on this node."""
+    files: dict[str, dict[str, int]] = field(default_factory=dict)
+    """The rank's files of the step as written: name -> {"size", "crc32c"}; the manifest must list the same."""
+    node_id: str = ""
+
+
+__all__ += ["Replica"]
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A verified replica held by a node's writer."""
+
+    source_node: str
+    """The node whose writer sent it (where the rank's own copy was)."""
+    step: int
+    rank: int
+    nbytes: int
+    crc32c: int
+    copy: CommittedCopy
+    """The source's committed-copy descriptor, its ``path`` replaced by this node's file."""
+
+    @property
+    def path(self) -> str:
+        return self.copy.path
+
+
+__all__ += ["NodeProbe"]
+
+
+@dataclass(frozen=True)
+class NodeProbe:
+    """What one node wrote: its Ray node id, its address (for the message) and the probe's file name."""
+
+    node_id: str
+    address: str
+    name: str

@@ -13,8 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from raytrain_ckpt.checkpoint.format.names import is_uri
-from raytrain_ckpt.checkpoint.storage.backends import home_problem
+from raytrain_ckpt.locations import home_problem, is_uri, mask_uri
 from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES, input_files
 from raytrain_ckpt.models import PRESETS, describe_model, resolve_factory
 
@@ -34,8 +33,7 @@ __all__ = [
     "ResourcesSpec",
     "SpecError",
     "TrainingSpec",
-    "mask_uri",
-]
+    ]
 
 
 class SpecError(ValueError):
@@ -53,18 +51,6 @@ def _printable(line: str) -> str:
     if line.isprintable():
         return line
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in line)
-
-
-_USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/{1,2})([^/@\s]+)@")  # (a Path folds :// to :/)
-
-
-def mask_uri(text: str) -> str:
-    """``text`` with the password (or a lone token) of every ``scheme://user:secret@host`` in it
-    replaced by ``***``: what a spec error or log line may show of a URI."""
-    def masked(m: re.Match[str]) -> str:
-        user, sep, _ = m.group(2).partition(":")
-        return f"{m.group(1)}{user}:***@" if sep else f"{m.group(1)}***@"
-    return _USERINFO.sub(masked, text)
 
 
 class FieldProblems(ValueError):

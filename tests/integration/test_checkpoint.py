@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
-from raytrain_ckpt.checkpoint.roles.service import NAMESPACE, actor_name
+from raytrain_ckpt.checkpoint.roles.names import actor_name, NAMESPACE
 from raytrain_ckpt.controller import JobResult, JobState
 from raytrain_ckpt.driver import run_job
 from raytrain_ckpt.faults import ENV_VAR, STAMP_VAR

@@ -144,3 +144,132 @@ def test_validate_of_a_gpu_spec_imports_torch_only_where_a_gpu_driver_is():
     # torch.cuda tells the GPU's memory; a driver machine without a GPU skips that check
     code = "from raytrain_ckpt.cli import main\nassert main(['validate', 'jobs/llama_8b_gpu.yaml']) == 0"
     assert _loaded_after(code, ("torch", "ray")) == (["torch"] if _has_gpu_device_files() else [])
+
+
+# --- the rooms of checkpoint/ -----------------------------------------------------------------
+
+ROOMS: dict[str, set[str]] = {
+    # room -> the rooms it may import (besides itself, records and errors)
+    "format": set(),
+    "storage": {"format"},
+    "policy": {"format"},
+    "datapath": {"format", "storage"},
+    "recovery": {"format", "storage", "policy", "datapath"},
+    "interchange": {"format", "storage", "policy"},
+    "roles": {"format", "storage", "policy", "datapath", "recovery", "interchange"},
+}
+SHARED = {"records", "errors"}
+"""Top-level modules of checkpoint/ that every room may import: plain data and error types."""
+
+
+def room_of(module: str) -> str | None:
+    """``raytrain_ckpt.checkpoint.storage.layout`` -> ``storage``; None outside checkpoint's rooms."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["raytrain_ckpt", "checkpoint"] else None
+
+
+def room_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` for every import across rooms that the ROOMS table does not allow."""
+    out = []
+    for module, deps in sorted(graph.items()):
+        room = room_of(module)
+        if room is None:
+            continue
+        for dep in sorted(deps):
+            target = room_of(dep)
+            if target is None:
+                if dep == "raytrain_ckpt.checkpoint":
+                    out.append(f"{module} -> {dep}")
+                continue
+            if room in SHARED and target not in SHARED:
+                out.append(f"{module} -> {dep}")
+            elif target != room and target not in SHARED and target not in ROOMS.get(room, set()):
+                out.append(f"{module} -> {dep}")
+    return out
+
+
+def test_the_room_check_finds_a_forbidden_import_and_allows_the_table():
+    graph = {"raytrain_ckpt.checkpoint.format.manifest": {"raytrain_ckpt.checkpoint.storage.layout"},
+             "raytrain_ckpt.checkpoint.roles.writer": {"raytrain_ckpt.checkpoint.datapath.staging",
+                                                       "raytrain_ckpt.checkpoint.records"},
+             "raytrain_ckpt.checkpoint.policy.retention": {"raytrain_ckpt.checkpoint.format.names",
+                                                           "raytrain_ckpt.checkpoint.roles.actor"},
+             "raytrain_ckpt.checkpoint.records": {"raytrain_ckpt.checkpoint.format.manifest"}}
+    assert room_violations(graph) == [
+        "raytrain_ckpt.checkpoint.format.manifest -> raytrain_ckpt.checkpoint.storage.layout",
+        "raytrain_ckpt.checkpoint.policy.retention -> raytrain_ckpt.checkpoint.roles.actor",
+        "raytrain_ckpt.checkpoint.records -> raytrain_ckpt.checkpoint.format.manifest",
+    ]
+
+
+def test_every_module_of_checkpoint_lives_in_a_room():
+    loose = sorted(m for m in import_graph() if room_of(m) is not None and room_of(m) not in ROOMS
+                   and room_of(m) not in SHARED)
+    assert loose == [], "a checkpoint module outside the rooms of ROOMS"
+
+
+def test_each_room_imports_only_what_the_table_allows():
+    assert room_violations(import_graph()) == []
+
+
+def _imports_ray(path: Path) -> bool:
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_nodes(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+        if any(n == "ray" or n.startswith("ray.") for n in names):
+            return True
+    return False
+
+
+def test_only_roles_imports_ray():
+    outside = sorted(name for name, path in _module_names().items()
+                     if room_of(name) not in (None, "roles") and _imports_ray(path))
+    assert outside == [], "only checkpoint/roles/ talks to Ray"
+
+
+def test_spec_imports_nothing_of_checkpoint():
+    graph = import_graph()
+    spec = {m: sorted(d for d in deps if d.startswith("raytrain_ckpt.checkpoint"))
+            for m, deps in graph.items() if m == "raytrain_ckpt.spec" or m.startswith("raytrain_ckpt.spec.")}
+    assert {m: d for m, d in spec.items() if d} == {}
+
+
+def test_the_ray_check_sees_an_import_in_a_function(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    import ray.util\n")
+    assert _imports_ray(f)
+    f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import ray\nimport raytrain_ckpt\n")
+    assert not _imports_ray(f)
+
+
+MAX_CLASS_LINES, MAX_MODULE_LINES = 250, 500
+"""A class past 250 lines holds more than one concern; a module past 500 becomes a package."""
+
+
+def oversized(root: Path) -> list[str]:
+    """``path: N lines`` for every module over MAX_MODULE_LINES and ``path:Class: N lines`` for
+    every class over MAX_CLASS_LINES below ``root``."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        name = path.relative_to(root).as_posix()
+        if (n := len(text.splitlines())) > MAX_MODULE_LINES:
+            out.append(f"{name}: {n} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and (n := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES:
+                out.append(f"{name}:{node.name}: {n} lines")
+    return out
+
+
+def test_the_size_check_counts_classes_and_modules(tmp_path):
+    (tmp_path / "a.py").write_text("class A:\n" + "    x = 1\n" * MAX_CLASS_LINES + "y = 2\n")
+    (tmp_path / "b.py").write_text("z = 0\n" * (MAX_MODULE_LINES + 1))
+    assert oversized(tmp_path) == [f"a.py:A: {MAX_CLASS_LINES + 1} lines", f"b.py: {MAX_MODULE_LINES + 1} lines"]
+
+
+def test_no_class_or_module_of_checkpoint_is_oversized():
+    assert oversized(PACKAGE / "checkpoint") == []

@@ -12,7 +12,8 @@ import pytest
 
 from raytrain_ckpt import metrics
 from raytrain_ckpt.checkpoint.roles.steps import SaveFailures
-from raytrain_ckpt.checkpoint.storage.probe import NodeProbe, local_root, missing_probes, probe_name, unshared_message
+from raytrain_ckpt.checkpoint.records import NodeProbe
+from raytrain_ckpt.checkpoint.storage.probe import local_root, missing_probes, probe_name, unshared_message
 from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text
 from tests.unit.test_checkpoint_actor import _save, _single_rank_actor
 

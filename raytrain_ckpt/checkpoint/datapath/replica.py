@@ -40,10 +40,11 @@ from typing import Any, Protocol
 import crc32c as _crc32c
 
 from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer, open_buffer
+from raytrain_ckpt.checkpoint.records import Replica
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CHUNK_BYTES", "CommittedBytes", "Pacer", "Replica", "ReplicaError", "ReplicaStore",
+__all__ = ["CHUNK_BYTES", "CommittedBytes", "Pacer", "ReplicaError", "ReplicaStore",
            "read_chunks", "ring_peers", "send_replica"]
 
 CHUNK_BYTES = 8 << 20
@@ -72,24 +73,6 @@ def ring_peers(nodes: list[str]) -> dict[str, str]:
     if len(ring) < 2:
         return {}
     return {node: ring[(i + 1) % len(ring)] for i, node in enumerate(ring)}
-
-
-@dataclass(frozen=True)
-class Replica:
-    """A verified replica held by a node's writer."""
-
-    source_node: str
-    """The node whose writer sent it (where the rank's own copy was)."""
-    step: int
-    rank: int
-    nbytes: int
-    crc32c: int
-    copy: Any
-    """The source's committed-copy descriptor, its ``path`` replaced by this node's file."""
-
-    @property
-    def path(self) -> str:
-        return self.copy.path
 
 
 class Pacer:

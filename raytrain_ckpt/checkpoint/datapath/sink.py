@@ -29,7 +29,7 @@ from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles
 from raytrain_ckpt.checkpoint.datapath.localfile import write_rank_files
 from raytrain_ckpt.checkpoint.datapath.progress import StagingAborted
 from raytrain_ckpt.checkpoint.datapath.upload import is_s3, upload_rank_files
-from raytrain_ckpt.checkpoint.storage.backends import is_uri
+from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.storage.objects import object_filesystem
 from raytrain_ckpt.checkpoint.storage.retries import is_transient, retry_transient
 from raytrain_ckpt.checkpoint.storage.dcp import UploadingWriter

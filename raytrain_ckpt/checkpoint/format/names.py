@@ -16,23 +16,16 @@ object store (``is_uri`` tells them apart by spelling alone).
 from __future__ import annotations
 
 import enum
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Entry", "EntryKind", "Location", "is_uri", "parent_of", "parse_entry", "step_name"]
+__all__ = ["Entry", "EntryKind", "Location", "parent_of", "parse_entry", "step_name"]
 
 Location = Path | str
 """A path under a storage: a ``Path`` on POSIX storage, a URI string on an object store."""
 
 _ENTRY_RE = re.compile(r"step-([0-9]{8,})(?:\.([a-z]+)-([0-9a-f]+))?")
-
-
-def is_uri(root: str | os.PathLike) -> bool:
-    """True for ``<scheme>://...`` other than ``file://`` (a local path in URI spelling)."""
-    text = os.fspath(root)
-    return "://" in text and not text.startswith("file://")
 
 
 def parent_of(path: Location) -> Location:

@@ -57,7 +57,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from raytrain_ckpt.checkpoint.errors import ConversionError
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint, Manifest
 from raytrain_ckpt.checkpoint.format.metadata import SafeLoadPlanner, empty_safe_planner, safe_reader
-from raytrain_ckpt.checkpoint.format.names import Location, is_uri, parent_of, parse_entry, step_name
+from raytrain_ckpt.checkpoint.format.names import Location, parent_of, parse_entry, step_name
+from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.format.verify import Verify, verify_step
 from raytrain_ckpt.checkpoint.interchange.formats import lazy_tensor, stream_torch_save
 from raytrain_ckpt.checkpoint.interchange.hf_export import write_hf

@@ -28,7 +28,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from raytrain_ckpt.checkpoint.interchange.export import progress_bar
 from raytrain_ckpt.checkpoint.errors import ConversionError, StorageUnavailable
 from raytrain_ckpt.checkpoint.format.manifest import Manifest, describe_file
-from raytrain_ckpt.checkpoint.format.names import Location, is_uri
+from raytrain_ckpt.checkpoint.format.names import Location
+from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.models.hf import HFAdapter, hf_adapter
 from raytrain_ckpt.events import headline

@@ -22,7 +22,7 @@ import os
 import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -35,40 +35,21 @@ from torch.distributed.tensor import DTensor
 from raytrain_ckpt.checkpoint.format.verify import Verify, verify_step
 from raytrain_ckpt.checkpoint.storage.backends import open_storage
 from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint, checksum_view
-from raytrain_ckpt.checkpoint.datapath.staging import TensorSlot, copy_bytes, layout_key, map_whole, plan_slots, views_of
+from raytrain_ckpt.checkpoint.datapath.staging import copy_bytes, layout_key, map_whole, plan_slots, views_of
 from raytrain_ckpt.checkpoint.recovery.state import apply_own_state, load_app_state, own_state
-from raytrain_ckpt.checkpoint.format.names import Location, is_uri
+from raytrain_ckpt.checkpoint.format.names import Location
+from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.faults import planned
+from raytrain_ckpt.checkpoint.records import CommittedCopy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CommittedCopy", "CopyFacts", "CopyMismatch", "RankSource", "Restored", "choose_sources",
+__all__ = ["CopyFacts", "CopyMismatch", "RankSource", "Restored", "choose_sources",
            "open_copy", "restore"]
 
 
 class CopyMismatch(RuntimeError):
     """An in-memory copy that must not be loaded (the caller loads from storage instead)."""
-
-
-@dataclass(frozen=True)
-class CommittedCopy:
-    """Where one rank's copy of a written step lives on its node, and what it must hash to."""
-
-    step: int
-    rank: int
-    layout: str
-    """``staging.layout_key`` of the state it holds: the same key means the same slots and objects."""
-    nbytes: int
-    slots: list[TensorSlot]
-    objects: bytes
-    """The pickled non-tensor entries of the rank's flat state dict (as handed to the writer)."""
-    crc32c: int
-    """CRC-32C of the buffer's first ``nbytes`` (its whole file), taken when the step was written."""
-    path: str
-    """The staging buffer file (``/dev/shm``) that holds the bytes on this node."""
-    files: dict[str, dict[str, int]] = field(default_factory=dict)
-    """The rank's files of the step as written: name -> {"size", "crc32c"}; the manifest must list the same."""
-    node_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,15 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
-from raytrain_ckpt.checkpoint.records import (ActorStatus, CentralPlan, FileSum, GroupLayout, JobNote, ProbesSeen,
-                                              RankReport, ResumePoint, SaveCosts, WriterRef)
+from raytrain_ckpt.checkpoint.records import ActorStatus, CentralPlan, FileSum, GroupLayout, JobNote, ProbesSeen, RankReport, ResumePoint, SaveCosts, WriterRef
 from raytrain_ckpt.checkpoint.roles.board import StatusBoard
 from raytrain_ckpt.checkpoint.roles.coordinator import SaveCoordinator
 from raytrain_ckpt.checkpoint.roles.retainer import Retainer
 from raytrain_ckpt.checkpoint.roles.steps import StepRegistry
 from raytrain_ckpt.checkpoint.roles.timeline import ResumeTimeline
-from raytrain_ckpt.checkpoint.storage.layout import LEFTOVER_GRACE_S, CheckpointLayout, Manifest, Verify
+from raytrain_ckpt.checkpoint.format.manifest import Manifest
+from raytrain_ckpt.checkpoint.format.verify import Verify
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, LEFTOVER_GRACE_S
 from raytrain_ckpt.checkpoint.storage.leases import LeaseFiles
 from raytrain_ckpt.faults import adopt_fault_env
 from raytrain_ckpt.logs import setup_logging

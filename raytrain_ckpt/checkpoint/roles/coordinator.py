@@ -24,7 +24,8 @@ from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, RankReport
 from raytrain_ckpt.checkpoint.roles.steps import InFlightStep, StepAborted, StepRegistry
 from raytrain_ckpt.checkpoint.storage.dcp import dcp_writer
-from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, Manifest
+from raytrain_ckpt.checkpoint.format.manifest import Manifest
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.metrics import CheckpointMetrics
 

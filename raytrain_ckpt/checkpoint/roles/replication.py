@@ -21,8 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 
-from raytrain_ckpt.checkpoint.datapath.replica import Pacer, Replica, ReplicaError, ReplicaStore, send_replica
+from raytrain_ckpt.checkpoint.datapath.replica import Pacer, ReplicaError, ReplicaStore, send_replica
+
+from raytrain_ckpt.checkpoint.records import Replica
 from raytrain_ckpt.metrics import WriterMetrics
 
 logger = logging.getLogger(__name__)
@@ -57,7 +60,7 @@ class Replication:
         self._newest_sent: dict[int, int] = {}
         self._send_pool = ThreadPoolExecutor(max_workers=_SEND_THREADS, thread_name_prefix="rtc-replica")
 
-    def set_peer(self, node_id: str | None, peer: Any | None) -> None:
+    def set_peer(self, node_id: str | None, peer: ActorHandle | None) -> None:
         with self._lock:
             self._peer = None if peer is None else (str(node_id), peer)
         logger.info("replicas of this node's ranks go to node %s", (node_id or "none (off)")[:12])
@@ -81,7 +84,7 @@ class Replication:
         future = self._send_pool.submit(self._send_logged, copy, self.node_id, peer)
         return future.result() if wait else None
 
-    def push(self, rank: int, step: int, to: Any, to_node: str) -> Replica:
+    def push(self, rank: int, step: int, to: ActorHandle, to_node: str) -> Replica:
         held = next((c for c in self.copies_held(step) if c.rank == rank), None)
         if held is None:
             raise ReplicaError(f"no verified copy of rank {rank} step {step} is held on node {self.node_id[:12]}")

@@ -16,14 +16,14 @@ from ray.exceptions import GetTimeoutError
 from raytrain_ckpt.checkpoint.policy.interval import IntervalHistory
 from raytrain_ckpt.checkpoint.policy.schedule import SaveSchedule
 from raytrain_ckpt.checkpoint.policy.retention import KeepBest, RetentionPolicy
-from raytrain_ckpt.checkpoint.records import (ActorStatus, AttemptPlan, GroupLayout, JobNote, RankCheckpointPlan,
-                                              ResumePoint)
-from raytrain_ckpt.checkpoint.recovery.memcopy import CommittedCopy, CopyFacts, RankSource, choose_sources
+from raytrain_ckpt.checkpoint.records import ActorStatus, AttemptPlan, CommittedCopy, GroupLayout, JobNote, RankCheckpointPlan, ResumePoint
+from raytrain_ckpt.checkpoint.recovery.memcopy import choose_sources, CopyFacts, RankSource
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
 from raytrain_ckpt.checkpoint.roles.fleet import WriterFleet
 from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name, call_restarting
 from raytrain_ckpt.checkpoint.storage.backends import job_root
-from raytrain_ckpt.checkpoint.storage.layout import InvalidCheckpoint, Verify
+from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.format.verify import Verify
 from raytrain_ckpt.events import headline
 from raytrain_ckpt.faults import planned
 from raytrain_ckpt.spec import CheckpointSpec, JobSpec

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from raytrain_ckpt.checkpoint.records import FailedSaves, GroupLayout, InFlight, RankReport, StepPhase, WriterRef
-from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, Manifest
+from raytrain_ckpt.checkpoint.format.manifest import Manifest
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.metrics import CheckpointMetrics
 
 logger = logging.getLogger(__name__)

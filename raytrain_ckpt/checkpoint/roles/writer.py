@@ -24,19 +24,18 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 
 from raytrain_ckpt.checkpoint.datapath.buffers import StagingFileError, is_leased, shm_dir, sweep_orphans
 from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles
 from raytrain_ckpt.checkpoint.datapath.progress import StageProgress, StagingAborted
-from raytrain_ckpt.checkpoint.datapath.replica import Replica
+from raytrain_ckpt.checkpoint.records import CommittedCopy, NodeProbe, PersistRequest, RankReport, Replica, SaveTimings, WriterRef, WriterUsage
 from raytrain_ckpt.checkpoint.datapath.sink import ShardSink, pick_sink
 from raytrain_ckpt.checkpoint.datapath.staging import StagedPlanner
-from raytrain_ckpt.checkpoint.records import PersistRequest, RankReport, SaveTimings, WriterRef, WriterUsage
-from raytrain_ckpt.checkpoint.recovery.memcopy import CommittedCopy
 from raytrain_ckpt.checkpoint.roles.replication import Replication
 from raytrain_ckpt.checkpoint.roles.writer_buffers import Mapped, WriterBuffers
 from raytrain_ckpt.checkpoint.storage.posix import replace_file
-from raytrain_ckpt.checkpoint.storage.probe import NodeProbe, local_root, probe_name
+from raytrain_ckpt.checkpoint.storage.probe import local_root, probe_name
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import WriterMetrics
@@ -270,7 +269,7 @@ class CheckpointWriter:
 
     # --- peer replicas (``roles/replication.py``) -------------------------------------------
 
-    def set_peer(self, node_id: str | None, peer: Any | None) -> None:
+    def set_peer(self, node_id: str | None, peer: ActorHandle | None) -> None:
         """Send replicas to ``peer`` (the writer on ``node_id``) from now on; None stops sending."""
         self.replication.set_peer(node_id, peer)
 
@@ -298,7 +297,7 @@ class CheckpointWriter:
         send failed, logged)."""
         return self.replication.replicate(copy, wait)
 
-    def push_replica(self, rank: int, step: int, to: Any, to_node: str) -> Replica:
+    def push_replica(self, rank: int, step: int, to: ActorHandle, to_node: str) -> Replica:
         """Send the copy of ``rank`` at ``step`` held here (own or replica) to another writer: a
         rank restored on another node loads from there. Re-checked here first; returns the
         receiver's replica."""

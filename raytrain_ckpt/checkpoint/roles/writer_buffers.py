@@ -18,8 +18,7 @@ from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer, StagingFileEr
 from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles
 from raytrain_ckpt.checkpoint.datapath.staging import allocate_buffer, layout_key, map_whole, populate_range, views_of
 from raytrain_ckpt.checkpoint.format.crc import address_of, region_crc
-from raytrain_ckpt.checkpoint.records import PersistRequest
-from raytrain_ckpt.checkpoint.recovery.memcopy import CommittedCopy
+from raytrain_ckpt.checkpoint.records import CommittedCopy, PersistRequest
 
 logger = logging.getLogger(__name__)
 

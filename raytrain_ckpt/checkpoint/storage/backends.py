@@ -18,26 +18,14 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from raytrain_ckpt.checkpoint.format.names import Location, is_uri
+from raytrain_ckpt.checkpoint.format.names import Location
+
+from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.format.verify import StepFiles
 from raytrain_ckpt.checkpoint.storage.objects import ObjectStorage
 from raytrain_ckpt.checkpoint.storage.posix import PosixStorage
 
-__all__ = ["Storage", "home_problem", "job_root", "local_path", "open_storage"]
-
-
-def home_problem(path: str | os.PathLike) -> str | None:
-    """Why a leading ``~`` or ``~user`` of a local path cannot be expanded, as the line a user reads;
-    None when it can (pathlib raises a RuntimeError deep in whatever expands it)."""
-    local = Path(os.fspath(path))
-    try:
-        local.expanduser()
-    except RuntimeError:
-        first = local.parts[0]
-        why = ("cannot be expanded (no HOME, and no home for this user id)" if first == "~"
-               else "names no user of this machine")
-        return f"{first} {why}; write the path out in full"
-    return None
+__all__ = ["Storage", "job_root", "local_path", "open_storage"]
 
 
 def local_path(root: str | os.PathLike) -> Path:

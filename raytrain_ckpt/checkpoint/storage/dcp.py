@@ -15,7 +15,9 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
 
-from raytrain_ckpt.checkpoint.format.names import Location, is_uri
+from raytrain_ckpt.checkpoint.format.names import Location
+
+from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.storage.objects import checksummed_upload
 
 __all__ = ["UploadingWriter", "dcp_writer"]

@@ -14,9 +14,9 @@ nothing to probe.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from raytrain_ckpt.checkpoint.records import NodeProbe
 
-__all__ = ["PROBE_PREFIX", "NodeProbe", "StorageNotShared", "local_root", "missing_probes", "probe_name",
+__all__ = ["PROBE_PREFIX", "StorageNotShared", "local_root", "missing_probes", "probe_name",
            "unshared_message"]
 
 PROBE_PREFIX = ".probe-"
@@ -25,15 +25,6 @@ PROBE_PREFIX = ".probe-"
 
 class StorageNotShared(ValueError):
     """``checkpoint.dir`` is a node-local path on a multi-node cluster: a user mistake (exit code 2)."""
-
-
-@dataclass(frozen=True)
-class NodeProbe:
-    """What one node wrote: its Ray node id, its address (for the message) and the probe's file name."""
-
-    node_id: str
-    address: str
-    name: str
 
 
 def probe_name(node_id: str, nonce: str) -> str:

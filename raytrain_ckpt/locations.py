@@ -1,0 +1,46 @@
+"""How a location is spelled: an object-store URI or a local path, a ``~`` that cannot be
+expanded, a secret inside a URI. Plain string work shared by the spec, the CLI and the
+checkpoint storage; it imports nothing of raytrain_ckpt, so the spec package need not import
+the checkpoint machinery to tell a URI from a path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+__all__ = ["home_problem", "is_uri", "mask_uri"]
+
+
+def is_uri(root: str | os.PathLike) -> bool:
+    """True for ``<scheme>://...`` other than ``file://`` (a local path in URI spelling)."""
+    text = os.fspath(root)
+    return "://" in text and not text.startswith("file://")
+
+
+def home_problem(path: str | os.PathLike) -> str | None:
+    """Why a leading ``~`` or ``~user`` of a local path cannot be expanded, as the line a user reads;
+    None when it can (pathlib raises a RuntimeError deep in whatever expands it)."""
+    local = Path(os.fspath(path))
+    try:
+        local.expanduser()
+    except RuntimeError:
+        first = local.parts[0]
+        why = ("cannot be expanded (no HOME, and no home for this user id)" if first == "~"
+               else "names no user of this machine")
+        return f"{first} {why}; write the path out in full"
+    return None
+
+
+_USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/{1,2})([^/@\s]+)@")  # (a Path folds :// to :/)
+
+
+def mask_uri(text: str) -> str:
+    """``text`` with the password (or a lone token) of every ``scheme://user:secret@host`` in it
+    replaced by ``***``: what a spec error or log line may show of a URI."""
+    def masked(m: re.Match[str]) -> str:
+        user, sep, _ = m.group(2).partition(":")
+        return f"{m.group(1)}{user}:***@" if sep else f"{m.group(1)}***@"
+    return _USERINFO.sub(masked, text)
+
