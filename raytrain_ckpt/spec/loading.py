@@ -246,8 +246,23 @@ def _check_values(value: Any, where: str, path: Path | str) -> None:
                              "on it underflows to 0; give 0 or a larger number"])
         if isinstance(item, int) and item.bit_length() > _PRINTABLE_BITS:  # (a dict of the Python API)
             raise SpecError([f"{at}: a number of thousands of digits; a setting is a whole number up to {MAX_INT}"])
+        if isinstance(item, str) and not _is_unicode_text(item):
+            raise SpecError([f"{at or 'the spec'}: holds a lone surrogate (an escape such as \\ud800 that is half of a "
+                             "character), which no file name or log line can carry; write the character itself"])
         children = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
         stack.extend((v, _join([at, str(k)]), depth + 1) for k, v in children)
+        if isinstance(item, dict):
+            stack.extend((k, _join([at, "<key>"]), depth + 1) for k in item if isinstance(k, str))
+
+
+def _is_unicode_text(text: str) -> bool:
+    """False for a string YAML or JSON built from escaped surrogates (``"\\ud800\\udc00"``): Python keeps
+    them as lone surrogates, which UTF-8 cannot encode, so every later print or path use would raise."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:

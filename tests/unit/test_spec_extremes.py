@@ -40,7 +40,7 @@ FIELDS = _leaves(JobSpec)
 EXTREMES = [
     "9" * 5000, "-" + "9" * 5000, str(2**64), str(2**63), str(-2**63 - 1), "0", "-1", "1_000", "0x10",
     "1e308", "1e400", "-1e400", "5e-324", "1e-320", "1e-30", "0.00001", "0.00015", "1.5", ".nan", ".inf", "-.inf",
-    "100000000000000000000.5", "a" * 10_000, '"a\\0b"', '"\\0"', '"\\u2028"', "''", "'   '", "[]", "{}", "null",
+    "100000000000000000000.5", "a" * 10_000, '"a\\0b"', '"\\0"', '"\\u2028"', '"\\ud800\\udc00"', "''", "'   '", "[]", "{}", "null",
     "true", "~nouser/x", "s3://user:secret@bucket/x", "/dev/null", "/dev/zero/x", "é" * 300, "{loop}", "{loop}/x",
     "/proc/self/x", "/proc/1/ckpt", "/sys/x",
 ]
@@ -107,6 +107,7 @@ def test_validate_of_any_field_at_any_value_exits_0_or_2(spec_file, field: str, 
     ("checkpoint.resume=''", "must be latest, none"),
     ("checkpoint.resume='99999999999999999999999'", "beyond any step"),
     ("checkpoint.dir={loop}/x", "a symbolic link loop"),
+    ('model.name="\\ud800\\udc00"', "holds a lone surrogate"),
 ])
 def test_values_the_run_could_not_use_are_refused(spec_file, capsys, setting: str, expected: str):
     """Each of these validated before and then failed (or overflowed) at run time."""
