@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from raytrain_ckpt.checkpoint.errors import USAGE_ERRORS, ExitCode
 from raytrain_ckpt.logs import setup_logging
 
 if TYPE_CHECKING:
@@ -22,15 +23,13 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-EXIT_INTERRUPTED = 130
 """128 + SIGINT, what a shell reports for a command stopped by Ctrl-C."""
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse exits 2 too; keep its usage line
         self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+        self.exit(ExitCode.USAGE, f"{self.prog}: error: {message}\n")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,14 +91,14 @@ def main(argv: list[str] | None = None) -> int:
             print(spec_reference_markdown(), end="")
         else:
             print(json.dumps(JobSpec.model_json_schema(), indent=2))
-        return EXIT_OK
+        return ExitCode.OK
     _factories_importable(args.spec)
     try:
         spec = api.resolve_spec(args.spec, args.overrides)
     except SpecError as exc:
         for line in exc.problems:
             print(f"error: {line}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     if args.command == "validate":
         import yaml
 
@@ -107,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(dump, indent=2) if args.format == "json" else yaml.safe_dump(dump, sort_keys=False), end="")
         _explain_interval(spec, as_comment=args.format == "yaml")
         _print_memory_estimate(spec)
-        return EXIT_OK
+        return ExitCode.OK
     from raytrain_ckpt.faults import fault_plan_problem
 
     if (problem := fault_plan_problem()) is not None:  # before Ray starts: every attempt would fail on it
         print(f"error: {problem}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     return _run(spec, args.address)
 
 
@@ -155,43 +154,40 @@ def _factories_importable(spec_path: str) -> None:
 
 def _run(spec: JobSpec, address: str | None) -> int:
     from raytrain_ckpt import api
-    from raytrain_ckpt.checkpoint.storage.runlock import RootInUse
-    from raytrain_ckpt.checkpoint.storage.probe import StorageNotShared
-    from raytrain_ckpt.checkpoint.roles.service import ResumeRefused
     from raytrain_ckpt.driver import ClusterUnreachable, ResourceError
 
     setup_logging()
     try:
         result = api.run(spec, address=address)
-    except (ResourceError, ClusterUnreachable, StorageNotShared, ResumeRefused, RootInUse) as exc:
+    except (ResourceError, ClusterUnreachable, *USAGE_ERRORS) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     except KeyboardInterrupt:  # Ctrl-C: committed steps are on storage; the local Ray stops at exit
         print(f"interrupted: job {spec.name} stopped; its committed checkpoints are kept, and running the same "
               "command again resumes from the newest valid step", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     if result.state.value == "SUCCEEDED":
         start = result.results[0].start_step if result.results else 0
         resumed = f", resumed at step {start}" if start else ""
         if start >= spec.training.steps:
             print(f"job {spec.name} SUCCEEDED: already complete, the checkpoint at step {start} is the final one "
                   "(use --set checkpoint.resume=none --set checkpoint.dir=... to train again)")
-            return EXIT_OK
+            return ExitCode.OK
         print(f"job {spec.name} SUCCEEDED: {len(result.losses)} logged steps, final loss "
               f"{_final(result.losses)}, {result.attempts} attempt(s){resumed}, {result.elapsed_s:.1f}s")
         if result.checkpoints:
             print(f"checkpoints in {result.checkpoints['root']}: committed steps {result.checkpoints['committed']}")
             _print_failed_saves(result.checkpoints)
-        return EXIT_OK
+        return ExitCode.OK
     mismatch = next((f for f in result.failures if f.kind == "mismatch"), None)
     if mismatch is not None:  # the checkpoint does not fit the model: the user's to fix, not a crash
         print(f"error: {mismatch.headline}\njob {spec.name} stopped before training, without restarting: "
               "every attempt would fail the same way", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     summary = "".join(f"\n  {line}" for line in result.failures)
     print(f"job {spec.name} FAILED after {result.attempts} attempt(s); failures:{summary}\nlast error:\n{result.error}",
           file=sys.stderr)
-    return EXIT_FAILED
+    return ExitCode.FAILED
 
 
 def _print_failed_saves(checkpoints: dict) -> None:
@@ -235,7 +231,7 @@ def _convert(args: argparse.Namespace) -> int:
     problem = _conversion_path_problem(args)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     from torch.distributed.checkpoint.api import CheckpointException
 
     from raytrain_ckpt.checkpoint.errors import ConversionError
@@ -247,10 +243,10 @@ def _convert(args: argparse.Namespace) -> int:
     except SpecError as exc:
         for line in exc.problems:
             print(f"error: {line}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     except ConversionError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     except OSError as exc:
         return _conversion_os_error(args, exc)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported, not swallowed: a damaged shard
@@ -261,7 +257,7 @@ def _convert(args: argparse.Namespace) -> int:
         source = args.file if args.command == "import" else args.ckpt
         print(f"error: {args.command} of {source} failed while reading it ({type(cause).__name__}: "
               f"{headline(str(cause))[:200]}); check its files with: raytrain-ckpt verify <step directory>", file=sys.stderr)
-        return EXIT_FAILED
+        return ExitCode.FAILED
 
 
 def _conversion_os_error(args: argparse.Namespace, exc: OSError) -> int:
@@ -274,7 +270,7 @@ def _conversion_os_error(args: argparse.Namespace, exc: OSError) -> int:
               f"or pass another {flag}", file=sys.stderr)
     else:
         print(f"error: {args.command}: {exc.filename or out}: {exc.strerror or exc}", file=sys.stderr)
-    return EXIT_FAILED
+    return ExitCode.FAILED
 
 
 _PATH_ARGS = ("ckpt", "out", "file", "to", "dir", "step_dir")
@@ -328,7 +324,7 @@ def _import(args: argparse.Namespace) -> int:
 
     r = import_checkpoint(args.file, args.to)
     print(f"imported {r.tensors} tensors into {r.path}; resume from it with --set checkpoint.resume={r.path}")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -350,7 +346,7 @@ def _export(args: argparse.Namespace) -> int:
                           max_shard, args.verify, select=args.step)
     print(f"exported step {r.step} ({r.selected}) to {r.out}: {r.tensors} tensors, {r.bytes_written / 1e6:.1f} MB in "
           f"{r.seconds:.2f}s; peak tensor memory {r.peak_tensor_bytes / 1e6:.1f} MB, max RSS {r.max_rss_bytes / 1e6:.0f} MB")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _root_cause(exc: BaseException) -> BaseException:

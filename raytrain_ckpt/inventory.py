@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST
 from raytrain_ckpt.checkpoint.format.names import EntryKind, Location, parent_of, parse_entry, step_name
 from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.format.verify import Verify, step_problems

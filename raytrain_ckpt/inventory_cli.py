@@ -20,19 +20,18 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from raytrain_ckpt.checkpoint.errors import StorageUnavailable
-from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, StorageUnavailable
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST
 from raytrain_ckpt.checkpoint.format.names import Location, parse_entry
 from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.format.verify import read_manifest
 from raytrain_ckpt.checkpoint.storage.backends import open_storage
 from raytrain_ckpt.checkpoint.storage.objects import object_store_problem
-from raytrain_ckpt.inventory import (StepRow, UsageError, format_cell, job_roots_hint, location, progress_bar, root_dir,
-                                     scan, status_report, verify_step)
+from raytrain_ckpt.inventory import StepRow, UsageError, format_cell, job_roots_hint, location, progress_bar, root_dir, scan, status_report, verify_step
+from raytrain_ckpt.checkpoint.errors import ExitCode
 
 __all__ = ["add_parsers", "run"]
 
-EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
 
 
 def _positive_seconds(text: str) -> float:
@@ -79,16 +78,16 @@ def run(args: argparse.Namespace, refreshes: int | None = None) -> int:
             print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else
                   "\n".join(f"{r.name:<34} {r.status:<11} {format_cell(r.bytes, 'bytes'):>10} {_eval_text(r):>12}  {r.detail}"
                             for r in rows))
-            return EXIT_OK
+            return ExitCode.OK
         if args.job is not None and args.dir is not None:
             raise UsageError("status: give either a checkpoint directory or --job, not both")
         return _status(args, refreshes)
     except (UsageError, StorageUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     except OSError as exc:  # a path that cannot be read (permissions, a vanished mount): one line, not a traceback
         print(f"error: {args.command}: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_USAGE if exc.errno == errno.ENAMETOOLONG else EXIT_BAD  # (a name no file system takes: a typo)
+        return ExitCode.USAGE if exc.errno == errno.ENAMETOOLONG else ExitCode.FAILED  # (a name no file system takes: a typo)
 
 
 def _check_reachable(target: str | None) -> None:
@@ -113,11 +112,11 @@ def _status(args: argparse.Namespace, refreshes: int | None) -> int:
         print(json.dumps(data, indent=1, default=str) if args.json else text, flush=True)
         n += 1
         if args.watch is None or (refreshes is not None and n >= refreshes):
-            return EXIT_OK
+            return ExitCode.OK
         try:
             time.sleep(args.watch)
         except KeyboardInterrupt:
-            return EXIT_OK
+            return ExitCode.OK
 
 
 def _verify(path: Location, as_json: bool) -> int:
@@ -142,7 +141,7 @@ def _verify(path: Location, as_json: bool) -> int:
                                                                   f"{total / 1e6:.1f} MB)"))
         for p in problems:
             print(f"  {p}")
-    return EXIT_OK if not problems else EXIT_BAD
+    return ExitCode.OK if not problems else ExitCode.FAILED
 
 
 def _manifest_bytes(path: Location) -> int:

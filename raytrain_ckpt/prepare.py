@@ -40,12 +40,12 @@ from typing import Any
 
 from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES, input_files
 from raytrain_ckpt.logs import setup_logging
+from raytrain_ckpt.checkpoint.errors import ExitCode
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PrepareError", "add_parser", "prepare_data", "run"]
 
-EXIT_OK, EXIT_USAGE = 0, 2
 TOKENIZER_FILE = "tokenizer.json"
 MARKER_FILE = ".prepare-data.json"
 SEPARATOR = "<|endoftext|>"
@@ -547,8 +547,8 @@ def run(args: argparse.Namespace) -> int:
                             progress=sys.stderr.isatty())
     except PrepareError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     print(f"{meta['num_tokens']} tokens in {len(meta['shards'])} shard(s) ({meta['dtype']}, vocab {meta['vocab_size']}) "
           f"in {args.out}; use data.source=tokens, data.path={args.out}, data.dtype={meta['dtype']}, "
           f"model vocab_size >= {meta['vocab_size']}")
-    return EXIT_OK
+    return ExitCode.OK

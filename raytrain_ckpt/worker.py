@@ -78,7 +78,7 @@ class WorkerFailure(RuntimeError):
 
 
 def _is_mismatch(exc: BaseException) -> bool:
-    from raytrain_ckpt.checkpoint.recovery.state import CheckpointMismatch
+    from raytrain_ckpt.checkpoint.errors import CheckpointMismatch
 
     return isinstance(exc, CheckpointMismatch)
 

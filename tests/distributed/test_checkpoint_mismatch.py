@@ -36,7 +36,9 @@ def save_then_load(saver: str, loaders: dict[str, str], root: str) -> dict[str, 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from raytrain_ckpt.checkpoint.recovery.state import CheckpointMismatch, app_state, load_app_state
+    from raytrain_ckpt.checkpoint.errors import CheckpointMismatch
+
+    from raytrain_ckpt.checkpoint.recovery.state import app_state, load_app_state
 
     trainer = _trainer(saver)
     trainer.train_step()

@@ -143,7 +143,8 @@ def test_resume_at_the_same_layout_is_bit_identical(pp_runs):
 
 
 def load_other_layouts(specs: dict[str, str], path: str) -> dict:
-    from raytrain_ckpt.checkpoint.recovery.state import CheckpointMismatch, load_app_state
+    from raytrain_ckpt.checkpoint.errors import CheckpointMismatch
+    from raytrain_ckpt.checkpoint.recovery.state import load_app_state
 
     out = {}
     for name, spec_json in specs.items():

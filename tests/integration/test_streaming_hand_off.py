@@ -21,7 +21,7 @@ import pytest
 import ray
 import torch
 
-from raytrain_ckpt.checkpoint.roles.steps import StepAborted
+from raytrain_ckpt.checkpoint.errors import StepAborted
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.roles.service import CheckpointService
 from raytrain_ckpt.faults import ENV_VAR

@@ -14,7 +14,9 @@ import pytest
 import ray
 from torch.distributed.checkpoint.planner import SavePlan
 
-from raytrain_ckpt.checkpoint.datapath.buffers import SHM_DIR_ENV, StagingFileError, sweep_orphans
+from raytrain_ckpt.checkpoint.datapath.buffers import SHM_DIR_ENV, sweep_orphans
+
+from raytrain_ckpt.checkpoint.errors import StagingFileError
 from raytrain_ckpt.checkpoint.records import PersistRequest
 from raytrain_ckpt.checkpoint.roles.writer import CheckpointWriter
 from tests.unit.test_staging_buffers import _holder, _kill, _leaser

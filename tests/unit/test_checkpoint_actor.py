@@ -15,10 +15,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
-from raytrain_ckpt.checkpoint.roles.steps import StepAborted
+from raytrain_ckpt.checkpoint.errors import StepAborted
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.datapath.staging import SharedMemoryStaging, allocate_buffer, map_buffer, plan_slots, slot_views

@@ -22,8 +22,8 @@ from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.interchange.export import export_checkpoint
 from raytrain_ckpt.checkpoint.errors import ConversionError
 from raytrain_ckpt.checkpoint.interchange.importer import import_checkpoint
-from raytrain_ckpt.checkpoint.format.manifest import (InvalidCheckpoint, MANIFEST, Manifest, UnsafeCheckpoint,
-                                                      describe_file, file_crc32)
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
+from raytrain_ckpt.checkpoint.format.manifest import describe_file, file_crc32, MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.names import EntryKind, parse_entry, step_name
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.format.metadata import SafeFileSystemReader, SafeLoadPlanner

@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorProperties, TensorStorageMetadata
 
-from raytrain_ckpt.checkpoint.recovery.state import CheckpointMismatch, _check_fits, _scheduler_source
+from raytrain_ckpt.checkpoint.errors import CheckpointMismatch
+
+from raytrain_ckpt.checkpoint.recovery.state import _check_fits, _scheduler_source
 
 
 def _tensor_meta(*shape: int) -> TensorStorageMetadata:

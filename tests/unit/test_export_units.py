@@ -19,7 +19,7 @@ from raytrain_ckpt.checkpoint.errors import ConversionError
 from raytrain_ckpt.checkpoint.interchange.formats import plan_shards, safetensors_header
 from raytrain_ckpt.models.hf import hf_name, our_name
 from raytrain_ckpt.checkpoint.interchange.importer import import_checkpoint
-from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.storage.leases import LEASE_TTL_S, FileLease, LeaseFiles, file_leased_steps
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy

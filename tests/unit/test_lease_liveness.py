@@ -186,7 +186,8 @@ def _hold_run_lock(root: Path) -> subprocess.Popen:
 
 
 def test_a_second_run_on_a_job_root_is_refused_until_the_first_dies(tmp_path: Path) -> None:
-    from raytrain_ckpt.checkpoint.storage.runlock import RootInUse, run_lock
+    from raytrain_ckpt.checkpoint.errors import RootInUse
+    from raytrain_ckpt.checkpoint.storage.runlock import run_lock
 
     root = tmp_path / "job"
     holder = _hold_run_lock(root)
@@ -208,7 +209,8 @@ def test_a_second_run_on_a_job_root_is_refused_until_the_first_dies(tmp_path: Pa
 def test_a_link_planted_at_the_run_lock_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
     """A symbolic or hard link at ``.run.lock`` (to a committed shard, to a user's file) is never
     written through: the run is refused as a usage error naming the file, the target keeps its bytes."""
-    from raytrain_ckpt.checkpoint.storage.runlock import RUN_LOCK, RootInUse, run_lock
+    from raytrain_ckpt.checkpoint.errors import RootInUse
+    from raytrain_ckpt.checkpoint.storage.runlock import RUN_LOCK, run_lock
 
     victim = tmp_path / "shard.distcp"
     victim.write_bytes(b"committed bytes")
@@ -233,7 +235,8 @@ def test_files_the_root_holds_are_replaced_or_refused_never_written_through_a_li
     """``replace_file`` (the group file, leases, probes) replaces a link planted at the name
     instead of following it; ``open_own_file`` (the purge lock, a manifest put back) refuses one."""
     from raytrain_ckpt.checkpoint.storage.leases import purge_lock
-    from raytrain_ckpt.checkpoint.storage.posix import NotOwnFile, PosixStorage, replace_file
+    from raytrain_ckpt.checkpoint.errors import NotOwnFile
+    from raytrain_ckpt.checkpoint.storage.posix import PosixStorage, replace_file
 
     victim = tmp_path / "victim"
     victim.write_bytes(b"committed bytes")

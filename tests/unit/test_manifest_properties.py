@@ -13,7 +13,9 @@ import crc32c
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint, Manifest
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from tests.unit.test_checkpoint_layout import _commit
 

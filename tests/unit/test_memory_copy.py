@@ -12,7 +12,8 @@ import torch
 from raytrain_ckpt.checkpoint.roles.client import next_buffer
 from raytrain_ckpt.checkpoint.format.manifest import checksum_file
 from raytrain_ckpt.checkpoint.records import CommittedCopy
-from raytrain_ckpt.checkpoint.recovery.memcopy import choose_sources, CopyFacts, CopyMismatch, open_copy
+from raytrain_ckpt.checkpoint.errors import CopyMismatch
+from raytrain_ckpt.checkpoint.recovery.memcopy import choose_sources, CopyFacts, open_copy
 from raytrain_ckpt.checkpoint.datapath.staging import allocate_buffer, layout_key, map_buffer, plan_slots, slot_views
 from raytrain_ckpt.faults import ENV_VAR, parse_faults
 

@@ -14,7 +14,9 @@ import time
 
 import pytest
 
-from raytrain_ckpt.checkpoint.storage.runlock import RUN_LOCK, ObjectRunLock, RootInUse, run_lock
+from raytrain_ckpt.checkpoint.errors import RootInUse
+
+from raytrain_ckpt.checkpoint.storage.runlock import ObjectRunLock, RUN_LOCK, run_lock
 from raytrain_ckpt.checkpoint.storage.objects import object_filesystem
 from tests.unit.test_staging_buffers import REPO
 

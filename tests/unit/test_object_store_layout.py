@@ -10,7 +10,9 @@ import uuid
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata
 
-from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint, Manifest
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.names import EntryKind
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, LeftoverWatch
 from raytrain_ckpt.checkpoint.errors import StorageUnavailable

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer
-from raytrain_ckpt.checkpoint.datapath.replica import Pacer, ReplicaError, ReplicaStore, ring_peers, send_replica
+from raytrain_ckpt.checkpoint.datapath.replica import Pacer, ReplicaStore, ring_peers, send_replica
+from raytrain_ckpt.checkpoint.errors import ReplicaError
 
 
 @pytest.mark.parametrize("nodes, expected", [

@@ -166,7 +166,7 @@ def test_status_of_a_live_job_shows_failing_saves(tmp_path: Path, monkeypatch, c
 ])
 def test_run_reports_an_unshared_dir_and_failing_saves(monkeypatch, capsys, outcome, code, stream, line) -> None:
     from raytrain_ckpt import api, cli
-    from raytrain_ckpt.checkpoint.storage.probe import StorageNotShared
+    from raytrain_ckpt.checkpoint.errors import StorageNotShared
     from raytrain_ckpt.controller import JobResult, JobState
     from raytrain_ckpt.spec import JobSpec
 

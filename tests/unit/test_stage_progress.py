@@ -16,7 +16,8 @@ import torch
 
 from raytrain_ckpt.checkpoint.datapath.buffers import is_leased
 from raytrain_ckpt.checkpoint.format.crc import address_of
-from raytrain_ckpt.checkpoint.datapath.progress import StageProgress, StagingAborted
+from raytrain_ckpt.checkpoint.datapath.progress import StageProgress
+from raytrain_ckpt.checkpoint.errors import StagingAborted
 from raytrain_ckpt.checkpoint.datapath.staging import SharedMemoryStaging, allocate_buffer, map_buffer, map_whole, plan_slots
 from tests.unit.test_staging_buffers import REPO, _kill, _leaser
 

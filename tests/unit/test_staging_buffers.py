@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.checkpoint.datapath.buffers import BufferLease, OwnedBuffer, StagingFileError, is_leased, sweep_orphans
+from raytrain_ckpt.checkpoint.datapath.buffers import BufferLease, is_leased, OwnedBuffer, sweep_orphans
+
+from raytrain_ckpt.checkpoint.errors import StagingFileError
 from raytrain_ckpt.checkpoint.datapath.staging import allocate_buffer, map_buffer
 
 REPO = Path(__file__).resolve().parents[2]

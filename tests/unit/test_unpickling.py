@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from raytrain_ckpt.checkpoint.format.manifest import Manifest, describe_file
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
-from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint, UnsafeCheckpoint
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
 from raytrain_ckpt.checkpoint.format.metadata import load_metadata
 from raytrain_ckpt.checkpoint.format.unpickling import TORCH_DTYPES, check_metadata_file
 

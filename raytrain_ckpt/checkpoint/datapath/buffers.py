@@ -37,10 +37,11 @@ import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from raytrain_ckpt.checkpoint.errors import StagingFileError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUFFER_GLOB", "SHM_DIR_ENV", "BufferLease", "Orphan", "OwnedBuffer", "StagingFileError", "is_leased",
+__all__ = ["BUFFER_GLOB", "SHM_DIR_ENV", "BufferLease", "Orphan", "OwnedBuffer", "is_leased",
            "open_buffer", "shm_dir", "sweep_orphans"]
 
 SHM_DIR_ENV = "RAYTRAIN_CKPT_SHM_DIR"
@@ -50,10 +51,6 @@ BUFFER_GLOB = "rtc-*.buf"
 _MODE = 0o600
 _CREATE_TRIES = 3
 """Creating a buffer again after a sweeper removed it mid-creation: bounded, it takes a racing sweep each time."""
-
-
-class StagingFileError(RuntimeError):
-    """A staging buffer's path holds something we did not create, or cannot be created."""
 
 
 def shm_dir() -> Path:

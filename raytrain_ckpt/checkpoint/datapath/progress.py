@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from raytrain_ckpt.checkpoint.errors import StagingAborted
 
 __all__ = ["StageProgress", "StagingAborted"]
 
@@ -42,10 +43,6 @@ def _futex_wake(address: int) -> None:
     """Wake every thread (of any process) waiting on the 32-bit word at ``address``."""
     if _SYS_FUTEX is not None:
         _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(0x7FFFFFFF), None, None, 0)
-
-
-class StagingAborted(RuntimeError):
-    """The staging copy a writer was waiting for will never complete: it failed, or the trainer died."""
 
 
 _STARTING = -2

@@ -41,18 +41,15 @@ import crc32c as _crc32c
 
 from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer, open_buffer
 from raytrain_ckpt.checkpoint.records import Replica
+from raytrain_ckpt.checkpoint.errors import ReplicaError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CHUNK_BYTES", "CommittedBytes", "Pacer", "ReplicaError", "ReplicaStore",
+__all__ = ["CHUNK_BYTES", "CommittedBytes", "Pacer", "ReplicaStore",
            "read_chunks", "ring_peers", "send_replica"]
 
 CHUNK_BYTES = 8 << 20
 """Bytes per chunk sent to the peer: large enough to amortise a Ray call, small enough to pace."""
-
-
-class ReplicaError(RuntimeError):
-    """A replica that is incomplete, does not match its checksum, or is not held here."""
 
 
 class CommittedBytes(Protocol):

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles
 from raytrain_ckpt.checkpoint.datapath.localfile import write_rank_files
-from raytrain_ckpt.checkpoint.datapath.progress import StagingAborted
+from raytrain_ckpt.checkpoint.errors import StagingAborted
 from raytrain_ckpt.checkpoint.datapath.upload import is_s3, upload_rank_files
 from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.storage.objects import object_filesystem

@@ -29,9 +29,10 @@ from typing import Annotated, Any, Literal
 
 import crc32c as _crc32c
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 
-__all__ = ["MANIFEST", "MANIFEST_FORMAT", "METRICS", "Checksum", "FileEntry", "InvalidCheckpoint", "KeepBestRecord",
-           "Manifest", "UnsafeCheckpoint", "checksum_file", "checksum_view", "describe_file", "file_crc32"]
+__all__ = ["MANIFEST", "MANIFEST_FORMAT", "METRICS", "Checksum", "FileEntry", "KeepBestRecord",
+           "Manifest", "checksum_file", "checksum_view", "describe_file", "file_crc32"]
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 2
@@ -47,14 +48,6 @@ _ALGORITHMS: dict[str, Callable[[bytes, int], int]] = {
     "crc32": lambda data, value: zlib.crc32(data, value),
 }
 _NAMES = {"crc32c": "CRC-32C", "crc32": "CRC-32"}
-
-
-class InvalidCheckpoint(ValueError):
-    """A step directory that must not be loaded, with the reason."""
-
-
-class UnsafeCheckpoint(InvalidCheckpoint):
-    """A checkpoint file that asks for code to be run when read; refused, never executed."""
 
 
 class FileEntry(BaseModel):

@@ -31,7 +31,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint._traverse import set_element
 
-from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint, Manifest, UnsafeCheckpoint
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
+
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
 from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.format.unpickling import allowed_global, check_data_files, refusal, unpickle
 from raytrain_ckpt.events import headline

@@ -14,7 +14,9 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint, UnsafeCheckpoint, check_file_name
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
+
+from raytrain_ckpt.checkpoint.format.manifest import check_file_name
 
 __all__ = ["ALLOWED_GLOBALS", "TORCH_DTYPES", "allowed_global", "check_data_files", "check_metadata_file",
            "check_metadata_stream", "refusal", "unpickle"]

@@ -18,8 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Literal, Protocol
 
-from raytrain_ckpt.checkpoint.format.manifest import (MANIFEST, Checksum, FileEntry, InvalidCheckpoint, Manifest,
-                                                      checksum_name)
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+
+from raytrain_ckpt.checkpoint.format.manifest import Checksum, checksum_name, FileEntry, MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.names import Location, parse_entry
 from raytrain_ckpt.checkpoint.format.unpickling import check_metadata_stream
 

@@ -54,8 +54,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from raytrain_ckpt.checkpoint.errors import ConversionError
-from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, InvalidCheckpoint, Manifest
+from raytrain_ckpt.checkpoint.errors import ConversionError, InvalidCheckpoint
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.metadata import SafeLoadPlanner, empty_safe_planner, safe_reader
 from raytrain_ckpt.checkpoint.format.names import Location, parent_of, parse_entry, step_name
 from raytrain_ckpt.locations import is_uri

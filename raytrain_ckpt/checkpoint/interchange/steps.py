@@ -9,8 +9,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from raytrain_ckpt.checkpoint.errors import ConversionError, StorageUnavailable
-from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint, Manifest
+from raytrain_ckpt.checkpoint.errors import ConversionError, InvalidCheckpoint, StorageUnavailable
+from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.format.names import Location, parent_of, parse_entry
 from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.format.verify import Verify, verify_step

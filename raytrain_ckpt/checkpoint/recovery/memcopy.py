@@ -34,22 +34,20 @@ from torch.distributed.tensor import DTensor
 
 from raytrain_ckpt.checkpoint.format.verify import Verify, verify_step
 from raytrain_ckpt.checkpoint.storage.backends import open_storage
-from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint, checksum_view
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.format.manifest import checksum_view
 from raytrain_ckpt.checkpoint.datapath.staging import copy_bytes, layout_key, map_whole, plan_slots, views_of
 from raytrain_ckpt.checkpoint.recovery.state import apply_own_state, load_app_state, own_state
 from raytrain_ckpt.checkpoint.format.names import Location
 from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.faults import planned
 from raytrain_ckpt.checkpoint.records import CommittedCopy
+from raytrain_ckpt.checkpoint.errors import CopyMismatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CopyFacts", "CopyMismatch", "RankSource", "Restored", "choose_sources",
+__all__ = ["CopyFacts", "RankSource", "Restored", "choose_sources",
            "open_copy", "restore"]
-
-
-class CopyMismatch(RuntimeError):
-    """An in-memory copy that must not be loaded (the caller loads from storage instead)."""
 
 
 @dataclass(frozen=True)

@@ -37,18 +37,15 @@ from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.metadata import SafeLoadPlanner, safe_reader
 from raytrain_ckpt.checkpoint.storage.backends import open_storage
 from raytrain_ckpt.parallel.local_math import LocalAdamW
+from raytrain_ckpt.checkpoint.errors import CheckpointMismatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointMismatch", "StateReserve", "app_state", "apply_own_state", "create_optimizer_state",
+__all__ = ["StateReserve", "app_state", "apply_own_state", "create_optimizer_state",
            "load_app_state", "optimizer_tensors", "own_state"]
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _SCHEDULER = "scheduler"
-
-
-class CheckpointMismatch(ValueError):
-    """A checkpoint whose entries do not fit this model: refused instead of loading garbage."""
 
 
 def _rng_state(rank: int) -> dict[str, Any]:

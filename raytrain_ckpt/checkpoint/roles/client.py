@@ -27,19 +27,12 @@ from torch.distributed.tensor import DTensor
 
 from raytrain_ckpt.checkpoint.records import PersistRequest, TrainingPoint
 from raytrain_ckpt.checkpoint.roles.names import call_restarting
-from raytrain_ckpt.checkpoint.roles.steps import StepAborted
-from raytrain_ckpt.checkpoint.datapath.buffers import BufferLease, StagingFileError
+from raytrain_ckpt.checkpoint.errors import StepAborted
+from raytrain_ckpt.checkpoint.datapath.buffers import BufferLease
+from raytrain_ckpt.checkpoint.errors import StagingFileError
 from raytrain_ckpt.checkpoint.policy.interval import CostMeter, IntervalDecision, IntervalFacts, IntervalHistory, choose_interval
 from raytrain_ckpt.checkpoint.policy.schedule import SaveSchedule, on_busy_choice
-from raytrain_ckpt.checkpoint.datapath.staging import (
-    PinnedCudaStaging,
-    SharedMemoryStaging,
-    Staging,
-    TensorSlot,
-    layout_key,
-    map_buffer,
-    plan_slots,
-)
+from raytrain_ckpt.checkpoint.datapath.staging import PinnedCudaStaging, SharedMemoryStaging, Staging, TensorSlot, layout_key, map_buffer, plan_slots
 from raytrain_ckpt.events import headline
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.spec import CheckpointSpec

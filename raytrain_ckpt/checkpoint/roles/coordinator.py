@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, RankReport
-from raytrain_ckpt.checkpoint.roles.steps import InFlightStep, StepAborted, StepRegistry
+from raytrain_ckpt.checkpoint.errors import StepAborted
+from raytrain_ckpt.checkpoint.roles.steps import InFlightStep, StepRegistry
 from raytrain_ckpt.checkpoint.storage.dcp import dcp_writer
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout

@@ -15,7 +15,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raytrain_ckpt.checkpoint.datapath.replica import ring_peers
 from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, ActorByName, actor_name, writer_name
 from raytrain_ckpt.checkpoint.roles.writer import CheckpointWriter
-from raytrain_ckpt.checkpoint.storage.probe import StorageNotShared, local_root, missing_probes, unshared_message
+from raytrain_ckpt.checkpoint.errors import StorageNotShared
+from raytrain_ckpt.checkpoint.storage.probe import local_root, missing_probes, unshared_message
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,9 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from raytrain_ckpt.checkpoint.datapath.replica import Pacer, ReplicaError, ReplicaStore, send_replica
+from raytrain_ckpt.checkpoint.datapath.replica import Pacer, ReplicaStore, send_replica
+
+from raytrain_ckpt.checkpoint.errors import ReplicaError
 
 from raytrain_ckpt.checkpoint.records import Replica
 from raytrain_ckpt.metrics import WriterMetrics

@@ -22,21 +22,17 @@ from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
 from raytrain_ckpt.checkpoint.roles.fleet import WriterFleet
 from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name, call_restarting
 from raytrain_ckpt.checkpoint.storage.backends import job_root
-from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.verify import Verify
 from raytrain_ckpt.events import headline
 from raytrain_ckpt.faults import planned
 from raytrain_ckpt.spec import CheckpointSpec, JobSpec
+from raytrain_ckpt.checkpoint.errors import ResumeRefused
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NAMESPACE", "CheckpointService", "CopySources", "ResumeRefused", "actor_name"]
+__all__ = ["NAMESPACE", "CheckpointService", "CopySources", "actor_name"]
 
-
-class ResumeRefused(ValueError):
-    """``checkpoint.resume`` names a step that is missing or not intact, or that cannot start a new
-    timeline now: the job cannot start where it was asked to, and starting anywhere else would hide
-    it. A user mistake (exit code 2), raised before anything trains."""
 
 COPY_QUERY_TIMEOUT_S = 10.0
 """How long a restart waits for a node's writer to say which in-memory copy it holds; a writer

@@ -19,19 +19,16 @@ from raytrain_ckpt.checkpoint.records import FailedSaves, GroupLayout, InFlight,
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.metrics import CheckpointMetrics
+from raytrain_ckpt.checkpoint.errors import StepAborted
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InFlightStep", "SaveFailures", "StepAborted", "StepRegistry", "inflight_phase"]
+__all__ = ["InFlightStep", "SaveFailures", "StepRegistry", "inflight_phase"]
 
 SETTLE_CHECK_S = 0.5
 """How often ``settle`` asks the writers of a step in flight whether they still hold its hand-offs."""
 WRITER_QUERY_S = 5.0
 """How long ``settle`` waits for a writer's answer; one that does not answer is waited for as before."""
-
-
-class StepAborted(RuntimeError):
-    """A step that will never commit (a writer or the actor died, or it was aborted)."""
 
 
 def inflight_phase(planning: bool, handed_off: int, written: int, world_size: int) -> StepPhase:

@@ -18,7 +18,7 @@ from pathlib import Path
 from raytrain_ckpt.checkpoint.records import ResumePoint
 from raytrain_ckpt.checkpoint.roles.retainer import Retainer
 from raytrain_ckpt.checkpoint.roles.steps import StepRegistry
-from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.names import EntryKind
 from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.format.verify import Verify, verify_step

@@ -26,9 +26,12 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from raytrain_ckpt.checkpoint.datapath.buffers import StagingFileError, is_leased, shm_dir, sweep_orphans
+from raytrain_ckpt.checkpoint.datapath.buffers import is_leased, shm_dir, sweep_orphans
+
+from raytrain_ckpt.checkpoint.errors import StagingFileError
 from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles
-from raytrain_ckpt.checkpoint.datapath.progress import StageProgress, StagingAborted
+from raytrain_ckpt.checkpoint.datapath.progress import StageProgress
+from raytrain_ckpt.checkpoint.errors import StagingAborted
 from raytrain_ckpt.checkpoint.records import CommittedCopy, NodeProbe, PersistRequest, RankReport, Replica, SaveTimings, WriterRef, WriterUsage
 from raytrain_ckpt.checkpoint.datapath.sink import ShardSink, pick_sink
 from raytrain_ckpt.checkpoint.datapath.staging import StagedPlanner

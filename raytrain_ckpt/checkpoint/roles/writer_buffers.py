@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer, StagingFileError, is_leased
+from raytrain_ckpt.checkpoint.datapath.buffers import is_leased, OwnedBuffer
+
+from raytrain_ckpt.checkpoint.errors import StagingFileError
 from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles
 from raytrain_ckpt.checkpoint.datapath.staging import allocate_buffer, layout_key, map_whole, populate_range, views_of
 from raytrain_ckpt.checkpoint.format.crc import address_of, region_crc

@@ -24,7 +24,9 @@ import uuid
 from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
-from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint, Manifest
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+
+from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.format.names import Entry, EntryKind, Location, parse_entry, step_name
 from raytrain_ckpt.checkpoint.format.verify import Verify, read_manifest, verify_step
 from raytrain_ckpt.checkpoint.storage.backends import Storage, open_storage

@@ -52,7 +52,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from raytrain_ckpt.checkpoint.format.manifest import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.names import Location
 from raytrain_ckpt.checkpoint.storage.backends import Storage, open_storage
 from raytrain_ckpt.checkpoint.storage.commit import protocol_for

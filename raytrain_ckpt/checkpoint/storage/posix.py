@@ -14,8 +14,9 @@ from typing import IO
 
 from raytrain_ckpt.checkpoint.format.manifest import Checksum, checksum_file
 from raytrain_ckpt.checkpoint.format.names import Location
+from raytrain_ckpt.checkpoint.errors import NotOwnFile
 
-__all__ = ["NotOwnFile", "PosixStorage", "fsync_dir", "open_own_file", "replace_file"]
+__all__ = ["PosixStorage", "fsync_dir", "open_own_file", "replace_file"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -25,12 +26,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class NotOwnFile(OSError):
-    """A name under a checkpoint root that this code writes is a symbolic link, another name of
-    a file (a hard link: a shard, a user's file) or not a regular file: it is never written
-    through, whoever planted it."""
 
 
 def open_own_file(path: Path, flags: int, mode: int = 0o644) -> int:

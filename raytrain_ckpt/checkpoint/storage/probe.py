@@ -16,15 +16,11 @@ from __future__ import annotations
 
 from raytrain_ckpt.checkpoint.records import NodeProbe
 
-__all__ = ["PROBE_PREFIX", "StorageNotShared", "local_root", "missing_probes", "probe_name",
+__all__ = ["PROBE_PREFIX", "local_root", "missing_probes", "probe_name",
            "unshared_message"]
 
 PROBE_PREFIX = ".probe-"
 """Probe files start with this; they are dot files, so no step scan ever looks at them."""
-
-
-class StorageNotShared(ValueError):
-    """``checkpoint.dir`` is a node-local path on a multi-node cluster: a user mistake (exit code 2)."""
 
 
 def probe_name(node_id: str, nonce: str) -> str:

@@ -31,19 +31,16 @@ from raytrain_ckpt.checkpoint.format.names import Location
 from raytrain_ckpt.checkpoint.storage.commit import protocol_for
 from raytrain_ckpt.checkpoint.storage.leases import HEARTBEAT_S, LEASE_TTL_S
 from raytrain_ckpt.checkpoint.storage.objects import object_filesystem
-from raytrain_ckpt.checkpoint.storage.posix import NotOwnFile, open_own_file
+from raytrain_ckpt.checkpoint.errors import NotOwnFile
+from raytrain_ckpt.checkpoint.storage.posix import open_own_file
+from raytrain_ckpt.checkpoint.errors import RootInUse
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RUN_LOCK", "FileRunLock", "ObjectRunLock", "RootInUse", "run_lock"]
+__all__ = ["RUN_LOCK", "FileRunLock", "ObjectRunLock", "run_lock"]
 
 RUN_LOCK = ".run.lock"
 """``<checkpoint root>/.run.lock``: flock'ed by the driver of the run that trains the job."""
-
-
-class RootInUse(ValueError):
-    """Another run of the same job is training into the same checkpoint root. A user mistake
-    (exit code 2), raised before anything starts."""
 
 
 class FileRunLock:
