@@ -87,8 +87,8 @@ def _shared_preflight(ckpt: Path) -> tuple[dict, CheckpointService]:
     logs: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: logs.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("raytrain_ckpt.checkpoint.roles.service").addHandler(handler)
-    logging.getLogger("raytrain_ckpt.checkpoint.roles.service").setLevel(logging.INFO)
+    logging.getLogger("raytrain_ckpt.checkpoint.roles").addHandler(handler)
+    logging.getLogger("raytrain_ckpt.checkpoint.roles").setLevel(logging.INFO)
     service = CheckpointService(spec)
     try:
         service.preflight()
