@@ -250,7 +250,7 @@ class BenchRank:
         if self.client is not None:
             self.client.close()
             self.attempt += 1
-        cfg = CheckpointSpec(enabled=True, dir=str(self.out), keep_latest_k=None)
+        cfg = CheckpointSpec(enabled=True, dir=str(self.out), keep_latest_k=None, interval_steps=50)
         self.client = CheckpointClient(cfg, self.rank, self.attempt, 10**9, ckpt["actor"], ckpt["writer"],
                                        torch.device("cpu"))
         self._time_setup(self.client)

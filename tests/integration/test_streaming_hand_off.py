@@ -51,7 +51,7 @@ def _trainer_class() -> type:
                                     timeout=datetime.timedelta(seconds=60))
             torch.manual_seed(0)
             self.state = {"model": {f"w{i}": torch.randn(512, 512) for i in range(16)}}
-            cfg = CheckpointSpec(enabled=True, dir=root, keep_latest_k=None)
+            cfg = CheckpointSpec(enabled=True, dir=root, keep_latest_k=None, interval_steps=50)
             self.client = CheckpointClient(cfg, 0, 0, 100, actor, writer, torch.device("cpu"))
 
         def save(self, step: int, faults: str = "") -> None:
