@@ -99,8 +99,12 @@ def _remote_methods() -> list[tuple[str, typing.Callable]]:
 
 
 def _signature_problems(fn: typing.Callable) -> list[str]:
-    hints = typing.get_type_hints(fn)
-    params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+    # Once a class has been made a Ray actor in this process, Ray's tracing wraps its methods with
+    # an extra ``_ray_trace_ctx`` keyword: Ray's own plumbing, not part of what the method takes.
+    fn = inspect.unwrap(fn)
+    hints = {k: v for k, v in typing.get_type_hints(fn).items() if not k.startswith("_ray_")}
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.name != "self" and not p.name.startswith("_ray_")]
     found = [f"{p.name}: no annotation" for p in params if p.name not in hints]
     if "return" not in hints:
         found.append("return: no annotation")
