@@ -26,9 +26,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from raytrain_ckpt.checkpoint.interchange.export import progress_bar
-from raytrain_ckpt.checkpoint.errors import ConversionError, StorageUnavailable
+from raytrain_ckpt.checkpoint.errors import ConversionError, InvalidCheckpoint, StorageUnavailable
 from raytrain_ckpt.checkpoint.format.manifest import Manifest, describe_file
 from raytrain_ckpt.checkpoint.format.names import Location
+from raytrain_ckpt.checkpoint.format.prescan import check_torch_save
 from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.models.hf import HFAdapter, hf_adapter
@@ -52,6 +53,13 @@ class ImportResult:
 
 
 def _read_torch(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        with open(path, "rb") as f:
+            check_torch_save(f, str(path))  # the work its pickle asks for is bounded, before torch reads it
+    except InvalidCheckpoint as exc:
+        raise ConversionError(f"{exc}; pass a model state_dict saved by torch.save") from None
+    except OSError as exc:
+        raise ConversionError(f"{path}: unreadable ({exc})") from None
     try:
         # mmap: the tensors stay file-backed until DCP writes them, whatever the file's size.
         obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
