@@ -215,3 +215,86 @@ def test_the_budget_is_raised_by_a_factor(monkeypatch):
     monkeypatch.setenv(BUDGET_ENV, "nan")
     with pytest.raises(InvalidCheckpoint, match=BUDGET_ENV):
         check_pickle(deeper, "x")
+
+
+def test_a_layer_count_recorded_in_a_manifest_is_checked_against_the_step_before_use(tmp_path):
+    step = _dcp_step(tmp_path / "job")
+    fields = Manifest.from_json((step / MANIFEST).read_text()).model_dump(mode="json", exclude_none=True)
+    fields["model"] = {"name": "debug", "overrides": {"n_layers": 2**31 - 1}}
+    (step / MANIFEST).write_text(Manifest.model_validate(fields).to_json())
+    out = _bounded("export", str(step), "--format", "hf", "--out", str(tmp_path / "m"))
+    assert out.returncode != 0 and "n_layers=2147483647" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_an_expanded_tensor_is_refused_on_import_before_it_is_written_out(tmp_path):
+    torch.save({"w": torch.ones(1).expand(600_000), "b": torch.ones(4)}, tmp_path / "w.pt")
+    assert (tmp_path / "w.pt").stat().st_size < 4096
+    out = _bounded("import", str(tmp_path / "w.pt"), "--to", str(tmp_path / "ckpt"))
+    assert out.returncode == 2 and "expanded" in out.stderr, out.stderr
+    assert not (tmp_path / "ckpt" / "step-00000000").exists()
+
+
+# --- the unpickling boundary, fuzzed ------------------------------------------------------
+
+_FUZZ_MEMORY = 64 << 20
+"""Most Python memory one fuzzed file may make the check or the load allocate."""
+
+
+@pytest.fixture(scope="module")
+def real_metadata(tmp_path_factory) -> bytes:
+    return (_dcp_step(tmp_path_factory.mktemp("fuzz")) / ".metadata").read_bytes()
+
+
+def _mutate(data: bytes, draw) -> bytes:
+    from hypothesis import strategies as st
+
+    out = bytearray(data)
+    for _ in range(draw(st.integers(1, 8))):
+        op = draw(st.sampled_from(["flip", "insert", "delete", "splice", "truncate"]))
+        at = draw(st.integers(0, max(len(out) - 1, 0)))
+        if op == "flip" and out:
+            out[at] = draw(st.integers(0, 255))
+        elif op == "insert":
+            out[at:at] = draw(st.binary(min_size=1, max_size=16))
+        elif op == "delete":
+            del out[at:at + draw(st.integers(1, 16))]
+        elif op == "splice":  # a run of the file, or a shared nest, repeated elsewhere
+            piece = draw(st.sampled_from([bytes(out[at:at + 64]), _shared_nest(40), b"h\xc8" * 8, b"(" * 64]))
+            out[draw(st.integers(0, len(out))):0] = piece
+        elif op == "truncate":
+            del out[at:]
+    return bytes(out)
+
+
+def test_fuzzed_metadata_is_judged_in_bounded_time_and_memory(real_metadata):
+    import time
+    import tracemalloc
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from raytrain_ckpt.checkpoint.format.chunks import layout_problem
+    from raytrain_ckpt.checkpoint.format.unpickling import check_metadata_stream
+
+    @settings(max_examples=150, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(st.one_of(st.data(), st.binary(max_size=2048)))
+    def judge(case) -> None:
+        data = case if isinstance(case, bytes) else _mutate(real_metadata, case.draw)
+        tracemalloc.reset_peak()
+        t0 = time.monotonic()
+        for read in (lambda: check_metadata_stream(io.BytesIO(data), "m", {"__0_0.distcp": 1 << 40}),
+                     lambda: layout_problem(load_metadata(io.BytesIO(data), "m"))):
+            try:
+                read()
+            except (InvalidCheckpoint, UnsafeCheckpoint):
+                pass  # refused in one line: the verdict expected of most mutations
+        assert time.monotonic() - t0 < 5.0
+        assert tracemalloc.get_traced_memory()[1] < _FUZZ_MEMORY
+
+    tracemalloc.start()
+    try:
+        judge()
+    finally:
+        tracemalloc.stop()

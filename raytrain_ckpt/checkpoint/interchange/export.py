@@ -408,6 +408,12 @@ def _export_leased(step_dir: Location, manifest: Manifest, out: Path, fmt: Forma
     reader = _Reader(step_dir)
     if not reader.tensor_keys("model."):
         raise ConversionError(f"{step_dir} holds no model.* tensors; it is not a raytrain_ckpt checkpoint")
+    if model_cfg is not None and model_cfg.n_layers > len(reader.tensor_keys("model.")):
+        # a shape from a manifest (or a spec) is data: checked against the step before a model
+        # of that shape is described tensor by tensor (n_layers 2^31 would never finish)
+        raise ConversionError(f"the model's n_layers={model_cfg.n_layers} cannot be this step's: it holds "
+                              f"{len(reader.tensor_keys('model.'))} model tensors; pass the spec the job ran with "
+                              "(--spec, --set)")
     with _staged_output(out) as tmp:
         if fmt == "hf":
             assert model_cfg is not None

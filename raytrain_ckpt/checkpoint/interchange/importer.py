@@ -71,6 +71,13 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ConversionError(f"{path}: expected a dict of parameter name -> tensor (a model state_dict), "
                           f"got {type(obj).__name__}")
+    for name, t in obj.items():
+        # A view's shape is data: an expanded (broadcast) tensor declares more elements than the
+        # bytes behind it, and saving it would write every one of them (600,000x the file).
+        if t.numel() * t.element_size() > t.untyped_storage().nbytes():
+            raise ConversionError(f"{path}: {str(name)[:200]} declares {list(t.shape)} ({t.numel() * t.element_size()} "
+                                  f"bytes) over {t.untyped_storage().nbytes()} bytes of data (a broadcast or "
+                                  "expanded view); save it with .contiguous() or .clone() first")
     return obj
 
 
