@@ -114,8 +114,9 @@ _MUTABLE, _SHARED = 1, 2
 """Node flags. A node is [expanded size, depth, flags] (a list while it may still change)."""
 
 
-class _Refused(Exception):
-    pass
+def _Refused(what: str) -> InvalidCheckpoint:  # noqa: N802 - raised like a class
+    """Over budget: ``what`` the pickle would make its reader do (``check_pickle`` names the file)."""
+    return InvalidCheckpoint(what)
 
 
 def read_bounded(f: BinaryIO, where: str, budget: PickleBudget = DEFAULT_BUDGET) -> bytes:
@@ -141,7 +142,7 @@ def check_pickle(data: bytes, where: str, budget: PickleBudget = DEFAULT_BUDGET)
                                 f"checkpoint may be (raise it with {BUDGET_ENV}=<factor>)")
     try:
         _run(bytes(data), budget)
-    except _Refused as exc:
+    except InvalidCheckpoint as exc:
         raise InvalidCheckpoint(f"{where} would {exc}; refused before loading it (a checkpoint is data; raise "
                                 f"the limits with {BUDGET_ENV}=<factor> if this file is genuine)") from None
     except (IndexError, KeyError, ValueError, TypeError, AttributeError) as exc:
