@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from raytrain_ckpt.checkpoint.interchange.export import progress_bar
+from raytrain_ckpt.checkpoint.interchange.export import check_outside_checkpoints, progress_bar
 from raytrain_ckpt.checkpoint.errors import ConversionError, InvalidCheckpoint, StorageUnavailable
 from raytrain_ckpt.checkpoint.format.manifest import Manifest, describe_file
 from raytrain_ckpt.checkpoint.format.names import Location
@@ -111,6 +111,8 @@ def import_checkpoint(src: Path, to: Location) -> ImportResult:
     t0 = time.monotonic()
     src = Path(src).expanduser().resolve()
     to = str(to).rstrip("/") if is_uri(to) else Path(to).expanduser().resolve()
+    if not is_uri(to):
+        check_outside_checkpoints(Path(to), "--to")  # a committed step is never written into
     if not src.exists():
         raise ConversionError(f"{src}: no such file or directory; pass a torch.save file or an HF safetensors directory")
     try:
