@@ -57,7 +57,8 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
         with open(path, "rb") as f:
             check_torch_save(f, str(path))  # the work its pickle asks for is bounded, before torch reads it
     except InvalidCheckpoint as exc:
-        raise ConversionError(f"{exc}; pass a model state_dict saved by torch.save") from None
+        raise ConversionError(f"{path}: not a readable torch.save file: {str(exc).removeprefix(str(path)).strip()}; "
+                              "pass a model state_dict saved by torch.save") from None
     except OSError as exc:
         raise ConversionError(f"{path}: unreadable ({exc})") from None
     try:
