@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 import zipfile
 from dataclasses import dataclass, replace
 from typing import BinaryIO
@@ -359,13 +360,32 @@ def check_torch_save(f: BinaryIO, where: str, budget: PickleBudget = DEFAULT_BUD
                 raise InvalidCheckpoint(f"{where}: its pickle is over {limit} bytes, more than a pickle read "
                                         f"from a checkpoint may be (raise it with {BUDGET_ENV}=<factor>)")
             try:
-                with archive.open(info) as member:
-                    data = member.read(limit + 1)
-            except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as exc:
+                data = _stored_member(archive, info)
+            except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
                 raise InvalidCheckpoint(f"{where}: its pickle is unreadable ({exc})") from None
         check_pickle(data, f"{where} ({info.filename})", budget)
     finally:
         f.seek(start)
+
+
+def _stored_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    """A stored (uncompressed) member's bytes, read past its local header. Not ``archive.open``:
+    that checks the record's CRC-32, which the files this project writes leave out (a format
+    ``torch.load`` reads; ``checkpoint/datapath/filewrite.py``)."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise zipfile.BadZipFile("its pickle record is compressed, which torch.save never does")
+    fp = archive.fp
+    assert fp is not None
+    fp.seek(info.header_offset)
+    header = fp.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise zipfile.BadZipFile("a record without its local header")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    fp.seek(info.header_offset + 30 + name_len + extra_len)
+    data = fp.read(info.file_size)
+    if len(data) != info.file_size:
+        raise zipfile.BadZipFile("a record cut short")
+    return data
 
 
 def check_torch_save_bytes(data: bytes, where: str, budget: PickleBudget = DEFAULT_BUDGET) -> None:
