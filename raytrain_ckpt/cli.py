@@ -12,10 +12,12 @@ import argparse
 import json
 import sys
 import os
+import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TextIO
 
 from raytrain_ckpt.checkpoint.errors import USAGE_ERRORS, ExitCode
+from raytrain_ckpt.locations import mask_uri, uri_secrets
 from raytrain_ckpt.logs import setup_logging
 
 if TYPE_CHECKING:
@@ -61,10 +63,65 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_EXTRAS = {"s3fs": "s3", "botocore": "s3", "boto3": "s3", "aiobotocore": "s3", "gcsfs": "gcs", "tokenizers": "data",
+           "pyarrow": "data", "tqdm": "data", "tensorboard": None, "transformers": None}
+"""Optional packages a command may need -> the extra that installs them (None: installed by name)."""
+
+
+def missing_extra_line(exc: ImportError) -> str | None:
+    """The one line for an optional package that is not installed (None: not one of them)."""
+    name = (getattr(exc, "name", None) or "").partition(".")[0]
+    if name not in _EXTRAS:  # fsspec says "Install s3fs to access S3" without naming the module
+        name = next((n for n in _EXTRAS if re.search(rf"\b{n}\b", str(exc))), "")
+    if not name:
+        return None
+    extra = _EXTRAS[name]
+    how = f"pip install 'raytrain-ckpt[{extra}]'" if extra else f"pip install {name}"
+    return f"this needs the optional package {name}, which is not installed: {how}"
+
+
+class _Masked:
+    """A text stream that writes through ``mask_uri``: no secret of a URI reaches the terminal."""
+
+    def __init__(self, stream: TextIO, secrets: set[str]) -> None:
+        self._stream = stream
+        self._secrets = sorted((s for s in secrets if len(s) >= 4), key=len, reverse=True)
+        """The secrets of the URIs on the command line, also masked where a library quotes them
+        out of their URI (``Invalid bucket name "user:secret@bkt"``); shorter ones would mask
+        ordinary words."""
+
+    def write(self, text: str) -> int:
+        if "@" in text:
+            text = mask_uri(text)
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``raytrain-ckpt`` and ``python -m raytrain_ckpt``."""
-    args = _parser().parse_args(argv)
-    _file_uris_as_paths(args)
+    """Entry point of ``raytrain-ckpt`` and ``python -m raytrain_ckpt``. What a command prints
+    (error lines, ``--json``, logs) shows a URI's user, never its password (``mask_uri``)."""
+    out, err = sys.stdout, sys.stderr
+    secrets = uri_secrets(" ".join(sys.argv[1:] if argv is None else map(str, argv)))
+    sys.stdout, sys.stderr = _Masked(out, secrets), _Masked(err, secrets)
+    try:
+        args = _parser().parse_args(argv)
+        _file_uris_as_paths(args)
+        return _dispatch(args)
+    except ImportError as exc:  # an optional extra missing: one line, not a traceback
+        line = missing_extra_line(exc)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return ExitCode.USAGE
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command in ("export", "import"):
         return _convert(args)
     if args.command == "clean-buffers":
@@ -208,10 +265,12 @@ def _add_conversion_commands(sub: argparse._SubParsersAction) -> None:
                    help="with a checkpoint root: latest (default: the newest valid step), best (by the job's "
                         "checkpoint.keep_best metric; eval_loss, lowest, when it had none) or a step number")
     e.add_argument("--format", choices=("hf", "torch"), default="hf",
-                   help="hf: safetensors shards + index + config.json (built-in Llama); torch: one model.pt")
+                   help="hf: safetensors shards + index + config.json (built-in Llama); torch: one model.pt "
+                        "(--out NAME.pt: that file)")
     e.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="cast the weights to this (default: bf16 for hf, fp32 for torch)")
-    e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    e.add_argument("--out", required=True, help="output directory (must not exist or be empty); with --format torch, "
+                   "a name ending in .pt or .pth is the file itself")
     e.add_argument("--spec", default=None, help="the job spec the checkpoint was trained with (needed for hf)")
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                    help="override a field of --spec, as with run")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import sys
 import time
 from dataclasses import asdict
@@ -30,8 +31,24 @@ from raytrain_ckpt.checkpoint.storage.objects import object_store_problem
 from raytrain_ckpt.inventory import StepRow, UsageError, format_cell, job_roots_hint, location, progress_bar, root_dir, scan, status_report, verify_step
 from raytrain_ckpt.checkpoint.errors import ExitCode
 
-__all__ = ["add_parsers", "run"]
+__all__ = ["add_parsers", "run", "strict_json"]
 
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def strict_json(data: Any) -> str:
+    """``--json`` output: strict JSON (a non-finite number is null, never a bare ``NaN``), and
+    anything else JSON has no type for as its string."""
+    return json.dumps(_finite(data), indent=1, default=str, allow_nan=False)
 
 
 def _positive_seconds(text: str) -> float:
@@ -75,7 +92,7 @@ def run(args: argparse.Namespace, refreshes: int | None = None) -> int:
             hint = None if rows else job_roots_hint(root_dir(args.dir))
             if hint:
                 print(f"note: {hint}", file=sys.stderr)
-            print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else
+            print(strict_json([asdict(r) for r in rows]) if args.json else
                   "\n".join(f"{r.name:<34} {r.status:<11} {format_cell(r.bytes, 'bytes'):>10} {_eval_text(r):>12}  {r.detail}"
                             for r in rows))
             return ExitCode.OK
@@ -109,7 +126,7 @@ def _status(args: argparse.Namespace, refreshes: int | None) -> int:
         text, data = status_report(args.dir, args.job, args.address, "checksum" if args.checksum else "size")
         if args.watch is not None and sys.stdout.isatty():
             print("\x1b[2J\x1b[H", end="")  # clear the terminal: a refreshing view, not a scrolling log
-        print(json.dumps(data, indent=1, default=str) if args.json else text, flush=True)
+        print(strict_json(data) if args.json else text, flush=True)
         n += 1
         if args.watch is None or (refreshes is not None and n >= refreshes):
             return ExitCode.OK
@@ -135,7 +152,7 @@ def _verify(path: Location, as_json: bool) -> int:
             bar.close()
     status = "valid" if not problems else ("torn" if not storage.is_file(storage.join(path, MANIFEST)) else "corrupt")
     if as_json:
-        print(json.dumps({"path": str(path), "status": status, "problems": problems}, indent=1))
+        print(strict_json({"path": str(path), "status": status, "problems": problems}))
     else:
         print(f"{path}: {status.upper()}" + ("" if problems else f" (every file's size and checksum match, "
                                                                   f"{total / 1e6:.1f} MB)"))

@@ -10,7 +10,7 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["home_problem", "is_uri", "mask_uri"]
+__all__ = ["home_problem", "is_uri", "mask_uri", "uri_secrets"]
 
 
 def is_uri(root: str | os.PathLike) -> bool:
@@ -44,3 +44,13 @@ def mask_uri(text: str) -> str:
         return f"{m.group(1)}{user}:***@" if sep else f"{m.group(1)}***@"
     return _USERINFO.sub(masked, text)
 
+
+
+def uri_secrets(text: str) -> set[str]:
+    """The passwords (or lone tokens) of every ``scheme://user:secret@host`` in ``text``: what a
+    printer masks wherever it shows up, also where a library quotes the URI's parts out of it."""
+    out = set()
+    for m in _USERINFO.finditer(text):
+        user, sep, secret = m.group(2).partition(":")
+        out.add(secret if sep else user)
+    return {s for s in out if s}

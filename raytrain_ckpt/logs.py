@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["LOG_FORMAT", "setup_logging"]
+from raytrain_ckpt.locations import mask_uri
+
+__all__ = ["LOG_FORMAT", "MaskSecrets", "setup_logging"]
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -21,3 +23,20 @@ def setup_logging(force: bool = False) -> None:
     that must log in this format whatever ran before it (the training worker).
     """
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=force)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, MaskSecrets) for f in handler.filters):
+            handler.addFilter(MaskSecrets())
+
+
+class MaskSecrets(logging.Filter):
+    """Masks the secret of every ``scheme://user:secret@host`` in a log line (``mask_uri``): a
+    checkpoint root or data path given with credentials is logged by the driver, the storage and
+    the CLI, never its password."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "@" in message:
+            masked = mask_uri(message)
+            if masked != message:
+                record.msg, record.args = masked, None
+        return True

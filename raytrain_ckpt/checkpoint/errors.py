@@ -110,6 +110,14 @@ class StagingFileError(RuntimeError):
     """A staging buffer's path holds something we did not create, or cannot be created."""
 
 
+__all__ += ["StagingNoSpace"]
+
+
+class StagingNoSpace(StagingFileError):
+    """A staging buffer's memory cannot be allocated in full (the staging file system is full):
+    that save fails before any trainer maps the buffer, training continues."""
+
+
 __all__ += ["CheckpointMismatch"]
 
 

@@ -37,11 +37,11 @@ import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from raytrain_ckpt.checkpoint.errors import StagingFileError
+from raytrain_ckpt.checkpoint.errors import StagingFileError, StagingNoSpace
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUFFER_GLOB", "SHM_DIR_ENV", "BufferLease", "Orphan", "OwnedBuffer", "is_leased",
+__all__ = ["BUFFER_GLOB", "SHM_DIR_ENV", "BufferLease", "Orphan", "OwnedBuffer", "is_leased", "no_space_line",
            "open_buffer", "shm_dir", "sweep_orphans"]
 
 SHM_DIR_ENV = "RAYTRAIN_CKPT_SHM_DIR"
@@ -99,14 +99,28 @@ class OwnedBuffer:
             fcntl.flock(fd, fcntl.LOCK_EX)
             if _same_file(fd, path):
                 os.ftruncate(fd, nbytes)
+                try:
+                    _back(fd, path, nbytes)
+                except BaseException:
+                    path.unlink(missing_ok=True)  # ours and locked: nobody else has it
+                    os.close(fd)
+                    raise
                 return cls(path, fd)
             os.close(fd)  # a sweep removed our fresh file before we locked it: create it again
         raise StagingFileError(_taken(path))
 
     def resize(self, nbytes: int) -> None:
-        """Grow or shrink the buffer (a new layout reusing the same name)."""
+        """Grow or shrink the buffer (a new layout reusing the same name); grown, its memory is
+        allocated in full first (raises StagingNoSpace, the buffer left as it was)."""
         with self._fd_lock:
+            before = os.fstat(self._fd).st_size
             os.ftruncate(self._fd, nbytes)
+            if nbytes > before:
+                try:
+                    _back(self._fd, self.path, nbytes)
+                except BaseException:
+                    os.ftruncate(self._fd, before)
+                    raise
 
     def reserve(self) -> None:
         """Allocate the file's memory now (``posix_fallocate`` of its current size; it never grows
@@ -125,6 +139,44 @@ class OwnedBuffer:
                 self.path.unlink()
             os.close(self._fd)
             self._fd = -1
+
+
+def _back(fd: int, path: Path, nbytes: int) -> None:
+    """Allocate every page of the file's first ``nbytes`` now, before any trainer maps it: a
+    mapping of a sparse file on a full tmpfs is a SIGBUS at the first store into a page the file
+    system cannot supply, in every rank, at every restart. Raises StagingNoSpace (one line: the
+    file system, the bytes needed and free) when they cannot all be allocated."""
+    if nbytes <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT, errno.EFBIG):
+            raise StagingNoSpace(no_space_line(path.parent, nbytes)) from None
+        raise
+
+
+def no_space_line(directory: Path, nbytes: int) -> str:
+    """The one line a save that found no room for its staging buffer fails with."""
+    try:
+        st = os.statvfs(directory)
+        room = f"{st.f_bavail * st.f_frsize / 1e6:.1f} MB free of {st.f_blocks * st.f_frsize / 1e6:.1f} MB"
+    except OSError:
+        room = "its free space unknown"
+    return (f"no room for a {nbytes / 1e6:.1f} MB staging buffer in {directory} (the file system mounted at "
+            f"{_mount_point(directory)}, {room}): this save fails, training continues; give it more room (docker "
+            f"--shm-size, a larger tmpfs) or point {SHM_DIR_ENV} at a larger RAM-backed directory")
+
+
+def _mount_point(directory: Path) -> Path:
+    path = Path(os.path.abspath(directory))
+    try:
+        dev = path.stat().st_dev
+        while path.parent != path and path.parent.stat().st_dev == dev:
+            path = path.parent
+    except OSError:
+        pass
+    return path
 
 
 def open_buffer(path: Path, nbytes: int) -> int:

@@ -20,6 +20,7 @@ readable and verifiable.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import zlib
@@ -124,6 +125,13 @@ class Manifest(BaseModel):
     keep_best: KeepBestRecord | None = None
     """The job's ``checkpoint.keep_best`` when it had one, so ``export best`` ranks steps as retention did."""
 
+    @field_validator("loss", "eval_loss", mode="before")
+    @classmethod
+    def _finite_or_null(cls, value: Any) -> Any:
+        # a diverged run's NaN or inf loss is recorded as null: JSON has no NaN, and no step is
+        # ranked by it (``keep_best`` and ``export best`` skip a step without the metric)
+        return None if isinstance(value, float) and not math.isfinite(value) else value
+
     @field_validator("files")
     @classmethod
     def _plain_names(cls, value: dict[str, FileEntry]) -> dict[str, FileEntry]:
@@ -139,7 +147,7 @@ class Manifest(BaseModel):
         return value
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json", exclude_none=True), indent=1, sort_keys=True)
+        return json.dumps(self.model_dump(mode="json", exclude_none=True), indent=1, sort_keys=True, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:

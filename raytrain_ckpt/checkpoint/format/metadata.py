@@ -14,6 +14,8 @@ would otherwise run code in every process that resumes, exports or inspects it.
   by location).
 - Non-tensor entries go through ``torch.load(weights_only=True)`` (``SafeLoadPlanner``), whose
   restricted unpickler allows tensors and primitive containers only.
+- Every one of these pickles is first pre-scanned for the work it would do (``prescan.py``: shared
+  references, nesting, size), so that no file runs forever or allocates without bound either.
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ from torch.distributed.checkpoint._traverse import set_element
 
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
 
+from raytrain_ckpt.checkpoint.format.chunks import layout_problem
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
 from raytrain_ckpt.locations import is_uri
-from raytrain_ckpt.checkpoint.format.unpickling import allowed_global, check_data_files, refusal, unpickle
+from raytrain_ckpt.checkpoint.format.prescan import check_torch_save
+from raytrain_ckpt.checkpoint.format.unpickling import (allowed_global, check_data_files, checked_pickle, refusal,
+                                                        resolve_builtin, unpickle)
 from raytrain_ckpt.events import headline
 
 __all__ = ["SafeFileSystemReader", "SafeFsspecReader", "SafeLoadPlanner", "SafeUnpickler", "empty_safe_planner",
@@ -47,13 +52,14 @@ class SafeUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if allowed_global(module, name):
-            return super().find_class(module, name)
+            return resolve_builtin(module, name, super().find_class)
         raise refusal(module, name)
 
 
 def load_metadata(stream: IO[bytes], where: str) -> Metadata:
-    """Unpickle DCP metadata from ``stream`` with ``SafeUnpickler``; raises InvalidCheckpoint."""
-    metadata = unpickle(SafeUnpickler(stream), where)
+    """Unpickle DCP metadata from ``stream`` with ``SafeUnpickler``, pre-scanned for the work it
+    would do (``prescan.py``); raises InvalidCheckpoint."""
+    metadata = unpickle(SafeUnpickler(checked_pickle(stream, where)), where)
     if not isinstance(metadata, Metadata):
         raise InvalidCheckpoint(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
     check_data_files(metadata.storage_data, where)  # DCP joins these to the step directory and reads them
@@ -85,17 +91,22 @@ class _SafeMetadata:
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-
     def _check_listed(self, metadata: Metadata, where: str) -> None:
         """Every file the metadata makes DCP read is one the step's manifest lists, as the check
         before loading found (``unpickling.check_metadata_stream``): said again here, on the objects
-        loading built, so that no difference between the two parsers lets unchecked bytes in."""
+        loading built, so that no difference between the two parsers lets unchecked bytes in; and
+        every tensor is tiled exactly by its chunks, whose bytes lie inside those files
+        (``chunks.layout_problem``), before loading allocates a tensor for them."""
         manifest_path = self.fs.concat_path(self.path, MANIFEST)
-        if not self.fs.exists(manifest_path):  # (a step without a manifest is refused before any load)
-            return
-        with self.fs.create_stream(manifest_path, "rb") as f:
-            manifest = Manifest.from_json(f.read().decode("utf-8", errors="replace"))
-        check_data_files(metadata.storage_data, where, set(manifest.files))
+        sizes = None
+        if self.fs.exists(manifest_path):  # (a step without a manifest is refused before any load)
+            with self.fs.create_stream(manifest_path, "rb") as f:
+                manifest = Manifest.from_json(f.read().decode("utf-8", errors="replace"))
+            sizes = {name: entry.size for name, entry in manifest.files.items()}
+            check_data_files(metadata.storage_data, where, set(sizes))
+        problem = layout_problem(metadata, sizes)
+        if problem is not None:
+            raise InvalidCheckpoint(f"{where}: {problem}")
 
 
 class SafeFileSystemReader(_SafeMetadata, FileSystemReader):
@@ -114,7 +125,9 @@ def safe_reader(path: str | Path, storage_options: dict[str, Any] | None = None)
 
 
 def _load_bytes_safely(planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO) -> None:
-    # DefaultLoadPlanner.load_bytes with weights_only=True: tensors and primitive containers only.
+    # DefaultLoadPlanner.load_bytes with weights_only=True: tensors and primitive containers only,
+    # once the pickle's work is known to be bounded (torch's restricted unpickler bounds nothing).
+    check_torch_save(value, f"entry {read_item.dest_index.fqn}")
     try:
         obj = torch.load(value, weights_only=True)
     except pickle.UnpicklingError as exc:

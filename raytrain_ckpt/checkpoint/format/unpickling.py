@@ -9,17 +9,20 @@ import. Loading itself still goes through ``SafeUnpickler``, which builds the re
 
 from __future__ import annotations
 
+import io
 import pickle
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
 
+from raytrain_ckpt.checkpoint.format.chunks import layout_problem
 from raytrain_ckpt.checkpoint.format.manifest import check_file_name
+from raytrain_ckpt.checkpoint.format.prescan import check_pickle, read_bounded
 
 __all__ = ["ALLOWED_GLOBALS", "TORCH_DTYPES", "allowed_global", "check_data_files", "check_metadata_file",
-           "check_metadata_stream", "refusal", "unpickle"]
+           "check_metadata_stream", "checked_pickle", "data_bytearray", "refusal", "resolve_builtin", "unpickle"]
 
 ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset({
@@ -47,6 +50,32 @@ holds the set equal to the installed torch's dtypes."""
 def allowed_global(module: str, name: str) -> bool:
     """Whether DCP metadata may refer to ``module.name``."""
     return name in ALLOWED_GLOBALS.get(module, ()) or (module == "torch" and name in TORCH_DTYPES)
+
+
+def data_bytearray(*args: Any) -> bytearray:
+    """``bytearray`` as a pickle may call it: from bytes (what pickling a bytearray writes), never
+    from a length (``bytearray(10**10)``: a few bytes of pickle would allocate gigabytes)."""
+    if len(args) > 2 or (args and not isinstance(args[0], (bytes, str))) or any(not isinstance(a, str) for a in args[1:]):
+        raise UnsafeCheckpoint("calls bytearray with a length or an object, which allocates from a number "
+                               "the file gives; DCP metadata never does")
+    return bytearray(*args)
+
+
+_SIZE_FREE = {("builtins", "bytearray"): data_bytearray}
+"""Allowed globals that take a size, replaced by versions that do not (the others take none: sets
+and paths are built from items the pickle holds, which the pre-scan has counted)."""
+
+
+def resolve_builtin(module: str, name: str, find: Any) -> Any:
+    """``find(module, name)``, the builtin replaced by its size-free version where it has one."""
+    return _SIZE_FREE.get((module, name)) or find(module, name)
+
+
+def checked_pickle(f: BinaryIO, where: str) -> io.BytesIO:
+    """All of ``f`` (bounded), pre-scanned for the work it would make loading do (``prescan.py``)."""
+    data = read_bounded(f, where)
+    check_pickle(data, where)
+    return io.BytesIO(data)
 
 
 def refusal(module: str, name: str) -> UnsafeCheckpoint:
@@ -78,6 +107,16 @@ class _StandIn:
             state = {**(state[0] or {}), **(state[1] or {})}
         if isinstance(state, dict):
             self.__dict__.update({k: v for k, v in state.items() if isinstance(k, str) and not k.startswith("__")})
+        elif isinstance(state, tuple):
+            self.__dict__["_state"] = state  # TensorProperties' state: (dtype, layout, ...)
+
+
+def _size(dims: Any = ()) -> tuple[int, ...]:
+    """``torch.Size`` as the check reads it: the tuple of ints the real one is (it refuses the rest too)."""
+    dims = tuple(dims)
+    if not all(type(d) is int for d in dims):
+        raise TypeError("torch.Size() takes an iterable of ints")
+    return dims
 
 
 class _CheckingUnpickler(pickle.Unpickler):
@@ -86,9 +125,11 @@ class _CheckingUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if not allowed_global(module, name):
             raise refusal(module, name)
+        if (module, name) == ("torch", "Size"):
+            return _size
         if module.partition(".")[0] == "torch":
             return type(f"{module}.{name}", (_StandIn,), {})
-        return super().find_class(module, name)
+        return resolve_builtin(module, name, super().find_class)
 
 
 def check_metadata_file(path: Path) -> None:
@@ -121,17 +162,23 @@ def unpickle(unpickler: pickle.Unpickler, where: str) -> Any:
         raise InvalidCheckpoint(f"{where} is unreadable ({type(exc).__name__}: {exc})") from None
 
 
-def check_metadata_stream(f: BinaryIO, name: str, files: Collection[str] | None = None) -> None:
+def check_metadata_stream(f: BinaryIO, name: str, files: Collection[str] | Mapping[str, int] | None = None) -> None:
     """``check_metadata_file`` of an open binary stream (a local file or an object-store object)
     called ``name`` in messages. ``files``: the step's manifest's file names; every file the
-    metadata makes DCP read must be one of them (so every byte loaded is checksummed)."""
-    top = unpickle(_CheckingUnpickler(f), name)
+    metadata makes DCP read must be one of them (so every byte loaded is checksummed). With their
+    sizes (a mapping), every tensor is also checked to be tiled by its chunks, each chunk's bytes
+    inside its file (``chunks.layout_problem``)."""
+    top = unpickle(_CheckingUnpickler(checked_pickle(f, name)), name)
     if type(top).__name__ != "torch.distributed.checkpoint.metadata.Metadata":
         raise InvalidCheckpoint(f"{name} holds a {type(top).__name__}, not DCP Metadata")
     if vars(top).get("_called_with"):
         raise InvalidCheckpoint(f"{name} builds its Metadata by calling it with arguments, which DCP never writes "
                                 "(its fields could not be checked)")
     check_data_files(vars(top).get("storage_data"), name, files)
+    if isinstance(files, Mapping):
+        problem = layout_problem(top, files)
+        if problem is not None:
+            raise InvalidCheckpoint(f"{name}: {problem}")
 
 
 def check_data_files(storage_data: Any, name: str, files: Collection[str] | None = None) -> None:

@@ -13,7 +13,7 @@ calls ``verify_step`` or ``step_problems`` here, with the storage the step lives
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Literal, Protocol
@@ -112,7 +112,7 @@ def _problems(files: StepFiles, path: Location, manifest: Manifest, level: Verif
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     if intact and ".metadata" in manifest.files:
-        yield from _metadata_problems(files, path, set(manifest.files))
+        yield from _metadata_problems(files, path, {n: e.size for n, e in manifest.files.items()})
 
 
 def check_file(files: StepFiles, path: Location, want: FileEntry, checksum: bool,
@@ -139,8 +139,8 @@ def check_file(files: StepFiles, path: Location, want: FileEntry, checksum: bool
     return None
 
 
-def _metadata_problems(files: StepFiles, path: Location, listed: Collection[str]) -> Iterator[str]:
-    # loading's verdict, without torch
+def _metadata_problems(files: StepFiles, path: Location, listed: Mapping[str, int]) -> Iterator[str]:
+    # loading's verdict, without torch (and every tensor tiled by its chunks, in its files' sizes)
     where = files.join(path, ".metadata")
     try:
         with files.open_read(where) as f:

@@ -54,7 +54,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from raytrain_ckpt.checkpoint.errors import ConversionError, InvalidCheckpoint
+from raytrain_ckpt.checkpoint.errors import ConversionError, InvalidCheckpoint, NotOwnFile
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.metadata import SafeLoadPlanner, empty_safe_planner, safe_reader
 from raytrain_ckpt.checkpoint.format.names import Location, parent_of, parse_entry, step_name
@@ -75,7 +75,7 @@ from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DTYPES", "ExportResult", "export_checkpoint", "final_export", "parse_size", "peak_rss_bytes",
+__all__ = ["DTYPES", "ExportResult", "check_outside_checkpoints", "export_checkpoint", "final_export", "parse_size", "peak_rss_bytes",
            "progress_bar"]
 
 Format = Literal["hf", "torch"]
@@ -294,7 +294,7 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
     """
     t0 = time.monotonic()
     if not is_uri(out):
-        _check_out_outside_checkpoints(Path(out))
+        check_outside_checkpoints(Path(out), "--out")
     step_dir, manifest, why = resolve(ckpt, verify, select)
     if model_cfg is None and fmt == "hf" and manifest.model is not None:
         model_cfg = _manifest_model(manifest)
@@ -310,17 +310,17 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: Format = "hf", dtype: str = "b
             lease.__exit__(None, None, None)
 
 
-def _check_out_outside_checkpoints(out: Path) -> None:
-    """An export is never written into a step directory (retention would delete it with the
-    step, and the step would no longer be what its manifest lists) nor as a step-like entry of a
-    checkpoint root (read as a torn save)."""
+def check_outside_checkpoints(out: Path, flag: str) -> None:
+    """An export or an import (``flag``: its option) is never written into a step directory
+    (retention would delete it with the step, and the step would no longer be what its manifest
+    lists) nor as a step-like entry of a checkpoint root (read as a torn save)."""
     p = named_as_given(out)
-    for d in p.parents:
+    for d in (p, *p.parents):
         if (d / MANIFEST).is_file() and parse_entry(d.name) is not None:
-            raise ConversionError(f"--out {out} is inside the step directory {d}; pass a directory outside "
-                                  "every checkpoint (an export never changes a step)")
+            raise ConversionError(f"{flag} {out} is inside the step directory {d}; pass a directory outside "
+                                  "every checkpoint (a committed step is never changed)")
     if parse_entry(p.name) is not None and p.parent.is_dir() and CheckpointLayout(p.parent).entries():
-        raise ConversionError(f"--out {out} would be a step entry of the checkpoint root {p.parent}; pass a "
+        raise ConversionError(f"{flag} {out} would be a step entry of the checkpoint root {p.parent}; pass a "
                               "directory outside it, or another name")
 
 
@@ -333,6 +333,9 @@ def _take_lease(root: Location, step: int) -> FileLease | None:
         return FileLease(root, step).__enter__()
     except InvalidCheckpoint as exc:
         raise ConversionError(str(exc)) from None
+    except NotOwnFile as exc:  # a link planted in the root: refused, never written through
+        raise ConversionError(f"cannot lease step {step}: {exc}; remove it (the root's leases/ is a directory "
+                              "this tool creates)") from None
     except OSError as exc:
         if not is_uri(root) and exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
             raise
@@ -348,7 +351,10 @@ _LAST = ("config.json", "model.safetensors.index.json", "model.pt")
 def _export_to(step_dir: Location, manifest: Manifest, out: Location, args: tuple) -> ExportResult:
     """Export to a local directory, or through a local temporary directory to an object-store prefix."""
     if not is_uri(out):
-        return _export_leased(step_dir, manifest, Path(out).expanduser().resolve(), *args)
+        local = Path(out).expanduser().resolve()
+        if args[0] == "torch" and local.suffix in _FILE_SUFFIXES:
+            return _export_file(step_dir, manifest, local, args)
+        return _export_leased(step_dir, manifest, local, *args)
     target = str(out).rstrip("/")
     storage = open_storage(target)
     if storage.listdir(target):
@@ -360,6 +366,29 @@ def _export_to(step_dir: Location, manifest: Manifest, out: Location, args: tupl
         for name in sorted(result.files, key=lambda n: n in _LAST):
             storage.put_file(Path(local) / "out" / name, storage.join(target, name))
     result.out = target
+    return result
+
+
+_FILE_SUFFIXES = (".pt", ".pth")
+"""``--format torch --out NAME.pt``: the export is that file, not a directory holding ``model.pt``."""
+
+
+def _export_file(step_dir: Location, manifest: Manifest, out: Path, args: tuple) -> ExportResult:
+    """A ``torch`` export written as the file ``out``: exported into a hidden sibling directory,
+    then linked into place (never over an existing file) and the directory removed."""
+    if os.path.lexists(out):
+        raise ConversionError(f"--out {out} exists; pass a new file name (an export never overwrites files)")
+    staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}")
+    try:
+        result = _export_leased(step_dir, manifest, staging, *args)
+        try:
+            os.link(staging / "model.pt", out)
+        except FileExistsError:
+            raise ConversionError(f"--out {out} was created meanwhile; pass a new file name") from None
+        fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    result.out, result.files = out, [out.name]
     return result
 
 
@@ -408,6 +437,12 @@ def _export_leased(step_dir: Location, manifest: Manifest, out: Path, fmt: Forma
     reader = _Reader(step_dir)
     if not reader.tensor_keys("model."):
         raise ConversionError(f"{step_dir} holds no model.* tensors; it is not a raytrain_ckpt checkpoint")
+    if model_cfg is not None and model_cfg.n_layers > len(reader.tensor_keys("model.")):
+        # a shape from a manifest (or a spec) is data: checked against the step before a model
+        # of that shape is described tensor by tensor (n_layers 2^31 would never finish)
+        raise ConversionError(f"the model's n_layers={model_cfg.n_layers} cannot be this step's: it holds "
+                              f"{len(reader.tensor_keys('model.'))} model tensors; pass the spec the job ran with "
+                              "(--spec, --set)")
     with _staged_output(out) as tmp:
         if fmt == "hf":
             assert model_cfg is not None

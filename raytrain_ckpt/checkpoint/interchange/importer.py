@@ -25,10 +25,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from raytrain_ckpt.checkpoint.interchange.export import progress_bar
-from raytrain_ckpt.checkpoint.errors import ConversionError, StorageUnavailable
+from raytrain_ckpt.checkpoint.interchange.export import check_outside_checkpoints, progress_bar
+from raytrain_ckpt.checkpoint.errors import ConversionError, InvalidCheckpoint, StorageUnavailable
 from raytrain_ckpt.checkpoint.format.manifest import Manifest, describe_file
 from raytrain_ckpt.checkpoint.format.names import Location
+from raytrain_ckpt.checkpoint.format.prescan import check_torch_save
 from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.models.hf import HFAdapter, hf_adapter
@@ -53,6 +54,14 @@ class ImportResult:
 
 def _read_torch(path: Path) -> dict[str, torch.Tensor]:
     try:
+        with open(path, "rb") as f:
+            check_torch_save(f, str(path))  # the work its pickle asks for is bounded, before torch reads it
+    except InvalidCheckpoint as exc:
+        raise ConversionError(f"{path}: not a readable torch.save file: {str(exc).removeprefix(str(path)).strip()}; "
+                              "pass a model state_dict saved by torch.save") from None
+    except OSError as exc:
+        raise ConversionError(f"{path}: unreadable ({exc})") from None
+    try:
         # mmap: the tensors stay file-backed until DCP writes them, whatever the file's size.
         obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's input problem
@@ -63,6 +72,13 @@ def _read_torch(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ConversionError(f"{path}: expected a dict of parameter name -> tensor (a model state_dict), "
                           f"got {type(obj).__name__}")
+    for name, t in obj.items():
+        # A view's shape is data: an expanded (broadcast) tensor declares more elements than the
+        # bytes behind it, and saving it would write every one of them (600,000x the file).
+        if t.numel() * t.element_size() > t.untyped_storage().nbytes():
+            raise ConversionError(f"{path}: {str(name)[:200]} declares {list(t.shape)} ({t.numel() * t.element_size()} "
+                                  f"bytes) over {t.untyped_storage().nbytes()} bytes of data (a broadcast or "
+                                  "expanded view); save it with .contiguous() or .clone() first")
     return obj
 
 
@@ -96,6 +112,8 @@ def import_checkpoint(src: Path, to: Location) -> ImportResult:
     t0 = time.monotonic()
     src = Path(src).expanduser().resolve()
     to = str(to).rstrip("/") if is_uri(to) else Path(to).expanduser().resolve()
+    if not is_uri(to):
+        check_outside_checkpoints(Path(to), "--to")  # a committed step is never written into
     if not src.exists():
         raise ConversionError(f"{src}: no such file or directory; pass a torch.save file or an HF safetensors directory")
     try:

@@ -38,12 +38,14 @@ same way on both (beats, the reader's clock).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
 import re
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -52,7 +54,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, NotOwnFile
 from raytrain_ckpt.checkpoint.format.names import Location
 from raytrain_ckpt.checkpoint.storage.backends import Storage, open_storage
 from raytrain_ckpt.checkpoint.storage.commit import protocol_for
@@ -81,6 +83,9 @@ def purge_lock(root: Location) -> Iterator[None]:
         return
     d = Path(root) / LEASE_DIR
     d.mkdir(parents=True, exist_ok=True)
+    if not stat.S_ISDIR(os.lstat(d).st_mode):  # a link planted at leases/ would take every lease file elsewhere
+        raise NotOwnFile(errno.ELOOP, "not a directory of the checkpoint root (a symbolic link?), which is never "
+                         "written through", str(d))
     fd = open_own_file(d / ".lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

@@ -1,0 +1,116 @@
+"""The paper cuts a new user meets (issue 34): ``export --out model.pt`` writes that file, a
+non-finite loss is null in a manifest and ``--json`` is strict, a URI's secret is never printed,
+a missing optional package is one ``error:`` line, and nothing is written through a link planted
+in a checkpoint root or into a committed step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest, describe_file
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+from raytrain_ckpt.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _step(root: Path, step: int = 2, loss: float | None = None) -> Path:
+    layout = CheckpointLayout(root)
+    tmp = layout.new_tmp_dir(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": torch.nn.Linear(4, 3).state_dict()}, checkpoint_id=str(tmp), no_dist=True)
+    files = {p.name: describe_file(p) for p in sorted(tmp.iterdir())}
+    return layout.commit(tmp, Manifest(step=step, world_size=1, dp_size=1, spec_hash="h", files=files, loss=loss,
+                                       eval_loss=loss))
+
+
+def test_export_torch_to_a_pt_name_writes_that_file(tmp_path, capsys):
+    step = _step(tmp_path / "job")
+    out = tmp_path / "model.pt"
+    assert main(["export", str(step), "--format", "torch", "--out", str(out)]) == 0, capsys.readouterr().err
+    assert out.is_file()
+    assert set(torch.load(out, weights_only=True)) == {"weight", "bias"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job", "model.pt"]  # no staging directory left
+    assert main(["export", str(step), "--format", "torch", "--out", str(out)]) != 0  # never overwritten
+    assert "exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("loss", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_loss_is_null_in_the_manifest_and_json_is_strict(tmp_path, capsys, loss):
+    step = _step(tmp_path / "job", loss=loss)
+    recorded = json.loads((step / MANIFEST).read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}"))
+    assert "loss" not in recorded and "eval_loss" not in recorded  # null (omitted), never NaN
+    assert main(["ls", str(tmp_path / "job"), "--json"]) == 0
+    json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"bare {c} in --json"))
+
+
+def test_a_manifest_written_with_a_nan_reads_as_null(tmp_path):
+    step = _step(tmp_path / "job")
+    text = (step / MANIFEST).read_text().replace('"dp_size"', '"loss": NaN, "dp_size"')
+    assert Manifest.from_json(text).loss is None
+
+
+def test_strict_json_turns_non_finite_numbers_into_null():
+    from raytrain_ckpt.inventory_cli import strict_json
+
+    assert json.loads(strict_json({"a": math.nan, "b": [math.inf, 1.5], "c": Path("/x")})) == \
+        {"a": None, "b": [None, 1.5], "c": "/x"}
+
+
+def test_a_uri_secret_is_never_printed(capsys):
+    code = main(["verify", "s3://user:hunter2secret@bkt/job/step-00000001"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error:")
+    assert "hunter2secret" not in err and "user:***@" in err
+
+
+def test_a_uri_secret_is_masked_in_log_lines(caplog):
+    from raytrain_ckpt.logs import MaskSecrets
+
+    record = logging.LogRecord("x", logging.INFO, __file__, 1, "saving to %s", ("s3://u:topsecret@host/b",), None)
+    MaskSecrets().filter(record)
+    assert record.getMessage() == "saving to s3://u:***@host/b"
+
+
+def test_a_missing_optional_package_is_one_error_line(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
+    code = ("import sys; sys.modules['tokenizers'] = None\nfrom raytrain_ckpt.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", code, "prepare-data", str(tmp_path / "a.jsonl"), "--out",
+                          str(tmp_path / "out"), "--vocab-size", "300", "--workers", "1"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "error: this needs the optional package tokenizers" in out.stderr and "raytrain-ckpt[data]" in out.stderr
+
+
+def test_a_link_planted_as_the_roots_leases_directory_is_never_written_through(tmp_path, capsys):
+    step = _step(tmp_path / "job")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "job" / "leases").symlink_to(elsewhere)
+    code = main(["export", str(step), "--format", "torch", "--out", str(tmp_path / "m")])
+    assert code != 0 and "leases" in capsys.readouterr().err
+    assert list(elsewhere.iterdir()) == []
+    assert not (tmp_path / "m").exists()
+
+
+def test_import_into_a_committed_step_is_refused(tmp_path, capsys):
+    step = _step(tmp_path / "job")
+    before = sorted(p.name for p in step.iterdir())
+    torch.save({"w": torch.ones(3)}, tmp_path / "w.pt")
+    assert main(["import", str(tmp_path / "w.pt"), "--to", str(step)]) == 2
+    assert "inside the step directory" in capsys.readouterr().err
+    assert sorted(p.name for p in step.iterdir()) == before
