@@ -207,6 +207,47 @@ def test_job_submit_runs_the_demo_job_on_a_token_auth_head(head):
 
 
 
+
+def _project_copy(dest: Path) -> Path:
+    """The package and nothing else, as a user's project directory: ``--working-dir`` ships it."""
+    shutil.copytree(REPO / "raytrain_ckpt", dest / "raytrain_ckpt",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dest
+
+
+def test_a_spec_of_name_and_model_restarts_and_resumes_across_two_submits_with_a_code_change(head, tmp_path):
+    """A new user's spec says only ``name`` and ``model``. Under ``ray job submit`` its working
+    directory is Ray's temporary copy of the code, a new one when the code changes: the
+    checkpoints go to the persistent results base instead, a crash restarts the group (restarts are
+    on by default), and the second submit, after a code change, resumes where the first ended."""
+    project = _project_copy(tmp_path / "project")
+    (project / "job.yaml").write_text("name: submit-twice\nmodel: {name: debug}\n")
+    results = tmp_path / "results"
+
+    def submit(steps: int, faults: str = "") -> str:
+        sub_id = f"rtc-twice-{secrets.token_hex(4)}"
+        entry = ["env", f"RAYTRAIN_CKPT_RESULTS={results}", f"RAYTRAIN_CKPT_FAULTS={faults}",
+                 "python", "-m", "raytrain_ckpt", "run", "job.yaml", "--set", f"training.steps={steps}"]
+        done = head.ray_cli("job", "submit", "--address", head.api, "--submission-id", sub_id,
+                            "--working-dir", str(project), "--", *entry, timeout=240)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0 and f"Job '{sub_id}' succeeded" in out, out[-6000:]
+        return out
+
+    first = submit(8, faults="exit@step:rank=1,step=5")
+    assert "checkpoint.dir is relative" not in first  # the spec names no dir: the default base, not a temp dir
+    # the crash restarted the group: restarts are on by default
+    assert "crash; restart 1/3" in first, first[-6000:]
+    steps = sorted(p.name for p in (results / "submit-twice").glob("step-*"))
+    assert steps and steps[-1] == "step-00000008", (steps, first[-4000:])
+
+    # A code change: Ray unpacks the next submit into another _ray_pkg_ directory.
+    (project / "raytrain_ckpt" / "local_note.py").write_text("NOTE = 'changed between the submits'\n")
+    second = submit(10)
+    assert "resumed at step 8" in second, second[-6000:]
+    assert (results / "submit-twice" / "step-00000010").is_dir()
+
+
 USER_FACTORY = """
 from torch import nn
 
