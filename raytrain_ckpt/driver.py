@@ -21,6 +21,7 @@ from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.group import RayWorkerGroup
 from raytrain_ckpt.metrics import ControllerMetrics
 from raytrain_ckpt.pool import WorkerPool
+from raytrain_ckpt import reaper
 from raytrain_ckpt.preflight import protection_line
 from raytrain_ckpt.spec import JobSpec
 
@@ -53,6 +54,8 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
     started_here = not ray.is_initialized()
     if started_here:
         _init_ray(address)
+        if _local_ray():
+            reaper.start(reaper.local_ray_pids())  # a killed driver leaves no Ray agents behind
     try:
         _check_resources(spec, fixed_size=_local_ray())
         install_dashboard()
@@ -67,6 +70,7 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
     finally:
         if started_here:
             ray.shutdown()
+            reaper.stop()
 
 
 def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = None) -> JobResult:
