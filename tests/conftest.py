@@ -19,6 +19,8 @@ def results_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("raytrain_results")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAYTRAIN_CKPT_RESULTS", str(path))
+        # the pre-scan's verdicts (checkpoint/format/scancache.py) are kept out of ~/.cache too
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
         yield path
 
 

@@ -298,3 +298,67 @@ def test_fuzzed_metadata_is_judged_in_bounded_time_and_memory(real_metadata):
         judge()
     finally:
         tracemalloc.stop()
+
+
+def test_a_passed_scan_is_remembered_by_content_and_a_refused_one_never(tmp_path, monkeypatch):
+    """``ls`` / ``verify`` read the same ``.metadata`` again and again: a pickle that passed is not
+    scanned again (in this process, nor in a later command), one changed byte is scanned, and a
+    refused pickle is refused every time."""
+    from raytrain_ckpt.checkpoint.format import prescan, scancache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(scancache, "_SEEN", set())
+    data = (_dcp_step(tmp_path / "job") / ".metadata").read_bytes()
+    check_pickle(data, "x")  # scanned, passed
+    entries = list((tmp_path / "cache" / "raytrain_ckpt" / "scanned").rglob("*"))
+    assert [p for p in entries if p.is_file()], entries
+
+    scanned: list[int] = []
+    real_run = prescan._run
+
+    def counting_run(data, budget):
+        scanned.append(len(data))
+        return real_run(data, budget)
+
+    monkeypatch.setattr(prescan, "_run", counting_run)
+    monkeypatch.setattr(scancache, "_SEEN", set())  # a later command: only the directory remembers
+    check_pickle(data, "x")
+    assert scanned == []
+    changed = bytearray(data)
+    changed[len(changed) // 2] ^= 0x01
+    try:
+        check_pickle(bytes(changed), "x")
+    except InvalidCheckpoint:
+        pass
+    assert scanned == [len(data)]
+
+    nest = b"\x80\x02" + _shared_nest(40) + b"."
+    for _ in range(2):
+        with pytest.raises(InvalidCheckpoint):
+            check_pickle(nest, "x")
+    assert scanned == [len(data), len(nest), len(nest)]
+
+    monkeypatch.setenv(scancache.CACHE_ENV, "0")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other"))
+    monkeypatch.setattr(scancache, "_SEEN", set())
+    check_pickle(data, "y")  # scanned, and remembered in this process only
+    check_pickle(data, "y")
+    assert scanned == [len(data), len(nest), len(nest), len(data)]
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_remembered_metadata_check_is_redone_when_the_files_it_was_checked_against_change(tmp_path, monkeypatch):
+    """The whole ``.metadata`` check is remembered with the file sizes it was checked against: a
+    shard cut short after a first ``ls`` is caught by the next one."""
+    from raytrain_ckpt.checkpoint.format import scancache
+    from raytrain_ckpt.checkpoint.format.unpickling import check_metadata_stream
+
+    monkeypatch.setattr(scancache, "_SEEN", set())
+    step = _dcp_step(tmp_path / "job")
+    sizes = {p.name: p.stat().st_size for p in step.glob("*.distcp")}
+    data = (step / ".metadata").read_bytes()
+    check_metadata_stream(io.BytesIO(data), "m", sizes)
+    check_metadata_stream(io.BytesIO(data), "m", sizes)  # remembered
+    cut = {name: size // 2 for name, size in sizes.items()}
+    with pytest.raises(InvalidCheckpoint, match="m: "):
+        check_metadata_stream(io.BytesIO(data), "m", cut)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from typing import BinaryIO
 
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.format import scancache
 
 __all__ = ["BUDGET_ENV", "DEFAULT_BUDGET", "PickleBudget", "check_pickle", "check_torch_save", "read_bounded"]
 
@@ -141,14 +142,19 @@ def check_pickle(data: bytes, where: str, budget: PickleBudget = DEFAULT_BUDGET)
     if len(data) > budget.max_bytes:
         raise InvalidCheckpoint(f"{where} is over {budget.max_bytes} bytes, more than a pickle read from a "
                                 f"checkpoint may be (raise it with {BUDGET_ENV}=<factor>)")
+    data = bytes(data)
+    key = scancache.digest(data, repr(budget))
+    if scancache.passed_before(key):
+        return
     try:
-        _run(bytes(data), budget)
+        _run(data, budget)
     except InvalidCheckpoint as exc:
         raise InvalidCheckpoint(f"{where} would {exc}; refused before loading it (a checkpoint is data; raise "
                                 f"the limits with {BUDGET_ENV}=<factor> if this file is genuine)") from None
     except (IndexError, KeyError, ValueError, TypeError, AttributeError) as exc:
         raise InvalidCheckpoint(f"{where} is unreadable (not a well-formed pickle: "
                                 f"{type(exc).__name__} at its opcodes)") from None
+    scancache.remember_pass(key)
 
 
 def _combine(children: list, budget: PickleBudget, mutable: bool) -> list | tuple:

@@ -19,7 +19,8 @@ from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
 
 from raytrain_ckpt.checkpoint.format.chunks import layout_problem
 from raytrain_ckpt.checkpoint.format.manifest import check_file_name
-from raytrain_ckpt.checkpoint.format.prescan import check_pickle, read_bounded
+from raytrain_ckpt.checkpoint.format import scancache
+from raytrain_ckpt.checkpoint.format.prescan import DEFAULT_BUDGET, check_pickle, read_bounded
 
 __all__ = ["ALLOWED_GLOBALS", "TORCH_DTYPES", "allowed_global", "check_data_files", "check_metadata_file",
            "check_metadata_stream", "checked_pickle", "data_bytearray", "refusal", "resolve_builtin", "unpickle"]
@@ -168,7 +169,12 @@ def check_metadata_stream(f: BinaryIO, name: str, files: Collection[str] | Mappi
     metadata makes DCP read must be one of them (so every byte loaded is checksummed). With their
     sizes (a mapping), every tensor is also checked to be tiled by its chunks, each chunk's bytes
     inside its file (``chunks.layout_problem``)."""
-    top = unpickle(_CheckingUnpickler(checked_pickle(f, name)), name)
+    data = read_bounded(f, name)
+    key = scancache.digest(data, f"metadata check {DEFAULT_BUDGET.scaled()!r} {_files_key(files)}")
+    if scancache.passed_before(key):
+        return
+    check_pickle(data, name)
+    top = unpickle(_CheckingUnpickler(io.BytesIO(data)), name)
     if type(top).__name__ != "torch.distributed.checkpoint.metadata.Metadata":
         raise InvalidCheckpoint(f"{name} holds a {type(top).__name__}, not DCP Metadata")
     if vars(top).get("_called_with"):
@@ -179,6 +185,15 @@ def check_metadata_stream(f: BinaryIO, name: str, files: Collection[str] | Mappi
         problem = layout_problem(top, files)
         if problem is not None:
             raise InvalidCheckpoint(f"{name}: {problem}")
+    scancache.remember_pass(key)
+
+
+def _files_key(files: Collection[str] | Mapping[str, int] | None) -> str:
+    if files is None:
+        return "any files"
+    if isinstance(files, Mapping):
+        return repr(sorted(files.items()))
+    return repr(sorted(files))
 
 
 def check_data_files(storage_data: Any, name: str, files: Collection[str] | None = None) -> None:
