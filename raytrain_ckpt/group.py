@@ -210,6 +210,15 @@ class RayWorkerGroup:
             finished=finished,
         )
 
+    def rank_nodes(self) -> list[str]:
+        """Node id of every rank, by rank (the placement group's bundles)."""
+        return bundle_nodes(self._pg) if self._pg is not None else []
+
+    def preempt(self, deadline_unix: float | None) -> None:
+        """A drain notice: every rank saves the step in hand at the next step boundary and stops."""
+        for w in self.workers:
+            w.preempt.remote(deadline_unix)
+
     def _pending_runs(self) -> list[ray.ObjectRef]:
         """The ``run()`` refs of ranks whose result is not collected yet."""
         return [r for r in self._runs if self._runs[r] not in self._results]

@@ -1,0 +1,150 @@
+"""Drain notices and stop signals: the save plan, the controller's preemption budget (against a
+scripted group, as in test_controller.py), and real signals to this process."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from raytrain_ckpt.controller import Controller, GroupPoll, JobState
+from raytrain_ckpt.events import WorkerResult
+from raytrain_ckpt.preemption import PreemptionGuard, plan_save, stop_signals
+from raytrain_ckpt.spec import JobSpec
+
+
+@pytest.mark.parametrize("left, cost, fits, phrase", [
+    (None, 5.0, True, "no deadline"),
+    (25.0, None, True, "no save measured"),
+    (25.0, 3.0, True, "the last save took 3.0s"),
+    (3.5, 3.0, False, "saving what fits"),
+    (0.5, 0.1, False, "saving what fits"),
+])
+def test_save_plan_against_the_deadline(left, cost, fits, phrase):
+    plan = plan_save(left, cost)
+    assert plan.tier == "durable" and plan.fits is fits and phrase in plan.why
+
+
+class DrainedGroup:
+    """Two ranks on nodes A and B that stop (save and return) at the step in hand once preempted."""
+
+    created: list[DrainedGroup] = []
+
+    def __init__(self, spec: JobSpec, attempt: int) -> None:
+        self.spec, self.attempt = spec, attempt
+        self.step, self.preempted, self.done = 0, None, False
+        self.nodes = ["A", "B"] if attempt == 0 else ["A", "C"]
+        DrainedGroup.created.append(self)
+
+    def start(self) -> None:
+        pass
+
+    def rank_nodes(self) -> list[str]:
+        return self.nodes
+
+    def preempt(self, deadline_unix: float | None) -> None:
+        self.preempted = deadline_unix
+
+    def poll(self) -> GroupPoll:
+        stopped = self.done or self.preempted is not None
+        results = [WorkerResult(r, self.step, 0, {}, "x") for r in range(2)] if stopped else []
+        return GroupPoll(results=results, min_step=self.step, finished=stopped)
+
+    def wait(self, timeout_s: float) -> None:
+        pass
+
+    def shutdown(self, keep_warm: bool = False) -> None:
+        pass
+
+
+def _controller(drains: dict, committed: list[int], **ft) -> Controller:
+    DrainedGroup.created = []
+    spec = JobSpec(name="t", fault_tolerance={"max_restarts": 0, **ft})
+    guard = PreemptionGuard(spec.training.steps, lambda: max(committed, default=None), lambda: 1.0,
+                            draining=lambda: dict(drains), clock=lambda: 1000.0)
+    return Controller(spec, DrainedGroup, sleep=lambda s: None, preemption=guard)
+
+
+def test_a_drained_rank_node_restarts_without_spending_a_restart():
+    drains: dict = {}
+    committed: list[int] = [50]
+    ctl = _controller(drains, committed)
+    ctl.step()
+    group = DrainedGroup.created[0]
+    group.step = 57
+    drains["B"] = 1025.0                                   # 25 s notice on rank 1's node
+    ctl.step()
+    assert group.preempted == 1025.0 and ctl.state is JobState.RUNNING
+    committed.append(57)                                   # the ranks saved the step in hand
+    ctl.step()
+    assert ctl.state is JobState.RECOVERING and ctl.restarts == 0 and ctl.preemptions == 1
+    [failure] = ctl.result.failures
+    assert failure.kind == "preemption" and "step 57 saved, 0 steps lost" in failure.headline
+    assert ctl.result.preemptions == [{"attempt": 0, "node": "B", "deadline_unix": 1025.0, "time_left_s": 25.0,
+                                       "tier": "durable", "saved_step": 57, "steps_lost": 0}]
+    assert "step 57 saved" in ctl.summary()["preemption"]
+    ctl.step()
+    ctl.step()                                             # attempt 1 on A and C: B still drains, not its node
+    second = DrainedGroup.created[1]
+    assert ctl.state is JobState.RUNNING and second.preempted is None
+    second.done = True
+    ctl.step()
+    assert ctl.state is JobState.SUCCEEDED
+
+
+def test_a_save_that_did_not_commit_counts_the_steps_lost():
+    drains: dict = {}
+    ctl = _controller(drains, [50])
+    ctl.step()
+    DrainedGroup.created[0].step = 57
+    drains["A"] = 1010.0
+    ctl.step()
+    ctl.step()                                             # stopped, but 57 never committed
+    assert ctl.result.preemptions[0]["steps_lost"] == 7
+    assert "resuming at committed step 50, 7 steps lost" in ctl.result.failures[0].headline
+
+
+def test_max_preemptions_bounds_them():
+    drains = {"B": 1025.0}
+    ctl = _controller(drains, [10], max_preemptions=0)
+    ctl.step()
+    ctl.step()
+    ctl.step()
+    assert ctl.state is JobState.FAILED and ctl.preemptions == 1
+    assert [f.kind for f in ctl.result.failures] == ["preemption"]
+
+
+def test_a_drain_of_a_node_the_job_does_not_use_is_ignored():
+    ctl = _controller({"Z": 1025.0}, [10])
+    ctl.step()
+    DrainedGroup.created[0].done = True
+    ctl.step()
+    assert DrainedGroup.created[0].preempted is None and ctl.state is JobState.SUCCEEDED and not ctl.result.failures
+
+
+def test_a_stop_request_saves_the_step_in_hand_and_ends_the_job():
+    committed = [20]
+    ctl = _controller({}, committed)
+    ctl.step()
+    DrainedGroup.created[0].step = 33
+    ctl.preemption.request_stop("SIGTERM", 30.0)
+    ctl.step()
+    assert DrainedGroup.created[0].preempted == 1030.0
+    committed.append(33)
+    ctl.step()
+    assert ctl.state is JobState.FAILED and ctl.result.stopped == "SIGTERM: step 33 is committed and safe"
+
+
+def test_the_first_signal_asks_for_a_stop_and_the_second_is_the_previous_handler():
+    guard = PreemptionGuard(10, lambda: None, draining=dict)
+    seen: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with stop_signals(guard, 7.0):
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert guard.stop_request is not None and guard.stop_request[0] == "SIGTERM" and not seen
+            os.kill(os.getpid(), signal.SIGTERM)           # a second signal: what was there before, at once
+            assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)
