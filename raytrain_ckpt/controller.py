@@ -338,13 +338,18 @@ class Controller:
     def _on_preemption(self, failure: Failure) -> None:
         """A drained node stopped the group: restart off it, on the preemption budget, not max_restarts'."""
         assert self.preemption is not None
+        if self.preemption.outcome == "grow":  # capacity came back: the step is saved, restart at full size
+            self.result.events.append((time.time(), f"attempt {self.attempt} grow"))
+            self._last_failure = None
+            self._set_state(JobState.RECOVERING, failure.headline)
+            return
         limit = self.spec.fault_tolerance.max_preemptions
         self.preemptions += 1
         self._last_failure = "preemption"
         self.result.failures.append(failure)
         self.result.preemptions.append(self.preemption.records[-1].to_dict())
         self.result.events.append((time.time(), f"attempt {self.attempt} preemption detected"))
-        if self.preemption.stop_request is not None:  # the driver was told to stop: the step is saved, stop
+        if self.preemption.outcome == "stop":  # the driver was told to stop: the step is saved, stop
             self.result.error = failure.detail
             self.result.stopped = failure.headline
             self._set_state(JobState.FAILED, f"stopped by {self.preemption.stop_request[0]}")

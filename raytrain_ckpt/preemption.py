@@ -126,9 +126,14 @@ class PreemptionGuard:
                  draining: Callable[[], dict[str, float | None]] = draining_nodes,
                  clock: Callable[[], float] = time.time,
                  service_node: Callable[[], str | None] = lambda: None,
-                 move_service: Callable[[], None] = lambda: None) -> None:
+                 move_service: Callable[[], None] = lambda: None,
+                 full_size: int = 0, grow_check_s: float | None = None,
+                 room: Callable[[set[str]], int] = lambda draining: 0) -> None:
         """``service_node``: the node of the CheckpointActor (None: unknown); ``move_service``:
-        restart it, which Ray does off the draining node (committed steps are on storage)."""
+        restart it, which Ray does off the draining node (committed steps are on storage).
+        ``full_size``: the world size asked for; a group running below it looks every
+        ``grow_check_s`` (None: never) for ``room`` (how many more ranks fit on nodes that are not
+        draining) and grows back at the next step boundary when the missing ranks fit."""
         self.total_steps = total_steps
         self._latest = latest_committed
         self._cost = save_cost
@@ -137,6 +142,10 @@ class PreemptionGuard:
         self._service_node = service_node
         self._move_service = move_service
         self._move_after_stop = False
+        self._full_size, self._grow_check_s, self._room = full_size, grow_check_s, room
+        self._grow_checked = clock()
+        self.outcome = "preemption"
+        """What the stop of the group was for: "preemption", "stop" (a signal) or "grow"."""
         self.notice: DrainNotice | None = None
         """The notice the running attempt is acting on (None: none)."""
         self.records: list[PreemptionRecord] = []
@@ -153,6 +162,8 @@ class PreemptionGuard:
     def new_attempt(self) -> None:
         self.notice = None
         self._reached = 0
+        self.outcome = "preemption"
+        self._grow_checked = self._clock()
 
     def watch(self, group: PreemptedGroup, poll: GroupPoll, attempt: int) -> Failure | None:
         """Look for a drain of the group's nodes; returns the preemption once the group stopped
@@ -165,8 +176,11 @@ class PreemptionGuard:
             logger.warning("%s: saving and committing the step in hand within %.0fs, then stopping (send it again to "
                            "stop at once)", why, deadline - self._clock())
             group.preempt(deadline)
+            self.outcome = "stop"
         if self.notice is None:
             self._look(group, poll)
+        if self.notice is None:
+            self._maybe_grow(group, poll)
             return None
         stopped = poll.failures or poll.finished
         left = self.notice.time_left(self._clock())
@@ -207,6 +221,23 @@ class PreemptionGuard:
             group.preempt(deadline)
             return
 
+    def _maybe_grow(self, group: PreemptedGroup, poll: GroupPoll) -> None:
+        size = len(group.rank_nodes())
+        now = self._clock()
+        if (self._grow_check_s is None or not 0 < size < self._full_size
+                or now - self._grow_checked < self._grow_check_s):
+            return
+        self._grow_checked = now
+        room = self._room(set(self._draining()))
+        if room < self._full_size - size:
+            logger.debug("running %d of %d workers; room for %d more (nodes not draining)", size, self._full_size, room)
+            return
+        logger.warning("capacity is back: %d more rank(s) fit on nodes that are not draining; saving the step in hand "
+                       "and growing back from %d to %d workers", room, size, self._full_size)
+        self.notice = DrainNotice("grow", None, (), now, poll.min_step, SavePlan("durable", True, "growing back"))
+        self.outcome = "grow"
+        group.preempt(None)
+
     def _failure(self, poll: GroupPoll, attempt: int, stopped: bool) -> Failure:
         notice = self.notice
         assert notice is not None
@@ -225,6 +256,9 @@ class PreemptionGuard:
         if not stopped:
             how = f"the group did not stop before the deadline; {how}"
         left = record.time_left_s
+        if self.outcome == "grow":
+            text = f"grow back to {self._full_size} workers: {how}"
+            return Failure(attempt, "preemption", None, text, text)
         if self.stop_request is not None:
             text = f"{notice.node}: " + (f"step {latest} is committed and safe" + (f" ({lost} steps after it lost)" if lost else "")
                                          if saved is not None and saved == latest else how)
@@ -283,8 +317,21 @@ def preemption_guard(spec: Any, service: Any) -> PreemptionGuard | None:
         ray.kill(service.actor, no_restart=False)
 
     draining = draining_nodes if spec.fault_tolerance.watch_drains else dict
+    res, ft = spec.resources, spec.fault_tolerance
+    bundle = {"CPU": res.cpus_per_worker, **({"GPU": res.gpus} if res.gpus else {})}
+    grow = ft.grow_check_s if res.min_workers is not None and res.min_workers < spec.world_size else None
     return PreemptionGuard(spec.training.steps, lambda: service.status().latest, save_cost, draining,
-                           service_node=lambda: actor_node(service.actor), move_service=move_service)
+                           service_node=lambda: actor_node(service.actor), move_service=move_service,
+                           full_size=spec.world_size, grow_check_s=grow, room=lambda skip: room_for(bundle, skip))
+
+
+def room_for(bundle: dict[str, float], draining: set[str]) -> int:
+    """How many more ``bundle``s fit now on the cluster's nodes that are not draining."""
+    import ray
+
+    per_node = ray._private.state.available_resources_per_node()
+    return sum(min(int(avail.get(k, 0.0) // v) for k, v in bundle.items() if v > 0)
+               for node, avail in per_node.items() if node not in draining)
 
 
 def actor_node(handle: Any) -> str | None:

@@ -33,7 +33,9 @@ class DrainedGroup:
 
     def __init__(self, spec: JobSpec, attempt: int) -> None:
         self.spec, self.attempt = spec, attempt
-        self.step, self.preempted, self.done = 0, None, False
+        self.step, self.done = 0, False
+        self.preempted: float | None | bool = False
+        """False: never asked; else the deadline it was asked to stop by (None: none)."""
         self.nodes = ["A", "B"] if attempt == 0 else ["A", "C"]
         DrainedGroup.created.append(self)
 
@@ -47,7 +49,7 @@ class DrainedGroup:
         self.preempted = deadline_unix
 
     def poll(self) -> GroupPoll:
-        stopped = self.done or self.preempted is not None
+        stopped = self.done or self.preempted is not False
         results = [WorkerResult(r, self.step, 0, {}, "x") for r in range(2)] if stopped else []
         return GroupPoll(results=results, min_step=self.step, finished=stopped)
 
@@ -87,7 +89,7 @@ def test_a_drained_rank_node_restarts_without_spending_a_restart():
     ctl.step()
     ctl.step()                                             # attempt 1 on A and C: B still drains, not its node
     second = DrainedGroup.created[1]
-    assert ctl.state is JobState.RUNNING and second.preempted is None
+    assert ctl.state is JobState.RUNNING and second.preempted is False
     second.done = True
     ctl.step()
     assert ctl.state is JobState.SUCCEEDED
@@ -120,7 +122,7 @@ def test_a_drain_of_a_node_the_job_does_not_use_is_ignored():
     ctl.step()
     DrainedGroup.created[0].done = True
     ctl.step()
-    assert DrainedGroup.created[0].preempted is None and ctl.state is JobState.SUCCEEDED and not ctl.result.failures
+    assert DrainedGroup.created[0].preempted is False and ctl.state is JobState.SUCCEEDED and not ctl.result.failures
 
 
 def test_a_stop_request_saves_the_step_in_hand_and_ends_the_job():
@@ -148,3 +150,37 @@ def test_the_first_signal_asks_for_a_stop_and_the_second_is_the_previous_handler
             assert seen == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_shrunk_group_grows_back_when_room_appears_off_draining_nodes():
+    DrainedGroup.created = []
+    spec = JobSpec(name="t", resources={"num_workers": 2, "min_workers": 1},
+                   fault_tolerance={"max_restarts": 0, "grow_check_s": 5.0})
+    now = [1000.0]
+    room = {"free": 0}
+    asked: list[set] = []
+
+    def room_for(draining: set) -> int:
+        asked.append(draining)
+        return room["free"]
+
+    guard = PreemptionGuard(spec.training.steps, lambda: 40, draining=lambda: {"B": 2000.0}, clock=lambda: now[0],
+                            full_size=2, grow_check_s=5.0, room=room_for)
+    ctl = Controller(spec, DrainedGroup, sleep=lambda s: None, preemption=guard)
+    ctl.step()
+    group = DrainedGroup.created[0]
+    group.nodes, group.step = ["A"], 40                    # placed at 1 of 2 workers
+    now[0] += 6
+    ctl.step()                                             # no room yet: keeps training
+    assert group.preempted is False and asked == [{"B"}]    # the draining node's room is not counted
+    room["free"] = 1
+    ctl.step()                                             # checked again only after grow_check_s
+    assert group.preempted is False and len(asked) == 1
+    now[0] += 6
+    ctl.step()
+    assert group.preempted is None and guard.outcome == "grow" and ctl.state is JobState.RUNNING
+    ctl.step()                                             # the step in hand saved: restart at full size
+    assert ctl.state is JobState.RECOVERING and ctl.preemptions == 0 and not ctl.result.failures
+    ctl.step()
+    ctl.step()
+    assert ctl.state is JobState.RUNNING and guard.outcome == "preemption"
