@@ -182,6 +182,8 @@ class PreemptionGuard:
         if self.notice is None:
             self._maybe_grow(group, poll)
             return None
+        if poll.finished and not poll.failures and poll.results and min(r.steps for r in poll.results) >= self.total_steps:
+            return None  # the notice came with the last step: the job is done, nothing to restart
         stopped = poll.failures or poll.finished
         left = self.notice.time_left(self._clock())
         if not stopped and (left is None or left > STOP_MARGIN_S):

@@ -184,3 +184,37 @@ def test_a_shrunk_group_grows_back_when_room_appears_off_draining_nodes():
     ctl.step()
     ctl.step()
     assert ctl.state is JobState.RUNNING and guard.outcome == "preemption"
+
+
+def test_a_notice_at_the_last_step_lets_the_job_succeed():
+    drains: dict = {}
+    ctl = _controller(drains, [1000])
+    ctl.step()
+    group = DrainedGroup.created[0]
+    group.step = ctl.spec.training.steps
+    drains["B"] = 1025.0
+    ctl.step()
+    ctl.step()
+    assert ctl.state is JobState.SUCCEEDED and ctl.preemptions == 0
+
+
+def test_the_metrics_count_preemptions_and_their_lost_steps(monkeypatch):
+    from raytrain_ckpt import metrics
+
+    recorded: list[tuple[str, float, dict]] = []
+    monkeypatch.setattr(metrics, "record", lambda name, value, tags: recorded.append((name, value, dict(tags))))
+    drains: dict = {}
+    ctl = _controller(drains, [50])
+    ctl._observer = metrics.ControllerMetrics("t", checkpointing=True)
+    ctl.step()
+    DrainedGroup.created[0].step = 54
+    drains["B"] = 1020.0
+    ctl.step()
+    ctl.step()                                             # 54 never committed: 4 steps lost
+
+    def values(name: str, **tags: str) -> list[float]:
+        return [v for n, v, t in recorded if n == name and tags.items() <= t.items()]
+
+    assert values("job_failures_total", cause="preemption") == [1]
+    assert values("job_preemption_steps_lost_total") == [4] and values("job_preemption_notice_seconds") == [20.0]
+    assert values("job_restarts_total") == []
