@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["DrainNotice", "PreemptedGroup", "PreemptionGuard", "PreemptionRecord", "SavePlan", "draining_nodes",
            "plan_save", "preemption_guard", "stop_signals"]
 
+MOVE_WAIT_S = 60.0
+"""How long the driver waits for a CheckpointActor it restarted off a draining node to serve again."""
 STOP_MARGIN_S = 1.0
 """A group still running this close to the deadline is stopped by the driver: the node goes at the deadline."""
 
@@ -243,11 +245,11 @@ class PreemptionGuard:
     def _failure(self, poll: GroupPoll, attempt: int, stopped: bool) -> Failure:
         notice = self.notice
         assert notice is not None
+        latest = self._latest() or 0
         if self._move_after_stop:  # the group stopped: the CheckpointActor leaves the node with it
             self._move_after_stop = False
             logger.warning("preemption: restarting the CheckpointActor off draining node %s", notice.node)
             self._move_service()
-        latest = self._latest() or 0
         saved = max((r.steps for r in poll.results), default=None) if poll.finished and not poll.failures else None
         lost = max(0, self._reached - latest)
         record = PreemptionRecord(attempt, notice.node, notice.deadline_unix, notice.time_left(notice.seen_unix),
@@ -316,7 +318,14 @@ def preemption_guard(spec: Any, service: Any) -> PreemptionGuard | None:
     def move_service() -> None:
         import ray
 
+        was = actor_node(service.actor)
         ray.kill(service.actor, no_restart=False)
+        deadline = time.monotonic() + MOVE_WAIT_S
+        while time.monotonic() < deadline:  # back, elsewhere: the next call finds it serving
+            if actor_state(service.actor) == "ALIVE" and actor_node(service.actor) not in (None, was):
+                return
+            time.sleep(0.2)
+        logger.warning("the CheckpointActor is not back after %.0fs; calls to it wait for its restart", MOVE_WAIT_S)
 
     draining = draining_nodes if spec.fault_tolerance.watch_drains else dict
     res, ft = spec.resources, spec.fault_tolerance
@@ -336,12 +345,20 @@ def room_for(bundle: dict[str, float], draining: set[str]) -> int:
                for node, avail in per_node.items() if node not in draining)
 
 
-def actor_node(handle: Any) -> str | None:
-    """The node id an actor lives on, from the GCS's actor table (None: not known)."""
+def _actor_info(handle: Any) -> dict:
     import ray
 
     try:
-        info = ray._private.state.actors(actor_id=handle._actor_id.hex())
+        return ray._private.state.actors(actor_id=handle._actor_id.hex()) or {}
     except Exception:  # noqa: BLE001 - an actor table Ray cannot read: nothing is moved
-        return None
-    return (info.get("Address") or {}).get("NodeID") or None
+        return {}
+
+
+def actor_node(handle: Any) -> str | None:
+    """The node id an actor lives on, from the GCS's actor table (None: not known)."""
+    return (_actor_info(handle).get("Address") or {}).get("NodeID") or None
+
+
+def actor_state(handle: Any) -> str | None:
+    """ALIVE, RESTARTING, DEAD, ... from the GCS's actor table (None: not known)."""
+    return _actor_info(handle).get("State")
