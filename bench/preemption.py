@@ -36,7 +36,7 @@ import ray
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "jobs" / "llama_debug_fsdp.yaml"
-DEADLINE_S, INTERVAL, STEPS = 30, 50, 80
+DEADLINE_S, INTERVAL, STEPS = 30, 50, 600
 
 
 def _overrides(ckpt_dir: Path, *extra: str) -> list[str]:
