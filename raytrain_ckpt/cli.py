@@ -223,6 +223,10 @@ def _run(spec: JobSpec, address: str | None) -> int:
         print(f"interrupted: job {spec.name} stopped; its committed checkpoints are kept, and running the same "
               "command again resumes from the newest valid step", file=sys.stderr)
         return ExitCode.INTERRUPTED
+    if result.stopped is not None:  # a signal: the step in hand was saved first
+        print(f"stopped: job {spec.name}: {result.stopped}; running the same command again resumes from the newest "
+              "committed step", file=sys.stderr)
+        return ExitCode.INTERRUPTED
     if result.state.value == "SUCCEEDED":
         start = result.results[0].start_step if result.results else 0
         resumed = f", resumed at step {start}" if start else ""

@@ -13,10 +13,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from raytrain_ckpt.events import Failure, FailureKind, WorkerResult, headline
 from raytrain_ckpt.spec import JobSpec
+
+if TYPE_CHECKING:
+    from raytrain_ckpt.preemption import PreemptionGuard
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +158,10 @@ class JobResult:
     """Every failure that ended an attempt, in order."""
     events: list[tuple[float, str]] = field(default_factory=list)
     """(time.time(), what) of every failure detected and every group start and start-up."""
+    preemptions: list[dict] = field(default_factory=list)
+    """Every preemption acted on: node, deadline, tier, saved step, steps lost (``PreemptionRecord``)."""
+    stopped: str | None = None
+    """Set when a signal to the driver stopped the job: what was saved (the step that is safe)."""
 
     @property
     def losses(self) -> dict[int, float]:
@@ -176,6 +183,7 @@ class Controller:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         observer: Callable[[Controller], None] | None = None,
+        preemption: PreemptionGuard | None = None,
     ) -> None:
         self.spec = spec
         self._factory = group_factory
@@ -196,6 +204,8 @@ class Controller:
         self._observer = observer
         self.last_poll: GroupPoll | None = None
         """The latest poll of the running group (read by the observer)."""
+        self.preemption = preemption
+        self.preemptions = 0
 
     def run(self) -> JobResult:
         """Step until terminal; always releases the group."""
@@ -227,6 +237,7 @@ class Controller:
         poll = self.last_poll
         return {"state": self.state.value, "attempt": self.attempt, "restarts": self.restarts,
                 "failures": dict(Counter(f.kind for f in self.result.failures)),
+                "preemption": next((f.headline for f in reversed(self.result.failures) if f.kind == "preemption"), None),
                 "train_step": poll.min_step if poll is not None else None}
 
     def reject(self, kind: str, message: str) -> None:
@@ -268,13 +279,18 @@ class Controller:
                 self._on_failure(Failure(self.attempt, "start", None, headline(str(exc)), str(exc)))
             return
         self._last_step, self._last_advance = -1, self._clock()
+        if self.preemption is not None:
+            self.preemption.new_attempt()
         self.result.events.append((time.time(), f"attempt {self.attempt} running"))
         self._set_state(JobState.RUNNING, f"{self.spec.world_size} workers started")
 
     def _watch_group(self) -> None:
         assert self.group is not None
         poll = self.last_poll = self.group.poll()
-        if poll.failures:
+        preempted = self.preemption.watch(self.group, poll, self.attempt) if self.preemption is not None else None
+        if preempted is not None:
+            self._on_preemption(preempted)
+        elif poll.failures:
             first = poll.failures[0]
             self._on_failure(Failure(self.attempt, first.kind, first.rank, first.headline,
                                      "\n".join(f.detail or str(f) for f in poll.failures)))
@@ -318,6 +334,33 @@ class Controller:
         else:
             self._set_state(JobState.FAILED, f"{kind}; {self.restarts}/{facts.max_restarts} restarts used"
                             + (f", {recent} failures within {ft.failure_window_s:g}s" if recent is not None else ""))
+
+    def _on_preemption(self, failure: Failure) -> None:
+        """A drained node stopped the group: restart off it, on the preemption budget, not max_restarts'."""
+        assert self.preemption is not None
+        if self.preemption.outcome == "grow":  # capacity came back: the step is saved, restart at full size
+            self.result.events.append((time.time(), f"attempt {self.attempt} grow"))
+            self._last_failure = None
+            self._set_state(JobState.RECOVERING, failure.headline)
+            return
+        limit = self.spec.fault_tolerance.max_preemptions
+        self.preemptions += 1
+        self._last_failure = "preemption"
+        self.result.failures.append(failure)
+        self.result.preemptions.append(self.preemption.records[-1].to_dict())
+        self.result.events.append((time.time(), f"attempt {self.attempt} preemption detected"))
+        if self.preemption.outcome == "stop":  # the driver was told to stop: the step is saved, stop
+            self.result.error = failure.detail
+            self.result.stopped = failure.headline
+            self._set_state(JobState.FAILED, f"stopped by {self.preemption.stop_request[0]}")
+            return
+        if limit is not None and self.preemptions > limit:
+            self.result.error = failure.detail
+            self._set_state(JobState.FAILED, f"preemption; {self.preemptions - 1}/{limit} preemptions survived "
+                                             "(fault_tolerance.max_preemptions)")
+            return
+        self._set_state(JobState.RECOVERING, f"preemption {self.preemptions}"
+                                             + (f"/{limit}" if limit is not None else "") + "; restarts not spent")
 
     def _release_group(self, keep_warm: bool = False) -> None:
         if self.group is not None:

@@ -22,6 +22,7 @@ from raytrain_ckpt.group import RayWorkerGroup
 from raytrain_ckpt.metrics import ControllerMetrics
 from raytrain_ckpt.pool import WorkerPool
 from raytrain_ckpt import reaper
+from raytrain_ckpt.preemption import preemption_guard, stop_signals
 from raytrain_ckpt.preflight import protection_line
 from raytrain_ckpt.spec import JobSpec
 
@@ -91,8 +92,11 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
     try:
         if service is not None:
             service.preflight()  # a checkpoint root some node cannot share fails here, before training
-        controller = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool), observer=observe)
-        result = controller.run()
+        guard = preemption_guard(spec, service)
+        controller = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool), observer=observe,
+                                preemption=guard)
+        with stop_signals(guard, spec.fault_tolerance.stop_grace_s):
+            result = controller.run()
         if service is not None:
             status = service.status()
             result.checkpoints = status.to_dict()

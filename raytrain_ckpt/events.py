@@ -13,12 +13,14 @@ from typing import Literal
 
 __all__ = ["Failure", "FailureKind", "Progress", "WorkerResult", "headline"]
 
-FailureKind = Literal["start", "crash", "exception", "hang", "checkpoint", "mismatch"]
+FailureKind = Literal["start", "crash", "exception", "hang", "checkpoint", "mismatch", "preemption"]
 """start: the group could not be placed or formed; crash: a rank's process (or its node) died;
 exception: a rank raised; hang: no rank finished a step within ``fault_tolerance.hang_timeout_s``
 (the same names as ``fault_tolerance.retry_on``). checkpoint: the workers finished but the final
 save did not commit; mismatch: the resume checkpoint does not fit the job's model (a user's
-mistake, the same on every attempt: never retried)."""
+mistake, the same on every attempt: never retried). preemption: a node the group used was drained
+(a drain notice): the step in hand was saved and the group stopped; counted against
+``fault_tolerance.max_preemptions``, never against ``max_restarts``."""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from raytrain_ckpt.controller import GroupPoll, GroupStartError, elastic_world_s
 from raytrain_ckpt.events import Failure, Progress, WorkerResult, headline
 from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.pool import WorkerPool, bundle_nodes, kill_actor
+from raytrain_ckpt.preemption import draining_nodes, room_for
 from raytrain_ckpt.spec import JobSpec
 from raytrain_ckpt.worker import TrainWorker, WorkerFailure
 
@@ -126,7 +127,7 @@ class RayWorkerGroup:
             return pg
         remove_placement_group(pg)
         if elastic:
-            fit = min(int(ray.available_resources().get(k, 0.0) // v) for k, v in bundle.items() if v > 0)
+            fit = room_for(bundle, set(draining_nodes()))  # a draining node takes no bundle
             t = self.spec.training
             n = elastic_world_size(self.spec.world_size, res.min_workers, fit, t.global_batch_size, t.micro_batch_size,
                                    self.spec.parallelism.pp)
@@ -209,6 +210,15 @@ class RayWorkerGroup:
             min_step=min((p.step for p in progress.values()), default=0),
             finished=finished,
         )
+
+    def rank_nodes(self) -> list[str]:
+        """Node id of every rank, by rank (the placement group's bundles)."""
+        return bundle_nodes(self._pg) if self._pg is not None else []
+
+    def preempt(self, deadline_unix: float | None) -> None:
+        """A drain notice: every rank saves the step in hand at the next step boundary and stops."""
+        for w in self.workers:
+            w.preempt.remote(deadline_unix)
 
     def _pending_runs(self) -> list[ray.ObjectRef]:
         """The ``run()`` refs of ranks whose result is not collected yet."""

@@ -238,6 +238,8 @@ def status_report(target: str | None, job: str | None, address: str | None,
         head = (f"job {live.job}: {info.get('state', '?')}, attempt {info.get('attempt', 0)}, training step "
                 f"{info.get('train_step', '?')}; {summary_line(st)}; work at risk {risk['steps']} steps, "
                 f"{risk['seconds']:.0f}s")
+        if info.get("preemption"):
+            head += f"\npreemption: {info['preemption']}"
         failing = failed_saves_text(st)
         if failing is not None:
             head += f"\nsaves failing: {failing}"

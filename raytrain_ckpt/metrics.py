@@ -128,6 +128,10 @@ METRICS: dict[str, MetricDef] = {m.name.removeprefix(PREFIX): m for m in (
     _m("job_failures_total", "counter", "Worker group failures, by cause (crash, exception, hang, start).",
        "cause"),
     _m("job_restarts_total", "counter", "Worker group restarts, by the cause of the failure.", "cause"),
+    _m("job_preemption_steps_lost_total", "counter", "Steps trained that no committed step held when a drained node "
+       "(or a stop signal) stopped the group: trained again."),
+    _m("job_preemption_notice_seconds", "gauge", "Seconds between the latest drain notice and its deadline (-1: no "
+       "deadline)."),
 )}
 
 
@@ -366,6 +370,7 @@ class ControllerMetrics:
         self._tags = {"job": job}
         self._failures = 0
         self._restarts = 0
+        self._preemptions = 0
         self._state = ""
         self._started = time.time()
         self._attempt = 0
@@ -381,6 +386,12 @@ class ControllerMetrics:
         for failure in failures[self._failures:]:
             record("job_failures_total", 1, {**self._tags, "cause": failure.kind})
         self._failures = len(failures)
+        preemptions = ctrl.result.preemptions
+        for p in preemptions[self._preemptions:]:
+            record("job_preemption_steps_lost_total", p["steps_lost"], self._tags)
+            left = p["time_left_s"]
+            record("job_preemption_notice_seconds", -1 if left is None else left, self._tags)
+        self._preemptions = len(preemptions)
         if ctrl.restarts > self._restarts and failures:
             record("job_restarts_total", ctrl.restarts - self._restarts, {**self._tags, "cause": failures[-1].kind})
             self._restarts = ctrl.restarts

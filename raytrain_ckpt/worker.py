@@ -110,6 +110,8 @@ class TrainWorker:
             self.served.append(attempt)
         self._progress = Progress(rank, 0, None, time.time(), "setup")
         self._stop = threading.Event()
+        self._notice = threading.Event()
+        """Set by ``preempt()``: a node of the group drains; the ranks agree on a step, save it and stop."""
         self.start_step = 0
         self.timings: dict[str, float] = {}
         self._joined = threading.Event()
@@ -324,26 +326,44 @@ class TrainWorker:
         assert trainer is not None, "setup() must succeed before run()"
         ckpt = self.checkpoints
         loss = None
+        watch = ckpt is not None and self.spec.fault_tolerance.watch_drains
+        phase = "done"
         while trainer.state.step < self.spec.training.steps and not self._stop.is_set():
             maybe_inject("step", self.rank, trainer.state.step, self.attempt)
             report = trainer.train_step()
-            if ckpt is not None and ckpt.due(report.step):
+            due = ckpt is not None and ckpt.due(report.step)
+            # a drain notice reached some rank: every rank saves this step (one collective agrees)
+            preempted = watch and ckpt.any_rank(self._notice.is_set())
+            if due or preempted:
                 point = TrainingPoint(report.step * self.spec.training.global_batch_size, trainer.state.tokens_seen,
                                       report.loss, report.eval_loss)
-                ckpt.save(report.step, app_state(trainer), point)
+                ckpt.save(report.step, app_state(trainer), point, final=preempted)
             trainer.log(report)
             self.metrics.after_step(report, ckpt)
             loss = report.loss if report.loss is not None else loss
             self._progress = Progress(self.rank, report.step, loss, time.time(), "training")
             self.timings.setdefault("first_step_at", self._progress.last_step_at)
+            if preempted:
+                phase = "preempted"  # the step is saved: commit it and stop (the driver restarts off the node)
+                if self.rank == 0:
+                    logger.warning("%sdrain notice: stopping at step %d, saved", self._prefix(), report.step)
+                break
         stats = None
         if ckpt is not None:
             ckpt.wait_committed()
             stats = dict(vars(ckpt.stats))
         state = trainer.state
-        self._progress = Progress(self.rank, state.step, loss, time.time(), "done")
+        self._progress = Progress(self.rank, state.step, loss, time.time(), phase)
         return WorkerResult(self.rank, state.step, state.tokens_seen, dict(state.losses), trainer.fingerprint(),
                             self.start_step, stats, dict(self.timings), tuple(self.served), self.was_spare)
+
+    def preempt(self, deadline_unix: float | None) -> None:
+        """A node of the group drains (before ``deadline_unix``): save the step in hand at the
+        next step boundary and stop; called from the second actor thread while ``run()`` trains."""
+        if not self._notice.is_set():
+            logger.warning("%sdrain notice (deadline %s): saving the step in hand", self._prefix(),
+                           "none" if deadline_unix is None else f"in {deadline_unix - time.time():.1f}s")
+        self._notice.set()
 
     def progress(self) -> Progress:
         """The last finished step; answered from the second actor thread while ``run()`` trains."""

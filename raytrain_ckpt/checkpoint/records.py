@@ -246,6 +246,8 @@ class JobNote:
     failures: dict[str, int]
     """Failures by kind."""
     train_step: int | None
+    preemption: str | None = None
+    """The latest preemption: the node drained, the notice, the step saved and the steps lost."""
 
 
 @dataclass(frozen=True)

@@ -665,9 +665,17 @@ class FaultToleranceSpec(_Section):
     """With reuse_workers: how long surviving ranks get to leave the failed step and release their process group before they are killed and replaced instead."""
     expected_mtbf_s: float | None = Field(None, gt=0, le=MAX_SECONDS)
     """With checkpoint.interval_steps=auto: the prior mean time between failures in seconds, counted as one failure observed and blended with the failures the job sees; null: 86400 (one day)."""
+    watch_drains: bool = True
+    """Watch Ray's drain notices (`ray drain-node`, the autoscaler, a spot or preemptible VM's notice) for every node hosting a rank: on a notice every rank stops at the next step boundary, the step in hand is saved and committed, and the job restarts from it off the draining node. Needs checkpoint.enabled. false: a drained node's loss is a crash."""
+    max_preemptions: int | None = Field(None, ge=0)
+    """Preemptions (drain notices acted on) the job survives before it fails; they never spend max_restarts. null: no limit."""
+    stop_grace_s: float = Field(30.0, gt=0, le=MAX_SECONDS)
+    """On SIGTERM or SIGINT to the driver (`ray job stop`, a pod eviction, Ctrl-C): the time the ranks get to save and commit the step in hand before the job stops (exit 130, with the step that is safe); a second signal stops at once. Needs checkpoint.enabled."""
+    grow_check_s: float | None = Field(60.0, gt=0, le=MAX_SECONDS)
+    """With resources.min_workers: how often a group running below num_workers looks for room for the missing ranks on nodes that are not draining; when they fit, the step in hand is saved and the group restarts at num_workers from it. Needs checkpoint.enabled. null: grow only at the next restart."""
 
     @field_validator("failure_window_s", "hang_timeout_s", "start_timeout_s", "join_timeout_s", "placement_timeout_s",
-                     "poll_interval_s", "drain_timeout_s", "expected_mtbf_s")
+                     "poll_interval_s", "drain_timeout_s", "expected_mtbf_s", "stop_grace_s", "grow_check_s")
     @classmethod
     def _duration_floor(cls, value: float | None) -> float | None:
         return _at_least(value, MIN_SECONDS, "s")

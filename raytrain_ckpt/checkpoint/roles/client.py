@@ -133,6 +133,10 @@ class CheckpointClient:
         assert every is not None
         return schedule.due(step, self._any_rank(time.monotonic() - self._last_save_at >= every))
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on some rank (a collective: every rank gets the same answer)."""
+        return self._any_rank(flag)
+
     def _any_rank(self, flag: bool) -> bool:
         t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -150,15 +154,15 @@ class CheckpointClient:
         """Wait until the last save's hand-off is done (it sets ``_inflight``); returns the seconds blocked."""
         return self._layout.staging.finish() if self._layout is not None else 0.0
 
-    def save(self, step: int, state: dict[str, Any], point: TrainingPoint | None = None) -> None:
+    def save(self, step: int, state: dict[str, Any], point: TrainingPoint | None = None, final: bool = False) -> None:
         """Save ``state`` (a DCP state dict of live tensors, e.g. ``app_state(trainer)``) as ``step``.
 
         Collective: every rank calls it for the same steps. ``point`` (samples and tokens seen,
-        losses) goes into the manifest.
+        losses) goes into the manifest. ``final``: never skipped (the last step, or a drain's).
         """
         t0 = time.monotonic()
         self._handed_off()  # counted in this save's stall
-        if not self._previous_settled(step, final=step == self.total_steps):
+        if not self._previous_settled(step, final=final or step == self.total_steps):
             return
         # The step's temporary directory, opened while this rank plans and starts its copy: the
         # writer gets the reply, and its first write does not wait for a round trip of its own.

@@ -1,0 +1,132 @@
+"""Run by test_preemption.py in its own process: a Ray cluster on this machine
+(ray.cluster_utils.Cluster) with two 1-CPU nodes, a 2-rank job, and one rank's node drained with
+the real `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds N`.
+The drained node is removed at its deadline. Prints one JSON line.
+
+    preemption_job.py CKPT_DIR replace   a replacement node joins at the notice
+    preemption_job.py CKPT_DIR shrink    none: the job shrinks to min_workers; a node joins later
+                                         and the job grows back while it runs
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+os.environ["PYTHONPATH"] = str(REPO)  # inherited by the cluster's processes (see driver._init_ray)
+# A private session root and no auth: this cluster must not touch any other Ray on the machine.
+os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rtc-", dir="/tmp")
+os.environ["RAY_AUTH_MODE"] = "disabled"
+os.environ.pop("RAY_ADDRESS", None)
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name  # noqa: E402
+from raytrain_ckpt.driver import run_job  # noqa: E402
+from raytrain_ckpt.faults import ENV_VAR  # noqa: E402
+from raytrain_ckpt.preemption import actor_node  # noqa: E402
+from raytrain_ckpt.preflight import load_spec  # noqa: E402
+from tests.conftest import REFERENCE_20  # noqa: E402
+
+DEADLINE_S = 25
+NOTICE_AT = 7
+"""The drain is raised once the job reached this step; rank 0 pauses 3 s after each of the next
+three steps (slow faults), so the notice reaches the ranks mid-run whatever the machine's speed."""
+
+
+def _spec(ckpt_dir: Path, *extra: str):
+    # tests.conftest.REFERENCE_20 (the session's uninterrupted run), with an interval that never
+    # falls before the notice: a resume at the step in hand cannot be an interval save's
+    return load_spec(REPO / "jobs" / "llama_debug_fsdp.yaml", [
+        *REFERENCE_20, "resources.num_workers=2", "resources.cpus_per_worker=1", "resources.placement_strategy=SPREAD",
+        f"checkpoint.dir={ckpt_dir}", "checkpoint.interval_steps=50", "fault_tolerance.poll_interval_s=0.2", *extra])
+
+
+def _drain(cluster: Cluster, node_id: str) -> None:
+    """The operator's (or autoscaler's) drain, through Ray's own CLI."""
+    ray_cli = Path(sys.executable).with_name("ray")
+    subprocess.run([str(ray_cli), "drain-node", "--address", cluster.address, "--node-id", node_id,
+                    "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot instance reclaimed",
+                    "--deadline-remaining-seconds", str(DEADLINE_S)], check=True, capture_output=True, text=True)
+
+
+def _status(job: str):
+    try:
+        return ray.get(ray.get_actor(actor_name(job), namespace=NAMESPACE).status.remote(), timeout=10)
+    except Exception:  # noqa: BLE001 - not up yet, or restarting: ask again
+        return None
+
+
+def _note(job: str) -> dict:
+    """The driver's last note to the CheckpointActor (state, attempt, train_step), {} until there is one."""
+    status = _status(job)
+    return asdict(status.job_info) if status is not None and status.job_info is not None else {}
+
+
+def _summary(r) -> dict:
+    return {"state": r.state.value, "attempts": r.attempts, "error": r.error, "failures": [str(f) for f in r.failures],
+            "kinds": [f.kind for f in r.failures], "preemptions": r.preemptions,
+            "world_sizes": [len(r.results)], "start_steps": [x.start_step for x in r.results],
+            "steps": [x.steps for x in r.results], "events": [e for _, e in r.events],
+            "fingerprints": [x.fingerprint for x in r.results], "losses": {str(k): v for k, v in r.losses.items()},
+            "committed": (r.checkpoints or {}).get("committed"),
+            "loaded_from_memory": [(x.timings or {}).get("loaded_from_memory") for x in r.results]}
+
+
+def main(ckpt_dir: str, mode: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    extra = ("resources.min_workers=1", "fault_tolerance.placement_timeout_s=3", "fault_tolerance.grow_check_s=1",
+             "training.steps=60") if mode == "shrink" else ()
+    spec = _spec(Path(ckpt_dir), *extra)
+    os.environ[ENV_VAR] = ";".join(f"slow@step:rank=0,step={s}" for s in range(NOTICE_AT + 1, NOTICE_AT + 4))
+    box: dict = {}
+    job = threading.Thread(target=lambda: box.setdefault("result", run_job(spec)))
+    job.start()
+    deadline = time.monotonic() + 240
+    while (_note(spec.name).get("train_step") or 0) < NOTICE_AT and time.monotonic() < deadline:
+        time.sleep(0.1)
+    victim = nodes[1]  # SPREAD: one rank on each node
+    out: dict = {"victim": victim.node_id, "actor_node": actor_node(ray.get_actor(actor_name(spec.name),
+                                                                                namespace=NAMESPACE))}
+    _drain(cluster, victim.node_id)
+    drained_at = time.time()
+    out["draining_seen"] = sorted(ray._private.state.state.get_draining_nodes())
+    if mode == "replace":
+        cluster.add_node(num_cpus=1)
+    else:  # no replacement: the job shrinks to min_workers; a node joins once it trains there
+        while job.is_alive():
+            status = _status(spec.name)
+            note = status.job_info if status is not None else None
+            if note is not None and note.attempt >= 1 and note.state == "RUNNING" and status.world_size == 1:
+                out["shrunk_at_step"] = note.train_step
+                break
+            time.sleep(0.2)
+        cluster.add_node(num_cpus=1)
+    while job.is_alive() and time.time() < drained_at + DEADLINE_S:
+        job.join(timeout=0.2)
+    cluster.remove_node(victim)  # the node goes at its deadline
+    out["removed_after_s"] = round(time.time() - drained_at, 1)
+    job.join(timeout=300)
+    out["drained"] = _summary(box["result"])
+    print(json.dumps(out))
+    ray.shutdown()
+    cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,220 @@
+"""Drain notices and stop signals: the save plan, the controller's preemption budget (against a
+scripted group, as in test_controller.py), and real signals to this process."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from raytrain_ckpt.controller import Controller, GroupPoll, JobState
+from raytrain_ckpt.events import WorkerResult
+from raytrain_ckpt.preemption import PreemptionGuard, plan_save, stop_signals
+from raytrain_ckpt.spec import JobSpec
+
+
+@pytest.mark.parametrize("left, cost, fits, phrase", [
+    (None, 5.0, True, "no deadline"),
+    (25.0, None, True, "no save measured"),
+    (25.0, 3.0, True, "the last save took 3.0s"),
+    (3.5, 3.0, False, "saving what fits"),
+    (0.5, 0.1, False, "saving what fits"),
+])
+def test_save_plan_against_the_deadline(left, cost, fits, phrase):
+    plan = plan_save(left, cost)
+    assert plan.tier == "durable" and plan.fits is fits and phrase in plan.why
+
+
+class DrainedGroup:
+    """Two ranks on nodes A and B that stop (save and return) at the step in hand once preempted."""
+
+    created: list[DrainedGroup] = []
+
+    def __init__(self, spec: JobSpec, attempt: int) -> None:
+        self.spec, self.attempt = spec, attempt
+        self.step, self.done = 0, False
+        self.preempted: float | None | bool = False
+        """False: never asked; else the deadline it was asked to stop by (None: none)."""
+        self.nodes = ["A", "B"] if attempt == 0 else ["A", "C"]
+        DrainedGroup.created.append(self)
+
+    def start(self) -> None:
+        pass
+
+    def rank_nodes(self) -> list[str]:
+        return self.nodes
+
+    def preempt(self, deadline_unix: float | None) -> None:
+        self.preempted = deadline_unix
+
+    def poll(self) -> GroupPoll:
+        stopped = self.done or self.preempted is not False
+        results = [WorkerResult(r, self.step, 0, {}, "x") for r in range(2)] if stopped else []
+        return GroupPoll(results=results, min_step=self.step, finished=stopped)
+
+    def wait(self, timeout_s: float) -> None:
+        pass
+
+    def shutdown(self, keep_warm: bool = False) -> None:
+        pass
+
+
+def _controller(drains: dict, committed: list[int], **ft) -> Controller:
+    DrainedGroup.created = []
+    spec = JobSpec(name="t", fault_tolerance={"max_restarts": 0, **ft})
+    guard = PreemptionGuard(spec.training.steps, lambda: max(committed, default=None), lambda: 1.0,
+                            draining=lambda: dict(drains), clock=lambda: 1000.0)
+    return Controller(spec, DrainedGroup, sleep=lambda s: None, preemption=guard)
+
+
+def test_a_drained_rank_node_restarts_without_spending_a_restart():
+    drains: dict = {}
+    committed: list[int] = [50]
+    ctl = _controller(drains, committed)
+    ctl.step()
+    group = DrainedGroup.created[0]
+    group.step = 57
+    drains["B"] = 1025.0                                   # 25 s notice on rank 1's node
+    ctl.step()
+    assert group.preempted == 1025.0 and ctl.state is JobState.RUNNING
+    committed.append(57)                                   # the ranks saved the step in hand
+    ctl.step()
+    assert ctl.state is JobState.RECOVERING and ctl.restarts == 0 and ctl.preemptions == 1
+    [failure] = ctl.result.failures
+    assert failure.kind == "preemption" and "step 57 saved, 0 steps lost" in failure.headline
+    assert ctl.result.preemptions == [{"attempt": 0, "node": "B", "deadline_unix": 1025.0, "time_left_s": 25.0,
+                                       "tier": "durable", "saved_step": 57, "steps_lost": 0}]
+    assert "step 57 saved" in ctl.summary()["preemption"]
+    ctl.step()
+    ctl.step()                                             # attempt 1 on A and C: B still drains, not its node
+    second = DrainedGroup.created[1]
+    assert ctl.state is JobState.RUNNING and second.preempted is False
+    second.done = True
+    ctl.step()
+    assert ctl.state is JobState.SUCCEEDED
+
+
+def test_a_save_that_did_not_commit_counts_the_steps_lost():
+    drains: dict = {}
+    ctl = _controller(drains, [50])
+    ctl.step()
+    DrainedGroup.created[0].step = 57
+    drains["A"] = 1010.0
+    ctl.step()
+    ctl.step()                                             # stopped, but 57 never committed
+    assert ctl.result.preemptions[0]["steps_lost"] == 7
+    assert "resuming at committed step 50, 7 steps lost" in ctl.result.failures[0].headline
+
+
+def test_max_preemptions_bounds_them():
+    drains = {"B": 1025.0}
+    ctl = _controller(drains, [10], max_preemptions=0)
+    ctl.step()
+    ctl.step()
+    ctl.step()
+    assert ctl.state is JobState.FAILED and ctl.preemptions == 1
+    assert [f.kind for f in ctl.result.failures] == ["preemption"]
+
+
+def test_a_drain_of_a_node_the_job_does_not_use_is_ignored():
+    ctl = _controller({"Z": 1025.0}, [10])
+    ctl.step()
+    DrainedGroup.created[0].done = True
+    ctl.step()
+    assert DrainedGroup.created[0].preempted is False and ctl.state is JobState.SUCCEEDED and not ctl.result.failures
+
+
+def test_a_stop_request_saves_the_step_in_hand_and_ends_the_job():
+    committed = [20]
+    ctl = _controller({}, committed)
+    ctl.step()
+    DrainedGroup.created[0].step = 33
+    ctl.preemption.request_stop("SIGTERM", 30.0)
+    ctl.step()
+    assert DrainedGroup.created[0].preempted == 1030.0
+    committed.append(33)
+    ctl.step()
+    assert ctl.state is JobState.FAILED and ctl.result.stopped == "SIGTERM: step 33 is committed and safe"
+
+
+def test_the_first_signal_asks_for_a_stop_and_the_second_is_the_previous_handler():
+    guard = PreemptionGuard(10, lambda: None, draining=dict)
+    seen: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with stop_signals(guard, 7.0):
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert guard.stop_request is not None and guard.stop_request[0] == "SIGTERM" and not seen
+            os.kill(os.getpid(), signal.SIGTERM)           # a second signal: what was there before, at once
+            assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_shrunk_group_grows_back_when_room_appears_off_draining_nodes():
+    DrainedGroup.created = []
+    spec = JobSpec(name="t", resources={"num_workers": 2, "min_workers": 1},
+                   fault_tolerance={"max_restarts": 0, "grow_check_s": 5.0})
+    now = [1000.0]
+    room = {"free": 0}
+    asked: list[set] = []
+
+    def room_for(draining: set) -> int:
+        asked.append(draining)
+        return room["free"]
+
+    guard = PreemptionGuard(spec.training.steps, lambda: 40, draining=lambda: {"B": 2000.0}, clock=lambda: now[0],
+                            full_size=2, grow_check_s=5.0, room=room_for)
+    ctl = Controller(spec, DrainedGroup, sleep=lambda s: None, preemption=guard)
+    ctl.step()
+    group = DrainedGroup.created[0]
+    group.nodes, group.step = ["A"], 40                    # placed at 1 of 2 workers
+    now[0] += 6
+    ctl.step()                                             # no room yet: keeps training
+    assert group.preempted is False and asked == [{"B"}]    # the draining node's room is not counted
+    room["free"] = 1
+    ctl.step()                                             # checked again only after grow_check_s
+    assert group.preempted is False and len(asked) == 1
+    now[0] += 6
+    ctl.step()
+    assert group.preempted is None and guard.outcome == "grow" and ctl.state is JobState.RUNNING
+    ctl.step()                                             # the step in hand saved: restart at full size
+    assert ctl.state is JobState.RECOVERING and ctl.preemptions == 0 and not ctl.result.failures
+    ctl.step()
+    ctl.step()
+    assert ctl.state is JobState.RUNNING and guard.outcome == "preemption"
+
+
+def test_a_notice_at_the_last_step_lets_the_job_succeed():
+    drains: dict = {}
+    ctl = _controller(drains, [1000])
+    ctl.step()
+    group = DrainedGroup.created[0]
+    group.step = ctl.spec.training.steps
+    drains["B"] = 1025.0
+    ctl.step()
+    ctl.step()
+    assert ctl.state is JobState.SUCCEEDED and ctl.preemptions == 0
+
+
+def test_the_metrics_count_preemptions_and_their_lost_steps(monkeypatch):
+    from raytrain_ckpt import metrics
+
+    recorded: list[tuple[str, float, dict]] = []
+    monkeypatch.setattr(metrics, "record", lambda name, value, tags: recorded.append((name, value, dict(tags))))
+    drains: dict = {}
+    ctl = _controller(drains, [50])
+    ctl._observer = metrics.ControllerMetrics("t", checkpointing=True)
+    ctl.step()
+    DrainedGroup.created[0].step = 54
+    drains["B"] = 1020.0
+    ctl.step()
+    ctl.step()                                             # 54 never committed: 4 steps lost
+
+    def values(name: str, **tags: str) -> list[float]:
+        return [v for n, v, t in recorded if n == name and tags.items() <= t.items()]
+
+    assert values("job_failures_total", cause="preemption") == [1]
+    assert values("job_preemption_steps_lost_total") == [4] and values("job_preemption_notice_seconds") == [20.0]
+    assert values("job_restarts_total") == []
