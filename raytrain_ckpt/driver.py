@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable
 
 import ray
 
 from raytrain_ckpt.checkpoint.records import JobNote
 from raytrain_ckpt.checkpoint.storage.runlock import FileRunLock, ObjectRunLock, run_lock
+from raytrain_ckpt import jobrecord
+from raytrain_ckpt.checkpoint.roles import bulletin
 from raytrain_ckpt.checkpoint.roles.service import CheckpointService
 from raytrain_ckpt.checkpoint.storage.backends import job_root
 from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text
@@ -83,7 +86,10 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         if problem is not None:  # two runs could train into one root: this one gives way
             ctrl.stop("checkpoint", problem)
 
-    interrupted = False
+    interrupted, result = False, None
+    record = jobrecord.started(spec.name, str(service.root)) if service is not None else None
+    if service is not None:
+        jobrecord.write(service.root, spec.name, record)
     try:
         if service is not None:
             service.preflight()  # a checkpoint root some node cannot share fails here, before training
@@ -110,7 +116,30 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
     finally:
         pool.close()
         if service is not None:
+            _record_end(spec, service, record, result, interrupted)
             service.shutdown(settle=not interrupted)
+
+
+def _record_end(spec: JobSpec, service: CheckpointService, record: dict, result: JobResult | None,
+                interrupted: bool) -> None:
+    """The job's final state, for ``status --job`` after the end: posted in the cluster and written
+    to the job's record (``jobrecord.py``). A driver that stops on an error records FAILED."""
+    if result is not None and result.state.is_terminal:
+        info = {"state": result.state.value, "attempt": result.attempts - 1, "train_step": _last_step(result),
+                "failures": dict(Counter(f.kind for f in result.failures))}
+        error = headline(result.error) if result.error and result.state is JobState.FAILED else None
+    else:
+        info = {"state": "FAILED", "attempt": result.attempts - 1 if result is not None else 0, "train_step": None}
+        error = "interrupted (Ctrl-C)" if interrupted else "the driver stopped on an error"
+    status = result.checkpoints if result is not None and result.checkpoints else None
+    final = jobrecord.ended(record, status, info, error)
+    bulletin.post(spec.name, final)
+    jobrecord.write(service.root, spec.name, final)
+
+
+def _last_step(result: JobResult) -> int | None:
+    """The step every rank finished (None: the job did not finish; the record then shows the committed one)."""
+    return min(r.steps for r in result.results) if result.results else None
 
 
 def _warn_restarts_without_checkpoints(spec: JobSpec) -> None:
