@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import ray
+from ray.job_config import JobConfig
 
 from raytrain_ckpt.checkpoint.records import JobNote
 from raytrain_ckpt.checkpoint.storage.runlock import FileRunLock, ObjectRunLock, run_lock
@@ -25,6 +26,7 @@ from raytrain_ckpt.group import RayWorkerGroup
 from raytrain_ckpt.metrics import ControllerMetrics
 from raytrain_ckpt.pool import WorkerPool
 from raytrain_ckpt.preflight import protection_line
+from raytrain_ckpt.raydash import dashboard_line, job_metadata
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -55,10 +57,12 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
     """
     started_here = not ray.is_initialized()
     if started_here:
-        _init_ray(address)
+        _init_ray(address, JobConfig(metadata=job_metadata(spec)))
     try:
         _check_resources(spec, fixed_size=_local_ray())
         install_dashboard()
+        if (line := dashboard_line(spec.name)) is not None:
+            logger.info("%s", line)
         logger.info("job %s: %d workers, dp_shard %d, pp %d, spec %s", spec.name, spec.world_size, spec.dp_size,
                     spec.parallelism.pp, spec.spec_hash())
         logger.info("%s", protection_line(spec))
@@ -167,7 +171,7 @@ def _warn_failed_saves(checkpoints: dict) -> None:
         logger.warning("checkpoints: %s", text)
 
 
-def _init_ray(address: str | None) -> None:
+def _init_ray(address: str | None, job_config: JobConfig | None = None) -> None:
     # A worker's working directory is not the driver's; putting the driver's (and the spec
     # file's, which the CLI added) on their path, as absolute paths, lets a user factory
     # 'mypkg.models:build' import the same way it does for the driver.
@@ -175,7 +179,8 @@ def _init_ray(address: str | None) -> None:
     if address != "local" and (_SUBMITTED_JOB in os.environ or (address or "").startswith("ray://")):
         # `ray job submit`: the job's runtime_env (working_dir) places the code; a Ray Client
         # driver's paths are its own machine's, which mean nothing on the cluster
-        _connect(address or os.environ.get("RAY_ADDRESS"), lambda: ray.init(address=address, log_to_driver=True))
+        _connect(address or os.environ.get("RAY_ADDRESS"),
+                 lambda: ray.init(address=address, log_to_driver=True, job_config=job_config))
         return
     target = _cluster_to_join() if address is None else None if address == "local" else address
     if target is not None:
@@ -186,7 +191,8 @@ def _init_ray(address: str | None) -> None:
         # where the node has none, the empty entry left behind puts the worker's own working
         # directory on its path, after every directory named here).
         env = {"PYTHONPATH": os.pathsep.join((path, "${PYTHONPATH}"))}
-        _connect(target, lambda: ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True))
+        _connect(target, lambda: ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True,
+                                                   job_config=job_config))
         return
     # A local Ray started here (no cluster to join, or "local"): the path goes in the environment
     # its processes inherit, not in a runtime_env: with a runtime_env every worker process is
@@ -195,7 +201,7 @@ def _init_ray(address: str | None) -> None:
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = path
     try:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, job_config=job_config)
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)

@@ -41,6 +41,8 @@ class JobView:
     """``cluster`` (its bulletin or its actor), ``record`` (this machine's record), ``last-seen``."""
     note: str | None = None
     """Why the view is not the cluster's (the cluster is gone, the job recorded no end)."""
+    cluster_gone: bool = False
+    """No cluster answers: nothing newer will come."""
 
     @property
     def state(self) -> str:
@@ -49,7 +51,7 @@ class JobView:
     @property
     def ended(self) -> bool:
         """The job reached its final state, or nothing will tell more (its cluster is gone)."""
-        return jobrecord.is_ended(self.data) or self.source != "cluster"
+        return jobrecord.is_ended(self.data) or self.cluster_gone
 
 
 def job_status(job: str, address: str | None, last: JobView | None = None) -> JobView:
@@ -65,17 +67,22 @@ def job_status(job: str, address: str | None, last: JobView | None = None) -> Jo
             data = bulletin.read(gcs, job)
         except ConnectionError as exc:
             problem = str(exc)
+        except PermissionError as exc:  # the cluster is there but does not let this process in
+            raise UsageError(f"--job {job}: {exc}") from None
         else:
             if data is not None:
                 return JobView(data, "cluster")
     gone = (f"the Ray cluster at {target} is gone ({problem})" if problem is not None else
             f"the Ray cluster at {target} knows no job {job}")
-    record = jobrecord.read_local(job)
+    record, is_gone = jobrecord.read_local(job), problem is not None
     if record is not None:
-        how = "" if jobrecord.is_ended(record) else "; the job recorded no end (its driver was stopped or lost)"
-        return JobView(record, "record", f"{gone}: from the job's record {jobrecord.local_path(job)}{how}")
+        how = ""
+        if not jobrecord.is_ended(record):
+            how = ("; the job recorded no end (its driver was stopped or lost)" if is_gone else
+                   "; the job has not posted its status yet (starting), or its driver was lost")
+        return JobView(record, "record", f"{gone}: from the job's record {jobrecord.local_path(job)}{how}", is_gone)
     if last is not None:
-        return JobView(last.data, "last-seen", f"{gone}: its last status seen")
+        return JobView(last.data, "last-seen", f"{gone}: its last status seen", True)
     if problem is not None:
         raise UsageError(f"--job {job}: cannot reach a Ray cluster at {target} ({problem}) and this machine has no "
                          "record of that job; start the cluster, pass --address / RAY_ADDRESS, or give the job's "

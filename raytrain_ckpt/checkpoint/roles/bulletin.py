@@ -50,12 +50,17 @@ def post(job: str, data: dict[str, Any]) -> None:
 
 def read(gcs_address: str, job: str) -> dict[str, Any] | None:
     """The job's bulletin on the cluster whose GCS is at ``gcs_address`` (``host:port``), or None
-    when it has none. Raises ConnectionError when the GCS does not answer."""
+    when it has none. Raises ConnectionError when the GCS does not answer, PermissionError when
+    it refuses this process's authentication token."""
     from ray._raylet import GcsClient
 
     try:
         client = GcsClient(address=gcs_address)
         raw = client.internal_kv_get(key(job), NAMESPACE.encode(), timeout=GCS_TIMEOUT_S)
     except Exception as exc:  # Ray raises its own RpcError / GetTimeoutError kinds for a GCS that is gone
+        if type(exc).__name__ == "AuthenticationError":
+            raise PermissionError(f"the cluster at {gcs_address} uses token authentication and refused this "
+                                  "process's token: set RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, "
+                                  "or the file `ray get-auth-token` reads)") from None
         raise ConnectionError(f"the GCS at {gcs_address} does not answer ({type(exc).__name__})") from None
     return json.loads(raw) if raw else None
