@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -27,6 +28,7 @@ from raytrain_ckpt.metrics import ControllerMetrics
 from raytrain_ckpt.pool import WorkerPool
 from raytrain_ckpt.preflight import protection_line
 from raytrain_ckpt.raydash import dashboard_line, job_metadata
+from raytrain_ckpt.scalars import JobScalars, open_logger
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -82,8 +84,12 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
     metrics = ControllerMetrics(spec.name, checkpointing=service is not None)
     _warn_restarts_without_checkpoints(spec)
 
+    scalars = _job_scalars(spec, service)
+
     def observe(ctrl: Controller) -> None:
         metrics(ctrl)
+        if scalars is not None:
+            scalars.observe(ctrl.result.failures, ctrl.summary()["train_step"], time.monotonic())
         if service is not None:
             service.note_job(JobNote(**ctrl.summary()))
         problem = lock.lost_problem() if lock is not None else None
@@ -119,9 +125,24 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         raise
     finally:
         pool.close()
+        if scalars is not None:
+            if result is not None and result.checkpoints:
+                scalars.commits(result.checkpoints)
+            scalars.out.close()
         if service is not None:
             _record_end(spec, service, record, result, interrupted)
             service.shutdown(settle=not interrupted)
+
+
+def _job_scalars(spec: JobSpec, service: CheckpointService | None) -> JobScalars | None:
+    """The driver's TensorBoard run (``training.tensorboard_dir``), replacing what an earlier run
+    of the job logged after the step this one resumes from."""
+    if spec.training.tensorboard_dir is None:
+        return None
+    latest = service.status().latest if service is not None else None
+    out = open_logger(spec.training.tensorboard_dir, spec.name, "driver", latest or 0)
+    assert out is not None
+    return JobScalars(out, (lambda: service.status().to_dict()) if service is not None else None)
 
 
 def _record_end(spec: JobSpec, service: CheckpointService, record: dict, result: JobResult | None,
