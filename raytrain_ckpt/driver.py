@@ -28,6 +28,7 @@ from raytrain_ckpt.metrics import ControllerMetrics
 from raytrain_ckpt.pool import WorkerPool
 from raytrain_ckpt.preflight import protection_line
 from raytrain_ckpt.raydash import dashboard_line, job_metadata
+from raytrain_ckpt.progressline import ProgressLine
 from raytrain_ckpt.scalars import JobScalars, open_logger
 from raytrain_ckpt.spec import JobSpec
 
@@ -85,9 +86,12 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
     _warn_restarts_without_checkpoints(spec)
 
     scalars = _job_scalars(spec, service)
+    progress = _progress_line(spec)
 
     def observe(ctrl: Controller) -> None:
         metrics(ctrl)
+        summary = ctrl.summary()
+        progress.update(summary["train_step"] or 0, summary["attempt"], summary["state"], time.monotonic())
         if scalars is not None:
             scalars.observe(ctrl.result.failures, ctrl.summary()["train_step"], time.monotonic())
         if service is not None:
@@ -124,6 +128,7 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         interrupted = True
         raise
     finally:
+        progress.close()
         pool.close()
         if scalars is not None:
             if result is not None and result.checkpoints:
@@ -132,6 +137,15 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         if service is not None:
             _record_end(spec, service, record, result, interrupted)
             service.shutdown(settle=not interrupted)
+
+
+def _progress_line(spec: JobSpec) -> ProgressLine:
+    """The driver's progress line; the committed step is the one the job's bulletin holds."""
+    def committed() -> int | None:
+        posted = bulletin.posted(spec.name) if spec.checkpoint.enabled else None
+        return posted.get("latest") if posted else None
+
+    return ProgressLine(spec.training.steps, spec.training.global_batch_size * spec.training.seq_len, committed)
 
 
 def _job_scalars(spec: JobSpec, service: CheckpointService | None) -> JobScalars | None:

@@ -20,7 +20,7 @@ from raytrain_ckpt.checkpoint.roles.names import NAMESPACE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GCS_TIMEOUT_S", "key", "post", "read"]
+__all__ = ["GCS_TIMEOUT_S", "key", "post", "posted", "read"]
 
 GCS_TIMEOUT_S = 5.0
 """How long a read waits for the GCS to answer."""
@@ -46,6 +46,20 @@ def post(job: str, data: dict[str, Any]) -> None:
         _internal_kv_put(key(job), json.dumps(data, default=str).encode(), overwrite=True, namespace=NAMESPACE)
     except Exception as exc:  # noqa: BLE001 - a GCS restarting: status shows the previous post, training goes on
         logger.debug("could not post the status of %s: %s", job, exc)
+
+
+def posted(job: str) -> dict[str, Any] | None:
+    """The job's bulletin as this process, connected to Ray (the driver), reads it; None when
+    there is none or the GCS does not answer now."""
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
+
+    if not _internal_kv_initialized():
+        return None
+    try:
+        raw = _internal_kv_get(key(job), namespace=NAMESPACE)
+    except Exception:  # noqa: BLE001 - a GCS restarting: the progress line shows no committed step this time
+        return None
+    return json.loads(raw) if raw else None
 
 
 def read(gcs_address: str, job: str) -> dict[str, Any] | None:
