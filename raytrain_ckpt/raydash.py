@@ -31,15 +31,16 @@ def job_metadata(spec: JobSpec) -> dict[str, str]:
 def dashboard_line(job: str) -> str | None:
     """``Ray dashboard: http://...`` with what to look at, and with token authentication on, how a
     browser gets in; None when this process has no node (Ray Client) or Ray runs no dashboard."""
-    from ray._private import worker
+    from ray._private import services, worker
 
-    try:
-        url = worker.get_dashboard_url()
-    except Exception:  # noqa: BLE001 - a Ray Client driver, or a Ray without this helper: nothing to say
+    try:  # the head's dashboard as the cluster records it; a driver's own node knows none when it joined one
+        url = services.get_webui_url_from_internal_kv() or worker.get_dashboard_url()
+    except Exception:  # noqa: BLE001 - a Ray Client driver, or a Ray without these helpers: nothing to say
         return None
     if not url:
         return None
-    line = (f"Ray dashboard: http://{url} (Actors: TrainWorker({job} rank r/n), CheckpointActor({job}), "
+    url = url if "://" in url else f"http://{url}"
+    line = (f"Ray dashboard: {url} (Actors: TrainWorker({job} rank r/n), CheckpointActor({job}), "
             f"CheckpointWriter({job}); live checkpoint progress: raytrain-ckpt status --job {job})")
     if _token_auth():
         line += ("; token authentication is on: when the browser asks for the token, paste what "

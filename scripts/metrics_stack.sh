@@ -7,9 +7,10 @@
 # Environment: PROM_PORT (default 9090), PYTHON (default .venv/bin/python, else python3),
 # GRAFANA_HOME (default /usr/share/grafana). Ctrl-C stops both (they are this script's children).
 #
-# It follows Ray's conventions: Prometheus runs with <session>/metrics/prometheus/prometheus.yml,
-# which finds every node's metrics endpoint through Ray's service-discovery file (what
-# `ray metrics launch-prometheus` runs, with Debian's `prometheus` instead of a download), and
+# It follows Ray's conventions: Prometheus runs with <session>/metrics/prometheus/prometheus.yml
+# (plus honor_labels, see below), which finds every node's metrics endpoint through Ray's
+# service-discovery file (what `ray metrics launch-prometheus` runs, with Debian's `prometheus`
+# instead of a download), and
 # Grafana with <session>/metrics/grafana/grafana.ini, whose provisioning loads every dashboard in
 # <session>/metrics/grafana/dashboards/, where our dashboard is copied (a job's driver does the
 # same at start). Ray writes both files when the head runs the dashboard (the default).
@@ -33,12 +34,24 @@ cp "$("$python" -c 'from raytrain_ckpt.dashboard import packaged_dashboard; prin
    "$dashboards/raytrain_ckpt_grafana_dashboard.json"
 echo "dashboard: $dashboards/raytrain_ckpt_grafana_dashboard.json"
 
+# Ray's configuration with honor_labels: our metrics carry a `job` label (the job's name), which
+# Prometheus would otherwise rename to `exported_job` under its own scrape-job label `job="ray"`:
+# every panel of our dashboard (which selects job=~"$job") would show nothing.
+ours=$session/metrics/prometheus/prometheus_raytrain_ckpt.yml
+"$python" - "$prom_cfg" "$ours" <<'PY'
+import sys, yaml
+cfg = yaml.safe_load(open(sys.argv[1]))
+for scrape in cfg.get("scrape_configs", []):
+    scrape["honor_labels"] = True
+yaml.safe_dump(cfg, open(sys.argv[2], "w"), sort_keys=False)
+PY
+
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null; wait' EXIT INT TERM
-prometheus --config.file="$prom_cfg" --storage.tsdb.path="$session/metrics/prometheus/data" \
+prometheus --config.file="$ours" --storage.tsdb.path="$session/metrics/prometheus/data" \
     --web.listen-address=":$prom_port" >"$session/logs/prometheus.log" 2>&1 &
 pids+=($!)
-echo "prometheus: http://localhost:$prom_port (config $prom_cfg, log $session/logs/prometheus.log)"
+echo "prometheus: http://localhost:$prom_port (config $ours: Ray's $prom_cfg with honor_labels; log $session/logs/prometheus.log)"
 
 if command -v grafana-server >/dev/null; then
     grafana-server --config "$grafana_ini" --homepath "${GRAFANA_HOME:-/usr/share/grafana}" web \
