@@ -85,17 +85,17 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
     metrics = ControllerMetrics(spec.name, checkpointing=service is not None)
     _warn_restarts_without_checkpoints(spec)
 
-    scalars = _job_scalars(spec, service)
+    scalars: JobScalars | None = None
     progress = _progress_line(spec)
 
     def observe(ctrl: Controller) -> None:
         metrics(ctrl)
-        summary = ctrl.summary()
-        progress.update(summary["train_step"] or 0, summary["attempt"], summary["state"], time.monotonic())
+        summary, now = ctrl.summary(), time.monotonic()
+        progress.update(summary["train_step"] or 0, summary["attempt"], summary["state"], now)
         if scalars is not None:
-            scalars.observe(ctrl.result.failures, ctrl.summary()["train_step"], time.monotonic())
+            scalars.observe(ctrl.result.failures, summary["train_step"], now)
         if service is not None:
-            service.note_job(JobNote(**ctrl.summary()))
+            service.note_job(JobNote(**summary))
         problem = lock.lost_problem() if lock is not None else None
         if problem is not None:  # two runs could train into one root: this one gives way
             ctrl.stop("checkpoint", problem)
@@ -107,6 +107,7 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
     try:
         if service is not None:
             service.preflight()  # a checkpoint root some node cannot share fails here, before training
+        scalars = _job_scalars(spec, service)
         controller = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool), observer=observe)
         result = controller.run()
         if service is not None:
