@@ -29,7 +29,8 @@ from raytrain_ckpt.checkpoint.storage.backends import open_storage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RECORD", "TERMINAL", "is_ended", "local_path", "read_local", "read_root", "started", "write"]
+__all__ = ["RECORD", "TERMINAL", "clamped", "ended", "is_ended", "local_path", "read_local", "read_root", "started",
+           "write"]
 
 RECORD = ".job.json"
 """The record's name under the job's checkpoint root."""
@@ -98,7 +99,8 @@ def _parse(read: Any) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def ended(record: dict[str, Any], status: dict[str, Any] | None, info: dict[str, Any], error: str | None) -> dict[str, Any]:
+def ended(record: dict[str, Any], status: dict[str, Any] | None, info: dict[str, Any],
+          error: str | None) -> dict[str, Any]:
     """The record of a job that reached its final state: ``record`` (its start) updated with
     the CheckpointActor's last status and the controller's summary ``info``."""
     out = {**record, **(status or {})}

@@ -87,8 +87,8 @@ def job_status(job: str, address: str | None, last: JobView | None = None) -> Jo
         raise UsageError(f"--job {job}: cannot reach a Ray cluster at {target} ({problem}) and this machine has no "
                          "record of that job; start the cluster, pass --address / RAY_ADDRESS, or give the job's "
                          "checkpoint root: raytrain-ckpt status DIR")
-    raise UsageError(f"--job {job}: no running job of that name on this cluster (none posted a status) and this machine "
-                     "has no record of it; check the name and --address, or give the job's checkpoint root: "
+    raise UsageError(f"--job {job}: no running job of that name on this cluster (none posted a status) and this "
+                     "machine has no record of it; check the name and --address, or give the job's checkpoint root: "
                      "raytrain-ckpt status DIR")
 
 

@@ -363,11 +363,11 @@ class TrainingSpec(_Section):
     @classmethod
     def _tensorboard_dir_absolute(cls, value: str | None) -> str | None:
         # as checkpoint.dir: relative to the driver's working directory, which the workers do not share
-        if value is None or not value.strip() or "\0" in value:
-            if value is not None:
-                raise ValueError("must be a directory path, or null for no TensorBoard output")
+        if value is None:
             return None
-        return str(Path(value).expanduser().absolute())
+        if not value.strip() or "\0" in value or "://" in value:
+            raise ValueError("must be a local or mounted directory path (not a URI), or null for no TensorBoard output")
+        return str(_known_home(Path(value)).expanduser().absolute())
 
 
 class ResourcesSpec(_Section):

@@ -1,8 +1,9 @@
 """The Ray dashboard in a real headless browser (Debian's Chromium) while a job runs: the
 actors page shows each actor's short repr with the job's name (given only in the spec file),
 and the dashboard's job API (what its Jobs page is built from) has the job's name and spec in
-the job's metadata. (Ray 2.60's job page does not render a driver job's metadata.) ``bench/dashboard_screenshot.py`` drives the same job and browser to take the
-README's screenshot. Skipped, saying why, where Chromium is not installed."""
+the job's metadata (Ray 2.60's job page does not render a driver job's metadata).
+``bench/dashboard_screenshot.py`` drives the same job and browser to take the README's
+screenshot. Skipped, saying why, where Chromium is not installed."""
 
 from __future__ import annotations
 
@@ -29,4 +30,5 @@ def test_the_dashboard_names_the_job_and_its_actors():
         assert repr_ in actors, repr_
     assert "object at 0x" not in actors
     meta = driver_jobs[0]["metadata"]
-    assert meta["raytrain_ckpt.workers"] == "2" and meta["raytrain_ckpt.steps"] == "20" and meta["raytrain_ckpt.spec_hash"]
+    assert meta["raytrain_ckpt.workers"] == "2" and meta["raytrain_ckpt.steps"] == "20"
+    assert meta["raytrain_ckpt.spec_hash"]

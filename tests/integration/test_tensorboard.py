@@ -28,7 +28,8 @@ def _events(path: Path) -> list:
 
 
 def test_scalars_across_a_restart_have_one_point_per_step(ray_cluster, tmp_path, monkeypatch):
-    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed: pip install 'raytrain-ckpt[tensorboard]'")
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed: "
+                                              "pip install 'raytrain-ckpt[tensorboard]'")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.setenv(ENV_VAR, "hang@step:rank=1,step=12")
@@ -52,8 +53,8 @@ def test_scalars_across_a_restart_have_one_point_per_step(ray_cluster, tmp_path,
     assert [e.step for e in loss] == list(range(1, 15))
     by_step = {e.step: e.value for e in loss}
     assert {11, 12, 13, 14} <= set(result.losses)  # the replayed steps' values are the finishing attempt's
-    assert [by_step[s] for s in sorted(result.losses)] == pytest.approx([result.losses[s] for s in sorted(result.losses)],
-                                                                        rel=1e-6)
+    steps = sorted(result.losses)
+    assert [by_step[s] for s in steps] == pytest.approx([result.losses[s] for s in steps], rel=1e-6)
     for tag in ("train/lr", "train/tokens_per_s", "train/step_time_s"):
         assert [e.step for e in acc.Scalars(tag)] == list(range(1, 15)), tag
 
