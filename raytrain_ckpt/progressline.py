@@ -67,8 +67,10 @@ class ProgressLine:
         self._shown_at, self._shown_step = now, step
         text = self._text(step, self._committed(), attempt, state)
         if self.tty:
-            # redrawn in place on the terminal: a log line per second would bury everything else
-            self.stream.write("\r" + text.ljust(self._width))
+            # redrawn in place on the terminal: a log line per second would bury everything else. The
+            # cursor goes back to the line's start (after clearing the rest of it), so a log line
+            # printed next overwrites the progress line instead of being glued to its end.
+            self.stream.write(f"\r{text}\x1b[K\r")
             self.stream.flush()
             self._width = len(text)
         else:
@@ -82,7 +84,7 @@ class ProgressLine:
         return progress_text(step, self.total, tokens, committed, eta, attempt, state)
 
     def close(self) -> None:
-        """End the line on a terminal (the next output starts on a fresh line)."""
+        """Take the line off the terminal (what follows is printed where it was)."""
         if self.tty and self._width:
-            self.stream.write("\n")
+            self.stream.write("\x1b[K")  # the last frame cleared: the job's end report follows
             self.stream.flush()

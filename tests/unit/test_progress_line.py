@@ -33,9 +33,10 @@ def test_on_a_terminal_the_line_is_redrawn_in_place():
         line.close()
     out = os.read(master, 65536).decode()
     os.close(master)
-    assert out.count("\r") - out.count("\r\n") == 4 and out.endswith("\n")  # the close ends the line (\r\n on a pty)
-    frames = [f.strip() for f in out.replace("\r\n", "\n").split("\r") if f.strip()]
-    assert frames[-1] == "step 4/100 (4%) | 256 tok/s | committed 5 | ETA 1m36s | attempt 0 RUNNING"
+    frames = [f for f in out.split("\r") if f]
+    assert len(frames) == 5 and all(f.endswith("\x1b[K") for f in frames)  # each clears what it did not cover
+    assert frames[-1] == "\x1b[K" and "\n" not in out  # close: back at the line's start, the line cleared
+    assert frames[-2] == "step 4/100 (4%) | 256 tok/s | committed 5 | ETA 1m36s | attempt 0 RUNNING\x1b[K"
 
 
 def test_elsewhere_plain_lines_at_their_pace_and_only_while_the_step_moves(caplog):
