@@ -13,6 +13,7 @@ started. Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,26 +54,48 @@ def _wait_for(path: Path, text: str, timeout_s: float, proc: subprocess.Popen) -
     raise TimeoutError(f"{text!r} not in {path} after {timeout_s:g}s")
 
 
-def _screenshot(url: str, out: Path, budget_ms: int) -> None:
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
+JOB = "dash-demo"
+"""The job's name: only in its spec file, so a page that shows it got it from the job's metadata
+or its actors, not from the driver's command line (the Jobs page shows that as entrypoint)."""
+
+
+def chromium() -> str | None:
+    """Debian's Chromium, or None."""
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _chromium_args(profile: str, budget_ms: int) -> list[str]:
+    exe = chromium()
+    if exe is None:
         raise SystemExit("chromium not found: apt-get install -y chromium")
+    return [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-dev-shm-usage", "--hide-scrollbars", f"--user-data-dir={profile}", "--window-size=1700,1000",
+            f"--virtual-time-budget={budget_ms}"]
+
+
+def screenshot(url: str, out: Path, budget_ms: int = 20000) -> None:
+    """A PNG of the page as headless Chromium renders it."""
     with tempfile.TemporaryDirectory(prefix="rtc-chromium-") as profile:
-        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                        f"--user-data-dir={profile}", "--window-size=1700,1000",
-                        f"--virtual-time-budget={budget_ms}", f"--screenshot={out}", url],
+        subprocess.run([*_chromium_args(profile, budget_ms), f"--screenshot={out}", url],
                        check=True, capture_output=True, timeout=180)
 
 
-def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "dashboard_actors.png")
-    p.add_argument("--page", default="#/actors", help="dashboard route to render")
-    p.add_argument("--budget-ms", type=int, default=20000, help="Chromium virtual time for the page to render")
-    args = p.parse_args()
+def page_text(url: str, budget_ms: int = 20000) -> str:
+    """The page's DOM once rendered (the dashboard is a script-built page: its HTML alone is empty)."""
+    with tempfile.TemporaryDirectory(prefix="rtc-chromium-") as profile:
+        out = subprocess.run([*_chromium_args(profile, budget_ms), "--dump-dom", url],
+                             check=True, capture_output=True, text=True, timeout=180)
+    return out.stdout
+
+
+@contextlib.contextmanager
+def frozen_job() -> Iterator[int]:
+    """A private one-node cluster with the dashboard and a job held after step 12 (step 10
+    committed); yields the dashboard's port, then stops everything it started."""
     tmp = Path(tempfile.mkdtemp(prefix="rts-", dir="/tmp"))
     dash, address_file = _free_port(), tmp / "address"
+    spec = tmp / "dash_demo.yaml"
+    spec.write_text((REPO / "jobs" / "llama_debug_fsdp.yaml").read_text().replace("name: llama-debug-fsdp", f"name: {JOB}"))
     cluster = subprocess.Popen(
         [sys.executable, str(REPO / "cluster" / "local_cluster.py"), "--workers", "0", "--head-cpus", "4",
          "--dashboard-port", str(dash), "--no-auth", "--temp-dir", str(tmp / "ray"),
@@ -82,7 +106,7 @@ def main() -> int:
         _wait_for(address_file, ":", 180, cluster)
         env = _env(RAY_ADDRESS=address_file.read_text().strip(), RAYTRAIN_CKPT_FAULTS="hang@step:rank=0,step=12")
         log = tmp / "driver.log"
-        cmd = [sys.executable, "-m", "raytrain_ckpt", "run", "jobs/llama_debug_fsdp.yaml", "--set", "training.steps=20",
+        cmd = [sys.executable, "-m", "raytrain_ckpt", "run", str(spec), "--set", "training.steps=20",
                "--set", "checkpoint.interval_steps=5", "--set", f"checkpoint.dir={tmp / 'ckpt'}",
                "--set", "fault_tolerance.hang_timeout_s=600"]
         with open(log, "w") as f:
@@ -90,9 +114,7 @@ def main() -> int:
                                       start_new_session=True)
         _wait_for(log, "committed step 10", 300, driver)
         time.sleep(5)  # let the dashboard's actor table catch up
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        _screenshot(f"http://127.0.0.1:{dash}/{args.page}", args.out, args.budget_ms)
-        logger.info("wrote %s (%d bytes)", args.out, args.out.stat().st_size)
+        yield dash
     finally:
         if driver is not None and driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
@@ -100,6 +122,19 @@ def main() -> int:
         cluster.send_signal(signal.SIGTERM)  # local_cluster.py removes every node it started
         cluster.wait(timeout=120)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "dashboard_actors.png")
+    p.add_argument("--page", default="#/actors", help="dashboard route to render")
+    p.add_argument("--budget-ms", type=int, default=20000, help="Chromium virtual time for the page to render")
+    args = p.parse_args()
+    with frozen_job() as dash:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        screenshot(f"http://127.0.0.1:{dash}/{args.page}", args.out, args.budget_ms)
+        logger.info("wrote %s (%d bytes)", args.out, args.out.stat().st_size)
     return 0
 
 

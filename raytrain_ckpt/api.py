@@ -73,7 +73,7 @@ def ls(root: str | Path, checksum: bool = False) -> list[StepRow]:
     """
     from raytrain_ckpt.inventory import StepRow, status_report
 
-    data = status_report(str(root), None, None, "checksum" if checksum else "size")[1]
+    data = status_report(str(root), "checksum" if checksum else "size")[1]
     return [StepRow(**row) for row in data["steps"]]
 
 
@@ -94,9 +94,12 @@ def verify(step_dir: str | Path) -> list[str]:
 def status(root: str | Path | None = None, job: str | None = None, address: str | None = None) -> dict[str, Any]:
     """Checkpoint progress as ``raytrain-ckpt status --json`` prints it: of a checkpoint root on
     disk, or (``job``) of a running job, asked of its CheckpointActor on the Ray cluster."""
-    from raytrain_ckpt.inventory import status_report
+    from raytrain_ckpt.inventory import UsageError, status_report
+    from raytrain_ckpt.jobstatus import job_report, job_status
 
-    return status_report(str(root) if root is not None else None, job, address)[1]
+    if job is not None and root is not None:
+        raise UsageError("status: give either a checkpoint root or a job, not both")
+    return job_report(job_status(job, address))[1] if job is not None else status_report(str(root) if root is not None else None)[1]
 
 
 def _copy(value: Any) -> Any:

@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _EXTRAS = {"s3fs": "s3", "botocore": "s3", "boto3": "s3", "aiobotocore": "s3", "gcsfs": "gcs", "tokenizers": "data",
-           "pyarrow": "data", "tqdm": "data", "tensorboard": None, "transformers": None}
+           "pyarrow": "data", "tqdm": "data", "tensorboard": "tensorboard", "transformers": None}
 """Optional packages a command may need -> the extra that installs them (None: installed by name)."""
 
 

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections import Counter
 from collections.abc import Callable
 
 import ray
+from ray.job_config import JobConfig
 
 from raytrain_ckpt.checkpoint.records import JobNote
 from raytrain_ckpt.checkpoint.storage.runlock import FileRunLock, ObjectRunLock, run_lock
+from raytrain_ckpt import jobrecord
+from raytrain_ckpt.checkpoint.roles import bulletin
 from raytrain_ckpt.checkpoint.roles.service import CheckpointService
 from raytrain_ckpt.checkpoint.storage.backends import job_root
 from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text
@@ -24,6 +29,9 @@ from raytrain_ckpt.pool import WorkerPool
 from raytrain_ckpt import reaper
 from raytrain_ckpt.preemption import preemption_guard, stop_signals
 from raytrain_ckpt.preflight import protection_line
+from raytrain_ckpt.raydash import dashboard_line, job_metadata
+from raytrain_ckpt.progressline import ProgressLine
+from raytrain_ckpt.scalars import JobScalars, open_logger
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -54,12 +62,14 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
     """
     started_here = not ray.is_initialized()
     if started_here:
-        _init_ray(address)
+        _init_ray(address, JobConfig(metadata=job_metadata(spec)))
         if _local_ray():
             reaper.start(reaper.local_ray_pids())  # a killed driver leaves no Ray agents behind
     try:
         _check_resources(spec, fixed_size=_local_ray())
         install_dashboard()
+        if (line := dashboard_line(spec.name)) is not None:
+            logger.info("%s", line)
         logger.info("job %s: %d workers, dp_shard %d, pp %d, spec %s", spec.name, spec.world_size, spec.dp_size,
                     spec.parallelism.pp, spec.spec_hash())
         logger.info("%s", protection_line(spec))
@@ -80,19 +90,30 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
     metrics = ControllerMetrics(spec.name, checkpointing=service is not None)
     _warn_restarts_without_checkpoints(spec)
 
+    scalars: JobScalars | None = None
+    progress = _progress_line(spec)
+
     def observe(ctrl: Controller) -> None:
         metrics(ctrl)
+        summary, now = ctrl.summary(), time.monotonic()
+        progress.update(summary["train_step"] or 0, summary["attempt"], summary["state"], now)
+        if scalars is not None:
+            scalars.observe(ctrl.result.failures, summary["train_step"], now)
         if service is not None:
-            service.note_job(JobNote(**ctrl.summary()))
+            service.note_job(JobNote(**summary))
         problem = lock.lost_problem() if lock is not None else None
         if problem is not None:  # two runs could train into one root: this one gives way
             ctrl.stop("checkpoint", problem)
 
-    interrupted = False
+    interrupted, result = False, None
+    record = jobrecord.started(spec.name, str(service.root)) if service is not None else None
+    if service is not None:
+        jobrecord.write(service.root, spec.name, record)
     try:
         if service is not None:
             service.preflight()  # a checkpoint root some node cannot share fails here, before training
         guard = preemption_guard(spec, service)
+        scalars = _job_scalars(spec, service)
         controller = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool), observer=observe,
                                 preemption=guard)
         with stop_signals(guard, spec.fault_tolerance.stop_grace_s):
@@ -116,9 +137,57 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         interrupted = True
         raise
     finally:
+        progress.close()
         pool.close()
+        if scalars is not None:
+            if result is not None and result.checkpoints:
+                scalars.commits(result.checkpoints)
+            scalars.out.close()
         if service is not None:
+            _record_end(spec, service, record, result, interrupted)
             service.shutdown(settle=not interrupted)
+
+
+def _progress_line(spec: JobSpec) -> ProgressLine:
+    """The driver's progress line; the committed step is the one the job's bulletin holds."""
+    def committed() -> int | None:
+        posted = bulletin.posted(spec.name) if spec.checkpoint.enabled else None
+        return posted.get("latest") if posted else None
+
+    return ProgressLine(spec.training.steps, spec.training.global_batch_size * spec.training.seq_len, committed)
+
+
+def _job_scalars(spec: JobSpec, service: CheckpointService | None) -> JobScalars | None:
+    """The driver's TensorBoard run (``training.tensorboard_dir``), replacing what an earlier run
+    of the job logged after the step this one resumes from."""
+    if spec.training.tensorboard_dir is None:
+        return None
+    latest = service.status().latest if service is not None else None
+    out = open_logger(spec.training.tensorboard_dir, spec.name, "driver", latest or 0)
+    assert out is not None
+    return JobScalars(out, (lambda: service.status().to_dict()) if service is not None else None)
+
+
+def _record_end(spec: JobSpec, service: CheckpointService, record: dict, result: JobResult | None,
+                interrupted: bool) -> None:
+    """The job's final state, for ``status --job`` after the end: posted in the cluster and written
+    to the job's record (``jobrecord.py``). A driver that stops on an error records FAILED."""
+    if result is not None and result.state.is_terminal:
+        info = {"state": result.state.value, "attempt": result.attempts - 1, "train_step": _last_step(result),
+                "failures": dict(Counter(f.kind for f in result.failures))}
+        error = headline(result.error) if result.error and result.state is JobState.FAILED else None
+    else:
+        info = {"state": "FAILED", "attempt": result.attempts - 1 if result is not None else 0, "train_step": None}
+        error = "interrupted (Ctrl-C)" if interrupted else "the driver stopped on an error"
+    status = result.checkpoints if result is not None and result.checkpoints else None
+    final = jobrecord.ended(record, status, info, error)
+    bulletin.post(spec.name, final)
+    jobrecord.write(service.root, spec.name, final)
+
+
+def _last_step(result: JobResult) -> int | None:
+    """The step every rank finished (None: the job did not finish; the record then shows the committed one)."""
+    return min(r.steps for r in result.results) if result.results else None
 
 
 def _warn_restarts_without_checkpoints(spec: JobSpec) -> None:
@@ -146,7 +215,7 @@ def _warn_failed_saves(checkpoints: dict) -> None:
         logger.warning("checkpoints: %s", text)
 
 
-def _init_ray(address: str | None) -> None:
+def _init_ray(address: str | None, job_config: JobConfig | None = None) -> None:
     # A worker's working directory is not the driver's; putting the driver's (and the spec
     # file's, which the CLI added) on their path, as absolute paths, lets a user factory
     # 'mypkg.models:build' import the same way it does for the driver.
@@ -154,7 +223,8 @@ def _init_ray(address: str | None) -> None:
     if address != "local" and (_SUBMITTED_JOB in os.environ or (address or "").startswith("ray://")):
         # `ray job submit`: the job's runtime_env (working_dir) places the code; a Ray Client
         # driver's paths are its own machine's, which mean nothing on the cluster
-        _connect(address or os.environ.get("RAY_ADDRESS"), lambda: ray.init(address=address, log_to_driver=True))
+        _connect(address or os.environ.get("RAY_ADDRESS"),
+                 lambda: ray.init(address=address, log_to_driver=True, job_config=job_config))
         return
     target = _cluster_to_join() if address is None else None if address == "local" else address
     if target is not None:
@@ -165,7 +235,8 @@ def _init_ray(address: str | None) -> None:
         # where the node has none, the empty entry left behind puts the worker's own working
         # directory on its path, after every directory named here).
         env = {"PYTHONPATH": os.pathsep.join((path, "${PYTHONPATH}"))}
-        _connect(target, lambda: ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True))
+        _connect(target, lambda: ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True,
+                                                   job_config=job_config))
         return
     # A local Ray started here (no cluster to join, or "local"): the path goes in the environment
     # its processes inherit, not in a runtime_env: with a runtime_env every worker process is
@@ -174,7 +245,7 @@ def _init_ray(address: str | None) -> None:
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = path
     try:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, job_config=job_config)
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)

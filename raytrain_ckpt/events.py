@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Failure", "FailureKind", "Progress", "WorkerResult", "headline"]
+__all__ = ["Failure", "FailureKind", "Progress", "WorkerResult", "cause_text", "headline"]
 
 FailureKind = Literal["start", "crash", "exception", "hang", "checkpoint", "mismatch", "preemption"]
 """start: the group could not be placed or formed; crash: a rank's process (or its node) died;
@@ -91,3 +91,16 @@ def headline(text: str) -> str:
         return lines[0]
     first = "" if lines[0].startswith("Traceback") else lines[0] + " "
     return first + lines[-1]
+
+
+def cause_text(exc: BaseException) -> str:
+    """One line for an error: its headline, and for one raised by another Ray process (Ray's
+    ``RayTaskError``, whose first line is its wrapper ``ray::CheckpointWriter.accept() (pid=...,
+    repr=...)``) the cause's type and message instead (``PermissionError: [Errno 13] ...``)."""
+    wrapped = False
+    for _ in range(8):  # a task's error raised again by the task that waited on it nests
+        cause = getattr(exc, "cause", None)
+        if not (type(exc).__name__.startswith("RayTaskError") and isinstance(cause, BaseException)):
+            break
+        exc, wrapped = cause, True
+    return f"{type(exc).__name__}: {headline(str(exc))}" if wrapped else headline(str(exc))

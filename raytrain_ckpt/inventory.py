@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from raytrain_ckpt import jobrecord
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST
@@ -26,7 +27,7 @@ from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.format.verify import Verify, step_problems
 from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
 from raytrain_ckpt.checkpoint.records import ActorStatus
-from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text, phase_text, summary_line
+from raytrain_ckpt.checkpoint.roles.summary import phase_text
 from raytrain_ckpt.checkpoint.storage.backends import open_storage
 from raytrain_ckpt.locations import home_problem
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
@@ -34,7 +35,7 @@ from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 logger = logging.getLogger(__name__)
 
 __all__ = ["StepRow", "UsageError", "format_cell", "interval_text", "job_roots_hint", "live_rows", "live_status",
-           "location", "progress_bar", "resume_point", "root_dir", "scan", "status_report", "table",
+           "ending_line", "location", "progress_bar", "resume_point", "root_dir", "scan", "status_report", "table",
            "unreachable_address", "verify_step"]
 
 _ASIDE: dict[EntryKind, tuple[str, str]] = {
@@ -188,17 +189,21 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:200]
 
 
-def live_rows(status: ActorStatus, now: float | None = None) -> list[StepRow]:
+def live_rows(status: dict[str, Any], now: float | None = None) -> list[StepRow]:
+    """The status table's rows of a job's status (``ActorStatus.to_dict``, also read back from
+    JSON, where step numbers are strings)."""
     now = now or time.time()
-    rows = [StepRow(s, step_name(s), "valid", info.bytes, info.wall.get("total_s"), info.wall.get("stall_s"),
-                    now - info.created_unix if info.created_unix else None)
-            for s, info in status.steps.items()]
-    rows += [StepRow(s, step_name(s), "aborted", detail=reason) for s, reason in status.failed.items()
-             if s not in status.steps]
-    inflight = status.inflight
-    if inflight.step is not None:
-        rows.append(StepRow(inflight.step, step_name(inflight.step), "in-flight",
-                            detail=phase_text(inflight.phase_name, inflight.ranks, status.world_size)))
+    steps = {int(s): info for s, info in (status.get("steps") or {}).items()}
+    rows = [StepRow(s, step_name(s), "valid", info["bytes"], info["wall"].get("total_s"), info["wall"].get("stall_s"),
+                    now - info["created_unix"] if info.get("created_unix") else None)
+            for s, info in steps.items()]
+    rows += [StepRow(int(s), step_name(int(s)), "aborted", detail=reason)
+             for s, reason in (status.get("failed") or {}).items() if int(s) not in steps]
+    inflight = status.get("inflight") or {}
+    if inflight.get("step") is not None:
+        ranks = {int(r): v for r, v in inflight["ranks"].items()}
+        rows.append(StepRow(inflight["step"], step_name(inflight["step"]), "in-flight",
+                            detail=phase_text(inflight["phase"], ranks, status["world_size"])))
     return sorted(rows, key=lambda r: r.step)
 
 
@@ -226,41 +231,36 @@ def table(rows: list[StepRow]) -> str:
     return "\n".join(lines)
 
 
-def status_report(target: str | None, job: str | None, address: str | None,
-                  level: Verify = "size") -> tuple[str, dict[str, Any]]:
-    """The text and the JSON form of ``status``, for a directory or a live job."""
-    if job is not None:
-        live = live_status(job, address)
-        st = live.to_dict()  # the JSON view: what --json prints and the summary lines read
-        rows, root = live_rows(live), live.root
-        point = f"step {live.latest}" if live.latest is not None else "none (a fresh start)"
-        info, risk = st["job_info"], st["at_risk"]
-        head = (f"job {live.job}: {info.get('state', '?')}, attempt {info.get('attempt', 0)}, training step "
-                f"{info.get('train_step', '?')}; {summary_line(st)}; work at risk {risk['steps']} steps, "
-                f"{risk['seconds']:.0f}s")
-        if info.get("preemption"):
-            head += f"\npreemption: {info['preemption']}"
-        failing = failed_saves_text(st)
-        if failing is not None:
-            head += f"\nsaves failing: {failing}"
-        interval = st["interval"]
-        if interval is not None:
-            head += f"\n{interval_text(interval)}"
-        data = {"root": root, "job": info, "summary": summary_line(st), "at_risk": risk,
-                "failed_saves": st["failed_saves"], "interval": interval}
-    else:
-        root = root_dir(target)
-        rows = scan(root, level)
-        best = resume_point(rows)
-        point = f"step {best.step} ({root}/{best.name})" if best else "none (a fresh start)"
-        head = f"checkpoints in {root}: {sum(r.status == 'valid' for r in rows)} valid of {len(rows)}"
-        hint = None if rows else job_roots_hint(root)
-        if hint:
-            head += f"\nnote: {hint}"
-        data = {"root": str(root)}
+def status_report(target: str | None, level: Verify = "size") -> tuple[str, dict[str, Any]]:
+    """The text and the JSON form of ``status DIR`` (a job's: ``jobstatus.job_report``)."""
+    root = root_dir(target)
+    rows = scan(root, level)
+    best = resume_point(rows)
+    point = f"step {best.step} ({root}/{best.name})" if best else "none (a fresh start)"
+    head = f"checkpoints in {root}: {sum(r.status == 'valid' for r in rows)} valid of {len(rows)}"
+    hint = None if rows else job_roots_hint(root)
+    if hint:
+        head += f"\nnote: {hint}"
+    data: dict[str, Any] = {"root": str(root)}
+    record = jobrecord.read_root(root)
+    if record is not None:  # the run that wrote these steps: how it ended, or that it runs
+        head += f"\n{ending_line(record)}"
+        data["job"] = record.get("job_info")
     resume = next((r.step for r in reversed(rows) if r.status == "valid"), None)
     data |= {"resume_step": resume, "steps": [asdict(r) for r in rows]}
     return f"{head}\n{table(rows)}\nresume point: {point}", data
+
+
+def ending_line(record: dict[str, Any], now: float | None = None) -> str:
+    """``job x: SUCCEEDED 2m05s ago, attempt 1, training step 40, last committed step 40``, from a job's record."""
+    info = record.get("job_info") or {}
+    state, ended = info.get("state", "?"), record.get("ended_unix")
+    when = f" {format_cell((now or time.time()) - ended, 'age')} ago" if ended else " (no end recorded)"
+    latest = record.get("latest")
+    line = (f"job {record.get('job', '?')}: {state}{when}, attempt {info.get('attempt', 0)}, training step "
+            f"{info.get('train_step') if info.get('train_step') is not None else '-'}, last committed step "
+            f"{latest if latest is not None else '-'}")
+    return line + (f"; error: {record['error']}" if record.get("error") else "")
 
 
 def interval_text(interval: dict[str, Any]) -> str:

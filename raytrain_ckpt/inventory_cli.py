@@ -96,7 +96,7 @@ def run(args: argparse.Namespace, refreshes: int | None = None) -> int:
                   "\n".join(f"{r.name:<34} {r.status:<11} {format_cell(r.bytes, 'bytes'):>10} {_eval_text(r):>12}  {r.detail}"
                             for r in rows))
             return ExitCode.OK
-        if args.job is not None and args.dir is not None:
+        if args.job is not None and args.dir is not None:  # (api.status says the same)
             raise UsageError("status: give either a checkpoint directory or --job, not both")
         return _status(args, refreshes)
     except (UsageError, StorageUnavailable) as exc:
@@ -121,14 +121,26 @@ def _eval_text(row: StepRow) -> str:
 
 
 def _status(args: argparse.Namespace, refreshes: int | None) -> int:
-    n = 0
+    """One report, or (``--watch``) one every period until Ctrl-C or, for a job, until it ended
+    or its cluster is gone: then its final state is the last report."""
+    n, view = 0, None
     while True:
-        text, data = status_report(args.dir, args.job, args.address, "checksum" if args.checksum else "size")
+        if args.job is not None:
+            from raytrain_ckpt.jobstatus import job_report, job_status
+
+            view = job_status(args.job, args.address, last=view)
+            text, data = job_report(view)
+        else:
+            text, data = status_report(args.dir, "checksum" if args.checksum else "size")
         if args.watch is not None and sys.stdout.isatty():
             print("\x1b[2J\x1b[H", end="")  # clear the terminal: a refreshing view, not a scrolling log
         print(strict_json(data) if args.json else text, flush=True)
         n += 1
         if args.watch is None or (refreshes is not None and n >= refreshes):
+            return ExitCode.OK
+        if view is not None and view.ended:
+            if not args.json:
+                print(f"job {args.job} ended: {view.state}; watch stopped", flush=True)
             return ExitCode.OK
         try:
             time.sleep(args.watch)

@@ -31,6 +31,7 @@ from raytrain_ckpt.events import Progress, WorkerResult
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import TrainerMetrics
+from raytrain_ckpt.scalars import ScalarLogger, log_step, open_logger
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -328,6 +329,7 @@ class TrainWorker:
         loss = None
         watch = ckpt is not None and self.spec.fault_tolerance.watch_drains
         phase = "done"
+        scalars = self._open_scalars()
         while trainer.state.step < self.spec.training.steps and not self._stop.is_set():
             maybe_inject("step", self.rank, trainer.state.step, self.attempt)
             report = trainer.train_step()
@@ -339,6 +341,8 @@ class TrainWorker:
                                       report.loss, report.eval_loss)
                 ckpt.save(report.step, app_state(trainer), point, final=preempted)
             trainer.log(report)
+            if scalars is not None:
+                log_step(scalars, report)
             self.metrics.after_step(report, ckpt)
             loss = report.loss if report.loss is not None else loss
             self._progress = Progress(self.rank, report.step, loss, time.time(), "training")
@@ -348,6 +352,8 @@ class TrainWorker:
                 if self.rank == 0:
                     logger.warning("%sdrain notice: stopping at step %d, saved", self._prefix(), report.step)
                 break
+        if scalars is not None:
+            scalars.close()
         stats = None
         if ckpt is not None:
             ckpt.wait_committed()
@@ -364,6 +370,15 @@ class TrainWorker:
             logger.warning("%sdrain notice (deadline %s): saving the step in hand", self._prefix(),
                            "none" if deadline_unix is None else f"in {deadline_unix - time.time():.1f}s")
         self._notice.set()
+
+    def _open_scalars(self) -> ScalarLogger | None:
+        """Rank 0's TensorBoard run (``training.tensorboard_dir``); the points after the step this
+        attempt resumed from are replaced (scalars.py). An attempt that fails leaves its file
+        flushed up to ``FLUSH_S`` before."""
+        if self.rank != 0:
+            return None
+        assert self.trainer is not None
+        return open_logger(self.spec.training.tensorboard_dir, self.spec.name, "train", self.trainer.state.step)
 
     def progress(self) -> Progress:
         """The last finished step; answered from the second actor thread while ``run()`` trains."""

@@ -347,6 +347,8 @@ class TrainingSpec(_Section):
     """GPU: run only deterministic CUDA kernels (torch.use_deterministic_algorithms and cuBLAS's fixed workspace), so a restart replays the lost steps bit-identically on the same GPUs and world size; slower. CPU training is deterministic without it."""
     loss: str = "cross_entropy"
     """cross_entropy (next-token, fp32), or a function 'package.module:fn' called as fn(logits [B, T, V], targets [B, T]) that returns a scalar tensor."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars under <tensorboard_dir>/<job name>/: train (rank 0: loss, lr, tokens/s, eval loss) and driver (checkpoint commits, stall, persist, attempts, failures); steps replayed after a restart replace the earlier points. Needs the tensorboard extra; a directory every node can write (as checkpoint.dir). null: none."""
 
     @field_validator("loss")
     @classmethod
@@ -356,6 +358,16 @@ class TrainingSpec(_Section):
         if why:
             raise ValueError(why)
         return value
+
+    @field_validator("tensorboard_dir")
+    @classmethod
+    def _tensorboard_dir_absolute(cls, value: str | None) -> str | None:
+        # as checkpoint.dir: relative to the driver's working directory, which the workers do not share
+        if value is None:
+            return None
+        if not value.strip() or "\0" in value or "://" in value:
+            raise ValueError("must be a local or mounted directory path (not a URI), or null for no TensorBoard output")
+        return str(_known_home(Path(value)).expanduser().absolute())
 
 
 class ResourcesSpec(_Section):

@@ -137,7 +137,7 @@ def test_restarts_with_no_save_before_the_last_step_warn_at_start(caplog, checkp
 
 
 def test_status_of_a_live_job_shows_failing_saves(tmp_path: Path, monkeypatch, capsys) -> None:
-    from raytrain_ckpt import inventory as ckpt_inspect
+    from raytrain_ckpt import jobstatus
     from raytrain_ckpt.cli import main
 
     actor = _single_rank_actor(tmp_path / "job", k=None)
@@ -149,7 +149,8 @@ def test_status_of_a_live_job_shows_failing_saves(tmp_path: Path, monkeypatch, c
         return await actor.status()
 
     snapshot = asyncio.run(fail_two())
-    monkeypatch.setattr(ckpt_inspect, "live_status", lambda job, address: snapshot)  # the actor, without Ray
+    view = jobstatus.JobView(snapshot.to_dict(), "cluster")  # the actor's bulletin, without Ray
+    monkeypatch.setattr(jobstatus, "job_status", lambda job, address, last=None: view)
     assert main(["status", "--job", "job"]) == 0
     out = capsys.readouterr().out
     assert ("saves failing: 2 save(s) failed in a row since the last commit (2 in all); the newest: step 3: "

@@ -239,10 +239,8 @@ class CheckpointActor:
         self.board.note_job(note)
 
     def __repr__(self) -> str:
-        # Ray shows this in the dashboard's actor list but computes it once, when the actor
-        # (re)starts, so it names only what stays true and says where live progress is.
-        import ray
-
-        node = ray.get_runtime_context().get_node_id()[:12] if ray.is_initialized() else "-"
-        job = self.layout.name
-        return f"CheckpointActor(job={job} root={self.layout.root} node={node}; live: raytrain-ckpt status --job {job})"
+        # Ray shows this in the dashboard's actor list and puts it before every log line of the
+        # actor, and computes it once, when the actor (re)starts: short, and only what stays true
+        # (live progress: `raytrain-ckpt status --job <job>`, the metrics).
+        layout = getattr(self, "layout", None)  # (also asked of an actor whose __init__ raised)
+        return f"CheckpointActor({layout.name if layout is not None else 'not started'})"

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
 from raytrain_ckpt.checkpoint.records import (ActorStatus, CommittedStep, GroupLayout, IntervalChoice, JobNote,
                                               SaveCosts)
+from raytrain_ckpt.checkpoint.roles import bulletin
 from raytrain_ckpt.checkpoint.roles.retainer import Retainer
 from raytrain_ckpt.checkpoint.roles.steps import StepRegistry
 from raytrain_ckpt.metrics import CheckpointMetrics
@@ -68,3 +69,4 @@ class StatusBoard:
     def note_job(self, note: JobNote) -> None:
         self.job_info = note
         self.metrics.at_risk(note.train_step)
+        bulletin.post(self.job, self.snapshot().to_dict())  # what `status --job` reads, without joining Ray

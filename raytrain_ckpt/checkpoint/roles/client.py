@@ -33,7 +33,7 @@ from raytrain_ckpt.checkpoint.errors import StagingFileError
 from raytrain_ckpt.checkpoint.policy.interval import CostMeter, IntervalDecision, IntervalFacts, IntervalHistory, choose_interval
 from raytrain_ckpt.checkpoint.policy.schedule import SaveSchedule, on_busy_choice
 from raytrain_ckpt.checkpoint.datapath.staging import PinnedCudaStaging, SharedMemoryStaging, Staging, TensorSlot, layout_key, map_buffer, plan_slots
-from raytrain_ckpt.events import headline
+from raytrain_ckpt.events import cause_text, headline
 from raytrain_ckpt.faults import maybe_inject
 from raytrain_ckpt.spec import CheckpointSpec
 
@@ -255,8 +255,9 @@ class CheckpointClient:
             for b in self._layout.buffers:
                 b.step = None if b.step == step else b.step
         self.stats.aborted += 1
-        logger.warning("checkpoint step %d aborted, training continues: %s", step, headline(str(exc)))
-        self.actor.abort.remote(step, f"rank {self.rank}: {headline(str(exc))}", self.attempt)
+        why = cause_text(exc)  # the writer's own error, not Ray's wrapper around it
+        logger.warning("checkpoint step %d aborted, training continues: %s", step, why)
+        self.actor.abort.remote(step, f"rank {self.rank}: {why}", self.attempt)
         self._replan = True  # a restarted actor or writer lost the plan and the buffer: set up again
 
     def _flatten(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -67,9 +67,7 @@ class CheckpointWriter:
         adopt_fault_env(fault_env)  # an argument, not a runtime_env: see TrainWorker.__init__
         self.memory_copies = memory_copies
         """With 2, every written step's buffer is checksummed and recorded (``committed_copy``)."""
-        self.root = root
-        self.storage_options = dict(storage_options or {})
-        self.coordinator = coordinator
+        self.root, self.storage_options, self.coordinator = root, dict(storage_options or {}), coordinator
         # Persisting is background work: let the training processes win the cores.
         os.nice(nice)
         self.io_threads = io_threads
@@ -305,6 +303,9 @@ class CheckpointWriter:
         rank restored on another node loads from there. Re-checked here first; returns the
         receiver's replica."""
         return self.replication.push(rank, step, to, to_node)
+
+    def __repr__(self) -> str:  # the dashboard's actor list and log prefix: short and fixed (Ray computes it once)
+        return f"CheckpointWriter({self.metrics.job if hasattr(self, 'metrics') else 'not started'})"
 
 
 def _wait_staged(req: PersistRequest, mapped: Mapped, end: int) -> StageProgress:
