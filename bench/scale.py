@@ -26,13 +26,15 @@ Ray calls; several ranks share an actor, so the actors' side is serialised over 
 than a real group has).
 
     .venv/bin/python bench/scale.py                       # 8b and 70b at 8, 64, 512 ranks
-    .venv/bin/python bench/scale.py --sizes 8 64 512 4096 --models 70b --poll
+    .venv/bin/python bench/scale.py --sizes 8 64 512 --models 70b --poll
+    .venv/bin/python bench/scale.py --sizes 8 64 512 4096 --poll-only
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import os
@@ -50,7 +52,6 @@ sys.path.insert(0, str(REPO))
 
 from bench.scale_ranks import MODELS, local_plan, template, write_results  # noqa: E402
 
-from raytrain_ckpt.checkpoint.format.verify import Verify  # noqa: E402
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy  # noqa: E402
 from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport, TrainingPoint  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor  # noqa: E402
@@ -137,9 +138,11 @@ def one(model: str, n: int) -> dict[str, Any]:
     plans = [local_plan(shape, r, n) for r in range(n)]
     out["simulate_s"] = time.perf_counter() - t0
     out["items"] = sum(len(p.items) for p in plans)
+    gc.collect()
     t0 = time.perf_counter()
     DefaultSavePlanner().create_global_plan(plans)
     out["dcp_global_plan_s"] = time.perf_counter() - t0
+    gc.collect()
     with tempfile.TemporaryDirectory(prefix="scale-", dir=os.environ.get("SCALE_DIR")) as root:
         rss0 = _rss_mb()
         actor = CheckpointActor(root, RetentionPolicy(2))
@@ -148,12 +151,10 @@ def one(model: str, n: int) -> dict[str, Any]:
 
         async def two_saves() -> None:
             centrals, out["plan_s"] = await _plan(actor, n, 10, 0, plans, first)
-            t1 = time.perf_counter()
             out["first_save_s"] = out["plan_s"] + await _save(actor, n, 10, 0, centrals, first)
             out["first_commit_s"] = actor.committed[10].wall["commit_s"]
             out["save_s"] = await _save(actor, n, 20, 0, centrals, later)
             out["commit_s"] = actor.committed[20].wall["commit_s"]
-            del t1
 
         asyncio.run(two_saves())
         out["peak_mb"] = _rss_mb() - rss0
@@ -175,9 +176,46 @@ def one(model: str, n: int) -> dict[str, Any]:
     return out
 
 
-def poll_round(n: int, actors: int = 8) -> float:
-    """Seconds of one ``RayWorkerGroup.poll`` over ``n`` ranks served by ``actors`` real Ray actors."""
-    ...
+def poll_rounds(sizes: list[int], actors: int = 8, rounds: int = 3) -> dict[int, float]:
+    """Seconds of one ``RayWorkerGroup.poll`` (the median of ``rounds``) over each of ``sizes``
+    ranks, served by ``actors`` real async Ray actors: every rank's pending ``run`` and its
+    ``progress`` call are real Ray calls, several ranks to an actor."""
+    import statistics
+
+    import ray
+
+    from raytrain_ckpt.events import Progress
+    from raytrain_ckpt.group import RayWorkerGroup
+
+    @ray.remote(num_cpus=0, max_concurrency=8192)
+    class Ranks:
+        async def run(self) -> None:
+            await asyncio.sleep(3600)
+
+        async def progress(self) -> Progress:
+            return Progress(0, 10, None, time.time(), "training")
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        servers = [Ranks.remote() for _ in range(actors)]
+        ray.get([s.progress.remote() for s in servers])
+        out = {}
+        for n in sizes:
+            group = RayWorkerGroup(_spec(), 0)
+            group.workers = [servers[r % actors] for r in range(n)]
+            group._runs = {group.workers[r].run.remote(): r for r in range(n)}
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                poll = group.poll()
+                times.append(time.perf_counter() - t0)
+                assert not poll.failures and poll.min_step == 10, poll
+            out[n] = statistics.median(times)
+            for ref in group._runs:
+                ray.cancel(ref)
+        return out
+    finally:
+        ray.shutdown()
 
 
 COLUMNS = [("plan_s", "plan+metadata s", "{:.3f}"), ("dcp_global_plan_s", "DCP global plan s", "{:.3f}"),
@@ -213,10 +251,15 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 512])
     ap.add_argument("--models", nargs="+", default=["8b", "70b"], choices=sorted(MODELS))
     ap.add_argument("--poll", action="store_true", help="also one controller poll round per N (starts Ray)")
+    ap.add_argument("--poll-only", action="store_true", help="only the controller poll round per N")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(args.one[0], int(args.one[1]))))
+        return
+    if args.poll_only:
+        for n, seconds in poll_rounds(args.sizes).items():
+            print(f"N={n:>5}: one controller poll round {seconds:.3f}s")
         return
     rows = []
     for model in args.models:
@@ -228,10 +271,11 @@ def main() -> None:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"{model} at {n} ranks failed")
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(f"# {model} N={n}: {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+            print(f"# {model} N={n}: {time.monotonic() - t0:.0f}s {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     if args.poll:
+        polls = poll_rounds(args.sizes)
         for r in rows:
-            r["poll_s"] = poll_round(r["n"])
+            r["poll_s"] = polls[r["n"]]
     _table(rows)
 
 
