@@ -73,6 +73,7 @@ class SaveCoordinator:
             g.central = FileSystemWriter(self.layout.root).prepare_global_plan(central)
             g.plan_id = f"{attempt}.{step}"
             self._metadata[g.plan_id] = metadata
+            g.plans.clear()  # every rank's local plan (O(ranks x tensors)): not needed once the global plan is
             g.ready.set()
             self.metrics.planned(time.monotonic() - g.started)
         try:
