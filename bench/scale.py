@@ -2,8 +2,8 @@
 
 N simulated ranks (``bench/scale_ranks.py``: each rank's real DCP local save plan for an FSDP2
 shard of the 8B or 70B model, computed from its shape, no tensor bytes) drive the real
-``CheckpointActor`` (as a plain object, the way tests drive it; ``--ray``: also as a Ray actor
-for the smaller N) through two saves of one attempt, as the ranks' and writers' calls would:
+``CheckpointActor`` (as a plain object, the way tests drive it; ``--ray``: also as a Ray actor,
+for N <= 64, timed from the caller) through two saves of one attempt, as the ranks' and writers' calls would:
 
 * the first save of the attempt: every rank's ``plan`` (the global plan and ``.metadata``,
   built once per layout), then ``open_step``, ``accepted``, ``report`` (the last one commits)
@@ -176,6 +176,47 @@ def one(model: str, n: int) -> dict[str, Any]:
     return out
 
 
+def ray_saves(model: str, n: int) -> dict[str, float]:
+    """The same two saves through the CheckpointActor as a Ray actor (every call a real Ray call,
+    the ranks' calls in flight together, as the trainers and writers make them): seconds from
+    the first call to the last answer, for the first save (with ``plan``) and a later one."""
+    import ray
+
+    from raytrain_ckpt.checkpoint.records import RankReport as Report
+
+    shape = template(_spec(), MODELS[model])
+    plans = [local_plan(shape, r, n) for r in range(n)]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    out: dict[str, float] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="scale-ray-", dir=os.environ.get("SCALE_DIR")) as root:
+            actor = ray.remote(num_cpus=0)(CheckpointActor).remote(root, RetentionPolicy(2))
+            ray.get(actor.configure.remote(GroupLayout(n, n, "scale", {"name": model})))
+            t0 = time.perf_counter()
+            centrals = ray.get([actor.plan.remote(0, 10, r, plans[r], 600.0) for r in range(n)])
+            plan_s = time.perf_counter() - t0
+            for key, step in (("ray_first_save_s", 10), ("ray_save_s", 20)):
+                tmp = ray.get([actor.open_step.remote(step, 0) for _ in range(n)])[0]
+                reports = []
+                for rank in range(n):
+                    results = write_results(centrals[rank].plan, step)
+                    name = results[0].storage_data.relative_path
+                    size = results[-1].storage_data.offset + results[-1].storage_data.length
+                    with open(os.path.join(tmp, name), "wb") as f:
+                        f.truncate(size)
+                    reports.append(Report(step, rank, 0, centrals[rank].plan_id, results,
+                                          {name: {"size": size, "crc32c": 0}}, TrainingPoint(samples_seen=step)))
+                t0 = time.perf_counter()
+                ray.get([actor.accepted.remote(step, r, 0, None) for r in range(n)])
+                outcomes = ray.get([actor.report.remote(rep) for rep in reports])
+                ray.get([actor.record_stall.remote(step, r, 0.01) for r in range(n)])
+                out[key] = time.perf_counter() - t0 + (plan_s if step == 10 else 0.0)
+                assert outcomes.count("committed") == 1, outcomes
+    finally:
+        ray.shutdown()
+    return out
+
+
 def poll_rounds(sizes: list[int], actors: int = 8, rounds: int = 3) -> dict[int, float]:
     """Seconds of one ``RayWorkerGroup.poll`` (the median of ``rounds``) over each of ``sizes``
     ranks, served by ``actors`` real async Ray actors: every rank's pending ``run`` and its
@@ -224,7 +265,10 @@ COLUMNS = [("plan_s", "plan+metadata s", "{:.3f}"), ("dcp_global_plan_s", "DCP g
            ("save_s", "save s", "{:.3f}"), ("calls", "calls/save", "{:d}"), ("mb", "MB in/save", "{:.1f}"),
            ("first_mb", "MB in 1st", "{:.1f}"), ("peak_mb", "peak MB", "{:.0f}"),
            ("resume_s", "resume plan s", "{:.3f}"), ("ls_status_s", "ls/status s", "{:.3f}"),
-           ("poll_s", "poll s", "{:.3f}")]
+           ("poll_s", "poll s", "{:.3f}"), ("ray_first_save_s", "Ray actor 1st save s", "{:.3f}"),
+           ("ray_save_s", "Ray actor save s", "{:.3f}")]
+RAY_MAX_N = 64
+"""The largest N ``--ray`` drives through a Ray actor (the calls of larger N take this box's two cores for long)."""
 
 
 def _table(rows: list[dict[str, Any]]) -> None:
@@ -252,10 +296,15 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["8b", "70b"], choices=sorted(MODELS))
     ap.add_argument("--poll", action="store_true", help="also one controller poll round per N (starts Ray)")
     ap.add_argument("--poll-only", action="store_true", help="only the controller poll round per N")
+    ap.add_argument("--ray", action="store_true",
+                    help=f"also the two saves through the actor as a Ray actor (N <= {RAY_MAX_N})")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one[0], int(args.one[1]))))
+        row = one(args.one[0], int(args.one[1]))
+        if args.ray and row["n"] <= RAY_MAX_N:
+            row.update(ray_saves(args.one[0], row["n"]))
+        print(json.dumps(row))
         return
     if args.poll_only:
         for n, seconds in poll_rounds(args.sizes).items():
@@ -265,7 +314,8 @@ def main() -> None:
     for model in args.models:
         for n in args.sizes:
             t0 = time.monotonic()
-            proc = subprocess.run([sys.executable, __file__, "--one", model, str(n)], capture_output=True, text=True,
+            proc = subprocess.run([sys.executable, __file__, "--one", model, str(n), *(["--ray"] if args.ray else [])],
+                                  capture_output=True, text=True,
                                   env={**os.environ, "PYTHONPATH": str(REPO)})
             if proc.returncode != 0:
                 print(proc.stderr[-3000:], file=sys.stderr)

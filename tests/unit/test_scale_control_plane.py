@@ -40,7 +40,8 @@ def _gauge(name: str, **tags: str) -> float:
     return metrics._gauges[(name, tuple(sorted(tags.items())))]
 
 
-async def _hand_off(actor: CheckpointActor, step: int, centrals: list, skip: set[int]) -> tuple[str, list[str]]:
+async def _hand_off(actor: CheckpointActor, step: int, centrals: list,
+                    skip: set[int]) -> tuple[str, list[str]]:
     """Every rank hands ``step`` off; every rank not in ``skip`` reports its files (sparse, real).
     Returns the step's temporary directory and the reports' outcomes."""
     tmp = await actor.open_step(step, 0)
