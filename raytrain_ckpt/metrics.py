@@ -300,15 +300,24 @@ class CheckpointMetrics:
     def progress(self, inflight: InFlight, world_size: int) -> None:
         """The in-flight step (None: none), its phase and each rank's progress (0, 1, 2)."""
         step, phase, ranks = inflight.step, inflight.phase_name, inflight.ranks
-        record("checkpoint_inflight_step", -1 if step is None else step, self._tags)
-        for p in PHASES:
-            record("checkpoint_inflight_phase", int(p == phase), {**self._tags, "phase": p})
         values = list(ranks.values())
-        record("checkpoint_inflight_ranks", sum(v >= 1 for v in values), {**self._tags, "stage": "handed_off"})
-        record("checkpoint_inflight_ranks", sum(v >= 2 for v in values), {**self._tags, "stage": "written"})
+        self._inflight(step, phase, sum(v >= 1 for v in values), sum(v >= 2 for v in values))
         self._ranks |= set(range(world_size))
         for rank in sorted(self._ranks):
             record("checkpoint_rank_progress", ranks.get(rank, 0), {**self._tags, "rank": str(rank)})
+
+    def rank_moved(self, step: int, phase: str, handed_off: int, written: int, rank: int, value: int) -> None:
+        """One rank of the in-flight step moved on: the counts and that rank's series only."""
+        self._inflight(step, phase, handed_off, written)
+        self._ranks.add(rank)
+        record("checkpoint_rank_progress", value, {**self._tags, "rank": str(rank)})
+
+    def _inflight(self, step: int | None, phase: str, handed_off: int, written: int) -> None:
+        record("checkpoint_inflight_step", -1 if step is None else step, self._tags)
+        for p in PHASES:
+            record("checkpoint_inflight_phase", int(p == phase), {**self._tags, "phase": p})
+        record("checkpoint_inflight_ranks", handed_off, {**self._tags, "stage": "handed_off"})
+        record("checkpoint_inflight_ranks", written, {**self._tags, "stage": "written"})
 
     def planned(self, seconds: float) -> None:
         record("checkpoint_phase_seconds", seconds, {**self._tags, "phase": "plan"})

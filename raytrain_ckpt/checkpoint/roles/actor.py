@@ -60,7 +60,7 @@ class CheckpointActor:
         self.layout.remove_leftover_tmp()
         self.metrics = CheckpointMetrics(self.layout.name)
         group = lambda: self.group  # noqa: E731 - members read the layout configure() set last
-        self.steps = StepRegistry(self.layout, self.metrics, group, lambda: self.board.progress())
+        self.steps = StepRegistry(self.layout, self.metrics, group, lambda *moved: self.board.progress(*moved))
         self.retainer = Retainer(self.layout, retention, self.steps, self.metrics, leftover_grace_s)
         self.timeline = ResumeTimeline(self.layout, options, self.steps, self.retainer)
         self.coordinator = SaveCoordinator(self.layout, options, self.steps, retention, self.metrics, group,

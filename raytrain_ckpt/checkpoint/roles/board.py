@@ -11,7 +11,7 @@ from raytrain_ckpt.checkpoint.records import (ActorStatus, CommittedStep, GroupL
                                               SaveCosts)
 from raytrain_ckpt.checkpoint.roles import bulletin
 from raytrain_ckpt.checkpoint.roles.retainer import Retainer
-from raytrain_ckpt.checkpoint.roles.steps import StepRegistry
+from raytrain_ckpt.checkpoint.roles.steps import StepRegistry, inflight_phase
 from raytrain_ckpt.metrics import CheckpointMetrics
 
 __all__ = ["StatusBoard"]
@@ -45,9 +45,19 @@ class StatusBoard:
             inflight=steps.inflight(self._planning()), job_info=self.job_info, at_risk=self.metrics.at_risk(),
             interval=self.interval)
 
-    def progress(self) -> None:
-        """Publish the in-flight step's phase and ranks."""
-        self.metrics.progress(self.steps.inflight(self._planning()), self._group().world_size)
+    def progress(self, step: int | None = None, rank: int | None = None) -> None:
+        """Publish the in-flight step's phase and ranks; ``step``, ``rank``: only that rank of the
+        newest step in flight moved, so only its series and the counts are published (a save of N
+        ranks makes 2N such calls: publishing every rank each time would be O(N^2) per save)."""
+        steps = self.steps
+        moved = steps.rank_progress(step, rank) if step is not None and rank is not None else None
+        if moved is None or step != max(steps.pending):
+            self.metrics.progress(steps.inflight(self._planning()), self._group().world_size)
+            return
+        handed_off, written, value = moved
+        world = self._group().world_size
+        phase = inflight_phase(step in self._planning(), handed_off, written, world)
+        self.metrics.rank_moved(step, phase.value, handed_off, written, rank, value)
 
     def record_stall(self, step: int, rank: int, seconds: float) -> None:
         self.stalls.setdefault(step, {})[rank] = seconds

@@ -73,6 +73,7 @@ class SaveCoordinator:
             g.central = FileSystemWriter(self.layout.root).prepare_global_plan(central)
             g.plan_id = f"{attempt}.{step}"
             self._metadata[g.plan_id] = metadata
+            g.plans.clear()  # every rank's local plan (O(ranks x tensors)): not needed once the global plan is
             g.ready.set()
             self.metrics.planned(time.monotonic() - g.started)
         try:
@@ -106,7 +107,9 @@ class SaveCoordinator:
         reports = list(p.reports.values())
         writer = dcp_writer(p.tmp, self.storage_options)
         writer.set_up_storage_writer(True, rank=0)
-        writer.finish(copy.deepcopy(self._metadata[reports[0].plan_id]), [r.results for r in reports])
+        # A shallow copy: ``finish`` only sets the copy's storage data, version and storage meta; the
+        # cached plan's tensor entries (every rank's chunks: O(ranks x tensors)) are shared, not copied.
+        writer.finish(copy.copy(self._metadata[reports[0].plan_id]), [r.results for r in reports])
         files: dict[str, dict[str, int]] = {}
         for r in reports:
             files.update(r.files)

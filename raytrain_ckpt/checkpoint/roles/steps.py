@@ -85,7 +85,9 @@ class StepRegistry:
     """Committed, in-flight and aborted steps; opens, aborts and settles steps in flight."""
 
     def __init__(self, layout: CheckpointLayout, metrics: CheckpointMetrics, group: Callable[[], GroupLayout],
-                 on_change: Callable[[], None]) -> None:
+                 on_change: Callable[..., None]) -> None:
+        """``on_change(step, rank)``: rank ``rank`` of ``step`` moved on (handed off, reported);
+        ``on_change()``: anything else changed (a step opened, committed, aborted)."""
         self.layout, self.metrics, self._group, self._on_change = layout, metrics, group, on_change
         self.committed: dict[int, Manifest] = layout.valid_steps("size")
         self.pending: dict[int, InFlightStep] = {}
@@ -119,6 +121,14 @@ class StepRegistry:
         ranks = {r: 1 for r in p.accepted} | {r: 2 for r in p.reports}
         return InFlight(step, self.phase_of(step, step in planning), ranks)
 
+    def rank_progress(self, step: int, rank: int) -> tuple[int, int, int] | None:
+        """Of ``step`` in flight: how many ranks handed off, how many reported, and rank ``rank``'s
+        progress (1 handed off, 2 written), without walking every rank; None when ``step`` is not in flight."""
+        p = self.pending.get(step)
+        if p is None:
+            return None
+        return len(p.accepted), len(p.reports), 2 if rank in p.reports else 1 if rank in p.accepted else 0
+
     def open_step(self, step: int, attempt: int) -> str:
         """The temporary directory every rank of ``step`` writes into (created on first call)."""
         if step in self.committed:
@@ -141,7 +151,7 @@ class StepRegistry:
         self.pending[step].accepted.add(rank)
         if writer is not None:
             self.pending[step].writers[rank] = writer
-        self._on_change()
+        self._on_change(step, rank)
         return tmp
 
     def in_flight(self, step: int) -> InFlightStep:
@@ -155,7 +165,7 @@ class StepRegistry:
         """Record a rank's report; the step in flight it belongs to."""
         p = self.in_flight(report.step)
         p.reports[report.rank] = report
-        self._on_change()
+        self._on_change(report.step, report.rank)
         return p
 
     def commit_done(self, step: int, manifest: Manifest) -> None:

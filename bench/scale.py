@@ -1,0 +1,333 @@
+"""Scale benchmark: the checkpoint control plane's per-save and per-poll costs against the rank count.
+
+N simulated ranks (``bench/scale_ranks.py``: each rank's real DCP local save plan for an FSDP2
+shard of the 8B or 70B model, computed from its shape, no tensor bytes) drive the real
+``CheckpointActor`` (as a plain object, the way tests drive it; ``--ray``: also as a Ray actor,
+for N <= 64, timed from the caller) through two saves of one attempt, as the ranks' and writers' calls would:
+
+* the first save of the attempt: every rank's ``plan`` (the global plan and ``.metadata``,
+  built once per layout), then ``open_step``, ``accepted``, ``report`` (the last one commits)
+  and ``record_stall`` from every rank;
+* a later save of the same attempt: the same calls without ``plan`` (the plan is cached).
+
+The writers' files exist as sparse files of the sizes the reports name, so the commit checks,
+``ls``/``status`` and the resume plan's verification see a real step directory. Printed per N:
+the plan's build time (and DCP's ``DefaultSavePlanner.create_global_plan`` on the same local
+plans: the peer row), the ``.metadata`` size, the commit time, the coordinator's work per save
+(the sum of its methods' time for the second save), the calls and pickled bytes into the actor
+per save, the process's peak memory growth during the coordinator's work, the resume plan
+(``acquire``: verify the newest step to sizes and lease it) and ``ls``/``status`` on the root;
+then each figure's growth exponent (the slope of log(figure) over log(N) between the two
+largest N), where 1.0 is linear.
+
+With ``--poll``, also one controller poll round of the real ``RayWorkerGroup.poll`` over N
+ranks served by a few real Ray actors (every rank's ``run`` ref and ``progress`` call are real
+Ray calls; several ranks share an actor, so the actors' side is serialised over fewer processes
+than a real group has).
+
+    .venv/bin/python bench/scale.py                       # 8b and 70b at 8, 64, 512 ranks
+    .venv/bin/python bench/scale.py --sizes 8 64 512 --models 70b --poll
+    .venv/bin/python bench/scale.py --sizes 8 64 512 4096 --poll-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import pickle
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.scale_ranks import MODELS, local_plan, template, write_results  # noqa: E402
+
+from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy  # noqa: E402
+from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport, TrainingPoint  # noqa: E402
+from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor  # noqa: E402
+from raytrain_ckpt.preflight import load_spec  # noqa: E402
+
+
+def _spec() -> Any:
+    return load_spec(str(REPO / "jobs/llama_debug_fsdp.yaml"), [])
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class _Calls:
+    """Calls and pickled bytes into the actor, per method (what Ray would serialise)."""
+
+    def __init__(self) -> None:
+        self.count: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    def add(self, method: str, *args: Any) -> None:
+        self.count[method] = self.count.get(method, 0) + 1
+        self.bytes[method] = self.bytes.get(method, 0) + len(pickle.dumps(args, protocol=5))
+
+    def total(self) -> tuple[int, int]:
+        return sum(self.count.values()), sum(self.bytes.values())
+
+
+async def _save(actor: CheckpointActor, n: int, step: int, attempt: int, centrals: list[Any],
+                calls: _Calls) -> float:
+    """One save of every rank after planning: the actor's time in its methods, in seconds."""
+    reports, spent = [], 0.0
+    tmp = None
+    for rank in range(n):
+        calls.add("open_step", step, attempt)
+        t0 = time.perf_counter()
+        tmp = await actor.open_step(step, attempt)
+        spent += time.perf_counter() - t0
+    assert tmp is not None
+    for rank in range(n):
+        results = write_results(centrals[rank].plan, step)
+        name = results[0].storage_data.relative_path
+        size = results[-1].storage_data.offset + results[-1].storage_data.length
+        with open(os.path.join(tmp, name), "wb") as f:  # sparse: the writer's file, without its bytes
+            f.truncate(size)
+        reports.append(RankReport(step, rank, attempt, centrals[rank].plan_id, results,
+                                  {name: {"size": size, "crc32c": 0}}, TrainingPoint(samples_seen=step)))
+    for rank in range(n):
+        calls.add("accepted", step, rank, attempt, None)
+        t0 = time.perf_counter()
+        await actor.accepted(step, rank, attempt, None)
+        spent += time.perf_counter() - t0
+    for rank in range(n):
+        calls.add("report", reports[rank])
+        t0 = time.perf_counter()
+        out = await actor.report(reports[rank])
+        spent += time.perf_counter() - t0
+    assert out == "committed", out
+    for rank in range(n):
+        calls.add("record_stall", step, rank, 0.01)
+        t0 = time.perf_counter()
+        await actor.record_stall(step, rank, 0.01)
+        spent += time.perf_counter() - t0
+    return spent
+
+
+async def _plan(actor: CheckpointActor, n: int, step: int, attempt: int, plans: list[Any],
+                calls: _Calls) -> tuple[list[Any], float]:
+    for rank in range(n):
+        calls.add("plan", attempt, step, rank, plans[rank], 600.0)
+    t0 = time.perf_counter()
+    centrals = await asyncio.gather(*(actor.plan(attempt, step, r, plans[r], 600.0) for r in range(n)))
+    return list(centrals), time.perf_counter() - t0
+
+
+def one(model: str, n: int) -> dict[str, Any]:
+    """Every figure of one model at ``n`` ranks (run in its own process: its peak memory is its own)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    out: dict[str, Any] = {"model": model, "n": n}
+    t0 = time.perf_counter()
+    shape = template(_spec(), MODELS[model])
+    plans = [local_plan(shape, r, n) for r in range(n)]
+    out["simulate_s"] = time.perf_counter() - t0
+    out["items"] = sum(len(p.items) for p in plans)
+    gc.collect()
+    t0 = time.perf_counter()
+    DefaultSavePlanner().create_global_plan(plans)
+    out["dcp_global_plan_s"] = time.perf_counter() - t0
+    gc.collect()
+    with tempfile.TemporaryDirectory(prefix="scale-", dir=os.environ.get("SCALE_DIR")) as root:
+        rss0 = _rss_mb()
+        actor = CheckpointActor(root, RetentionPolicy(2))
+        asyncio.run(actor.configure(GroupLayout(n, n, "scale", {"name": model})))
+        first, later = _Calls(), _Calls()
+
+        async def two_saves() -> None:
+            centrals, out["plan_s"] = await _plan(actor, n, 10, 0, plans, first)
+            out["first_save_s"] = out["plan_s"] + await _save(actor, n, 10, 0, centrals, first)
+            out["first_commit_s"] = actor.committed[10].wall["commit_s"]
+            out["save_s"] = await _save(actor, n, 20, 0, centrals, later)
+            out["commit_s"] = actor.committed[20].wall["commit_s"]
+
+        asyncio.run(two_saves())
+        out["peak_mb"] = _rss_mb() - rss0
+        out["first_calls"], out["first_mb"] = first.total()[0], first.total()[1] / 1e6
+        out["calls"], out["mb"] = later.total()[0], later.total()[1] / 1e6
+        out["report_mb"] = later.bytes["report"] / 1e6
+        step_dir = actor.layout.step_dir(20)
+        out["metadata_mb"] = os.path.getsize(os.path.join(step_dir, ".metadata")) / 1e6
+        t0 = time.perf_counter()
+        point = asyncio.run(actor.acquire("bench", "latest", "size"))
+        out["resume_s"] = time.perf_counter() - t0
+        assert point is not None and point.step == 20, point
+        from raytrain_ckpt.inventory import status_report
+
+        t0 = time.perf_counter()
+        text, data = status_report(root, None, None, "size")
+        out["ls_status_s"] = time.perf_counter() - t0
+        assert [r["step"] for r in data["steps"] if r["status"] == "valid"] == [10, 20], data["steps"]
+    return out
+
+
+def ray_saves(model: str, n: int) -> dict[str, float]:
+    """The same two saves through the CheckpointActor as a Ray actor (every call a real Ray call,
+    the ranks' calls in flight together, as the trainers and writers make them): seconds from
+    the first call to the last answer, for the first save (with ``plan``) and a later one."""
+    import ray
+
+    from raytrain_ckpt.checkpoint.records import RankReport as Report
+
+    shape = template(_spec(), MODELS[model])
+    plans = [local_plan(shape, r, n) for r in range(n)]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    out: dict[str, float] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="scale-ray-", dir=os.environ.get("SCALE_DIR")) as root:
+            actor = ray.remote(num_cpus=0)(CheckpointActor).remote(root, RetentionPolicy(2))
+            ray.get(actor.configure.remote(GroupLayout(n, n, "scale", {"name": model})))
+            t0 = time.perf_counter()
+            centrals = ray.get([actor.plan.remote(0, 10, r, plans[r], 600.0) for r in range(n)])
+            plan_s = time.perf_counter() - t0
+            for key, step in (("ray_first_save_s", 10), ("ray_save_s", 20)):
+                tmp = ray.get([actor.open_step.remote(step, 0) for _ in range(n)])[0]
+                reports = []
+                for rank in range(n):
+                    results = write_results(centrals[rank].plan, step)
+                    name = results[0].storage_data.relative_path
+                    size = results[-1].storage_data.offset + results[-1].storage_data.length
+                    with open(os.path.join(tmp, name), "wb") as f:
+                        f.truncate(size)
+                    reports.append(Report(step, rank, 0, centrals[rank].plan_id, results,
+                                          {name: {"size": size, "crc32c": 0}}, TrainingPoint(samples_seen=step)))
+                t0 = time.perf_counter()
+                ray.get([actor.accepted.remote(step, r, 0, None) for r in range(n)])
+                outcomes = ray.get([actor.report.remote(rep) for rep in reports])
+                ray.get([actor.record_stall.remote(step, r, 0.01) for r in range(n)])
+                out[key] = time.perf_counter() - t0 + (plan_s if step == 10 else 0.0)
+                assert outcomes.count("committed") == 1, outcomes
+    finally:
+        ray.shutdown()
+    return out
+
+
+def poll_rounds(sizes: list[int], actors: int = 8, rounds: int = 3) -> dict[int, float]:
+    """Seconds of one ``RayWorkerGroup.poll`` (the median of ``rounds``) over each of ``sizes``
+    ranks, served by ``actors`` real async Ray actors: every rank's pending ``run`` and its
+    ``progress`` call are real Ray calls, several ranks to an actor."""
+    import statistics
+
+    import ray
+
+    from raytrain_ckpt.events import Progress
+    from raytrain_ckpt.group import RayWorkerGroup
+
+    @ray.remote(num_cpus=0, max_concurrency=8192)
+    class Ranks:
+        async def run(self) -> None:
+            await asyncio.sleep(3600)
+
+        async def progress(self) -> Progress:
+            return Progress(0, 10, None, time.time(), "training")
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        servers = [Ranks.remote() for _ in range(actors)]
+        ray.get([s.progress.remote() for s in servers])
+        out = {}
+        for n in sizes:
+            group = RayWorkerGroup(_spec(), 0)
+            group.workers = [servers[r % actors] for r in range(n)]
+            group._runs = {group.workers[r].run.remote(): r for r in range(n)}
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                poll = group.poll()
+                times.append(time.perf_counter() - t0)
+                assert not poll.failures and poll.min_step == 10, poll
+            out[n] = statistics.median(times)
+            for ref in group._runs:
+                ray.cancel(ref)
+        return out
+    finally:
+        ray.shutdown()
+
+
+COLUMNS = [("plan_s", "plan+metadata s", "{:.3f}"), ("dcp_global_plan_s", "DCP global plan s", "{:.3f}"),
+           ("metadata_mb", ".metadata MB", "{:.2f}"), ("first_commit_s", "1st commit s", "{:.3f}"),
+           ("first_save_s", "1st save s", "{:.3f}"), ("commit_s", "commit s", "{:.3f}"),
+           ("save_s", "save s", "{:.3f}"), ("calls", "calls/save", "{:d}"), ("mb", "MB in/save", "{:.1f}"),
+           ("first_mb", "MB in 1st", "{:.1f}"), ("peak_mb", "peak MB", "{:.0f}"),
+           ("resume_s", "resume plan s", "{:.3f}"), ("ls_status_s", "ls/status s", "{:.3f}"),
+           ("poll_s", "poll s", "{:.3f}"), ("ray_first_save_s", "Ray actor 1st save s", "{:.3f}"),
+           ("ray_save_s", "Ray actor save s", "{:.3f}")]
+RAY_MAX_N = 64
+"""The largest N ``--ray`` drives through a Ray actor (the calls of larger N take this box's two cores for long)."""
+
+
+def _table(rows: list[dict[str, Any]]) -> None:
+    cols = [c for c in COLUMNS if any(c[0] in r for r in rows)]
+    print(f"{'model':>5} {'N':>5} {'items':>9} " + " ".join(f"{h:>17}" for _, h, _ in cols))
+    for r in rows:
+        print(f"{r['model']:>5} {r['n']:>5} {r['items']:>9} "
+              + " ".join(f"{(f.format(r[k]) if k in r else '-'):>17}" for k, _, f in cols))
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["n"])
+        if len(mine) < 2:
+            continue
+        a, b = mine[-2], mine[-1]
+        slopes = []
+        for k, h, _ in cols:
+            if k in a and k in b and a[k] > 0 and b[k] > 0:
+                slopes.append(f"{h} {math.log(b[k] / a[k]) / math.log(b['n'] / a['n']):.2f}")
+        print(f"{model} growth exponent, N {a['n']} -> {b['n']} (1.00 = linear; items "
+              f"{math.log(b['items'] / a['items']) / math.log(b['n'] / a['n']):.2f}): " + ", ".join(slopes))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 512])
+    ap.add_argument("--models", nargs="+", default=["8b", "70b"], choices=sorted(MODELS))
+    ap.add_argument("--poll", action="store_true", help="also one controller poll round per N (starts Ray)")
+    ap.add_argument("--poll-only", action="store_true", help="only the controller poll round per N")
+    ap.add_argument("--ray", action="store_true",
+                    help=f"also the two saves through the actor as a Ray actor (N <= {RAY_MAX_N})")
+    ap.add_argument("--one", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        row = one(args.one[0], int(args.one[1]))
+        if args.ray and row["n"] <= RAY_MAX_N:
+            row.update(ray_saves(args.one[0], row["n"]))
+        print(json.dumps(row))
+        return
+    if args.poll_only:
+        for n, seconds in poll_rounds(args.sizes).items():
+            print(f"N={n:>5}: one controller poll round {seconds:.3f}s")
+        return
+    rows = []
+    for model in args.models:
+        for n in args.sizes:
+            t0 = time.monotonic()
+            proc = subprocess.run([sys.executable, __file__, "--one", model, str(n), *(["--ray"] if args.ray else [])],
+                                  capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+            if proc.returncode != 0:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"{model} at {n} ranks failed")
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(f"# {model} N={n}: {time.monotonic() - t0:.0f}s {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    if args.poll:
+        polls = poll_rounds(args.sizes)
+        for r in rows:
+            r["poll_s"] = polls[r["n"]]
+    _table(rows)
+
+
+if __name__ == "__main__":
+    main()
