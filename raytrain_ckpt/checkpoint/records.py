@@ -28,6 +28,10 @@ class TrainingPoint:
     tokens_seen: int = 0
     loss: float | None = None
     eval_loss: float | None = None
+    certified_step: int | None = None
+    """The newest step the training guard certified when this step was saved (None: none yet)."""
+    skipped_samples: tuple[tuple[int, int, int], ...] = ()
+    """The sample windows the job skips, ``(from step, lo, hi)`` (``data/skips.py``)."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ __all__ = [
     "FaultToleranceSpec",
     "FieldProblems",
     "FinalExportSpec",
+    "GuardSpec",
     "KeepBestSpec",
     "LRSchedulerSpec",
     "ModelSpec",
@@ -322,6 +323,21 @@ class LRSchedulerSpec(_Section):
     """Final learning rate as a fraction of the peak."""
 
 
+class GuardSpec(_Section):
+    nonfinite: bool = True
+    """Trip when any rank's loss at a step is NaN or infinite: no optimizer step is applied and the job rolls back to the newest certified step (see README, the guard)."""
+    spike: bool = False
+    """Also trip on a loss spike: a rank's loss whose robust z-score over the last spike_window losses exceeds spike_threshold."""
+    spike_window: int = Field(50, ge=5)
+    """How many previous healthy losses of the rank the spike test compares with (it starts once the window is full)."""
+    spike_threshold: float = Field(6.0, gt=0)
+    """Robust z-score, (loss - median) / (1.4826 x MAD), above which a loss is a spike."""
+    certify_after_steps: int = Field(10, ge=1)
+    """A committed step becomes certified, a step a rollback may return to, once this many healthy steps followed it."""
+    max_rollbacks: int = Field(3, ge=0)
+    """Rollbacks per job (they never spend fault_tolerance.max_restarts); one more trip fails the job with one report."""
+
+
 class TrainingSpec(_Section):
     steps: int = Field(100, ge=1)
     """Optimizer steps to run."""
@@ -347,6 +363,8 @@ class TrainingSpec(_Section):
     """GPU: run only deterministic CUDA kernels (torch.use_deterministic_algorithms and cuBLAS's fixed workspace), so a restart replays the lost steps bit-identically on the same GPUs and world size; slower. CPU training is deterministic without it."""
     loss: str = "cross_entropy"
     """cross_entropy (next-token, fp32), or a function 'package.module:fn' called as fn(logits [B, T, V], targets [B, T]) that returns a scalar tensor."""
+    guard: GuardSpec = Field(default_factory=GuardSpec)
+    """The NaN/Inf and loss-spike guard: a trip rolls back to the newest certified step and skips the data window."""
 
     @field_validator("loss")
     @classmethod

@@ -124,6 +124,12 @@ class Manifest(BaseModel):
     and in older manifests."""
     keep_best: KeepBestRecord | None = None
     """The job's ``checkpoint.keep_best`` when it had one, so ``export best`` ranks steps as retention did."""
+    certified_step: int | None = Field(default=None, ge=0)
+    """The newest committed step the training guard had certified (that many healthy steps followed
+    it) when this step was saved; retention never deletes the newest one. None: none yet, older manifests."""
+    skipped_samples: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=3, max_length=3)]] | None = None
+    """Global sample windows the job skips after rollbacks, ``[from step, lo, hi]``: the samples
+    ``[lo, hi)`` are never read from that step on; a resume keeps skipping them. None: none."""
 
     @field_validator("loss", "eval_loss", mode="before")
     @classmethod

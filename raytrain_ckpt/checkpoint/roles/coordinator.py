@@ -129,4 +129,6 @@ class SaveCoordinator:
                         files=files, samples_seen=int(point.samples_seen), tokens_seen=int(point.tokens_seen),
                         wall=wall, pp_size=g.world_size // g.dp_size,  # the spec makes world = pp x dp
                         model=g.model, eval_loss=point.eval_loss, loss=point.loss,
-                        keep_best=best.record() if (best := self.retention.keep_best) else None)
+                        keep_best=best.record() if (best := self.retention.keep_best) else None,
+                        certified_step=point.certified_step,
+                        skipped_samples=[list(w) for w in point.skipped_samples] or None)

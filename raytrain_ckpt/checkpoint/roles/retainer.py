@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
-from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
+from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy, newest_certified
 from raytrain_ckpt.checkpoint.roles.steps import StepRegistry
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, LeftoverWatch
 from raytrain_ckpt.checkpoint.storage.leases import LeaseFiles, purge_lock
@@ -63,7 +63,8 @@ class Retainer:
             with self.purge_lock():
                 leased = [*self.leases.values(), *self.file_leased_steps()]
                 doomed = self.retention.to_delete(committed, leased, self.steps.pending,
-                                                  {s: m.metrics() for s, m in committed.items()})
+                                                  {s: m.metrics() for s, m in committed.items()},
+                                                  newest_certified({s: m.certified_step for s, m in committed.items()}))
                 removed = [step for step in doomed if self._delete(step)]
         except Exception as exc:  # see the docstring: retention is retried, the commit stands
             self.purge_errors += 1

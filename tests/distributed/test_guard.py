@@ -1,0 +1,59 @@
+"""The training guard on real gloo process groups (no Ray): a NaN on one rank trips every rank
+before any optimizer step; without the guard the same fault poisons the parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raytrain_ckpt.preflight import load_spec
+from tests.distributed.launch import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+def _spec(*extra: str) -> str:
+    base = ["training.log_every_steps=1", "lr_scheduler.warmup_steps=1", "resources.num_workers=2",
+            "training.global_batch_size=8", "training.micro_batch_size=2", "training.seq_len=32"]
+    return load_spec("jobs/llama_debug_fsdp.yaml", base + list(extra)).model_dump_json()
+
+
+def nan_at_step(spec_json: str, guarded: bool, fault: str) -> dict:
+    import os
+
+    import torch.distributed as dist
+
+    from raytrain_ckpt.faults import ENV_VAR
+    from raytrain_ckpt.guard import GuardTrip, LossGuard
+    from raytrain_ckpt.spec import JobSpec
+    from raytrain_ckpt.trainer import Trainer
+
+    os.environ[ENV_VAR] = fault
+    torch.set_num_threads(1)
+    spec = JobSpec.model_validate_json(spec_json)
+    trainer = Trainer(spec, torch.device("cpu"))
+    if guarded:
+        trainer.guard = LossGuard(spec.training.guard, dist.get_rank(), 0, torch.device("cpu"))
+    for _ in range(2):
+        trainer.train_step()
+    before = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    trip = None
+    try:
+        trainer.train_step()  # step index 2: the fault's step
+    except GuardTrip as exc:
+        trip = exc.trip
+    after = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    return {"trip": trip, "step": trainer.state.step, "unchanged": all(torch.equal(before[n], after[n]) for n in before),
+            "finite": all(bool(torch.isfinite(t).all()) for t in after.values())}
+
+
+def test_nan_on_one_rank_trips_every_rank_before_the_optimizer_step():
+    out = run_ranks(nan_at_step, 2, _spec(), True, "nan@step:rank=1,step=2")
+    for r in out:  # both ranks learn the trip, with rank 1 and the metric named
+        assert r["trip"] is not None and (r["trip"].rank, r["trip"].step, r["trip"].metric) == (1, 2, "non-finite loss")
+        assert r["step"] == 2 and r["unchanged"] and r["finite"]
+
+
+def test_the_same_fault_without_the_guard_poisons_the_parameters():
+    out = run_ranks(nan_at_step, 2, _spec(), False, "nan@step:rank=1,step=2")
+    assert all(r["trip"] is None and r["step"] == 3 and not r["finite"] for r in out)
