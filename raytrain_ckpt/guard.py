@@ -19,6 +19,7 @@ import logging
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,8 @@ class LossGuard:
         self.healthy_through = 0
         """Training got to this step with no trip since the newest rollback."""
         self.rollbacks: list[RollbackRecord] = []
+        self.on_certified: Callable[[int], None] = lambda step: None
+        """Called with each newly certified step (rank 0 tells the CheckpointActor: retention keeps it)."""
         self._pending = math.nan
         """The loss of the step being judged, kept for the spike window once the step is applied."""
         self.last_certified: int | None = None
@@ -148,6 +151,7 @@ class LossGuard:
         newest = self.certified()
         if newest is not None and newest != self.last_certified:
             self.last_certified = newest
+            self.on_certified(newest)
             if self.rank == 0:
                 logger.info("step %d is certified: %d healthy steps followed it", newest, self.spec.certify_after_steps)
 
@@ -159,8 +163,8 @@ class LossGuard:
     def certified(self) -> int | None:
         """The newest saved step that ``certify_after_steps`` healthy steps followed, or the one a
         resumed manifest recorded."""
-        done = [s for s in self.saved if self.healthy_through - s >= self.spec.certify_after_steps]
-        return max(done) if done else self.last_certified
+        steps = self.certified_steps()
+        return steps[0] if steps else None
 
     def certified_steps(self) -> list[int]:
         """Every certified step of this timeline, newest first (a rollback tries them in order)."""

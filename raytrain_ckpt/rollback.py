@@ -111,7 +111,8 @@ def adopt_manifest(trainer: Any, guard: LossGuard | None, path: str) -> None:
     if not manifest_path.is_file():  # an object-store step: its manifest is read by the actor only
         return
     m = Manifest.from_json(manifest_path.read_text())
-    trainer.skips = SampleSkips.from_lists(trainer.spec.training.global_batch_size, m.skipped_samples or [])
+    rows = {tuple(row) for row in [*trainer.spec.data.skip_samples, *(m.skipped_samples or [])]}
+    trainer.skips = SampleSkips.from_lists(trainer.spec.training.global_batch_size, sorted(rows))
     if guard is not None:
         guard.last_certified = m.certified_step
         guard.saved_step(m.step)

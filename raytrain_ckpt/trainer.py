@@ -165,7 +165,7 @@ class Trainer:
         self.state = TrainState()
         # Set by checkpointing: waits for an in-flight staging copy of the parameters.
         self.before_optimizer_step: Callable[[], None] = lambda: None
-        self.skips = SampleSkips(t.global_batch_size)
+        self.skips = SampleSkips.from_lists(t.global_batch_size, d.skip_samples)
         """Sample windows this job skips (rollbacks, ``data/skips.py``): where each step's samples start."""
         self.attempt = 0
         """The attempt this trainer belongs to (set by the worker; fault injection reads it)."""

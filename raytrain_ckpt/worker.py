@@ -317,6 +317,8 @@ class TrainWorker:
                                             self.spec.fault_tolerance.prior_mtbf_s, ckpt.interval,
                                             kept_copy=(kept, self.start_step) if kept else None)
         trainer.before_optimizer_step = self.checkpoints.before_optimizer_step
+        if trainer.guard is not None and self.rank == 0:  # retention keeps the newest certified step
+            trainer.guard.on_certified = lambda step: ckpt.actor.certify.remote(step)
         self._progress = Progress(self.rank, self.start_step, None, time.time(), "setup")
 
     def run(self) -> WorkerResult:

@@ -57,3 +57,46 @@ def test_nan_on_one_rank_trips_every_rank_before_the_optimizer_step():
 def test_the_same_fault_without_the_guard_poisons_the_parameters():
     out = run_ranks(nan_at_step, 2, _spec(), False, "nan@step:rank=1,step=2")
     assert all(r["trip"] is None and r["step"] == 3 and not r["finite"] for r in out)
+
+
+def roll_back_in_place(spec_json: str, ckpt_dir: str, windows: list[list[int]] | None) -> str:
+    """Train 16 steps with a NaN on rank 1 at step 9, saving step 6 with DCP and rolling back to it as
+    the worker does (load, skip the window); or, with ``windows``, an uninterrupted run skipping them."""
+    import os
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from raytrain_ckpt.checkpoint.recovery.state import app_state, load_app_state
+    from raytrain_ckpt.data.skips import SampleSkips
+    from raytrain_ckpt.faults import ENV_VAR
+    from raytrain_ckpt.guard import GuardTrip, LossGuard
+    from raytrain_ckpt.spec import JobSpec
+    from raytrain_ckpt.trainer import Trainer
+
+    torch.set_num_threads(1)
+    spec = JobSpec.model_validate_json(spec_json)
+    trainer = Trainer(spec, torch.device("cpu"))
+    trainer.guard = LossGuard(spec.training.guard, dist.get_rank(), 0, torch.device("cpu"))
+    if windows is not None:
+        trainer.skips = SampleSkips.from_lists(spec.training.global_batch_size, windows)
+    else:
+        os.environ[ENV_VAR] = "nan@step:rank=1,step=9"
+    while trainer.state.step < 16:
+        try:
+            trainer.train_step()
+        except GuardTrip as exc:
+            for opt in trainer.optimizers:
+                opt.zero_grad(set_to_none=True)
+            load_app_state(trainer, ckpt_dir, same_world_size=True)
+            trainer.skips.skip(trainer.state.step, exc.trip.step)
+            continue
+        if trainer.state.step == 6 and windows is None:
+            dcp.save(app_state(trainer), checkpoint_id=ckpt_dir)
+    return trainer.fingerprint()
+
+
+def test_a_rollback_matches_a_run_that_never_read_the_window(tmp_path):
+    rolled = run_ranks(roll_back_in_place, 2, _spec(), str(tmp_path / "step-6"), None)
+    clean = run_ranks(roll_back_in_place, 2, _spec(), str(tmp_path / "unused"), [[6, 48, 80]])
+    assert rolled == clean
