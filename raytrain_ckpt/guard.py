@@ -217,8 +217,11 @@ class RollbackPolicy:
         return ""
 
 
-def failure_report(trip: Trip, why: str, window: tuple[int, int], history: list[RollbackRecord]) -> str:
+def failure_report(trip: Trip, why: str, window: tuple[int, int], history: list[RollbackRecord],
+                   certified: int | None = None) -> str:
     """The job's one report for a trip that ends it."""
     lines = [f"training guard: {trip} (samples [{window[0]}, {window[1]})); not rolled back: {why}"]
+    if certified is not None:
+        lines.append(f"  newest certified step: {certified} (kept by retention: resume from it by hand after a fix)")
     lines += [f"  earlier rollback {i + 1}: {r}" for i, r in enumerate(history)]
     return "\n".join(lines)

@@ -97,7 +97,7 @@ def _lease_certified(trainer: Any, ckpt: Any, guard: LossGuard, holder: str) -> 
 
 
 def _fail(trainer: Any, trip: Trip, why: str, tripped: tuple[int, int], guard: LossGuard) -> None:
-    report = failure_report(trip, why, tripped, guard.rollbacks)
+    report = failure_report(trip, why, tripped, guard.rollbacks, guard.certified())
     if trainer.rank == 0:
         logger.error("%s", report)
         raise GuardFailed(report)
