@@ -3,8 +3,10 @@
 ``stats STEP [--tensor NAME]`` prints each tensor's fingerprint (element count, sum, L2 norm,
 NaN and Inf counts, CRC-32C of its bytes); ``diff STEP_A STEP_B`` lists the tensors whose bytes
 differ and by how much their norms moved (identical steps say so); ``bisect ROOT --check finite``
-finds the first committed step that holds a non-finite value, reading O(log n) steps: a model
-that went non-finite stays so (every later step is computed from it). Tensors are read one at a
+finds the first committed step that holds a non-finite value, looking at O(log n) steps: a model
+that went non-finite stays so (every later step is computed from it); a step whose manifest
+records per-tensor fingerprints (its writers summed them) is judged from them without reading
+a tensor. Tensors are read one at a
 time from the DCP files (``checkpoint/format/fingerprints.py``). Exit codes: 0 fine (``bisect``:
 every step finite), 1 ``bisect`` found a non-finite step, 2 a user mistake.
 """
@@ -15,12 +17,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raytrain_ckpt.checkpoint.errors import ExitCode, InvalidCheckpoint
-from raytrain_ckpt.checkpoint.format.fingerprints import TensorStats, diff_steps, step_stats
-from raytrain_ckpt.checkpoint.format.manifest import MANIFEST
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.names import EntryKind, parse_entry
+
+if TYPE_CHECKING:
+    from raytrain_ckpt.checkpoint.format.fingerprints import TensorStats
 
 __all__ = ["add_parsers", "run"]
 
@@ -65,6 +69,8 @@ def _step_dir(text: str) -> Path:
 
 
 def _read(path: Path, only: str | None = None) -> dict[str, TensorStats]:
+    from raytrain_ckpt.checkpoint.format.fingerprints import step_stats  # torch: only for these commands
+
     try:
         return step_stats(path, only)
     except KeyError:
@@ -85,6 +91,8 @@ def _stats(path: Path, only: str | None, as_json: bool) -> int:
 
 
 def _diff(a: Path, b: Path, as_json: bool) -> int:
+    from raytrain_ckpt.checkpoint.format.fingerprints import diff_steps
+
     diffs = diff_steps(_read(a), _read(b))
     if as_json:
         print(json.dumps([{"tensor": d.name, "a": d.a.as_dict() if d.a else None, "b": d.b.as_dict() if d.b else None,
@@ -117,7 +125,17 @@ def _committed_steps(root: Path) -> list[tuple[int, Path]]:
 
 
 def _bad(path: Path) -> str | None:
-    """The first non-finite tensor of the step at ``path`` and its counts, or None."""
+    """The first non-finite tensor of the step at ``path`` and its counts, or None: from the
+    fingerprints its manifest records when it has them (no tensor is read), else from its files."""
+    try:
+        recorded = Manifest.from_json((path / MANIFEST).read_text()).tensors
+    except (InvalidCheckpoint, OSError) as exc:
+        raise _Usage(f"{path}/{MANIFEST}: unreadable ({exc}); check it with raytrain-ckpt verify {path}") from None
+    if recorded:
+        for name, row in recorded.items():
+            if row.get("nan") or row.get("inf"):
+                return f"{name} (nan {int(row.get('nan', 0))}, inf {int(row.get('inf', 0))})"
+        return None
     for name, s in _read(path).items():
         if not s.finite:
             return f"{name} (nan {s.nan}, inf {s.inf})"

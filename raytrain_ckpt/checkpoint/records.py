@@ -62,6 +62,9 @@ class RankReport:
     """File name -> ``format.manifest.FileEntry`` (size and CRC-32C) of each file the rank wrote."""
     point: TrainingPoint = TrainingPoint()
     timings: SaveTimings = SaveTimings()
+    tensors: dict[str, Any] = field(default_factory=dict)
+    """fqn -> ``format.fingerprints.ShardSums`` of each floating-point tensor the rank wrote,
+    summed by its writer off the training path; merged into the manifest's ``tensors``."""
 
 
 __all__ += ["PersistRequest"]

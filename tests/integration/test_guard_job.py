@@ -59,6 +59,12 @@ def test_nan_on_one_rank_rolls_back_skips_the_window_and_matches_a_run_without_i
     final = manifests[16]
     assert final.skipped_samples == [[6, 96, 160]]
     assert final.certified_step is not None and final.certified_step in manifests
+    # per-tensor fingerprints in the manifest, summed by the writers: they agree with the files
+    read = step_stats(root / "step-00000016")
+    assert final.tensors and set(final.tensors) <= set(read)
+    for name, row in final.tensors.items():
+        assert (row["numel"], row["nan"], row["inf"]) == (read[name].numel, 0, 0), name
+        assert abs(row["norm"] - read[name].norm) <= 1e-6 * max(1.0, read[name].norm), name
     # bit-identical to an uninterrupted run whose data stream excludes exactly those samples
     monkeypatch.delenv(ENV_VAR)
     reference = run_job(_spec(tmp_path / "reference", "data.skip_samples=[[6, 96, 160]]"))

@@ -76,3 +76,16 @@ def test_a_wrong_path_or_tensor_is_one_error_line(root, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
     assert "not a committed step directory" in err[0] and "--tensor model.x: no such tensor" in err[1]
+
+
+def test_bisect_judges_a_step_by_its_manifest_fingerprints_when_it_has_them(tmp_path, capsys):
+    from raytrain_ckpt.checkpoint.format.fingerprints import merge_shard_sums, shard_sums
+
+    for step in range(1, 6):
+        path = _write_step(tmp_path, step, poisoned=False)  # the files are finite...
+        w = torch.full((2,), 1.0) if step < 4 else torch.tensor([1.0, math.nan])
+        m = Manifest.from_json((path / MANIFEST).read_text())
+        recorded = merge_shard_sums([shard_sums({"model.w": w}, {"model.w"})])
+        (path / MANIFEST).write_text(m.model_copy(update={"tensors": recorded}).to_json())
+    assert main(["bisect", str(tmp_path), "--check", "finite"]) == 1  # ...the manifests say step 4 is not
+    assert capsys.readouterr().out.startswith("first non-finite step: 4 (model.w (nan 1, inf 0))")

@@ -23,7 +23,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from raytrain_ckpt.checkpoint.format.metadata import SafeLoadPlanner, safe_reader
 
-__all__ = ["TensorDiff", "TensorStats", "diff_steps", "step_stats", "step_tensors", "tensor_stats"]
+__all__ = ["ShardSums", "TensorDiff", "TensorStats", "diff_steps", "merge_shard_sums", "shard_sums", "step_stats",
+           "step_tensors", "tensor_stats"]
+
+ShardSums = tuple[int, float, float, int, int]
+"""One rank's share of a tensor, as its writer sums it: (numel, sum, sum of squares, NaN count, Inf count)."""
 
 
 @dataclass(frozen=True)
@@ -113,3 +117,34 @@ def diff_steps(a: dict[str, TensorStats], b: dict[str, TensorStats]) -> list[Ten
         if sa is None or sb is None or (sa.crc32c, sa.shape, sa.dtype) != (sb.crc32c, sb.shape, sb.dtype):
             out.append(TensorDiff(name, sa, sb))
     return out
+
+
+def shard_sums(views: dict[str, torch.Tensor], fqns: set[str]) -> dict[str, ShardSums]:
+    """The sums of the floating-point tensors ``fqns`` among a rank's staged ``views`` (its shards, as
+    its writer holds them after the write): merged over the ranks into the manifest's fingerprints.
+    Only the tensors this rank writes are summed (DCP writes a replicated one from one rank only)."""
+    out: dict[str, ShardSums] = {}
+    for fqn in sorted(fqns & set(views)):
+        t = views[fqn]
+        if not t.is_floating_point():
+            continue
+        wide = t.reshape(-1).to(torch.float64)
+        finite = torch.isfinite(wide)
+        nan = int(torch.isnan(wide).sum())
+        good = wide[finite] if nan or not bool(finite.all()) else wide
+        out[fqn] = (int(wide.numel()), float(good.sum()), float((good * good).sum()), nan,
+                    int(wide.numel()) - int(finite.sum()) - nan)
+    return out
+
+
+def merge_shard_sums(per_rank: list[dict[str, ShardSums]]) -> dict[str, dict[str, float | int]]:
+    """The manifest's ``tensors``: each tensor's element count, sum and L2 norm of its finite elements,
+    and NaN and Inf counts, over every rank's shard."""
+    merged: dict[str, list[float]] = {}
+    for sums in per_rank:
+        for fqn, row in sums.items():
+            acc = merged.setdefault(fqn, [0, 0.0, 0.0, 0, 0])
+            for i, v in enumerate(row):
+                acc[i] += v
+    return {fqn: {"numel": int(n), "sum": s, "norm": math.sqrt(q), "nan": int(nan), "inf": int(inf)}
+            for fqn, (n, s, q, nan, inf) in sorted(merged.items())}
