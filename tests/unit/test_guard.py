@@ -135,3 +135,36 @@ def test_fingerprints_see_nan_and_diff_names_the_changed_tensors():
     assert diff_steps(a, a) == []
     b = {"w": tensor_stats(torch.tensor([1.0, 1.0, 2.0])), "b": a["b"], "c": a["b"]}
     assert [(d.name, d.a is None) for d in diff_steps(a, b)] == [("c", True), ("w", False)]
+
+
+def test_the_checkpoint_actor_keeps_the_newest_certified_step_whatever_keep_latest_k_says(tmp_path):
+    """Real saves through a CheckpointActor (no Ray) with keep_latest_k=1: the step the trainers
+    reported certified, then the one a manifest records, survive the commits after them."""
+    import asyncio
+    from dataclasses import replace
+
+    from raytrain_ckpt.checkpoint.records import TrainingPoint
+    from tests.unit.test_checkpoint_actor import _save, _single_rank_actor
+
+    actor = _single_rank_actor(tmp_path, 1)
+    asyncio.run(_save(actor, 2))
+    asyncio.run(actor.certify(2))
+    for step in (4, 6):
+        asyncio.run(_save(actor, step))
+    assert sorted(actor.committed) == [2, 6]  # 4 went, as keep_latest_k=1 says; 2 is certified
+
+    async def save_recording(step: int, certified: int) -> None:  # a report whose manifest records it
+        original = actor.report
+
+        async def report(r):
+            return await original(replace(r, point=TrainingPoint(certified_step=certified)))
+        actor.report = report
+        try:
+            await _save(actor, step)
+        finally:
+            actor.report = original
+    asyncio.run(save_recording(8, 6))
+    assert actor.committed[8].certified_step == 6
+    assert sorted(actor.committed) == [6, 8]  # 6 is the newest certified now: 2 may go
+    asyncio.run(_save(actor, 10))
+    assert sorted(actor.committed) == [6, 10]
