@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -184,16 +184,15 @@ class DataSpec(_Section):
     """Carve this fraction of the samples (the last windows of the corpus, or the last dataset items) off as the held-out split; training never sees them."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of a data.source factory."""
-    skip_samples: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=3, max_length=3)]] = Field(
-        default_factory=list)
+    skip_samples: list[list[int]] = Field(default_factory=list)
     """Windows of global sample indices never read, each [from_step, lo, hi]: from that step on the samples [lo, hi) are skipped (what a guard rollback records in the manifest's skipped_samples; a resume adds the manifest's windows)."""
 
     @field_validator("skip_samples")
     @classmethod
     def _windows(cls, value: list[list[int]]) -> list[list[int]]:
-        for step, lo, hi in value:
-            if hi <= lo:
-                raise ValueError(f"window [{step}, {lo}, {hi}] is empty; give [from_step, lo, hi] with lo < hi")
+        for row in value:
+            if len(row) != 3 or min(row) < 0 or row[2] <= row[1]:
+                raise ValueError(f"window {row} is not [from_step, lo, hi] with 0 <= lo < hi and from_step >= 0")
         return value
 
     @field_validator("source")
