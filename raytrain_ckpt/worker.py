@@ -354,7 +354,7 @@ class TrainWorker:
                 continue
             if ckpt is not None and ckpt.due(report.step):
                 guard = trainer.guard
-                point = TrainingPoint(trainer.skips.first_sample(report.step), trainer.state.tokens_seen,
+                point = TrainingPoint(report.step * self.spec.training.global_batch_size, trainer.state.tokens_seen,
                                       report.loss, report.eval_loss, guard.certified() if guard else None,
                                       tuple(tuple(w) for w in trainer.skips.as_lists()))
                 ckpt.save(report.step, app_state(trainer), point)
