@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     from raytrain_ckpt import inventory_cli
 
     inventory_cli.add_parsers(sub)
+    from raytrain_ckpt import forensics_cli  # diff, stats, bisect: what a step holds, tensor by tensor
+
+    forensics_cli.add_parsers(sub)
     from raytrain_ckpt import clean_buffers
 
     clean_buffers.add_parser(sub)
@@ -132,6 +135,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from raytrain_ckpt import prepare
 
         return prepare.run(args)
+    if args.command in ("diff", "stats", "bisect"):
+        from raytrain_ckpt import forensics_cli
+
+        return forensics_cli.run(args)
     if args.command in ("status", "ls", "verify"):
         from raytrain_ckpt import inventory_cli
 

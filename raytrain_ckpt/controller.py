@@ -296,6 +296,7 @@ class Controller:
                                      "\n".join(f.detail or str(f) for f in poll.failures)))
         elif poll.finished:
             self.result.results = poll.results
+            self._note_rollbacks(poll.results)
             self._set_state(JobState.SUCCEEDED, f"{poll.min_step} steps done")
         elif self._hung(poll):
             text = (f"no step finished for {self.spec.fault_tolerance.hang_timeout_s:g}s "
@@ -303,6 +304,12 @@ class Controller:
             self._on_failure(Failure(self.attempt, "hang", None, text, text))
         else:
             self.group.wait(self.spec.fault_tolerance.poll_interval_s)
+
+    def _note_rollbacks(self, results: list[WorkerResult]) -> None:
+        """The training guard's rollbacks (rank 0 reports them) are failures the job recovered from."""
+        for rb in results[0].rollbacks if results else ():
+            self.result.failures.append(Failure(self.attempt, "rollback", rb.trip.rank, str(rb), str(rb)))
+            self.result.events.append((time.time(), f"attempt {self.attempt} rollback to step {rb.to_step}"))
 
     def _hung(self, poll: GroupPoll) -> bool:
         now = self._clock()

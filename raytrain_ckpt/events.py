@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["Failure", "FailureKind", "Progress", "WorkerResult", "cause_text", "headline"]
 
-FailureKind = Literal["start", "crash", "exception", "hang", "checkpoint", "mismatch", "preemption"]
+FailureKind = Literal["start", "crash", "exception", "hang", "checkpoint", "mismatch", "preemption", "rollback"]
 """start: the group could not be placed or formed; crash: a rank's process (or its node) died;
 exception: a rank raised; hang: no rank finished a step within ``fault_tolerance.hang_timeout_s``
 (the same names as ``fault_tolerance.retry_on``). checkpoint: the workers finished but the final
 save did not commit; mismatch: the resume checkpoint does not fit the job's model (a user's
 mistake, the same on every attempt: never retried). preemption: a node the group used was drained
 (a drain notice): the step in hand was saved and the group stopped; counted against
-``fault_tolerance.max_preemptions``, never against ``max_restarts``."""
+``fault_tolerance.max_preemptions``, never against ``max_restarts``. rollback: the training guard
+rolled back to a certified step (the job went on), or a trip it could not roll back ended the job
+(never retried)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class WorkerResult:
     """Every attempt this process was assigned, in order: (0, 1) is a rank kept across a restart."""
     was_spare: bool = False
     """The process started as an idle spare before it took this rank."""
+    rollbacks: tuple[Any, ...] = ()
+    """The training guard's rollbacks in this attempt (``guard.RollbackRecord``), in order."""
 
 
 @dataclass(frozen=True)

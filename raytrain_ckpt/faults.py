@@ -21,6 +21,9 @@ group; use ``step=0``) or ``setup`` (the same rank once joined, before it builds
 give the restart's ``attempt``). Two kinds damage that copy instead of the process, and only at
 ``restore``: ``corrupt`` flips one bit of the rank's staging buffer before the rank checksums it,
 and ``stale`` hands the rank its writer's copy of the step before ``S`` (an older buffer).
+One kind damages the numbers instead, at ``step`` only: ``nan@step:rank=R,step=S`` makes rank
+``R``'s loss (and gradients) at step ``S`` (the step that starts after ``S`` steps) NaN, once per
+job: the replay of step ``S`` after a rollback (``training.guard``) runs clean.
 ``attempt`` defaults to 0, so the restarted group runs clean unless the plan says otherwise.
 Several faults at one point apply in plan order: ``slow@persist`` then ``exit@persist`` kills
 the writer 3 s into the write, when its hand-off has long been acknowledged.
@@ -36,14 +39,18 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 __all__ = ["ENV_VAR", "Fault", "InjectedFault", "adopt_fault_env", "fault_env", "fault_plan_problem", "maybe_inject",
-           "parse_faults", "planned"]
+           "parse_faults", "planned", "take_nan"]
 
 ENV_VAR = "RAYTRAIN_CKPT_FAULTS"
 STAMP_VAR = "RAYTRAIN_CKPT_FAULT_STAMP"
 """If set, an ``exit`` or ``hang`` fault first writes its wall-clock time to this file (recovery benchmarks)."""
-KINDS = ("raise", "exit", "hang", "slow", "corrupt", "stale")
+KINDS = ("raise", "exit", "hang", "slow", "corrupt", "stale", "nan")
 COPY_KINDS = ("corrupt", "stale")
 """Kinds that damage a rank's in-memory copy (point ``restore`` only); their caller acts on ``planned()``."""
+VALUE_KINDS = ("nan",)
+"""Kinds that damage the numbers of a step (point ``step`` only); the guard acts on ``take_nan()``."""
+_TAKEN: set[Fault] = set()
+"""The ``nan`` faults this process already applied: each fires once per job."""
 SLOW_S = 3.0
 POINTS = ("step", "staging", "staged", "persist", "uploaded", "commit", "join", "setup", "restore")
 
@@ -76,6 +83,8 @@ def parse_faults(text: str) -> list[Fault]:
             raise ValueError(f"{ENV_VAR}: bad fault {entry!r}; KIND is one of {KINDS}, POINT one of {POINTS}")
         if fault.kind in COPY_KINDS and fault.point != "restore":
             raise ValueError(f"{ENV_VAR}: bad fault {entry!r}; {fault.kind} applies at restore only")
+        if fault.kind in VALUE_KINDS and fault.point != "step":
+            raise ValueError(f"{ENV_VAR}: bad fault {entry!r}; {fault.kind} applies at step only")
         faults.append(fault)
     return faults
 
@@ -129,13 +138,27 @@ def planned(kind: str, point: str, rank: int, step: int, attempt: int) -> bool:
     return hit
 
 
+def take_nan(rank: int, step: int, attempt: int) -> bool:
+    """Whether the plan makes this rank's loss at ``step`` NaN now: true once per job (a replay of the
+    step after a rollback runs clean)."""
+    text = os.environ.get(ENV_VAR)
+    if not text:
+        return False
+    fault = Fault("nan", "step", rank, step, attempt)
+    if fault in _TAKEN or fault not in parse_faults(text):
+        return False
+    _TAKEN.add(fault)
+    logger.warning("injecting fault nan at step rank %d step %d attempt %d", rank, step, attempt)
+    return True
+
+
 def maybe_inject(point: str, rank: int, step: int, attempt: int) -> None:
     """Trigger the planned fault for this point, rank, step and attempt, if any."""
     text = os.environ.get(ENV_VAR)
     if not text:
         return
     for f in parse_faults(text):
-        if (f.point, f.rank, f.step, f.attempt) != (point, rank, step, attempt) or f.kind in COPY_KINDS:
+        if (f.point, f.rank, f.step, f.attempt) != (point, rank, step, attempt) or f.kind in COPY_KINDS + VALUE_KINDS:
             continue
         logger.warning("injecting fault %s at %s rank %d step %d attempt %d", f.kind, point, rank, step, attempt)
         if f.kind == "raise":

@@ -197,6 +197,9 @@ class RayWorkerGroup:
             except WorkerFailure as exc:
                 # Ray wraps the worker's exception; its cause carries the clean traceback.
                 cause = getattr(exc, "cause", None) or exc
+                if getattr(cause, "guard", None):  # the training guard's one report: no traceback, no restart
+                    failures.append(Failure(self.attempt, "rollback", rank, headline(cause.guard), cause.guard))
+                    continue
                 failures.append(Failure(self.attempt, "exception", rank, headline(cause.text), str(cause)))
             except RayActorError as exc:
                 what = f"worker process died: {headline(str(exc))}"

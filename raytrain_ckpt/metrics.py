@@ -78,6 +78,8 @@ METRICS: dict[str, MetricDef] = {m.name.removeprefix(PREFIX): m for m in (
     _m("train_step_seconds", "gauge", "Wall time of the last step of a rank.", "rank"),
     _m("checkpoint_stall_seconds", "histogram", "Seconds one save blocked a rank's training thread.", "rank"),
     _m("checkpoint_last_stall_seconds", "gauge", "Seconds the last save blocked a rank's training thread.", "rank"),
+    _m("train_rollbacks_total", "counter", "Rollbacks of the training guard to a certified step (rank 0)."),
+    _m("train_skipped_samples_total", "counter", "Samples the training guard's rollbacks skipped (rank 0)."),
     # checkpoint actor
     _m("checkpoint_committed_step", "gauge", "Newest committed checkpoint step (-1: none)."),
     _m("checkpoint_last_commit_timestamp_seconds", "gauge", "Unix time of the newest commit (0: none)."),
@@ -245,6 +247,14 @@ class TrainerMetrics:
             self._saves = stats.saves
             record("checkpoint_stall_seconds", stats.last_stall_s, self._tags)
             record("checkpoint_last_stall_seconds", stats.last_stall_s, self._tags)
+
+
+    def rolled_back(self, rollback: Any) -> None:
+        """A rollback of the training guard (``guard.RollbackRecord``; None: the trip ended the job)."""
+        if rollback is None or self.rank != 0:
+            return
+        record("train_rollbacks_total", 1, {"job": self.job})
+        record("train_skipped_samples_total", rollback.samples[1] - rollback.samples[0], {"job": self.job})
 
 
 class WriterMetrics:

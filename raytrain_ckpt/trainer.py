@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from raytrain_ckpt.data import TokenSource, build_data, local_micro_batches
+from raytrain_ckpt.data.skips import SampleSkips
+from raytrain_ckpt.faults import take_nan
 from raytrain_ckpt.models import build_model, resolve_factory
 from raytrain_ckpt.parallel import PartBuilder, build_mesh, param_dtype_for, supports_deferred_init
 from raytrain_ckpt.parallel.local_math import LocalAdamW, clip_grad_norm_
@@ -163,6 +165,12 @@ class Trainer:
         self.state = TrainState()
         # Set by checkpointing: waits for an in-flight staging copy of the parameters.
         self.before_optimizer_step: Callable[[], None] = lambda: None
+        self.skips = SampleSkips.from_lists(t.global_batch_size, d.skip_samples)
+        """Sample windows this job skips (rollbacks, ``data/skips.py``): where each step's samples start."""
+        self.attempt = 0
+        """The attempt this trainer belongs to (set by the worker; fault injection reads it)."""
+        self.guard: Any = None
+        """A ``guard.LossGuard`` judging each step's loss before the optimizer step (set by the worker)."""
         self.state_reserve: Any = None
         """A spare's ``checkpoint.state.StateReserve``: the optimizer state of the load that follows
         is carved from it (taken once, by the first state created for a load)."""
@@ -184,11 +192,16 @@ class Trainer:
         batches = local_micro_batches(
             self.source, step=self.state.step, global_batch_size=t.global_batch_size,
             micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.spec.dp_size,
+            start_index=self.skips.offset(self.state.step),
         )
         if self.pipeline is not None:
             local_loss = self.pipeline.forward_backward(batches)
         else:
             local_loss = self._forward_backward(batches)
+        if take_nan(self.rank, self.state.step, self.attempt):  # fault injection: the loss and gradients
+            self._poison(local_loss)
+        if self.guard is not None:  # raises GuardTrip on every rank before any optimizer step
+            self.guard.check(self.state.step, local_loss)
         if t.grad_clip is not None:
             self._clip(t.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
@@ -197,6 +210,8 @@ class Trainer:
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
+        if self.guard is not None:
+            self.guard.healthy(self.state.step)
         self.state.step += 1
         tokens = t.global_batch_size * t.seq_len
         self.state.tokens_seen += tokens
@@ -240,6 +255,14 @@ class Trainer:
             (loss / len(batches)).backward()
             local_loss += loss.detach() / len(batches)
         return local_loss
+
+    def _poison(self, local_loss: torch.Tensor) -> None:
+        """Make this step's loss and gradients NaN, as a real overflow would (``nan@step`` faults)."""
+        local_loss.fill_(math.nan)
+        for part in self.model_parts:
+            for p in part.parameters():
+                if p.grad is not None:
+                    _local(p.grad).fill_(math.nan)
 
     def _clip(self, max_norm: float) -> None:
         params = [p for part in self.model_parts for p in part.parameters()]

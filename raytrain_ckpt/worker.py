@@ -65,7 +65,8 @@ class Rendezvous:
 class WorkerFailure(RuntimeError):
     """A rank's exception, with its rank and formatted traceback (picklable across actors)."""
 
-    def __init__(self, rank: int, attempt: int, text: str, mismatch: str | None = None) -> None:
+    def __init__(self, rank: int, attempt: int, text: str, mismatch: str | None = None,
+                 guard: str | None = None) -> None:
         super().__init__(f"rank {rank} (attempt {attempt}) failed:\n{text}")
         self.rank = rank
         self.attempt = attempt
@@ -73,9 +74,12 @@ class WorkerFailure(RuntimeError):
         self.mismatch = mismatch
         """The message of a ``CheckpointMismatch``: the resume checkpoint does not fit this model,
         which no restart changes (the driver fails the job at once, exit 2)."""
+        self.guard = guard
+        """The training guard's report of a trip it could not roll back (``guard.GuardFailed``):
+        no restart either (the failure's kind is ``rollback``)."""
 
     def __reduce__(self) -> tuple:
-        return (WorkerFailure, (self.rank, self.attempt, self.text, self.mismatch))
+        return (WorkerFailure, (self.rank, self.attempt, self.text, self.mismatch, self.guard))
 
 
 def _is_mismatch(exc: BaseException) -> bool:
@@ -268,10 +272,15 @@ class TrainWorker:
         device = torch.device("cuda", 0) if self.spec.resources.use_gpu else torch.device("cpu")
         t0 = time.monotonic()
         self.trainer = Trainer(self.spec, device, self._prefix, restoring)
+        self.trainer.attempt = self.attempt
         self.timings["build_s"] = time.monotonic() - t0
         if restoring:  # the load creates the optimizer's state: from the spare's reserve, if any
             self.trainer.state_reserve = self._reserve
         self._reserve = None
+        if self.spec.training.guard.nonfinite or self.spec.training.guard.spike:
+            from raytrain_ckpt.guard import LossGuard
+
+            self.trainer.guard = LossGuard(self.spec.training.guard, self.rank, self.attempt, device)
         if self.rank == 0:
             logger.info("%sprocess group ready: %d ranks, backend %s, pid %d", self._prefix(), self.world_size,
                         dist.get_backend(), os.getpid())
@@ -300,6 +309,9 @@ class TrainWorker:
             self.start_step = trainer.state.step
             trainer.state_reserve = None  # unused (a load without optimizer state): not kept alive
             kept = copy.path if done.source == "memory" and copy is not None else None
+            from raytrain_ckpt.rollback import adopt_manifest
+
+            adopt_manifest(trainer, trainer.guard, point.path)
             if self.rank == 0:
                 logger.info("%sresumed step %d from %s in %.2fs (%s)", self._prefix(), self.start_step,
                             "memory" if kept else point.path, done.seconds, done.why)
@@ -308,20 +320,28 @@ class TrainWorker:
                                             self.spec.fault_tolerance.prior_mtbf_s, ckpt.interval,
                                             kept_copy=(kept, self.start_step) if kept else None)
         trainer.before_optimizer_step = self.checkpoints.before_optimizer_step
+        if trainer.guard is not None and self.rank == 0:  # retention keeps the newest certified step
+            trainer.guard.on_certified = lambda step: ckpt.actor.certify.remote(step)
         self._progress = Progress(self.rank, self.start_step, None, time.time(), "setup")
 
     def run(self) -> WorkerResult:
         """Train to ``training.steps``; raises WorkerFailure with the traceback on error."""
+        from raytrain_ckpt.guard import GuardFailed
+
+        report = None
         try:
             return self._run()
+        except GuardFailed as exc:
+            text = report = exc.report
         except Exception:
             text = traceback.format_exc()
         self._progress = Progress(self.rank, self._progress.step, self._progress.loss, time.time(), "failed")
-        raise WorkerFailure(self.rank, self.attempt, text)  # outside the except block: see setup()
+        raise WorkerFailure(self.rank, self.attempt, text, guard=report)  # outside the except block: see setup()
 
     def _run(self) -> WorkerResult:
         from raytrain_ckpt.checkpoint.recovery.state import app_state
         from raytrain_ckpt.checkpoint.records import TrainingPoint
+        from raytrain_ckpt.guard import GuardTrip
 
         trainer = self.trainer
         assert trainer is not None, "setup() must succeed before run()"
@@ -332,14 +352,23 @@ class TrainWorker:
         scalars = self._open_scalars()
         while trainer.state.step < self.spec.training.steps and not self._stop.is_set():
             maybe_inject("step", self.rank, trainer.state.step, self.attempt)
-            report = trainer.train_step()
+            try:
+                report = trainer.train_step()
+            except GuardTrip as exc:  # no optimizer step was applied, on any rank
+                if self._roll_back(exc.trip) is None:
+                    break  # rank 0 raised the job's report; this rank stops
+                continue
             due = ckpt is not None and ckpt.due(report.step)
             # a drain notice reached some rank: every rank saves this step (one collective agrees)
             preempted = watch and ckpt.any_rank(self._notice.is_set())
             if due or preempted:
+                guard = trainer.guard
                 point = TrainingPoint(report.step * self.spec.training.global_batch_size, trainer.state.tokens_seen,
-                                      report.loss, report.eval_loss)
+                                      report.loss, report.eval_loss, guard.certified() if guard else None,
+                                      tuple(tuple(w) for w in trainer.skips.as_lists()))
                 ckpt.save(report.step, app_state(trainer), point, final=preempted)
+                if guard is not None:
+                    guard.saved_step(report.step)
             trainer.log(report)
             if scalars is not None:
                 log_step(scalars, report)
@@ -361,7 +390,17 @@ class TrainWorker:
         state = trainer.state
         self._progress = Progress(self.rank, state.step, loss, time.time(), phase)
         return WorkerResult(self.rank, state.step, state.tokens_seen, dict(state.losses), trainer.fingerprint(),
-                            self.start_step, stats, dict(self.timings), tuple(self.served), self.was_spare)
+                            self.start_step, stats, dict(self.timings), tuple(self.served), self.was_spare,
+                            tuple(trainer.guard.rollbacks) if trainer.guard is not None else ())
+
+    def _roll_back(self, trip: Any) -> Any:
+        """A guard trip: roll back inside this attempt (``raytrain_ckpt/rollback.py``)."""
+        from raytrain_ckpt.rollback import roll_back
+
+        assert self.trainer is not None
+        record = roll_back(self.trainer, self.checkpoints, self.trainer.guard, trip, f"rollback-{self.attempt}")
+        self.metrics.rolled_back(record)
+        return record
 
     def preempt(self, deadline_unix: float | None) -> None:
         """A node of the group drains (before ``deadline_unix``): save the step in hand at the

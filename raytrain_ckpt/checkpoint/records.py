@@ -28,6 +28,10 @@ class TrainingPoint:
     tokens_seen: int = 0
     loss: float | None = None
     eval_loss: float | None = None
+    certified_step: int | None = None
+    """The newest step the training guard certified when this step was saved (None: none yet)."""
+    skipped_samples: tuple[tuple[int, int, int], ...] = ()
+    """The sample windows the job skips, ``(from step, lo, hi)`` (``data/skips.py``)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ class RankReport:
     """File name -> ``format.manifest.FileEntry`` (size and CRC-32C) of each file the rank wrote."""
     point: TrainingPoint = TrainingPoint()
     timings: SaveTimings = SaveTimings()
+    tensors: dict[str, Any] = field(default_factory=dict)
+    """fqn -> ``format.fingerprints.ShardSums`` of each floating-point tensor the rank wrote,
+    summed by its writer off the training path; merged into the manifest's ``tensors``."""
 
 
 __all__ += ["PersistRequest"]

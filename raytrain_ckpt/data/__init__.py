@@ -16,6 +16,7 @@ _WHERE = {
     "TEXT_SUFFIXES": "suffixes",
     "META_FILE": "tokens", "TOKEN_DTYPES": "tokens", "CorpusWindows": "tokens", "DatasetWindows": "tokens",
     "ShuffledWindows": "tokens", "TokenCorpus": "tokens",
+    "SampleSkips": "skips", "SkipWindow": "skips",
 }
 
 __all__ = sorted(_WHERE)

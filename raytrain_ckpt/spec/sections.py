@@ -24,6 +24,7 @@ __all__ = [
     "FaultToleranceSpec",
     "FieldProblems",
     "FinalExportSpec",
+    "GuardSpec",
     "KeepBestSpec",
     "LRSchedulerSpec",
     "ModelSpec",
@@ -183,6 +184,16 @@ class DataSpec(_Section):
     """Carve this fraction of the samples (the last windows of the corpus, or the last dataset items) off as the held-out split; training never sees them."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of a data.source factory."""
+    skip_samples: list[list[int]] = Field(default_factory=list)
+    """Windows of global sample indices never read, each [from_step, lo, hi]: from that step on the samples [lo, hi) are skipped (what a guard rollback records in the manifest's skipped_samples; a resume adds the manifest's windows)."""
+
+    @field_validator("skip_samples")
+    @classmethod
+    def _windows(cls, value: list[list[int]]) -> list[list[int]]:
+        for row in value:
+            if len(row) != 3 or min(row) < 0 or row[2] <= row[1]:
+                raise ValueError(f"window {row} is not [from_step, lo, hi] with 0 <= lo < hi and from_step >= 0")
+        return value
 
     @field_validator("source")
     @classmethod
@@ -322,6 +333,21 @@ class LRSchedulerSpec(_Section):
     """Final learning rate as a fraction of the peak."""
 
 
+class GuardSpec(_Section):
+    nonfinite: bool = True
+    """Trip when any rank's loss at a step is NaN or infinite: no optimizer step is applied and the job rolls back to the newest certified step (see README, the guard)."""
+    spike: bool = False
+    """Also trip on a loss spike: a rank's loss whose robust z-score over the last spike_window losses exceeds spike_threshold."""
+    spike_window: int = Field(50, ge=5)
+    """How many previous healthy losses of the rank the spike test compares with (it starts once the window is full)."""
+    spike_threshold: float = Field(6.0, gt=0)
+    """Robust z-score, (loss - median) / (1.4826 x MAD), above which a loss is a spike."""
+    certify_after_steps: int = Field(10, ge=1)
+    """A committed step becomes certified, a step a rollback may return to, once this many healthy steps followed it."""
+    max_rollbacks: int = Field(3, ge=0)
+    """Rollbacks per job (they never spend fault_tolerance.max_restarts); one more trip fails the job with one report."""
+
+
 class TrainingSpec(_Section):
     steps: int = Field(100, ge=1)
     """Optimizer steps to run."""
@@ -349,6 +375,8 @@ class TrainingSpec(_Section):
     """cross_entropy (next-token, fp32), or a function 'package.module:fn' called as fn(logits [B, T, V], targets [B, T]) that returns a scalar tensor."""
     tensorboard_dir: str | None = None
     """Write TensorBoard scalars under <tensorboard_dir>/<job name>/: train (rank 0: loss, lr, tokens/s, eval loss) and driver (checkpoint commits, stall, persist, attempts, failures); steps replayed after a restart replace the earlier points. Needs the tensorboard extra; a directory every node can write (as checkpoint.dir). null: none."""
+    guard: GuardSpec = Field(default_factory=GuardSpec)
+    """The NaN/Inf and loss-spike guard: a trip rolls back to the newest certified step and skips the data window."""
 
     @field_validator("loss")
     @classmethod

@@ -124,6 +124,16 @@ class Manifest(BaseModel):
     and in older manifests."""
     keep_best: KeepBestRecord | None = None
     """The job's ``checkpoint.keep_best`` when it had one, so ``export best`` ranks steps as retention did."""
+    certified_step: int | None = Field(default=None, ge=0)
+    """The newest committed step the training guard had certified (that many healthy steps followed
+    it) when this step was saved; retention never deletes the newest one. None: none yet, older manifests."""
+    tensors: dict[str, dict[str, Annotated[float, Field(allow_inf_nan=False)]]] | None = None
+    """Per-tensor fingerprints, summed by the writers from the staged bytes (off the training path):
+    ``numel``, ``sum`` and ``norm`` of the finite elements, ``nan`` and ``inf`` counts. None in older
+    manifests and imported steps."""
+    skipped_samples: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=3, max_length=3)]] | None = None
+    """Global sample windows the job skips after rollbacks, ``[from step, lo, hi]``: the samples
+    ``[lo, hi)`` are never read from that step on; a resume keeps skipping them. None: none."""
 
     @field_validator("loss", "eval_loss", mode="before")
     @classmethod

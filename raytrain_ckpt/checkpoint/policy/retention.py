@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["KeepBest", "RetentionPolicy", "rank_steps"]
+__all__ = ["KeepBest", "RetentionPolicy", "newest_certified", "rank_steps"]
 
 ScoreMode = Literal["min", "max"]
 
@@ -21,6 +21,13 @@ def rank_steps(scores: Mapping[int, float | None], mode: ScoreMode) -> list[int]
     sign = 1.0 if mode == "min" else -1.0
     scored = [(sign * v, s) for s, v in scores.items() if v is not None and not math.isnan(v)]
     return [s for _, s in sorted(scored)]
+
+
+def newest_certified(recorded: Mapping[int, int | None]) -> int | None:
+    """The newest certified step that the committed steps' manifests record (``recorded``: step ->
+    its manifest's ``certified_step``), among the committed steps; None when none is recorded."""
+    steps = [c for c in recorded.values() if c is not None and c in recorded]
+    return max(steps) if steps else None
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,8 @@ class RetentionPolicy:
     ``keep_every_n_steps`` plus the ``keep_best`` steps; ``keep_latest_k=None`` keeps everything.
 
     Never deleted whatever the settings: the newest committed step, a step still being
-    written (``in_flight``) and a step somebody is loading (``leased``).
+    written (``in_flight``), a step somebody is loading (``leased``) and the newest step the
+    training guard certified (``certified``: the step a rollback returns to).
     """
 
     keep_latest_k: int | None
@@ -55,7 +63,8 @@ class RetentionPolicy:
     keep_best: KeepBest | None = None
 
     def to_delete(self, committed: Iterable[int], leased: Iterable[int] = (), in_flight: Iterable[int] = (),
-                  metrics: Mapping[int, Mapping[str, float | None]] | None = None) -> list[int]:
+                  metrics: Mapping[int, Mapping[str, float | None]] | None = None,
+                  certified: int | None = None) -> list[int]:
         """Committed steps to delete; ``metrics`` maps a step to the values its manifest records."""
         steps = sorted(set(committed))
         if self.keep_latest_k is None or not steps:
@@ -67,4 +76,6 @@ class RetentionPolicy:
             metrics = metrics or {}
             keep |= set(self.keep_best.best({s: metrics.get(s, {}) for s in steps}))
         keep |= set(leased) | set(in_flight)
+        if certified is not None:
+            keep.add(certified)
         return [s for s in steps if s not in keep]

@@ -234,6 +234,11 @@ class CheckpointActor:
         """The newest measured save cost and step time (``interval_steps: auto``), or None."""
         return self.board.costs
 
+    async def certify(self, step: int) -> None:
+        """The training guard certified ``step`` (healthy steps followed it): retention keeps the
+        newest certified step from now on, before a later manifest records it."""
+        self.retainer.certified = max(step, self.retainer.certified or -1)
+
     async def note_job(self, note: JobNote) -> None:
         """The driver's view after each controller step: state, attempt, failures, training step."""
         self.board.note_job(note)

@@ -25,6 +25,7 @@ from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, RankRepor
 from raytrain_ckpt.checkpoint.errors import StepAborted
 from raytrain_ckpt.checkpoint.roles.steps import InFlightStep, StepRegistry
 from raytrain_ckpt.checkpoint.storage.dcp import dcp_writer
+from raytrain_ckpt.checkpoint.format.fingerprints import merge_shard_sums
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.faults import maybe_inject
@@ -119,6 +120,7 @@ class SaveCoordinator:
                 "write_s": max(t.write_s for t in timings),
                 "commit_s": time.monotonic() - t0, "total_s": time.monotonic() - p.started, **self._stall(step)}
         manifest = self._manifest(step, files, wall, reports[0])
+        manifest = manifest.model_copy(update={"tensors": merge_shard_sums([r.tensors for r in reports]) or None})
         maybe_inject("commit", 0, step, p.attempt)
         self.layout.commit(p.tmp, manifest)
         self.steps.commit_done(step, manifest)
@@ -132,4 +134,6 @@ class SaveCoordinator:
                         files=files, samples_seen=int(point.samples_seen), tokens_seen=int(point.tokens_seen),
                         wall=wall, pp_size=g.world_size // g.dp_size,  # the spec makes world = pp x dp
                         model=g.model, eval_loss=point.eval_loss, loss=point.loss,
-                        keep_best=best.record() if (best := self.retention.keep_best) else None)
+                        keep_best=best.record() if (best := self.retention.keep_best) else None,
+                        certified_step=point.certified_step,
+                        skipped_samples=[list(w) for w in point.skipped_samples] or None)

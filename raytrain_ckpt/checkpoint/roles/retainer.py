@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
-from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
+from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy, newest_certified
 from raytrain_ckpt.checkpoint.roles.steps import StepRegistry
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, LeftoverWatch
 from raytrain_ckpt.checkpoint.storage.leases import LeaseFiles, purge_lock
@@ -35,6 +35,8 @@ class Retainer:
         """Exporters' leases, judged live by our own clock (see leases.py)."""
         self.purge_errors = 0
         """Retention deletes that failed (logged); the commits they followed stand."""
+        self.certified: int | None = None
+        """The newest step the training guard reported certified (``CheckpointActor.certify``)."""
         self.leftovers = LeftoverWatch(leftover_grace_s)
         """Uncommitted entries (an aborted step a slow writer kept uploading into), judged by our clock."""
 
@@ -63,7 +65,8 @@ class Retainer:
             with self.purge_lock():
                 leased = [*self.leases.values(), *self.file_leased_steps()]
                 doomed = self.retention.to_delete(committed, leased, self.steps.pending,
-                                                  {s: m.metrics() for s, m in committed.items()})
+                                                  {s: m.metrics() for s, m in committed.items()},
+                                                  self._newest_certified())
                 removed = [step for step in doomed if self._delete(step)]
         except Exception as exc:  # see the docstring: retention is retried, the commit stands
             self.purge_errors += 1
@@ -73,6 +76,14 @@ class Retainer:
             logger.info("retention removed step(s) %s", removed)
             self.metrics.purged(len(removed))
         self._remove_stale_leftovers()
+
+    def _newest_certified(self) -> int | None:
+        """The newest certified step that is committed: as the manifests record it, or as the
+        trainers reported it since (``certify``), whichever is newer."""
+        committed = self.steps.committed
+        recorded = newest_certified({s: m.certified_step for s, m in committed.items()})
+        told = self.certified if self.certified in committed else None
+        return max((s for s in (recorded, told) if s is not None), default=None)
 
     def _remove_stale_leftovers(self) -> None:
         """After retention: remove entries that never committed and stayed unchanged for

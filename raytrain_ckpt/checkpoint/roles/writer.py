@@ -35,6 +35,7 @@ from raytrain_ckpt.checkpoint.errors import StagingAborted
 from raytrain_ckpt.checkpoint.records import CommittedCopy, NodeProbe, PersistRequest, RankReport, Replica, SaveTimings, WriterRef, WriterUsage
 from raytrain_ckpt.checkpoint.datapath.sink import ShardSink, pick_sink
 from raytrain_ckpt.checkpoint.datapath.staging import StagedPlanner
+from raytrain_ckpt.checkpoint.format.fingerprints import shard_sums
 from raytrain_ckpt.checkpoint.roles.replication import Replication
 from raytrain_ckpt.checkpoint.roles.writer_buffers import Mapped, WriterBuffers
 from raytrain_ckpt.checkpoint.storage.posix import replace_file
@@ -233,17 +234,18 @@ class CheckpointWriter:
         t_write = time.monotonic() - t0
         if self._sink.fault_point is not None:
             maybe_inject(self._sink.fault_point, req.rank, req.step, req.attempt)
-        return self._report(req, written, t0, t_write, req.stage_s + copy_s)
+        sums = shard_sums(mapped.views, {i.index.fqn for i in req.plan.items})  # fingerprints, off the training path
+        return self._report(req, written, t0, t_write, req.stage_s + copy_s, sums)
 
-    def _report(self, req: PersistRequest, written: RankFiles, t0: float, t_write: float, stage_s: float) -> str:
-        """Record the write's phases and metrics and report the rank's files to the CheckpointActor."""
+    def _report(self, req: PersistRequest, written: RankFiles, t0: float, t_write: float, stage_s: float, sums: dict) -> str:
+        """Record the write's phases and metrics and report the rank's files (and ``sums``) to the actor."""
         phases = {k: round(v, 6) for k, v in vars(written.phases).items()}
         timings = SaveTimings(stage_s=stage_s, persist_s=time.monotonic() - t0, write_s=t_write,
                               phases=tuple(phases.items()))
         self.metrics.wrote(req.rank, sum(f["size"] for f in written.files.values()), timings.persist_s)
         t_report = time.monotonic()
         report = RankReport(req.step, req.rank, req.attempt, req.plan_id, written.results, written.files,
-                            req.point, timings)
+                            req.point, timings, sums)
         out = ray.get(self.coordinator.report.remote(report))
         self._last_phases[req.rank] = {**phases, "report_s": time.monotonic() - t_report}
         return out

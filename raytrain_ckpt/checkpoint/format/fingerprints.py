@@ -1,0 +1,150 @@
+"""Per-tensor fingerprints of a committed step, and the difference of two steps.
+
+A fingerprint says what a tensor holds without its bytes: element count, sum, L2 norm, the count
+of NaN and infinite elements and the CRC-32C of its bytes (two tensors with the same CRC and shape
+are the same, for any practical purpose). Read one tensor at a time from the step's DCP files with
+no process group (``dcp.load(no_dist=True)`` through the safe reader), so a step of any size is
+read in the memory of its largest tensor, off the training path (``raytrain-ckpt stats/diff/bisect``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import crc32c as _crc32c
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from raytrain_ckpt.checkpoint.format.metadata import SafeLoadPlanner, safe_reader
+
+__all__ = ["ShardSums", "TensorDiff", "TensorStats", "diff_steps", "merge_shard_sums", "shard_sums", "step_stats",
+           "step_tensors", "tensor_stats"]
+
+ShardSums = tuple[int, float, float, int, int]
+"""One rank's share of a tensor, as its writer sums it: (numel, sum, sum of squares, NaN count, Inf count)."""
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """One tensor's fingerprint."""
+
+    numel: int
+    sum: float
+    norm: float
+    nan: int
+    inf: int
+    crc32c: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def finite(self) -> bool:
+        return self.nan == 0 and self.inf == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["shape"] = list(self.shape)
+        for key in ("sum", "norm"):  # JSON has no NaN: a non-finite value is a string
+            if not math.isfinite(out[key]):
+                out[key] = str(out[key])
+        return out
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """How one tensor differs between two steps (``None`` on a side: absent there)."""
+
+    name: str
+    a: TensorStats | None
+    b: TensorStats | None
+
+    @property
+    def delta_norm(self) -> float | None:
+        """``|norm(b) - norm(a)|``, or None when a side is missing."""
+        if self.a is None or self.b is None:
+            return None
+        return abs(self.b.norm - self.a.norm)
+
+
+def tensor_stats(t: torch.Tensor) -> TensorStats:
+    """The fingerprint of ``t`` (float sums in float64; integer tensors as they are)."""
+    flat = t.detach().reshape(-1)
+    wide = flat.to(torch.float64)
+    nan = int(torch.isnan(wide).sum()) if flat.is_floating_point() else 0
+    inf = int(torch.isinf(wide).sum()) if flat.is_floating_point() else 0
+    raw = flat.contiguous().view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return TensorStats(int(flat.numel()), float(wide.sum()), float(torch.linalg.vector_norm(wide)), nan, inf,
+                       _crc32c.crc32c(raw), tuple(t.shape), str(t.dtype).removeprefix("torch."))
+
+
+def _tensor_keys(path: Path | str) -> dict[str, TensorStorageMetadata]:
+    meta = safe_reader(path).read_metadata()
+    return {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def step_tensors(path: Path | str, only: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the step at ``path`` (or just ``only``), full, one at a time, sorted by name."""
+    keys = _tensor_keys(path)
+    if only is not None:
+        if only not in keys:
+            raise KeyError(only)
+        keys = {only: keys[only]}
+    for name in sorted(keys):
+        md = keys[name]
+        out = torch.empty(md.size, dtype=md.properties.dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP warns that no process group is used: intended here
+            dcp.load({name: out}, storage_reader=safe_reader(path), planner=SafeLoadPlanner(), no_dist=True)
+        yield name, out
+
+
+def step_stats(path: Path | str, only: str | None = None) -> dict[str, TensorStats]:
+    """The fingerprint of every tensor of the step at ``path`` (or of ``only``)."""
+    return {name: tensor_stats(t) for name, t in step_tensors(path, only)}
+
+
+def diff_steps(a: dict[str, TensorStats], b: dict[str, TensorStats]) -> list[TensorDiff]:
+    """The tensors that differ between two steps' fingerprints (bytes, shape or presence), by name."""
+    out = []
+    for name in sorted(set(a) | set(b)):
+        sa, sb = a.get(name), b.get(name)
+        if sa is None or sb is None or (sa.crc32c, sa.shape, sa.dtype) != (sb.crc32c, sb.shape, sb.dtype):
+            out.append(TensorDiff(name, sa, sb))
+    return out
+
+
+def shard_sums(views: dict[str, torch.Tensor], fqns: set[str]) -> dict[str, ShardSums]:
+    """The sums of the floating-point tensors ``fqns`` among a rank's staged ``views`` (its shards, as
+    its writer holds them after the write): merged over the ranks into the manifest's fingerprints.
+    Only the tensors this rank writes are summed (DCP writes a replicated one from one rank only)."""
+    out: dict[str, ShardSums] = {}
+    for fqn in sorted(fqns & set(views)):
+        t = views[fqn]
+        if not t.is_floating_point():
+            continue
+        wide = t.reshape(-1).to(torch.float64)
+        finite = torch.isfinite(wide)
+        nan = int(torch.isnan(wide).sum())
+        good = wide[finite] if nan or not bool(finite.all()) else wide
+        out[fqn] = (int(wide.numel()), float(good.sum()), float((good * good).sum()), nan,
+                    int(wide.numel()) - int(finite.sum()) - nan)
+    return out
+
+
+def merge_shard_sums(per_rank: list[dict[str, ShardSums]]) -> dict[str, dict[str, float | int]]:
+    """The manifest's ``tensors``: each tensor's element count, sum and L2 norm of its finite elements,
+    and NaN and Inf counts, over every rank's shard."""
+    merged: dict[str, list[float]] = {}
+    for sums in per_rank:
+        for fqn, row in sums.items():
+            acc = merged.setdefault(fqn, [0, 0.0, 0.0, 0, 0])
+            for i, v in enumerate(row):
+                acc[i] += v
+    return {fqn: {"numel": int(n), "sum": s, "norm": math.sqrt(q), "nan": int(nan), "inf": int(inf)}
+            for fqn, (n, s, q, nan, inf) in sorted(merged.items())}

@@ -1,0 +1,122 @@
+"""A guard trip's rollback, inside the running attempt (collective: every rank calls it).
+
+The ranks agreed on the trip (``guard.LossGuard.check``) and applied no optimizer step. Then:
+
+1. ``RollbackPolicy`` decides: a budget spent, a trip that recurred right after a skip or no
+   certified step ends the job with one report (``GuardFailed``, raised by rank 0; the other ranks
+   stop) naming the step, the rank, the metric and the sample indices.
+2. The in-flight save settles; rank 0 leases the newest certified step that verifies from the
+   CheckpointActor (``acquire``, as a restart does) and tells every rank where it is.
+3. Every rank loads it (``load_app_state``: model, optimizer, schedule, step, RNG); the step's
+   gradients are dropped.
+4. The window of samples read from the certified step to the trip, the tripped step included, is
+   skipped from here on (``data/skips.py``) and recorded in every later manifest.
+5. Rank 0 makes the certified step the head of the timeline (``start_timeline``): the steps
+   committed after it, on the abandoned path, are moved aside and never certified or loaded.
+
+A rollback is no restart: the processes, the process group and the checkpoint client stay, and
+``fault_tolerance.max_restarts`` is not spent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
+from raytrain_ckpt.data.skips import SampleSkips
+from raytrain_ckpt.guard import GuardFailed, LossGuard, RollbackFacts, RollbackPolicy, RollbackRecord, Trip, failure_report
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["adopt_manifest", "roll_back"]
+
+
+def roll_back(trainer: Any, ckpt: Any | None, guard: LossGuard, trip: Trip, holder: str) -> RollbackRecord | None:
+    """Roll every rank back to the newest certified step after ``trip``; returns the record, or
+    None on a rank other than 0 when the job ends (rank 0 raises ``GuardFailed`` with the report)."""
+    t0 = time.monotonic()
+    gbs = trainer.spec.training.global_batch_size
+    first = trainer.skips.first_sample(trip.step)
+    tripped = (first, first + gbs)
+    spec = trainer.spec.training.guard
+    why = RollbackPolicy.decide(RollbackFacts(trip, guard.certified(), tuple(guard.rollbacks), spec.max_rollbacks))
+    if not why and ckpt is None:
+        why = "checkpointing is off (checkpoint.enabled=false): there is no committed step to return to"
+    step, path = (None, None) if why else _lease_certified(trainer, ckpt, guard, holder)
+    if not why and step is None:
+        why = "no certified step could be loaded (none verifies any more)"
+    if why:
+        return _fail(trainer, trip, why, tripped, guard)
+    from raytrain_ckpt.checkpoint.recovery.state import load_app_state
+
+    for opt in trainer.optimizers:  # the tripped step's gradients: never applied
+        opt.zero_grad(set_to_none=True)
+    load_app_state(trainer, path, same_world_size=True)
+    assert trainer.state.step == step, (trainer.state.step, step)
+    window = trainer.skips.skip(step, trip.step)
+    if trainer.rank == 0:
+        import ray
+
+        ray.get(ckpt.actor.start_timeline.remote(step, path, f"rollback to step {step}"))
+        ray.get(ckpt.actor.release.remote(holder))
+    dist.barrier()  # no rank saves a step of the new path before the old one is moved aside
+    record = RollbackRecord(trip, step, (window.lo, window.hi))
+    guard.rolled_back(record)
+    if trainer.rank == 0:
+        logger.warning("rollback %d/%d: %s in %.2fs; the job continues from step %d", len(guard.rollbacks),
+                       spec.max_rollbacks, record, time.monotonic() - t0, step)
+    return record
+
+
+def _lease_certified(trainer: Any, ckpt: Any, guard: LossGuard, holder: str) -> tuple[int | None, str | None]:
+    """Rank 0 leases the newest certified step that verifies; every rank gets ``(step, path)``."""
+    ckpt.wait_committed()  # the in-flight save settles first: its step may be the certified one
+    found: list[Any] = [None, None]
+    if trainer.rank == 0:
+        import ray
+
+        from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+
+        verify = trainer.spec.checkpoint.verify_on_load
+        for step in guard.certified_steps():
+            try:
+                point = ray.get(ckpt.actor.acquire.remote(holder, str(step), verify))
+            except InvalidCheckpoint as exc:  # (Ray's error is one too) gone or damaged: an older certified step
+                logger.warning("certified step %d cannot be loaded (%s); trying an older one", step, exc)
+                continue
+            if point is not None:
+                found = [point.step, point.path]
+                break
+    dist.broadcast_object_list(found, src=0)
+    return found[0], found[1]
+
+
+def _fail(trainer: Any, trip: Trip, why: str, tripped: tuple[int, int], guard: LossGuard) -> None:
+    report = failure_report(trip, why, tripped, guard.rollbacks, guard.certified())
+    if trainer.rank == 0:
+        logger.error("%s", report)
+        raise GuardFailed(report)
+    return None
+
+
+def adopt_manifest(trainer: Any, guard: LossGuard | None, path: str) -> None:
+    """After a resume from the step at ``path``: keep skipping the windows its manifest records, and
+    know the certified step it records (and the step itself, a saved step of this timeline)."""
+    manifest_path = Path(path) / MANIFEST
+    if not manifest_path.is_file():  # an object-store step: its manifest is read by the actor only
+        return
+    m = Manifest.from_json(manifest_path.read_text())
+    rows = {tuple(row) for row in [*trainer.spec.data.skip_samples, *(m.skipped_samples or [])]}
+    trainer.skips = SampleSkips.from_lists(trainer.spec.training.global_batch_size, sorted(rows))
+    if guard is not None:
+        guard.last_certified = m.certified_step
+        guard.saved_step(m.step)
+        guard.healthy_through = m.step
+        if trainer.rank == 0 and (m.skipped_samples or m.certified_step is not None):
+            logger.info("resumed step %d: certified step %s, skipping sample windows %s", m.step,
+                        m.certified_step, m.skipped_samples or [])
