@@ -57,6 +57,17 @@ def buffer_prefix(job: str, root: str) -> str:
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}-{digest}"
 
 
+def _write_node_probe(root: str, nonce: str) -> NodeProbe | None:
+    local = local_root(root)
+    if local is None:
+        return None
+    node_id = ray.get_runtime_context().get_node_id()
+    path = Path(local) / probe_name(node_id, nonce)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_file(path, node_id.encode("ascii"))
+    return NodeProbe(node_id, ray.util.get_node_ip_address(), path.name)
+
+
 class CheckpointWriter:
     """Per-node writer actor (threaded actor; writes run on its own thread pool). Its buffers are
     ``WriterBuffers``; where the bytes go, its ``ShardSink``; peer replicas, its ``Replication``."""
@@ -92,14 +103,7 @@ class CheckpointWriter:
     def write_probe(self, nonce: str) -> NodeProbe | None:
         """Write this node's shared-storage probe under the root (see checkpoint/storage/probe.py);
         None for an object-store root, which needs none."""
-        local = local_root(self.root)
-        if local is None:
-            return None
-        node_id = ray.get_runtime_context().get_node_id()
-        path = Path(local) / probe_name(node_id, nonce)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        replace_file(path, node_id.encode("ascii"))
-        return NodeProbe(node_id, ray.util.get_node_ip_address(), path.name)
+        return _write_node_probe(self.root, nonce)
 
     def remove_probe(self, name: str) -> None:
         """Remove this node's probe (only this node can: its disk may be private)."""
