@@ -29,7 +29,11 @@ class Progress:
     step: int
     loss: float | None
     last_step_at: float  # time.time() of the last finished step (or of setup)
-    phase: str  # "setup" | "training" | "done" | "failed"
+    phase: str  # "setup" | "training" | "saving" | "done" | "failed"
+    stall_s: float = 0.0
+    """Seconds this attempt's training waited on saves (the goodput ledger's checkpoint stall)."""
+    eval_s: float = 0.0
+    """Seconds this attempt spent in evaluation steps."""
 
 
 @dataclass(frozen=True)

@@ -195,8 +195,9 @@ class TrainWorker:
         # The same timeout bounds the rendezvous and every collective: a rank whose peer hangs
         # fails on its own after about hang_timeout_s instead of torch's default 30 minutes,
         # never below join_timeout_s, the rendezvous's (room for a loaded machine).
-        ft = self.spec.fault_tolerance
-        return datetime.timedelta(seconds=max(ft.hang_timeout_s, ft.join_s))
+        from raytrain_ckpt.hangs import collective_timeout_s
+
+        return datetime.timedelta(seconds=collective_timeout_s(self.spec.fault_tolerance))
 
     def join(self, master_addr: str, master_port: int) -> None:
         """Join the attempt's process group (rendezvous at rank 0's ``master_addr:master_port``).
@@ -323,27 +324,39 @@ class TrainWorker:
         trainer = self.trainer
         assert trainer is not None, "setup() must succeed before run()"
         ckpt = self.checkpoints
-        loss = None
+        loss, eval_s = None, 0.0
         while trainer.state.step < self.spec.training.steps and not self._stop.is_set():
             maybe_inject("step", self.rank, trainer.state.step, self.attempt)
+            t0 = time.monotonic()
             report = trainer.train_step()
+            if report.eval_loss is not None:  # the step's report times the training part only
+                eval_s += max(0.0, time.monotonic() - t0 - report.step_time_s)
             if ckpt is not None and ckpt.due(report.step):
                 point = TrainingPoint(report.step * self.spec.training.global_batch_size, trainer.state.tokens_seen,
                                       report.loss, report.eval_loss)
+                self._progress = Progress(self.rank, self._progress.step, loss, self._progress.last_step_at, "saving")
                 ckpt.save(report.step, app_state(trainer), point)
             trainer.log(report)
             self.metrics.after_step(report, ckpt)
             loss = report.loss if report.loss is not None else loss
-            self._progress = Progress(self.rank, report.step, loss, time.time(), "training")
+            self._progress = Progress(self.rank, report.step, loss, time.time(), "training",
+                                      ckpt.stats.stall_s if ckpt is not None else 0.0, eval_s)
             self.timings.setdefault("first_step_at", self._progress.last_step_at)
         stats = None
         if ckpt is not None:
+            self._progress = Progress(self.rank, self._progress.step, loss, self._progress.last_step_at, "saving")
             ckpt.wait_committed()
             stats = dict(vars(ckpt.stats))
         state = trainer.state
         self._progress = Progress(self.rank, state.step, loss, time.time(), "done")
         return WorkerResult(self.rank, state.step, state.tokens_seen, dict(state.losses), trainer.fingerprint(),
                             self.start_step, stats, dict(self.timings), tuple(self.served), self.was_spare)
+
+    def where(self) -> tuple[int, str]:
+        """This process's pid and Ray node id: where its stacks are read from when the group hangs."""
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def progress(self) -> Progress:
         """The last finished step; answered from the second actor thread while ``run()`` trains."""

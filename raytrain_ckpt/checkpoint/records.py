@@ -246,6 +246,13 @@ class JobNote:
     failures: dict[str, int]
     """Failures by kind."""
     train_step: int | None
+    hang_timeout_s: float | None = None
+    """The hang timeout the controller applies now (``fault_tolerance.hang_timeout_s``, learned when auto)."""
+    hang_timeout_why: str | None = None
+    last_hang: str | None = None
+    """The latest hang: its culprit and the diagnostics folder with every rank's stacks."""
+    goodput: float | None = None
+    """Training time / wall time so far (``goodput.py``)."""
 
 
 @dataclass(frozen=True)

@@ -647,8 +647,8 @@ class FaultToleranceSpec(_Section):
     """Failures that restart the group: crash (a rank's process or node died), exception (a rank raised), hang, start (the group could not be placed or formed). Others fail the job at once."""
     restart_backoff_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
     """Wait this long after tearing a failed group down before building the next one."""
-    hang_timeout_s: float = Field(600.0, gt=0, le=MAX_SECONDS)
-    """A running group that completes no step for this long is treated as hung and torn down; also the timeout of every collective (at least join_timeout_s)."""
+    hang_timeout_s: float | Literal["auto"] = Field("auto")
+    """A running group that completes no step for this long is treated as hung: every rank's stacks are saved, the culprit named, the group torn down. auto: learned from the measured step times (10 x the 99th percentile of the latest 200, at least 30 s; 300 s before 5 steps were measured and for the first step of each attempt; an eval step gets 300 s until one was measured, a rank in a save gets checkpoint.commit_timeout_s); a number: that fixed timeout, also the timeout of every collective (at least join_timeout_s; with auto, 600 s)."""
     start_timeout_s: float = Field(300.0, gt=0, le=MAX_SECONDS)
     """Time allowed for resources to be placed and the process group to form."""
     join_timeout_s: float | None = Field(None, gt=0, le=MAX_SECONDS)
@@ -665,12 +665,26 @@ class FaultToleranceSpec(_Section):
     """With reuse_workers: how long surviving ranks get to leave the failed step and release their process group before they are killed and replaced instead."""
     expected_mtbf_s: float | None = Field(None, gt=0, le=MAX_SECONDS)
     """With checkpoint.interval_steps=auto: the prior mean time between failures in seconds, counted as one failure observed and blended with the failures the job sees; null: 86400 (one day)."""
+    quarantine_s: float | None = Field(1800.0, gt=0, le=MAX_SECONDS)
+    """A node whose ranks crashed or hung twice within failure_window_s gets no rank for this long while the cluster has room elsewhere (the group is placed around it; without room it is used, logged); null: never."""
+
+    @field_validator("hang_timeout_s", mode="before")
+    @classmethod
+    def _hang_number_or_auto(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "auto":
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is neither a number of seconds nor auto; use e.g. 120 or auto") from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 < value <= MAX_SECONDS:
+            raise ValueError(f"{value!r} is not a number of seconds in (0, {MAX_SECONDS:g}]; use e.g. 120 or auto")
+        return value
 
     @field_validator("failure_window_s", "hang_timeout_s", "start_timeout_s", "join_timeout_s", "placement_timeout_s",
-                     "poll_interval_s", "drain_timeout_s", "expected_mtbf_s")
+                     "poll_interval_s", "drain_timeout_s", "expected_mtbf_s", "quarantine_s")
     @classmethod
-    def _duration_floor(cls, value: float | None) -> float | None:
-        return _at_least(value, MIN_SECONDS, "s")
+    def _duration_floor(cls, value: float | str | None) -> float | str | None:
+        return value if isinstance(value, str) else _at_least(value, MIN_SECONDS, "s")
 
     @model_validator(mode="after")
     def _join_before_start(self) -> FaultToleranceSpec:
