@@ -21,6 +21,7 @@ from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.group import RayWorkerGroup
 from raytrain_ckpt.metrics import ControllerMetrics
 from raytrain_ckpt.pool import WorkerPool
+from raytrain_ckpt.quarantine import Quarantine
 from raytrain_ckpt.preflight import protection_line
 from raytrain_ckpt.spec import JobSpec
 
@@ -87,7 +88,9 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
     try:
         if service is not None:
             service.preflight()  # a checkpoint root some node cannot share fails here, before training
-        controller = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool), observer=observe)
+        quarantine = Quarantine(spec.fault_tolerance.quarantine_s, spec.fault_tolerance.failure_window_s)
+        controller = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool, quarantine),
+                                observer=observe)
         result = controller.run()
         if service is not None:
             status = service.status()

@@ -34,6 +34,8 @@ class Progress:
     """Seconds this attempt's training waited on saves (the goodput ledger's checkpoint stall)."""
     eval_s: float = 0.0
     """Seconds this attempt spent in evaluation steps."""
+    step_started_at: float = 0.0
+    """time.time() when this rank began ``step`` (a rank that begins its steps late is a straggler)."""
 
 
 @dataclass(frozen=True)

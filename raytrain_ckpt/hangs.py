@@ -270,6 +270,8 @@ def status_line(info: Mapping[str, Any]) -> str | None:
     line = f"hang timeout {value:.0f}s ({why})"
     if info.get("goodput") is not None:
         line += f"; goodput so far {100 * info['goodput']:.1f}%"
+    if info.get("stragglers"):
+        line += f"; straggler rank(s) {', '.join(map(str, info['stragglers']))}"
     hang = info.get("last_hang")
     if hang:
         line += f"; last hang: {hang}"

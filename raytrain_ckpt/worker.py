@@ -327,7 +327,7 @@ class TrainWorker:
         loss, eval_s = None, 0.0
         while trainer.state.step < self.spec.training.steps and not self._stop.is_set():
             maybe_inject("step", self.rank, trainer.state.step, self.attempt)
-            t0 = time.monotonic()
+            t0, began = time.monotonic(), time.time()
             report = trainer.train_step()
             if report.eval_loss is not None:  # the step's report times the training part only
                 eval_s += max(0.0, time.monotonic() - t0 - report.step_time_s)
@@ -340,7 +340,7 @@ class TrainWorker:
             self.metrics.after_step(report, ckpt)
             loss = report.loss if report.loss is not None else loss
             self._progress = Progress(self.rank, report.step, loss, time.time(), "training",
-                                      ckpt.stats.stall_s if ckpt is not None else 0.0, eval_s)
+                                      ckpt.stats.stall_s if ckpt is not None else 0.0, eval_s, began)
             self.timings.setdefault("first_step_at", self._progress.last_step_at)
         stats = None
         if ckpt is not None:

@@ -253,6 +253,8 @@ class JobNote:
     """The latest hang: its culprit and the diagnostics folder with every rank's stacks."""
     goodput: float | None = None
     """Training time / wall time so far (``goodput.py``)."""
+    stragglers: list[int] | None = None
+    """Ranks reported as stragglers (``stragglers.py``)."""
 
 
 @dataclass(frozen=True)

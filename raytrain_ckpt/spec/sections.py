@@ -667,6 +667,8 @@ class FaultToleranceSpec(_Section):
     """With checkpoint.interval_steps=auto: the prior mean time between failures in seconds, counted as one failure observed and blended with the failures the job sees; null: 86400 (one day)."""
     quarantine_s: float | None = Field(1800.0, gt=0, le=MAX_SECONDS)
     """A node whose ranks crashed or hung twice within failure_window_s gets no rank for this long while the cluster has room elsewhere (the group is placed around it; without room it is used, logged); null: never."""
+    straggler_margin: float | None = Field(0.25, gt=0, le=100)
+    """A rank that begins its steps later than the first rank by more than this fraction of the step time (median over its last 8 steps) is reported as a straggler (log, status, JobResult.stragglers; the skew is the job_step_skew_seconds metric); null: not watched."""
 
     @field_validator("hang_timeout_s", mode="before")
     @classmethod

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_ckpt.hangs import (FIRST_STEPS_S, FLOOR_S, HangClock, auto_text, blame, dump_stacks, py_spy,
-                                 training_thread)
+                                 status_line, training_thread)
 from raytrain_ckpt.spec import JobSpec
 
 pytestmark = pytest.mark.skipif(py_spy() is None, reason="py-spy is a dependency of the project")
@@ -121,3 +121,31 @@ def test_a_dump_of_a_gone_process_says_why():
     proc.wait()
     assert dump_stacks(proc.pid).startswith("(no stacks: py-spy dump --pid")
     assert os.path.exists(py_spy() or "")
+
+
+def test_validate_says_what_auto_chose_and_the_cli_lists_a_hang_s_diagnostics(tmp_path: Path, capsys):
+    from raytrain_ckpt.cli import main
+
+    assert main(["validate", "jobs/llama_debug_fsdp.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "hang_timeout_s: auto" in out
+    assert "# hang timeout: auto, 10 x p99 of the measured step times, at least 30 s; 300 s for" in out
+    folder = tmp_path / "job" / "diagnostics" / "attempt-0"
+    folder.mkdir(parents=True)
+    (folder / "rank-1.stacks.txt").write_text("Thread 1 (idle)\n")
+    reason = "reason: rank 1 behind at step 4 while others reached step 5"
+    (folder / "verdict.txt").write_text(f"culprit: rank 1\n{reason}\n")
+    assert main(["diagnostics", str(tmp_path / "job")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == [str(folder), "  culprit: rank 1", f"  {reason}"]
+    assert f"  {folder / 'rank-1.stacks.txt'}" in lines and lines[-1].startswith("1 hang(s) with diagnostics under")
+    assert main(["diagnostics", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.startswith("error: diagnostics ")
+
+
+def test_the_status_line():
+    assert status_line({}) is None
+    info = {"hang_timeout_s": 31.2, "hang_timeout_why": "10 x p99 step time 3.12 s, at least 30 s", "goodput": 0.912,
+            "stragglers": [1], "last_hang": "rank 1: stuck in f (x.py:1): ..."}
+    assert status_line(info) == ("hang timeout 31s (10 x p99 step time 3.12 s, at least 30 s); goodput so far 91.2%; "
+                                 "straggler rank(s) 1; last hang: rank 1: stuck in f (x.py:1): ...")
