@@ -244,6 +244,10 @@ def status_report(target: str | None, job: str | None, address: str | None,
         interval = st["interval"]
         if interval is not None:
             head += f"\n{interval_text(interval)}"
+        from raytrain_ckpt.hangs import status_line
+
+        if (hangs := status_line(info)) is not None:
+            head += f"\n{hangs}"
         data = {"root": root, "job": info, "summary": summary_line(st), "at_risk": risk,
                 "failed_saves": st["failed_saves"], "interval": interval}
     else:
