@@ -65,6 +65,7 @@ class RayWorkerGroup:
         kept = self.pool.take(self.spec.world_size) if self.pool is not None else None
         bundle = {"CPU": res.cpus_per_worker, **({"GPU": res.gpus} if res.gpus else {})}
         self._pg, survivors = kept if kept is not None else (self._place(bundle, deadline), {})
+        self._probe_failed_nodes(survivors)
         # build actors: survivors keep their rank, spares and new processes fill the gaps
         self.workers = self._assign_workers(survivors, deadline)
         self.nodes = bundle_nodes(self._pg)
@@ -173,14 +174,44 @@ class RayWorkerGroup:
         if selector is None or q is None:
             return None
         out = set(q.excluded(time.monotonic()))
-        room = sum(min(int(n["Resources"].get(k, 0.0) // v) for k, v in bundle.items() if v > 0)
-                   for n in ray.nodes() if n["Alive"] and n["NodeID"] not in out)
+        room = self._room_outside(out, bundle)
         if room < self.spec.world_size:
             logger.warning("attempt %d: quarantined node(s) %s used: the other nodes have room for %d of %d ranks",
                            self.attempt, ", ".join(sorted(out)), room, self.spec.world_size)
             return None
         logger.info("attempt %d: placing around quarantined node(s) %s", self.attempt, ", ".join(sorted(out)))
         return selector
+
+    def _probe_failed_nodes(self, survivors: dict[int, ray.actor.ActorHandle]) -> None:
+        """Before a node whose ranks failed before gets a rank: a short health probe (``health.py``).
+        A node that fails it is quarantined and this start fails, so the next is placed around it."""
+        q = self.quarantine
+        nodes = [n for n in bundle_nodes(self._pg) if n in q.failures] if q is not None else []
+        if q is None or not nodes or q.quarantine_s is None:
+            return
+        from raytrain_ckpt.checkpoint.storage.backends import job_root
+        from raytrain_ckpt.checkpoint.storage.probe import local_root
+        from raytrain_ckpt.health import probe_nodes
+
+        ck = self.spec.checkpoint
+        problems = probe_nodes(nodes, local_root(str(job_root(ck.dir, self.spec.name))) if ck.enabled else None)
+        if not problems:
+            logger.info("attempt %d: node(s) %s passed the health probe", self.attempt,
+                        ", ".join(n[:12] for n in nodes))
+            return
+        for node in problems:
+            q.put_out(node, time.monotonic())
+        for actor in survivors.values():
+            kill_actor(actor)
+        text = "; ".join(f"node {n} failed its health probe ({p})" for n, p in problems.items())
+        raise GroupStartError(f"{text}: quarantined for {q.quarantine_s:g}s (fault_tolerance.quarantine_s)")
+
+    def _room_outside(self, out: set[str], bundle: dict[str, float] | None = None) -> int:
+        """How many ranks the alive nodes other than ``out`` have room for (their total resources)."""
+        res = self.spec.resources
+        bundle = bundle or {"CPU": res.cpus_per_worker, **({"GPU": res.gpus} if res.gpus else {})}
+        return sum(min(int(n["Resources"].get(k, 0.0) // v) for k, v in bundle.items() if v > 0)
+                   for n in ray.nodes() if n["Alive"] and n["NodeID"] not in out)
 
     def note_failure(self, failure: Failure) -> str | None:
         """A rank's crash or hang: count it against its node; the line to report when that puts
@@ -320,9 +351,9 @@ class RayWorkerGroup:
         group and every rank that leaves the failed step and resets within
         ``fault_tolerance.drain_timeout_s`` are kept for the next attempt; only the rest is killed.
         """
-        if keep_warm and self.quarantine is not None and self._pg is not None:
-            # a bundle on a quarantined node would keep its node in the group: place it anew
-            keep_warm = not set(self.quarantine.excluded(time.monotonic())) & set(self.nodes)
+        out = set(self.quarantine.excluded(time.monotonic())) if self.quarantine is not None else set()
+        if keep_warm and out & set(self.nodes) and self._room_outside(out) >= self.spec.world_size:
+            keep_warm = False  # a kept bundle would keep a quarantined node in the group: placed anew around it
         survivors = self._drain() if keep_warm and self.pool is not None and self._pg is not None else {}
         for rank, w in enumerate(self.workers):
             if rank not in survivors:

@@ -44,6 +44,11 @@ class Quarantine:
         self.until[node] = now + self.quarantine_s
         return True
 
+    def put_out(self, node: str, now: float) -> None:
+        """Quarantine ``node`` now (it failed its health probe)."""
+        if self.quarantine_s is not None:
+            self.until[node] = now + self.quarantine_s
+
     def excluded(self, now: float) -> list[str]:
         """The nodes in quarantine at ``now``, sorted."""
         return sorted(n for n, t in self.until.items() if t > now)

@@ -25,3 +25,22 @@ def test_quarantine_off_and_the_default():
     whole = Quarantine(ft.quarantine_s, None)               # no window: every failure of the job counts
     whole.note("b", 0.0)
     assert whole.note("b", 1e6) and whole.selector(1e6, 1) == [{NODE_ID_LABEL: "!in(b)"}]
+
+
+def test_the_health_probe_names_a_full_staging_file_system_and_an_unwritable_root(tmp_path):
+    import os
+
+    from raytrain_ckpt.health import node_problem
+
+    root = tmp_path / "root"
+    root.mkdir()
+    assert node_problem(tmp_path, str(root), min_free=1) is None and list(root.iterdir()) == []
+    full = node_problem(tmp_path, None, min_free=2**62)
+    assert full is not None and full.startswith(f"the staging file system {tmp_path} has ") and "MiB free" in full
+    assert node_problem(tmp_path / "missing", None).startswith(f"the staging file system {tmp_path / 'missing'}")
+    if os.geteuid() != 0:  # root writes through a read-only mode
+        root.chmod(0o500)
+        assert "cannot be written" in node_problem(tmp_path, str(root), min_free=1)
+    ro = tmp_path / "file-not-dir"
+    ro.write_text("x")
+    assert node_problem(tmp_path, str(ro), min_free=1).startswith(f"the checkpoint root {ro} cannot be written")
