@@ -3,9 +3,9 @@
 The controller moves one clock hand through the job: each stretch of time from the last mark to
 now goes to exactly one cause, so the causes add up to the wall time by construction.
 
-- placement, rendezvous, load: a group's start (reserving bundles and creating the processes;
-  joining the process group; building the model and loading the resume point), from the group's
-  own marks; a start that fails is placement up to its last mark.
+- placement, rendezvous, load: a group's start (reserving bundles and asking for the processes;
+  the processes starting and joining the process group; building the model and loading the resume
+  point), from the group's own marks; a start that fails is placement up to its last mark.
 - first step: from the group running until the slowest rank's first step of the attempt.
 - training: the slowest rank's steps, less the parts below.
 - redone: steps that an earlier attempt had already finished (lost to a restart).
