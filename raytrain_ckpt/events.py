@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Failure", "FailureKind", "Progress", "WorkerResult", "headline"]
+__all__ = ["Failure", "FailureKind", "Progress", "RankPlace", "WorkerResult", "headline"]
 
 FailureKind = Literal["start", "crash", "exception", "hang", "checkpoint", "mismatch"]
 """start: the group could not be placed or formed; crash: a rank's process (or its node) died;
@@ -36,6 +36,14 @@ class Progress:
     """Seconds this attempt spent in evaluation steps."""
     step_started_at: float = 0.0
     """time.time() when this rank began ``step`` (a rank that begins its steps late is a straggler)."""
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a rank's process runs: read at the start of an attempt, to read its stacks on a hang."""
+
+    pid: int
+    node_id: str
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain_ckpt.checkpoint.roles.service import CheckpointService
 from raytrain_ckpt.controller import GroupPoll, GroupStartError, elastic_world_size
-from raytrain_ckpt.events import Failure, Progress, WorkerResult, headline
+from raytrain_ckpt.events import Failure, Progress, RankPlace, WorkerResult, headline
 from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.hang_evidence import diagnose, diagnostics_root, locate
 from raytrain_ckpt.hangs import Verdict
@@ -47,7 +47,7 @@ class RayWorkerGroup:
         self.reused = 0
         """Ranks of this attempt served by a kept or spare process instead of a new one."""
         self._spares_started = False
-        self._where: list[tuple[int, str] | None] = []
+        self._where: list[RankPlace | None] = []
         self.start_marks: list[tuple[str, float]] = []
         self.quarantine = quarantine
         self.nodes: list[str] = []
@@ -220,10 +220,10 @@ class RayWorkerGroup:
         if q is None or failure.kind not in ("crash", "hang") or rank is None or rank >= len(self._where):
             return None
         where = self._where[rank]
-        if where is None or not q.note(where[1], time.monotonic()):
+        if where is None or not q.note(where.node_id, time.monotonic()):
             return None
-        line = (f"node {where[1]} quarantined for {q.quarantine_s:g}s (fault_tolerance.quarantine_s): its ranks "
-                f"failed {len(q.failures[where[1]])} times, the latest rank {rank} ({failure.kind})")
+        line = (f"node {where.node_id} quarantined for {q.quarantine_s:g}s (fault_tolerance.quarantine_s): its "
+                f"ranks failed {len(q.failures[where.node_id])} times, the latest rank {rank} ({failure.kind})")
         logger.warning("attempt %d: %s", self.attempt, line)
         return line
 

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raytrain_ckpt.events import RankPlace
 from raytrain_ckpt.hangs import DUMP_TIMEOUT_S, Verdict, blame, dump_stacks
 
 logger = logging.getLogger(__name__)
@@ -33,11 +34,11 @@ def _dump_on_node(pid: int) -> str:
     return dump_stacks(pid)
 
 
-def locate(workers: list[Any], timeout_s: float) -> list[tuple[int, str] | None]:
-    """Each rank's (pid, node id), asked while the ranks answer (at the start of an attempt)."""
+def locate(workers: list[Any], timeout_s: float) -> list[RankPlace | None]:
+    """Each rank's pid and node id, asked while the ranks answer (at the start of an attempt)."""
     refs = [w.where.remote() for w in workers]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    out: list[tuple[int, str] | None] = []
+    out: list[RankPlace | None] = []
     for ref in refs:
         try:
             out.append(ray.get(ref) if ref in ready else None)
@@ -46,10 +47,10 @@ def locate(workers: list[Any], timeout_s: float) -> list[tuple[int, str] | None]
     return out
 
 
-def _stacks_of(where: tuple[int, str] | None, here: str) -> str:
+def _stacks_of(where: RankPlace | None, here: str) -> str:
     if where is None:
         return "(no stacks: the rank's process was never located)"
-    pid, node = where
+    pid, node = where.pid, where.node_id
     if node == here:
         return dump_stacks(pid)
     ref = _dump_on_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pid)
@@ -71,7 +72,7 @@ def _steps(workers: list[Any]) -> dict[int, int]:
     return steps
 
 
-def diagnose(workers: list[Any], where: list[tuple[int, str] | None], folder: Path) -> Verdict:
+def diagnose(workers: list[Any], where: list[RankPlace | None], folder: Path) -> Verdict:
     """Read every rank's stacks and step (concurrently), keep the stacks in ``folder``, and blame."""
     here = ray.get_runtime_context().get_node_id()
     with ThreadPoolExecutor(max_workers=len(workers) + 1) as pool:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_ckpt.checkpoint.records import RankCheckpointPlan
-from raytrain_ckpt.events import Progress, WorkerResult
+from raytrain_ckpt.events import Progress, RankPlace, WorkerResult
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import TrainerMetrics
@@ -352,11 +352,11 @@ class TrainWorker:
         return WorkerResult(self.rank, state.step, state.tokens_seen, dict(state.losses), trainer.fingerprint(),
                             self.start_step, stats, dict(self.timings), tuple(self.served), self.was_spare)
 
-    def where(self) -> tuple[int, str]:
+    def where(self) -> RankPlace:
         """This process's pid and Ray node id: where its stacks are read from when the group hangs."""
         import ray
 
-        return os.getpid(), ray.get_runtime_context().get_node_id()
+        return RankPlace(os.getpid(), ray.get_runtime_context().get_node_id())
 
     def progress(self) -> Progress:
         """The last finished step; answered from the second actor thread while ``run()`` trains."""

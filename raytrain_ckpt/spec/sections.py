@@ -678,8 +678,10 @@ class FaultToleranceSpec(_Section):
                 return float(value)
             except ValueError:
                 raise ValueError(f"{value!r} is neither a number of seconds nor auto; use e.g. 120 or auto") from None
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 < value <= MAX_SECONDS:
-            raise ValueError(f"{value!r} is not a number of seconds in (0, {MAX_SECONDS:g}]; use e.g. 120 or auto")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not value > 0:
+            raise ValueError("must be > 0; use e.g. 120 or auto")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_SECONDS:
+            raise ValueError(f"must be <= {MAX_SECONDS:.0f}")
         return value
 
     @field_validator("failure_window_s", "hang_timeout_s", "start_timeout_s", "join_timeout_s", "placement_timeout_s",
