@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     from raytrain_ckpt import prepare
 
     prepare.add_parser(sub)
+    from raytrain_ckpt import diagnostics_cli
+
+    diagnostics_cli.add_parser(sub)
     return p
 
 
@@ -131,6 +134,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from raytrain_ckpt import clean_buffers
 
         return clean_buffers.run(args)
+    if args.command == "diagnostics":
+        from raytrain_ckpt import diagnostics_cli
+
+        return diagnostics_cli.run(args)
     if args.command == "prepare-data":
         from raytrain_ckpt import prepare
 
@@ -169,6 +176,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         dump = spec.model_dump(mode="json")
         print(json.dumps(dump, indent=2) if args.format == "json" else yaml.safe_dump(dump, sort_keys=False), end="")
         _explain_interval(spec, as_comment=args.format == "yaml")
+        _explain_hang_timeout(spec, as_comment=args.format == "yaml")
         _print_memory_estimate(spec)
         return ExitCode.OK
     from raytrain_ckpt.faults import fault_plan_problem
@@ -187,6 +195,24 @@ def _explain_interval(spec: JobSpec, as_comment: bool) -> None:
 
     text = explain(spec.fault_tolerance.prior_mtbf_s, spec.training.steps)
     print(f"# {text}" if as_comment else text, file=sys.stdout if as_comment else sys.stderr)
+
+
+def _explain_hang_timeout(spec: JobSpec, as_comment: bool) -> None:
+    """What ``fault_tolerance.hang_timeout_s`` chooses (a YAML comment, or on stderr)."""
+    from raytrain_ckpt.hangs import auto_text
+
+    text = auto_text(spec)
+    print(f"# {text}" if as_comment else text, file=sys.stdout if as_comment else sys.stderr)
+
+
+def _print_run_ledger(result: Any) -> None:
+    """The end report's goodput line and each hang's diagnostics folder."""
+    from raytrain_ckpt.goodput import GoodputLedger
+
+    if result.goodput:
+        print(GoodputLedger.line_of(result.goodput, len(result.failures)))
+    for folder in result.diagnostics:
+        print(f"hang diagnostics (every rank's stacks): {folder}")
 
 
 def _print_memory_estimate(spec: JobSpec) -> None:
@@ -246,6 +272,7 @@ def _run(spec: JobSpec, address: str | None) -> int:
         if result.checkpoints:
             print(f"checkpoints in {result.checkpoints['root']}: committed steps {result.checkpoints['committed']}")
             _print_failed_saves(result.checkpoints)
+        _print_run_ledger(result)
         return ExitCode.OK
     mismatch = next((f for f in result.failures if f.kind == "mismatch"), None)
     if mismatch is not None:  # the checkpoint does not fit the model: the user's to fix, not a crash
@@ -255,6 +282,7 @@ def _run(spec: JobSpec, address: str | None) -> int:
     summary = "".join(f"\n  {line}" for line in result.failures)
     print(f"job {spec.name} FAILED after {result.attempts} attempt(s); failures:{summary}\nlast error:\n{result.error}",
           file=sys.stderr)
+    _print_run_ledger(result)
     return ExitCode.FAILED
 
 

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from raytrain_ckpt.events import Failure, FailureKind, WorkerResult, headline
+from raytrain_ckpt.goodput import GoodputLedger
+from raytrain_ckpt.hangs import HangClock, Verdict, auto_text
+from raytrain_ckpt.stragglers import StragglerWatch
 from raytrain_ckpt.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -48,6 +51,14 @@ class GroupPoll:
     """Every rank failure seen by this poll ("crash" or "exception"), crashes first."""
     min_step: int = 0
     finished: bool = False
+    stall_s: float = 0.0
+    """The most checkpoint-stall seconds any rank reported this attempt (the goodput ledger)."""
+    eval_s: float = 0.0
+    """The most eval seconds any rank reported this attempt."""
+    phases: dict[int, str] = field(default_factory=dict)
+    """Each answering rank's phase (``Progress.phase``: "saving" while in a save): the hang budget's phase."""
+    starts: dict[int, tuple[int, float]] = field(default_factory=dict)
+    """Each training rank's latest step and when it began it (time.time()): the straggler watch."""
 
 
 class WorkerGroup(Protocol):
@@ -162,6 +173,14 @@ class JobResult:
     """Every preemption acted on: node, deadline, tier, saved step, steps lost (``PreemptionRecord``)."""
     stopped: str | None = None
     """Set when a signal to the driver stopped the job: what was saved (the step that is safe)."""
+    goodput: dict | None = None
+    """Where the wall time went (``GoodputLedger.to_dict``): goodput, seconds by cause, each attempt's phases."""
+    diagnostics: list[str] = field(default_factory=list)
+    """The diagnostics folder of every hang (every rank's stacks and the verdict), in order."""
+    quarantined: list[str] = field(default_factory=list)
+    """Every node put in quarantine (``fault_tolerance.quarantine_s``), one line each."""
+    stragglers: list[str] = field(default_factory=list)
+    """Every rank reported as a straggler (``fault_tolerance.straggler_margin``), one line each."""
 
     @property
     def losses(self) -> dict[int, float]:
@@ -206,15 +225,25 @@ class Controller:
         """The latest poll of the running group (read by the observer)."""
         self.preemption = preemption
         self.preemptions = 0
+        self.hangs = HangClock(spec)
+        self.ledger = GoodputLedger(self._started)
+        self.stragglers = StragglerWatch(spec.fault_tolerance.straggler_margin)
+        self._last_hang: str | None = None
 
     def run(self) -> JobResult:
         """Step until terminal; always releases the group."""
+        logger.info("%s", auto_text(self.spec))
         try:
             while not self.state.is_terminal:
                 self.step()
         finally:
             self._release_group()
+            self.ledger.close(self._clock())
         self.result.elapsed_s = self._clock() - self._started
+        self.result.goodput = self.ledger.to_dict()
+        for line in self.ledger.timeline_lines() if self.result.failures else ():
+            logger.info("%s", line)
+        logger.info("%s", self.ledger.end_line())
         return self.result
 
     def step(self) -> None:
@@ -225,6 +254,7 @@ class Controller:
             self._watch_group()
         elif self.state is JobState.RECOVERING:
             self._release_group(keep_warm=self._policy.keep_warm(self._last_failure))
+            self.ledger.torn_down(self._clock())
             self._sleep(self.spec.fault_tolerance.restart_backoff_s)
             self.attempt += 1
             self._set_state(JobState.STARTING, f"attempt {self.attempt}")
@@ -238,7 +268,10 @@ class Controller:
         return {"state": self.state.value, "attempt": self.attempt, "restarts": self.restarts,
                 "failures": dict(Counter(f.kind for f in self.result.failures)),
                 "preemption": next((f.headline for f in reversed(self.result.failures) if f.kind == "preemption"), None),
-                "train_step": poll.min_step if poll is not None else None}
+                "train_step": poll.min_step if poll is not None else None,
+                "hang_timeout_s": self.hangs.current_s, "hang_timeout_why": self.hangs.why,
+                "last_hang": self._last_hang, "goodput": round(self.ledger.goodput, 4),
+                "stragglers": sorted(self.stragglers.reported)}
 
     def reject(self, kind: str, message: str) -> None:
         """Fail a job whose workers finished but whose outcome is not what was asked for
@@ -268,11 +301,13 @@ class Controller:
 
     def _start_group(self) -> None:
         self.result.events.append((time.time(), f"attempt {self.attempt} starting"))
+        self.ledger.attempt(self.attempt, self._clock())
         self.group = self._factory(self.spec, self.attempt)
         self.result.attempts = self.attempt + 1
         try:
             self.group.start()
         except GroupStartError as exc:
+            self.ledger.start_marks(getattr(self.group, "start_marks", []), self._clock())
             if exc.mismatch is not None:
                 self._on_failure(Failure(self.attempt, "mismatch", None, headline(exc.mismatch), str(exc)))
             else:
@@ -281,12 +316,21 @@ class Controller:
         self._last_step, self._last_advance = -1, self._clock()
         if self.preemption is not None:
             self.preemption.new_attempt()
+        self.ledger.start_marks(getattr(self.group, "start_marks", []), self._last_advance)
+        if getattr(self.group, "nodes", None):
+            self.result.events.append((time.time(), f"attempt {self.attempt} placed on {','.join(self.group.nodes)}"))
+        self.hangs.attempt_started()
+        self.stragglers.restart()
         self.result.events.append((time.time(), f"attempt {self.attempt} running"))
         self._set_state(JobState.RUNNING, f"{self.spec.world_size} workers started")
 
     def _watch_group(self) -> None:
         assert self.group is not None
         poll = self.last_poll = self.group.poll()
+        self.ledger.progress(poll.min_step, self._clock(), poll.stall_s, poll.eval_s)
+        for line in self.stragglers.observe(poll.starts):
+            logger.warning("attempt %d: %s", self.attempt, line)
+            self.result.stragglers.append(f"attempt {self.attempt}: {line}")
         preempted = self.preemption.watch(self.group, poll, self.attempt) if self.preemption is not None else None
         if preempted is not None:
             self._on_preemption(preempted)
@@ -295,13 +339,12 @@ class Controller:
             self._on_failure(Failure(self.attempt, first.kind, first.rank, first.headline,
                                      "\n".join(f.detail or str(f) for f in poll.failures)))
         elif poll.finished:
+            self.ledger.finished(self._clock())
             self.result.results = poll.results
             self._note_rollbacks(poll.results)
             self._set_state(JobState.SUCCEEDED, f"{poll.min_step} steps done")
         elif self._hung(poll):
-            text = (f"no step finished for {self.spec.fault_tolerance.hang_timeout_s:g}s "
-                    f"(fault_tolerance.hang_timeout_s); slowest rank at step {poll.min_step}")
-            self._on_failure(Failure(self.attempt, "hang", None, text, text))
+            self._on_failure(self._hang_failure(poll))
         else:
             self.group.wait(self.spec.fault_tolerance.poll_interval_s)
 
@@ -315,12 +358,46 @@ class Controller:
         now = self._clock()
         if poll.min_step != self._last_step:
             self._last_step, self._last_advance = poll.min_step, now
+            self.hangs.observe(poll.min_step, now)
+            learned = self.hangs.learned_s()
+            if learned is not None and not self.hangs.announced:
+                self.hangs.announced = True
+                self.hangs.budget(poll.min_step + 1)
+                logger.info("hang timeout auto: %.0f s (%s)", learned, self.hangs.why)
             return False
-        return now - self._last_advance > self.spec.fault_tolerance.hang_timeout_s
+        budget, _ = self.hangs.budget(poll.min_step + 1, poll.phases)
+        return now - self._last_advance > budget
+
+    def _hang_failure(self, poll: GroupPoll) -> Failure:
+        """The hang, with every rank's stacks read and the culprit named before anything is killed."""
+        budget, why = self.hangs.current_s, self.hangs.why
+        diagnose = getattr(self.group, "diagnose", None)
+        try:
+            verdict = diagnose() if diagnose is not None else Verdict((), "no single rank can be blamed: "
+                                                                          "this group cannot read stacks")
+        except Exception as exc:  # noqa: BLE001 - the evidence is best effort: the hang is still handled
+            verdict = Verdict((), f"no single rank can be blamed: the evidence could not be read ({exc})")
+        setting = "auto" if self.hangs.fixed is None else f"{budget:g}"
+        timeout = (f"no step finished for {budget:.0f}s (fault_tolerance.hang_timeout_s={setting}: {why}); "
+                   f"slowest rank at step {poll.min_step}")
+        where = f"stuck in {verdict.where()}: " if verdict.where() else ""
+        text = f"{where}{verdict.reason}; {timeout}"
+        if verdict.folder is not None:
+            self.result.diagnostics.append(verdict.folder)
+            text += f"; every rank's stacks in {verdict.folder}"
+        frames = "".join(f"\n  rank {r}: " + "\n    ".join(f[:12]) for r, f in verdict.frames.items() if f)
+        self._last_hang = f"rank {verdict.rank}: {text}" if verdict.rank is not None else text
+        return Failure(self.attempt, "hang", verdict.rank, text, text + (f"\nstacks:{frames}" if frames else ""))
 
     def _on_failure(self, failure: Failure) -> None:
         ft, kind = self.spec.fault_tolerance, failure.kind
         now = self._clock()
+        self.ledger.failed(kind, now)
+        note = getattr(self.group, "note_failure", None)
+        quarantined = note(failure) if note is not None else None
+        if quarantined is not None:
+            self.result.quarantined.append(quarantined)
+            self.result.events.append((time.time(), quarantined))
         self._failure_times.append(now)
         recent = None
         if ft.failure_window_s is not None:

@@ -28,6 +28,7 @@ from raytrain_ckpt.metrics import ControllerMetrics
 from raytrain_ckpt.pool import WorkerPool
 from raytrain_ckpt import reaper
 from raytrain_ckpt.preemption import preemption_guard, stop_signals
+from raytrain_ckpt.quarantine import Quarantine
 from raytrain_ckpt.preflight import protection_line
 from raytrain_ckpt.raydash import dashboard_line, job_metadata
 from raytrain_ckpt.progressline import ProgressLine
@@ -114,8 +115,9 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
             service.preflight()  # a checkpoint root some node cannot share fails here, before training
         guard = preemption_guard(spec, service)
         scalars = _job_scalars(spec, service)
-        controller = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool), observer=observe,
-                                preemption=guard)
+        quarantine = Quarantine(spec.fault_tolerance.quarantine_s, spec.fault_tolerance.failure_window_s)
+        controller = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool, quarantine),
+                                observer=observe, preemption=guard)
         with stop_signals(guard, spec.fault_tolerance.stop_grace_s):
             result = controller.run()
         if service is not None:

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["Failure", "FailureKind", "Progress", "WorkerResult", "cause_text", "headline"]
+__all__ = ["Failure", "FailureKind", "Progress", "RankPlace", "WorkerResult", "cause_text", "headline"]
 
 FailureKind = Literal["start", "crash", "exception", "hang", "checkpoint", "mismatch", "preemption", "rollback"]
 """start: the group could not be placed or formed; crash: a rank's process (or its node) died;
@@ -33,7 +33,21 @@ class Progress:
     step: int
     loss: float | None
     last_step_at: float  # time.time() of the last finished step (or of setup)
-    phase: str  # "setup" | "training" | "done" | "failed"
+    phase: str  # "setup" | "training" | "saving" | "done" | "failed"
+    stall_s: float = 0.0
+    """Seconds this attempt's training waited on saves (the goodput ledger's checkpoint stall)."""
+    eval_s: float = 0.0
+    """Seconds this attempt spent in evaluation steps."""
+    step_started_at: float = 0.0
+    """time.time() when this rank began ``step`` (a rank that begins its steps late is a straggler)."""
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a rank's process runs: read at the start of an attempt, to read its stacks on a hang."""
+
+    pid: int
+    node_id: str
 
 
 @dataclass(frozen=True)

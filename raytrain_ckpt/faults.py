@@ -3,7 +3,7 @@
 A fault plan comes from the ``RAYTRAIN_CKPT_FAULTS`` environment variable of the driver,
 which the worker group forwards to every worker. Grammar (``;`` separates faults)::
 
-    KIND@POINT:rank=R,step=S[,attempt=A]
+    KIND@POINT:rank=R,step=S[,attempt=A][,seconds=T]
 
 KIND is ``raise`` (a Python exception), ``exit`` (the process dies with no cleanup, like
 a segfault or the OOM killer), ``hang`` (the rank stops making progress) or ``slow``
@@ -25,6 +25,8 @@ One kind damages the numbers instead, at ``step`` only: ``nan@step:rank=R,step=S
 ``R``'s loss (and gradients) at step ``S`` (the step that starts after ``S`` steps) NaN, once per
 job: the replay of step ``S`` after a rollback (``training.guard``) runs clean.
 ``attempt`` defaults to 0, so the restarted group runs clean unless the plan says otherwise.
+``step=-1`` matches every step (``slow@step:rank=1,step=-1,seconds=0.5``: a straggler), and
+``seconds`` sets a ``slow`` fault's delay (3 s by default).
 Several faults at one point apply in plan order: ``slow@persist`` then ``exit@persist`` kills
 the writer 3 s into the write, when its hand-off has long been acknowledged.
 """
@@ -66,6 +68,8 @@ class Fault:
     rank: int
     step: int
     attempt: int = 0
+    seconds: float = 3.0
+    """A ``slow`` fault's delay."""
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -76,7 +80,8 @@ def parse_faults(text: str) -> list[Fault]:
             head, _, args = entry.partition(":")
             kind, _, point = head.partition("@")
             kv = dict(pair.split("=", 1) for pair in args.split(","))
-            fault = Fault(kind, point, int(kv.pop("rank")), int(kv.pop("step")), int(kv.pop("attempt", 0)))
+            fault = Fault(kind, point, int(kv.pop("rank")), int(kv.pop("step")), int(kv.pop("attempt", 0)),
+                          float(kv.pop("seconds", SLOW_S)))
         except (ValueError, KeyError) as exc:
             raise ValueError(f"{ENV_VAR}: cannot parse {entry!r} ({exc}); expected KIND@step:rank=R,step=S") from None
         if fault.kind not in KINDS or fault.point not in POINTS or kv:
@@ -158,7 +163,7 @@ def maybe_inject(point: str, rank: int, step: int, attempt: int) -> None:
     if not text:
         return
     for f in parse_faults(text):
-        if (f.point, f.rank, f.step, f.attempt) != (point, rank, step, attempt) or f.kind in COPY_KINDS + VALUE_KINDS:
+        if (f.point, f.rank, f.attempt) != (point, rank, attempt) or f.step not in (step, -1) or f.kind in COPY_KINDS + VALUE_KINDS:
             continue
         logger.warning("injecting fault %s at %s rank %d step %d attempt %d", f.kind, point, rank, step, attempt)
         if f.kind == "raise":
@@ -167,7 +172,7 @@ def maybe_inject(point: str, rank: int, step: int, attempt: int) -> None:
             _stamp()
             os._exit(17)
         if f.kind == "slow":  # a slow disk or a straggler: delay, then carry on (with the next fault here)
-            time.sleep(SLOW_S)
+            time.sleep(f.seconds)
             continue
         _stamp()
         while True:  # hang: stop making progress until the controller kills us

@@ -17,10 +17,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain_ckpt.checkpoint.roles.service import CheckpointService
 from raytrain_ckpt.controller import GroupPoll, GroupStartError, elastic_world_size
-from raytrain_ckpt.events import Failure, Progress, WorkerResult, headline
+from raytrain_ckpt.events import Failure, Progress, RankPlace, WorkerResult, headline
 from raytrain_ckpt.faults import fault_env
+from raytrain_ckpt.hang_evidence import diagnose, diagnostics_root, locate
+from raytrain_ckpt.hangs import Verdict
 from raytrain_ckpt.pool import WorkerPool, bundle_nodes, kill_actor
 from raytrain_ckpt.preemption import draining_nodes, room_for
+from raytrain_ckpt.quarantine import Quarantine
 from raytrain_ckpt.spec import JobSpec
 from raytrain_ckpt.worker import TrainWorker, WorkerFailure
 
@@ -33,7 +36,7 @@ class RayWorkerGroup:
     """``num_workers`` TrainWorker actors in one placement group."""
 
     def __init__(self, spec: JobSpec, attempt: int, checkpoints: CheckpointService | None = None,
-                 pool: WorkerPool | None = None) -> None:
+                 pool: WorkerPool | None = None, quarantine: Quarantine | None = None) -> None:
         self.spec = spec
         self.attempt = attempt
         self.checkpoints = checkpoints
@@ -45,18 +48,29 @@ class RayWorkerGroup:
         self.reused = 0
         """Ranks of this attempt served by a kept or spare process instead of a new one."""
         self._spares_started = False
+        self._where: list[RankPlace | None] = []
+        self.start_marks: list[tuple[str, float]] = []
+        self.quarantine = quarantine
+        self.nodes: list[str] = []
+        """The node of each rank's bundle, once placed."""
+        """(phase, time.monotonic() it ended) of the start: placement, rendezvous, load (the goodput ledger)."""
+        """Each rank's (pid, node id): where its stacks are read from if the group hangs."""
 
     def start(self) -> None:
         """Reserve bundles, create the actors, rendezvous, and start ``run()`` on every rank."""
         ft, res = self.spec.fault_tolerance, self.spec.resources
         deadline = time.monotonic() + ft.start_timeout_s
+        self.start_marks.clear()
         # build placement group: the kept one, or a new one (smaller, when elastic and the
         # full group does not fit in time)
         kept = self.pool.take(self.spec.world_size) if self.pool is not None else None
         bundle = {"CPU": res.cpus_per_worker, **({"GPU": res.gpus} if res.gpus else {})}
         self._pg, survivors = kept if kept is not None else (self._place(bundle, deadline), {})
+        self._probe_failed_nodes(survivors)
         # build actors: survivors keep their rank, spares and new processes fill the gaps
         self.workers = self._assign_workers(survivors, deadline)
+        self.nodes = bundle_nodes(self._pg)
+        self.start_marks.append(("placement", time.monotonic()))
         # rendezvous at rank 0's node; plan the resume point while the ranks join, then set up
         # every rank concurrently
         meet = self._get(self.workers[0].address.remote(), deadline, "locate rank 0")
@@ -68,12 +82,15 @@ class RayWorkerGroup:
             setups = [w.setup.remote(ckpt.ranks[rank] if ckpt is not None else None)
                       for rank, w in enumerate(self.workers)]
             self._get_all(joins, deadline, "join rank {rank} to the process group")
+            self.start_marks.append(("rendezvous", time.monotonic()))
             self._get_all(setups, deadline, "set up rank {rank}")
+            self.start_marks.append(("load", time.monotonic()))
             if self.checkpoints is not None:
                 self.checkpoints.started()  # every rank loaded the start: the timeline begins there
         finally:
             if self.checkpoints is not None:
                 self.checkpoints.release(self.attempt)
+        self._where = locate(self.workers, max(1.0, deadline - time.monotonic()))  # for a hang's stacks
         self._runs = {w.run.remote(): rank for rank, w in enumerate(self.workers)}
         logger.info("attempt %d: %d workers training (%d reused; rendezvous %s:%d)", self.attempt,
                     len(self.workers), self.reused, addr, port)
@@ -122,7 +139,9 @@ class RayWorkerGroup:
         ft, res = self.spec.fault_tolerance, self.spec.resources
         elastic = res.min_workers is not None and res.min_workers < self.spec.world_size
         wait_s = min(ft.placement_timeout_s, ft.start_timeout_s) if elastic else ft.start_timeout_s
-        pg = placement_group([dict(bundle)] * self.spec.world_size, strategy=res.placement_strategy)
+        selector = self._around_quarantine(bundle)
+        pg = placement_group([dict(bundle)] * self.spec.world_size, strategy=res.placement_strategy,
+                             **({"bundle_label_selector": selector} if selector else {}))
         if pg.wait(timeout_seconds=wait_s):
             return pg
         remove_placement_group(pg)
@@ -147,6 +166,67 @@ class RayWorkerGroup:
             f"{ray.available_resources()} available. Lower resources.num_workers / cpus_per_worker, add nodes, "
             "or set resources.min_workers to allow a smaller group."
         )
+
+    def _around_quarantine(self, bundle: dict[str, float]) -> list[dict[str, str]] | None:
+        """The label selector keeping the group off quarantined nodes, when the other alive nodes
+        have room for every rank (else None: the group may use them, logged)."""
+        q = self.quarantine
+        selector = q.selector(time.monotonic(), self.spec.world_size) if q is not None else None
+        if selector is None or q is None:
+            return None
+        out = set(q.excluded(time.monotonic()))
+        room = self._room_outside(out, bundle)
+        if room < self.spec.world_size:
+            logger.warning("attempt %d: quarantined node(s) %s used: the other nodes have room for %d of %d ranks",
+                           self.attempt, ", ".join(sorted(out)), room, self.spec.world_size)
+            return None
+        logger.info("attempt %d: placing around quarantined node(s) %s", self.attempt, ", ".join(sorted(out)))
+        return selector
+
+    def _probe_failed_nodes(self, survivors: dict[int, ray.actor.ActorHandle]) -> None:
+        """Before a node whose ranks failed before gets a rank: a short health probe (``health.py``).
+        A node that fails it is quarantined and this start fails, so the next is placed around it."""
+        q = self.quarantine
+        nodes = [n for n in bundle_nodes(self._pg) if n in q.failures] if q is not None else []
+        if q is None or not nodes or q.quarantine_s is None:
+            return
+        from raytrain_ckpt.checkpoint.storage.backends import job_root
+        from raytrain_ckpt.checkpoint.storage.probe import local_root
+        from raytrain_ckpt.health import probe_nodes
+
+        ck = self.spec.checkpoint
+        problems = probe_nodes(nodes, local_root(str(job_root(ck.dir, self.spec.name))) if ck.enabled else None)
+        if not problems:
+            logger.info("attempt %d: node(s) %s passed the health probe", self.attempt,
+                        ", ".join(n[:12] for n in nodes))
+            return
+        for node in problems:
+            q.put_out(node, time.monotonic())
+        for actor in survivors.values():
+            kill_actor(actor)
+        text = "; ".join(f"node {n} failed its health probe ({p})" for n, p in problems.items())
+        raise GroupStartError(f"{text}: quarantined for {q.quarantine_s:g}s (fault_tolerance.quarantine_s)")
+
+    def _room_outside(self, out: set[str], bundle: dict[str, float] | None = None) -> int:
+        """How many ranks the alive nodes other than ``out`` have room for (their total resources)."""
+        res = self.spec.resources
+        bundle = bundle or {"CPU": res.cpus_per_worker, **({"GPU": res.gpus} if res.gpus else {})}
+        return sum(min(int(n["Resources"].get(k, 0.0) // v) for k, v in bundle.items() if v > 0)
+                   for n in ray.nodes() if n["Alive"] and n["NodeID"] not in out)
+
+    def note_failure(self, failure: Failure) -> str | None:
+        """A rank's crash or hang: count it against its node; the line to report when that puts
+        the node in quarantine (``fault_tolerance.quarantine_s``), else None."""
+        q, rank = self.quarantine, failure.rank
+        if q is None or failure.kind not in ("crash", "hang") or rank is None or rank >= len(self._where):
+            return None
+        where = self._where[rank]
+        if where is None or not q.note(where.node_id, time.monotonic()):
+            return None
+        line = (f"node {where.node_id} quarantined for {q.quarantine_s:g}s (fault_tolerance.quarantine_s): its "
+                f"ranks failed {len(q.failures[where.node_id])} times, the latest rank {rank} ({failure.kind})")
+        logger.warning("attempt %d: %s", self.attempt, line)
+        return line
 
     def _get_all(self, refs: list[ray.ObjectRef], deadline: float, what: str) -> None:
         """Every rank's ``refs[rank]``, in the order they finish: the first failure raises at once
@@ -212,6 +292,10 @@ class RayWorkerGroup:
             failures=failures,
             min_step=min((p.step for p in progress.values()), default=0),
             finished=finished,
+            stall_s=max((p.stall_s for p in progress.values()), default=0.0),
+            eval_s=max((p.eval_s for p in progress.values()), default=0.0),
+            phases={r: p.phase for r, p in progress.items()},
+            starts={r: (p.step, p.step_started_at) for r, p in progress.items() if p.phase == "training"},
         )
 
     def rank_nodes(self) -> list[str]:
@@ -222,6 +306,11 @@ class RayWorkerGroup:
         """A drain notice: every rank saves the step in hand at the next step boundary and stops."""
         for w in self.workers:
             w.preempt.remote(deadline_unix)
+
+    def diagnose(self) -> Verdict:
+        """Before the hung group is torn down: every rank's stacks and step, kept under the job
+        root's diagnostics/attempt-N/, and the culprit (``hang_evidence``)."""
+        return diagnose(self.workers, self._where, diagnostics_root(self.spec) / f"attempt-{self.attempt}")
 
     def _pending_runs(self) -> list[ray.ObjectRef]:
         """The ``run()`` refs of ranks whose result is not collected yet."""
@@ -275,6 +364,9 @@ class RayWorkerGroup:
         group and every rank that leaves the failed step and resets within
         ``fault_tolerance.drain_timeout_s`` are kept for the next attempt; only the rest is killed.
         """
+        out = set(self.quarantine.excluded(time.monotonic())) if self.quarantine is not None else set()
+        if keep_warm and out & set(self.nodes) and self._room_outside(out) >= self.spec.world_size:
+            keep_warm = False  # a kept bundle would keep a quarantined node in the group: placed anew around it
         survivors = self._drain() if keep_warm and self.pool is not None and self._pg is not None else {}
         for rank, w in enumerate(self.workers):
             if rank not in survivors:

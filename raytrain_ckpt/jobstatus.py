@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from raytrain_ckpt import jobrecord
+from raytrain_ckpt.hangs import status_line
 from raytrain_ckpt.checkpoint.errors import StorageUnavailable
 from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text, summary_line
 from raytrain_ckpt.inventory import (UsageError, ending_line, interval_text, live_rows, live_status, root_dir, scan,
@@ -137,6 +138,8 @@ def job_report(view: JobView) -> tuple[str, dict[str, Any]]:
         head += f"\nsaves failing: {failing}"
     if st.get("interval") is not None:
         head += f"\n{interval_text(st['interval'])}"
+    if not view.ended and (hangs := status_line(info)) is not None:
+        head += f"\n{hangs}"
     point = f"step {latest}" if latest is not None else "none (a fresh start)"
     data = {"root": root, "job": info, "summary": summary_line({**st, "latest": latest}), "at_risk": risk,
             "failed_saves": st.get("failed_saves") or {}, "interval": st.get("interval"), "ended": view.ended,

@@ -134,6 +134,15 @@ METRICS: dict[str, MetricDef] = {m.name.removeprefix(PREFIX): m for m in (
        "(or a stop signal) stopped the group: trained again."),
     _m("job_preemption_notice_seconds", "gauge", "Seconds between the latest drain notice and its deadline (-1: no "
        "deadline)."),
+    _m("job_wall_seconds_total", "counter", "Seconds of the job's wall time, by the cause they went to (goodput "
+       "ledger: training, checkpoint_stall, eval, redone, first_step, placement, rendezvous, load, detection, "
+       "teardown, waiting).", "cause"),
+    _m("job_goodput_ratio", "gauge", "Training seconds / wall seconds of the job so far."),
+    _m("job_hang_timeout_seconds", "gauge", "The hang timeout in force (learned from the step times when "
+       "fault_tolerance.hang_timeout_s is auto)."),
+    _m("job_step_skew_seconds", "gauge", "How much later the last rank began the latest step than the first "
+       "(per-rank step-time skew; a persistent one names a straggler)."),
+    _m("job_stragglers", "gauge", "Ranks reported as stragglers (fault_tolerance.straggler_margin)."),
 )}
 
 
@@ -393,6 +402,19 @@ class ControllerMetrics:
         self._state = ""
         self._started = time.time()
         self._attempt = 0
+        self._seconds: dict[str, float] = {}
+
+    def _ledger(self, ctrl: Controller) -> None:
+        """The goodput ledger's seconds by cause (as counters), its ratio, and the hang timeout."""
+        for cause, total in ctrl.ledger.seconds.items():
+            delta = total - self._seconds.get(cause, 0.0)
+            if delta > 0:
+                record("job_wall_seconds_total", delta, {**self._tags, "cause": cause})
+                self._seconds[cause] = total
+        record("job_goodput_ratio", ctrl.ledger.goodput, self._tags)
+        record("job_hang_timeout_seconds", ctrl.hangs.current_s, self._tags)
+        record("job_step_skew_seconds", ctrl.stragglers.skew_s, self._tags)
+        record("job_stragglers", len(ctrl.stragglers.reported), self._tags)
 
     def __call__(self, ctrl: Controller) -> None:
         state = ctrl.state.value
@@ -414,6 +436,7 @@ class ControllerMetrics:
         if ctrl.restarts > self._restarts and failures:
             record("job_restarts_total", ctrl.restarts - self._restarts, {**self._tags, "cause": failures[-1].kind})
             self._restarts = ctrl.restarts
+        self._ledger(ctrl)
         poll = ctrl.last_poll
         if poll is not None and not self.checkpointing:  # everything this attempt trained is at risk
             if ctrl.attempt != self._attempt:

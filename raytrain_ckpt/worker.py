@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_ckpt.checkpoint.records import RankCheckpointPlan
-from raytrain_ckpt.events import Progress, WorkerResult
+from raytrain_ckpt.events import Progress, RankPlace, WorkerResult
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import TrainerMetrics
@@ -202,8 +202,9 @@ class TrainWorker:
         # The same timeout bounds the rendezvous and every collective: a rank whose peer hangs
         # fails on its own after about hang_timeout_s instead of torch's default 30 minutes,
         # never below join_timeout_s, the rendezvous's (room for a loaded machine).
-        ft = self.spec.fault_tolerance
-        return datetime.timedelta(seconds=max(ft.hang_timeout_s, ft.join_s))
+        from raytrain_ckpt.hangs import collective_timeout_s
+
+        return datetime.timedelta(seconds=collective_timeout_s(self.spec.fault_tolerance))
 
     def join(self, master_addr: str, master_port: int) -> None:
         """Join the attempt's process group (rendezvous at rank 0's ``master_addr:master_port``).
@@ -346,18 +347,21 @@ class TrainWorker:
         trainer = self.trainer
         assert trainer is not None, "setup() must succeed before run()"
         ckpt = self.checkpoints
-        loss = None
+        loss, eval_s = None, 0.0
         watch = ckpt is not None and self.spec.fault_tolerance.watch_drains
         phase = "done"
         scalars = self._open_scalars()
         while trainer.state.step < self.spec.training.steps and not self._stop.is_set():
             maybe_inject("step", self.rank, trainer.state.step, self.attempt)
+            t0, began = time.monotonic(), time.time()
             try:
                 report = trainer.train_step()
             except GuardTrip as exc:  # no optimizer step was applied, on any rank
                 if self._roll_back(exc.trip) is None:
                     break  # rank 0 raised the job's report; this rank stops
                 continue
+            if report.eval_loss is not None:  # the step's report times the training part only
+                eval_s += max(0.0, time.monotonic() - t0 - report.step_time_s)
             due = ckpt is not None and ckpt.due(report.step)
             # a drain notice reached some rank: every rank saves this step (one collective agrees)
             preempted = watch and ckpt.any_rank(self._notice.is_set())
@@ -366,6 +370,7 @@ class TrainWorker:
                 point = TrainingPoint(report.step * self.spec.training.global_batch_size, trainer.state.tokens_seen,
                                       report.loss, report.eval_loss, guard.certified() if guard else None,
                                       tuple(tuple(w) for w in trainer.skips.as_lists()))
+                self._progress = Progress(self.rank, self._progress.step, loss, self._progress.last_step_at, "saving")
                 ckpt.save(report.step, app_state(trainer), point, final=preempted)
                 if guard is not None:
                     guard.saved_step(report.step)
@@ -374,7 +379,8 @@ class TrainWorker:
                 log_step(scalars, report)
             self.metrics.after_step(report, ckpt)
             loss = report.loss if report.loss is not None else loss
-            self._progress = Progress(self.rank, report.step, loss, time.time(), "training")
+            self._progress = Progress(self.rank, report.step, loss, time.time(), "training",
+                                      ckpt.stats.stall_s if ckpt is not None else 0.0, eval_s, began)
             self.timings.setdefault("first_step_at", self._progress.last_step_at)
             if preempted:
                 phase = "preempted"  # the step is saved: commit it and stop (the driver restarts off the node)
@@ -385,6 +391,7 @@ class TrainWorker:
             scalars.close()
         stats = None
         if ckpt is not None:
+            self._progress = Progress(self.rank, self._progress.step, loss, self._progress.last_step_at, "saving")
             ckpt.wait_committed()
             stats = dict(vars(ckpt.stats))
         state = trainer.state
@@ -418,6 +425,12 @@ class TrainWorker:
             return None
         assert self.trainer is not None
         return open_logger(self.spec.training.tensorboard_dir, self.spec.name, "train", self.trainer.state.step)
+
+    def where(self) -> RankPlace:
+        """This process's pid and Ray node id: where its stacks are read from when the group hangs."""
+        import ray
+
+        return RankPlace(os.getpid(), ray.get_runtime_context().get_node_id())
 
     def progress(self) -> Progress:
         """The last finished step; answered from the second actor thread while ``run()`` trains."""

@@ -255,6 +255,15 @@ class JobNote:
     train_step: int | None
     preemption: str | None = None
     """The latest preemption: the node drained, the notice, the step saved and the steps lost."""
+    hang_timeout_s: float | None = None
+    """The hang timeout the controller applies now (``fault_tolerance.hang_timeout_s``, learned when auto)."""
+    hang_timeout_why: str | None = None
+    last_hang: str | None = None
+    """The latest hang: its culprit and the diagnostics folder with every rank's stacks."""
+    goodput: float | None = None
+    """Training time / wall time so far (``goodput.py``)."""
+    stragglers: list[int] | None = None
+    """Ranks reported as stragglers (``stragglers.py``)."""
 
 
 @dataclass(frozen=True)

@@ -687,8 +687,8 @@ class FaultToleranceSpec(_Section):
     """Failures that restart the group: crash (a rank's process or node died), exception (a rank raised), hang, start (the group could not be placed or formed). Others fail the job at once."""
     restart_backoff_s: float = Field(0.0, ge=0, le=MAX_SECONDS)
     """Wait this long after tearing a failed group down before building the next one."""
-    hang_timeout_s: float = Field(600.0, gt=0, le=MAX_SECONDS)
-    """A running group that completes no step for this long is treated as hung and torn down; also the timeout of every collective (at least join_timeout_s)."""
+    hang_timeout_s: float | Literal["auto"] = Field("auto")
+    """A running group that completes no step for this long is treated as hung: every rank's stacks are saved, the culprit named, the group torn down. auto: learned from the measured step times (10 x the 99th percentile of the latest 200, at least 30 s; 300 s before 5 steps were measured and for the first step of each attempt; an eval step gets 300 s until one was measured, a rank in a save gets checkpoint.commit_timeout_s); a number: that fixed timeout, also the timeout of every collective (at least join_timeout_s; with auto, 600 s)."""
     start_timeout_s: float = Field(300.0, gt=0, le=MAX_SECONDS)
     """Time allowed for resources to be placed and the process group to form."""
     join_timeout_s: float | None = Field(None, gt=0, le=MAX_SECONDS)
@@ -713,12 +713,31 @@ class FaultToleranceSpec(_Section):
     """On SIGTERM or SIGINT to the driver (`ray job stop`, a pod eviction, Ctrl-C): the time the ranks get to save and commit the step in hand before the job stops (exit 130, with the step that is safe); a second signal stops at once. Needs checkpoint.enabled."""
     grow_check_s: float | None = Field(60.0, gt=0, le=MAX_SECONDS)
     """With resources.min_workers: how often a group running below num_workers looks for room for the missing ranks on nodes that are not draining; when they fit, the step in hand is saved and the group restarts at num_workers from it. Needs checkpoint.enabled. null: grow only at the next restart."""
+    quarantine_s: float | None = Field(1800.0, gt=0, le=MAX_SECONDS)
+    """A node whose ranks crashed or hung twice within failure_window_s gets no rank for this long while the cluster has room elsewhere (the group is placed around it; without room it is used, logged); null: never."""
+    straggler_margin: float | None = Field(0.25, gt=0, le=100)
+    """A rank that begins its steps later than the first rank by more than this fraction of the step time (median over its last 8 steps) is reported as a straggler (log, status, JobResult.stragglers; the skew is the job_step_skew_seconds metric); null: not watched."""
+
+    @field_validator("hang_timeout_s", mode="before")
+    @classmethod
+    def _hang_number_or_auto(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "auto":
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is neither a number of seconds nor auto; use e.g. 120 or auto") from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not value > 0:
+            raise ValueError("must be > 0; use e.g. 120 or auto")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_SECONDS:
+            raise ValueError(f"must be <= {MAX_SECONDS:.0f}")
+        return value
 
     @field_validator("failure_window_s", "hang_timeout_s", "start_timeout_s", "join_timeout_s", "placement_timeout_s",
-                     "poll_interval_s", "drain_timeout_s", "expected_mtbf_s", "stop_grace_s", "grow_check_s")
+                     "poll_interval_s", "drain_timeout_s", "expected_mtbf_s", "stop_grace_s", "grow_check_s",
+                     "quarantine_s")
     @classmethod
-    def _duration_floor(cls, value: float | None) -> float | None:
-        return _at_least(value, MIN_SECONDS, "s")
+    def _duration_floor(cls, value: float | str | None) -> float | str | None:
+        return value if isinstance(value, str) else _at_least(value, MIN_SECONDS, "s")
 
     @model_validator(mode="after")
     def _join_before_start(self) -> FaultToleranceSpec:

@@ -191,6 +191,10 @@ def test_live_status_from_the_running_job(hung_job):
     data = json.loads(out.stdout)
     assert data["resume_step"] == 10 and data["summary"] == "committed=10 inflight=-"
     assert data["job"]["state"] == "RUNNING" and data["job"]["train_step"] == 12
+    assert data["job"]["hang_timeout_s"] == 600 and 0 < data["job"]["goodput"] < 1   # the ledger so far
+    text = subprocess.run([sys.executable, "-m", "raytrain_ckpt", "status", "--job", hung_job["name"]],
+                          cwd=REPO, env=hung_job["env"], capture_output=True, text=True, timeout=120).stdout
+    assert any(ln.startswith("hang timeout 600s (fixed); goodput so far ") for ln in text.splitlines()), text
     assert data["at_risk"]["steps"] == 2
     rows = {r["step"]: r for r in data["steps"]}
     assert sorted(rows) == [5, 10] and all(r["status"] == "valid" for r in rows.values())

@@ -350,3 +350,35 @@ def test_restart_keeps_survivors_warm_only_after_crash_or_exception(make, inject
     ctl.run()
     assert ctl.state is JobState.SUCCEEDED
     assert second.kept_warm == [False]  # the end of the job releases everything
+
+
+def test_the_default_hang_timeout_is_learned_and_the_ledger_adds_up(make):
+    """hang_timeout_s auto: the first step gets its own budget, then 10 x p99 of the step times, at
+    least 30 s; a group that cannot read stacks gets a hang that blames no rank, and says so."""
+    ctl, clock = make(max_restarts=1, hang_timeout_s="auto")
+    ctl.step()
+    group = FakeWorkerGroup.created[0]
+    ctl.step()                                    # the starting step
+    clock.sleep(100.0)                            # a slow first step (compile): within its 300 s budget
+    group.advance()
+    ctl.step()
+    assert ctl.state is JobState.RUNNING
+    for _ in range(10):                           # 1 s steps (one per poll): 10 x p99 is under the floor
+        group.advance()
+        ctl.step()
+    assert ctl.summary()["hang_timeout_s"] == 30.0
+    hung_at = clock.now
+    while ctl.state is JobState.RUNNING:
+        ctl.step()
+    assert ctl.state is JobState.RECOVERING and 29.0 <= clock.now - hung_at <= 32.0   # the last step: 1 s before
+    hang = ctl.result.failures[0]
+    assert hang.kind == "hang" and hang.rank is None and "no single rank can be blamed" in hang.headline
+    assert "hang_timeout_s=auto: 10 x p99 step time 1 s, at least 30 s" in hang.headline
+    ctl.step()                                    # teardown, then the restart
+    ctl.step()
+    FakeWorkerGroup.created[1].finish()
+    ctl.step()
+    ctl.ledger.close(clock.now)
+    led = ctl.ledger.to_dict()
+    assert sum(led["seconds"].values()) == pytest.approx(clock.now) and led["seconds"]["first_step"] >= 100.0
+    assert led["seconds"]["detection"] > 30.0 and [a["ended_by"] for a in led["attempts"]] == ["hang", None]

@@ -1,0 +1,151 @@
+"""Hangs: the learned timeout and its phase budgets; stacks read from outside a real process that
+holds the GIL in a C call; the culprit named from what the ranks answered and their stacks (a real
+gloo collective: tests/distributed/test_hang_culprit.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from raytrain_ckpt.hangs import (FIRST_STEPS_S, FLOOR_S, HangClock, auto_text, blame, dump_stacks, py_spy,
+                                 status_line, training_thread)
+from raytrain_ckpt.spec import JobSpec
+
+pytestmark = pytest.mark.skipif(py_spy() is None, reason="py-spy is a dependency of the project")
+
+
+def _spec(**ft) -> JobSpec:
+    return JobSpec(name="h", training={"steps": 1000}, fault_tolerance=ft)
+
+
+def test_auto_is_the_default_and_a_number_still_means_a_fixed_timeout():
+    clock = HangClock(_spec())
+    assert clock.fixed is None and clock.budget(1) == (FIRST_STEPS_S, "the attempt's first step")
+    fixed = HangClock(_spec(hang_timeout_s=7))
+    assert fixed.budget(1) == (7.0, "fixed") and fixed.budget(50, {0: "saving"}) == (7.0, "fixed")
+    assert "auto, 10 x p99" in auto_text(_spec()) and "fixed 7 s" in auto_text(_spec(hang_timeout_s=7))
+
+
+def test_the_learned_budget_follows_the_step_times_with_a_floor_and_phase_budgets():
+    clock = HangClock(_spec())
+    clock.attempt_started()
+    clock.observe(0, 0.0)                 # the attempt's starting step
+    clock.observe(1, 40.0)                # its first step (warm-up): not measured
+    assert clock.budget(2)[0] == FIRST_STEPS_S
+    t = 40.0
+    for step in range(2, 9):              # 0.5 s steps: 10 x 0.5 is under the floor
+        t += 0.5
+        clock.observe(step, t)
+    assert clock.budget(9) == (FLOOR_S, "10 x p99 step time 0.5 s, at least 30 s")
+    for step in range(9, 30):             # 6 s steps: the percentile follows them
+        t += 6.0
+        clock.observe(step, t)
+    assert clock.budget(30)[0] == pytest.approx(60.0)
+    assert clock.budget(30, {0: "training", 1: "saving"}) == (600.0, "a save (checkpoint.commit_timeout_s)")
+    clock.attempt_started()               # a restart: its first step gets the first-step budget again
+    clock.observe(30, t)
+    assert clock.budget(31)[0] == FIRST_STEPS_S
+
+
+def test_an_eval_step_has_its_own_budget(tmp_path: Path):
+    (tmp_path / "shard.bin").write_bytes(bytes(2 * 129 * 2000))   # 2,000 samples of uint16 tokens
+    spec = JobSpec(name="h", training={"steps": 100}, data={"source": "tokens", "path": str(tmp_path),
+                                                             "eval_fraction": 0.1},
+                   eval={"every_steps": 10, "batches": 1})
+    clock = HangClock(spec)
+    clock.attempt_started()
+    for step, t in ((0, 0.0), (1, 5.0), *((s, 5.0 + 0.1 * (s - 1)) for s in range(2, 10))):
+        clock.observe(step, t)
+    assert clock.budget(10) == (FIRST_STEPS_S, "an eval step")
+    clock.observe(10, 5.8 + 20.0)         # the eval step took 20 s
+    assert clock.budget(11)[0] == FLOOR_S and clock.budget(20)[0] == pytest.approx(200.0)
+
+
+def _start(code: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], stdout=subprocess.PIPE, text=True)
+
+
+def _wait_line(proc: subprocess.Popen, expected: str) -> None:
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == expected
+
+
+def test_a_process_holding_the_gil_in_a_c_call_is_dumped_from_outside():
+    # catastrophic backtracking: minutes inside the regex engine, the GIL held throughout
+    proc = _start("""
+        import re
+        def stuck_in_c():
+            print("ready", flush=True)
+            re.match(r"(a+)+$", "a" * 60 + "b")
+        stuck_in_c()
+    """)
+    try:
+        _wait_line(proc, "ready")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        text = dump_stacks(proc.pid)
+        assert time.monotonic() - t0 < 15
+        assert "stuck_in_c (<string>" in text, text
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_culprit_rules_in_order():
+    waiting = 'Thread 1 (idle): "MainThread"\n    all_reduce (torch/distributed/c10d.py:2)\n    <module> (x.py:1)\n'
+    busy = 'Thread 1 (active): "MainThread"\n    forward (model.py:3)\n'
+    assert blame(3, {0: 5, 2: 5}, {}).ranks == (1,)                                  # did not answer
+    assert blame(3, {0: 5, 1: 4, 2: 5}, {}).reason == "rank 1 behind at step 4 while others reached step 5"
+    assert blame(2, {0: 5, 1: 5}, {0: waiting, 1: busy}).ranks == (1,)               # outside the collective
+    none = blame(2, {0: 5, 1: 5}, {0: waiting, 1: waiting})
+    assert none.ranks == () and none.rank is None
+    assert none.reason == "no single rank can be blamed: every rank at step 5, every rank waits in a collective"
+    assert "stacks of rank 1 could not be read" in blame(2, {0: 5, 1: 5}, {0: waiting}).reason
+    assert blame(2, {}, {}).ranks == ()
+    # an actor's training thread is not its main thread: the one running TrainWorker._run is read
+    actor = ('Thread 9 (idle): "MainThread"\n    Worker.main_loop (ray/_private/worker.py:1069)\n'
+             'Thread 11 (idle): "Dummy-1"\n    maybe_inject (raytrain_ckpt/faults.py:151)\n'
+             '    TrainWorker._run (raytrain_ckpt/worker.py:329)\n')
+    assert training_thread(actor) == ["maybe_inject (raytrain_ckpt/faults.py:151)",
+                                      "TrainWorker._run (raytrain_ckpt/worker.py:329)"]
+
+
+def test_a_dump_of_a_gone_process_says_why():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert dump_stacks(proc.pid).startswith("(no stacks: py-spy dump --pid")
+    assert os.path.exists(py_spy() or "")
+
+
+def test_validate_says_what_auto_chose_and_the_cli_lists_a_hang_s_diagnostics(tmp_path: Path, capsys):
+    from raytrain_ckpt.cli import main
+
+    assert main(["validate", "jobs/llama_debug_fsdp.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "hang_timeout_s: auto" in out
+    assert "# hang timeout: auto, 10 x p99 of the measured step times, at least 30 s; 300 s for" in out
+    folder = tmp_path / "job" / "diagnostics" / "attempt-0"
+    folder.mkdir(parents=True)
+    (folder / "rank-1.stacks.txt").write_text("Thread 1 (idle)\n")
+    reason = "reason: rank 1 behind at step 4 while others reached step 5"
+    (folder / "verdict.txt").write_text(f"culprit: rank 1\n{reason}\n")
+    assert main(["diagnostics", str(tmp_path / "job")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == [str(folder), "  culprit: rank 1", f"  {reason}"]
+    assert f"  {folder / 'rank-1.stacks.txt'}" in lines and lines[-1].startswith("1 hang(s) with diagnostics under")
+    assert main(["diagnostics", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.startswith("error: diagnostics ")
+
+
+def test_the_status_line():
+    assert status_line({}) is None
+    info = {"hang_timeout_s": 31.2, "hang_timeout_why": "10 x p99 step time 3.12 s, at least 30 s", "goodput": 0.912,
+            "stragglers": [1], "last_hang": "rank 1: stuck in f (x.py:1): ..."}
+    assert status_line(info) == ("hang timeout 31s (10 x p99 step time 3.12 s, at least 30 s); goodput so far 91.2%; "
+                                 "straggler rank(s) 1; last hang: rank 1: stuck in f (x.py:1): ...")
