@@ -1,4 +1,4 @@
-"""Run by test_preemption.py in its own process: a Ray cluster on this machine
+"""Run by test_preemption_drain.py in its own process: a Ray cluster on this machine
 (ray.cluster_utils.Cluster) with two 1-CPU nodes, a 2-rank job, and one rank's node drained with
 the real `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds N`.
 The drained node is removed at its deadline. Prints one JSON line.

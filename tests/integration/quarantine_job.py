@@ -1,4 +1,4 @@
-"""Run by test_quarantine.py in its own process: a Ray cluster of three 1-CPU nodes on this machine
+"""Run by test_quarantine_nodes.py in its own process: a Ray cluster of three 1-CPU nodes on this machine
 (ray.cluster_utils.Cluster, the head one of them), a 2-rank job whose rank 1 dies twice on the same node.
 Prints one JSON line with what happened."""
 
