@@ -1,4 +1,4 @@
-"""What the bounded reads of issue 34 cost: the pickle pre-scan and the chunk-layout check.
+"""What the bounded reads of untrusted checkpoints cost: the pickle pre-scan and the chunk-layout check.
 
 Two measurements, each as a ratio of the same work without the added checks (the baseline is
 this tree with ``check_pickle`` and ``layout_problem`` replaced by no-ops, so only they differ):
