@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from raytrain_ckpt.events import Failure, FailureKind, WorkerResult, headline
+from raytrain_ckpt.events import Failure, FailureKind, RollbackRecord, WorkerResult, headline
 from raytrain_ckpt.goodput import GoodputLedger
 from raytrain_ckpt.hangs import HangClock, Verdict, auto_text
 from raytrain_ckpt.stragglers import StragglerWatch
@@ -59,6 +59,9 @@ class GroupPoll:
     """Each answering rank's phase (``Progress.phase``: "saving" while in a save): the hang budget's phase."""
     starts: dict[int, tuple[int, float]] = field(default_factory=dict)
     """Each training rank's latest step and when it began it (time.time()): the straggler watch."""
+    rollbacks: tuple[RollbackRecord, ...] = ()
+    """The training guard's rollbacks in this attempt so far, in order:
+    the most any rank reported, through its progress or its result."""
 
 
 class WorkerGroup(Protocol):
@@ -229,6 +232,8 @@ class Controller:
         self.ledger = GoodputLedger(self._started)
         self.stragglers = StragglerWatch(spec.fault_tolerance.straggler_margin)
         self._last_hang: str | None = None
+        self._rollbacks_noted = 0
+        """Rollbacks of the running attempt already in ``result.failures``."""
 
     def run(self) -> JobResult:
         """Step until terminal; always releases the group."""
@@ -314,6 +319,7 @@ class Controller:
                 self._on_failure(Failure(self.attempt, "start", None, headline(str(exc)), str(exc)))
             return
         self._last_step, self._last_advance = -1, self._clock()
+        self._rollbacks_noted = 0
         if self.preemption is not None:
             self.preemption.new_attempt()
         self.ledger.start_marks(getattr(self.group, "start_marks", []), self._last_advance)
@@ -328,6 +334,7 @@ class Controller:
         assert self.group is not None
         poll = self.last_poll = self.group.poll()
         self.ledger.progress(poll.min_step, self._clock(), poll.stall_s, poll.eval_s)
+        self._note_rollbacks(poll.rollbacks)
         for line in self.stragglers.observe(poll.starts):
             logger.warning("attempt %d: %s", self.attempt, line)
             self.result.stragglers.append(f"attempt {self.attempt}: {line}")
@@ -341,18 +348,20 @@ class Controller:
         elif poll.finished:
             self.ledger.finished(self._clock())
             self.result.results = poll.results
-            self._note_rollbacks(poll.results)
+            self._note_rollbacks(poll.results[0].rollbacks if poll.results else ())
             self._set_state(JobState.SUCCEEDED, f"{poll.min_step} steps done")
         elif self._hung(poll):
             self._on_failure(self._hang_failure(poll))
         else:
             self.group.wait(self.spec.fault_tolerance.poll_interval_s)
 
-    def _note_rollbacks(self, results: list[WorkerResult]) -> None:
-        """The training guard's rollbacks (rank 0 reports them) are failures the job recovered from."""
-        for rb in results[0].rollbacks if results else ():
+    def _note_rollbacks(self, rollbacks: tuple[RollbackRecord, ...]) -> None:
+        """The training guard's rollbacks are failures the job recovered from: each is recorded
+        once, as soon as a poll sees it (an attempt that crashes later keeps them)."""
+        for rb in rollbacks[self._rollbacks_noted:]:
             self.result.failures.append(Failure(self.attempt, "rollback", rb.trip.rank, str(rb), str(rb)))
             self.result.events.append((time.time(), f"attempt {self.attempt} rollback to step {rb.to_step}"))
+        self._rollbacks_noted = max(self._rollbacks_noted, len(rollbacks))
 
     def _hung(self, poll: GroupPoll) -> bool:
         now = self._clock()

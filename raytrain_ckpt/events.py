@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["Failure", "FailureKind", "Progress", "RankPlace", "WorkerResult", "cause_text", "headline"]
+__all__ = ["Failure", "FailureKind", "Progress", "RankPlace", "RollbackRecord", "Trip", "WorkerResult", "cause_text",
+           "headline"]
 
 FailureKind = Literal["start", "crash", "exception", "hang", "checkpoint", "mismatch", "preemption", "rollback"]
 """start: the group could not be placed or formed; crash: a rank's process (or its node) died;
@@ -23,6 +24,33 @@ mistake, the same on every attempt: never retried). preemption: a node the group
 ``fault_tolerance.max_preemptions``, never against ``max_restarts``. rollback: the training guard
 rolled back to a certified step (the job went on), or a trip it could not roll back ended the job
 (never retried)."""
+
+
+@dataclass(frozen=True)
+class Trip:
+    """What tripped the training guard (``guard.py``): the step (0-based: the step that started
+    after ``step`` steps), the rank, the metric."""
+
+    step: int
+    rank: int
+    metric: str
+
+    def __str__(self) -> str:
+        return f"{self.metric} on rank {self.rank} at step {self.step + 1}"
+
+
+@dataclass(frozen=True)
+class RollbackRecord:
+    """One rollback of the training guard: the trip, the certified step it returned to, the samples it skipped."""
+
+    trip: Trip
+    to_step: int
+    samples: tuple[int, int]
+    """The skipped global sample indices ``[lo, hi)``."""
+
+    def __str__(self) -> str:
+        return (f"{self.trip}: rolled back to certified step {self.to_step}, skipped samples "
+                f"[{self.samples[0]}, {self.samples[1]})")
 
 
 @dataclass(frozen=True)
@@ -40,6 +68,8 @@ class Progress:
     """Seconds this attempt spent in evaluation steps."""
     step_started_at: float = 0.0
     """time.time() when this rank began ``step`` (a rank that begins its steps late is a straggler)."""
+    rollbacks: tuple[RollbackRecord, ...] = ()
+    """The training guard's rollbacks in this attempt so far, in order: the controller records each one as it sees it, not only when the attempt finishes."""
 
 
 @dataclass(frozen=True)

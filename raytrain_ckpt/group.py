@@ -296,6 +296,8 @@ class RayWorkerGroup:
             eval_s=max((p.eval_s for p in progress.values()), default=0.0),
             phases={r: p.phase for r, p in progress.items()},
             starts={r: (p.step, p.step_started_at) for r, p in progress.items() if p.phase == "training"},
+            rollbacks=max([p.rollbacks for p in progress.values()] + [r.rollbacks for r in self._results.values()],
+                          key=len, default=()),
         )
 
     def rank_nodes(self) -> list[str]:

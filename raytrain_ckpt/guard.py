@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from raytrain_ckpt.events import RollbackRecord, Trip
 from raytrain_ckpt.spec.sections import GuardSpec
 
 logger = logging.getLogger(__name__)
@@ -37,18 +38,6 @@ _METRICS = {_SPIKE: "loss spike", _NONFINITE: "non-finite loss"}
 _RANK_BITS = 1 << 20
 _MAD_SCALE = 1.4826
 """MAD x this estimates the standard deviation of normally distributed values."""
-
-
-@dataclass(frozen=True)
-class Trip:
-    """What tripped: the step (0-based: the step that started after ``step`` steps), the rank, the metric."""
-
-    step: int
-    rank: int
-    metric: str
-
-    def __str__(self) -> str:
-        return f"{self.metric} on rank {self.rank} at step {self.step + 1}"
 
 
 class GuardTrip(RuntimeError):
@@ -71,20 +60,6 @@ class GuardFailed(RuntimeError):
 
     def __reduce__(self) -> tuple:
         return (GuardFailed, (self.report,))
-
-
-@dataclass(frozen=True)
-class RollbackRecord:
-    """One rollback the job made: the trip, the certified step it returned to, the samples it skipped."""
-
-    trip: Trip
-    to_step: int
-    samples: tuple[int, int]
-    """The skipped global sample indices ``[lo, hi)``."""
-
-    def __str__(self) -> str:
-        return (f"{self.trip}: rolled back to certified step {self.to_step}, skipped samples "
-                f"[{self.samples[0]}, {self.samples[1]})")
 
 
 def robust_z(value: float, history: list[float]) -> float:

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -114,6 +114,8 @@ class TrainWorker:
         if rank != SPARE_RANK:
             self.served.append(attempt)
         self._progress = Progress(rank, 0, None, time.time(), "setup")
+        self._rollbacks: tuple[Any, ...] = ()
+        """This attempt's rollbacks so far, reported with the progress (``progress()``)."""
         self._stop = threading.Event()
         self._notice = threading.Event()
         """Set by ``preempt()``: a node of the group drains; the ranks agree on a step, save it and stop."""
@@ -178,6 +180,7 @@ class TrainWorker:
         self._store = None
         gc.collect()  # only what this attempt made: join() froze everything older (gc.freeze)
         self._progress = Progress(self.rank, 0, None, time.time(), "setup")
+        self._rollbacks = ()
 
     def _prefix(self) -> str:
         step = self.trainer.state.step if self.trainer else 0
@@ -324,6 +327,7 @@ class TrainWorker:
         if trainer.guard is not None and self.rank == 0:  # retention keeps the newest certified step
             trainer.guard.on_certified = lambda step: ckpt.actor.certify.remote(step)
         self._progress = Progress(self.rank, self.start_step, None, time.time(), "setup")
+        self._rollbacks = ()
 
     def run(self) -> WorkerResult:
         """Train to ``training.steps``; raises WorkerFailure with the traceback on error."""
@@ -407,6 +411,8 @@ class TrainWorker:
         assert self.trainer is not None
         record = roll_back(self.trainer, self.checkpoints, self.trainer.guard, trip, f"rollback-{self.attempt}")
         self.metrics.rolled_back(record)
+        if record is not None:
+            self._rollbacks = tuple(self.trainer.guard.rollbacks)
         return record
 
     def preempt(self, deadline_unix: float | None) -> None:
@@ -433,8 +439,9 @@ class TrainWorker:
         return RankPlace(os.getpid(), ray.get_runtime_context().get_node_id())
 
     def progress(self) -> Progress:
-        """The last finished step; answered from the second actor thread while ``run()`` trains."""
-        return self._progress
+        """The last finished step, and this attempt's rollbacks so far; answered from the second
+        actor thread while ``run()`` trains."""
+        return replace(self._progress, rollbacks=self._rollbacks) if self._rollbacks else self._progress
 
     def __repr__(self) -> str:
         # Shown in the Ray dashboard's actor list and as the log prefix. Ray evaluates it once,

@@ -79,7 +79,10 @@ def test_a_trip_every_window_spends_the_budget_and_fails_with_one_report(tmp_pat
     result = run_job(spec)
     assert result.state is JobState.FAILED
     assert result.attempts == 1  # never restarted: max_restarts=3 was not spent
-    [final] = [f for f in result.failures if f.kind == "rollback"]
+    # the two rollbacks, each recorded as the controller saw it, then the trip that ended the job
+    *rolled, final = [f for f in result.failures if f.kind == "rollback"]
+    assert [f.headline.split(": rolled back to certified step ")[0] for f in rolled] == [
+        "non-finite loss on rank 0 at step 10", "non-finite loss on rank 0 at step 12"], rolled
     report = final.detail
     assert "non-finite loss on rank 0 at step 14" in report and "max_rollbacks=2 rollbacks spent" in report
     assert "samples [" in report and report.count("earlier rollback") == 2

@@ -14,12 +14,13 @@ from raytrain_ckpt.controller import (
     JobState,
     elastic_world_size,
 )
-from raytrain_ckpt.events import Failure, WorkerResult
+from raytrain_ckpt.events import Failure, RollbackRecord, Trip, WorkerResult
 from raytrain_ckpt.spec import JobSpec
 
 
 class FakeWorkerGroup:
-    """A scripted group. Test-only methods: ``fail(rank)``, ``kill(rank)``, ``advance(steps)``, ``finish()``."""
+    """A scripted group. Test-only methods: ``fail(rank)``, ``kill(rank)``, ``advance(steps)``, ``finish()``,
+    ``roll_back(record)``."""
 
     created: list[FakeWorkerGroup] = []
     clock: Clock | None = None
@@ -32,6 +33,7 @@ class FakeWorkerGroup:
         self.step, self.done, self.shut = 0, False, 0
         self.failures: list[Failure] = []
         self.kept_warm: list[bool] = []
+        self.rollbacks: list[RollbackRecord] = []
         FakeWorkerGroup.created.append(self)
 
     def start(self) -> None:
@@ -39,8 +41,11 @@ class FakeWorkerGroup:
             raise GroupStartError(self.start_error, self.mismatch)
 
     def poll(self) -> GroupPoll:
-        results = [WorkerResult(r, self.step, 0, {self.step: 1.0}, "x") for r in range(2)] if self.done else []
-        return GroupPoll(results=results, failures=list(self.failures), min_step=self.step, finished=self.done)
+        rollbacks = tuple(self.rollbacks)
+        results = [WorkerResult(r, self.step, 0, {self.step: 1.0}, "x", rollbacks=rollbacks) for r in range(2)] \
+            if self.done else []
+        return GroupPoll(results=results, failures=list(self.failures), min_step=self.step, finished=self.done,
+                         rollbacks=rollbacks)
 
     def wait(self, timeout_s: float) -> None:
         if self.clock is not None:
@@ -62,6 +67,10 @@ class FakeWorkerGroup:
 
     def finish(self) -> None:
         self.done = True
+
+    def roll_back(self, record: RollbackRecord) -> None:
+        """The ranks rolled back inside the attempt and report it with their progress."""
+        self.rollbacks.append(record)
 
 
 class Clock:
@@ -382,3 +391,37 @@ def test_the_default_hang_timeout_is_learned_and_the_ledger_adds_up(make):
     led = ctl.ledger.to_dict()
     assert sum(led["seconds"].values()) == pytest.approx(clock.now) and led["seconds"]["first_step"] >= 100.0
     assert led["seconds"]["detection"] > 30.0 and [a["ended_by"] for a in led["attempts"]] == ["hang", None]
+
+
+def test_a_rollback_is_recorded_as_soon_as_the_progress_reports_it_once_and_survives_a_later_crash(make):
+    ctl, _ = make(max_restarts=1)
+    ctl.step()
+    group = FakeWorkerGroup.created[0]
+    group.advance(10)
+    first = RollbackRecord(Trip(9, 1, "non-finite loss"), 6, (96, 160))
+    group.roll_back(first)
+    ctl.step()
+    assert ctl.state is JobState.RUNNING           # a rollback is no failure of the group: no restart
+    assert [(f.attempt, f.kind, f.rank) for f in ctl.result.failures] == [(0, "rollback", 1)]
+    assert ctl.result.failures[0].headline == str(first)
+    assert ctl.summary()["failures"] == {"rollback": 1}  # what `status --job` shows mid-attempt
+    ctl.step()
+    ctl.step()                                     # the same report on later polls: recorded once
+    assert len(ctl.result.failures) == 1
+    group.roll_back(RollbackRecord(Trip(13, 0, "loss spike"), 10, (160, 224)))
+    ctl.step()
+    assert ctl.summary()["failures"] == {"rollback": 2} and ctl.result.failures[1].rank == 0
+    group.kill(1)                                  # the attempt crashes later: its rollbacks stay
+    ctl.step()
+    assert ctl.state is JobState.RECOVERING
+    assert [f.kind for f in ctl.result.failures] == ["rollback", "rollback", "crash"]
+    ctl.step()
+    ctl.step()
+    second = FakeWorkerGroup.created[1]
+    second.roll_back(RollbackRecord(Trip(9, 1, "non-finite loss"), 6, (96, 160)))  # a new attempt counts anew
+    second.finish()                                # seen first in the finished poll: its results carry it too
+    ctl.step()
+    assert ctl.state is JobState.SUCCEEDED
+    assert [(f.attempt, f.kind) for f in ctl.result.failures] == [
+        (0, "rollback"), (0, "rollback"), (0, "crash"), (1, "rollback")]
+    assert ctl.summary()["failures"] == {"rollback": 3, "crash": 1}
