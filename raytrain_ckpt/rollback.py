@@ -27,7 +27,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
+from raytrain_ckpt.checkpoint.format.verify import read_manifest
+from raytrain_ckpt.checkpoint.storage.backends import open_storage
+from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.data.skips import SampleSkips
 from raytrain_ckpt.guard import GuardFailed, LossGuard, RollbackFacts, RollbackPolicy, RollbackRecord, Trip, failure_report
 
@@ -107,10 +109,9 @@ def _fail(trainer: Any, trip: Trip, why: str, tripped: tuple[int, int], guard: L
 def adopt_manifest(trainer: Any, guard: LossGuard | None, path: str) -> None:
     """After a resume from the step at ``path``: keep skipping the windows its manifest records, and
     know the certified step it records (and the step itself, a saved step of this timeline)."""
-    manifest_path = Path(path) / MANIFEST
-    if not manifest_path.is_file():  # an object-store step: its manifest is read by the actor only
-        return
-    m = Manifest.from_json(manifest_path.read_text())
+    # the manifest where the step lives: a local directory or an object-store prefix
+    m = read_manifest(open_storage(path, trainer.spec.checkpoint.storage_options),
+                      path if is_uri(path) else Path(path))
     rows = {tuple(row) for row in [*trainer.spec.data.skip_samples, *(m.skipped_samples or [])]}
     trainer.skips = SampleSkips.from_lists(trainer.spec.training.global_batch_size, sorted(rows))
     if guard is not None:

@@ -168,3 +168,29 @@ def test_the_checkpoint_actor_keeps_the_newest_certified_step_whatever_keep_late
     assert sorted(actor.committed) == [6, 8]  # 6 is the newest certified now: 2 may go
     asyncio.run(_save(actor, 10))
     assert sorted(actor.committed) == [6, 10]
+
+
+@pytest.mark.parametrize("where", ["local", "object store"])
+def test_a_resume_keeps_skipping_the_windows_its_step_recorded_wherever_the_step_lives(tmp_path, where):
+    """The skipped windows are in the manifest of the step a resume loads, on a local root or an
+    object store (fsspec's memory://, the gs:// code path): the resumed stream skips them too."""
+    import types
+    import uuid
+
+    from raytrain_ckpt.checkpoint.storage.backends import open_storage
+    from raytrain_ckpt.rollback import adopt_manifest
+    from raytrain_ckpt.spec import JobSpec
+
+    spec = JobSpec.model_validate({"name": "j", "model": {"name": "debug"},
+                                   "training": {"global_batch_size": 16, "micro_batch_size": 2}})
+    manifest = Manifest(step=8, world_size=2, dp_size=2, spec_hash="x", files={}, certified_step=6,
+                        skipped_samples=[[6, 96, 160]])
+    step = str(tmp_path / "step-00000008") if where == "local" else f"memory://ckpt-{uuid.uuid4().hex[:8]}/j/step-00000008"
+    storage = open_storage(step)
+    storage.makedirs(step)
+    storage.write_bytes(storage.join(step, "manifest.json"), manifest.to_json().encode())
+    trainer = types.SimpleNamespace(spec=spec, rank=0, skips=SampleSkips.from_lists(16, []))
+    guard = _guard()
+    adopt_manifest(trainer, guard, step)
+    assert trainer.skips.as_lists() == [[6, 96, 160]]
+    assert guard.last_certified == 6
