@@ -1,6 +1,6 @@
 """Ask a Prometheus for every query of the shipped Grafana dashboard, as Grafana would for one
-job, and print how many series each returns and the largest value among them: which panels show data for
-a real run, and what they show (a panel of event counts reads 0 when it misses an event).
+job, and print how many series each returns and the largest value among them: which panels show
+data for a real run, and what they show (a panel of event counts reads 0 when it misses an event).
 
     .venv/bin/python scripts/check_panels.py --job demo [--prometheus http://localhost:9090]
 
