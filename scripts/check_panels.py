@@ -1,5 +1,6 @@
 """Ask a Prometheus for every query of the shipped Grafana dashboard, as Grafana would for one
-job, and print how many series each returns: which panels show data for a real run.
+job, and print how many series each returns and the largest value among them: which panels show
+data for a real run, and what they show (a panel of event counts reads 0 when it misses an event).
 
     .venv/bin/python scripts/check_panels.py --job demo [--prometheus http://localhost:9090]
 
@@ -33,13 +34,16 @@ def main() -> int:
     dashboard = json.loads(packaged_dashboard().read_text())
     empty: dict[str, int] = {}
     seen: dict[str, int] = {}
+    top: dict[str, float] = {}
     for title, expr in _targets(dashboard["panels"]):
         query = expr.replace("$job", args.job).replace("$__rate_interval", "1m")
         url = f"{args.prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": query})
         result = json.load(urllib.request.urlopen(url, timeout=10))["data"]["result"]
         seen[title] = seen.get(title, 0) + len(result)
+        for series in result:
+            top[title] = max(top.get(title, float("-inf")), float(series["value"][1]))
     for title, n in seen.items():
-        print(f"{n:>4} series  {title}")
+        print(f"{n:>4} series  {'max ' + format(top[title], '.6g') if title in top else '':<16} {title}")
         if n == 0:
             empty[title] = n
     print(f"{len(seen) - len(empty)} of {len(seen)} panels have data" + (f"; none: {', '.join(empty)}" if empty else ""))

@@ -139,3 +139,20 @@ def test_the_packaged_dashboard_is_the_one_in_cluster():
     from raytrain_ckpt.dashboard import packaged_dashboard
 
     assert packaged_dashboard().read_bytes() == DASHBOARD.read_bytes()
+
+
+RARE_EVENT_COUNTERS = ("job_failures_total", "job_restarts_total", "job_preemption_steps_lost_total",
+                       "train_rollbacks_total", "train_skipped_samples_total")
+
+
+def test_rare_event_counters_are_not_read_with_increase():
+    """A Ray counter's series appears at its first increment, already at its value: Prometheus's
+    increase()/rate() of a series whose first sample is 1 is 0, so a panel built that way reads 0
+    for a job's one crash, preemption or rollback (seen on a real scrape). These panels read the
+    counter's value (max_over_time) instead."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    for name in RARE_EVENT_COUNTERS:
+        exprs = [q for q in _queries(dashboard) if f"ray_raytrain_ckpt_{name}" in q]
+        assert exprs, name
+        for q in exprs:
+            assert not re.search(r"\b(increase|rate|irate)\(", q), q
