@@ -13,7 +13,7 @@ from ray.exceptions import RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ckpt.checkpoint.datapath.replica import ring_peers
-from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, ActorByName, actor_name, writer_name
+from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, ActorByName, actor_name, call_restarting, writer_name
 from raytrain_ckpt.checkpoint.roles.writer import CheckpointWriter
 from raytrain_ckpt.checkpoint.errors import StorageNotShared
 from raytrain_ckpt.checkpoint.storage.probe import local_root, missing_probes, unshared_message
@@ -21,7 +21,13 @@ from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WriterFleet"]
+__all__ = ["PING_TIMEOUT_S", "WriterFleet"]
+
+PING_TIMEOUT_S = 10.0
+"""How long a restart waits for each CheckpointWriter and the CheckpointActor to answer a ping
+before the new attempt reuses them (``WriterFleet.replace_silent``). One that does not answer (a
+stopped process, a filesystem call holding every thread) is killed and Ray starts a fresh one in
+its place. The same bound as a restart's query of a writer's in-memory copies."""
 
 
 class WriterFleet:
@@ -59,6 +65,29 @@ class WriterFleet:
                  self.spec.checkpoint.writer_threads,
                  self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options,
                  self.spec.checkpoint.memory_copies, self.spec.checkpoint.replication.max_mb_per_s, self._env)
+
+    def replace_silent(self, timeout_s: float = PING_TIMEOUT_S) -> list[str]:
+        """Ping every writer and the CheckpointActor (Ray's ``__ray_ready__``, run as one of their
+        tasks); kill each one that does not answer within ``timeout_s``, so that Ray restarts it
+        (``max_restarts=-1``: the handles the attempt gets stay valid), and wait for it to be back.
+
+        Without this a restart would hand its ranks a stopped writer, hang on the first save
+        again, and blame the ranks. Returns one line per replacement (also logged).
+        """
+        targets = [(f"checkpoint writer on node {node[:12]}", w) for node, w in sorted(self.writers.items())]
+        targets.append(("checkpoint actor", self.actor))
+        refs = [handle.__ray_ready__.remote() for _, handle in targets]
+        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)  # an error is an answer too
+        notes = []
+        for (what, handle), ref in zip(targets, refs):
+            if ref in answered:
+                continue
+            ray.kill(handle, no_restart=False)
+            note = f"{what} did not answer within {timeout_s:g}s: replaced"
+            logger.warning(note)
+            notes.append(note)
+            call_restarting(lambda h=handle: h.__ray_ready__.remote(), self.spec.fault_tolerance.start_timeout_s)
+        return notes
 
     def replicate_between(self, nodes: list[str]) -> dict[str, str]:
         """Point each rank-hosting node's writer at its peer (``ring_peers``); returns the ring.

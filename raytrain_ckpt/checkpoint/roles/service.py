@@ -61,6 +61,8 @@ class CheckpointService:
         self.fleet = WriterFleet(spec, str(self.root), self.actor, env)
         self.sources = CopySources(spec, self.fleet, self._ask)
         self._note: ray.ObjectRef | None = None
+        self.replaced: dict[int, list[str]] = {}
+        """By attempt: the checkpoint writers and actor replaced before it, for not answering."""
         self._job: JobNote | None = None
         """The controller's newest summary (``note_job``)."""
         self._start: str | None = None
@@ -82,6 +84,8 @@ class CheckpointService:
         """Each rank's checkpoint plan for ``attempt`` (``spec``: its layout; ``nodes``: every
         rank's node id): the actor, the writer on its node, the resume point and its source, and
         the interval history (the same on every rank: they agree on the interval)."""
+        if attempt > 0:  # a writer or the actor that stopped answering is not handed to the new attempt
+            self.replaced[attempt] = self.fleet.replace_silent()
         t0 = time.monotonic()
         point, sources = self.resume_plan(attempt, spec, nodes)
         plan_s = time.monotonic() - t0  # verifying the resume step on storage and choosing each rank's source
