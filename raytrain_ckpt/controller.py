@@ -312,12 +312,14 @@ class Controller:
         try:
             self.group.start()
         except GroupStartError as exc:
+            self._note_replaced()
             self.ledger.start_marks(getattr(self.group, "start_marks", []), self._clock())
             if exc.mismatch is not None:
                 self._on_failure(Failure(self.attempt, "mismatch", None, headline(exc.mismatch), str(exc)))
             else:
                 self._on_failure(Failure(self.attempt, "start", None, headline(str(exc)), str(exc)))
             return
+        self._note_replaced()
         self._last_step, self._last_advance = -1, self._clock()
         self._rollbacks_noted = 0
         if self.preemption is not None:
@@ -329,6 +331,12 @@ class Controller:
         self.stragglers.restart()
         self.result.events.append((time.time(), f"attempt {self.attempt} running"))
         self._set_state(JobState.RUNNING, f"{self.spec.world_size} workers started")
+
+    def _note_replaced(self) -> None:
+        """Into the result's events: the checkpoint writers or actor the start replaced for not
+        answering (a stopped process; the previous failure may have been theirs, not the ranks')."""
+        for note in getattr(self.group, "replaced", []):
+            self.result.events.append((time.time(), f"attempt {self.attempt}: {note}"))
 
     def _watch_group(self) -> None:
         assert self.group is not None

@@ -56,6 +56,12 @@ class RayWorkerGroup:
         """(phase, time.monotonic() it ended) of the start: placement, rendezvous, load (the goodput ledger)."""
         """Each rank's (pid, node id): where its stacks are read from if the group hangs."""
 
+    @property
+    def replaced(self) -> list[str]:
+        """The checkpoint writers and actor this attempt's start replaced because they did not
+        answer (``CheckpointService.plan_attempt``), one line each."""
+        return self.checkpoints.replaced.get(self.attempt, []) if self.checkpoints is not None else []
+
     def start(self) -> None:
         """Reserve bundles, create the actors, rendezvous, and start ``run()`` on every rank."""
         ft, res = self.spec.fault_tolerance, self.spec.resources

@@ -25,6 +25,8 @@ class FakeWorkerGroup:
     created: list[FakeWorkerGroup] = []
     clock: Clock | None = None
     """The test's clock: the controller's pause between polls is the group's ``wait``."""
+    replace_at: dict[int, list[str]] = {}
+    """By attempt: what its start replaced for not answering (``WorkerGroup.replaced``)."""
 
     def __init__(self, spec: JobSpec, attempt: int, start_error: str | None = None) -> None:
         self.spec, self.attempt, self.start_error = spec, attempt, start_error
@@ -34,6 +36,7 @@ class FakeWorkerGroup:
         self.failures: list[Failure] = []
         self.kept_warm: list[bool] = []
         self.rollbacks: list[RollbackRecord] = []
+        self.replaced = FakeWorkerGroup.replace_at.get(attempt, [])
         FakeWorkerGroup.created.append(self)
 
     def start(self) -> None:
@@ -86,7 +89,7 @@ class Clock:
 
 @pytest.fixture()
 def make():
-    FakeWorkerGroup.created = []
+    FakeWorkerGroup.created, FakeWorkerGroup.replace_at = [], {}
 
     def _make(max_restarts: int = 0, hang_timeout_s: float = 10.0, start_errors: tuple[str, ...] = (),
               **ft: float):
@@ -166,6 +169,19 @@ def test_failure_with_budget_restarts_a_new_group(make):
     FakeWorkerGroup.created[1].fail(0)
     ctl.step()
     assert ctl.state is JobState.FAILED and ctl.restarts == 1
+
+
+def test_a_checkpoint_writer_replaced_at_a_restart_is_in_the_result_events(make):
+    ctl, _ = make(max_restarts=1)
+    FakeWorkerGroup.replace_at[1] = ["checkpoint writer on node abc did not answer within 10s: replaced"]
+    ctl.step()
+    FakeWorkerGroup.created[0].fail(0)
+    ctl.step()
+    ctl.step()
+    ctl.step()
+    assert ctl.state is JobState.RUNNING
+    notes = [e for _, e in ctl.result.events if "did not answer" in e]
+    assert notes == ["attempt 1: checkpoint writer on node abc did not answer within 10s: replaced"]
 
 
 def test_hang_detected_after_timeout_without_progress(make):

@@ -78,16 +78,13 @@ class WriterFleet:
         targets.append(("checkpoint actor", self.actor))
         refs = [handle.__ray_ready__.remote() for _, handle in targets]
         answered, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)  # an error is an answer too
-        notes = []
-        for (what, handle), ref in zip(targets, refs):
-            if ref in answered:
-                continue
+        silent = [(what, handle) for (what, handle), ref in zip(targets, refs) if ref not in answered]
+        for _, handle in silent:
             ray.kill(handle, no_restart=False)
-            note = f"{what} did not answer within {timeout_s:g}s: replaced"
-            logger.warning(note)
-            notes.append(note)
+        for what, handle in silent:  # back within start_timeout_s, as a new worker would be
             call_restarting(lambda h=handle: h.__ray_ready__.remote(), self.spec.fault_tolerance.start_timeout_s)
-        return notes
+            logger.warning("%s did not answer within %gs: replaced", what, timeout_s)
+        return [f"{what} did not answer within {timeout_s:g}s: replaced" for what, _ in silent]
 
     def replicate_between(self, nodes: list[str]) -> dict[str, str]:
         """Point each rank-hosting node's writer at its peer (``ring_peers``); returns the ring.
