@@ -348,7 +348,9 @@ class RayWorkerGroup:
         sets up or loads would take CPU from the very restart it is meant to speed up."""
         if self._spares_started or self.pool is None or self._pg is None:
             return
-        if len(progress) == len(self.workers) and all(p.phase in ("training", "done") for p in progress.values()):
+        # a rank in a save has finished a step too ("saving" is the step after one, not a set-up phase)
+        if len(progress) == len(self.workers) and all(p.phase in ("training", "saving", "done")
+                                                       for p in progress.values()):
             self._spares_started = True
             self.pool.replenish(self._pg)
 
