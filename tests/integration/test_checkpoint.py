@@ -294,7 +294,9 @@ def test_resuming_an_older_step_starts_a_new_timeline(reference, tmp_path, monke
     assert all(r.start_step == 10 for r in result.results)
     assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference.results]
     assert result.losses == {s: v for s, v in reference.losses.items() if s > 10}
-    assert result.checkpoints["committed"] == [15, 20] and result.checkpoints["failed"] == {}
+    # keep_latest_k=2 keeps 15 and 20; 10 is the newest certified step (10 healthy steps followed it,
+    # training.guard.certify_after_steps), which retention never deletes
+    assert result.checkpoints["committed"] == [10, 15, 20] and result.checkpoints["failed"] == {}
     # the abandoned step 10 is kept aside, intact, never deleted
     aside = [p for p in root.iterdir() if p.name.startswith("step-00000010.abandoned-")]
     assert len(aside) == 1

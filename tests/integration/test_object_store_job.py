@@ -55,11 +55,12 @@ def test_killed_worker_resumes_from_s3_bit_exact(reference, s3_endpoint, s3_buck
     # parameters and optimizer state after step 20 are bit-identical to the uninterrupted run
     assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference.results]
     assert result.losses == {s: v for s, v in reference.losses.items() if s > 10}
-    # retention on the bucket: the newest two steps, each verifying with its checksums from S3
+    # retention on the bucket: the newest two steps and the newest certified one (step 10: 10 healthy
+    # steps followed it, training.guard.certify_after_steps), each verifying with its checksums from S3
     layout = CheckpointLayout(f"{root}/{JOB}", options=s3_endpoint.options)
-    assert result.checkpoints["committed"] == [15, 20]
-    assert sorted(layout.valid_steps("checksum")) == [15, 20]
-    assert sorted(layout.step_dirs()) == [15, 20]
+    assert result.checkpoints["committed"] == [10, 15, 20]
+    assert sorted(layout.valid_steps("checksum")) == [10, 15, 20]
+    assert sorted(layout.step_dirs()) == [10, 15, 20]
     _cli_against_the_bucket(layout, tmp_path, cli_stderr, capsys)
 
 
@@ -69,7 +70,7 @@ def _cli_against_the_bucket(layout: CheckpointLayout, tmp_path: Path, cli_stderr
     capsys.readouterr()
     assert main(["ls", root]) == 0
     out = capsys.readouterr().out
-    assert "step-00000015" in out and "step-00000020" in out and out.count("valid") == 2
+    assert all(f"step-000000{n}" in out for n in (10, 15, 20)) and out.count("valid") == 3
     assert main(["status", root]) == 0
     assert f"resume point: step 20 ({root}/step-00000020)" in capsys.readouterr().out
     assert main(["verify", f"{root}/step-00000020"]) == 0
