@@ -111,7 +111,10 @@ class HangClock:
         if self._is_eval(step) or any(self._is_eval(s) for s in range(mark[0] + 1, step)):
             self._evals.append(now - mark[1])
         else:
-            self._steps.append(per_step)
+            # one sample per step the poll covers: steps faster than the poll interval (several
+            # finished between two polls) count as measured, or a fast job would keep the
+            # first-steps budget (300 s) long after it measured its pace
+            self._steps.extend([per_step] * min(step - mark[0], WINDOW))
 
     def learned_s(self) -> float | None:
         """The step budget learned so far (None: too few steps measured)."""

@@ -53,6 +53,19 @@ def test_the_learned_budget_follows_the_step_times_with_a_floor_and_phase_budget
     assert clock.budget(31)[0] == FIRST_STEPS_S
 
 
+def test_steps_faster_than_the_polls_are_measured_by_the_steps_they_cover():
+    # 0.2 s steps polled every 1 s: a poll sees 5 steps at once; after 3 polls 10 steps were
+    # measured, so the learned budget (the floor) applies, not the first-steps budget
+    clock = HangClock(_spec())
+    clock.attempt_started()
+    clock.observe(0, 0.0)
+    clock.observe(1, 2.0)                 # the first step: not measured
+    clock.observe(6, 3.0)
+    assert clock.budget(7)[0] == FLOOR_S
+    clock.observe(11, 4.0)
+    assert clock.budget(12) == (FLOOR_S, "10 x p99 step time 0.2 s, at least 30 s")
+
+
 def test_an_eval_step_has_its_own_budget(tmp_path: Path):
     (tmp_path / "shard.bin").write_bytes(bytes(2 * 129 * 2000))   # 2,000 samples of uint16 tokens
     spec = JobSpec(name="h", training={"steps": 100}, data={"source": "tokens", "path": str(tmp_path),
