@@ -45,7 +45,7 @@ __all__ = ["ENV_VAR", "Fault", "InjectedFault", "adopt_fault_env", "fault_env", 
 
 ENV_VAR = "RAYTRAIN_CKPT_FAULTS"
 STAMP_VAR = "RAYTRAIN_CKPT_FAULT_STAMP"
-"""If set, an ``exit`` or ``hang`` fault first writes its wall-clock time to this file (recovery benchmarks)."""
+"""If set, the first ``exit`` or ``hang`` fault of a run writes its wall-clock time to this file (benchmarks, tests)."""
 KINDS = ("raise", "exit", "hang", "slow", "corrupt", "stale", "nan")
 COPY_KINDS = ("corrupt", "stale")
 """Kinds that damage a rank's in-memory copy (point ``restore`` only); their caller acts on ``planned()``."""
@@ -126,10 +126,15 @@ def adopt_fault_env(env: dict[str, str] | None) -> None:
 
 
 def _stamp() -> None:
+    """When the run's first fault struck, kept once: a later fault (a crash in the next attempt)
+    must not move the time a test measures the first one's detection from."""
     path = os.environ.get(STAMP_VAR)
     if path:
-        with open(path, "w") as f:
-            f.write(repr(time.time()))
+        try:
+            with open(path, "x") as f:
+                f.write(repr(time.time()))
+        except FileExistsError:
+            pass
 
 
 def planned(kind: str, point: str, rank: int, step: int, attempt: int) -> bool:
