@@ -173,7 +173,7 @@ def report_ray_train(led: dict, trace: list[str], ours_per_fault: float | None) 
           f"{led['wall_s']:.1f} s wall, goodput {100 * led['goodput']:.1f}%")
     for cause, s in sorted(led["seconds"].items(), key=lambda kv: -kv[1]):
         print(f"  {cause:<17} {s:7.1f} s  {100 * s / led['wall_s']:5.1f}%")
-    print(f"  lost to {led['restarts']} fault(s): {led['lost_s']:.1f} s (redone, detection, teardown, the restarts: "
+    print(f"  lost to {led['restarts']} fault(s): {led['lost_s']:.1f} s (redone, and the restarts: "
           f"detection, teardown, start, load, first step), {led['lost_per_fault_s']:.1f} s per fault")
     if ours_per_fault is not None and led["lost_per_fault_s"] > 0:
         print(f"lost per fault, raytrain_ckpt / Ray Train: {ours_per_fault / led['lost_per_fault_s']:.2f}x")
