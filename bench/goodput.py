@@ -12,11 +12,18 @@ job once with ``hang_timeout_s: 600`` (the previous default), the hang only, to 
 Printed: wall time, goodput (training / wall time, from the goodput ledger), seconds by cause,
 lost seconds per fault, each attempt's phases, the hang's detection against the fixed timeout's.
 
-Not measured here: Ray Train's ``TorchTrainer`` under the same trace (its hang detection by default
-is the process group's 30-minute collective timeout; ``bench/recovery.py`` compares crash recovery
-with it when ``ray[train]`` is installed).
+Then Ray Train's ``TorchTrainer`` runs the same ``Trainer`` (``bench/raytrain_peer.py``) with the
+same interval (``dcp.save`` + ``ray.train.report(checkpoint=...)`` every 5 steps), its defaults
+(``TorchConfig.timeout_s`` 1800, the process group's timeout, is its hang detection on CPU) and
+``FailureConfig(max_failures=5)``, under the same trace injected the same way
+(``faults.maybe_inject`` at point ``step``, the attempt counted by each worker). The hang is left
+out of its trace unless ``--ray-train-hang`` (it costs the 30-minute timeout); the attempts after
+it move up by one. Its goodput is the non-redone step time (rank 0's step ends, a save excluded)
+over ``fit()``'s wall time; lost time is the time after the first step that is neither that nor a
+save, per restart.
 
     PYTHONPATH=$PWD .venv/bin/python bench/goodput.py [--steps 40] [--seed 0] [--trace FILE] [--skip-fixed]
+        [--runs ours ray-train] [--ray-train-hang]
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import time
 from pathlib import Path
 
 import ray
+import raytrain_peer
 
 from raytrain_ckpt.faults import ENV_VAR, STAMP_VAR
 
@@ -78,7 +86,101 @@ def run(tmp: Path, steps: int, faults: str, *extra: str) -> tuple[object, float]
         os.environ.pop(STAMP_VAR, None)
 
 
-def report(name: str, result, wall: float) -> None:
+def without_hangs(trace: list[str]) -> list[str]:
+    """The trace less its hangs, each later fault's attempt moved up by the hangs before it."""
+    out, dropped = [], 0
+    for line in trace:
+        kind, *args = line.split()
+        if kind == "hang":
+            dropped += 1
+            continue
+        out.append(" ".join([kind, *(f"attempt={int(a.split('=')[1]) - dropped}" if a.startswith("attempt=") else a
+                                     for a in args)]))
+    return out
+
+
+def _next_attempt(tmp: Path, rank: int) -> int:
+    """This worker's attempt: the number of times this rank started before (Ray Train does not say)."""
+    path = tmp / f"rt-starts-{rank}"
+    attempt = int(path.read_text()) if path.exists() else 0
+    path.write_text(str(attempt + 1))
+    return attempt
+
+
+def _ray_train_loop(config: dict) -> None:
+    from raytrain_ckpt import faults
+
+    trainer, rank, _ = raytrain_peer.start(config)
+    tmp, steps = Path(config["tmp"]), trainer.spec.training.steps
+    attempt = _next_attempt(tmp, rank)
+    os.environ[faults.ENV_VAR] = config["faults"]
+    with (tmp / f"rt-log-{rank}").open("a") as log:
+        while trainer.state.step < steps:
+            faults.maybe_inject("step", rank, trainer.state.step, attempt)
+            trainer.train_step()
+            stepped = time.time()
+            if trainer.state.step % 5 == 0:
+                raytrain_peer.save(trainer, tmp, rank, {"step": trainer.state.step})
+            log.write(f"{attempt} {trainer.state.step} {stepped!r} {time.time()!r}\n")
+            log.flush()
+
+
+def ray_train_ledger(rows: list[tuple[int, int, float, float]], started: float, ended: float) -> dict:
+    """Rank 0's ``(attempt, step, step end, save end)`` rows, and ``fit()``'s start and end (all
+    ``time.time()``), as goodput: a step's time runs from the previous row's save end (the first
+    step of an attempt is not counted), redone when an earlier attempt had finished that step;
+    lost is everything else between the first step's end and the last's."""
+    sec = {"training": 0.0, "redone": 0.0, "checkpoint": 0.0}
+    high, prev, prev_end = 0, None, None
+    for attempt, step, stepped, saved in sorted(rows):
+        if attempt != prev:
+            high = max([high] + [s for a, s, _, _ in rows if a == prev])
+            prev, prev_end = attempt, None
+        if prev_end is not None:
+            sec["redone" if step <= high else "training"] += stepped - prev_end
+        sec["checkpoint"] += saved - stepped
+        prev_end = saved
+    first, last = min(r[3] for r in rows if r[0] == 0), max(r[3] for r in rows)
+    restarts = len({r[0] for r in rows}) - 1
+    lost = last - first - sec["training"] - sec["checkpoint"]
+    sec["restarts"] = lost - sec["redone"]
+    sec["start, first step"], sec["end"] = first - started, ended - last
+    wall = ended - started
+    return {"goodput": sec["training"] / wall, "wall_s": wall, "seconds": sec, "restarts": restarts,
+            "lost_s": lost, "lost_per_fault_s": lost / restarts if restarts else 0.0}
+
+
+def run_ray_train(tmp: Path, steps: int, trace: list[str]) -> dict:
+    from ray.train import FailureConfig
+
+    from raytrain_ckpt.preflight import load_spec
+
+    spec = load_spec(SPEC, [f"training.steps={steps}", f"checkpoint.dir={tmp / 'unused'}",
+                            "checkpoint.interval_steps=5", "training.log_every_steps=100"])
+    config = {"spec": spec.model_dump_json(), "tmp": str(tmp), "faults": plan(trace)}
+    trainer = raytrain_peer.torch_trainer(_ray_train_loop, config, tmp, "goodput", FailureConfig(max_failures=5))
+    started = time.time()
+    result = trainer.fit()
+    ended = time.time()
+    assert result.error is None, result.error
+    rows = [(int(a), int(s), float(t), float(e)) for a, s, t, e in
+            (line.split() for line in (tmp / "rt-log-0").read_text().splitlines())]
+    return ray_train_ledger(rows, started, ended)
+
+
+def report_ray_train(led: dict, trace: list[str], ours_per_fault: float | None) -> None:
+    print(f"\n== Ray Train TorchTrainer, trace {'; '.join(trace)}: {led['restarts']} restart(s), "
+          f"{led['wall_s']:.1f} s wall, goodput {100 * led['goodput']:.1f}%")
+    for cause, s in sorted(led["seconds"].items(), key=lambda kv: -kv[1]):
+        print(f"  {cause:<17} {s:7.1f} s  {100 * s / led['wall_s']:5.1f}%")
+    print(f"  lost to {led['restarts']} fault(s): {led['lost_s']:.1f} s (redone, and the restarts: "
+          f"detection, teardown, start, load, first step), {led['lost_per_fault_s']:.1f} s per fault")
+    if ours_per_fault is not None and led["lost_per_fault_s"] > 0:
+        print(f"lost per fault, raytrain_ckpt / Ray Train: {ours_per_fault / led['lost_per_fault_s']:.2f}x")
+
+
+def report(name: str, result, wall: float) -> float | None:
+    """Print the ledger of a run; returns its lost seconds per fault (None without faults)."""
     led = result.goodput
     print(f"\n== {name}: {result.state.value}, {result.attempts} attempt(s), {wall:.1f} s wall "
           f"(ledger {led['wall_s']:.1f} s), goodput {100 * led['goodput']:.1f}%")
@@ -98,6 +200,27 @@ def report(name: str, result, wall: float) -> None:
         print(f"  {f}"[:200])
     for s in result.stragglers:
         print(f"  {s}")
+    return lost / len(result.failures) if result.failures else None
+
+
+def run_ours(args: argparse.Namespace, trace: list[str]) -> float | None:
+    """raytrain_ckpt under the trace (and the hang alone at the fixed 600 s); its lost seconds per fault."""
+    with tempfile.TemporaryDirectory() as d:
+        result, wall = run(Path(d), args.steps, plan(trace))
+        per_fault = report("raytrain_ckpt, defaults (hang_timeout_s auto)", result, wall)
+        hang = next((f for f in result.failures if f.kind == "hang"), None)
+        auto_det = result.goodput["attempts"][hang.attempt]["phases"].get("detection") if hang else None
+    if auto_det is not None and not args.skip_fixed:
+        hang_only = plan([t for t in trace if t.startswith("hang")]).replace(f"attempt={hang.attempt}", "attempt=0")
+        with tempfile.TemporaryDirectory() as d:
+            fixed, wall = run(Path(d), args.steps, hang_only, "fault_tolerance.hang_timeout_s=600")
+            report("raytrain_ckpt, the hang only, hang_timeout_s 600 (the previous default)", fixed, wall)
+            fixed_det = fixed.goodput["attempts"][0]["phases"].get("detection")
+        print(f"\nhang detection: auto {auto_det:.1f} s, fixed 600 s {fixed_det:.1f} s: "
+              f"{auto_det / fixed_det:.3f}x")
+    elif auto_det is not None:
+        print(f"\nhang detection: auto {auto_det:.1f} s; the fixed default was 600 s: {auto_det / 600:.3f}x")
+    return per_fault
 
 
 def main() -> None:
@@ -107,6 +230,9 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=None)
     ap.add_argument("--out-trace", type=Path, default=None)
     ap.add_argument("--skip-fixed", action="store_true", help="skip the 600 s fixed-timeout run (it takes ~10 min)")
+    ap.add_argument("--runs", nargs="+", choices=("ours", "ray-train"), default=["ours", "ray-train"])
+    ap.add_argument("--ray-train-hang", action="store_true",
+                    help="keep the hang in Ray Train's trace (its detection by default takes 30 minutes)")
     args = ap.parse_args()
     trace = (args.trace.read_text().splitlines() if args.trace else draw_trace(args.seed, args.steps))
     trace = [t for t in trace if t.strip() and not t.startswith("#")]
@@ -115,21 +241,16 @@ def main() -> None:
     print("fault trace:", "; ".join(trace))
     ray.init(log_to_driver=False)
     try:
-        with tempfile.TemporaryDirectory() as d:
-            result, wall = run(Path(d), args.steps, plan(trace))
-            report("raytrain_ckpt, defaults (hang_timeout_s auto)", result, wall)
-            hang = next((f for f in result.failures if f.kind == "hang"), None)
-            auto_det = result.goodput["attempts"][hang.attempt]["phases"].get("detection") if hang else None
-        if auto_det is not None and not args.skip_fixed:
-            hang_only = plan([t for t in trace if t.startswith("hang")]).replace(f"attempt={hang.attempt}", "attempt=0")
+        per_fault = run_ours(args, trace) if "ours" in args.runs else None
+        if "ray-train" in args.runs and raytrain_peer.available():
+            rt_trace = trace if args.ray_train_hang else without_hangs(trace)
             with tempfile.TemporaryDirectory() as d:
-                fixed, wall = run(Path(d), args.steps, hang_only, "fault_tolerance.hang_timeout_s=600")
-                report("raytrain_ckpt, the hang only, hang_timeout_s 600 (the previous default)", fixed, wall)
-                fixed_det = fixed.goodput["attempts"][0]["phases"].get("detection")
-            print(f"\nhang detection: auto {auto_det:.1f} s, fixed 600 s {fixed_det:.1f} s: "
-                  f"{auto_det / fixed_det:.3f}x")
-        elif auto_det is not None:
-            print(f"\nhang detection: auto {auto_det:.1f} s; the fixed default was 600 s: {auto_det / 600:.3f}x")
+                report_ray_train(run_ray_train(Path(d), args.steps, rt_trace), rt_trace, per_fault)
+            if not args.ray_train_hang and len(rt_trace) < len(trace):
+                print("Ray Train's hang detection, not run: TorchConfig.timeout_s = 1800 s by default "
+                      "(the gloo process group's timeout), 3x the 600 s fixed timeout")
+        elif "ray-train" in args.runs:
+            print('Ray Train not installed (pip install -e ".[bench]"): not compared')
     finally:
         ray.shutdown()
 

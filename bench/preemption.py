@@ -9,15 +9,17 @@ the node of one rank; a replacement node joins at once and the drained node is r
   ``max_restarts: 0``: the ranks save the step in hand, stop, and resume off the node;
 * no handling: the same with ``watch_drains: false`` and ``max_restarts: 1``: the node's rank
   dies at the deadline and the job resumes from step 50;
-* Ray Train: ``TorchTrainer`` running the same ``Trainer`` with its documented pattern
-  (``ray.train.get_preemption_info()`` checked in the loop, then ``dcp.save`` +
-  ``ray.train.report(checkpoint=...)``), ``FailureConfig(max_failures=1)``; needs
-  ``pip install "ray[train]"`` (skipped when missing, as in ``bench/recovery.py``).
+* Ray Train: ``TorchTrainer`` running the same ``Trainer`` (``bench/raytrain_peer.py``) with the
+  pattern of the ``ray.train.get_preemption_info()`` docstring: asked after every step, one
+  ``dcp.save`` + ``ray.train.report(checkpoint=...)`` when a preemption is announced, training
+  goes on; ``FailureConfig(max_failures=0, max_preemption_failures=1)`` (a preemption spends only
+  its own budget; the run fails if it spent a restart); needs ``pip install -e ".[bench]"``
+  (skipped when missing).
 
 Printed per row: steps lost per preemption (trained, then trained again), notice -> first step
 on the replacement, restarts spent; and the ratio of notice -> training again against Ray Train.
 
-    .venv/bin/python bench/preemption.py [--reps 1]
+    .venv/bin/python bench/preemption.py [--reps 1] [--rows raytrain_ckpt "no handling" "Ray Train"]
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ import time
 from pathlib import Path
 
 import ray
+import raytrain_peer
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "jobs" / "llama_debug_fsdp.yaml"
 DEADLINE_S, INTERVAL, STEPS = 30, 50, 600
+ROWS = ("raytrain_ckpt", "no handling", "Ray Train")
 
 
 def _overrides(ckpt_dir: Path, *extra: str) -> list[str]:
@@ -111,56 +115,43 @@ def ours(tmp: Path, handle: bool) -> dict[str, float]:
 
 
 def _ray_train_loop(config: dict) -> None:
-    import torch
-    import torch.distributed.checkpoint as dcp
+    """Ray Train's documented preemption pattern (``ray.train.get_preemption_info`` docstring): ask
+    after every step, save once when a preemption is announced, and keep training; Ray Train
+    restarts the run from that save when the node goes."""
     from ray import train
 
-    from raytrain_ckpt.checkpoint.recovery.state import app_state, load_app_state
-    from raytrain_ckpt.spec import JobSpec
-    from raytrain_ckpt.trainer import Trainer
-
-    torch.set_num_threads(1)
-    spec = JobSpec.model_validate_json(config["spec"])
-    trainer = Trainer(spec, torch.device("cpu"))
-    resumed = train.get_checkpoint()
-    if resumed is not None:
-        with resumed.as_directory() as d:
-            load_app_state(trainer, d, same_world_size=True)
-    rank = train.get_context().get_world_rank()
-    tmp = Path(config["tmp"])
-    first = True
-    while trainer.state.step < spec.training.steps:
+    trainer, rank, resumed = raytrain_peer.start(config)
+    tmp, steps = Path(config["tmp"]), trainer.spec.training.steps
+    attempt = "first" if resumed is None else "resumed"
+    saved_on_preemption = False
+    while trainer.state.step < steps:
         trainer.train_step()
         step = trainer.state.step
-        if resumed is not None and first and rank == 0:
-            (tmp / "rt-back").write_text(f"{time.time()!r} {trainer.state.step - 1}")
-        first = False
-        (tmp / f"rt-reached-{rank}").write_text(str(step))
-        preempted = train.get_preemption_info() is not None  # the documented pattern: save when told
-        if step % INTERVAL == 0 or preempted:
-            d = tmp / f"rt-step-{step}"
-            dcp.save(app_state(trainer), checkpoint_id=str(d))
-            train.report({"step": step}, checkpoint=train.Checkpoint.from_directory(str(d)) if rank == 0 else None)
-        if preempted:
-            time.sleep(DEADLINE_S)  # wait for the node to go; the next attempt resumes from the save
+        if resumed is not None and step == resumed + 1 and rank == 0:
+            (tmp / "rt-back").write_text(f"{time.time()!r} {resumed}")
+        (tmp / f"rt-reached-{rank}-{attempt}").write_text(str(step))
+        if step % INTERVAL == 0:
+            raytrain_peer.save(trainer, tmp, rank, {"step": step})
+        if train.get_preemption_info() is not None and not saved_on_preemption:
+            raytrain_peer.save(trainer, tmp, rank, {"step": step})
+            saved_on_preemption = True
+            if rank == 0:
+                (tmp / "rt-saved").write_text(f"{time.time()!r} {step}")
 
 
 def ray_train(tmp: Path) -> dict[str, float] | None:
-    try:
-        from ray.train import FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchTrainer
-    except ImportError:
-        return None
+    from ray.train import FailureConfig
+
     from raytrain_ckpt.preflight import load_spec
 
     cluster, nodes = _cluster()
     spec = load_spec(SPEC, _overrides(tmp / "unused"))
-    trainer = TorchTrainer(
-        _ray_train_loop, train_loop_config={"spec": spec.model_dump_json(), "tmp": str(tmp)},
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(storage_path=str(tmp / "storage"), name="preemption",
-                             failure_config=FailureConfig(max_failures=1)))
-    fit = threading.Thread(target=trainer.fit)
+    # max_failures=0: a preemption may only spend Ray Train's own budget (max_preemption_failures,
+    # unlimited by default); the run fails if the lost node counted as a failure.
+    trainer = raytrain_peer.torch_trainer(_ray_train_loop, {"spec": spec.model_dump_json(), "tmp": str(tmp)}, tmp,
+                                          "preemption", FailureConfig(max_failures=0, max_preemption_failures=1))
+    box: dict = {}
+    fit = threading.Thread(target=lambda: box.setdefault("result", trainer.fit()))
     fit.start()
     deadline = time.monotonic() + 300
     while not (tmp / f"rt-step-{INTERVAL}").exists() and time.monotonic() < deadline:
@@ -169,12 +160,14 @@ def ray_train(tmp: Path) -> dict[str, float] | None:
     noticed = _drain(cluster, victim.node_id)
     cluster.add_node(num_cpus=1)
     time.sleep(max(0.0, noticed + DEADLINE_S - time.time()))
-    reached = max(int((tmp / f"rt-reached-{r}").read_text()) for r in range(2))
     cluster.remove_node(victim)
     fit.join(timeout=600)
+    assert box["result"].error is None, box["result"].error
+    reached = max(int((tmp / f"rt-reached-{r}-first").read_text()) for r in range(2))
     back_at, resumed = (tmp / "rt-back").read_text().split()
-    out = {"lost": float(max(0, reached - int(resumed))), "back": float(back_at) - noticed, "restarts": 1.0,
-           "resumed": float(resumed)}
+    saved_at, _ = (tmp / "rt-saved").read_text().split()
+    out = {"lost": float(max(0, reached - int(resumed))), "back": float(back_at) - noticed, "restarts": 0.0,
+           "resumed": float(resumed), "seen": float(saved_at) - noticed}
     ray.shutdown()
     cluster.shutdown()
     return out
@@ -183,21 +176,19 @@ def ray_train(tmp: Path) -> dict[str, float] | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="the rows to run (default: all)")
     args = p.parse_args()
     # A private session root and no auth: these clusters must not touch any other Ray on the machine.
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rtc-", dir="/tmp")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ.pop("RAY_ADDRESS", None)
-    rows: dict[str, list[dict[str, float]]] = {"raytrain_ckpt": [], "no handling": [], "Ray Train": []}
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in args.rows}
     for _ in range(args.reps):
-        with tempfile.TemporaryDirectory() as d:
-            rows["raytrain_ckpt"].append(ours(Path(d), handle=True))
-        with tempfile.TemporaryDirectory() as d:
-            rows["no handling"].append(ours(Path(d), handle=False))
-        with tempfile.TemporaryDirectory() as d:
-            r = ray_train(Path(d))
-            if r is not None:
-                rows["Ray Train"].append(r)
+        for name in args.rows:
+            if name == "Ray Train" and not raytrain_peer.available():
+                continue
+            with tempfile.TemporaryDirectory() as d:
+                rows[name].append(ray_train(Path(d)) if name == "Ray Train" else ours(Path(d), handle=name != "no handling"))
     print(f"drain notice ({DEADLINE_S} s deadline) on one rank's node after step {INTERVAL} committed, a replacement "
           f"node joins, the node goes at the deadline; median of {args.reps} run(s)")
     print(f"{'':<14} {'steps lost':>10} {'notice -> training again (s)':>30} {'restarts spent':>15} {'resumed at':>11}")
@@ -205,10 +196,12 @@ def main() -> None:
     for name, m in med.items():
         print(f"{name:<14} {m['lost']:>10.0f} {m['back']:>30.2f} {m['restarts']:>15.0f} {m['resumed']:>11.0f}")
     if "Ray Train" in med:
+        print(f"Ray Train: notice -> its preemption save done {med['Ray Train']['seen']:.2f} s")
+    if "Ray Train" in med and "raytrain_ckpt" in med:
         print(f"ratio notice -> training again, raytrain_ckpt / Ray Train: "
               f"{med['raytrain_ckpt']['back'] / med['Ray Train']['back']:.2f}")
-    else:
-        print('Ray Train not installed (its dependencies: pip install "ray[train]"): not compared')
+    elif not raytrain_peer.available():
+        print('Ray Train not installed (pip install -e ".[bench]"): not compared')
 
 
 if __name__ == "__main__":

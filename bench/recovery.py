@@ -9,7 +9,8 @@ steps) loses rank 1 to ``os._exit`` before step 13, once, and resumes from step 
   and the placement group are rebuilt), to show what the reuse saves;
 * Ray Train: ``TorchTrainer`` running the same ``Trainer`` with ``FailureConfig(max_failures=1)``,
   saving with ``dcp.save`` + ``ray.train.report(checkpoint=...)`` and loading from
-  ``ray.train.get_checkpoint()`` (needs ``pip install "ray[train]"``; skipped when missing).
+  ``ray.train.get_checkpoint()`` (``bench/raytrain_peer.py``; needs ``pip install -e ".[bench]"``;
+  skipped when missing).
 
 Printed: kill -> first step after resume, with raytrain_ckpt's breakdown, and the ratio.
 
@@ -44,6 +45,7 @@ import time
 from pathlib import Path
 
 import ray
+import raytrain_peer
 
 from raytrain_ckpt.faults import ENV_VAR, STAMP_VAR
 
@@ -160,55 +162,31 @@ def memory_vs_storage(reps: int, shape: dict[str, int], cold: bool) -> None:
 
 
 def _ray_train_loop(config: dict) -> None:
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from ray import train
-
-    from raytrain_ckpt.checkpoint.recovery.state import app_state, load_app_state
-    from raytrain_ckpt.spec import JobSpec
-    from raytrain_ckpt.trainer import Trainer
-
-    torch.set_num_threads(1)
-    spec = JobSpec.model_validate_json(config["spec"])
-    trainer = Trainer(spec, torch.device("cpu"))
-    resumed = train.get_checkpoint()
-    if resumed is not None:
-        with resumed.as_directory() as d:
-            load_app_state(trainer, d, same_world_size=True)
-    rank = train.get_context().get_world_rank()
-    marker = Path(config["tmp"]) / "killed"
-    while trainer.state.step < spec.training.steps:
+    trainer, rank, resumed = raytrain_peer.start(config)
+    tmp, steps = Path(config["tmp"]), trainer.spec.training.steps
+    marker = tmp / "killed"
+    while trainer.state.step < steps:
         if rank == 1 and trainer.state.step == KILL_STEP and not marker.exists():
             marker.write_text("1")
-            (Path(config["tmp"]) / "rt-kill").write_text(repr(time.time()))
+            (tmp / "rt-kill").write_text(repr(time.time()))
             os._exit(17)
         trainer.train_step()
-        if resumed is not None and rank == 0 and not (Path(config["tmp"]) / "rt-first").exists():
-            (Path(config["tmp"]) / "rt-first").write_text(repr(time.time()))
-        step = trainer.state.step
-        if step % 5 == 0:
-            d = Path(config["tmp"]) / f"rt-step-{step}"
-            dcp.save(app_state(trainer), checkpoint_id=str(d))
-            ckpt = train.Checkpoint.from_directory(str(d)) if rank == 0 else None
-            train.report({"step": step}, checkpoint=ckpt)
+        if resumed is not None and rank == 0 and not (tmp / "rt-first").exists():
+            (tmp / "rt-first").write_text(repr(time.time()))
+        if trainer.state.step % 5 == 0:
+            raytrain_peer.save(trainer, tmp, rank, {"step": trainer.state.step})
 
 
 def ray_train(tmp: Path) -> dict[str, float] | None:
-    try:
-        from ray.train import FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchTrainer
-    except ImportError:
+    if not raytrain_peer.available():
         return None
+    from ray.train import FailureConfig
+
     from raytrain_ckpt.preflight import load_spec
 
     spec = load_spec(SPEC, _overrides(str(tmp / "unused")))
-    trainer = TorchTrainer(
-        _ray_train_loop,
-        train_loop_config={"spec": spec.model_dump_json(), "tmp": str(tmp)},
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(storage_path=str(tmp / "storage"), name="recovery",
-                             failure_config=FailureConfig(max_failures=1)),
-    )
+    trainer = raytrain_peer.torch_trainer(_ray_train_loop, {"spec": spec.model_dump_json(), "tmp": str(tmp)}, tmp,
+                                          "recovery", FailureConfig(max_failures=1))
     trainer.fit()
     return {"total": float((tmp / "rt-first").read_text()) - float((tmp / "rt-kill").read_text())}
 
@@ -333,7 +311,7 @@ def main() -> None:
         for name in ("raytrain_ckpt", "  no reuse"):
             print(f"ratio {name.strip()} / Ray Train: {med[name]['total'] / med['Ray Train']['total']:.3f}")
     else:
-        print('Ray Train not installed: pip install "ray[train]" to compare')
+        print('Ray Train not installed: pip install -e ".[bench]" to compare')
 
 
 if __name__ == "__main__":
