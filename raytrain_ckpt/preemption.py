@@ -8,7 +8,10 @@ poll; when a node hosting a rank drains, it tells every rank (``TrainWorker.pree
 agree at the next step boundary on the step in hand (one collective), save and commit it, and stop;
 the controller records a ``preemption`` failure (its own budget, ``fault_tolerance.max_preemptions``,
 never ``max_restarts``) and starts the next attempt, which Ray places off the draining node and
-which resumes from that step (memory first, as any restart).
+which resumes from that step (memory first, as any restart). A deadline shorter than the
+measured durable save uses the RAM tier (``plan_save``): the step is held in RAM on nodes that are
+not draining, never committed, and the next attempt resumes from it from memory
+(``checkpoint/roles/ramtier.py``); storage's latest committed step stays the fallback.
 """
 
 from __future__ import annotations
