@@ -324,7 +324,7 @@ class CopySources:
         if sources[0].source == "memory":
             logger.info("attempt %d: every rank loads step %d from its node's in-memory copy (%d node(s))",
                         attempt, point.step, len(set(nodes)))
-        else:
+        elif not memory_only:  # a RAM-tier step is not on storage: the caller says what serves instead
             logger.info("attempt %d: loading step %d from storage: %s", attempt, point.step, sources[0].why)
         return sources
 
