@@ -310,10 +310,10 @@ class RayWorkerGroup:
         """Node id of every rank, by rank (the placement group's bundles)."""
         return bundle_nodes(self._pg) if self._pg is not None else []
 
-    def preempt(self, deadline_unix: float | None) -> None:
-        """A drain notice: every rank saves the step in hand at the next step boundary and stops."""
+    def preempt(self, deadline_unix: float | None, tier: str = "durable") -> None:
+        """A drain notice: every rank saves the step in hand (in ``tier``) at the next step boundary and stops."""
         for w in self.workers:
-            w.preempt.remote(deadline_unix)
+            w.preempt.remote(deadline_unix, tier)
 
     def diagnose(self) -> Verdict:
         """Before the hung group is torn down: every rank's stacks and step, kept under the job

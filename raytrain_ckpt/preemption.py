@@ -8,7 +8,10 @@ poll; when a node hosting a rank drains, it tells every rank (``TrainWorker.pree
 agree at the next step boundary on the step in hand (one collective), save and commit it, and stop;
 the controller records a ``preemption`` failure (its own budget, ``fault_tolerance.max_preemptions``,
 never ``max_restarts``) and starts the next attempt, which Ray places off the draining node and
-which resumes from that step (memory first, as any restart).
+which resumes from that step (memory first, as any restart). A deadline shorter than the
+measured durable save uses the RAM tier (``plan_save``): the step is held in RAM on nodes that are
+not draining, never committed, and the next attempt resumes from it from memory
+(``checkpoint/roles/ramtier.py``); storage's latest committed step stays the fallback.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from raytrain_ckpt.events import Failure
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DrainNotice", "PreemptedGroup", "PreemptionGuard", "PreemptionRecord", "SavePlan", "draining_nodes",
+__all__ = ["DrainNotice", "PreemptedGroup", "PreemptionGuard", "PreemptionRecord", "SaveCosts", "SavePlan", "draining_nodes",
            "plan_save", "preemption_guard", "stop_signals"]
 
 MOVE_WAIT_S = 60.0
@@ -51,18 +54,29 @@ class SavePlan:
     """How the step in hand is saved before a deadline."""
 
     tier: str
-    """"durable": saved and committed to checkpoint.dir (in RAM on the writers' nodes on the way)."""
+    """"durable": saved and committed to checkpoint.dir (in RAM on the writers' nodes on the way);
+    "ram": staged into RAM and held on nodes that are not draining (pushed off the draining node),
+    never committed to storage: storage keeps its latest committed step as the fallback."""
     fits: bool
     """Whether the measured save cost fits the time left (unknown cost or no deadline: True)."""
     why: str
 
 
-def plan_save(time_left_s: float | None, cost_s: float | None) -> SavePlan:
-    """The save to take with ``time_left_s`` before the node goes (None: no deadline), given the
-    measured cost of the latest committed save (None: none measured yet).
+PUSH_MB_PER_S = 200.0
+"""The rate assumed for pushing a RAM-tier copy off the draining node (a Ray call between two
+nodes' writers, in 8 MB chunks); the RAM tier's cost is the measured staging time plus the
+step's bytes at this rate. Not measured per job yet."""
 
-    A save that does not fit is still taken: the committed steps are never touched by it, and it
-    may commit before the node goes; the line says so.
+
+def plan_save(time_left_s: float | None, cost_s: float | None, ram_cost_s: float | None = None) -> SavePlan:
+    """The save to take with ``time_left_s`` before the node goes (None: no deadline), given the
+    measured cost of the latest committed save (``cost_s``; None: none measured yet) and the
+    estimated cost of the RAM tier (``ram_cost_s``; None: no RAM tier, e.g. no node outside the
+    drain or ``checkpoint.memory_copies: 1``).
+
+    The durable commit when it fits, else the RAM tier when that fits. A deadline shorter than
+    the fastest tier still saves, in the fastest tier: the committed steps are never touched by
+    it, and it may complete before the node goes; the line says so.
     """
     if time_left_s is None:
         return SavePlan("durable", True, "no deadline")
@@ -70,8 +84,32 @@ def plan_save(time_left_s: float | None, cost_s: float | None) -> SavePlan:
         return SavePlan("durable", True, f"{time_left_s:.0f}s left, no save measured yet")
     if cost_s + STOP_MARGIN_S <= time_left_s:
         return SavePlan("durable", True, f"{time_left_s:.0f}s left, the last save took {cost_s:.1f}s")
+    durable = f"the last durable save took {cost_s:.1f}s"
+    if ram_cost_s is not None and ram_cost_s + STOP_MARGIN_S <= time_left_s:
+        return SavePlan("ram", True, f"{time_left_s:.1f}s left, {durable}, RAM on a node not draining takes "
+                                     f"~{ram_cost_s:.1f}s")
+    if ram_cost_s is not None and ram_cost_s < cost_s:
+        return SavePlan("ram", False, f"only {time_left_s:.1f}s left, {durable} and RAM ~{ram_cost_s:.1f}s: saving "
+                                      "what fits in RAM; the latest committed step stays the fallback")
     return SavePlan("durable", False, f"only {time_left_s:.1f}s left and the last save took {cost_s:.1f}s: saving "
                                       "what fits; the latest committed step stays the fallback")
+
+
+@dataclass(frozen=True)
+class SaveCosts:
+    """What a save measured, for ``plan_save``: the latest committed step's."""
+
+    durable_s: float | None = None
+    """Staging, writing and committing it (None: nothing committed yet)."""
+    stage_s: float | None = None
+    """Staging it into RAM (the RAM tier's first part)."""
+    nbytes: int = 0
+    """Its size (the RAM tier's push, at ``PUSH_MB_PER_S``)."""
+
+    def ram_s(self) -> float | None:
+        if self.stage_s is None:
+            return None
+        return self.stage_s + self.nbytes / (PUSH_MB_PER_S * 1e6)
 
 
 @dataclass(frozen=True)
@@ -116,8 +154,8 @@ class PreemptedGroup(Protocol):
     def rank_nodes(self) -> list[str]:
         """Node id of every rank, by rank."""
 
-    def preempt(self, deadline_unix: float | None) -> None:
-        """Ask every rank to save the step in hand at the next step boundary and stop."""
+    def preempt(self, deadline_unix: float | None, tier: str = "durable") -> None:
+        """Ask every rank to save the step in hand (in ``tier``) at the next step boundary and stop."""
 
 
 class PreemptionGuard:
@@ -130,8 +168,15 @@ class PreemptionGuard:
                  service_node: Callable[[], str | None] = lambda: None,
                  move_service: Callable[[], None] = lambda: None,
                  full_size: int = 0, grow_check_s: float | None = None,
-                 room: Callable[[set[str]], int] = lambda draining: 0) -> None:
-        """``service_node``: the node of the CheckpointActor (None: unknown); ``move_service``:
+                 room: Callable[[set[str]], int] = lambda draining: 0,
+                 ram_cost: Callable[[set[str]], float | None] = lambda draining: None,
+                 keep_in_ram: Callable[[str, int, float | None], str | None] = lambda node, step, by: "no RAM tier"
+                 ) -> None:
+        """``ram_cost``: the RAM tier's estimated cost with these nodes draining (None: no RAM
+        tier); ``keep_in_ram(node, step, deadline)``: after a RAM-tier save, push the copies of
+        ``step`` held on draining ``node`` to nodes that are not draining and hold the step as the
+        next attempt's resume point; returns None, or why it could not.
+        ``service_node``: the node of the CheckpointActor (None: unknown); ``move_service``:
         restart it, which Ray does off the draining node (committed steps are on storage).
         ``full_size``: the world size asked for; a group running below it looks every
         ``grow_check_s`` (None: never) for ``room`` (how many more ranks fit on nodes that are not
@@ -142,6 +187,7 @@ class PreemptionGuard:
         self._draining = draining
         self._clock = clock
         self._service_node = service_node
+        self._ram_cost, self._keep_in_ram = ram_cost, keep_in_ram
         self._move_service = move_service
         self._move_after_stop = False
         self._full_size, self._grow_check_s, self._room = full_size, grow_check_s, room
@@ -215,14 +261,14 @@ class PreemptionGuard:
                 continue
             now = self._clock()
             left = None if deadline is None else deadline - now
-            plan = plan_save(left, self._cost())
+            plan = plan_save(left, self._cost(), self._ram_cost(set(drains)) if left is not None else None)
             self.notice = DrainNotice(node, deadline, ranks, now, poll.min_step, plan)
             logger.warning("preemption: node %s (rank %s) is draining, %s; saving the step in hand (%s tier: %s) "
                            "and restarting off that node", node, ", ".join(map(str, ranks)),
                            "no deadline" if left is None else f"deadline in {left:.1f}s", plan.tier, plan.why)
             if not plan.fits:
                 logger.warning("preemption: %s", plan.why)
-            group.preempt(deadline)
+            group.preempt(deadline, plan.tier)
             return
 
     def _maybe_grow(self, group: PreemptedGroup, poll: GroupPoll) -> None:
@@ -246,17 +292,16 @@ class PreemptionGuard:
         notice = self.notice
         assert notice is not None
         latest = self._latest() or 0
+        saved = max((r.steps for r in poll.results), default=None) if poll.finished and not poll.failures else None
+        how, lost = self._outcome(notice, saved, latest)  # a RAM-tier copy leaves the node first: the deadline
         if self._move_after_stop:  # the group stopped: the CheckpointActor leaves the node with it
             self._move_after_stop = False
             logger.warning("preemption: restarting the CheckpointActor off draining node %s", notice.node)
             self._move_service()
-        saved = max((r.steps for r in poll.results), default=None) if poll.finished and not poll.failures else None
-        lost = max(0, self._reached - latest)
+        tier = notice.plan.tier
         record = PreemptionRecord(attempt, notice.node, notice.deadline_unix, notice.time_left(notice.seen_unix),
-                                  notice.plan.tier, saved, lost)
+                                  tier, saved, lost)
         self.records.append(record)
-        how = (f"step {saved} saved, {lost} steps lost" if saved is not None and saved == latest
-               else f"the save did not complete: resuming at committed step {latest}, {lost} steps lost")
         if not stopped:
             how = f"the group did not stop before the deadline; {how}"
         left = record.time_left_s
@@ -269,9 +314,31 @@ class PreemptionGuard:
             logger.warning("stopped: %s", text)
             return Failure(attempt, "preemption", None, text, text)
         text = (f"node {notice.node} drained (rank {', '.join(map(str, notice.ranks))}, "
-                f"{'no deadline' if left is None else f'{left:.1f}s notice'}): {how}")
+                f"{'no deadline' if left is None else f'{left:.1f}s notice'}, tier {tier}): {how}")
         logger.warning("preemption: %s", text)
         return Failure(attempt, "preemption", notice.ranks[0], text, text)
+
+
+    def _outcome(self, notice: DrainNotice, saved: int | None, latest: int) -> tuple[str, int]:
+        """What became of the save (``saved``: the step the ranks stopped at, None: they did not
+        finish), and the steps lost."""
+        if notice.plan.tier == "ram":
+            return self._kept_in_ram(notice, saved, latest)
+        lost = max(0, self._reached - latest)
+        return (f"step {saved} saved, {lost} steps lost" if saved is not None and saved == latest
+                else f"the save did not complete: resuming at committed step {latest}, {lost} steps lost"), lost
+
+    def _kept_in_ram(self, notice: DrainNotice, saved: int | None, latest: int) -> tuple[str, int]:
+        """After a RAM-tier save: hold ``saved`` off the draining node; what happened and the steps lost."""
+        why = "the save did not complete" if saved is None else self._keep_in_ram(notice.node, saved,
+                                                                                  notice.deadline_unix)
+        if why is None:
+            assert saved is not None
+            lost = max(0, self._reached - saved)
+            return (f"step {saved} held in RAM on nodes not draining (not committed to storage; its latest "
+                    f"committed step {latest} is untouched), {lost} steps lost"), lost
+        lost = max(0, self._reached - latest)
+        return f"the RAM copy was not kept ({why}): resuming at committed step {latest}, {lost} steps lost", lost
 
 
 @contextlib.contextmanager
@@ -308,12 +375,18 @@ def preemption_guard(spec: Any, service: Any) -> PreemptionGuard | None:
     if service is None:
         return None
 
-    def save_cost() -> float | None:
+    def costs() -> SaveCosts:
         status = service.status()
         latest = status.steps.get(status.latest) if status.latest is not None else None
         if latest is None:
+            return SaveCosts()
+        return SaveCosts(sum(latest.wall.get(k, 0.0) for k in ("stage_s", "persist_s", "commit_s")),
+                         latest.wall.get("stage_s", 0.0), latest.bytes)
+
+    def ram_cost(draining: set[str]) -> float | None:
+        if spec.checkpoint.memory_copies < 2 or not service.ram_tier_nodes(draining):
             return None
-        return sum(latest.wall.get(k, 0.0) for k in ("stage_s", "persist_s", "commit_s"))
+        return costs().ram_s()
 
     def move_service() -> None:
         import ray
@@ -331,9 +404,10 @@ def preemption_guard(spec: Any, service: Any) -> PreemptionGuard | None:
     res, ft = spec.resources, spec.fault_tolerance
     bundle = {"CPU": res.cpus_per_worker, **({"GPU": res.gpus} if res.gpus else {})}
     grow = ft.grow_check_s if res.min_workers is not None and res.min_workers < spec.world_size else None
-    return PreemptionGuard(spec.training.steps, lambda: service.status().latest, save_cost, draining,
+    return PreemptionGuard(spec.training.steps, lambda: service.status().latest, lambda: costs().durable_s, draining,
                            service_node=lambda: actor_node(service.actor), move_service=move_service,
-                           full_size=spec.world_size, grow_check_s=grow, room=lambda skip: room_for(bundle, skip))
+                           full_size=spec.world_size, grow_check_s=grow, room=lambda skip: room_for(bundle, skip),
+                           ram_cost=ram_cost, keep_in_ram=service.keep_in_ram)
 
 
 def room_for(bundle: dict[str, float], draining: set[str]) -> int:

@@ -43,6 +43,8 @@ SPARE_RANK = -1
 _WARM_MODULES = ("raytrain_ckpt.trainer", "raytrain_ckpt.checkpoint.roles.client", "raytrain_ckpt.checkpoint.recovery.state",
                  "torch.distributed.checkpoint", "torch.distributed.fsdp")
 _IMPORT_LOCK = threading.Lock()
+_TIERS = ("durable", "ram")
+"""A drain's save tiers (``preemption.SavePlan.tier``), in the order the ranks' MAX agrees on."""
 
 
 def _deterministic_cuda() -> None:
@@ -119,6 +121,7 @@ class TrainWorker:
         self._stop = threading.Event()
         self._notice = threading.Event()
         """Set by ``preempt()``: a node of the group drains; the ranks agree on a step, save it and stop."""
+        self._notice_tier = "durable"
         self.start_step = 0
         self.timings: dict[str, float] = {}
         self._joined = threading.Event()
@@ -315,7 +318,8 @@ class TrainWorker:
             kept = copy.path if done.source == "memory" and copy is not None else None
             from raytrain_ckpt.rollback import adopt_manifest
 
-            adopt_manifest(trainer, trainer.guard, point.path)
+            if point.path:  # a RAM-tier step with nothing committed before it has no manifest
+                adopt_manifest(trainer, trainer.guard, point.path)
             if self.rank == 0:
                 logger.info("%sresumed step %d from %s in %.2fs (%s)", self._prefix(), self.start_step,
                             "memory" if kept else point.path, done.seconds, done.why)
@@ -367,15 +371,17 @@ class TrainWorker:
             if report.eval_loss is not None:  # the step's report times the training part only
                 eval_s += max(0.0, time.monotonic() - t0 - report.step_time_s)
             due = ckpt is not None and ckpt.due(report.step)
-            # a drain notice reached some rank: every rank saves this step (one collective agrees)
-            preempted = watch and ckpt.any_rank(self._notice.is_set())
+            # a drain notice reached some rank: every rank saves this step, in the same tier (one
+            # collective agrees on both: 0 no notice, else 1 + the tier's index in _TIERS)
+            level = ckpt.max_rank(1 + _TIERS.index(self._notice_tier) if self._notice.is_set() else 0) if watch else 0
+            preempted, tier = level > 0, _TIERS[max(0, level - 1)]
             if due or preempted:
                 guard = trainer.guard
                 point = TrainingPoint(report.step * self.spec.training.global_batch_size, trainer.state.tokens_seen,
                                       report.loss, report.eval_loss, guard.certified() if guard else None,
                                       tuple(tuple(w) for w in trainer.skips.as_lists()))
                 self._progress = Progress(self.rank, self._progress.step, loss, self._progress.last_step_at, "saving")
-                ckpt.save(report.step, app_state(trainer), point, final=preempted)
+                ckpt.save(report.step, app_state(trainer), point, final=preempted, tier=tier)
                 if guard is not None:
                     guard.saved_step(report.step)
             trainer.log(report)
@@ -415,12 +421,14 @@ class TrainWorker:
             self._rollbacks = tuple(self.trainer.guard.rollbacks)
         return record
 
-    def preempt(self, deadline_unix: float | None) -> None:
-        """A node of the group drains (before ``deadline_unix``): save the step in hand at the
-        next step boundary and stop; called from the second actor thread while ``run()`` trains."""
+    def preempt(self, deadline_unix: float | None, tier: str = "durable") -> None:
+        """A node of the group drains (before ``deadline_unix``): save the step in hand (in ``tier``,
+        ``preemption.plan_save``) at the next step boundary and stop; called from the second actor
+        thread while ``run()`` trains."""
         if not self._notice.is_set():
-            logger.warning("%sdrain notice (deadline %s): saving the step in hand", self._prefix(),
-                           "none" if deadline_unix is None else f"in {deadline_unix - time.time():.1f}s")
+            logger.warning("%sdrain notice (deadline %s): saving the step in hand (%s tier)", self._prefix(),
+                           "none" if deadline_unix is None else f"in {deadline_unix - time.time():.1f}s", tier)
+        self._notice_tier = tier
         self._notice.set()
 
     def _open_scalars(self) -> ScalarLogger | None:

@@ -94,6 +94,9 @@ class PersistRequest:
     """The save's name in the buffer's ``StageProgress``: the request was sent as the copy began,
     and the writer waits for each tensor's bytes to be staged before writing them (0: the copy was
     complete before the request was sent)."""
+    tier: str = "durable"
+    """"durable": written to storage and reported; "ram": a preemption's RAM tier, only recorded
+    as the buffer's copy (no file, no report: ``roles/ramtier.py``)."""
 
 
 __all__ += ["WriterUsage"]

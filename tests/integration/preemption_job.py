@@ -6,10 +6,14 @@ The drained node is removed at its deadline. Prints one JSON line.
     preemption_job.py CKPT_DIR replace   a replacement node joins at the notice
     preemption_job.py CKPT_DIR shrink    none: the job shrinks to min_workers; a node joins later
                                          and the job grows back while it runs
+    preemption_job.py CKPT_DIR ram       a replacement node joins at the notice; the notice is
+                                         shorter than the last durable save took (step 5's write
+                                         is slowed to RAM_PERSIST_S): the RAM tier
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -53,12 +57,19 @@ def _spec(ckpt_dir: Path, *extra: str):
         f"checkpoint.dir={ckpt_dir}", "checkpoint.interval_steps=50", "fault_tolerance.poll_interval_s=0.2", *extra])
 
 
-def _drain(cluster: Cluster, node_id: str) -> None:
+RAM_DEADLINE_S = 12
+RAM_PERSIST_S = 15
+"""The ram mode: step 5's durable write takes this long (slow@persist), so the measured durable
+save does not fit RAM_DEADLINE_S; rank 0 pauses 5 s after steps 6 to 9, so the notice, raised
+once step 5 committed, reaches the ranks before step 10's interval save."""
+
+
+def _drain(cluster: Cluster, node_id: str, deadline_s: int = DEADLINE_S) -> None:
     """The operator's (or autoscaler's) drain, through Ray's own CLI."""
     ray_cli = Path(sys.executable).with_name("ray")
     subprocess.run([str(ray_cli), "drain-node", "--address", cluster.address, "--node-id", node_id,
                     "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot instance reclaimed",
-                    "--deadline-remaining-seconds", str(DEADLINE_S)], check=True, capture_output=True, text=True)
+                    "--deadline-remaining-seconds", str(deadline_s)], check=True, capture_output=True, text=True)
 
 
 def _status(job: str):
@@ -84,6 +95,20 @@ def _summary(r) -> dict:
             "loaded_from_memory": [(x.timings or {}).get("loaded_from_memory") for x in r.results]}
 
 
+def _ready_to_drain(job: str, mode: str) -> bool:
+    """ram: once step 5 (whose write was slow) committed; else once the job reached NOTICE_AT."""
+    if mode != "ram":
+        return (_note(job).get("train_step") or 0) >= NOTICE_AT
+    status = _status(job)
+    return status is not None and status.latest == 5
+
+
+def _committed(ckpt_dir: Path) -> dict[str, str]:
+    """Every step directory on storage with a manifest -> the manifest's SHA-256."""
+    return {p.parent.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(ckpt_dir.glob("*/step-*/manifest.json"))}
+
+
 def main(ckpt_dir: str, mode: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
@@ -91,22 +116,28 @@ def main(ckpt_dir: str, mode: str) -> None:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     extra = ("resources.min_workers=1", "fault_tolerance.placement_timeout_s=3", "fault_tolerance.grow_check_s=1",
-             "training.steps=60") if mode == "shrink" else ()
+             "training.steps=60") if mode == "shrink" else ("checkpoint.interval_steps=5",) if mode == "ram" else ()
     spec = _spec(Path(ckpt_dir), *extra)
-    os.environ[ENV_VAR] = ";".join(f"slow@step:rank=0,step={s}" for s in range(NOTICE_AT + 1, NOTICE_AT + 4))
+    deadline_s = RAM_DEADLINE_S if mode == "ram" else DEADLINE_S
+    if mode == "ram":
+        os.environ[ENV_VAR] = ";".join([f"slow@persist:rank=1,step=5,seconds={RAM_PERSIST_S}",
+                                        *(f"slow@step:rank=0,step={s},seconds=5" for s in range(6, 10))])
+    else:
+        os.environ[ENV_VAR] = ";".join(f"slow@step:rank=0,step={s}" for s in range(NOTICE_AT + 1, NOTICE_AT + 4))
     box: dict = {}
     job = threading.Thread(target=lambda: box.setdefault("result", run_job(spec)))
     job.start()
     deadline = time.monotonic() + 240
-    while (_note(spec.name).get("train_step") or 0) < NOTICE_AT and time.monotonic() < deadline:
+    while not _ready_to_drain(spec.name, mode) and job.is_alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     victim = nodes[1]  # SPREAD: one rank on each node
     out: dict = {"victim": victim.node_id, "actor_node": actor_node(ray.get_actor(actor_name(spec.name),
                                                                                 namespace=NAMESPACE))}
-    _drain(cluster, victim.node_id)
+    out["committed_before"] = _committed(Path(ckpt_dir))
+    _drain(cluster, victim.node_id, deadline_s)
     drained_at = time.time()
     out["draining_seen"] = sorted(ray._private.state.state.get_draining_nodes())
-    if mode == "replace":
+    if mode in ("replace", "ram"):
         cluster.add_node(num_cpus=1)
     else:  # no replacement: the job shrinks to min_workers; a node joins once it trains there
         while job.is_alive():
@@ -117,12 +148,13 @@ def main(ckpt_dir: str, mode: str) -> None:
                 break
             time.sleep(0.2)
         cluster.add_node(num_cpus=1)
-    while job.is_alive() and time.time() < drained_at + DEADLINE_S:
+    while job.is_alive() and time.time() < drained_at + deadline_s:
         job.join(timeout=0.2)
     cluster.remove_node(victim)  # the node goes at its deadline
     out["removed_after_s"] = round(time.time() - drained_at, 1)
     job.join(timeout=300)
     out["drained"] = _summary(box["result"])
+    out["committed_after"] = _committed(Path(ckpt_dir))
     print(json.dumps(out))
     ray.shutdown()
     cluster.shutdown()

@@ -47,6 +47,36 @@ def test_drain_of_a_rank_node_resumes_at_the_notice_bit_identical(reference_20_r
     assert all(v == ref.losses[int(k)] for k, v in run["losses"].items())
 
 
+def test_a_deadline_too_short_for_a_durable_save_resumes_from_ram_on_a_surviving_node(reference_20_run, tmp_path):
+    """12 s notice after a durable save that took 15 s (step 5's write slowed): the RAM tier. The
+    step in hand is pushed from the draining node to the surviving one, storage is left as it was,
+    and the next attempt loads that step from memory, bit-identical to the uninterrupted run."""
+    out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "ram"], capture_output=True, text=True,
+                         timeout=600, cwd=REPO)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    r = json.loads(lines[-1])
+    ref, run = reference_20_run[0], r["drained"]
+    assert r["victim"] in r["draining_seen"] and run["state"] == "SUCCEEDED", run
+    assert run["kinds"] == ["preemption"] and run["attempts"] == 2
+    [p] = run["preemptions"]
+    assert p["node"] == r["victim"] and p["tier"] == "ram" and p["steps_lost"] == 0, (p, out.stderr[-3000:])
+    saved = p["saved_step"]
+    assert 5 < saved < 20 and "tier ram" in run["failures"][0] and "held in RAM on nodes not draining" in run["failures"][0]
+    # the copy of the draining node's rank went to the surviving node's writer, before the deadline
+    assert re.search(rf"rank \d+'s copy of step {saved} pushed from draining node {r['victim'][:12]} to node", out.stderr)
+    assert f"resuming from step {saved} held in RAM" in out.stderr
+    assert run["start_steps"] == [saved, saved] and run["loaded_from_memory"] == [1.0, 1.0]
+    assert sorted(map(int, run["losses"])) == list(range(saved + 1, 21))
+    assert run["fingerprints"] == [x.fingerprint for x in ref.results]    # bit-identical to the uninterrupted run
+    assert all(v == ref.losses[int(k)] for k, v in run["losses"].items())
+    # storage: step 5 was the only committed step at the notice, and stayed byte for byte; the RAM
+    # step never reached it
+    assert list(r["committed_before"]) == ["step-00000005"]
+    assert r["committed_after"]["step-00000005"] == r["committed_before"]["step-00000005"]
+    assert f"step-{saved:08d}" not in r["committed_after"] and saved not in run["committed"]
+
+
 def _cli_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(PYTHONPATH=str(REPO), RAY_AUTH_MODE="disabled", RAY_TMPDIR=tempfile.mkdtemp(prefix="rtc-", dir="/tmp"))

@@ -49,6 +49,21 @@ def test_every_rank_loads_from_memory_or_every_rank_from_storage(copies, saved_w
     assert all(s.why.startswith(expect) for s in sources), sources[0].why
 
 
+@pytest.mark.parametrize(("facts", "expect"), [
+    ([CopyFacts(0, _copy(0, files={})), CopyFacts(1, _copy(1, files={}))], ["memory", "memory"]),
+    ([CopyFacts(0, _copy(0, files={})), CopyFacts(1, None)], "rank 1: its node's writer holds no copy of step 10"),
+    ([CopyFacts(0, _copy(0, files={})), CopyFacts(1, _copy(1, step=5))], "rank 1: stale copy: it holds step 5"),
+])
+def test_a_step_held_only_in_ram_needs_every_rank_s_copy_and_no_manifest(facts, expect):
+    """A preemption's RAM-tier step: no files on storage to match (manifest None); the copies'
+    own CRC-32C, checked on the ranks, is their proof. A missing copy sends every rank elsewhere."""
+    sources = choose_sources(10, 2, 2, 2, facts, None)
+    if isinstance(expect, list):
+        assert [s.source for s in sources] == expect and "RAM-tier copy of step 10" in sources[0].why
+        return
+    assert [s.source for s in sources] == ["storage", "storage"] and sources[0].why.startswith(expect)
+
+
 @pytest.mark.parametrize(("steps", "expect"), [
     ([None], 0),
     ([5], 0),              # one buffer: always that one

@@ -10,7 +10,7 @@ import pytest
 
 from raytrain_ckpt.controller import Controller, GroupPoll, JobState
 from raytrain_ckpt.events import WorkerResult
-from raytrain_ckpt.preemption import PreemptionGuard, plan_save, stop_signals
+from raytrain_ckpt.preemption import PUSH_MB_PER_S, PreemptionGuard, SaveCosts, plan_save, stop_signals
 from raytrain_ckpt.spec import JobSpec
 
 
@@ -24,6 +24,25 @@ from raytrain_ckpt.spec import JobSpec
 def test_save_plan_against_the_deadline(left, cost, fits, phrase):
     plan = plan_save(left, cost)
     assert plan.tier == "durable" and plan.fits is fits and phrase in plan.why
+
+
+@pytest.mark.parametrize("left, durable, ram, tier, fits, phrase", [
+    (25.0, 3.0, 0.5, "durable", True, "the last save took 3.0s"),      # the durable commit fits: always it
+    (8.0, 10.0, 0.5, "ram", True, "RAM on a node not draining takes ~0.5s"),
+    (8.0, 10.0, None, "durable", False, "saving what fits"),           # no RAM tier (one node, memory_copies 1)
+    (1.2, 10.0, 0.5, "ram", False, "saving what fits in RAM"),         # shorter than the fastest tier
+    (1.2, 0.4, 0.5, "durable", False, "saving what fits"),             # RAM no faster: the durable one
+    (None, 10.0, 0.5, "durable", True, "no deadline"),
+    (8.0, None, 0.5, "durable", True, "no save measured"),
+])
+def test_the_fastest_tier_that_fits_the_time_left(left, durable, ram, tier, fits, phrase):
+    plan = plan_save(left, durable, ram)
+    assert (plan.tier, plan.fits) == (tier, fits) and phrase in plan.why
+
+
+def test_ram_tier_costs_are_staging_plus_the_push():
+    assert SaveCosts().ram_s() is None
+    assert SaveCosts(4.0, 0.2, int(PUSH_MB_PER_S * 1e6)).ram_s() == pytest.approx(1.2)
 
 
 class DrainedGroup:
@@ -45,8 +64,8 @@ class DrainedGroup:
     def rank_nodes(self) -> list[str]:
         return self.nodes
 
-    def preempt(self, deadline_unix: float | None) -> None:
-        self.preempted = deadline_unix
+    def preempt(self, deadline_unix: float | None, tier: str = "durable") -> None:
+        self.preempted, self.tier = deadline_unix, tier
 
     def poll(self) -> GroupPoll:
         stopped = self.done or self.preempted is not False
@@ -93,6 +112,54 @@ def test_a_drained_rank_node_restarts_without_spending_a_restart():
     second.done = True
     ctl.step()
     assert ctl.state is JobState.SUCCEEDED
+
+
+def _ram_controller(drains: dict, kept: list, keep_result: str | None = None) -> Controller:
+    DrainedGroup.created = []
+    spec = JobSpec(name="t", fault_tolerance={"max_restarts": 0})
+
+    def keep_in_ram(node: str, step: int, deadline: float | None) -> str | None:
+        kept.append((node, step, deadline))
+        return keep_result
+
+    guard = PreemptionGuard(spec.training.steps, lambda: 50, lambda: 12.0, draining=lambda: dict(drains),
+                            clock=lambda: 1000.0, ram_cost=lambda draining: 0.5, keep_in_ram=keep_in_ram)
+    return Controller(spec, DrainedGroup, sleep=lambda s: None, preemption=guard)
+
+
+def test_a_deadline_shorter_than_the_durable_save_keeps_the_step_in_ram_off_the_node():
+    drains: dict = {}
+    kept: list = []
+    ctl = _ram_controller(drains, kept)
+    ctl.step()
+    group = DrainedGroup.created[0]
+    group.step = 57
+    drains["B"] = 1008.0                                   # 8 s notice; the last durable save took 12 s
+    ctl.step()
+    assert (group.preempted, group.tier) == (1008.0, "ram")
+    ctl.step()                                             # stopped at 57: its copies pushed off B
+    assert kept == [("B", 57, 1008.0)] and ctl.state is JobState.RECOVERING and ctl.restarts == 0
+    [failure] = ctl.result.failures
+    assert failure.kind == "preemption" and "tier ram" in failure.headline
+    assert "step 57 held in RAM on nodes not draining" in failure.headline
+    assert "committed step 50 is untouched), 0 steps lost" in failure.headline
+    assert ctl.result.preemptions[0]["tier"] == "ram" and ctl.result.preemptions[0]["saved_step"] == 57
+    assert "tier ram" in ctl.summary()["preemption"]
+
+
+def test_a_ram_copy_that_cannot_be_kept_falls_back_to_the_committed_step():
+    drains: dict = {}
+    kept: list = []
+    ctl = _ram_controller(drains, kept, keep_result="pushing rank 1's copy failed")
+    ctl.step()
+    DrainedGroup.created[0].step = 57
+    drains["B"] = 1008.0
+    ctl.step()
+    ctl.step()
+    [failure] = ctl.result.failures
+    assert "the RAM copy was not kept (pushing rank 1's copy failed): resuming at committed step 50, 7 steps lost" \
+        in failure.headline
+    assert ctl.result.preemptions[0]["steps_lost"] == 7
 
 
 def test_a_save_that_did_not_commit_counts_the_steps_lost():

@@ -71,10 +71,12 @@ class RankSource:
 
 
 def choose_sources(step: int, world_size: int, saved_world_size: int, memory_copies: int,
-                   facts: list[CopyFacts], manifest_files: dict[str, dict[str, int]]) -> list[RankSource]:
+                   facts: list[CopyFacts], manifest_files: dict[str, dict[str, int]] | None) -> list[RankSource]:
     """Memory or storage for every rank (pure). All ranks use memory or none does: a storage load is a collective.
 
-    ``manifest_files``: the resume step's files (name -> {"size", "crc32c"}) from its manifest.
+    ``manifest_files``: the resume step's files (name -> {"size", "crc32c"}) from its manifest;
+    None for a step held only in memory (a preemption's RAM tier): nothing on storage to match,
+    the copy's CRC-32C, checked on the rank, is its proof.
     """
     job_wide = _job_wide(step, world_size, saved_world_size, memory_copies)
     if job_wide is not None:
@@ -94,7 +96,7 @@ def _job_wide(step: int, world_size: int, saved_world_size: int, memory_copies: 
     return None
 
 
-def _own_source(step: int, f: CopyFacts, manifest_files: dict[str, dict[str, int]]) -> RankSource:
+def _own_source(step: int, f: CopyFacts, manifest_files: dict[str, dict[str, int]] | None) -> RankSource:
     def storage(why: str) -> RankSource:
         return RankSource(f.rank, "storage", why)
 
@@ -107,6 +109,8 @@ def _own_source(step: int, f: CopyFacts, manifest_files: dict[str, dict[str, int
         return storage(f"stale copy: it holds step {c.step}, the resume step is {step}")
     if c.rank != f.rank:
         return storage(f"the copy is rank {c.rank}'s")
+    if manifest_files is None:
+        return RankSource(f.rank, "memory", f"RAM-tier copy of step {step} in {c.path}", c)
     for name, entry in c.files.items():
         listed = manifest_files.get(name)
         if listed is None or (listed.get("size"), listed.get("crc32c")) != (entry["size"], entry["crc32c"]):
@@ -290,6 +294,9 @@ def restore(trainer: Any, path: str, step: int, same_world_size: bool, copy: Com
                         prepared.checksum_s + copy_s)
     if copy is not None and prepared is not None:
         own_why = "another rank's copy was refused"
+    if not path:
+        raise InvalidCheckpoint(f"step {step} was held only in memory, a rank's copy was refused ({own_why}) "
+                                "and nothing is committed on storage to fall back to")
     if copy is not None and verify != "size":  # storage was checked only up to sizes
         problem = _storage_problem(path, verify) if trainer.rank == 0 else None
         if not _everyone(problem is None, trainer.device):

@@ -117,6 +117,7 @@ class CheckpointClient:
         self._kept = kept_copy
         """(buffer path, step) of the in-memory copy this attempt resumed from: not staged over first."""
         self._inflight: tuple[int, ray.ObjectRef] | None = None
+        self._inflight_tier = "durable"  # the tier of the save in _inflight
         self._replan = False
         self._last_save_at = time.monotonic()
 
@@ -137,10 +138,14 @@ class CheckpointClient:
         """Whether ``flag`` is set on some rank (a collective: every rank gets the same answer)."""
         return self._any_rank(flag)
 
-    def _any_rank(self, flag: bool) -> bool:
-        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+    def max_rank(self, value: int) -> int:
+        """The largest ``value`` over the ranks (a collective of 4 bytes, as ``any_rank``)."""
+        t = torch.tensor([value], dtype=torch.int32, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return int(t.item())
+
+    def _any_rank(self, flag: bool) -> bool:
+        return bool(self.max_rank(int(flag)))
 
     def before_optimizer_step(self) -> None:
         """Block until the staging copy is done: the optimizer is about to change what it reads.
@@ -154,11 +159,13 @@ class CheckpointClient:
         """Wait until the last save's hand-off is done (it sets ``_inflight``); returns the seconds blocked."""
         return self._layout.staging.finish() if self._layout is not None else 0.0
 
-    def save(self, step: int, state: dict[str, Any], point: TrainingPoint | None = None, final: bool = False) -> None:
+    def save(self, step: int, state: dict[str, Any], point: TrainingPoint | None = None, final: bool = False,
+             tier: str = "durable") -> None:
         """Save ``state`` (a DCP state dict of live tensors, e.g. ``app_state(trainer)``) as ``step``.
 
         Collective: every rank calls it for the same steps. ``point`` (samples and tokens seen,
         losses) goes into the manifest. ``final``: never skipped (the last step, or a drain's).
+        ``tier="ram"``: a drain's RAM tier, held by the writer in memory only (``roles/ramtier.py``).
         """
         t0 = time.monotonic()
         self._handed_off()  # counted in this save's stall
@@ -166,7 +173,7 @@ class CheckpointClient:
             return
         # The step's temporary directory, opened while this rank plans and starts its copy: the
         # writer gets the reply, and its first write does not wait for a round trip of its own.
-        opened = self.actor.open_step.remote(step, self.attempt)
+        opened = self.actor.open_step.remote(step, self.attempt) if tier == "durable" else None
         tensors, objects = self._flatten(state)
         try:
             layout = self._ensure_layout(step, tensors, objects)
@@ -187,9 +194,9 @@ class CheckpointClient:
             the writer, which writes each tensor as soon as the copy has reached it."""
             req = PersistRequest(step, self.rank, self.attempt, layout.plan_id, buf.path, layout.nbytes, layout.slots,
                                  payload, layout.plan, point or TrainingPoint(),
-                                 stage_s=time.monotonic() - t0, token=token)  # the writer adds the copy's own time
+                                 stage_s=time.monotonic() - t0, token=token, tier=tier)  # the writer adds the copy's time
             try:
-                sent.append(self.writer.accept.remote(req, [opened]))  # nested: a failed call is the writer's to handle
+                sent.append(self.writer.accept.remote(req, [opened] if opened is not None else []))  # nested: a failed call is the writer's to handle
             except Exception as exc:  # surfaced by hand_off(): the copy goes on, the step is lost
                 sent.append(exc)
 
@@ -204,6 +211,7 @@ class CheckpointClient:
                 return
             buf.step = step
             self._inflight = (step, self.writer.wait.remote(self.rank, step))
+            self._inflight_tier = tier
             for b in layout.buffers:  # a buffer not staged into yet: populate it now, not in its first copy
                 b.staging.warm()
             maybe_inject("staged", self.rank, step, self.attempt)
@@ -216,7 +224,8 @@ class CheckpointClient:
         self.stats.stall_s += time.monotonic() - t0
         if self.cfg.mode == "sync":
             self.wait_committed()
-        self._report_stall(step)
+        if tier == "durable":  # a RAM-tier step has no manifest to keep it
+            self._report_stall(step)
         if self.interval is not None:
             self.interval.saved(self.stats.last_stall_s)
 
@@ -332,7 +341,7 @@ class CheckpointClient:
         if self._inflight is None:
             return
         step, ref = self._inflight
-        if not self._settle(step, ref):
+        if not self._settle(step, ref) or self._inflight_tier == "ram":  # a RAM-tier step never commits
             return
         try:
             ray.get(self.actor.wait_committed.remote(step, self.cfg.commit_timeout_s))

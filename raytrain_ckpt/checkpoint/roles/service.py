@@ -20,6 +20,7 @@ from raytrain_ckpt.checkpoint.records import ActorStatus, AttemptPlan, Committed
 from raytrain_ckpt.checkpoint.recovery.memcopy import choose_sources, CopyFacts, RankSource
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
 from raytrain_ckpt.checkpoint.roles.fleet import WriterFleet
+from raytrain_ckpt.checkpoint.roles.ramtier import MemoryStep, RamTier, draining
 from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name, call_restarting
 from raytrain_ckpt.checkpoint.storage.backends import job_root
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
@@ -60,6 +61,9 @@ class CheckpointService:
         ).remote(str(self.root), _retention(cfg), cfg.storage_options, cfg.leftover_grace_s, env)
         self.fleet = WriterFleet(spec, str(self.root), self.actor, env)
         self.sources = CopySources(spec, self.fleet, self._ask)
+        self.ram = RamTier(self.fleet.writers)
+        self.memory_step: MemoryStep | None = None
+        """A preemption's RAM-tier step, offered once to the next attempt (``keep_in_ram``)."""
         self._note: ray.ObjectRef | None = None
         self.replaced: dict[int, list[str]] = {}
         """By attempt: the checkpoint writers and actor replaced before it, for not answering."""
@@ -108,6 +112,9 @@ class CheckpointService:
         full = spec.checkpoint.verify_on_load
         quick = attempt > 0 and spec.checkpoint.memory_copies >= 2 and full != "size"
         point = self.acquire(attempt, spec, "size" if quick else full)
+        in_ram = self._from_memory_step(attempt, spec, nodes, point)
+        if in_ram is not None:
+            return in_ram
         sources = self.recovery_sources(attempt, spec, point, nodes)
         if quick and point is not None and sources is not None and sources[0].source != "memory":
             logger.info("attempt %d: verifying step %d on storage (%s), since storage serves", attempt, point.step, full)
@@ -116,6 +123,40 @@ class CheckpointService:
                 sources = self.recovery_sources(attempt, spec, again, nodes)
             point = again
         return point, sources
+
+    def ram_tier_nodes(self, draining: set[str]) -> list[str]:
+        """Nodes a RAM-tier copy may be pushed to with ``draining`` nodes draining (``RamTier``)."""
+        return self.ram.targets(draining)
+
+    def keep_in_ram(self, node: str, step: int, deadline_unix: float | None) -> str | None:
+        """After a RAM-tier save of ``step``: hold it off draining ``node`` for the next attempt
+        (``RamTier.keep``); None, or why it is not held (the next attempt then resumes from storage)."""
+        kept = self.ram.keep(node, step, self.spec.world_size, deadline_unix)
+        if isinstance(kept, str):
+            logger.warning("preemption: step %d is not held in RAM: %s", step, kept)
+            return kept
+        self.memory_step = kept
+        return None
+
+    def _from_memory_step(self, attempt: int, spec: JobSpec, nodes: list[str], durable: ResumePoint | None
+                          ) -> tuple[ResumePoint, list[RankSource]] | None:
+        """The RAM-tier step as this attempt's resume point, when every rank's copy is found in
+        memory; else None (storage's latest committed step, ``durable``, serves). Offered once."""
+        held, self.memory_step = self.memory_step, None
+        if held is None or (durable is not None and durable.step >= held.step):
+            return None
+        # the durable step's path: where a rank that refuses its copy at load time falls back to
+        point = ResumePoint(held.step, durable.path if durable is not None else "", held.world_size,
+                            held.step * spec.training.global_batch_size)
+        sources = self.sources.recovery_sources(attempt, spec, point, nodes, memory_only=True)
+        if sources is not None and sources[0].source == "memory":
+            logger.warning("attempt %d: resuming from step %d held in RAM (a preemption's RAM tier; not on storage)",
+                           attempt, held.step)
+            return point, sources
+        fallback = "step 0 (nothing committed)" if durable is None else f"committed step {durable.step}"
+        logger.warning("attempt %d: the RAM copy of step %d is lost (%s): resuming from the last durable step, %s",
+                       attempt, held.step, sources[0].why if sources else "no copy", fallback)
+        return None
 
     def acquire(self, attempt: int, spec: JobSpec, verify: Verify | None = None) -> ResumePoint | None:
         """Verify (to ``verify``, default ``checkpoint.verify_on_load``) and lease the checkpoint
@@ -258,11 +299,12 @@ class CopySources:
         self.spec, self.fleet, self._ask = spec, fleet, ask
 
     def recovery_sources(self, attempt: int, spec: JobSpec, point: ResumePoint | None,
-                         nodes: list[str]) -> list[RankSource] | None:
+                         nodes: list[str], memory_only: bool = False) -> list[RankSource] | None:
         """Where each rank of ``attempt`` loads ``point`` from: its node's in-memory copy or storage,
         decided in one place (``memcopy.choose_sources``) and logged in one line. None: nothing to load.
 
-        ``nodes``: the node id of every rank of the attempt.
+        ``nodes``: the node id of every rank of the attempt. ``memory_only``: ``point`` is a RAM-tier
+        step (no manifest on storage: each copy's own CRC-32C is its only proof).
         """
         if point is None:
             return None
@@ -274,15 +316,15 @@ class CopySources:
         # A writer that did not answer in time (its node is going away) is not asked again for
         # each of its ranks, nor sent a copy: the one deadline is all it costs the restart.
         silent = {node for node, answer in zip(nodes, answers) if answer is not None and answer[2]}
-        facts = [self._copy_facts(rank, node, step, answer, silent)
+        facts = [self._copy_facts(rank, node, step, answer, silent, memory_only)
                  for rank, (node, (step, _), answer) in enumerate(zip(nodes, asked, answers))]
-        listed = {n: asdict(f) for n, f in self._ask("manifest_files", point.step).items()}
+        listed = None if memory_only else {n: asdict(f) for n, f in self._ask("manifest_files", point.step).items()}
         sources = choose_sources(point.step, spec.world_size, point.world_size, spec.checkpoint.memory_copies,
                                  facts, listed)
         if sources[0].source == "memory":
             logger.info("attempt %d: every rank loads step %d from its node's in-memory copy (%d node(s))",
                         attempt, point.step, len(set(nodes)))
-        else:
+        elif not memory_only:  # a RAM-tier step is not on storage: the caller says what serves instead
             logger.info("attempt %d: loading step %d from storage: %s", attempt, point.step, sources[0].why)
         return sources
 
@@ -313,12 +355,14 @@ class CopySources:
         except Exception as exc:  # a dead, unreachable or silent writer: its copy is lost, storage serves
             return None, f"{type(exc).__name__}: {headline(str(exc))}", isinstance(exc, GetTimeoutError)
 
-    def _copy_facts(self, rank: int, node: str, step: int,
-                    answer: tuple[CommittedCopy | None, str | None, bool] | None, silent: set[str]) -> CopyFacts:
+    def _copy_facts(self, rank: int, node: str, step: int, answer: tuple[CommittedCopy | None, str | None, bool] | None,
+                    silent: set[str], memory_only: bool = False) -> CopyFacts:
         if answer is None:
             return CopyFacts(rank, None)
         copy, why, _ = answer
-        if copy is None and self.spec.checkpoint.replication.mode == "auto" and node not in silent:
+        # a RAM-tier step was pushed off its draining node: looked for on other nodes whatever replication says
+        peers = self.spec.checkpoint.replication.mode == "auto" or memory_only
+        if copy is None and peers and node not in silent:
             copy = self._copy_from_peer(rank, node, step, silent)  # the rank moved node, or its writer is gone
             why = None if copy is not None else why
         return CopyFacts(rank, copy, why)
@@ -329,7 +373,8 @@ class CopySources:
         runs (re-checked on both ends). None when no alive node holds one, or moving it failed.
         ``silent``: nodes whose writer did not answer in time, not asked (one that times out here
         is added)."""
-        alive = ({n["NodeID"] for n in ray.nodes() if n["Alive"]} & set(self.fleet.writers)) - silent
+        # a draining node's writer is not a source: the node is about to go
+        alive = (set(RamTier(self.fleet.writers).targets(draining())) - silent)
         for holder in sorted(alive, key=lambda n: (n != node, n)):  # the rank's node first: nothing to move
             try:
                 held = ray.get(self.fleet.writers[holder].copies_held.remote(step), timeout=COPY_QUERY_TIMEOUT_S)

@@ -155,6 +155,9 @@ class CheckpointWriter:
                                        f"belongs to attempt {req.attempt}; this save is dropped")
             held.record = None  # the trainer staged over whatever it held
             self._running[key] = req
+        if req.tier == "ram":  # a preemption's RAM tier: recorded in memory, storage and the actor untouched
+            self._jobs[key] = self._pool.submit(_hold_in_ram, self, req)
+            return
         if tmp is not None:
             self._start(req, tmp)
         try:
@@ -312,6 +315,23 @@ class CheckpointWriter:
 
     def __repr__(self) -> str:  # the dashboard's actor list and log prefix: short and fixed (Ray computes it once)
         return f"CheckpointWriter({self.metrics.job if hasattr(self, 'metrics') else 'not started'})"
+
+
+def _hold_in_ram(writer: CheckpointWriter, req: PersistRequest) -> str:
+    """A RAM-tier save: once the copy is complete, record the buffer as the step's copy (its
+    CRC-32C, no file) for ``roles/ramtier.py`` to push off a draining node; nothing is written."""
+    try:
+        t0 = time.monotonic()
+        mapped = writer.buffers.mapped(req)
+        copy_s = _staged(req, mapped)
+        writer.buffers.record(req, {**mapped.views, **pickle.loads(req.objects)}, mapped, RankFiles())
+        logger.warning("rank %d step %d held in RAM only (preemption, RAM tier): staged in %.2fs, recorded in "
+                       "%.2fs", req.rank, req.step, req.stage_s + copy_s, time.monotonic() - t0)
+        return "ram"
+    finally:
+        with writer.buffers.lock:
+            writer._running.pop((req.rank, req.step), None)
+            writer.buffers.drop_stale(req, writer._busy())
 
 
 def _wait_staged(req: PersistRequest, mapped: Mapped, end: int) -> StageProgress:
