@@ -124,3 +124,11 @@ def test_past_max_replacements_a_silent_writer_is_left_to_the_hang_timeout():
         ctl.step()
     assert [f.kind for f in ctl.result.failures] == ["writer_hang"] * MAX_REPLACEMENTS + ["hang"]
     assert ctl.state is JobState.FAILED and group.replacements == MAX_REPLACEMENTS
+
+
+def test_status_names_the_stuck_process():
+    from raytrain_ckpt.hangs import status_line
+
+    line = status_line({"hang_timeout_s": 30.0, "hang_timeout_why": "learned",
+                        "stuck": f"stuck: step 13 (its save), {W} has not answered for 31s"})
+    assert line == f"hang timeout 30s (learned); stuck: step 13 (its save), {W} has not answered for 31s"
