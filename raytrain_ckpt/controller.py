@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from raytrain_ckpt.events import Failure, FailureKind, RollbackRecord, WorkerResult, headline
 from raytrain_ckpt.goodput import GoodputLedger
-from raytrain_ckpt.hangs import FIRST_STEPS_S, HangClock, Verdict, auto_text
+from raytrain_ckpt.hangs import FLOOR_S, HangClock, Verdict, auto_text
 from raytrain_ckpt.silence import MAX_REPLACEMENTS, NOTICE_S, overdue, silence_budget_s, stuck_line
 from raytrain_ckpt.stragglers import StragglerWatch
 from raytrain_ckpt.spec import JobSpec
@@ -392,16 +392,20 @@ class Controller:
         look = getattr(self.group, "checkpointing_silences", None)
         silences = look() if look is not None else {}
         saving = "saving" in poll.phases.values()
-        self._stuck = stuck_line(poll.min_step, saving, silences)
+        in_flight = None
+        if any(v > NOTICE_S for v in silences.values()) and hasattr(self.group, "save_in_flight"):
+            in_flight = self.group.save_in_flight()  # type: ignore[union-attr]
+        self._stuck = stuck_line(poll.min_step, saving, silences, in_flight=in_flight)
         ck = self.spec.checkpoint
-        budget = silence_budget_s(self.hangs.fixed, self.hangs.learned_s(), FIRST_STEPS_S,
+        budget = silence_budget_s(self.hangs.fixed, self.hangs.learned_s(), FLOOR_S,
                                   ck.commit_timeout_s if ck.enabled else None)
         budget = min(budget, NOTICE_S) if hung else budget
         late = overdue(silences, budget)
         if not late or self._silent_replaced >= MAX_REPLACEMENTS:
             return False
         why = "its ranks are past their hang timeout" if hung else "the hang timeout of a step"
-        text = (f"{stuck_line(poll.min_step, saving, {w: silences[w] for w in late}, budget)}: silent for longer than "
+        text = (f"{stuck_line(poll.min_step, saving, {w: silences[w] for w in late}, budget, in_flight)}: "
+                f"silent for longer than "
                 f"{budget:.0f}s ({why}); replaced, training continues")
         replaced = self.group.replace_silent_checkpointing()  # type: ignore[union-attr]
         if not replaced:  # it answered the confirming ping: a pause, not a hang

@@ -326,6 +326,15 @@ class RayWorkerGroup:
         """How long each checkpoint writer and the actor has left its ping unanswered (``silence.py``)."""
         return self.checkpoints.fleet.silences(time.monotonic()) if self.checkpoints is not None else {}
 
+    def save_in_flight(self) -> int | None:
+        """The oldest step the CheckpointActor has in flight (the save a silent writer holds up), as
+        its bulletin last said (None: none or unknown)."""
+        from raytrain_ckpt.checkpoint.roles import bulletin
+
+        posted = bulletin.posted(self.spec.name) if self.checkpoints is not None else None
+        steps = (posted or {}).get("in_flight") or []
+        return min(steps) if steps else None
+
     def replace_silent_checkpointing(self) -> list[str]:
         """Kill and restart the checkpoint writers and actor that do not answer a ping now; one line each."""
         return self.checkpoints.fleet.replace_silent() if self.checkpoints is not None else []

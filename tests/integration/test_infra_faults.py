@@ -80,15 +80,17 @@ def test_a_writer_stopped_mid_run_is_named_replaced_and_the_job_finishes(ray_clu
     assert result.attempts == 1                                # no restart of the group, max_restarts=0 kept
     (failure,) = result.failures
     assert (failure.kind, failure.rank) == ("writer_hang", None), failure
-    assert f"checkpoint writer on node {node[:12]} has not answered for " in failure.headline, failure.headline
+    # the save it holds up is step 10 (handed to it, never accepted); the ranks wait at step 15's
+    assert failure.headline.startswith(f"stuck: step 10 (its save), checkpoint writer on node {node[:12]} has not "
+                                       "answered for "), failure.headline
     assert "replaced, training continues" in failure.headline
     detected = next(t for t, what in result.events if what == "attempt 0 writer_hang detected")
-    assert detected - stopped_at <= 60                         # within the learned step timeout (30 s here)
+    assert detected - stopped_at <= 60                         # within the step timeout (30 s here: learned or the floor)
     assert f"attempt 0: checkpoint writer on node {node[:12]} did not answer within 10s: replaced" in \
         [what for _, what in result.events]
     assert any("stuck: step " in line and f"writer on node {node[:12]}" in line for line in stuck_seen), stuck_seen
     committed = set(result.checkpoints["committed"])
-    assert 5 in committed and 20 in committed, committed     # nothing committed before the stall was lost
+    assert {5, 15, 20} <= committed and 10 not in committed, committed   # nothing committed before it lost
     assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference_20.results]
 
 

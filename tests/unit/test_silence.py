@@ -9,7 +9,7 @@ import pytest
 
 from raytrain_ckpt.controller import Controller, GroupPoll, JobState
 from raytrain_ckpt.events import WorkerResult
-from raytrain_ckpt.hangs import FIRST_STEPS_S
+from raytrain_ckpt.hangs import FLOOR_S
 from raytrain_ckpt.silence import MAX_REPLACEMENTS, NOTICE_S, overdue, silence_budget_s, stuck_line
 from raytrain_ckpt.spec import JobSpec
 
@@ -17,14 +17,14 @@ W = "checkpoint writer on node abc"
 
 
 @pytest.mark.parametrize(("fixed", "learned", "save", "expected"), [
-    (None, None, 600.0, FIRST_STEPS_S),   # nothing learned yet: the first steps' budget
+    (None, None, 600.0, FLOOR_S),         # nothing learned yet: the floor (a ping waits on no step)
     (None, 30.0, 600.0, 30.0),            # the learned step budget
-    (None, None, 120.0, 120.0),           # never past a save's own bound
+    (None, 300.0, 120.0, 120.0),          # never past a save's own bound
     (20.0, 30.0, 600.0, 20.0),            # a fixed hang timeout wins over the learned one
     (None, 45.0, None, 45.0),             # checkpointing off: the step budget alone
 ])
 def test_silence_budget_table(fixed, learned, save, expected):
-    assert silence_budget_s(fixed, learned, FIRST_STEPS_S, save) == expected
+    assert silence_budget_s(fixed, learned, FLOOR_S, save) == expected
 
 
 def test_overdue_and_the_status_line():
@@ -32,6 +32,7 @@ def test_overdue_and_the_status_line():
     assert overdue(silences, 30.0) == [W] and overdue(silences, 31.0) == []
     assert stuck_line(12, False, {W: NOTICE_S}) is None                   # not yet past the notice
     assert stuck_line(12, True, silences) == f"stuck: step 13 (its save), {W} has not answered for 31s"
+    assert stuck_line(12, True, silences, in_flight=10) == f"stuck: step 10 (its save), {W} has not answered for 31s"
     assert stuck_line(12, False, {W: 12.0, "checkpoint actor": 40.0}) == (
         f"stuck: step 12, checkpoint actor has not answered for 40s; {W} has not answered for 12s")
 
