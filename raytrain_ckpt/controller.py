@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from raytrain_ckpt.events import Failure, FailureKind, RollbackRecord, WorkerResult, headline
 from raytrain_ckpt.goodput import GoodputLedger
-from raytrain_ckpt.hangs import HangClock, Verdict, auto_text
+from raytrain_ckpt.hangs import FLOOR_S, HangClock, Verdict, auto_text
+from raytrain_ckpt.silence import MAX_REPLACEMENTS, NOTICE_S, overdue, silence_budget_s, stuck_line
 from raytrain_ckpt.stragglers import StragglerWatch
 from raytrain_ckpt.spec import JobSpec
 
@@ -130,9 +131,9 @@ class FailurePolicy:
         """Whether a restart after a ``kind`` failure may reuse the surviving processes.
 
         After a crash or an exception the survivors' collectives fail and they can leave the
-        step; after a hang they sit in a collective with the hung rank and are replaced.
+        step (after a straggler's replacement every rank stopped at a committed step); after a hang they sit in a collective with the hung rank and are replaced.
         """
-        return self.reuse_workers and kind in ("crash", "exception")
+        return self.reuse_workers and kind in ("crash", "exception", "straggler")
 
     def decide(self, facts: FailureFacts) -> Decision:
         # a "mismatch" (or "checkpoint") is never in retry_on: the spec's retry_on cannot name it
@@ -234,6 +235,12 @@ class Controller:
         self._last_hang: str | None = None
         self._rollbacks_noted = 0
         """Rollbacks of the running attempt already in ``result.failures``."""
+        self._stuck: str | None = None
+        """A checkpoint writer or the actor silent now, with the step (``silence.stuck_line``)."""
+        self._silent_replaced = 0
+        self._swap: int | None = None
+        """The straggler rank whose replacement the running attempt stops for (replace_stragglers)."""
+        self._swapped: set[int] = set()
 
     def run(self) -> JobResult:
         """Step until terminal; always releases the group."""
@@ -276,7 +283,7 @@ class Controller:
                 "train_step": poll.min_step if poll is not None else None,
                 "hang_timeout_s": self.hangs.current_s, "hang_timeout_why": self.hangs.why,
                 "last_hang": self._last_hang, "goodput": round(self.ledger.goodput, 4),
-                "stragglers": sorted(self.stragglers.reported)}
+                "stragglers": sorted(self.stragglers.reported), "stuck": self._stuck}
 
     def reject(self, kind: str, message: str) -> None:
         """Fail a job whose workers finished but whose outcome is not what was asked for
@@ -329,6 +336,7 @@ class Controller:
             self.result.events.append((time.time(), f"attempt {self.attempt} placed on {','.join(self.group.nodes)}"))
         self.hangs.attempt_started()
         self.stragglers.restart()
+        self._swap = None
         self.result.events.append((time.time(), f"attempt {self.attempt} running"))
         self._set_state(JobState.RUNNING, f"{self.spec.world_size} workers started")
 
@@ -346,6 +354,7 @@ class Controller:
         for line in self.stragglers.observe(poll.starts):
             logger.warning("attempt %d: %s", self.attempt, line)
             self.result.stragglers.append(f"attempt {self.attempt}: {line}")
+        self._maybe_swap_straggler()
         preempted = self.preemption.watch(self.group, poll, self.attempt) if self.preemption is not None else None
         if preempted is not None:
             self._on_preemption(preempted)
@@ -353,12 +362,16 @@ class Controller:
             first = poll.failures[0]
             self._on_failure(Failure(self.attempt, first.kind, first.rank, first.headline,
                                      "\n".join(f.detail or str(f) for f in poll.failures)))
+        elif poll.finished and self._swap is not None and min(r.steps for r in poll.results) < self.spec.training.steps:
+            self._on_straggler_stopped(poll)
         elif poll.finished:
             self.ledger.finished(self._clock())
             self.result.results = poll.results
             self._note_rollbacks(poll.results[0].rollbacks if poll.results else ())
             self._set_state(JobState.SUCCEEDED, f"{poll.min_step} steps done")
-        elif self._hung(poll):
+        elif self._replaced_silent(poll, hung := self._hung(poll)):
+            self._last_advance = self._clock()  # its ranks waited on it: the step budget starts again
+        elif hung:
             self._on_failure(self._hang_failure(poll))
         else:
             self.group.wait(self.spec.fault_tolerance.poll_interval_s)
@@ -370,6 +383,74 @@ class Controller:
             self.result.failures.append(Failure(self.attempt, "rollback", rb.trip.rank, str(rb), str(rb)))
             self.result.events.append((time.time(), f"attempt {self.attempt} rollback to step {rb.to_step}"))
         self._rollbacks_noted = max(self._rollbacks_noted, len(rollbacks))
+
+    def _replaced_silent(self, poll: GroupPoll, hung: bool) -> bool:
+        """A checkpoint writer or the actor silent past its budget (``silence.py``) is replaced while
+        the group trains on; returns whether one was. The silence is in ``status`` meanwhile.
+        ``hung``: the ranks are past their hang timeout; one silent past ``NOTICE_S`` is then what
+        they wait on (a save), replaced instead of blaming them."""
+        look = getattr(self.group, "checkpointing_silences", None)
+        silences = look() if look is not None else {}
+        saving = "saving" in poll.phases.values()
+        in_flight = None
+        if any(v > NOTICE_S for v in silences.values()) and hasattr(self.group, "save_in_flight"):
+            in_flight = self.group.save_in_flight()  # type: ignore[union-attr]
+        self._stuck = stuck_line(poll.min_step, saving, silences, in_flight=in_flight)
+        ck = self.spec.checkpoint
+        budget = silence_budget_s(self.hangs.fixed, self.hangs.learned_s(), FLOOR_S,
+                                  ck.commit_timeout_s if ck.enabled else None)
+        budget = min(budget, NOTICE_S) if hung else budget
+        late = overdue(silences, budget)
+        if not late or self._silent_replaced >= MAX_REPLACEMENTS:
+            return False
+        why = "its ranks are past their hang timeout" if hung else "the hang timeout of a step"
+        text = (f"{stuck_line(poll.min_step, saving, {w: silences[w] for w in late}, budget, in_flight)}: "
+                f"silent for longer than "
+                f"{budget:.0f}s ({why}); replaced, training continues")
+        replaced = self.group.replace_silent_checkpointing()  # type: ignore[union-attr]
+        if not replaced:  # it answered the confirming ping: a pause, not a hang
+            logger.warning("attempt %d: %s answered again; not replaced", self.attempt, ", ".join(late))
+            return False
+        self._silent_replaced += 1
+        self.result.failures.append(Failure(self.attempt, "writer_hang", None, headline(text),
+                                            "\n".join([text, *replaced])))
+        self.result.events.append((time.time(), f"attempt {self.attempt} writer_hang detected"))
+        self.result.events += [(time.time(), f"attempt {self.attempt}: {note}") for note in replaced]
+        logger.error("attempt %d writer_hang (%d/%d, max_restarts not spent): %s", self.attempt,
+                     self._silent_replaced, MAX_REPLACEMENTS, text)
+        self._last_hang, self._stuck = text, None
+        return True
+
+    def _maybe_swap_straggler(self) -> None:
+        """``fault_tolerance.replace_stragglers``: once a rank is reported, every rank saves and
+        commits the step in hand and stops (as for a drain); the restart then gives that rank a
+        spare or a new process. Each rank once per job (the watch reports a rank once)."""
+        ft, group = self.spec.fault_tolerance, self.group
+        if not ft.replace_stragglers or not self.spec.checkpoint.enabled or self._swap is not None:
+            return
+        ranks = sorted(set(self.stragglers.reported) - self._swapped)
+        if not ranks or not hasattr(group, "preempt"):
+            return
+        self._swap = ranks[0]
+        self._swapped.add(ranks[0])
+        logger.warning("attempt %d: replacing straggler rank %d (fault_tolerance.replace_stragglers): saving the step "
+                       "in hand, then restarting with a new process for it", self.attempt, ranks[0])
+        group.preempt(None)  # type: ignore[union-attr]
+
+    def _on_straggler_stopped(self, poll: GroupPoll) -> None:
+        """The group stopped at a committed step for a straggler's replacement: restart without it."""
+        rank = self._swap
+        assert rank is not None
+        step = min(r.steps for r in poll.results)
+        text = (f"rank {rank} replaced at committed step {step} (fault_tolerance.replace_stragglers): "
+                f"{self.stragglers.reported[rank]}")
+        self.result.failures.append(Failure(self.attempt, "straggler", rank, headline(text), text))
+        self.result.events.append((time.time(), f"attempt {self.attempt} straggler rank {rank} replaced"))
+        retire = getattr(self.group, "retire", None)
+        if retire is not None:
+            retire(rank)
+        self._last_failure = "straggler"
+        self._set_state(JobState.RECOVERING, f"straggler rank {rank} at step {step}; restarts not spent")
 
     def _hung(self, poll: GroupPoll) -> bool:
         now = self._clock()

@@ -14,7 +14,8 @@ from typing import Any, Literal
 __all__ = ["Failure", "FailureKind", "Progress", "RankPlace", "RollbackRecord", "Trip", "WorkerResult", "cause_text",
            "headline"]
 
-FailureKind = Literal["start", "crash", "exception", "hang", "checkpoint", "mismatch", "preemption", "rollback"]
+FailureKind = Literal["start", "crash", "exception", "hang", "checkpoint", "mismatch", "preemption", "rollback",
+                      "writer_hang", "straggler"]
 """start: the group could not be placed or formed; crash: a rank's process (or its node) died;
 exception: a rank raised; hang: no rank finished a step within ``fault_tolerance.hang_timeout_s``
 (the same names as ``fault_tolerance.retry_on``). checkpoint: the workers finished but the final
@@ -23,7 +24,10 @@ mistake, the same on every attempt: never retried). preemption: a node the group
 (a drain notice): the step in hand was saved and the group stopped; counted against
 ``fault_tolerance.max_preemptions``, never against ``max_restarts``. rollback: the training guard
 rolled back to a certified step (the job went on), or a trip it could not roll back ended the job
-(never retried)."""
+(never retried). writer_hang: a checkpoint writer or the CheckpointActor stopped answering while
+the group trained (``silence.py``): it was replaced and training went on. straggler: a rank
+reported as a straggler was replaced (``fault_tolerance.replace_stragglers``) after the step in
+hand committed. Neither spends ``max_restarts``."""
 
 
 @dataclass(frozen=True)

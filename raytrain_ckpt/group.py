@@ -53,6 +53,8 @@ class RayWorkerGroup:
         self.quarantine = quarantine
         self.nodes: list[str] = []
         """The node of each rank's bundle, once placed."""
+        self._retired: set[int] = set()
+        """Ranks whose process is never kept for the next attempt (``retire``)."""
         """(phase, time.monotonic() it ended) of the start: placement, rendezvous, load (the goodput ledger)."""
         """Each rank's (pid, node id): where its stacks are read from if the group hangs."""
 
@@ -315,6 +317,28 @@ class RayWorkerGroup:
         for w in self.workers:
             w.preempt.remote(deadline_unix, tier)
 
+    def retire(self, rank: int) -> None:
+        """The next attempt gets a spare or a new process for ``rank`` (a straggler), even when the
+        others are kept."""
+        self._retired.add(rank)
+
+    def checkpointing_silences(self) -> dict[str, float]:
+        """How long each checkpoint writer and the actor has left its ping unanswered (``silence.py``)."""
+        return self.checkpoints.fleet.silences(time.monotonic()) if self.checkpoints is not None else {}
+
+    def save_in_flight(self) -> int | None:
+        """The oldest step the CheckpointActor has in flight (the save a silent writer holds up), as
+        its bulletin last said (None: none or unknown)."""
+        from raytrain_ckpt.checkpoint.roles import bulletin
+
+        posted = bulletin.posted(self.spec.name) if self.checkpoints is not None else None
+        steps = (posted or {}).get("in_flight") or []
+        return min(steps) if steps else None
+
+    def replace_silent_checkpointing(self) -> list[str]:
+        """Kill and restart the checkpoint writers and actor that do not answer a ping now; one line each."""
+        return self.checkpoints.fleet.replace_silent() if self.checkpoints is not None else []
+
     def diagnose(self) -> Verdict:
         """Before the hung group is torn down: every rank's stacks and step, kept under the job
         root's diagnostics/attempt-N/, and the culprit (``hang_evidence``)."""
@@ -378,6 +402,7 @@ class RayWorkerGroup:
         if keep_warm and out & set(self.nodes) and self._room_outside(out) >= self.spec.world_size:
             keep_warm = False  # a kept bundle would keep a quarantined node in the group: placed anew around it
         survivors = self._drain() if keep_warm and self.pool is not None and self._pg is not None else {}
+        survivors = {rank: w for rank, w in survivors.items() if rank not in self._retired}
         for rank, w in enumerate(self.workers):
             if rank not in survivors:
                 kill_actor(w)

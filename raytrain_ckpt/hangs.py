@@ -275,6 +275,8 @@ def status_line(info: Mapping[str, Any]) -> str | None:
         line += f"; goodput so far {100 * info['goodput']:.1f}%"
     if info.get("stragglers"):
         line += f"; straggler rank(s) {', '.join(map(str, info['stragglers']))}"
+    if info.get("stuck"):
+        line += f"; {info['stuck']}"
     hang = info.get("last_hang")
     if hang:
         line += f"; last hang: {hang}"

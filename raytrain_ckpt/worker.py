@@ -356,7 +356,8 @@ class TrainWorker:
         assert trainer is not None, "setup() must succeed before run()"
         ckpt = self.checkpoints
         loss, eval_s = None, 0.0
-        watch = ckpt is not None and self.spec.fault_tolerance.watch_drains
+        ft = self.spec.fault_tolerance
+        watch = ckpt is not None and (ft.watch_drains or ft.replace_stragglers)  # both stop via preempt()
         phase = "done"
         scalars = self._open_scalars()
         while trainer.state.step < self.spec.training.steps and not self._stop.is_set():

@@ -267,6 +267,8 @@ class JobNote:
     """Training time / wall time so far (``goodput.py``)."""
     stragglers: list[int] | None = None
     """Ranks reported as stragglers (``stragglers.py``)."""
+    stuck: str | None = None
+    """A checkpoint writer or the actor not answering now, with the step (``silence.py``)."""
 
 
 @dataclass(frozen=True)

@@ -717,6 +717,8 @@ class FaultToleranceSpec(_Section):
     """A node whose ranks crashed or hung twice within failure_window_s gets no rank for this long while the cluster has room elsewhere (the group is placed around it; without room it is used, logged); null: never."""
     straggler_margin: float | None = Field(0.25, gt=0, le=100)
     """A rank that begins its steps later than the first rank by more than this fraction of the step time (median over its last 8 steps) is reported as a straggler (log, status, JobResult.stragglers; the skew is the job_step_skew_seconds metric); null: not watched."""
+    replace_stragglers: bool = False
+    """Replace a rank reported as a straggler (straggler_margin): every rank saves and commits the step in hand and stops, and the job restarts from it with a spare or a new process for that rank, the others kept (reuse_workers). Each rank once per job; counted in JobResult.failures as kind straggler, never against max_restarts. Needs checkpoint.enabled and straggler_margin."""
 
     @field_validator("hang_timeout_s", mode="before")
     @classmethod
@@ -745,6 +747,9 @@ class FaultToleranceSpec(_Section):
             raise FieldProblems([("join_timeout_s", f"{self.join_timeout_s:g} is not below start_timeout_s="
                                   f"{self.start_timeout_s:g}: the start would give up before a rank that never "
                                   "joins is named; lower join_timeout_s or raise start_timeout_s")])
+        if self.replace_stragglers and self.straggler_margin is None:
+            raise FieldProblems([("replace_stragglers", "true needs stragglers to be watched, but straggler_margin "
+                                  "is null; set straggler_margin (e.g. 0.25) or replace_stragglers=false")])
         return self
 
     @property

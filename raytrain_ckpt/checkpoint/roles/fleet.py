@@ -38,6 +38,8 @@ class WriterFleet:
         self.writers: dict[str, Any] = {}
         self._probed: set[str] | None = None
         """Nodes whose view of a local checkpoint root was probed (None: no preflight, or an object store)."""
+        self._pings: dict[str, tuple[Any, float]] = {}
+        """By process name: the ping in flight to it and when it was sent (``silences``)."""
 
     def writer_for(self, node_id: str) -> Any:
         """The CheckpointWriter pinned to ``node_id`` (created on first use).
@@ -66,6 +68,24 @@ class WriterFleet:
                  self.spec.checkpoint.writer_nice, self.spec.checkpoint.storage_options,
                  self.spec.checkpoint.memory_copies, self.spec.checkpoint.replication.max_mb_per_s, self._env)
 
+    def _targets(self) -> list[tuple[str, Any]]:
+        """Every writer and the actor, by the name failures and ``status`` give them."""
+        targets = [(f"checkpoint writer on node {node[:12]}", w) for node, w in sorted(self.writers.items())]
+        return [*targets, ("checkpoint actor", self.actor)]
+
+    def silences(self, now: float) -> dict[str, float]:
+        """While the job trains: how long each writer and the actor has left its ping unanswered
+        (``silence.py``). Never blocks: an answered ping (an error is an answer too) is dropped and
+        a new one sent; a process with a ping in flight gets no second one."""
+        targets = dict(self._targets())
+        for what, (ref, _) in list(self._pings.items()):
+            if what not in targets or ray.wait([ref], timeout=0)[0]:
+                del self._pings[what]
+        for what, handle in targets.items():
+            if what not in self._pings:
+                self._pings[what] = (handle.__ray_ready__.remote(), now)
+        return {what: now - sent for what, (_, sent) in self._pings.items()}
+
     def replace_silent(self, timeout_s: float = PING_TIMEOUT_S) -> list[str]:
         """Ping every writer and the CheckpointActor (Ray's ``__ray_ready__``, run as one of their
         tasks); kill each one that does not answer within ``timeout_s``, so that Ray restarts it
@@ -74,8 +94,8 @@ class WriterFleet:
         Without this a restart would hand its ranks a stopped writer, hang on the first save
         again, and blame the ranks. Returns one line per replacement (also logged).
         """
-        targets = [(f"checkpoint writer on node {node[:12]}", w) for node, w in sorted(self.writers.items())]
-        targets.append(("checkpoint actor", self.actor))
+        self._pings.clear()
+        targets = self._targets()
         refs = [handle.__ray_ready__.remote() for _, handle in targets]
         answered, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)  # an error is an answer too
         silent = [(what, handle) for (what, handle), ref in zip(targets, refs) if ref not in answered]

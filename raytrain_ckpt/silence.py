@@ -1,0 +1,57 @@
+"""Silence: a checkpoint writer or the CheckpointActor that stops answering while the job trains.
+
+The driver pings each of them (Ray's ``__ray_ready__``, one ping in flight per process) at every
+poll; a ping answers in milliseconds, even while the process writes (its calls run on a thread
+pool), so one left unanswered means the process is stopped or every thread of it is held (a hung
+filesystem). A silence longer than ``NOTICE_S`` is named in ``status`` (the step and the
+process); one longer than ``silence_budget_s`` is a failure of that process, kind
+``writer_hang``: it is killed and Ray restarts it, the save in flight is aborted (its ranks'
+calls to it fail), and training goes on, without a restart of the group and without spending
+``max_restarts``. At most ``MAX_REPLACEMENTS`` per job: past that it is handled as a hang of the
+ranks would be (the group restarts, on ``max_restarts``).
+
+Pure: no Ray, no torch (the controller imports it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = ["MAX_REPLACEMENTS", "NOTICE_S", "overdue", "silence_budget_s", "stuck_line"]
+
+NOTICE_S = 10.0
+"""Silence after which ``status`` names the process (the bound a restart's ping waits)."""
+MAX_REPLACEMENTS = 3
+"""Processes replaced while training, per job, before a silence restarts the group instead."""
+
+
+def silence_budget_s(fixed_s: float | None, learned_s: float | None, floor_s: float,
+                     save_s: float | None) -> float:
+    """How long a writer or the actor may leave a ping unanswered: the hang timeout of a step
+    (``fixed_s``, else the learned one ``learned_s``, else ``floor_s``: a ping does not wait on a
+    step, so the first steps' long budget does not apply), never more than a save's own bound
+    ``save_s`` (``checkpoint.commit_timeout_s``), so the process is named before its ranks' save
+    runs out of time and the ranks are blamed."""
+    step = fixed_s if fixed_s is not None else learned_s if learned_s is not None else floor_s
+    return min(step, save_s) if save_s is not None else step
+
+
+def overdue(silences: Mapping[str, float], budget_s: float) -> list[str]:
+    """The processes (by name) silent for longer than ``budget_s``, in name order."""
+    return sorted(what for what, s in silences.items() if s > budget_s)
+
+
+def stuck_line(step: int, saving: bool, silences: Mapping[str, float], notice_s: float = NOTICE_S,
+               in_flight: int | None = None) -> str | None:
+    """The ``status`` line for processes silent longer than ``notice_s`` (None: none is).
+
+    ``step``: the slowest rank's step; ``saving``: some rank is inside the save of the next step;
+    ``in_flight``: the oldest step the CheckpointActor has in flight (None: unknown or none), the
+    save the silent process holds up.
+    """
+    late = sorted(((s, what) for what, s in silences.items() if s > notice_s), reverse=True)
+    if not late:
+        return None
+    where = (f"step {in_flight} (its save)" if in_flight is not None
+             else f"step {step + 1} (its save)" if saving else f"step {step}")
+    return f"stuck: {where}, " + "; ".join(f"{what} has not answered for {s:.0f}s" for s, what in late)
