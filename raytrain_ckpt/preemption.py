@@ -86,6 +86,8 @@ class DrainNotice:
     step: int
     """The slowest rank's step when the notice was seen."""
     plan: SavePlan
+    cause: str = "drain"
+    """"drain": Ray's drain record for the node; "sigterm": SIGTERM to the ranks' processes (``eviction.py``)."""
 
     def time_left(self, now: float) -> float | None:
         return None if self.deadline_unix is None else self.deadline_unix - now
@@ -105,6 +107,8 @@ class PreemptionRecord:
     """The step the ranks saved at the notice (None: they did not finish the save)."""
     steps_lost: int
     """Steps trained that no committed step holds: the next attempt trains them again."""
+    cause: str = "drain"
+    """"drain": the node drained; "sigterm": a rank's process got SIGTERM (a pod eviction)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,12 +134,15 @@ class PreemptionGuard:
                  service_node: Callable[[], str | None] = lambda: None,
                  move_service: Callable[[], None] = lambda: None,
                  full_size: int = 0, grow_check_s: float | None = None,
-                 room: Callable[[set[str]], int] = lambda draining: 0) -> None:
+                 room: Callable[[set[str]], int] = lambda draining: 0,
+                 retire_writer: Callable[[str], bool] = lambda node: False) -> None:
         """``service_node``: the node of the CheckpointActor (None: unknown); ``move_service``:
         restart it, which Ray does off the draining node (committed steps are on storage).
         ``full_size``: the world size asked for; a group running below it looks every
         ``grow_check_s`` (None: never) for ``room`` (how many more ranks fit on nodes that are not
-        draining) and grows back at the next step boundary when the missing ranks fit."""
+        draining) and grows back at the next step boundary when the missing ranks fit.
+        ``retire_writer``: stop the checkpoint writer of a draining node that hosts no rank (False:
+        none there), so that no later restart or close waits on it once the node is gone."""
         self.total_steps = total_steps
         self._latest = latest_committed
         self._cost = save_cost
@@ -144,6 +151,7 @@ class PreemptionGuard:
         self._service_node = service_node
         self._move_service = move_service
         self._move_after_stop = False
+        self._retire_writer = retire_writer
         self._full_size, self._grow_check_s, self._room = full_size, grow_check_s, room
         self._grow_checked = clock()
         self.outcome = "preemption"
@@ -181,6 +189,8 @@ class PreemptionGuard:
             self.outcome = "stop"
         if self.notice is None:
             self._look(group, poll)
+        if self.notice is None and poll.evictions:
+            self._evicted(group, poll)
         if self.notice is None:
             self._maybe_grow(group, poll)
             return None
@@ -200,19 +210,14 @@ class PreemptionGuard:
         service = self._service_node()
         for node, deadline in drains.items():
             ranks = tuple(r for r, n in enumerate(nodes) if n == node)
-            if node == service and node not in self._ignored:
-                self._ignored.add(node)
-                if not ranks:  # only the CheckpointActor there: it moves now, training goes on
-                    logger.warning("preemption: node %s hosting the CheckpointActor is draining; restarting the actor "
-                                   "off that node (committed steps are on storage); training continues", node)
-                    self._move_service()
-                    continue
-                self._move_after_stop = True
             if not ranks:
                 if node not in self._ignored:
                     self._ignored.add(node)
-                    logger.debug("node %s is draining; no rank of this job is there: ignored", node)
+                    self._leave(node, hosts_actor=node == service)
                 continue
+            if node == service and node not in self._ignored:
+                self._ignored.add(node)
+                self._move_after_stop = True
             now = self._clock()
             left = None if deadline is None else deadline - now
             plan = plan_save(left, self._cost())
@@ -224,6 +229,35 @@ class PreemptionGuard:
                 logger.warning("preemption: %s", plan.why)
             group.preempt(deadline)
             return
+
+    def _leave(self, node: str, hosts_actor: bool) -> None:
+        """A draining node that hosts no rank: the CheckpointActor and the checkpoint writer there
+        leave it now (committed steps are on storage; a writer there serves no rank of this attempt,
+        so nothing of the step in hand is on it); training goes on."""
+        if hosts_actor:
+            logger.warning("preemption: node %s hosting the CheckpointActor is draining; restarting the actor "
+                           "off that node (committed steps are on storage); training continues", node)
+            self._move_service()
+        if self._retire_writer(node):
+            logger.warning("preemption: node %s, which hosts no rank, is draining; its checkpoint writer is stopped "
+                           "(committed steps are on storage); training continues", node)
+        elif not hosts_actor:
+            logger.debug("node %s is draining; no rank of this job is there: ignored", node)
+
+    def _evicted(self, group: PreemptedGroup, poll: GroupPoll) -> None:
+        """Ranks whose process got SIGTERM: a drain notice of their node with their deadline (the
+        ranks agreed on the step already; ``preempt`` reaches any that did not yet see it)."""
+        ranks = tuple(sorted(poll.evictions))
+        deadline = min(poll.evictions.values())
+        nodes = group.rank_nodes()
+        node = nodes[ranks[0]] if ranks[0] < len(nodes) else "unknown"
+        now = self._clock()
+        plan = plan_save(deadline - now, self._cost())
+        self.notice = DrainNotice(node, deadline, ranks, now, poll.min_step, plan, cause="sigterm")
+        logger.warning("preemption: the process of rank %s on node %s got SIGTERM (an eviction), %.1fs left "
+                       "(fault_tolerance.stop_grace_s); saving the step in hand (%s tier: %s) and restarting",
+                       ", ".join(map(str, ranks)), node, deadline - now, plan.tier, plan.why)
+        group.preempt(deadline)
 
     def _maybe_grow(self, group: PreemptedGroup, poll: GroupPoll) -> None:
         size = len(group.rank_nodes())
@@ -253,7 +287,7 @@ class PreemptionGuard:
         saved = max((r.steps for r in poll.results), default=None) if poll.finished and not poll.failures else None
         lost = max(0, self._reached - latest)
         record = PreemptionRecord(attempt, notice.node, notice.deadline_unix, notice.time_left(notice.seen_unix),
-                                  notice.plan.tier, saved, lost)
+                                  notice.plan.tier, saved, lost, notice.cause)
         self.records.append(record)
         how = (f"step {saved} saved, {lost} steps lost" if saved is not None and saved == latest
                else f"the save did not complete: resuming at committed step {latest}, {lost} steps lost")
@@ -268,8 +302,10 @@ class PreemptionGuard:
                                          if saved is not None and saved == latest else how)
             logger.warning("stopped: %s", text)
             return Failure(attempt, "preemption", None, text, text)
-        text = (f"node {notice.node} drained (rank {', '.join(map(str, notice.ranks))}, "
-                f"{'no deadline' if left is None else f'{left:.1f}s notice'}): {how}")
+        ranks = ", ".join(map(str, notice.ranks))
+        notice_s = "no deadline" if left is None else f"{left:.1f}s notice"
+        text = (f"node {notice.node} drained (rank {ranks}, {notice_s}): {how}" if notice.cause == "drain" else
+                f"the process of rank {ranks} got SIGTERM on node {notice.node} ({notice_s}): {how}")
         logger.warning("preemption: %s", text)
         return Failure(attempt, "preemption", notice.ranks[0], text, text)
 
@@ -333,7 +369,8 @@ def preemption_guard(spec: Any, service: Any) -> PreemptionGuard | None:
     grow = ft.grow_check_s if res.min_workers is not None and res.min_workers < spec.world_size else None
     return PreemptionGuard(spec.training.steps, lambda: service.status().latest, save_cost, draining,
                            service_node=lambda: actor_node(service.actor), move_service=move_service,
-                           full_size=spec.world_size, grow_check_s=grow, room=lambda skip: room_for(bundle, skip))
+                           full_size=spec.world_size, grow_check_s=grow, room=lambda skip: room_for(bundle, skip),
+                           retire_writer=service.fleet.retire)
 
 
 def room_for(bundle: dict[str, float], draining: set[str]) -> int:
