@@ -102,7 +102,7 @@ def _writer_alive(job: str, node: str) -> bool:
 
 def rankless(ckpt_dir: str) -> None:
     """The drained node hosts no rank: the job neither stops nor restarts, its writer there goes (and
-    the CheckpointActor moves if it is there)."""
+    the CheckpointActor moves, if Ray put it there)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
@@ -118,9 +118,11 @@ def rankless(ckpt_dir: str) -> None:
         time.sleep(0.1)
     [victim] = [n for n in nodes if n.node_id not in _rank_nodes()]
     service = ray.get_actor(actor_name(spec.name), namespace=NAMESPACE)
-    out: dict = {"victim": victim.node_id, "actor_node": actor_node(service),
+    out: dict = {"victim": victim.node_id, "actor_node": actor_node(service), "rank_nodes": sorted(_rank_nodes()),
                  "writer_before": _writer_alive(spec.name, victim.node_id),
                  "committed_before": sorted(int(p.name[5:]) for p in (Path(ckpt_dir) / spec.name).glob("step-????????"))}
+    # The CheckpointActor asks for no resources: Ray places it, mostly on the head, the driver's node,
+    # whose drain would stop the driver with it (a drained raylet exits once idle). Only the victim is drained.
     _drain(cluster, victim.node_id)
     drained_at = time.time()
     while _writer_alive(spec.name, victim.node_id) and time.time() < drained_at + DEADLINE_S:

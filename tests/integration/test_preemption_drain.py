@@ -143,13 +143,14 @@ def _job(tmp_path: Path, mode: str) -> dict:
 
 def test_a_drain_of_a_node_without_ranks_keeps_training_and_every_committed_step(reference_20_run, tmp_path):
     """Three 1-CPU nodes for two ranks: the third hosts a checkpoint writer and no rank (the start
-    probes every node that may host a rank), and the CheckpointActor when Ray placed it there.
-    Draining it stops neither the job nor its saves: the writer is stopped before the deadline, the
-    actor (if there) restarts elsewhere, committed steps stay."""
+    probes every node that may host a rank), and the CheckpointActor when Ray put it there (it asks
+    for no resources; mostly it is on the head). Draining it stops neither the job nor its saves:
+    the writer is stopped before the deadline, the actor (if there) restarts elsewhere, committed
+    steps stay."""
     r = _job(tmp_path, "rankless")
     ref, run = reference_20_run[0], r["drained"]
     assert r["writer_before"] and r["writer_gone_after_s"] is not None and r["writer_gone_after_s"] < 25, r
-    if r["actor_node"] == r["victim"]:  # Ray's choice: the actor has no resources and no node of its own
+    if r["actor_node"] == r["victim"]:
         assert r["actor_node_after"] not in (None, r["victim"]), r
     assert run["state"] == "SUCCEEDED" and run["failures"] == [] and run["attempts"] == 1, run
     assert r["committed_before"] and set(r["committed_before"]) <= set(run["committed"])
