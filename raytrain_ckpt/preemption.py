@@ -9,6 +9,10 @@ agree at the next step boundary on the step in hand (one collective), save and c
 the controller records a ``preemption`` failure (its own budget, ``fault_tolerance.max_preemptions``,
 never ``max_restarts``) and starts the next attempt, which Ray places off the draining node and
 which resumes from that step (memory first, as any restart).
+
+A SIGTERM to one rank's process (a pod eviction, ``eviction.py``) is acted on the same way, with
+``fault_tolerance.stop_grace_s`` as its deadline. A draining node that hosts no rank loses its
+checkpoint writer and the CheckpointActor at once; training goes on.
 """
 
 from __future__ import annotations

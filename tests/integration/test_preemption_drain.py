@@ -1,6 +1,8 @@
 """Preemptions on real Ray: a node drained with the real `ray drain-node` (a multi-node
-ray.cluster_utils.Cluster, in a subprocess so it does not share the session's Ray), and a real
-SIGTERM to a driver run from the command line. Nothing trained before the notice is lost."""
+ray.cluster_utils.Cluster, in a subprocess so it does not share the session's Ray): a rank's node,
+a node without ranks, a drain with no replacement (shrink, then grow back); a real SIGTERM to a
+driver run from the command line and to one rank's worker process. Nothing trained before the
+notice is lost."""
 
 from __future__ import annotations
 
