@@ -63,6 +63,8 @@ class GroupPoll:
     rollbacks: tuple[RollbackRecord, ...] = ()
     """The training guard's rollbacks in this attempt so far, in order:
     the most any rank reported, through its progress or its result."""
+    evictions: dict[int, float] = field(default_factory=dict)
+    """Ranks whose process got SIGTERM (a pod eviction) -> the deadline they stop by (``eviction.py``)."""
 
 
 class WorkerGroup(Protocol):

@@ -74,6 +74,8 @@ class Progress:
     """time.time() when this rank began ``step`` (a rank that begins its steps late is a straggler)."""
     rollbacks: tuple[RollbackRecord, ...] = ()
     """The training guard's rollbacks in this attempt so far, in order: the controller records each one as it sees it, not only when the attempt finishes."""
+    evicted_until: float | None = None
+    """This rank's process got SIGTERM (a pod eviction): the deadline (time.time()) it stops by."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,8 @@ class WorkerResult:
     """The process started as an idle spare before it took this rank."""
     rollbacks: tuple[Any, ...] = ()
     """The training guard's rollbacks in this attempt (``guard.RollbackRecord``), in order."""
+    evicted_until: float | None = None
+    """This rank's process got SIGTERM (a pod eviction) and stopped for it: the deadline it had."""
 
 
 @dataclass(frozen=True)

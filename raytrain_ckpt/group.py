@@ -306,6 +306,8 @@ class RayWorkerGroup:
             starts={r: (p.step, p.step_started_at) for r, p in progress.items() if p.phase == "training"},
             rollbacks=max([p.rollbacks for p in progress.values()] + [r.rollbacks for r in self._results.values()],
                           key=len, default=()),
+            evictions={r: p.evicted_until for r, p in progress.items() if p.evicted_until is not None}
+            | {r.rank: r.evicted_until for r in self._results.values() if r.evicted_until is not None},
         )
 
     def rank_nodes(self) -> list[str]:

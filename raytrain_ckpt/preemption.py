@@ -12,6 +12,10 @@ which resumes from that step (memory first, as any restart). A deadline shorter 
 measured durable save uses the RAM tier (``plan_save``): the step is held in RAM on nodes that are
 not draining, never committed, and the next attempt resumes from it from memory
 (``checkpoint/roles/ramtier.py``); storage's latest committed step stays the fallback.
+
+A SIGTERM to one rank's process (a pod eviction, ``eviction.py``) is acted on the same way, with
+``fault_tolerance.stop_grace_s`` as its deadline. A draining node that hosts no rank loses its
+checkpoint writer and the CheckpointActor at once; training goes on.
 """
 
 from __future__ import annotations
@@ -124,6 +128,8 @@ class DrainNotice:
     step: int
     """The slowest rank's step when the notice was seen."""
     plan: SavePlan
+    cause: str = "drain"
+    """"drain": Ray's drain record for the node; "sigterm": SIGTERM to the ranks' processes (``eviction.py``)."""
 
     def time_left(self, now: float) -> float | None:
         return None if self.deadline_unix is None else self.deadline_unix - now
@@ -143,6 +149,8 @@ class PreemptionRecord:
     """The step the ranks saved at the notice (None: they did not finish the save)."""
     steps_lost: int
     """Steps trained that no committed step holds: the next attempt trains them again."""
+    cause: str = "drain"
+    """"drain": the node drained; "sigterm": a rank's process got SIGTERM (a pod eviction)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -170,8 +178,8 @@ class PreemptionGuard:
                  full_size: int = 0, grow_check_s: float | None = None,
                  room: Callable[[set[str]], int] = lambda draining: 0,
                  ram_cost: Callable[[set[str]], float | None] = lambda draining: None,
-                 keep_in_ram: Callable[[str, int, float | None], str | None] = lambda node, step, by: "no RAM tier"
-                 ) -> None:
+                 keep_in_ram: Callable[[str, int, float | None], str | None] = lambda node, step, by: "no RAM tier",
+                 retire_writer: Callable[[str], bool] = lambda node: False) -> None:
         """``ram_cost``: the RAM tier's estimated cost with these nodes draining (None: no RAM
         tier); ``keep_in_ram(node, step, deadline)``: after a RAM-tier save, push the copies of
         ``step`` held on draining ``node`` to nodes that are not draining and hold the step as the
@@ -180,7 +188,9 @@ class PreemptionGuard:
         restart it, which Ray does off the draining node (committed steps are on storage).
         ``full_size``: the world size asked for; a group running below it looks every
         ``grow_check_s`` (None: never) for ``room`` (how many more ranks fit on nodes that are not
-        draining) and grows back at the next step boundary when the missing ranks fit."""
+        draining) and grows back at the next step boundary when the missing ranks fit.
+        ``retire_writer``: stop the checkpoint writer of a draining node that hosts no rank (False:
+        none there), so that no later restart or close waits on it once the node is gone."""
         self.total_steps = total_steps
         self._latest = latest_committed
         self._cost = save_cost
@@ -190,6 +200,7 @@ class PreemptionGuard:
         self._ram_cost, self._keep_in_ram = ram_cost, keep_in_ram
         self._move_service = move_service
         self._move_after_stop = False
+        self._retire_writer = retire_writer
         self._full_size, self._grow_check_s, self._room = full_size, grow_check_s, room
         self._grow_checked = clock()
         self.outcome = "preemption"
@@ -227,6 +238,8 @@ class PreemptionGuard:
             self.outcome = "stop"
         if self.notice is None:
             self._look(group, poll)
+        if self.notice is None and poll.evictions:
+            self._evicted(group, poll)
         if self.notice is None:
             self._maybe_grow(group, poll)
             return None
@@ -246,19 +259,14 @@ class PreemptionGuard:
         service = self._service_node()
         for node, deadline in drains.items():
             ranks = tuple(r for r, n in enumerate(nodes) if n == node)
-            if node == service and node not in self._ignored:
-                self._ignored.add(node)
-                if not ranks:  # only the CheckpointActor there: it moves now, training goes on
-                    logger.warning("preemption: node %s hosting the CheckpointActor is draining; restarting the actor "
-                                   "off that node (committed steps are on storage); training continues", node)
-                    self._move_service()
-                    continue
-                self._move_after_stop = True
             if not ranks:
                 if node not in self._ignored:
                     self._ignored.add(node)
-                    logger.debug("node %s is draining; no rank of this job is there: ignored", node)
+                    self._leave(node, hosts_actor=node == service)
                 continue
+            if node == service and node not in self._ignored:
+                self._ignored.add(node)
+                self._move_after_stop = True
             now = self._clock()
             left = None if deadline is None else deadline - now
             plan = plan_save(left, self._cost(), self._ram_cost(set(drains)) if left is not None else None)
@@ -270,6 +278,35 @@ class PreemptionGuard:
                 logger.warning("preemption: %s", plan.why)
             group.preempt(deadline, plan.tier)
             return
+
+    def _leave(self, node: str, hosts_actor: bool) -> None:
+        """A draining node that hosts no rank: the CheckpointActor and the checkpoint writer there
+        leave it now (committed steps are on storage; a writer there serves no rank of this attempt,
+        so nothing of the step in hand is on it); training goes on."""
+        if hosts_actor:
+            logger.warning("preemption: node %s hosting the CheckpointActor is draining; restarting the actor "
+                           "off that node (committed steps are on storage); training continues", node)
+            self._move_service()
+        if self._retire_writer(node):
+            logger.warning("preemption: node %s, which hosts no rank, is draining; its checkpoint writer is stopped "
+                           "(committed steps are on storage); training continues", node)
+        elif not hosts_actor:
+            logger.debug("node %s is draining; no rank of this job is there: ignored", node)
+
+    def _evicted(self, group: PreemptedGroup, poll: GroupPoll) -> None:
+        """Ranks whose process got SIGTERM: a drain notice of their node with their deadline (the
+        ranks agreed on the step already; ``preempt`` reaches any that did not yet see it)."""
+        ranks = tuple(sorted(poll.evictions))
+        deadline = min(poll.evictions.values())
+        nodes = group.rank_nodes()
+        node = nodes[ranks[0]] if ranks[0] < len(nodes) else "unknown"
+        now = self._clock()
+        plan = plan_save(deadline - now, self._cost())
+        self.notice = DrainNotice(node, deadline, ranks, now, poll.min_step, plan, cause="sigterm")
+        logger.warning("preemption: the process of rank %s on node %s got SIGTERM (an eviction), %.1fs left "
+                       "(fault_tolerance.stop_grace_s); saving the step in hand (%s tier: %s) and restarting",
+                       ", ".join(map(str, ranks)), node, deadline - now, plan.tier, plan.why)
+        group.preempt(deadline)
 
     def _maybe_grow(self, group: PreemptedGroup, poll: GroupPoll) -> None:
         size = len(group.rank_nodes())
@@ -300,7 +337,7 @@ class PreemptionGuard:
             self._move_service()
         tier = notice.plan.tier
         record = PreemptionRecord(attempt, notice.node, notice.deadline_unix, notice.time_left(notice.seen_unix),
-                                  tier, saved, lost)
+                                  tier, saved, lost, notice.cause)
         self.records.append(record)
         if not stopped:
             how = f"the group did not stop before the deadline; {how}"
@@ -313,8 +350,10 @@ class PreemptionGuard:
                                          if saved is not None and saved == latest else how)
             logger.warning("stopped: %s", text)
             return Failure(attempt, "preemption", None, text, text)
-        text = (f"node {notice.node} drained (rank {', '.join(map(str, notice.ranks))}, "
-                f"{'no deadline' if left is None else f'{left:.1f}s notice'}, tier {tier}): {how}")
+        ranks = ", ".join(map(str, notice.ranks))
+        notice_s = "no deadline" if left is None else f"{left:.1f}s notice"
+        text = (f"node {notice.node} drained (rank {ranks}, {notice_s}, tier {tier}): {how}" if notice.cause == "drain" else
+                f"the process of rank {ranks} got SIGTERM on node {notice.node} ({notice_s}, tier {tier}): {how}")
         logger.warning("preemption: %s", text)
         return Failure(attempt, "preemption", notice.ranks[0], text, text)
 
@@ -407,7 +446,7 @@ def preemption_guard(spec: Any, service: Any) -> PreemptionGuard | None:
     return PreemptionGuard(spec.training.steps, lambda: service.status().latest, lambda: costs().durable_s, draining,
                            service_node=lambda: actor_node(service.actor), move_service=move_service,
                            full_size=spec.world_size, grow_check_s=grow, room=lambda skip: room_for(bundle, skip),
-                           ram_cost=ram_cost, keep_in_ram=service.keep_in_ram)
+                           ram_cost=ram_cost, keep_in_ram=service.keep_in_ram, retire_writer=service.fleet.retire)
 
 
 def room_for(bundle: dict[str, float], draining: set[str]) -> int:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from raytrain_ckpt.checkpoint.records import RankCheckpointPlan
 from raytrain_ckpt.events import Progress, RankPlace, WorkerResult
+from raytrain_ckpt.eviction import on_sigterm
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.metrics import TrainerMetrics
@@ -106,7 +107,11 @@ class TrainWorker:
         self._reserve: Any = None
         """Memory touched ahead for the next trainer's loaded optimizer state: a spare's
         (``reserve_state()``) or the failed attempt's state of a kept process (``reset()``)."""
+        self._evicted_until: float | None = None
+        """Set by the first SIGTERM to this process (a pod eviction, ``eviction.py``): the deadline."""
         self.assign(spec_json, rank, world_size, attempt)
+        if self.spec.checkpoint.enabled and self.spec.fault_tolerance.watch_drains:
+            on_sigterm(self._evicted)  # __init__ runs on the process's main thread: the one place a handler installs
 
     def assign(self, spec_json: str, rank: int, world_size: int, attempt: int) -> None:
         """Take rank ``rank`` of attempt ``attempt`` (a fresh, reset or spare process)."""
@@ -397,6 +402,10 @@ class TrainWorker:
                 phase = "preempted"  # the step is saved: commit it and stop (the driver restarts off the node)
                 if self.rank == 0:
                     logger.warning("%sdrain notice: stopping at step %d, saved", self._prefix(), report.step)
+                if self._evicted_until is not None:
+                    logger.warning("%sSIGTERM (an eviction): stopping at step %d, saved; %.1fs of "
+                                   "fault_tolerance.stop_grace_s left", self._prefix(), report.step,
+                                   self._evicted_until - time.time())
                 break
         if scalars is not None:
             scalars.close()
@@ -409,7 +418,8 @@ class TrainWorker:
         self._progress = Progress(self.rank, state.step, loss, time.time(), phase)
         return WorkerResult(self.rank, state.step, state.tokens_seen, dict(state.losses), trainer.fingerprint(),
                             self.start_step, stats, dict(self.timings), tuple(self.served), self.was_spare,
-                            tuple(trainer.guard.rollbacks) if trainer.guard is not None else ())
+                            tuple(trainer.guard.rollbacks) if trainer.guard is not None else (),
+                            self._evicted_until)
 
     def _roll_back(self, trip: Any) -> Any:
         """A guard trip: roll back inside this attempt (``raytrain_ckpt/rollback.py``)."""
@@ -421,6 +431,16 @@ class TrainWorker:
         if record is not None:
             self._rollbacks = tuple(self.trainer.guard.rollbacks)
         return record
+
+    def _evicted(self) -> bool:
+        """The first SIGTERM (a signal handler on the main thread: no log line here, the training
+        thread logs the stop): stop like a drain notice within fault_tolerance.stop_grace_s. A spare
+        has nothing to save and exits as Ray's handler does."""
+        if self.rank == SPARE_RANK:
+            return False
+        self._evicted_until = time.time() + self.spec.fault_tolerance.stop_grace_s
+        self._notice.set()
+        return True
 
     def preempt(self, deadline_unix: float | None, tier: str = "durable") -> None:
         """A node of the group drains (before ``deadline_unix``): save the step in hand (in ``tier``,
@@ -448,9 +468,9 @@ class TrainWorker:
         return RankPlace(os.getpid(), ray.get_runtime_context().get_node_id())
 
     def progress(self) -> Progress:
-        """The last finished step, and this attempt's rollbacks so far; answered from the second
-        actor thread while ``run()`` trains."""
-        return replace(self._progress, rollbacks=self._rollbacks) if self._rollbacks else self._progress
+        """The last finished step, this attempt's rollbacks so far and an eviction's deadline;
+        answered from the second actor thread while ``run()`` trains."""
+        return replace(self._progress, rollbacks=self._rollbacks, evicted_until=self._evicted_until)
 
     def __repr__(self) -> str:
         # Shown in the Ray dashboard's actor list and as the log prefix. Ray evaluates it once,

@@ -9,6 +9,8 @@ The drained node is removed at its deadline. Prints one JSON line.
     preemption_job.py CKPT_DIR ram       a replacement node joins at the notice; the notice is
                                          shorter than the last durable save took (step 5's write
                                          is slowed to RAM_PERSIST_S): the RAM tier
+    preemption_job.py CKPT_DIR rankless  three nodes for two ranks: the node that hosts no rank (its
+                                         checkpoint writer, the CheckpointActor if Ray put it there) is drained
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ os.environ.pop("RAY_ADDRESS", None)
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name  # noqa: E402
+from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name, writer_name  # noqa: E402
 from raytrain_ckpt.driver import run_job  # noqa: E402
 from raytrain_ckpt.faults import ENV_VAR  # noqa: E402
 from raytrain_ckpt.preemption import actor_node  # noqa: E402
@@ -91,7 +93,7 @@ def _summary(r) -> dict:
             "world_sizes": [len(r.results)], "start_steps": [x.start_step for x in r.results],
             "steps": [x.steps for x in r.results], "events": [e for _, e in r.events],
             "fingerprints": [x.fingerprint for x in r.results], "losses": {str(k): v for k, v in r.losses.items()},
-            "committed": (r.checkpoints or {}).get("committed"),
+            "committed": (r.checkpoints or {}).get("committed"), "tokens_seen": [x.tokens_seen for x in r.results],
             "loaded_from_memory": [(x.timings or {}).get("loaded_from_memory") for x in r.results]}
 
 
@@ -107,6 +109,59 @@ def _committed(ckpt_dir: Path) -> dict[str, str]:
     """Every step directory on storage with a manifest -> the manifest's SHA-256."""
     return {p.parent.name: hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(ckpt_dir.glob("*/step-*/manifest.json"))}
+
+
+def _rank_nodes() -> set[str]:
+    """The nodes of the job's placement group (the only one on this cluster)."""
+    return {n for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"
+            for n in pg["bundles_to_node_id"].values()}
+
+
+def _writer_alive(job: str, node: str) -> bool:
+    try:
+        ray.get_actor(writer_name(job, node), namespace=NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
+
+def rankless(ckpt_dir: str) -> None:
+    """The drained node hosts no rank: the job neither stops nor restarts, its writer there goes (and
+    the CheckpointActor moves, if Ray put it there)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    spec = _spec(Path(ckpt_dir), "checkpoint.interval_steps=5")  # REFERENCE_20's interval: the same run
+    os.environ[ENV_VAR] = ";".join(f"slow@step:rank=0,step={s}" for s in range(NOTICE_AT + 1, NOTICE_AT + 4))
+    box: dict = {}
+    job = threading.Thread(target=lambda: box.setdefault("result", run_job(spec)))
+    job.start()
+    deadline = time.monotonic() + 240
+    while (_note(spec.name).get("train_step") or 0) < NOTICE_AT and time.monotonic() < deadline:
+        time.sleep(0.1)
+    [victim] = [n for n in nodes if n.node_id not in _rank_nodes()]
+    service = ray.get_actor(actor_name(spec.name), namespace=NAMESPACE)
+    out: dict = {"victim": victim.node_id, "actor_node": actor_node(service), "rank_nodes": sorted(_rank_nodes()),
+                 "writer_before": _writer_alive(spec.name, victim.node_id),
+                 "committed_before": sorted(int(p.name[5:]) for p in (Path(ckpt_dir) / spec.name).glob("step-????????"))}
+    # The CheckpointActor asks for no resources: Ray places it, mostly on the head, the driver's node,
+    # whose drain would stop the driver with it (a drained raylet exits once idle). Only the victim is drained.
+    _drain(cluster, victim.node_id)
+    drained_at = time.time()
+    while _writer_alive(spec.name, victim.node_id) and time.time() < drained_at + DEADLINE_S:
+        time.sleep(0.2)
+    out["writer_gone_after_s"] = None if _writer_alive(spec.name, victim.node_id) else round(time.time() - drained_at, 1)
+    while job.is_alive() and time.time() < drained_at + DEADLINE_S:
+        job.join(timeout=0.2)
+    out["actor_node_after"] = actor_node(service)
+    cluster.remove_node(victim)  # the node goes at its deadline
+    job.join(timeout=300)
+    out["drained"] = _summary(box["result"])
+    print(json.dumps(out))
+    ray.shutdown()
+    cluster.shutdown()
 
 
 def main(ckpt_dir: str, mode: str) -> None:
@@ -155,10 +210,14 @@ def main(ckpt_dir: str, mode: str) -> None:
     job.join(timeout=300)
     out["drained"] = _summary(box["result"])
     out["committed_after"] = _committed(Path(ckpt_dir))
+    out["tokens_per_step"] = spec.training.global_batch_size * spec.training.seq_len
     print(json.dumps(out))
     ray.shutdown()
     cluster.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[2] == "rankless":
+        rankless(sys.argv[1])
+    else:
+        main(sys.argv[1], sys.argv[2])

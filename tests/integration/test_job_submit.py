@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -324,6 +325,50 @@ fault_tolerance: {{max_restarts: 0, start_timeout_s: 2}}
     assert f"{HEAD_CPUS + 2:g} CPU needed, {HEAD_CPUS:g} in the cluster" in out, out[-4000:]
     assert "waiting up to fault_tolerance.start_timeout_s for the cluster to grow" in out, out[-4000:]
     assert f"could not reserve {HEAD_CPUS + 2} x {{'CPU': 1.0}} within 2s" in out, out[-4000:]
+
+
+def test_ray_job_stop_commits_the_step_in_hand_and_a_resubmit_resumes_there(head, tmp_path):
+    """`ray job stop` sends SIGTERM to the entrypoint (then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S,
+    which the job supervisor reads from the job's env_vars): the driver's handler commits the step
+    in hand within fault_tolerance.stop_grace_s, and the next submit resumes there."""
+    project = _project_copy(tmp_path / "project")
+    (project / "job.yaml").write_text("name: stop-resume\nmodel: {name: debug}\n")
+    results = tmp_path / "results"
+    # a save every 5 steps; rank 0 pauses 3 s after steps 6, 7 and 8: the stop comes mid-run
+    faults = ";".join(f"slow@step:rank=0,step={s}" for s in (6, 7, 8))
+    env_json = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}})
+
+    def submit(steps: int, *flags: str, faults: str = "") -> tuple[str, subprocess.CompletedProcess]:
+        sub_id = f"rtc-stop-{secrets.token_hex(4)}"
+        entry = ["env", f"RAYTRAIN_CKPT_RESULTS={results}", f"RAYTRAIN_CKPT_FAULTS={faults}", "python", "-m",
+                 "raytrain_ckpt", "run", "job.yaml", "--set", f"training.steps={steps}", "--set",
+                 "checkpoint.interval_steps=5", "--set", "fault_tolerance.poll_interval_s=0.2",
+                 "--set", "fault_tolerance.stop_grace_s=20"]
+        return sub_id, head.ray_cli("job", "submit", "--address", head.api, "--submission-id", sub_id, *flags,
+                                    "--working-dir", str(project), "--runtime-env-json", env_json, "--", *entry,
+                                    timeout=240)
+
+    sub_id, done = submit(40, "--no-wait", faults=faults)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    root = results / "stop-resume"
+    deadline = time.monotonic() + 180
+    while not (root / "step-00000005" / "manifest.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (root / "step-00000005" / "manifest.json").exists(), head.ray_cli(
+        "job", "logs", "--address", head.api, sub_id).stdout[-4000:]
+    stop = head.ray_cli("job", "stop", "--address", head.api, sub_id, timeout=120)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    code, body = head.get(f"/api/jobs/{sub_id}")
+    assert code == 200 and json.loads(body)["status"] == "STOPPED", body
+    logs = head.ray_cli("job", "logs", "--address", head.api, sub_id).stdout
+    m = re.search(r"stopped: job stop-resume: SIGTERM: step (\d+) is committed and safe", logs)
+    assert m, logs[-4000:]
+    safe = int(m.group(1))
+    assert 5 < safe < 10 and (root / f"step-{safe:08d}" / "manifest.json").exists()  # not the interval save
+    _, again = submit(safe + 2)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0 and "succeeded" in out, out[-4000:]
+    assert f"resumed at step {safe}" in out, out[-4000:]
 
 
 def test_the_head_stops_with_nothing_left(head):

@@ -10,6 +10,7 @@ import pytest
 
 from raytrain_ckpt.controller import Controller, GroupPoll, JobState
 from raytrain_ckpt.events import WorkerResult
+from raytrain_ckpt.eviction import on_sigterm
 from raytrain_ckpt.preemption import PUSH_MB_PER_S, PreemptionGuard, SaveCosts, plan_save, stop_signals
 from raytrain_ckpt.spec import JobSpec
 
@@ -56,6 +57,7 @@ class DrainedGroup:
         self.preempted: float | None | bool = False
         """False: never asked; else the deadline it was asked to stop by (None: none)."""
         self.nodes = ["A", "B"] if attempt == 0 else ["A", "C"]
+        self.evictions: dict[int, float] = {}
         DrainedGroup.created.append(self)
 
     def start(self) -> None:
@@ -70,7 +72,7 @@ class DrainedGroup:
     def poll(self) -> GroupPoll:
         stopped = self.done or self.preempted is not False
         results = [WorkerResult(r, self.step, 0, {}, "x") for r in range(2)] if stopped else []
-        return GroupPoll(results=results, min_step=self.step, finished=stopped)
+        return GroupPoll(results=results, min_step=self.step, finished=stopped, evictions=dict(self.evictions))
 
     def wait(self, timeout_s: float) -> None:
         pass
@@ -103,7 +105,8 @@ def test_a_drained_rank_node_restarts_without_spending_a_restart():
     [failure] = ctl.result.failures
     assert failure.kind == "preemption" and "step 57 saved, 0 steps lost" in failure.headline
     assert ctl.result.preemptions == [{"attempt": 0, "node": "B", "deadline_unix": 1025.0, "time_left_s": 25.0,
-                                       "tier": "durable", "saved_step": 57, "steps_lost": 0}]
+                                       "tier": "durable", "saved_step": 57, "steps_lost": 0,
+                                       "cause": "drain"}]
     assert "step 57 saved" in ctl.summary()["preemption"]
     ctl.step()
     ctl.step()                                             # attempt 1 on A and C: B still drains, not its node
@@ -285,3 +288,54 @@ def test_the_metrics_count_preemptions_and_their_lost_steps(monkeypatch):
     assert values("job_failures_total", cause="preemption") == [1]
     assert values("job_preemption_steps_lost_total") == [4] and values("job_preemption_notice_seconds") == [20.0]
     assert values("job_restarts_total") == []
+
+
+def test_sigterm_to_a_rank_process_is_a_preemption_of_that_rank_with_its_deadline():
+    committed: list[int] = [50]
+    ctl = _controller({}, committed)
+    ctl.step()
+    group = DrainedGroup.created[0]
+    group.step = 57
+    group.evictions = {1: 1030.0}                          # rank 1's process got SIGTERM: 30 s of stop_grace_s
+    ctl.step()
+    assert group.preempted == 1030.0 and ctl.state is JobState.RUNNING
+    committed.append(57)
+    ctl.step()
+    assert ctl.state is JobState.RECOVERING and ctl.restarts == 0 and ctl.preemptions == 1
+    [failure] = ctl.result.failures
+    assert failure.kind == "preemption" and failure.rank == 1
+    assert failure.headline == "the process of rank 1 got SIGTERM on node B (30.0s notice): step 57 saved, 0 steps lost"
+    assert ctl.result.preemptions[0]["cause"] == "sigterm" and ctl.result.preemptions[0]["node"] == "B"
+
+
+def test_on_sigterm_acts_on_the_first_signal_and_hands_the_second_to_the_handler_before():
+    seen: list[str] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("before"))
+    try:
+        assert on_sigterm(lambda: seen.append("act") is None)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == ["act"]
+        os.kill(os.getpid(), signal.SIGTERM)               # a second signal: the handler before, at once
+        assert seen == ["act", "before"]
+        assert on_sigterm(lambda: False)                   # nothing to save: the handler before, at once
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == ["act", "before", "before"]
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_drained_node_without_ranks_loses_its_writer_and_the_actor_and_training_goes_on():
+    spec = JobSpec(name="t", fault_tolerance={"max_restarts": 0})
+    moved: list[str] = []
+    retired: list[str] = []
+    guard = PreemptionGuard(spec.training.steps, lambda: 10, draining=lambda: {"W": 1025.0, "S": 1025.0},
+                            clock=lambda: 1000.0, service_node=lambda: "S", move_service=lambda: moved.append("S"),
+                            retire_writer=lambda node: retired.append(node) is None)
+    DrainedGroup.created = []
+    ctl = Controller(spec, DrainedGroup, sleep=lambda s: None, preemption=guard)
+    ctl.step()
+    ctl.step()
+    ctl.step()                                             # each node is acted on once
+    group = DrainedGroup.created[0]
+    assert sorted(retired) == ["S", "W"] and moved == ["S"]
+    assert group.preempted is False and ctl.state is JobState.RUNNING and not ctl.result.failures

@@ -86,6 +86,23 @@ class WriterFleet:
                 self._pings[what] = (handle.__ray_ready__.remote(), now)
         return {what: now - sent for what, (_, sent) in self._pings.items()}
 
+    def retire(self, node_id: str, timeout_s: float = PING_TIMEOUT_S) -> bool:
+        """Stop the writer on ``node_id`` (a draining node that hosts no rank) and forget it: its
+        staging buffers are released first (within ``timeout_s``), and no restart pings it or
+        hands it to a rank once the node is gone. Returns whether there was one; a rank placed
+        there later gets a new writer (``writer_for``)."""
+        writer = self.writers.pop(node_id, None)
+        if writer is None:
+            return False
+        try:
+            ray.get(writer.release_all.remote(), timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - gone already, or stuck: it is stopped either way
+            logger.warning("checkpoint writer on node %s: could not release its staging buffers: %s", node_id[:12], exc)
+        ray.kill(writer, no_restart=True)
+        if self._probed is not None:
+            self._probed.discard(node_id)
+        return True
+
     def replace_silent(self, timeout_s: float = PING_TIMEOUT_S) -> list[str]:
         """Ping every writer and the CheckpointActor (Ray's ``__ray_ready__``, run as one of their
         tasks); kill each one that does not answer within ``timeout_s``, so that Ray restarts it
