@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 
 from raytrain_ckpt.checkpoint.records import RankCheckpointPlan
-from raytrain_ckpt.events import Progress, RankPlace, WorkerResult
+from raytrain_ckpt.events import NodeProgress, Progress, RankPlace, WorkerResult
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
+from raytrain_ckpt.nodeprogress import ProgressFile, PublishedProgress, read_node
 from raytrain_ckpt.metrics import TrainerMetrics
 from raytrain_ckpt.scalars import ScalarLogger, log_step, open_logger
 from raytrain_ckpt.spec import JobSpec
@@ -88,7 +89,7 @@ def _is_mismatch(exc: BaseException) -> bool:
     return isinstance(exc, CheckpointMismatch)
 
 
-class TrainWorker:
+class TrainWorker(PublishedProgress):
     """One training rank. Created by the worker group as a Ray actor."""
 
     def __init__(self, spec_json: str, rank: int, world_size: int, attempt: int,
@@ -113,6 +114,8 @@ class TrainWorker:
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         if rank != SPARE_RANK:
             self.served.append(attempt)
+        # Every change of the progress is also written for the node (nodeprogress.py: one poll call per node).
+        self._progress_file = ProgressFile(self.spec.name, attempt, rank) if rank != SPARE_RANK else None
         self._progress = Progress(rank, 0, None, time.time(), "setup")
         self._rollbacks: tuple[Any, ...] = ()
         """This attempt's rollbacks so far, reported with the progress (``progress()``)."""
@@ -437,6 +440,10 @@ class TrainWorker:
         import ray
 
         return RankPlace(os.getpid(), ray.get_runtime_context().get_node_id())
+
+    def node_progress(self, ranks: list[int]) -> NodeProgress:
+        """The progress of ``ranks``, this node's ranks of this attempt, read from their files."""
+        return read_node(self.spec.name, self.attempt, ranks)
 
     def progress(self) -> Progress:
         """The last finished step, and this attempt's rollbacks so far; answered from the second
