@@ -46,8 +46,13 @@ def _dir() -> Path:
     return base / f"rtc-progress-{os.getuid()}"
 
 
+def _prefix(job: str) -> str:
+    """Every rank file of ``job`` is this prefix, the rank and ``.json``."""
+    return os.path.join(_dir(), f"{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}.rank")
+
+
 def _path(job: str, rank: int) -> Path:
-    return _dir() / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}.rank{rank}.json"
+    return Path(f"{_prefix(job)}{rank}.json")
 
 
 class ProgressFile:
@@ -117,9 +122,11 @@ def _alive(pid: int) -> bool:
 def read_node(job: str, attempt: int, ranks: Sequence[int]) -> NodeProgress:
     """The progress of ``ranks`` (all on this node) of ``attempt``, from their files."""
     out, ask = {}, []
+    prefix = _prefix(job)
     for rank in ranks:
         try:
-            record = json.loads(_path(job, rank).read_text())
+            with open(f"{prefix}{rank}.json", "rb") as f:
+                record = json.loads(f.read())
         except (OSError, ValueError):
             ask.append(rank)
             continue
