@@ -110,6 +110,8 @@ class PublishedProgress:
 
 
 def _alive(pid: int) -> bool:
+    if pid <= 0:  # (0 and -1 would name process groups)
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -130,12 +132,24 @@ def read_node(job: str, attempt: int, ranks: Sequence[int]) -> NodeProgress:
         except (OSError, ValueError):
             ask.append(rank)
             continue
-        if (record.get("attempt"), record.get("rank")) != (attempt, rank) or record.get("rollbacks") \
-                or not _alive(int(record.get("pid", 0))):
+        progress = _progress_of(record, attempt, rank)
+        if progress is None:
             ask.append(rank)
-            continue
-        out[rank] = Progress(**{k: record[k] for k in _PLAIN})
+        else:
+            out[rank] = progress
     return NodeProgress(out, ask)
+
+
+def _progress_of(record: Any, attempt: int, rank: int) -> Progress | None:
+    """The progress a file's record shows for ``rank`` of ``attempt``; None when it cannot say
+    (another attempt or rank, rollbacks, a process that is gone, or a record of another shape)."""
+    try:
+        if (record["attempt"], record["rank"]) != (attempt, rank) or record["rollbacks"] \
+                or not _alive(int(record["pid"])):
+            return None
+        return Progress(**{k: record[k] for k in _PLAIN})
+    except (KeyError, TypeError, ValueError):  # not a record this version wrote: the rank answers itself
+        return None
 
 
 def node_batches(ranks: Sequence[int], nodes: Sequence[str]) -> list[list[int]]:

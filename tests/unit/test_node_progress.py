@@ -45,9 +45,11 @@ def test_what_a_file_cannot_say_is_asked_of_the_rank(tmp_path: Path) -> None:
     gone = _Rank("job", 1, 3)
     path = gone._progress_file.path
     path.write_text(path.read_text().replace(f'"pid": {os.getpid()}', '"pid": 999999999'))  # an exited process
-    answer = read_node("job", 1, [0, 1, 2, 3, 4])  # rank 4 never wrote one
+    (tmp_path / "progress" / "job.rank5.json").write_text('{"attempt": 1, "rank": 5}')  # another shape
+    (tmp_path / "progress" / "job.rank6.json").write_text('[1, 2]')
+    answer = read_node("job", 1, [0, 1, 2, 3, 4, 5, 6])  # rank 4 never wrote one
     assert sorted(answer.progress) == [0]
-    assert answer.ask == [1, 2, 3, 4]
+    assert answer.ask == [1, 2, 3, 4, 5, 6]
 
 
 def test_ranks_are_asked_per_node_or_one_by_one_when_nodes_are_unknown() -> None:
