@@ -15,6 +15,10 @@ save (4.5 s at 64 ranks of 70B), so both ends remember what they last exchanged:
   building it: identical bytes, since ``.metadata`` holds nothing else that changes per step
   (its ``storage_meta`` is fixed per plan: see ``plan_storage_meta``).
 
+The coordinator's cache holds one save's results of every rank between saves (what a save in
+flight held before, so the peak memory is the same; the memory between saves is no longer freed),
+for the newest plan only.
+
 The commit protocol does not change: a step commits only when every rank's report is in; a
 report sent by digest that the coordinator cannot resolve aborts the step (the writer then
 sends the results in full next time); any changed digest rebuilds ``.metadata`` in full.
