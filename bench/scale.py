@@ -8,7 +8,11 @@ for N <= 64, timed from the caller) through two saves of one attempt, as the ran
 * the first save of the attempt: every rank's ``plan`` (the global plan and ``.metadata``,
   built once per layout), then ``open_step``, ``accepted``, ``report`` (the last one commits)
   and ``record_stall`` from every rank;
-* a later save of the same attempt: the same calls without ``plan`` (the plan is cached).
+* a later save of the same attempt: the same calls without ``plan`` (the plan is cached); each
+  rank's results equal the first save's, so the writers send them as a digest
+  (``roles/repeats.py``) and the actor copies the first save's ``.metadata``;
+* a third save whose byte items are each a byte longer (a counter that gained a digit): every
+  rank's results differ, so they are sent in full and ``.metadata`` is built again.
 
 The writers' files exist as sparse files of the sizes the reports name, so the commit checks,
 ``ls``/``status`` and the resume plan's verification see a real step directory. Printed per N:
@@ -55,6 +59,7 @@ from bench.scale_ranks import MODELS, local_plan, template, write_results  # noq
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy  # noqa: E402
 from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport, TrainingPoint  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor  # noqa: E402
+from raytrain_ckpt.checkpoint.roles.repeats import SentResults  # noqa: E402
 from raytrain_ckpt.preflight import load_spec  # noqa: E402
 
 
@@ -82,8 +87,9 @@ class _Calls:
 
 
 async def _save(actor: CheckpointActor, n: int, step: int, attempt: int, centrals: list[Any],
-                calls: _Calls) -> float:
-    """One save of every rank after planning: the actor's time in its methods, in seconds."""
+                calls: _Calls, sent: SentResults) -> float:
+    """One save of every rank after planning: the actor's time in its methods, in seconds.
+    ``sent``: what the writers delivered before (a rank's unchanged results go as a digest)."""
     reports, spent = [], 0.0
     tmp = None
     for rank in range(n):
@@ -98,8 +104,8 @@ async def _save(actor: CheckpointActor, n: int, step: int, attempt: int, central
         size = results[-1].storage_data.offset + results[-1].storage_data.length
         with open(os.path.join(tmp, name), "wb") as f:  # sparse: the writer's file, without its bytes
             f.truncate(size)
-        reports.append(RankReport(step, rank, attempt, centrals[rank].plan_id, results,
-                                  {name: {"size": size, "crc32c": 0}}, TrainingPoint(samples_seen=step)))
+        reports.append(sent.slim(RankReport(step, rank, attempt, centrals[rank].plan_id, results,
+                                            {name: {"size": size, "crc32c": 0}}, TrainingPoint(samples_seen=step))))
     for rank in range(n):
         calls.add("accepted", step, rank, attempt, None)
         t0 = time.perf_counter()
@@ -110,6 +116,7 @@ async def _save(actor: CheckpointActor, n: int, step: int, attempt: int, central
         t0 = time.perf_counter()
         out = await actor.report(reports[rank])
         spent += time.perf_counter() - t0
+        sent.delivered(reports[rank])
     assert out == "committed", out
     for rank in range(n):
         calls.add("record_stall", step, rank, 0.01)
@@ -147,32 +154,37 @@ def one(model: str, n: int) -> dict[str, Any]:
         rss0 = _rss_mb()
         actor = CheckpointActor(root, RetentionPolicy(2))
         asyncio.run(actor.configure(GroupLayout(n, n, "scale", {"name": model})))
-        first, later = _Calls(), _Calls()
+        first, later, changed, sent = _Calls(), _Calls(), _Calls(), SentResults()
 
-        async def two_saves() -> None:
+        async def saves() -> None:
             centrals, out["plan_s"] = await _plan(actor, n, 10, 0, plans, first)
-            out["first_save_s"] = out["plan_s"] + await _save(actor, n, 10, 0, centrals, first)
+            out["first_save_s"] = out["plan_s"] + await _save(actor, n, 10, 0, centrals, first, sent)
             out["first_commit_s"] = actor.committed[10].wall["commit_s"]
-            out["save_s"] = await _save(actor, n, 20, 0, centrals, later)
+            out["save_s"] = await _save(actor, n, 20, 0, centrals, later, sent)
             out["commit_s"] = actor.committed[20].wall["commit_s"]
+            # Step 100: every byte item is a byte longer, so every rank's results differ: a full rebuild.
+            out["changed_save_s"] = await _save(actor, n, 100, 0, centrals, changed, sent)
+            out["changed_commit_s"] = actor.committed[100].wall["commit_s"]
 
-        asyncio.run(two_saves())
+        asyncio.run(saves())
+        out["metadata_reused"] = actor.coordinator.repeats.reused
         out["peak_mb"] = _rss_mb() - rss0
         out["first_calls"], out["first_mb"] = first.total()[0], first.total()[1] / 1e6
         out["calls"], out["mb"] = later.total()[0], later.total()[1] / 1e6
         out["report_mb"] = later.bytes["report"] / 1e6
+        out["changed_mb"] = changed.total()[1] / 1e6
         step_dir = actor.layout.step_dir(20)
         out["metadata_mb"] = os.path.getsize(os.path.join(step_dir, ".metadata")) / 1e6
         t0 = time.perf_counter()
         point = asyncio.run(actor.acquire("bench", "latest", "size"))
         out["resume_s"] = time.perf_counter() - t0
-        assert point is not None and point.step == 20, point
+        assert point is not None and point.step == 100, point
         from raytrain_ckpt.inventory import status_report
 
         t0 = time.perf_counter()
-        text, data = status_report(root, None, None, "size")
+        text, data = status_report(root, "size")
         out["ls_status_s"] = time.perf_counter() - t0
-        assert [r["step"] for r in data["steps"] if r["status"] == "valid"] == [10, 20], data["steps"]
+        assert [r["step"] for r in data["steps"] if r["status"] == "valid"] == [20, 100], data["steps"]
     return out
 
 
@@ -192,6 +204,7 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
         with tempfile.TemporaryDirectory(prefix="scale-ray-", dir=os.environ.get("SCALE_DIR")) as root:
             actor = ray.remote(num_cpus=0)(CheckpointActor).remote(root, RetentionPolicy(2))
             ray.get(actor.configure.remote(GroupLayout(n, n, "scale", {"name": model})))
+            sent = SentResults()
             t0 = time.perf_counter()
             centrals = ray.get([actor.plan.remote(0, 10, r, plans[r], 600.0) for r in range(n)])
             plan_s = time.perf_counter() - t0
@@ -204,29 +217,37 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
                     size = results[-1].storage_data.offset + results[-1].storage_data.length
                     with open(os.path.join(tmp, name), "wb") as f:
                         f.truncate(size)
-                    reports.append(Report(step, rank, 0, centrals[rank].plan_id, results,
-                                          {name: {"size": size, "crc32c": 0}}, TrainingPoint(samples_seen=step)))
+                    reports.append(sent.slim(Report(step, rank, 0, centrals[rank].plan_id, results,
+                                                    {name: {"size": size, "crc32c": 0}},
+                                                    TrainingPoint(samples_seen=step))))
                 t0 = time.perf_counter()
                 ray.get([actor.accepted.remote(step, r, 0, None) for r in range(n)])
                 outcomes = ray.get([actor.report.remote(rep) for rep in reports])
                 ray.get([actor.record_stall.remote(step, r, 0.01) for r in range(n)])
                 out[key] = time.perf_counter() - t0 + (plan_s if step == 10 else 0.0)
                 assert outcomes.count("committed") == 1, outcomes
+                for rep in reports:
+                    sent.delivered(rep)
     finally:
         ray.shutdown()
     return out
 
 
-def poll_rounds(sizes: list[int], actors: int = 8, rounds: int = 3) -> dict[int, float]:
+def poll_rounds(sizes: list[int], actors: int = 8, rounds: int = 3, per_node: int = 8) -> dict[int, float]:
     """Seconds of one ``RayWorkerGroup.poll`` (the median of ``rounds``) over each of ``sizes``
-    ranks, served by ``actors`` real async Ray actors: every rank's pending ``run`` and its
-    ``progress`` call are real Ray calls, several ranks to an actor."""
+    ranks, ``per_node`` to a node, served by ``actors`` real async Ray actors: every rank's
+    pending ``run`` is a real Ray call, and each node's ``node_progress`` call (one per node) a
+    real Ray call that reads its ranks' real progress files (``nodeprogress.py``); a node's ranks
+    share an actor, several nodes to an actor."""
     import statistics
 
     import ray
 
-    from raytrain_ckpt.events import Progress
+    from raytrain_ckpt.events import NodeProgress, Progress
     from raytrain_ckpt.group import RayWorkerGroup
+    from raytrain_ckpt.nodeprogress import ProgressFile, read_node
+
+    spec = _spec()
 
     @ray.remote(num_cpus=0, max_concurrency=8192)
     class Ranks:
@@ -236,22 +257,32 @@ def poll_rounds(sizes: list[int], actors: int = 8, rounds: int = 3) -> dict[int,
         async def progress(self) -> Progress:
             return Progress(0, 10, None, time.time(), "training")
 
+        def node_progress(self, ranks: list[int]) -> NodeProgress:
+            return read_node(spec.name, 0, ranks)
+
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         servers = [Ranks.remote() for _ in range(actors)]
-        ray.get([s.progress.remote() for s in servers])
-        out = {}
+        ray.get([s.progress.remote() for s in servers] + [s.node_progress.remote([]) for s in servers])
+        out, answered = {}, {}
         for n in sizes:
-            group = RayWorkerGroup(_spec(), 0)
-            group.workers = [servers[r % actors] for r in range(n)]
+            for r in range(n):  # what each rank's process writes at every change of its progress
+                ProgressFile(spec.name, 0, r).show(Progress(r, 10, None, time.time(), "training"), 0)
+            group = RayWorkerGroup(spec, 0)
+            group.workers = [servers[(r // per_node) % actors] for r in range(n)]
+            group.nodes = [f"node-{r // per_node}" for r in range(n)]
             group._runs = {group.workers[r].run.remote(): r for r in range(n)}
             times = []
             for _ in range(rounds):
                 t0 = time.perf_counter()
                 poll = group.poll()
                 times.append(time.perf_counter() - t0)
-                assert not poll.failures and poll.min_step == 10, poll
+                assert not poll.failures and (poll.min_step == 10 or len(poll.phases) < n), poll
+                answered.setdefault(n, []).append(len(poll.phases))
             out[n] = statistics.median(times)
+            if min(answered[n]) < n:  # a round that ended at the poll's timeout is not a full round
+                print(f"N={n}: only {min(answered[n])} of {n} ranks answered within the poll's timeout in "
+                      f"some round", file=sys.stderr)
             for ref in group._runs:
                 ray.cancel(ref)
         return out
@@ -262,7 +293,9 @@ def poll_rounds(sizes: list[int], actors: int = 8, rounds: int = 3) -> dict[int,
 COLUMNS = [("plan_s", "plan+metadata s", "{:.3f}"), ("dcp_global_plan_s", "DCP global plan s", "{:.3f}"),
            ("metadata_mb", ".metadata MB", "{:.2f}"), ("first_commit_s", "1st commit s", "{:.3f}"),
            ("first_save_s", "1st save s", "{:.3f}"), ("commit_s", "commit s", "{:.3f}"),
-           ("save_s", "save s", "{:.3f}"), ("calls", "calls/save", "{:d}"), ("mb", "MB in/save", "{:.1f}"),
+           ("save_s", "save s", "{:.3f}"), ("changed_commit_s", "changed commit s", "{:.3f}"),
+           ("changed_save_s", "changed save s", "{:.3f}"), ("calls", "calls/save", "{:d}"),
+           ("mb", "MB in/save", "{:.1f}"), ("changed_mb", "MB in changed", "{:.1f}"),
            ("first_mb", "MB in 1st", "{:.1f}"), ("peak_mb", "peak MB", "{:.0f}"),
            ("resume_s", "resume plan s", "{:.3f}"), ("ls_status_s", "ls/status s", "{:.3f}"),
            ("poll_s", "poll s", "{:.3f}"), ("ray_first_save_s", "Ray actor 1st save s", "{:.3f}"),
@@ -316,7 +349,10 @@ def main() -> None:
             t0 = time.monotonic()
             proc = subprocess.run([sys.executable, __file__, "--one", model, str(n), *(["--ray"] if args.ray else [])],
                                   capture_output=True, text=True,
-                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+                                  # Each N reads its steps as for the first time: the saves of one plan write
+                                  # the same .metadata bytes in every run, which the scan cache under the
+                                  # user's cache directory would remember between runs.
+                                  env={**os.environ, "PYTHONPATH": str(REPO), "RAYTRAIN_CKPT_SCAN_CACHE": "0"})
             if proc.returncode != 0:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"{model} at {n} ranks failed")

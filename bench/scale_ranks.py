@@ -121,12 +121,13 @@ def local_plan(t: RankTemplate, rank: int, world: int) -> SavePlan:
 def write_results(central: SavePlan, step: int = 0) -> list[WriteResult]:
     """What a writer reports for a rank's central plan: one ``WriteResult`` per item, laid out
     one after another in one file as ``datapath.filewrite`` lays them (sizes from the shapes;
-    ``step`` shifts the byte items' lengths as a changing counter would)."""
+    ``step`` sets the byte items' lengths as a pickled counter would: one byte longer for each
+    digit, so the results of steps 10 and 20 are equal and those of step 100 differ)."""
     name = f"{central.storage_data.prefix}0.distcp"
     out, offset = [], 0
     for item in central.items:
         if item.type == WriteItemType.BYTE_IO:
-            length = 64 + step % 3
+            length = 64 + len(str(step))
         else:
             chunk = item.tensor_data.chunk.sizes
             length = 1024 + item.tensor_data.properties.dtype.itemsize * int(torch.Size(chunk).numel())

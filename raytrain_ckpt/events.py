@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["Failure", "FailureKind", "Progress", "RankPlace", "RollbackRecord", "Trip", "WorkerResult", "cause_text",
+__all__ = ["Failure", "FailureKind", "NodeProgress", "Progress", "RankPlace", "RollbackRecord", "Trip", "WorkerResult", "cause_text",
            "headline"]
 
 FailureKind = Literal["start", "crash", "exception", "hang", "checkpoint", "mismatch", "preemption", "rollback",
@@ -76,6 +76,15 @@ class Progress:
     """The training guard's rollbacks in this attempt so far, in order: the controller records each one as it sees it, not only when the attempt finishes."""
     evicted_until: float | None = None
     """This rank's process got SIGTERM (a pod eviction): the deadline (time.time()) it stops by."""
+
+
+@dataclass(frozen=True)
+class NodeProgress:
+    """One node's answer to the poll (``nodeprogress.read_node``): the progress its ranks' files
+    show, and the ranks the driver asks themselves."""
+
+    progress: dict[int, Progress]
+    ask: list[int]
 
 
 @dataclass(frozen=True)

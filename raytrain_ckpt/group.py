@@ -21,6 +21,7 @@ from raytrain_ckpt.events import Failure, Progress, RankPlace, WorkerResult, hea
 from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.hang_evidence import diagnose, diagnostics_root, locate
 from raytrain_ckpt.hangs import Verdict
+from raytrain_ckpt.nodeprogress import poll_progress
 from raytrain_ckpt.pool import WorkerPool, bundle_nodes, kill_actor
 from raytrain_ckpt.preemption import draining_nodes, room_for
 from raytrain_ckpt.quarantine import Quarantine
@@ -381,16 +382,10 @@ class RayWorkerGroup:
             self.pool.replenish(self._pg)
 
     def _progress(self) -> dict[int, Progress]:
-        refs = {w.progress.remote(): rank for rank, w in enumerate(self.workers) if rank not in self._results}
         out = {r.rank: Progress(r.rank, r.steps, None, time.time(), "done") for r in self._results.values()}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.spec.fault_tolerance.poll_interval_s)
-        for ref in ready:
-            try:
-                p = ray.get(ref)
-                out[p.rank] = p
-            except RayActorError:
-                # The run() ref of a dead actor reports the death; nothing to add here.
-                pass
+        running = [rank for rank in range(len(self.workers)) if rank not in self._results]
+        # One call per node (nodeprogress.py); a dead rank's run() ref reports its death.
+        out |= poll_progress(self.workers, self.nodes, running, self.spec.fault_tolerance.poll_interval_s)
         return out
 
     def shutdown(self, keep_warm: bool = False) -> None:

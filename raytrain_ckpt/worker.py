@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 
 from raytrain_ckpt.checkpoint.records import RankCheckpointPlan
-from raytrain_ckpt.events import Progress, RankPlace, WorkerResult
+from raytrain_ckpt.events import NodeProgress, Progress, RankPlace, WorkerResult
 from raytrain_ckpt.eviction import on_sigterm
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
+from raytrain_ckpt.nodeprogress import ProgressFile, PublishedProgress, read_node
 from raytrain_ckpt.metrics import TrainerMetrics
 from raytrain_ckpt.scalars import ScalarLogger, log_step, open_logger
 from raytrain_ckpt.spec import JobSpec
@@ -91,7 +92,7 @@ def _is_mismatch(exc: BaseException) -> bool:
     return isinstance(exc, CheckpointMismatch)
 
 
-class TrainWorker:
+class TrainWorker(PublishedProgress):
     """One training rank. Created by the worker group as a Ray actor."""
 
     def __init__(self, spec_json: str, rank: int, world_size: int, attempt: int,
@@ -120,6 +121,8 @@ class TrainWorker:
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         if rank != SPARE_RANK:
             self.served.append(attempt)
+        # Every change of the progress is also written for the node (nodeprogress.py: one poll call per node).
+        self._progress_file = ProgressFile(self.spec.name, attempt, rank) if rank != SPARE_RANK else None
         self._progress = Progress(rank, 0, None, time.time(), "setup")
         self._rollbacks: tuple[Any, ...] = ()
         """This attempt's rollbacks so far, reported with the progress (``progress()``)."""
@@ -467,10 +470,19 @@ class TrainWorker:
 
         return RankPlace(os.getpid(), ray.get_runtime_context().get_node_id())
 
+    def node_progress(self, ranks: list[int]) -> NodeProgress:
+        """The progress of ``ranks``, this node's ranks of this attempt, read from their files."""
+        return read_node(self.spec.name, self.attempt, ranks)
+
     def progress(self) -> Progress:
         """The last finished step, this attempt's rollbacks so far and an eviction's deadline;
         answered from the second actor thread while ``run()`` trains."""
-        return replace(self._progress, rollbacks=self._rollbacks, evicted_until=self._evicted_until)
+        return replace(self._shown(), rollbacks=self._rollbacks)
+
+    def _shown(self) -> Progress:
+        """The progress with an eviction's deadline, as ``progress()`` answers and the node's file
+        shows it (written at the rank's next change of progress, by the training thread)."""
+        return replace(self._progress, evicted_until=self._evicted_until)
 
     def __repr__(self) -> str:
         # Shown in the Ray dashboard's actor list and as the log prefix. Ray evaluates it once,

@@ -56,8 +56,9 @@ class RankReport:
     rank: int
     attempt: int
     plan_id: str
-    results: list[Any]
-    """DCP's ``WriteResult`` of every item the rank wrote (what ``.metadata`` is finished from)."""
+    results: list[Any] | None
+    """DCP's ``WriteResult`` of every item the rank wrote (what ``.metadata`` is finished from);
+    None: the same as this rank's last delivered report for the plan (``digest`` says which)."""
     files: dict[str, Any] = field(default_factory=dict)
     """File name -> ``format.manifest.FileEntry`` (size and CRC-32C) of each file the rank wrote."""
     point: TrainingPoint = TrainingPoint()
@@ -65,6 +66,8 @@ class RankReport:
     tensors: dict[str, Any] = field(default_factory=dict)
     """fqn -> ``format.fingerprints.ShardSums`` of each floating-point tensor the rank wrote,
     summed by its writer off the training path; merged into the manifest's ``tensors``."""
+    digest: str = ""
+    """``roles.repeats.results_digest`` of ``results`` ("": not computed; the coordinator computes it)."""
 
 
 __all__ += ["PersistRequest"]

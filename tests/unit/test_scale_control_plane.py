@@ -2,9 +2,11 @@
 
 ``bench/scale.py`` drives the actor with simulated ranks (``bench/scale_ranks.py``); what it
 made cheaper per call (each rank's progress published alone, the cached plan's metadata shared
-rather than copied per commit) must not weaken a guarantee: a step commits only when every rank
-reported, one missing report leaves it uncommitted until ``settle`` aborts it, and the progress
-series say exactly what the full view says.
+rather than copied per commit, unchanged results sent as a digest and the last ``.metadata``
+copied: ``roles/repeats.py``) must not weaken a guarantee: a step commits only when every rank
+reported, one missing report leaves it uncommitted until ``settle`` aborts it, the progress
+series say exactly what the full view says, and a copied ``.metadata`` is byte for byte the one
+a full build writes.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import pickle
 from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from bench.scale_ranks import local_plan, template, write_results
 from raytrain_ckpt import metrics
 from raytrain_ckpt.checkpoint.errors import StepAborted
+from raytrain_ckpt.checkpoint.format.metadata import read_metadata
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport, StepPhase
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
+from raytrain_ckpt.checkpoint.roles.repeats import SentResults
 from raytrain_ckpt.models.config import PRESETS
 from raytrain_ckpt.preflight import load_spec
 
@@ -40,14 +45,15 @@ def _gauge(name: str, **tags: str) -> float:
     return metrics._gauges[(name, tuple(sorted(tags.items())))]
 
 
-async def _hand_off(actor: CheckpointActor, step: int, centrals: list,
-                    skip: set[int]) -> tuple[str, list[str]]:
-    """Every rank hands ``step`` off; every rank not in ``skip`` reports its files (sparse, real).
+async def _hand_off(actor: CheckpointActor, step: int, centrals: list, skip: set[int],
+                    sent: SentResults | None = None, attempt: int = 0) -> tuple[str, list[str]]:
+    """Every rank hands ``step`` off; every rank not in ``skip`` reports its files (sparse, real),
+    through ``sent`` as the writers do when given (unchanged results go as a digest).
     Returns the step's temporary directory and the reports' outcomes."""
-    tmp = await actor.open_step(step, 0)
+    tmp = await actor.open_step(step, attempt)
     outcomes = []
     for rank in range(N):
-        await actor.accepted(step, rank, 0, None)
+        await actor.accepted(step, rank, attempt, None)
     for rank in range(N):
         if rank in skip:
             continue
@@ -56,8 +62,12 @@ async def _hand_off(actor: CheckpointActor, step: int, centrals: list,
         size = results[-1].storage_data.offset + results[-1].storage_data.length
         with open(os.path.join(tmp, name), "wb") as f:
             f.truncate(size)
-        outcomes.append(await actor.report(RankReport(step, rank, 0, centrals[rank].plan_id, results,
-                                                      {name: {"size": size, "crc32c": 0}})))
+        report = RankReport(step, rank, attempt, centrals[rank].plan_id, results, {name: {"size": size, "crc32c": 0}})
+        if sent is not None:
+            report = sent.slim(report)
+        outcomes.append(await actor.report(report))
+        if sent is not None:
+            sent.delivered(report)
     return tmp, outcomes
 
 
@@ -66,11 +76,15 @@ def test_one_missing_report_of_many_ranks_still_aborts_the_step(tmp_path: Path, 
     asyncio.run(actor.configure(GroupLayout(N, N, "h", None)))
     job = actor.layout.name
 
+    sent = SentResults()
+
     async def scenario() -> None:
         centrals = await asyncio.gather(*(actor.plan(0, 10, r, plans[r], 30) for r in range(N)))
-        assert (await _hand_off(actor, 10, centrals, set()))[1] == ["pending"] * (N - 1) + ["committed"]
-        # The next save of the attempt reuses the plan; rank 17's report never comes.
-        tmp, outcomes = await _hand_off(actor, 20, centrals, {17})
+        assert (await _hand_off(actor, 10, centrals, set(), sent))[1] == ["pending"] * (N - 1) + ["committed"]
+        # The next save of the attempt reuses the plan and its results: every writer sends a
+        # digest alone; rank 17's report never comes.
+        assert all(_digest_only(sent, r, centrals[r].plan_id, 20, centrals[r].plan) for r in range(N))
+        tmp, outcomes = await _hand_off(actor, 20, centrals, {17}, sent)
         assert outcomes == ["pending"] * (N - 1)
         assert actor.steps.phase_of(20) is StepPhase.WRITING
         # The per-rank series, published one rank at a time, equal the full view.
@@ -93,3 +107,84 @@ def test_one_missing_report_of_many_ranks_still_aborts_the_step(tmp_path: Path, 
     # The committed step's .metadata holds every rank's items, read back as DCP reads it.
     meta = pickle.loads((actor.layout.step_dir(10) / ".metadata").read_bytes())
     assert len(meta.storage_data) == len({i.index for p in plans for i in p.items})
+
+
+def _digest_only(sent: SentResults, rank: int, plan_id: str, step: int, central) -> bool:
+    """Whether the writer side would send rank ``rank``'s results of ``step`` as a digest alone."""
+    results = write_results(central, step)
+    return sent.slim(RankReport(step, rank, 0, plan_id, results)).results is None
+
+
+def _saves(root: Path, plans: list, steps: list[int], reuse: bool) -> CheckpointActor:
+    """An actor that plans at the first of ``steps`` and commits each of them from every rank
+    (``reuse=False``: its cache of earlier ``.metadata`` is emptied before each commit)."""
+    actor = CheckpointActor(str(root), RetentionPolicy(None))
+    asyncio.run(actor.configure(GroupLayout(N, N, "h", None)))
+    sent = SentResults()
+
+    async def scenario() -> None:
+        centrals = await asyncio.gather(*(actor.plan(0, steps[0], r, plans[r], 30) for r in range(N)))
+        for step in steps:
+            if not reuse:
+                actor.coordinator.repeats.built.clear()
+            assert (await _hand_off(actor, step, centrals, set(), sent))[1][-1] == "committed"
+
+    asyncio.run(scenario())
+    return actor
+
+
+def test_unchanged_results_go_as_digests_and_reuse_the_metadata_byte_for_byte(tmp_path: Path, plans: list) -> None:
+    cached = _saves(tmp_path / "cached", plans, [10, 20], reuse=True)
+    built = _saves(tmp_path / "built", plans, [10, 20], reuse=False)
+    assert (cached.coordinator.repeats.reused, cached.coordinator.repeats.rebuilt) == (1, 1)
+    assert (built.coordinator.repeats.reused, built.coordinator.repeats.rebuilt) == (0, 2)
+    copied = (cached.layout.step_dir(20) / ".metadata").read_bytes()
+    assert copied == (built.layout.step_dir(20) / ".metadata").read_bytes()
+    assert copied == (cached.layout.step_dir(10) / ".metadata").read_bytes()
+    # A separate file (not a link): damaging one step's .metadata leaves the older step's intact.
+    assert os.stat(cached.layout.step_dir(20) / ".metadata").st_ino != os.stat(cached.layout.step_dir(10) / ".metadata").st_ino
+    assert cached.committed[20].files[".metadata"] == built.committed[20].files[".metadata"]
+    # Both load back as DCP reads them, with every rank's items.
+    meta = read_metadata(cached.layout.step_dir(20))
+    assert len(meta.storage_data) == len({i.index for p in plans for i in p.items})
+
+
+def test_changed_results_or_a_new_plan_rebuild_the_metadata(tmp_path: Path, plans: list) -> None:
+    # Step 100's byte items are a byte longer (a counter gained a digit): every offset after them moves.
+    actor = _saves(tmp_path, plans, [10, 20, 100], reuse=True)
+    assert (actor.coordinator.repeats.reused, actor.coordinator.repeats.rebuilt) == (1, 2)
+    old, new = read_metadata(actor.layout.step_dir(20)), read_metadata(actor.layout.step_dir(100))
+    assert old.storage_data != new.storage_data
+    byte_items = [i for i in new.storage_data if isinstance(new.state_dict_metadata[i.fqn], BytesStorageMetadata)]
+    assert byte_items and {new.storage_data[i].length for i in byte_items} == {64 + len("100")}
+    assert {old.storage_data[i].length for i in byte_items} == {64 + len("20")}
+    # A new attempt plans again (another layout may come with it): its first save builds in full,
+    # and a writer's digest of the old plan is not taken for the new one.
+    sent = SentResults()
+
+    async def next_attempt() -> None:
+        centrals = await asyncio.gather(*(actor.plan(1, 110, r, plans[r], 30) for r in range(N)))
+        assert centrals[0].plan_id != "0.10"
+        assert (await _hand_off(actor, 110, centrals, set(), sent, attempt=1))[1][-1] == "committed"
+        assert all(_digest_only(sent, r, centrals[r].plan_id, 110, centrals[r].plan) for r in range(N))
+        assert not _digest_only(sent, 0, "0.10", 110, centrals[0].plan)
+
+    asyncio.run(next_attempt())
+    assert (actor.coordinator.repeats.reused, actor.coordinator.repeats.rebuilt) == (1, 3)
+    assert read_metadata(actor.layout.step_dir(110)).storage_data == new.storage_data
+
+
+def test_a_digest_the_actor_does_not_hold_aborts_the_step(tmp_path: Path, plans: list) -> None:
+    actor = CheckpointActor(str(tmp_path), RetentionPolicy(None))
+    asyncio.run(actor.configure(GroupLayout(N, N, "h", None)))
+
+    async def scenario() -> None:
+        centrals = await asyncio.gather(*(actor.plan(0, 10, r, plans[r], 30) for r in range(N)))
+        await actor.open_step(10, 0)
+        # A report by digest with no earlier full report (as from a writer that outlived an actor's state).
+        with pytest.raises(StepAborted, match="sent by digest"):
+            await actor.report(RankReport(10, 3, 0, centrals[3].plan_id, None, {}, digest="0" * 32))
+        assert actor.steps.phase_of(10) is StepPhase.ABORTED
+
+    asyncio.run(scenario())
+    assert "sent by digest" in actor.steps.failed[10]

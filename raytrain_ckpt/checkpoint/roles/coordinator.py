@@ -3,7 +3,9 @@
 It gathers each rank's local save plan and builds the global plan (cached per layout: a
 layout that does not change is planned once per attempt), then, once every rank's writer
 reported, finishes ``.metadata`` from their write results and commits the step with its
-manifest. Which steps are in flight, and their phases, is the step registry's.
+manifest. A later save of a layout whose ranks' results did not change reuses the last
+``.metadata`` instead (``repeats.py``). Which steps are in flight, and their phases, is the step
+registry's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, RankReport
 from raytrain_ckpt.checkpoint.errors import StepAborted
+from raytrain_ckpt.checkpoint.roles.repeats import ResultsCache, copy_metadata, plan_storage_meta
 from raytrain_ckpt.checkpoint.roles.steps import InFlightStep, StepRegistry
 from raytrain_ckpt.checkpoint.storage.dcp import dcp_writer
 from raytrain_ckpt.checkpoint.format.fingerprints import merge_shard_sums
@@ -55,6 +58,7 @@ class SaveCoordinator:
         self.retention, self.metrics, self._group, self._stall = retention, metrics, group, stall
         self._gathers: dict[tuple[int, int], _Gather] = {}
         self._metadata: dict[str, Metadata] = {}
+        self.repeats = ResultsCache()
 
     def planning(self) -> list[int]:
         """Steps whose ranks' plans are still being gathered."""
@@ -74,6 +78,7 @@ class SaveCoordinator:
             g.central = FileSystemWriter(self.layout.root).prepare_global_plan(central)
             g.plan_id = f"{attempt}.{step}"
             self._metadata[g.plan_id] = metadata
+            self.repeats.keep_only(g.plan_id)
             g.plans.clear()  # every rank's local plan (O(ranks x tensors)): not needed once the global plan is
             g.ready.set()
             self.metrics.planned(time.monotonic() - g.started)
@@ -93,6 +98,11 @@ class SaveCoordinator:
         if report.plan_id not in self._metadata:
             await self.steps.abort(step, "plan unknown after a checkpoint actor restart")
             raise StepAborted(f"step {step}: plan {report.plan_id} unknown; the next save plans again")
+        try:
+            report = self.repeats.resolve(report)
+        except StepAborted as exc:
+            await self.steps.abort(step, str(exc), report.attempt)
+            raise
         p = self.steps.reported(report)
         if len(p.reports) < self._group().world_size:
             return "pending"
@@ -105,16 +115,11 @@ class SaveCoordinator:
 
     def _commit(self, step: int, p: InFlightStep) -> None:
         t0 = time.monotonic()
-        reports = list(p.reports.values())
-        writer = dcp_writer(p.tmp, self.storage_options)
-        writer.set_up_storage_writer(True, rank=0)
-        # A shallow copy: ``finish`` only sets the copy's storage data, version and storage meta; the
-        # cached plan's tensor entries (every rank's chunks: O(ranks x tensors)) are shared, not copied.
-        writer.finish(copy.copy(self._metadata[reports[0].plan_id]), [r.results for r in reports])
+        reports = [p.reports[r] for r in sorted(p.reports)]
         files: dict[str, dict[str, int]] = {}
         for r in reports:
             files.update(r.files)
-        files[".metadata"] = self.layout.describe(self.layout.storage.join(p.tmp, ".metadata"))
+        files[".metadata"] = self._metadata_file(p, reports)
         timings = [r.timings for r in reports]
         wall = {"stage_s": max(t.stage_s for t in timings), "persist_s": max(t.persist_s for t in timings),
                 "write_s": max(t.write_s for t in timings),
@@ -122,10 +127,30 @@ class SaveCoordinator:
         manifest = self._manifest(step, files, wall, reports[0])
         manifest = manifest.model_copy(update={"tensors": merge_shard_sums([r.tensors for r in reports]) or None})
         maybe_inject("commit", 0, step, p.attempt)
-        self.layout.commit(p.tmp, manifest)
+        final = self.layout.commit(p.tmp, manifest)
+        self.repeats.record(reports[0].plan_id, reports, self.layout.storage.join(final, ".metadata"),
+                            files[".metadata"])
         self.steps.commit_done(step, manifest)
         logger.info("committed step %d: %.1f MB, stage %.3fs persist %.3fs commit %.3fs", step,
                     manifest.total_bytes / 1e6, wall["stage_s"], wall["persist_s"], wall["commit_s"])
+
+    def _metadata_file(self, p: InFlightStep, reports: list[RankReport]) -> dict[str, int]:
+        """Write the step's ``.metadata`` (copied from the last committed one of the plan when every
+        rank's results are the same) and return its manifest entry."""
+        plan_id = reports[0].plan_id
+        path = self.layout.storage.join(p.tmp, ".metadata")
+        last = self.repeats.reusable(plan_id, reports)
+        if last is not None and copy_metadata(self.layout.storage, last.path, path):
+            self.repeats.reused += 1
+            return dict(last.entry)
+        self.repeats.rebuilt += 1
+        writer = dcp_writer(p.tmp, self.storage_options)
+        writer.set_up_storage_writer(True, rank=0)
+        writer.storage_meta = lambda: plan_storage_meta(plan_id)  # the same for every save of the plan
+        # A shallow copy: ``finish`` only sets the copy's storage data, version and storage meta; the
+        # cached plan's tensor entries (every rank's chunks: O(ranks x tensors)) are shared, not copied.
+        writer.finish(copy.copy(self._metadata[plan_id]), [r.results for r in reports])
+        return self.layout.describe(path)
 
     def _manifest(self, step: int, files: dict[str, dict[str, int]], wall: dict[str, float],
                   first: RankReport) -> Manifest:

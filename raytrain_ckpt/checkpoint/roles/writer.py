@@ -36,6 +36,7 @@ from raytrain_ckpt.checkpoint.records import CommittedCopy, NodeProbe, PersistRe
 from raytrain_ckpt.checkpoint.datapath.sink import ShardSink, pick_sink
 from raytrain_ckpt.checkpoint.datapath.staging import StagedPlanner
 from raytrain_ckpt.checkpoint.format.fingerprints import shard_sums
+from raytrain_ckpt.checkpoint.roles.repeats import SentResults
 from raytrain_ckpt.checkpoint.roles.replication import Replication
 from raytrain_ckpt.checkpoint.roles.writer_buffers import Mapped, WriterBuffers
 from raytrain_ckpt.checkpoint.storage.posix import replace_file
@@ -90,6 +91,7 @@ class CheckpointWriter:
         self._running: dict[tuple[int, int], PersistRequest] = {}
         self._tmp: dict[tuple[int, int], str] = {}
         self._last_phases: dict[int, dict[str, float]] = {}
+        self._sent = SentResults()  # a rank's results that did not change go to the actor as a digest
         node_id = ray.get_runtime_context().get_node_id()
         prefix = buffer_prefix(job, root)
         self.buffers = WriterBuffers(shm_dir(), prefix, node_id, self._pool)
@@ -251,9 +253,14 @@ class CheckpointWriter:
                               phases=tuple(phases.items()))
         self.metrics.wrote(req.rank, sum(f["size"] for f in written.files.values()), timings.persist_s)
         t_report = time.monotonic()
-        report = RankReport(req.step, req.rank, req.attempt, req.plan_id, written.results, written.files,
-                            req.point, timings, sums)
-        out = ray.get(self.coordinator.report.remote(report))
+        report = self._sent.slim(RankReport(req.step, req.rank, req.attempt, req.plan_id, written.results,
+                                            written.files, req.point, timings, sums))
+        try:
+            out = ray.get(self.coordinator.report.remote(report))
+        except BaseException:
+            self._sent.lost(req.rank)
+            raise
+        self._sent.delivered(report)
         self._last_phases[req.rank] = {**phases, "report_s": time.monotonic() - t_report}
         return out
 

@@ -1,0 +1,152 @@
+"""What repeats between the saves of one layout: each rank's write results and the ``.metadata``
+built from them.
+
+Within an attempt every save of a layout writes the same items to the same files; a rank's
+``WriteResult``s (each item's file, offset and length) change only when a byte item's pickled
+length changes (a counter that gains a digit, a longer RNG state), which moves every item
+written after it. Rebuilding ``.metadata`` from every rank's results is O(ranks x tensors) per
+save (4.5 s at 64 ranks of 70B), so both ends remember what they last exchanged:
+
+- the writer sends a digest of a rank's results with each report, and leaves the results out
+  when they equal those it last delivered for the same rank and plan (``SentResults``);
+- the coordinator keeps each rank's last results per plan (``ResultsCache``), fills a report
+  sent without them from there, and when every rank's digest equals those of the step it
+  last committed for the plan, copies that step's ``.metadata`` into the new step instead of
+  building it: identical bytes, since ``.metadata`` holds nothing else that changes per step
+  (its ``storage_meta`` is fixed per plan: see ``plan_storage_meta``).
+
+The coordinator's cache holds one save's results of every rank between saves (what a save in
+flight held before, so the peak memory is the same; the memory between saves is no longer freed),
+for the newest plan only.
+
+The commit protocol does not change: a step commits only when every rank's report is in; a
+report sent by digest that the coordinator cannot resolve aborts the step (the writer then
+sends the results in full next time); any changed digest rebuilds ``.metadata`` in full.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from raytrain_ckpt.checkpoint.errors import StepAborted
+from raytrain_ckpt.checkpoint.format.names import Location
+from raytrain_ckpt.checkpoint.records import RankReport
+from raytrain_ckpt.locations import is_uri
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ResultsCache", "SentResults", "copy_metadata", "plan_storage_meta", "results_digest"]
+
+
+def results_digest(results: list[Any]) -> str:
+    """A digest of a rank's ``WriteResult``s: equal digests, equal results (and ``.metadata`` entries)."""
+    return hashlib.blake2b(pickle.dumps(results, protocol=5), digest_size=16).hexdigest()
+
+
+def plan_storage_meta(plan_id: str) -> StorageMeta:
+    """The ``storage_meta`` every ``.metadata`` of plan ``plan_id`` records. DCP's writer records
+    the temporary directory it wrote to and a fresh uuid, which no reader uses (a loader sets
+    its own ``load_id``) and which would make each save's ``.metadata`` differ; the plan id keeps
+    the saves of one plan byte-identical where their results are."""
+    return StorageMeta(checkpoint_id=None, save_id=f"plan-{plan_id}")
+
+
+class SentResults:
+    """Writer side: the digest of the results last delivered per rank, to send a digest alone
+    when a rank's next results are the same."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[str, str]] = {}
+        """rank -> (plan id, digest) of the results the coordinator last accepted from this writer."""
+
+    def slim(self, report: RankReport) -> RankReport:
+        """``report`` with its digest set, and without its results when the coordinator holds them."""
+        digest = results_digest(report.results)
+        if self._sent.get(report.rank) == (report.plan_id, digest):
+            return replace(report, results=None, digest=digest)
+        return replace(report, digest=digest)
+
+    def delivered(self, report: RankReport) -> None:
+        """The coordinator answered ``report`` (committed or pending): it holds its results."""
+        self._sent[report.rank] = (report.plan_id, report.digest)
+
+    def lost(self, rank: int) -> None:
+        """A report of ``rank`` was not answered normally: send its results in full next time."""
+        self._sent.pop(rank, None)
+
+
+@dataclass
+class _Built:
+    digests: dict[int, str]
+    """rank -> digest of the results the ``.metadata`` was built from."""
+    path: Location
+    """Where that ``.metadata`` lies (the committed step's, once the step is committed)."""
+    entry: dict[str, int]
+    """Its manifest entry (size, CRC-32C)."""
+
+
+@dataclass
+class ResultsCache:
+    """Coordinator side: per plan, every rank's last results and the last ``.metadata`` built."""
+
+    results: dict[str, dict[int, tuple[str, list[Any]]]] = field(default_factory=dict)
+    built: dict[str, _Built] = field(default_factory=dict)
+    reused: int = 0
+    """How many commits copied an earlier ``.metadata`` (read by tests and the benchmark)."""
+    rebuilt: int = 0
+
+    def keep_only(self, plan_id: str) -> None:
+        """A new plan replaced the others: forget theirs (O(ranks x tensors) of results)."""
+        for table in (self.results, self.built):
+            for old in [p for p in table if p != plan_id]:
+                del table[old]
+
+    def resolve(self, report: RankReport) -> RankReport:
+        """Record ``report``'s results, or fill them in from the last ones its rank sent for the
+        plan; raises StepAborted when a report sent by digest does not match them."""
+        ranks = self.results.setdefault(report.plan_id, {})
+        if report.results is not None:
+            ranks[report.rank] = (report.digest or results_digest(report.results), report.results)
+            return report if report.digest else replace(report, digest=ranks[report.rank][0])
+        held = ranks.get(report.rank)
+        if held is None or held[0] != report.digest:
+            raise StepAborted(f"step {report.step}: rank {report.rank}'s results were sent by digest "
+                              f"{report.digest}, which the checkpoint actor does not hold; the next save "
+                              "sends them in full")
+        return replace(report, results=held[1])
+
+    def reusable(self, plan_id: str, reports: list[RankReport]) -> _Built | None:
+        """The ``.metadata`` built last for ``plan_id`` when every rank's results equal those it was built from."""
+        built = self.built.get(plan_id)
+        if built is None or len(built.digests) != len(reports):
+            return None
+        if any(built.digests.get(r.rank) != r.digest for r in reports):
+            return None
+        return built
+
+    def record(self, plan_id: str, reports: list[RankReport], path: Location, entry: dict[str, int]) -> None:
+        """The ``.metadata`` at ``path`` holds ``reports``' results: later saves may copy it."""
+        self.built[plan_id] = _Built({r.rank: r.digest for r in reports}, path, entry)
+
+
+def copy_metadata(storage: Any, src: Location, dst: Location) -> bool:
+    """Put the bytes of ``src`` at ``dst``: a file copy, fsynced, on POSIX storage (at disk speed,
+    no pickling; not a hard link, which would make one damaged file damage every step sharing
+    it, the older steps a restart falls back to included), a server-side copy on an object store.
+    False when that failed (``src`` was deleted or moved aside): build it instead."""
+    try:
+        storage.copy_file(src, dst)
+        if not is_uri(str(dst)):
+            with open(dst, "rb") as f:
+                os.fsync(f.fileno())
+        return True
+    except Exception as exc:  # noqa: BLE001 - whatever failed, the caller builds the file in full instead
+        logger.info("could not reuse %s for %s (%s): building it", src, dst, exc)
+        return False
