@@ -304,7 +304,7 @@ def test_sigterm_to_a_rank_process_is_a_preemption_of_that_rank_with_its_deadlin
     assert ctl.state is JobState.RECOVERING and ctl.restarts == 0 and ctl.preemptions == 1
     [failure] = ctl.result.failures
     assert failure.kind == "preemption" and failure.rank == 1
-    assert failure.headline == "the process of rank 1 got SIGTERM on node B (30.0s notice): step 57 saved, 0 steps lost"
+    assert failure.headline == "the process of rank 1 got SIGTERM on node B (30.0s notice, tier durable): step 57 saved, 0 steps lost"
     assert ctl.result.preemptions[0]["cause"] == "sigterm" and ctl.result.preemptions[0]["node"] == "B"
 
 

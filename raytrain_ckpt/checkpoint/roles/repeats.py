@@ -30,6 +30,7 @@ import hashlib
 import logging
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -80,6 +81,18 @@ class SentResults:
     def lost(self, rank: int) -> None:
         """A report of ``rank`` was not answered normally: send its results in full next time."""
         self._sent.pop(rank, None)
+
+    def send(self, report: RankReport, call: Callable[[RankReport], Any]) -> Any:
+        """``call(report)`` with the report slimmed (``slim``), remembering what the coordinator
+        holds when it answers and forgetting it when it does not."""
+        report = self.slim(report)
+        try:
+            out = call(report)
+        except BaseException:
+            self.lost(report.rank)
+            raise
+        self.delivered(report)
+        return out
 
 
 @dataclass

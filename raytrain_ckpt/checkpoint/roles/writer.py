@@ -253,14 +253,9 @@ class CheckpointWriter:
                               phases=tuple(phases.items()))
         self.metrics.wrote(req.rank, sum(f["size"] for f in written.files.values()), timings.persist_s)
         t_report = time.monotonic()
-        report = self._sent.slim(RankReport(req.step, req.rank, req.attempt, req.plan_id, written.results,
-                                            written.files, req.point, timings, sums))
-        try:
-            out = ray.get(self.coordinator.report.remote(report))
-        except BaseException:
-            self._sent.lost(req.rank)
-            raise
-        self._sent.delivered(report)
+        out = self._sent.send(RankReport(req.step, req.rank, req.attempt, req.plan_id, written.results,
+                                         written.files, req.point, timings, sums),
+                              lambda report: ray.get(self.coordinator.report.remote(report)))
         self._last_phases[req.rank] = {**phases, "report_s": time.monotonic() - t_report}
         return out
 
