@@ -201,10 +201,12 @@ class RayWorkerGroup:
             return
         from raytrain_ckpt.checkpoint.storage.backends import job_root
         from raytrain_ckpt.checkpoint.storage.probe import local_root
-        from raytrain_ckpt.health import probe_nodes
+        from raytrain_ckpt.health import plan_probes, probe_nodes
 
         ck = self.spec.checkpoint
-        problems = probe_nodes(nodes, local_root(str(job_root(ck.dir, self.spec.name))) if ck.enabled else None)
+        plans = plan_probes(nodes, bundle_nodes(self._pg), set(survivors), self.spec.resources.gpus)
+        problems = probe_nodes(plans, local_root(str(job_root(ck.dir, self.spec.name))) if ck.enabled else None,
+                               self._pg)
         if not problems:
             logger.info("attempt %d: node(s) %s passed the health probe", self.attempt,
                         ", ".join(n[:12] for n in nodes))
