@@ -211,8 +211,12 @@ def _print_run_ledger(result: Any) -> None:
 
     if result.goodput:
         print(GoodputLedger.line_of(result.goodput, len(result.failures)))
+    from raytrain_ckpt.nccl_trace import traces_in
+
     for folder in result.diagnostics:
-        print(f"hang diagnostics (every rank's stacks): {folder}")
+        ranks = traces_in(Path(folder))
+        traces = f", NCCL flight recorder of rank {', '.join(map(str, ranks))}" if ranks else ""
+        print(f"hang diagnostics (every rank's stacks{traces}): {folder}")
 
 
 def _print_memory_estimate(spec: JobSpec) -> None:

@@ -5,7 +5,9 @@ thread): it works on a rank that holds the GIL inside a stuck C call (a gloo or 
 where nothing inside the process could answer. A rank on the driver's node is dumped by a
 subprocess here; one on another node by a zero-CPU Ray task pinned to that node. The dumps go to
 ``<job root>/diagnostics/attempt-<N>/rank-<R>.stacks.txt`` with ``verdict.txt`` (the culprit and
-why), listed in the end report and by ``raytrain-ckpt diagnostics``.
+why), listed in the end report and by ``raytrain-ckpt diagnostics``. At the same time every rank is
+asked (from its second actor thread, ``TRACE_TIMEOUT_S``) for its NCCL flight recorder, kept as
+``rank-<R>.nccl_trace.pkl`` (``nccl_trace.py``; a gloo rank has none, which ``verdict.txt`` says).
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ckpt.events import RankPlace
 from raytrain_ckpt.hangs import DUMP_TIMEOUT_S, Verdict, blame, dump_stacks
+from raytrain_ckpt.nccl_trace import keep_traces
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["diagnose", "diagnostics_root", "locate"]
 
 PROBE_TIMEOUT_S = 5.0
+TRACE_TIMEOUT_S = 10.0
+"""How long every rank together has to hand over its NCCL flight recorder."""
 
 
 @ray.remote(num_cpus=0)
@@ -72,14 +77,28 @@ def _steps(workers: list[Any]) -> dict[int, int]:
     return steps
 
 
+def _traces(workers: list[Any]) -> dict[int, bytes | str]:
+    refs = {w.nccl_trace.remote(): rank for rank, w in enumerate(workers)}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=TRACE_TIMEOUT_S)
+    answers: dict[int, bytes | str] = {refs[r]: f"did not answer within {TRACE_TIMEOUT_S:g}s" for r in refs}
+    for ref in ready:
+        try:
+            answers[refs[ref]] = ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - a dead rank has no dump: said in the verdict
+            answers[refs[ref]] = f"the call failed: {type(exc).__name__}"
+    return answers
+
+
 def diagnose(workers: list[Any], where: list[RankPlace | None], folder: Path) -> Verdict:
     """Read every rank's stacks and step (concurrently), keep the stacks in ``folder``, and blame."""
     here = ray.get_runtime_context().get_node_id()
-    with ThreadPoolExecutor(max_workers=len(workers) + 1) as pool:
+    with ThreadPoolExecutor(max_workers=len(workers) + 2) as pool:
         probe = pool.submit(_steps, workers)
+        recorded = pool.submit(_traces, workers)
         dumps = [pool.submit(_stacks_of, where[r] if r < len(where) else None, here) for r in range(len(workers))]
         stacks = {r: d.result() for r, d in enumerate(dumps)}
         steps = probe.result()
+        traces = recorded.result()
     read = {r: text for r, text in stacks.items() if not text.startswith("(no stacks")}
     verdict = blame(len(workers), steps, read)
     try:
@@ -89,7 +108,8 @@ def diagnose(workers: list[Any], where: list[RankPlace | None], folder: Path) ->
         lines = [f"culprit: {'rank ' + ', '.join(map(str, verdict.ranks)) if verdict.ranks else 'none'}",
                  f"reason: {verdict.reason}",
                  *(f"rank {r}: step {steps[r]}" if r in steps else f"rank {r}: did not answer"
-                   for r in range(len(workers)))]
+                   for r in range(len(workers))),
+                 *keep_traces(folder, traces, len(workers))]
         (folder / "verdict.txt").write_text("\n".join(lines) + "\n")
     except OSError as exc:
         logger.warning("could not keep the hang's stacks in %s: %s", folder, exc)

@@ -33,6 +33,7 @@ from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.nodeprogress import ProgressFile, PublishedProgress, read_node
 from raytrain_ckpt.metrics import TrainerMetrics
+from raytrain_ckpt.nccl_trace import enable_recorder, rank_trace
 from raytrain_ckpt.scalars import ScalarLogger, log_step, open_logger
 from raytrain_ckpt.spec import JobSpec
 
@@ -246,6 +247,7 @@ class TrainWorker(PublishedProgress):
             torch.cuda.set_device(0)
             if self.spec.training.deterministic:
                 _deterministic_cuda()
+            enable_recorder()  # read when the NCCL group is made: the dump a hang keeps (nccl_trace.py)
         t0 = time.monotonic()
         timeout = self._collective_timeout()
         store = self._store if self._store is not None else dist.TCPStore(
@@ -469,6 +471,10 @@ class TrainWorker(PublishedProgress):
         import ray
 
         return RankPlace(os.getpid(), ray.get_runtime_context().get_node_id())
+
+    def nccl_trace(self) -> bytes | str:
+        """This rank's NCCL flight recorder or why none (``nccl_trace.py``), while ``run()`` is stuck."""
+        return rank_trace()
 
     def node_progress(self, ranks: list[int]) -> NodeProgress:
         """The progress of ``ranks``, this node's ranks of this attempt, read from their files."""
