@@ -122,19 +122,30 @@ def gpu_problem(timeout_s: float = GPU_CHECK_TIMEOUT_S, n: int = GPU_CHECK_N) ->
     return found[0] or None
 
 
-@ray.remote(num_cpus=0, max_calls=1)
-def _probe(root: str | None, gpu: bool) -> str | None:
-    # max_calls=1: the process exits after the probe, with a GPU check's thread that may be stuck.
+def _check_node(root: str | None, gpu: bool) -> str | None:
     from raytrain_ckpt.checkpoint.datapath.buffers import shm_dir
 
     return node_problem(shm_dir(), root) or (gpu_problem() if gpu else None)
 
 
-def _options(plan: ProbePlan, pg: Any) -> dict[str, Any]:
+@ray.remote(num_cpus=0)
+def _probe(root: str | None) -> str | None:
+    return _check_node(root, False)
+
+
+# max_calls=1 (which .options() cannot set, hence two functions): the process exits after the
+# probe, with a GPU check's thread that may be stuck and the CUDA context it made.
+@ray.remote(num_cpus=0, max_calls=1)
+def _probe_gpu(root: str | None) -> str | None:
+    return _check_node(root, True)
+
+
+def _submit(plan: ProbePlan, root: str | None, pg: Any) -> ray.ObjectRef:
     if not plan.checks_gpu or pg is None:
-        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(plan.node, soft=False)}
-    return {"num_gpus": plan.gpus,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=plan.bundle)}
+        strategy = NodeAffinitySchedulingStrategy(plan.node, soft=False)
+        return _probe.options(scheduling_strategy=strategy).remote(root)
+    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=plan.bundle)
+    return _probe_gpu.options(num_gpus=plan.gpus, scheduling_strategy=strategy).remote(root)
 
 
 def probe_nodes(plans: list[ProbePlan], root: str | None, pg: Any = None) -> dict[str, str]:
@@ -142,10 +153,9 @@ def probe_nodes(plans: list[ProbePlan], root: str | None, pg: Any = None) -> dic
     returns node id -> problem for those that failed."""
     refs = {}
     for plan in plans:
-        gpu = plan.checks_gpu and pg is not None
-        if not gpu and plan.gpus > 0:
+        if plan.gpus > 0 and not plan.checks_gpu:
             logger.info("node %s: its GPU is not checked (every bundle there holds a kept rank)", plan.node[:12])
-        refs[_probe.options(**_options(plan, pg)).remote(root, gpu)] = plan.node
+        refs[_submit(plan, root, pg)] = plan.node
     ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
     for ref in late:  # a stuck probe must not keep its bundle's GPU from the rank
         ray.cancel(ref, force=True)

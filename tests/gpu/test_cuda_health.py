@@ -21,26 +21,27 @@ def test_the_gpu_check_passes_on_a_healthy_device_and_names_a_timeout():
     assert late == "a 8192x8192 matmul and synchronize on its GPU(s) did not finish within 0s"
 
 
-def test_the_probe_task_gets_the_bundles_gpu_and_passes():
-    import ray
+def test_the_probe_task_gets_the_bundles_gpu_and_passes(ray_cluster):
     from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from raytrain_ckpt.pool import bundle_nodes
 
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False)
+    ray = ray_cluster
+    pg = placement_group([{"CPU": 1, "GPU": 1}])
     try:
-        pg = placement_group([{"CPU": 1, "GPU": 1}])
         assert pg.wait(timeout_seconds=60)
         nodes = bundle_nodes(pg)
         plans = plan_probes(nodes, nodes, set(), 1.0)
         assert plans[0].checks_gpu
         assert probe_nodes(plans, None, pg) == {}
-        # the bundle's GPU is free again for the rank: an actor asking it starts
-        holder = ray.remote(num_gpus=1, num_cpus=0)(lambda: torch.cuda.device_count())
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+        # the bundle's GPU is free again for the rank: a task asking it in the bundle runs
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+        holder = ray.remote(num_gpus=1, num_cpus=0)(_device_count)
         assert ray.get(holder.options(scheduling_strategy=strategy).remote(), timeout=60) == 1
-        remove_placement_group(pg)
     finally:
-        ray.shutdown()
+        remove_placement_group(pg)
+
+
+def _device_count() -> int:
+    return torch.cuda.device_count()
