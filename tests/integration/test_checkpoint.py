@@ -111,6 +111,8 @@ def test_hung_rank_is_detected_in_time_and_the_job_resumes_bit_exact(reference, 
     assert "maybe_inject (raytrain_ckpt/faults.py" in stuck, stuck
     assert "TrainWorker._run (raytrain_ckpt/worker.py" in stuck, stuck
     assert "torch/distributed" in (folder / "rank-0.stacks.txt").read_text()
+    verdict = (folder / "verdict.txt").read_text()
+    assert "culprit: rank 1" in verdict and "rank 1 nccl trace: none (no flight recorder: backend gloo)" in verdict
     assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference.results]
     assert all(r.start_step == 10 for r in result.results)
     ledger = result.goodput
