@@ -13,11 +13,13 @@ an earlier run), a rank whose file counts rollbacks (the records themselves stay
 and every rank of a node whose asked rank failed to answer. A rank's death is seen by its
 ``run()`` ref, as before; a rank whose answer does not come within the poll's timeout is missing
 from the round, as before. A file (about 200 bytes, one per job name and rank on a node) is
-overwritten by the next attempt's rank and is not removed at the end of a job.
+overwritten by the next attempt's rank and removed when the rank's run ends (the rank answers
+for itself then), so a finished job leaves none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -64,15 +66,28 @@ class ProgressFile:
         self._broken = False
 
     def show(self, progress: Progress, rollbacks: int) -> None:
-        """Write ``progress`` (and how many rollbacks this attempt made) for the node to read."""
+        """Write ``progress`` (and how many rollbacks this attempt made) for the node to read. A
+        run that ended ("done", "failed") removes the file instead (and the folder once empty): the
+        rank answers for itself from then on, and a job's end leaves nothing in shared memory."""
         if self._broken:
+            return
+        if progress.phase in ("done", "failed"):
+            with contextlib.suppress(OSError):
+                self.path.unlink(missing_ok=True)
+                self.path.parent.rmdir()  # fails while another rank's file is there
             return
         record = {k: getattr(progress, k) for k in _PLAIN}
         record |= {"attempt": self.attempt, "rank": self.rank, "pid": os.getpid(), "rollbacks": rollbacks}
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         try:
-            self.path.parent.mkdir(mode=0o700, exist_ok=True)
-            tmp.write_text(json.dumps(record))
+            for last in (False, True):  # once more if a rank that ended removed the folder meanwhile
+                self.path.parent.mkdir(mode=0o700, exist_ok=True)
+                try:
+                    tmp.write_text(json.dumps(record))
+                    break
+                except FileNotFoundError:
+                    if last:
+                        raise
             os.replace(tmp, self.path)
         except OSError as exc:  # a full or missing /dev/shm: the poll asks this rank itself
             self._broken = True

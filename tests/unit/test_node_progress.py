@@ -66,6 +66,17 @@ def test_an_evicted_ranks_deadline_reaches_its_nodes_file() -> None:
     assert read_node("job", 0, [0]).progress[0].evicted_until == 1234.5
 
 
+def test_a_run_that_ended_leaves_no_file_and_is_asked_of_the_rank(tmp_path: Path) -> None:
+    done, failed = _Rank("job", 0, 0), _Rank("job", 0, 1)
+    done._progress = Progress(0, 20, 1.0, time.time(), "done")
+    assert read_node("job", 0, [0, 1]).ask == [0]
+    failed._progress = Progress(1, 7, None, time.time(), "failed")
+    assert read_node("job", 0, [0, 1]).ask == [0, 1]
+    assert not (tmp_path / "progress").exists()  # nothing of the job left in shared memory
+    _Rank("job", 1, 0)                            # a kept process's next attempt writes again
+    assert sorted(read_node("job", 1, [0]).progress) == [0]
+
+
 def test_ranks_are_asked_per_node_or_one_by_one_when_nodes_are_unknown() -> None:
     assert node_batches([0, 1, 2, 3, 5], ["a", "b", "a", "b", "a", "c"]) == [[0, 2], [1, 3], [5]]
     assert node_batches([0, 1, 2], []) == [[0], [1], [2]]
