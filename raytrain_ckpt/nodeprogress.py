@@ -14,7 +14,8 @@ and every rank of a node whose asked rank failed to answer. A rank's death is se
 ``run()`` ref, as before; a rank whose answer does not come within the poll's timeout is missing
 from the round, as before. A file (about 200 bytes, one per job name and rank on a node) is
 overwritten by the next attempt's rank and removed when the rank's run ends (the rank answers
-for itself then), so a finished job leaves none.
+for itself then). A rank killed while it trains (a stopped or failed job) leaves its file until
+the next run of that job name overwrites it.
 """
 
 from __future__ import annotations
