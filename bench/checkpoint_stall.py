@@ -68,6 +68,7 @@ import time
 from pathlib import Path
 
 import ray
+import stall_targets
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -82,8 +83,8 @@ PHASES = ("serialize_s", "checksum_s", "write_calls_s", "fsync_s", "report_s", "
 class BenchRank:
     """One rank: a sharded state, a compute loop standing in for forward/backward, and the savers."""
 
-    def __init__(self, rank: int, world: int, mb: int, out: str, step_ms: float) -> None:
-        self.rank, self.world, self.mb = rank, world, mb
+    def __init__(self, rank: int, world: int, mb: int, out: str, step_ms: float, lead_steps: int = 3) -> None:
+        self.rank, self.world, self.mb, self.lead_steps = rank, world, mb, lead_steps
         self.remote = "://" in out
         self.out = out.rstrip("/") if self.remote else Path(out)
         self.step_ms = step_ms
@@ -196,6 +197,10 @@ class BenchRank:
         path = f"{self.out}/{name}" if self.remote else self.out / name
         if mode.startswith("raytrain_ckpt") and (self.client is None or mode.endswith("(restart)")):
             self._new_client(ckpt)  # as a restarted rank does while it sets up, before its first step
+            for _ in range(self.lead_steps):  # its first steps, each followed by prepare() as in the worker
+                dist.barrier()
+                self._step()
+                self.client.prepare(lambda: self.state)
         dist.barrier()
         self.durable_at: list[float] = []
         t0 = time.perf_counter()
@@ -320,6 +325,11 @@ def main() -> None:
     p.add_argument("--dir", default="bench/out", help="where checkpoints are written (a real disk, not tmpfs)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--writer-nice", type=int, default=2, help="checkpoint.writer_nice (default 2, the default)")
+    p.add_argument("--record", action="store_true",
+                   help="write this run's save-path figures to bench/recorded/checkpoint_stall.json (what the README shows)")
+    p.add_argument("--lead-steps", type=int, default=10,
+                   help="steps a new client trains before its first save (default 10: a first save of an attempt "
+                        "comes checkpoint.interval_steps after its start; each step calls prepare() as the worker does)")
     p.add_argument("--every-save", action="store_true", help="print every raytrain_ckpt save's manifest timings")
     p.add_argument("--local-s3", action="store_true",
                    help="with --dir s3://BUCKET/...: start moto's S3 server on 127.0.0.1 and create BUCKET")
@@ -405,7 +415,8 @@ def _bench(args: argparse.Namespace, out: Path, server: LocalS3 | None) -> None:
     service.acquire(0, spec)  # configures the CheckpointActor with the group's layout (a fresh start)
     node = ray.get_runtime_context().get_node_id()
     ckpt = {"actor": service.actor, "writer": service.writer_for(node)}
-    ranks = [ray.remote(BenchRank).options(num_cpus=1).remote(r, args.ranks, args.mb, str(out), args.step_ms)
+    ranks = [ray.remote(BenchRank).options(num_cpus=1).remote(r, args.ranks, args.mb, str(out), args.step_ms,
+                                                                    args.lead_steps)
              for r in range(args.ranks)]
     addr, port = ray.get(ranks[0].address.remote())
     nbytes = ray.get([r.setup.remote(addr, port) for r in ranks])
@@ -454,6 +465,8 @@ def _bench(args: argparse.Namespace, out: Path, server: LocalS3 | None) -> None:
           f"{statistics.median(floors):.3f} s, max {max(floors):.3f} s ({total / min(floors) / 2**20:.0f} .. "
           f"{total / max(floors) / 2**20:.0f} MiB/s all ranks)")
     _print_against(costs, "dcp.async_save(thread)")
+    for line in stall_targets.report(stall_targets.figures(costs), record=args.record):
+        print(line)
     for mode, usage in profiles.items():
         _print_profile(mode, usage, total)
     from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
@@ -481,21 +494,22 @@ def _median_first(values: list[float]) -> tuple[float, float]:
     return statistics.median(rest), values[0]
 
 
-def _print_against(costs: dict[str, tuple[float, float]], peer: str) -> None:
+def _print_against(costs: dict[str, dict[str, float]], peer: str) -> None:
     """Each raytrain_ckpt mode's cost to training against ``peer``'s in this run: the training time
     lost per save (what a rank pays in all) and the slowdown, a rate over each mode's own persisting
     window (a save durable sooner concentrates the same CPU in a shorter window)."""
     if peer not in costs:
         return
-    slow, lost = costs[peer]
-    for mode, (s, l) in costs.items():
+    slow, lost = costs[peer]["slowdown"], costs[peer]["lost_s"]
+    for mode, row in costs.items():
+        s, l = row["slowdown"], row["lost_s"]
         if mode.startswith("raytrain_ckpt"):
             print(f"{mode} against {peer}: training time lost per save {l / lost:.2f} of it, "
                   f"slowdown over its own persisting window {s / slow:.2f} of it")
 
 
-def _print_row(mode: str, reps: list[dict], memcpy: float, total: int) -> tuple[float, float]:
-    """Print the mode's row; returns its (slowdown, lost s) medians."""
+def _print_row(mode: str, reps: list[dict], memcpy: float, total: int) -> dict[str, float]:
+    """Print the mode's row; returns its medians (and the first repetition's stall)."""
     stall, stall0 = _median_first([r["stall_s"] for r in reps])
     durable, durable0 = _median_first([r["durable_s"] for r in reps])
     raw, _ = _median_first([r["raw_s"] for r in reps])
@@ -507,10 +521,14 @@ def _print_row(mode: str, reps: list[dict], memcpy: float, total: int) -> tuple[
         gb = total / 1e9
         cpu_gb, cpu0 = _median_first([r["writer"]["cpu_s"] / gb for r in reps])
         cpu = f"{cpu_gb:>8.2f} [{cpu0:>4.2f}]"
+        figures = {"writer_cpu_s_per_gb": cpu_gb}
+    else:
+        figures = {}
     print(f"{mode:<24} {stall:>6.3f} [{stall0:>5.2f}] {durable:>6.3f} [{durable0:>5.2f}] {raw:>6.3f} "
           f"{stall / memcpy:>12.2f} {ratio:>6.2f} [{ratio0:>4.2f}] {slow * 100:>7.1f}% [{slow0 * 100:>4.0f}%] "
           f"{lost:>6.3f} [{lost0:>5.2f}] {cpu:>15}")
-    return slow, lost
+    return figures | {"slowdown": slow, "lost_s": lost, "stall_s": stall, "first_stall_s": stall0,
+                      "stall_per_memcpy": stall / memcpy, "tput_per_raw": ratio}
 
 
 def _rep(ranks: list, mode: str, rep: int, ckpt: dict, serial: int, server: LocalS3 | None) -> dict:

@@ -289,30 +289,51 @@ def main() -> None:
         ray.shutdown()
         return
     rows: dict[str, list[dict[str, float]]] = {"raytrain_ckpt": [], "  no reuse": [], "Ray Train": []}
+    errors: dict[str, list[str]] = {name: [] for name in rows}
+    runners = {"raytrain_ckpt": ours, "  no reuse": lambda tmp: ours(tmp, reuse=False), "Ray Train": ray_train}
     for _ in range(args.reps):
-        with tempfile.TemporaryDirectory() as d:
-            rows["raytrain_ckpt"].append(ours(Path(d)))
-        with tempfile.TemporaryDirectory() as d:
-            rows["  no reuse"].append(ours(Path(d), reuse=False))
-        with tempfile.TemporaryDirectory() as d:
-            r = ray_train(Path(d))
-            if r is not None:
-                rows["Ray Train"].append(r)
+        for name, runner in runners.items():
+            with tempfile.TemporaryDirectory() as d:
+                r = _measured(name, runner, Path(d), errors[name])
+                if r is not None:
+                    rows[name].append(r)
     ray.shutdown()
-    print(f"kill rank 1 before step {KILL_STEP + 1}, resume from step 10; median of {args.reps} runs, seconds")
+    _print_recovery(rows, errors, args.reps, raytrain_peer.available())
+
+
+def _measured(name: str, runner, tmp: Path, errors: list[str]) -> dict[str, float] | None:
+    """One run of a row; a run that fails (a peer's error on a loaded machine) is kept as its error
+    line, and the other rows still run and print."""
+    try:
+        return runner(tmp)
+    except Exception as exc:  # reported below as the row's failure, with its error
+        errors.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300])
+        print(f"{name.strip()}: run failed: {errors[-1]}", flush=True)
+        return None
+
+
+def _print_recovery(rows: dict[str, list[dict[str, float]]], errors: dict[str, list[str]], reps: int,
+                    peer_installed: bool) -> None:
+    print(f"kill rank 1 before step {KILL_STEP + 1}, resume from step 10; median of {reps} runs, seconds")
     med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in rows.items() if runs}
     for name, m in med.items():
         parts = ", ".join(f"{k} {v:.0f}" if k == "reused" else f"{k} {v:.2f}" for k, v in m.items() if k != "total")
         print(f"{name:<14} kill -> first step after resume {m['total']:6.2f}" + (f"  ({parts})" if parts else ""))
     for name, runs in rows.items():
-        print(f"{name.strip():<14} each run: " + ", ".join(f"{r['total']:.2f}" for r in runs)
-              + (" (first step " + ", ".join(f"{r['first_step']:.2f}" for r in runs) + ")" if "first_step" in runs[0] else ""))
+        if runs:
+            print(f"{name.strip():<14} each run: " + ", ".join(f"{r['total']:.2f}" for r in runs)
+                  + (" (first step " + ", ".join(f"{r['first_step']:.2f}" for r in runs) + ")"
+                     if "first_step" in runs[0] else ""))
+        if errors[name]:
+            print(f"{name.strip():<14} FAILED {len(errors[name])} of {reps} run(s): " + "; ".join(errors[name]))
     if "Ray Train" in med:
         for name in ("raytrain_ckpt", "  no reuse"):
-            print(f"ratio {name.strip()} / Ray Train: {med[name]['total'] / med['Ray Train']['total']:.3f}")
-    else:
+            if name in med:
+                print(f"ratio {name.strip()} / Ray Train: {med[name]['total'] / med['Ray Train']['total']:.3f}")
+    elif not peer_installed:
         print('Ray Train not installed: pip install -e ".[bench]" to compare')
-
+    else:
+        print("Ray Train: no run completed, so no ratio (its errors are above)")
 
 if __name__ == "__main__":
     main()

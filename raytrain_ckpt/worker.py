@@ -395,6 +395,8 @@ class TrainWorker(PublishedProgress):
                 ckpt.save(report.step, app_state(trainer), point, final=preempted, tier=tier)
                 if guard is not None:
                     guard.saved_step(report.step)
+            elif ckpt is not None:
+                ckpt.prepare(lambda: app_state(trainer))  # the first save's buffers, while training goes on
             trainer.log(report)
             if scalars is not None:
                 log_step(scalars, report)

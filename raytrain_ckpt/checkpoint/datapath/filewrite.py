@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.checkpoint.storage import WriteResult
 
 from raytrain_ckpt.checkpoint.format.crc import Span, address_of
+from raytrain_ckpt.checkpoint.format.tensorsums import ShardSums, SumsAccumulator, merge_rows, tensor_sums
 
 __all__ = ["DIRECT_ALIGN", "IN_PLACE", "ChecksumSink", "OpenFile", "Phases", "RankFiles", "Resolve", "write_files"]
 
@@ -81,6 +82,8 @@ class Phases:
     serialize_s: float = 0.0
     write_calls_s: float = 0.0
     checksum_s: float = 0.0
+    sums_s: float = 0.0
+    """Summing floating-point tensors for the manifest's fingerprints, each chunk after its CRC-32C."""
     fsync_s: float = 0.0
     cpu_s: float = 0.0
     """CPU seconds (user + system) of the threads that wrote, over the whole write."""
@@ -102,6 +105,9 @@ class RankFiles:
     """The memory the large writes came from (tensor bytes, in place) with the file's CRC-32C
     around each chunk: ``crc.region_crc`` derives a staging buffer's CRC-32C from them without
     reading what they cover again."""
+    sums: dict[str, ShardSums] | None = field(default_factory=dict)
+    """Tensor name -> the sums of the floating-point items written (``format/tensorsums.py``), for
+    the manifest's fingerprints; None where the writing path does not sum (the writer sums then)."""
 
 
 class ChecksumSink(io.RawIOBase):
@@ -123,6 +129,9 @@ class ChecksumSink(io.RawIOBase):
         self.owner: torch.Tensor | None = None
         """The tensor whose item is being written: its storage is the memory ``torch.save`` hands
         over, kept alive by whatever writes from it later (``localfile``'s direct sink)."""
+        self._sums: SumsAccumulator | None = None
+        self._summed = 0
+        """Bytes of the owner's storage summed as they were checksummed."""
 
     def writable(self) -> bool:
         return True
@@ -134,6 +143,38 @@ class ChecksumSink(io.RawIOBase):
         """The next bytes start an item (every earlier byte has been flushed); ``owner``: its tensor."""
         assert not self._pending, "an item starts after the previous one is flushed"
         self.item_start, self.owner = self.position, owner
+        self._sums = SumsAccumulator() if owner is not None and owner.is_floating_point() else None
+        self._summed = 0
+
+    def take_sums(self) -> ShardSums | None:
+        """The sums of the item just written (None: not a floating-point tensor). Its chunks were
+        summed beside their CRC-32C; a tensor small enough to be gathered with the item's records
+        (or handed over in pieces that do not split at elements) is summed whole here."""
+        owner, acc = self.owner, self._sums
+        self._sums = None
+        if owner is None or acc is None:
+            return None
+        if self._summed == owner.untyped_storage().nbytes():
+            return acc.row()
+        t0 = time.perf_counter()
+        row = tensor_sums(owner)
+        self.phases.sums_s += time.perf_counter() - t0
+        return row
+
+    def _sum_chunk(self, chunk: memoryview, address: int) -> None:
+        """Sum the chunk of the owner's storage at ``address`` while it is in the cache."""
+        owner, acc = self.owner, self._sums
+        if owner is None or acc is None:
+            return
+        storage = owner.untyped_storage()
+        size, offset = owner.element_size(), address - storage.data_ptr()
+        if offset < 0 or offset + chunk.nbytes > storage.nbytes() or offset % size or chunk.nbytes % size:
+            return
+        t0 = time.perf_counter()
+        flat = owner.as_strided((storage.nbytes() // size,), (1,), 0)
+        acc.add(flat[offset // size:(offset + chunk.nbytes) // size])
+        self._summed += chunk.nbytes
+        self.phases.sums_s += time.perf_counter() - t0
 
     def owns(self, address: int, length: int) -> bool:
         """Whether ``length`` bytes at ``address`` are the storage of ``owner`` (memory it keeps alive)."""
@@ -186,13 +227,15 @@ class ChecksumSink(io.RawIOBase):
             chunk = view[start:start + _CHUNK]
             t0 = time.perf_counter()
             before, self.crc = self.crc, _crc32c.crc32c(chunk, self.crc)
+            self.phases.checksum_s += time.perf_counter() - t0
+            if address is not None:
+                self._sum_chunk(chunk, address + start)  # timed as sums_s
             t1 = time.perf_counter()
             if address is None:
                 self._put(chunk)
             else:
                 self.spans.append(Span(address + start, chunk.nbytes, before, self.crc))
                 self._put_in_place(chunk, address + start)
-            self.phases.checksum_s += t1 - t0
             self.phases.write_calls_s += time.perf_counter() - t1
         self.position += view.nbytes
 
@@ -232,6 +275,8 @@ local file, an object upload).
         out.files.update(part.files)
         out.phases.add(part.phases)
         out.spans += part.spans
+        for fqn, row in (part.sums or {}).items():
+            out.sums[fqn] = merge_rows(out.sums.get(fqn), row)
     return out
 
 
@@ -243,16 +288,18 @@ def _write_file(open_file: OpenFile, name: str, items: list[WriteItem], resolve:
         ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO]
                    + [i for i in items if i.type != WriteItemType.BYTE_IO])
         for item in ordered:
-            out.results.append(_write_item(sink, name, item, resolve))
+            out.results.append(_write_item(sink, name, item, resolve, out.sums))
     out.files[name] = {"size": sink.position, "crc32c": sink.crc}
     out.spans += sink.spans
     out.phases.cpu_s += time.thread_time() - cpu0
     return out
 
 
-def _write_item(sink: ChecksumSink, name: str, item: WriteItem, resolve: Resolve) -> WriteResult:
+def _write_item(sink: ChecksumSink, name: str, item: WriteItem, resolve: Resolve,
+                sums: dict[str, ShardSums]) -> WriteResult:
+    """Write one item; a floating-point tensor's sums are added to ``sums`` under its name."""
     t0 = time.perf_counter()
-    io_before = sink.phases.write_calls_s + sink.phases.checksum_s
+    io_before = sink.phases.write_calls_s + sink.phases.checksum_s + sink.phases.sums_s
     data = resolve(item)
     if item.type == WriteItemType.BYTE_IO:
         assert isinstance(data, io.BytesIO), f"{item.index.fqn}: a byte item resolved to {type(data).__name__}"
@@ -269,10 +316,13 @@ def _write_item(sink: ChecksumSink, name: str, item: WriteItem, resolve: Resolve
                 raise sink.error from None
             raise
     sink.flush()
+    row = sink.take_sums()
+    if row is not None:
+        sums[item.index.fqn] = merge_rows(sums.get(item.index.fqn), row)
     sink.owner = None
     offset = sink.item_start
     length = sink.position - offset
-    io_spent = sink.phases.write_calls_s + sink.phases.checksum_s - io_before
+    io_spent = sink.phases.write_calls_s + sink.phases.checksum_s + sink.phases.sums_s - io_before
     sink.phases.serialize_s += time.perf_counter() - t0 - io_spent
     return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
 

@@ -136,7 +136,7 @@ class FsspecSink(_ObjectStoreSink):
     def _write_once(self, dest: str, plan: SavePlan, planner: SavePlanner, rank: int) -> RankFiles:
         writer = UploadingWriter(dest, self.options, self.threads)
         writer.set_up_storage_writer(False, rank=rank)
-        return RankFiles(results=writer.write_data(plan, planner).wait(), files=writer.files)
+        return RankFiles(results=writer.write_data(plan, planner).wait(), files=writer.files, sums=None)
 
 
 def _retryable(exc: BaseException) -> bool:

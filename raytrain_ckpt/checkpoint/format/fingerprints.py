@@ -22,13 +22,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from raytrain_ckpt.checkpoint.format.metadata import SafeLoadPlanner, safe_reader
+from raytrain_ckpt.checkpoint.format.tensorsums import ShardSums, tensor_sums
 
 __all__ = ["ShardSums", "TensorDiff", "TensorStats", "diff_steps", "merge_shard_sums", "shard_sums", "step_stats",
            "step_tensors", "tensor_stats"]
-
-ShardSums = tuple[int, float, float, int, int]
-"""One rank's share of a tensor, as its writer sums it: (numel, sum, sum of squares, NaN count, Inf count)."""
-
 
 @dataclass(frozen=True)
 class TensorStats:
@@ -122,19 +119,10 @@ def diff_steps(a: dict[str, TensorStats], b: dict[str, TensorStats]) -> list[Ten
 def shard_sums(views: dict[str, torch.Tensor], fqns: set[str]) -> dict[str, ShardSums]:
     """The sums of the floating-point tensors ``fqns`` among a rank's staged ``views`` (its shards, as
     its writer holds them after the write): merged over the ranks into the manifest's fingerprints.
-    Only the tensors this rank writes are summed (DCP writes a replicated one from one rank only)."""
-    out: dict[str, ShardSums] = {}
-    for fqn in sorted(fqns & set(views)):
-        t = views[fqn]
-        if not t.is_floating_point():
-            continue
-        wide = t.reshape(-1).to(torch.float64)
-        finite = torch.isfinite(wide)
-        nan = int(torch.isnan(wide).sum())
-        good = wide[finite] if nan or not bool(finite.all()) else wide
-        out[fqn] = (int(wide.numel()), float(good.sum()), float((good * good).sum()), nan,
-                    int(wide.numel()) - int(finite.sum()) - nan)
-    return out
+    Only the tensors this rank writes are summed (DCP writes a replicated one from one rank only).
+    The writer's own files are summed as they are written (``RankFiles.sums``); this is for a
+    writing path that does not (DCP's fsspec writer)."""
+    return {fqn: tensor_sums(views[fqn]) for fqn in sorted(fqns & set(views)) if views[fqn].is_floating_point()}
 
 
 def merge_shard_sums(per_rank: list[dict[str, ShardSums]]) -> dict[str, dict[str, float | int]]:

@@ -243,7 +243,9 @@ class CheckpointWriter:
         t_write = time.monotonic() - t0
         if self._sink.fault_point is not None:
             maybe_inject(self._sink.fault_point, req.rank, req.step, req.attempt)
-        sums = shard_sums(mapped.views, {i.index.fqn for i in req.plan.items})  # fingerprints, off the training path
+        sums = written.sums  # fingerprints, summed beside the CRC-32C as the bytes were written
+        if sums is None:
+            sums = shard_sums(mapped.views, {i.index.fqn for i in req.plan.items})
         return self._report(req, written, t0, t_write, req.stage_s + copy_s, sums)
 
     def _report(self, req: PersistRequest, written: RankFiles, t0: float, t_write: float, stage_s: float, sums: dict) -> str:
