@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 
@@ -87,6 +88,7 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
 
 def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = None) -> JobResult:
     pool = WorkerPool(spec, fault_env() or None)
+    run_id = uuid.uuid4().hex  # this run's identity on the nodes (nodeprogress.py): not the job's name
     service = CheckpointService(spec, fault_env() or None) if spec.checkpoint.enabled else None
     metrics = ControllerMetrics(spec.name, checkpointing=service is not None)
     _warn_restarts_without_checkpoints(spec)
@@ -116,7 +118,7 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         guard = preemption_guard(spec, service)
         scalars = _job_scalars(spec, service)
         quarantine = Quarantine(spec.fault_tolerance.quarantine_s, spec.fault_tolerance.failure_window_s)
-        controller = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool, quarantine),
+        controller = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool, quarantine, run_id),
                                 observer=observe, preemption=guard)
         with stop_signals(guard, spec.fault_tolerance.stop_grace_s):
             result = controller.run()
