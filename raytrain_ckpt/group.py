@@ -58,6 +58,8 @@ class RayWorkerGroup:
         self.quarantine = quarantine
         self.nodes: list[str] = []
         """The node of each rank's bundle, once placed."""
+        self.rollbacks_before = 0
+        """The guard's rollbacks in the job's earlier attempts (the controller sets it before ``start``)."""
         self._retired: set[int] = set()
         """Ranks whose process is never kept for the next attempt (``retire``)."""
         """(phase, time.monotonic() it ended) of the start: placement, rendezvous, load (the goodput ledger)."""
@@ -92,7 +94,7 @@ class RayWorkerGroup:
         try:
             ckpt = (self.checkpoints.plan_attempt(self.attempt, self.spec, bundle_nodes(self._pg))
                     if self.checkpoints is not None else None)
-            setups = [w.setup.remote(ckpt.ranks[rank] if ckpt is not None else None)
+            setups = [w.setup.remote(ckpt.ranks[rank] if ckpt is not None else None, self.rollbacks_before)
                       for rank, w in enumerate(self.workers)]
             self._get_all(joins, deadline, "join rank {rank} to the process group")
             self.start_marks.append(("rendezvous", time.monotonic()))

@@ -264,9 +264,11 @@ class TrainWorker(PublishedProgress):
         )
         self.timings["pg_init_s"] = time.monotonic() - t0
 
-    def setup(self, ckpt: RankCheckpointPlan | None = None) -> None:
+    def setup(self, ckpt: RankCheckpointPlan | None = None, rollbacks_before: int = 0) -> None:
         """Once ``join()`` is done: build model, optimizer and data, and load the resume checkpoint
-        (``ckpt``: this rank's checkpoint plan; None: checkpointing is off)."""
+        (``ckpt``: this rank's checkpoint plan; None: checkpointing is off). ``rollbacks_before``:
+        the guard's rollbacks in the job's earlier attempts (``training.guard.max_rollbacks`` is per job)."""
+        self._rollbacks_before = rollbacks_before
         try:
             if not self._joined.wait(self.spec.fault_tolerance.start_timeout_s):
                 raise TimeoutError("join() did not finish within fault_tolerance.start_timeout_s")
@@ -300,7 +302,8 @@ class TrainWorker(PublishedProgress):
         if self.spec.training.guard.nonfinite or self.spec.training.guard.spike:
             from raytrain_ckpt.guard import LossGuard
 
-            self.trainer.guard = LossGuard(self.spec.training.guard, self.rank, self.attempt, device)
+            self.trainer.guard = LossGuard(self.spec.training.guard, self.rank, self.attempt, device,
+                                           self._rollbacks_before)
         if self.rank == 0:
             logger.info("%sprocess group ready: %d ranks, backend %s, pid %d", self._prefix(), self.world_size,
                         dist.get_backend(), os.getpid())
