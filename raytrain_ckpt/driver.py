@@ -249,7 +249,8 @@ def _init_ray(address: str | None, job_config: JobConfig | None = None) -> None:
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = path
     try:
-        ray.init(address=address, log_to_driver=True, job_config=job_config)
+        with reaper.own_session():  # a signal to the driver's process group is the driver's to handle
+            ray.init(address=address, log_to_driver=True, job_config=job_config)
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)

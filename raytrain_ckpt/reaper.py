@@ -22,11 +22,14 @@ ends the watcher after a normal ``ray.shutdown()``; nothing is signalled then.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
 REFRESH_S = 2.0
 GRACE_S = 3.0
@@ -153,6 +156,32 @@ def stop() -> None:
         _watcher.kill()
         _watcher.wait()
         _watcher = None
+
+
+@contextlib.contextmanager
+def own_session() -> Iterator[None]:
+    """While a local Ray starts (``ray.init`` without a cluster): every process Ray starts begins
+    a session of its own (``setsid``), so a signal to the driver's process group (what `timeout`
+    and a shell's job control send) reaches the driver, whose stop path saves and shuts Ray down
+    in order, and not the Ray it depends on. A driver killed outright still takes them down
+    (Ray's parent-death signal, then the watcher). Ray starts its processes through
+    ``ray._private.services.ConsolePopen``; a Ray without it starts them as it always did."""
+    from ray._private import services
+
+    original = getattr(services, "ConsolePopen", None)
+    if original is None or not sys.platform.startswith("linux"):
+        yield
+        return
+
+    def popen(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("start_new_session", True)
+        return original(*args, **kwargs)
+
+    services.ConsolePopen = popen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original
 
 
 def local_ray_pids() -> set[int]:
