@@ -221,8 +221,10 @@ def _print_run_ledger(result: Any) -> None:
 
 def _print_memory_estimate(spec: JobSpec) -> None:
     """The per-rank memory estimate, on stderr so that stdout stays a loadable spec."""
-    from raytrain_ckpt.spec.memory import memory_estimate
+    from raytrain_ckpt.spec.memory import memory_estimate, storage_line
 
+    if (space := storage_line(spec)) is not None:
+        print(space, file=sys.stderr)
     est = memory_estimate(spec)
     if est is None:
         print("memory per rank: no estimate for a user model factory", file=sys.stderr)

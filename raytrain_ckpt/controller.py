@@ -318,6 +318,8 @@ class Controller:
         self.ledger.attempt(self.attempt, self._clock())
         self.group = self._factory(self.spec, self.attempt)
         self.result.attempts = self.attempt + 1
+        if hasattr(self.group, "rollbacks_before"):  # the guard's budget is per job, not per attempt
+            self.group.rollbacks_before = sum(f.kind == "rollback" for f in self.result.failures)
         try:
             self.group.start()
         except GroupStartError as exc:

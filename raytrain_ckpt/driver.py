@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 
@@ -87,6 +88,7 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
 
 def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = None) -> JobResult:
     pool = WorkerPool(spec, fault_env() or None)
+    run_id = uuid.uuid4().hex  # this run's identity on the nodes (nodeprogress.py): not the job's name
     service = CheckpointService(spec, fault_env() or None) if spec.checkpoint.enabled else None
     metrics = ControllerMetrics(spec.name, checkpointing=service is not None)
     _warn_restarts_without_checkpoints(spec)
@@ -116,7 +118,7 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         guard = preemption_guard(spec, service)
         scalars = _job_scalars(spec, service)
         quarantine = Quarantine(spec.fault_tolerance.quarantine_s, spec.fault_tolerance.failure_window_s)
-        controller = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool, quarantine),
+        controller = Controller(spec, lambda s, attempt: RayWorkerGroup(s, attempt, service, pool, quarantine, run_id),
                                 observer=observe, preemption=guard)
         with stop_signals(guard, spec.fault_tolerance.stop_grace_s):
             result = controller.run()
@@ -247,7 +249,8 @@ def _init_ray(address: str | None, job_config: JobConfig | None = None) -> None:
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = path
     try:
-        ray.init(address=address, log_to_driver=True, job_config=job_config)
+        with reaper.own_session():  # a signal to the driver's process group is the driver's to handle
+            ray.init(address=address, log_to_driver=True, job_config=job_config)
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)

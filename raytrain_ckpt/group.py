@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Iterable
 
 import ray
@@ -37,8 +38,11 @@ class RayWorkerGroup:
     """``num_workers`` TrainWorker actors in one placement group."""
 
     def __init__(self, spec: JobSpec, attempt: int, checkpoints: CheckpointService | None = None,
-                 pool: WorkerPool | None = None, quarantine: Quarantine | None = None) -> None:
+                 pool: WorkerPool | None = None, quarantine: Quarantine | None = None,
+                 run_id: str | None = None) -> None:
         self.spec = spec
+        self.run_id = run_id or uuid.uuid4().hex
+        """The run's identity (the driver mints one per run): the key of its ranks' files on a node."""
         self.attempt = attempt
         self.checkpoints = checkpoints
         self.pool = pool
@@ -54,6 +58,8 @@ class RayWorkerGroup:
         self.quarantine = quarantine
         self.nodes: list[str] = []
         """The node of each rank's bundle, once placed."""
+        self.rollbacks_before = 0
+        """The guard's rollbacks in the job's earlier attempts (the controller sets it before ``start``)."""
         self._retired: set[int] = set()
         """Ranks whose process is never kept for the next attempt (``retire``)."""
         """(phase, time.monotonic() it ended) of the start: placement, rendezvous, load (the goodput ledger)."""
@@ -88,7 +94,7 @@ class RayWorkerGroup:
         try:
             ckpt = (self.checkpoints.plan_attempt(self.attempt, self.spec, bundle_nodes(self._pg))
                     if self.checkpoints is not None else None)
-            setups = [w.setup.remote(ckpt.ranks[rank] if ckpt is not None else None)
+            setups = [w.setup.remote(ckpt.ranks[rank] if ckpt is not None else None, self.rollbacks_before)
                       for rank, w in enumerate(self.workers)]
             self._get_all(joins, deadline, "join rank {rank} to the process group")
             self.start_marks.append(("rendezvous", time.monotonic()))
@@ -123,7 +129,7 @@ class RayWorkerGroup:
                 workers[rank] = self._new_worker(rank)
                 continue
             workers[rank] = actor
-            assigns[actor.assign.remote(spec_json, rank, self.spec.world_size, self.attempt)] = rank
+            assigns[actor.assign.remote(spec_json, rank, self.spec.world_size, self.attempt, self.run_id)] = rank
         for ref, rank in assigns.items():
             try:
                 self._get(ref, deadline, f"assign rank {rank} to a kept worker")
@@ -142,7 +148,7 @@ class RayWorkerGroup:
         # A fault plan set on the driver reaches every worker (see raytrain_ckpt.faults).
         return ray.remote(TrainWorker).options(
             num_cpus=res.cpus_per_worker, num_gpus=res.gpus, max_concurrency=2, scheduling_strategy=strategy,
-        ).remote(self.spec.model_dump_json(), rank, self.spec.world_size, self.attempt, fault_env())
+        ).remote(self.spec.model_dump_json(), rank, self.spec.world_size, self.attempt, fault_env(), self.run_id)
 
     def _place(self, bundle: dict[str, float], deadline: float):
         ft, res = self.spec.fault_tolerance, self.spec.resources

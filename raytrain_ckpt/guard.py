@@ -74,8 +74,10 @@ def robust_z(value: float, history: list[float]) -> float:
 class LossGuard:
     """One rank's guard: judges each step's loss, agrees with the other ranks, certifies steps."""
 
-    def __init__(self, spec: GuardSpec, rank: int, attempt: int, device: torch.device) -> None:
+    def __init__(self, spec: GuardSpec, rank: int, attempt: int, device: torch.device, earlier: int = 0) -> None:
         self.spec, self.rank, self.attempt, self.device = spec, rank, attempt, device
+        self.earlier = earlier
+        """Rollbacks the job's earlier attempts made (the driver counts them): the budget is per job."""
         self._losses: deque[tuple[int, float]] = deque(maxlen=spec.spike_window)
         self.saved: list[int] = []
         """Steps saved (or resumed from) on the current timeline, oldest first."""
@@ -168,6 +170,8 @@ class RollbackFacts:
     certified: int | None
     rollbacks: tuple[RollbackRecord, ...]
     max_rollbacks: int
+    earlier: int = 0
+    """Rollbacks of the job's earlier attempts: ``max_rollbacks`` is a budget per job."""
 
 
 @dataclass(frozen=True)
@@ -183,8 +187,9 @@ class RollbackPolicy:
         """``""`` to roll back, else the reason the job fails."""
         if facts.certified is None:
             return "no certified step to roll back to (no committed step was followed by enough healthy steps)"
-        if len(facts.rollbacks) >= facts.max_rollbacks:
-            return f"training.guard.max_rollbacks={facts.max_rollbacks} rollbacks spent"
+        if facts.earlier + len(facts.rollbacks) >= facts.max_rollbacks:
+            before = f" ({facts.earlier} in earlier attempts)" if facts.earlier else ""
+            return f"training.guard.max_rollbacks={facts.max_rollbacks} rollbacks spent{before}"
         last = facts.rollbacks[-1] if facts.rollbacks else None
         if last is not None and last.to_step == facts.certified and last.trip.metric == facts.trip.metric:
             return (f"the same trip recurred right after skipping samples [{last.samples[0]}, {last.samples[1]}) "

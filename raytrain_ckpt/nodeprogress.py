@@ -12,10 +12,16 @@ another attempt or rank, or of a process that is gone (a rank still starting, a 
 an earlier run), a rank whose file counts rollbacks (the records themselves stay in the rank),
 and every rank of a node whose asked rank failed to answer. A rank's death is seen by its
 ``run()`` ref, as before; a rank whose answer does not come within the poll's timeout is missing
-from the round, as before. A file (about 200 bytes, one per job name and rank on a node) is
+from the round, as before. A file (about 200 bytes, one per run and rank on a node) is
 overwritten by the next attempt's rank and removed when the rank's run ends (the rank answers
-for itself then). A rank killed while it trains (a stopped or failed job) leaves its file until
-the next run of that job name overwrites it.
+for itself then). A rank killed while it trains (a stopped or failed job) leaves its file; the
+next rank to start on the node removes every file whose process is gone.
+
+A file is keyed by the run's identity (``run_id``, minted once by the driver of each run), not
+by the job's name: two runs of one name on a node (a sweep over ``checkpoint.dir``) never read
+each other's progress. The folder is used only when it is ours (``privatedir.py``: created 0700,
+checked on an open descriptor for owner, mode and links); one that is not is refused with a
+warning naming it, and every rank of the node is then asked directly.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from raytrain_ckpt.events import NodeProgress, Progress
+from raytrain_ckpt.privatedir import UntrustedFolder, open_private, read_small, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -49,22 +56,27 @@ def _dir() -> Path:
     return base / f"rtc-progress-{os.getuid()}"
 
 
-def _prefix(job: str) -> str:
-    """Every rank file of ``job`` is this prefix, the rank and ``.json``."""
-    return os.path.join(_dir(), f"{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}.rank")
+_RUN = re.compile(r"[0-9a-f]{8,64}")
+_LIMIT = 4096
+"""A progress record is about 200 bytes; a larger file is not one we wrote."""
 
 
-def _path(job: str, rank: int) -> Path:
-    return Path(f"{_prefix(job)}{rank}.json")
+def _name(run_id: str, rank: int) -> str:
+    """A rank's file in the folder: the run's identity (hex, minted by the driver) and the rank."""
+    if not _RUN.fullmatch(run_id):
+        raise ValueError(f"run id {run_id!r}: expected 8-64 lowercase hex digits (uuid4().hex)")
+    return f"{run_id}.rank{rank}.json"
 
 
 class ProgressFile:
     """A rank's progress as its node's other ranks read it (``read_node``)."""
 
-    def __init__(self, job: str, attempt: int, rank: int) -> None:
+    def __init__(self, run_id: str, attempt: int, rank: int) -> None:
         self.attempt, self.rank = attempt, rank
-        self.path = _path(job, rank)
+        self.name = _name(run_id, rank)
+        self.path = _dir() / self.name
         self._broken = False
+        self._swept = False
 
     def show(self, progress: Progress, rollbacks: int) -> None:
         """Write ``progress`` (and how many rollbacks this attempt made) for the node to read. A
@@ -73,27 +85,47 @@ class ProgressFile:
         if self._broken:
             return
         if progress.phase in ("done", "failed"):
-            with contextlib.suppress(OSError):
-                self.path.unlink(missing_ok=True)
-                self.path.parent.rmdir()  # fails while another rank's file is there
+            self._remove()
             return
         record = {k: getattr(progress, k) for k in _PLAIN}
         record |= {"attempt": self.attempt, "rank": self.rank, "pid": os.getpid(), "rollbacks": rollbacks}
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         try:
             for last in (False, True):  # once more if a rank that ended removed the folder meanwhile
-                self.path.parent.mkdir(mode=0o700, exist_ok=True)
                 try:
-                    tmp.write_text(json.dumps(record))
+                    with open_private(self.path.parent) as folder:
+                        write_atomic(folder, self.name, json.dumps(record).encode())
+                        if not self._swept:
+                            self._swept = True
+                            _sweep(folder)
                     break
                 except FileNotFoundError:
                     if last:
                         raise
-            os.replace(tmp, self.path)
-        except OSError as exc:  # a full or missing /dev/shm: the poll asks this rank itself
+        except OSError as exc:  # a full or missing /dev/shm, or a folder not ours: the poll asks this rank itself
             self._broken = True
             logger.warning("rank %d: progress not shared with the node (%s); the poll asks this rank directly",
                            self.rank, exc)
+
+    def _remove(self) -> None:
+        with contextlib.suppress(OSError):
+            with open_private(self.path.parent, create=False) as folder:
+                os.unlink(self.name, dir_fd=folder)
+            self.path.parent.rmdir()  # fails while another rank's file is there
+
+
+def _sweep(folder: int) -> None:
+    """Remove the files of ranks whose process is gone (a rank killed while it trained): each run
+    has its own names, so no later run overwrites them."""
+    for name in os.listdir(folder):
+        if not name.endswith(".json"):
+            continue
+        try:
+            pid = int(json.loads(read_small(folder, name, _LIMIT))["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being replaced, or not a record: left alone
+        if not _alive(pid):
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=folder)
 
 
 class PublishedProgress:
@@ -141,23 +173,32 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def read_node(job: str, attempt: int, ranks: Sequence[int]) -> NodeProgress:
-    """The progress of ``ranks`` (all on this node) of ``attempt``, from their files."""
+def read_node(run_id: str, attempt: int, ranks: Sequence[int]) -> NodeProgress:
+    """The progress of ``ranks`` (all on this node) of ``attempt`` of the run ``run_id``, from
+    their files; every rank is asked directly when the folder is not ours."""
     out, ask = {}, []
-    prefix = _prefix(job)
-    for rank in ranks:
-        try:
-            with open(f"{prefix}{rank}.json", "rb") as f:
-                record = json.loads(f.read())
-        except (OSError, ValueError):
-            ask.append(rank)
-            continue
-        progress = _progress_of(record, attempt, rank)
-        if progress is None:
-            ask.append(rank)
-        else:
-            out[rank] = progress
+    try:
+        with open_private(_dir(), create=False) as folder:
+            for rank in ranks:
+                progress = _read(folder, run_id, attempt, rank)
+                if progress is None:
+                    ask.append(rank)
+                else:
+                    out[rank] = progress
+    except UntrustedFolder as exc:
+        logger.warning("node progress not read (%s); every rank is asked directly", exc)
+        return NodeProgress({}, list(ranks))
+    except OSError:  # no folder: no rank wrote one yet
+        return NodeProgress({}, list(ranks))
     return NodeProgress(out, ask)
+
+
+def _read(folder: int, run_id: str, attempt: int, rank: int) -> Progress | None:
+    try:
+        record = json.loads(read_small(folder, _name(run_id, rank), _LIMIT))
+    except (OSError, ValueError):
+        return None
+    return _progress_of(record, attempt, rank)
 
 
 def _progress_of(record: Any, attempt: int, rank: int) -> Progress | None:

@@ -383,9 +383,11 @@ class PreemptionGuard:
 @contextlib.contextmanager
 def stop_signals(guard: PreemptionGuard | None, grace_s: float) -> Iterator[None]:
     """While the job runs: the first SIGTERM or SIGINT to the driver asks ``guard`` to save the
-    step in hand and stop (``request_stop``); the handlers before it come back at once, so a
-    second signal stops the driver at once, as without this. Outside the main thread (a driver
-    run from a thread, as in tests) or without a guard: nothing is installed."""
+    step in hand and stop (``request_stop``). A second one means "stop now": it is logged and
+    raised as ``KeyboardInterrupt``, the driver's Ctrl-C path (what is committed stays, the step in
+    flight is not waited for, Ray is shut down and the staging buffers freed); the handlers before
+    these come back then. Outside the main thread (a driver run from a thread, as in tests) or
+    without a guard: nothing is installed."""
     if guard is None or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -396,8 +398,15 @@ def stop_signals(guard: PreemptionGuard | None, grace_s: float) -> Iterator[None
         for s, handler in before.items():
             signal.signal(s, handler)
 
-    def on_signal(signum: int, _frame: Any) -> None:
+    def again(signum: int, _frame: Any) -> None:
         restore()
+        logger.warning("%s again: stopping now; the committed step stays, the save in flight is not waited for",
+                       signal.Signals(signum).name)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        for s in signals:
+            signal.signal(s, again)
         guard.request_stop(signal.Signals(signum).name, grace_s)
 
     for s in signals:

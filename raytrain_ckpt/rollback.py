@@ -46,7 +46,8 @@ def roll_back(trainer: Any, ckpt: Any | None, guard: LossGuard, trip: Trip, hold
     first = trainer.skips.first_sample(trip.step)
     tripped = (first, first + gbs)
     spec = trainer.spec.training.guard
-    why = RollbackPolicy.decide(RollbackFacts(trip, guard.certified(), tuple(guard.rollbacks), spec.max_rollbacks))
+    why = RollbackPolicy.decide(RollbackFacts(trip, guard.certified(), tuple(guard.rollbacks), spec.max_rollbacks,
+                                              guard.earlier))
     if not why and ckpt is None:
         why = "checkpointing is off (checkpoint.enabled=false): there is no committed step to return to"
     step, path = (None, None) if why else _lease_certified(trainer, ckpt, guard, holder)
@@ -70,7 +71,8 @@ def roll_back(trainer: Any, ckpt: Any | None, guard: LossGuard, trip: Trip, hold
     record = RollbackRecord(trip, step, (window.lo, window.hi))
     guard.rolled_back(record)
     if trainer.rank == 0:
-        logger.warning("rollback %d/%d: %s in %.2fs; the job continues from step %d", len(guard.rollbacks),
+        logger.warning("rollback %d/%d: %s in %.2fs; the job continues from step %d",
+                       guard.earlier + len(guard.rollbacks),
                        spec.max_rollbacks, record, time.monotonic() - t0, step)
     return record
 

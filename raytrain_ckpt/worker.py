@@ -20,6 +20,7 @@ import os
 import threading
 import time
 import traceback
+import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -97,7 +98,7 @@ class TrainWorker(PublishedProgress):
     """One training rank. Created by the worker group as a Ray actor."""
 
     def __init__(self, spec_json: str, rank: int, world_size: int, attempt: int,
-                 fault_env: dict[str, str] | None = None) -> None:
+                 fault_env: dict[str, str] | None = None, run_id: str | None = None) -> None:
         setup_logging(force=True)
         # Passed as an argument, not a runtime_env: an actor with its own runtime_env cannot use
         # Ray's prestarted worker processes, which makes every restart slower.
@@ -111,19 +112,21 @@ class TrainWorker(PublishedProgress):
         (``reserve_state()``) or the failed attempt's state of a kept process (``reset()``)."""
         self._evicted_until: float | None = None
         """Set by the first SIGTERM to this process (a pod eviction, ``eviction.py``): the deadline."""
-        self.assign(spec_json, rank, world_size, attempt)
+        self.assign(spec_json, rank, world_size, attempt, run_id)
         if self.spec.checkpoint.enabled and self.spec.fault_tolerance.watch_drains:
             on_sigterm(self._evicted)  # __init__ runs on the process's main thread: the one place a handler installs
 
-    def assign(self, spec_json: str, rank: int, world_size: int, attempt: int) -> None:
-        """Take rank ``rank`` of attempt ``attempt`` (a fresh, reset or spare process)."""
+    def assign(self, spec_json: str, rank: int, world_size: int, attempt: int, run_id: str | None = None) -> None:
+        """Take rank ``rank`` of attempt ``attempt`` of the run ``run_id`` (a fresh, reset or spare
+        process; None: a run of its own, as for a spare that is assigned again before it serves)."""
         assert self.trainer is None, "reset() before assigning a new attempt"
         self.spec = JobSpec.model_validate_json(spec_json)
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
+        self.run_id = run_id or uuid.uuid4().hex
         if rank != SPARE_RANK:
             self.served.append(attempt)
         # Every change of the progress is also written for the node (nodeprogress.py: one poll call per node).
-        self._progress_file = ProgressFile(self.spec.name, attempt, rank) if rank != SPARE_RANK else None
+        self._progress_file = ProgressFile(self.run_id, attempt, rank) if rank != SPARE_RANK else None
         self._progress = Progress(rank, 0, None, time.time(), "setup")
         self._rollbacks: tuple[Any, ...] = ()
         """This attempt's rollbacks so far, reported with the progress (``progress()``)."""
@@ -261,9 +264,11 @@ class TrainWorker(PublishedProgress):
         )
         self.timings["pg_init_s"] = time.monotonic() - t0
 
-    def setup(self, ckpt: RankCheckpointPlan | None = None) -> None:
+    def setup(self, ckpt: RankCheckpointPlan | None = None, rollbacks_before: int = 0) -> None:
         """Once ``join()`` is done: build model, optimizer and data, and load the resume checkpoint
-        (``ckpt``: this rank's checkpoint plan; None: checkpointing is off)."""
+        (``ckpt``: this rank's checkpoint plan; None: checkpointing is off). ``rollbacks_before``:
+        the guard's rollbacks in the job's earlier attempts (``training.guard.max_rollbacks`` is per job)."""
+        self._rollbacks_before = rollbacks_before
         try:
             if not self._joined.wait(self.spec.fault_tolerance.start_timeout_s):
                 raise TimeoutError("join() did not finish within fault_tolerance.start_timeout_s")
@@ -297,7 +302,8 @@ class TrainWorker(PublishedProgress):
         if self.spec.training.guard.nonfinite or self.spec.training.guard.spike:
             from raytrain_ckpt.guard import LossGuard
 
-            self.trainer.guard = LossGuard(self.spec.training.guard, self.rank, self.attempt, device)
+            self.trainer.guard = LossGuard(self.spec.training.guard, self.rank, self.attempt, device,
+                                           self._rollbacks_before)
         if self.rank == 0:
             logger.info("%sprocess group ready: %d ranks, backend %s, pid %d", self._prefix(), self.world_size,
                         dist.get_backend(), os.getpid())
@@ -480,7 +486,7 @@ class TrainWorker(PublishedProgress):
 
     def node_progress(self, ranks: list[int]) -> NodeProgress:
         """The progress of ``ranks``, this node's ranks of this attempt, read from their files."""
-        return read_node(self.spec.name, self.attempt, ranks)
+        return read_node(self.run_id, self.attempt, ranks)
 
     def progress(self) -> Progress:
         """The last finished step, this attempt's rollbacks so far and an eviction's deadline;

@@ -25,7 +25,7 @@ from raytrain_ckpt.models import describe_model
 from raytrain_ckpt.models.config import LlamaConfig
 from raytrain_ckpt.spec.job import JobSpec
 
-__all__ = ["MemoryEstimate", "memory_estimate", "spare_reserve_bytes"]
+__all__ = ["MemoryEstimate", "memory_estimate", "spare_reserve_bytes", "storage_line"]
 
 _GIB = 1 << 30
 
@@ -83,6 +83,25 @@ def memory_estimate(spec: JobSpec) -> MemoryEstimate | None:
     return MemoryEstimate(parameters=shard * 4, gradients=shard * 4, optimizer=optimizer, staging=staging,
                           activations=_activation_bytes(spec, cfg), staging_copies=ckpt.memory_copies,
                           replica=replica, spare=_spare_reserve(spec, optimizer))
+
+
+def storage_line(spec: JobSpec) -> str | None:
+    """The checkpoint root's space at its fullest under retention (None: no checkpoints, or a
+    user factory): ``keep_latest_k`` steps, the newest certified step kept beside them while the
+    training guard is on (until a newer one is certified), and the step being written."""
+    cfg = describe_model(spec.model.name, spec.model.overrides)
+    ckpt = spec.checkpoint
+    if cfg is None or not ckpt.enabled:
+        return None
+    step = cfg.num_params * (4 + _optimizer_bytes_per_param(spec))
+    if ckpt.keep_latest_k is None:
+        return f"checkpoint storage (estimate): {step / _GIB:.2f} GiB per step, every step kept (keep_latest_k=null)"
+    guard = spec.training.guard.nonfinite or spec.training.guard.spike
+    steps = ckpt.keep_latest_k + int(guard) + 1
+    parts = [f"keep_latest_k={ckpt.keep_latest_k}"] + (["1 newest certified step (training.guard)"] if guard else [])
+    more = ", plus keep_every_n_steps and keep_best" if ckpt.keep_every_n_steps or ckpt.keep_best else ""
+    return (f"checkpoint storage (estimate): {steps} steps x {step / _GIB:.2f} GiB = {steps * step / _GIB:.2f} GiB "
+            f"({' + '.join(parts)} + 1 step being written{more})")
 
 
 def spare_reserve_bytes(spec: JobSpec) -> int:

@@ -21,20 +21,38 @@ if not os.path.isdir("/proc"):
     pytest.skip("needs Linux /proc", allow_module_level=True)
 
 
-def _session(sid: int) -> list[str]:
-    """Command lines of the live processes in session ``sid``."""
+def _stat(entry: str) -> list[str] | None:
+    try:
+        with open(f"/proc/{entry}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _ray_sessions(driver: int) -> set[int]:
+    """The sessions of the driver and every process below it: the local Ray starts its processes
+    in sessions of their own (so a signal to the driver's process group is the driver's)."""
+    parent = {int(e): int(f[1]) for e in os.listdir("/proc") if e.isdigit() and (f := _stat(e)) is not None}
+    below, grew = {driver}, True
+    while grew:
+        more = {p for p, pp in parent.items() if pp in below} - below
+        below, grew = below | more, bool(more)
+    return {driver} | {int(f[3]) for p in below if (f := _stat(str(p))) is not None}
+
+
+def _session(sids: set[int]) -> list[str]:
+    """Command lines of the live processes in the sessions ``sids``."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        fields = _stat(entry)
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if fields[0] != "Z" and int(fields[3]) == sid:
+        if fields is not None and fields[0] != "Z" and int(fields[3]) in sids:
             found.append(f"{entry} {cmd[:120]}")
     return found
 
@@ -47,7 +65,8 @@ def test_a_driver_killed_with_sigkill_leaves_no_ray_process_behind(tmp_path: Pat
     env = dict(os.environ, RAYTRAIN_CKPT_RESULTS=str(tmp_path / "results"))
     env.pop("RAY_ADDRESS", None)
     with open(log, "w") as out:
-        # Its own session: every process it starts (but the watcher, in a session of its own) is found by sid.
+        # Its own session: it and the local Ray's processes (each in a session of its own, found
+        # below the driver while it runs, the watcher too: it ends once it stopped them) are found by sid.
         driver = subprocess.Popen([sys.executable, "-m", "raytrain_ckpt", "run", str(spec), "--address", "local"],
                                   cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, start_new_session=True)
@@ -56,19 +75,20 @@ def test_a_driver_killed_with_sigkill_leaves_no_ray_process_behind(tmp_path: Pat
         while "step 2/" not in log.read_text(errors="replace"):
             assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.5)
-        running = _session(driver.pid)
+        sessions = _ray_sessions(driver.pid)
+        running = _session(sessions)
         assert any("DashboardAgent" in p for p in running), running  # the agents exist, as Ray names them
         time.sleep(3)  # the watcher's list of Ray's processes is refreshed every 2 s
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=10)
         deadline = time.monotonic() + 30
-        while _session(driver.pid) and time.monotonic() < deadline:
+        while _session(sessions) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _session(driver.pid) == [], _session(driver.pid)
+        assert _session(sessions) == [], _session(sessions)
     finally:
         if driver.poll() is None:
             driver.kill()
-        for line in _session(driver.pid):  # never leave a stray Ray on a shared machine
+        for line in _session(locals().get("sessions", {driver.pid})):  # never leave a stray Ray on a shared machine
             try:
                 os.kill(int(line.split()[0]), signal.SIGKILL)
             except ProcessLookupError:

@@ -98,6 +98,21 @@ def test_a_trip_every_window_spends_the_budget_and_fails_with_one_report(tmp_pat
 
 
 
+def test_the_rollback_budget_is_per_job_a_restart_does_not_refill_it(tmp_path, monkeypatch, ray_cluster):
+    # attempt 0 rolls back once (step 9) and then crashes (step 11); attempt 1 trips again (step 13):
+    # with max_rollbacks=1 that trip is one too many, though it is attempt 1's first
+    monkeypatch.setenv(ENV_VAR, "nan@step:rank=0,step=9;raise@step:rank=1,step=11;nan@step:rank=0,step=13,attempt=1")
+    spec = _spec(tmp_path, "training.guard.max_rollbacks=1", "fault_tolerance.max_restarts=1")
+    result = run_job(spec)
+    assert result.state is JobState.FAILED, [f.headline for f in result.failures]
+    assert result.attempts == 2
+    rollbacks = [(f.attempt, f.kind) for f in result.failures if f.kind in ("rollback", "crash", "exception")]
+    assert rollbacks[0] == (0, "rollback"), result.failures
+    report = result.failures[-1].detail
+    assert "non-finite loss on rank 0 at step 14" in report
+    assert "max_rollbacks=1 rollbacks spent (1 in earlier attempts)" in report
+
+
 TOKENS = "jobs/llama_debug_tokens.yaml"
 SEQ, SPIKED_STEP = 32, 12  # the 13th step (0-based 12) reads only random tokens
 

@@ -326,3 +326,39 @@ def test_a_new_timeline_that_would_move_an_exported_step_aside_is_refused_and_mo
         assert sorted(layout.step_dirs()) == [20, 40, 60]
     asyncio.run(actor.start_timeline(point.step, point.path, "40"))     # the export ended: 60 leaves the timeline
     assert sorted(layout.step_dirs()) == [20, 40]
+
+
+def test_a_newer_certified_step_frees_the_one_kept_beside_keep_latest_k_at_once(tmp_path: Path) -> None:
+    """keep_latest_k=1 plus the newest certified step: once a newer step is certified, the older
+    certified step is deleted then, not after the next commit (which a full disk may never allow)."""
+    actor = _single_rank_actor(tmp_path, k=1)
+    layout = CheckpointLayout(tmp_path)
+
+    async def scenario() -> None:
+        await _save(actor, 2)
+        await actor.certify(2)
+        await _save(actor, 4)
+        await _save(actor, 6)
+        assert sorted(actor.steps.committed) == [2, 6]   # 2 kept for the guard, 4 gone by keep_latest_k
+        await actor.certify(6)                           # no commit follows
+        assert sorted(actor.steps.committed) == [6]
+        assert not layout.step_dir(2).exists()
+
+    asyncio.run(scenario())
+
+
+def test_a_save_out_of_space_runs_retention_again(tmp_path: Path) -> None:
+    actor = _single_rank_actor(tmp_path, k=1)
+    layout = CheckpointLayout(tmp_path)
+
+    async def scenario() -> None:
+        await _save(actor, 2)
+        await actor.certify(2)
+        await _save(actor, 6)
+        actor.retainer.certified = 6      # certified without a pass of retention since (a failed pass, say)
+        await actor.abort(8, "rank 0: step 8 not written: write failed: [Errno 5] Input/output error")
+        assert layout.step_dir(2).exists()               # another failure: nothing to free
+        await actor.abort(8, "rank 0: step 8 not written: [Errno 28] No space left on device")
+        assert sorted(actor.steps.committed) == [6] and not layout.step_dir(2).exists()
+
+    asyncio.run(scenario())

@@ -36,6 +36,8 @@ class FakeWorkerGroup:
         self.failures: list[Failure] = []
         self.kept_warm: list[bool] = []
         self.rollbacks: list[RollbackRecord] = []
+        self.rollbacks_before = 0
+        """Set by the controller before ``start``: the job's rollbacks in earlier attempts."""
         self.replaced = FakeWorkerGroup.replace_at.get(attempt, [])
         FakeWorkerGroup.created.append(self)
 
@@ -434,6 +436,7 @@ def test_a_rollback_is_recorded_as_soon_as_the_progress_reports_it_once_and_surv
     ctl.step()
     ctl.step()
     second = FakeWorkerGroup.created[1]
+    assert (FakeWorkerGroup.created[0].rollbacks_before, second.rollbacks_before) == (0, 2)  # the budget is per job
     second.roll_back(RollbackRecord(Trip(9, 1, "non-finite loss"), 6, (96, 160)))  # a new attempt counts anew
     second.finish()                                # seen first in the finished poll: its results carry it too
     ctl.step()

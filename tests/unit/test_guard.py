@@ -49,8 +49,8 @@ def test_a_step_is_certified_after_n_healthy_steps_and_a_rollback_forgets_the_st
     assert g.certified() == 8
 
 
-def _facts(certified, rollbacks=(), max_rollbacks=3, metric="non-finite loss") -> RollbackFacts:
-    return RollbackFacts(Trip(20, 1, metric), certified, tuple(rollbacks), max_rollbacks)
+def _facts(certified, rollbacks=(), max_rollbacks=3, metric="non-finite loss", earlier=0) -> RollbackFacts:
+    return RollbackFacts(Trip(20, 1, metric), certified, tuple(rollbacks), max_rollbacks, earlier)
 
 
 _EARLIER = RollbackRecord(Trip(12, 0, "non-finite loss"), 10, (160, 208))
@@ -64,6 +64,10 @@ _EARLIER = RollbackRecord(Trip(12, 0, "non-finite loss"), 10, (160, 208))
     (_facts(10, [_EARLIER], metric="loss spike"), ""),              # another metric: not the same trip
     (_facts(14, [_EARLIER], max_rollbacks=1), "max_rollbacks=1 rollbacks spent"),
     (_facts(14, max_rollbacks=0), "max_rollbacks=0"),
+    # the budget is per job: rollbacks of earlier attempts count
+    (_facts(14, [_EARLIER], max_rollbacks=3, earlier=2), "max_rollbacks=3 rollbacks spent (2 in earlier attempts)"),
+    (_facts(14, max_rollbacks=2, earlier=2), "max_rollbacks=2 rollbacks spent (2 in earlier attempts)"),
+    (_facts(14, max_rollbacks=3, earlier=2), ""),
 ])
 def test_rollback_policy(facts, why):
     decided = RollbackPolicy.decide(facts)

@@ -86,3 +86,16 @@ def test_a_gpu_job_has_no_spare_memory():
     from raytrain_ckpt.spec.memory import spare_reserve_bytes
 
     assert spare_reserve_bytes(load_spec(GPU_JOB, [])) == 0 and _estimate().spare == 0
+
+
+def test_the_storage_estimate_counts_the_certified_step_kept_beside_keep_latest_k():
+    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.spec.memory import storage_line
+
+    base = ["checkpoint.enabled=true", "checkpoint.keep_latest_k=2"]
+    off = storage_line(load_spec("jobs/llama_debug_fsdp.yaml", [*base, "training.guard.nonfinite=false",
+                                                                   "training.guard.spike=false"]))
+    on = storage_line(load_spec("jobs/llama_debug_fsdp.yaml", [*base, "training.guard.nonfinite=true"]))
+    assert off.startswith("checkpoint storage (estimate): 3 steps x ") and "certified" not in off
+    assert on.startswith("checkpoint storage (estimate): 4 steps x ")
+    assert "keep_latest_k=2 + 1 newest certified step (training.guard) + 1 step being written" in on

@@ -208,7 +208,7 @@ def test_a_stop_request_saves_the_step_in_hand_and_ends_the_job():
     assert ctl.state is JobState.FAILED and ctl.result.stopped == "SIGTERM: step 33 is committed and safe"
 
 
-def test_the_first_signal_asks_for_a_stop_and_the_second_is_the_previous_handler():
+def test_the_first_signal_asks_for_a_stop_the_second_stops_now_and_says_so(caplog):
     guard = PreemptionGuard(10, lambda: None, draining=dict)
     seen: list[int] = []
     before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
@@ -216,7 +216,10 @@ def test_the_first_signal_asks_for_a_stop_and_the_second_is_the_previous_handler
         with stop_signals(guard, 7.0):
             os.kill(os.getpid(), signal.SIGTERM)
             assert guard.stop_request is not None and guard.stop_request[0] == "SIGTERM" and not seen
-            os.kill(os.getpid(), signal.SIGTERM)           # a second signal: what was there before, at once
+            with pytest.raises(KeyboardInterrupt):         # a second one: stop now (the driver's Ctrl-C path)
+                os.kill(os.getpid(), signal.SIGTERM)
+            assert "SIGTERM again: stopping now" in caplog.text and not seen
+            os.kill(os.getpid(), signal.SIGTERM)           # after that: the handler that was there before
             assert seen == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, before)

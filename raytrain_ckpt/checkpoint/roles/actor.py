@@ -26,7 +26,7 @@ from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.records import ActorStatus, CentralPlan, FileSum, GroupLayout, JobNote, ProbesSeen, RankReport, ResumePoint, SaveCosts, WriterRef
 from raytrain_ckpt.checkpoint.roles.board import StatusBoard
 from raytrain_ckpt.checkpoint.roles.coordinator import SaveCoordinator
-from raytrain_ckpt.checkpoint.roles.retainer import Retainer
+from raytrain_ckpt.checkpoint.roles.retainer import Retainer, out_of_space
 from raytrain_ckpt.checkpoint.roles.steps import StepRegistry
 from raytrain_ckpt.checkpoint.roles.timeline import ResumeTimeline
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
@@ -159,8 +159,11 @@ class CheckpointActor:
         await self.steps.settle(timeout_s)
 
     async def abort(self, step: int, reason: str, attempt: int | None = None) -> None:
-        """See ``StepRegistry.abort``."""
+        """See ``StepRegistry.abort``. A step that failed for want of space runs retention again:
+        steps it may delete now (a certified step replaced since) make room for the next save."""
         await self.steps.abort(step, reason, attempt)
+        if out_of_space(reason):
+            await asyncio.to_thread(self.retainer.purge)
 
     async def wait_committed(self, step: int, timeout_s: float) -> None:
         """Block until ``step`` is committed; raises StepAborted or TimeoutError."""
@@ -237,7 +240,12 @@ class CheckpointActor:
     async def certify(self, step: int) -> None:
         """The training guard certified ``step`` (healthy steps followed it): retention keeps the
         newest certified step from now on, before a later manifest records it."""
-        self.retainer.certified = max(step, self.retainer.certified or -1)
+        before = self.retainer.certified
+        self.retainer.certified = max(step, before if before is not None else -1)
+        if self.retainer.certified != before:
+            # the step kept beside keep_latest_k for the guard moved: the one it replaces is free
+            # now, not only after the next commit (a root sized for the retention would fill first)
+            await asyncio.to_thread(self.retainer.purge)
 
     async def note_job(self, note: JobNote) -> None:
         """The driver's view after each controller step: state, attempt, failures, training step."""

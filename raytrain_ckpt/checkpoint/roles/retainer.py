@@ -9,7 +9,10 @@ of an exporter outside the job (a lease file, judged live by the actor's clock: 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
+import threading
 from collections.abc import Callable, Iterator
 
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy, newest_certified
@@ -20,7 +23,12 @@ from raytrain_ckpt.metrics import CheckpointMetrics
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Retainer"]
+__all__ = ["Retainer", "out_of_space"]
+
+
+def out_of_space(reason: str) -> bool:
+    """Whether a failed save's reason is a full file system (ENOSPC, as the writer reports it)."""
+    return os.strerror(errno.ENOSPC) in reason or "ENOSPC" in reason
 
 
 class Retainer:
@@ -37,6 +45,7 @@ class Retainer:
         """Retention deletes that failed (logged); the commits they followed stand."""
         self.certified: int | None = None
         """The newest step the training guard reported certified (``CheckpointActor.certify``)."""
+        self._one_pass = threading.Lock()
         self.leftovers = LeftoverWatch(leftover_grace_s)
         """Uncommitted entries (an aborted step a slow writer kept uploading into), judged by our clock."""
 
@@ -56,8 +65,13 @@ class Retainer:
         return lambda: step not in self.file_leased_steps()
 
     def purge(self) -> None:
-        """Apply retention after a commit. Never raises: the commit it follows is durable; an
-        error is logged and counted, and the purge after the next commit tries again."""
+        """Apply retention (after a commit, a newer certified step, a save out of space). Never
+        raises: the commit it follows is durable; an error is logged and counted, and the next
+        pass tries again. One pass at a time (they run on threads of the actor)."""
+        with self._one_pass:
+            self._purge()
+
+    def _purge(self) -> None:
         committed = self.steps.committed
         try:
             self._drop_missing()
