@@ -143,3 +143,38 @@ def test_a_real_step_still_loads_through_the_whitelist(tmp_path):
     assert out.returncode == 0, out.stderr
     exported = torch.load(tmp_path / "out.pt", weights_only=True)
     assert any(isinstance(v, torch.Tensor) for v in exported.values())
+
+
+class _Key:
+    def __init__(self, offset: tuple[int, ...]) -> None:
+        self.fqn, self.offset = "w", offset
+
+
+def _row_split(n: int, overlap_at: int | None = None):
+    """Metadata of a float32 ``[1, n]`` tensor saved in ``n`` chunks along its second dimension
+    (each its own 4 bytes of one file); ``overlap_at``: that chunk moved one element left."""
+    from types import SimpleNamespace as NS
+
+    cols = [i - 1 if i == overlap_at else i for i in range(n)]
+    chunks = [NS(offsets=(0, c), sizes=(1, 1)) for c in cols]
+    storage = {_Key((0, c)): NS(relative_path="f", offset=4 * i, length=4) for i, c in enumerate(cols)}
+    md = NS(size=(1, n), chunks=chunks, properties=NS(dtype=NS(itemsize=4)))
+    return NS(state_dict_metadata={"w": md}, storage_data=storage)
+
+
+def test_the_chunk_overlap_check_is_not_quadratic_in_a_second_dimension_split():
+    from raytrain_ckpt.checkpoint.format.chunks import layout_problem
+
+    n = 100_000  # quadratic: 5e9 box pairs; linear: a fraction of a second
+    assert layout_problem(_row_split(n), {"f": 4 * n}) is None
+    assert "that overlap" in layout_problem(_row_split(n, overlap_at=n // 2), {"f": 4 * n})
+
+
+def test_overlapping_chunks_of_equal_volume_are_named_in_any_dimension():
+    from raytrain_ckpt.checkpoint.format.chunks import _overlap
+
+    grid = [((r, c), (1, 2)) for r in range(3) for c in (0, 2)]
+    assert _overlap(grid) is None
+    assert _overlap(grid + [((1, 1), (1, 2))]) == ((1, 0), (1, 1))
+    staggered = [((0, 0), (1, 3)), ((0, 3), (1, 1)), ((1, 0), (1, 1)), ((1, 1), (1, 3)), ((1, 2), (1, 1))]
+    assert _overlap(staggered) == ((1, 1), (1, 2))
