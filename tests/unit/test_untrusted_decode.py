@@ -178,3 +178,61 @@ def test_overlapping_chunks_of_equal_volume_are_named_in_any_dimension():
     assert _overlap(grid + [((1, 1), (1, 2))]) == ((1, 0), (1, 1))
     staggered = [((0, 0), (1, 3)), ((0, 3), (1, 1)), ((1, 0), (1, 1)), ((1, 1), (1, 3)), ((1, 2), (1, 1))]
     assert _overlap(staggered) == ((1, 1), (1, 2))
+
+
+def _plant_verdict(cache: Path, key: str, how: str) -> None:
+    """A verdict for ``key`` under ``cache/raytrain_ckpt/scanned`` that is not this user's own."""
+    import os
+
+    base = cache / "raytrain_ckpt" / "scanned"
+    if how == "symlinked":
+        elsewhere = cache / "planted"
+        (elsewhere / key[:2]).mkdir(parents=True)
+        (elsewhere / key[:2] / key).touch()
+        base.parent.mkdir(parents=True)
+        base.symlink_to(elsewhere)
+        return
+    (base / key[:2]).mkdir(parents=True)
+    os.chmod(cache / "raytrain_ckpt", 0o700)
+    os.chmod(base, 0o700)
+    os.chmod(base / key[:2], 0o700)
+    (base / key[:2] / key).touch()
+    if how == "world-writable":
+        os.chmod(base, 0o777)
+    elif how == "foreign-owned":
+        os.chown(base / key[:2] / key, 12345, 12345)
+    elif how == "linked-verdict":
+        (base / key[:2] / key).unlink()
+        (base / key[:2] / key).symlink_to(cache / "anything")
+
+
+@pytest.mark.parametrize("how", ["world-writable", "symlinked", "foreign-owned", "linked-verdict"])
+def test_a_verdict_that_is_not_ours_is_ignored(tmp_path, monkeypatch, how):
+    import os
+
+    if how == "foreign-owned" and os.getuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(scancache.CACHE_ENV)
+    nest = b"\x80\x02" + _shared_nest(40) + b"."
+    from raytrain_ckpt.checkpoint.format.prescan import DEFAULT_BUDGET
+
+    _plant_verdict(tmp_path / "cache", scancache.digest(nest, repr(DEFAULT_BUDGET.scaled())), how)
+    with pytest.raises(InvalidCheckpoint, match="shared references"):
+        check_pickle(nest, "x")
+
+
+def test_the_cache_folders_are_made_private_and_a_pass_is_remembered(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(scancache.CACHE_ENV)
+    os.umask(0o022)
+    check_pickle(pickle.dumps({"a": 1}), "x")
+    made = [tmp_path / "cache", tmp_path / "cache" / "raytrain_ckpt", tmp_path / "cache" / "raytrain_ckpt" / "scanned"]
+    made += [p for p in made[-1].iterdir()]
+    assert [stat.S_IMODE(p.stat().st_mode) for p in made] == [0o700] * len(made)
+    monkeypatch.setattr(scancache, "_SEEN", set())
+    assert scancache.passed_before(scancache.digest(pickle.dumps({"a": 1}), repr(
+        __import__("raytrain_ckpt.checkpoint.format.prescan", fromlist=["x"]).DEFAULT_BUDGET.scaled())))
