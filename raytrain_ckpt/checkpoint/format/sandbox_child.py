@@ -8,7 +8,6 @@ exits, so the next one starts in a fresh process.
 
 from __future__ import annotations
 
-import gc
 import io
 import json
 import pickle
@@ -95,9 +94,7 @@ def _serve_one(inp: Any) -> tuple[dict, bool]:
     except RecursionError:
         return {"ok": False, "error": "invalid", "message": f"{where} nests too deeply to decode"}, True
     finally:
-        data = b""
-        _unlimit_self()
-        gc.collect()
+        _unlimit_self()  # (no gc.collect here: a full collection costs more than most decodes)
 
 
 def serve() -> None:
