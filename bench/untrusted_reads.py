@@ -1,7 +1,9 @@
-"""What the bounded reads of untrusted checkpoints cost: the pickle pre-scan and the chunk-layout check.
+"""What the bounded reads of untrusted checkpoints cost: the reader process under the kernel's
+limits (with the pickle pre-scan and the chunk-layout check it runs), the chunk headers parsed.
 
 Two measurements, each as a ratio of the same work without the added checks (the baseline is
-this tree with ``check_pickle`` and ``layout_problem`` replaced by no-ops, so only they differ):
+this tree with the ``.metadata`` check replaced by a plain unpickle in this process: no reader
+process, no pre-scan, no layout or chunk-header check):
 
 1. ``ls`` and ``verify`` (as fresh ``python -m raytrain_ckpt`` processes) of a root holding
    1,000 steps (copies of one real DCP step of a small model, each with its own manifest).
@@ -36,8 +38,9 @@ _RUN = """
 import sys
 if sys.argv[1] == "off":
     import raytrain_ckpt.checkpoint.format.unpickling as u
-    u.check_pickle = lambda *a, **k: None
-    u.layout_problem = lambda *a, **k: None
+    import raytrain_ckpt.checkpoint.format.verify as v
+    u.check_metadata_stream = v.check_metadata_stream = lambda f, name, files=None, chunks=False: (
+        u.unpickle(u._CheckingUnpickler(u.io.BytesIO(f.read())), name), None)[1]
     import raytrain_ckpt.checkpoint.format.scancache as c
     c.passed_before = lambda key: False
     c.remember_pass = lambda key: None
@@ -157,15 +160,17 @@ def _metadata_bench(reps: int) -> None:
         layout = _best(lambda: layout_problem(loaded, sizes), reps)
         check_on = _best(lambda: unpickling.check_metadata_stream(io.BytesIO(data), "m", sizes), reps)
         load_on = _best(lambda: md_mod.load_metadata(io.BytesIO(data), "m"), reps)
-        saved = unpickling.check_pickle, unpickling.layout_problem
-        unpickling.check_pickle = unpickling.layout_problem = lambda *a, **k: None
+        saved = unpickling.sandbox.decode_in_sandbox
+        # the baseline: a plain unpickle in this process (no reader process, pre-scan or layout check)
+        unpickling.sandbox.decode_in_sandbox = lambda kind, blob, where, args=None, limits=None: (
+            unpickling.unpickle(unpickling._CheckingUnpickler(io.BytesIO(blob)), where), None)[1]
         try:
             check_off = _best(lambda: unpickling.check_metadata_stream(io.BytesIO(data), "m", sizes), reps)
             load_off = _best(lambda: md_mod.load_metadata(io.BytesIO(data), "m"), reps)
         finally:
-            unpickling.check_pickle, unpickling.layout_problem = saved
+            unpickling.sandbox.decode_in_sandbox = saved
         scancache.passed_before = remembered
-        check_pickle(data, "m")
+        unpickling.check_metadata_stream(io.BytesIO(data), "m", sizes)
         warm = _best(lambda: unpickling.check_metadata_stream(io.BytesIO(data), "m", sizes), reps)
         scancache.passed_before = lambda key: False
         print(f"8B preset, 8 ranks, {n} tensors x 8 chunks, .metadata {len(data) / 1e6:.2f} MB:")

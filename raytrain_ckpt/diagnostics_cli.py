@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,27 @@ def folders(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[8:]))
 
 
+MAX_VERDICT_BYTES = 1 << 20
+"""Most of a ``verdict.txt`` shown (a real one is a few hundred bytes)."""
+
+
+def _verdict_lines(path: Path) -> list[str]:
+    """The lines of a hang's verdict: a regular file only (never a FIFO or a link), at most
+    ``MAX_VERDICT_BYTES`` read, bytes that are not UTF-8 shown escaped."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return []
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return [f"({path.name} is not a regular file; not read)"]
+        data = f.read(MAX_VERDICT_BYTES + 1)
+    lines = data[:MAX_VERDICT_BYTES].decode("utf-8", errors="backslashreplace").splitlines()
+    if len(data) > MAX_VERDICT_BYTES:
+        lines.append(f"({path.name} is over {MAX_VERDICT_BYTES} bytes; the rest is not shown)")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     """Print each hang's culprit and files; exit 0 (none is fine), 2 when the root is not a directory."""
     root = Path(args.root)
@@ -40,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     entries = []
     for folder in folders(root):
         verdict = folder / "verdict.txt"
-        lines = verdict.read_text().splitlines() if verdict.is_file() else []
+        lines = _verdict_lines(verdict)
         entries.append({"folder": str(folder), "verdict": lines,
                         "files": sorted(str(p) for p in folder.iterdir() if p.is_file())})
     if args.json:

@@ -29,7 +29,7 @@ from raytrain_ckpt.checkpoint.storage.backends import open_storage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RECORD", "TERMINAL", "clamped", "ended", "is_ended", "local_path", "read_local", "read_root", "started",
+__all__ = ["MAX_RECORD_BYTES", "RECORD", "TERMINAL", "clamped", "ended", "is_ended", "local_path", "read_local", "read_root", "started",
            "write"]
 
 RECORD = ".job.json"
@@ -78,25 +78,72 @@ def write(root: Location, job: str, record: dict[str, Any]) -> None:
         logger.warning("could not write the job record %s: %s", path, exc)
 
 
+MAX_RECORD_BYTES = 16 << 20
+"""Largest record read back (a 1,024-rank job's is well under a megabyte); a bigger one is ignored."""
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "root": (str,), "job": (str,), "committed": (list,), "latest": (int, type(None)), "world_size": (int,),
+    "steps": (dict,), "failed": (dict,), "in_flight": (list,), "inflight": (dict,), "failed_saves": (dict,),
+    "job_info": (dict,), "at_risk": (dict,), "interval": (int, float, type(None)),
+    "started_unix": (int, float, type(None)), "ended_unix": (int, float, type(None)), "error": (str, type(None))}
+"""The type of each field a reader of the record uses (``started``'s fields)."""
+_INFO_TYPES: dict[str, tuple[type, ...]] = {"state": (str,), "attempt": (int,), "train_step": (int, type(None))}
+
+
 def read_local(job: str) -> dict[str, Any] | None:
     """The record of ``job`` on this machine, or None."""
-    return _parse(local_path(job).read_bytes) if local_path(job).is_file() else None
+    path = local_path(job)
+
+    def read() -> bytes:
+        with open(path, "rb") as f:
+            return f.read(MAX_RECORD_BYTES + 1)
+
+    return _parse(read, str(path)) if path.is_file() else None
 
 
 def read_root(root: Location) -> dict[str, Any] | None:
     """The record under a job's checkpoint root, or None."""
     storage = open_storage(root)
     path = storage.join(root, RECORD)
-    return _parse(lambda: storage.read_bytes(path)) if storage.is_file(path) else None
-
-
-def _parse(read: Any) -> dict[str, Any] | None:
-    try:
-        value = json.loads(read())
-    except (OSError, ValueError) as exc:  # a torn or foreign file: as if there were none, said once
-        logger.warning("ignoring an unreadable job record: %s", exc)
+    if not storage.is_file(path):
         return None
-    return value if isinstance(value, dict) else None
+    size = storage.size(path)
+    if size is not None and size > MAX_RECORD_BYTES:
+        logger.warning("ignoring the job record %s: %d bytes, over the %d a record may be", path, size,
+                       MAX_RECORD_BYTES)
+        return None
+    return _parse(lambda: storage.read_bytes(path), str(path))
+
+
+def _parse(read: Any, where: str) -> dict[str, Any] | None:
+    try:
+        data = read()
+        if len(data) > MAX_RECORD_BYTES:
+            raise ValueError(f"over {MAX_RECORD_BYTES} bytes")
+        value = json.loads(data)
+    except (OSError, ValueError, RecursionError) as exc:  # a torn or foreign file: as if there were none
+        logger.warning("ignoring the unreadable job record %s: %s", where, str(exc)[:200] or type(exc).__name__)
+        return None
+    problem = _type_problem(value)
+    if problem is not None:
+        logger.warning("ignoring the job record %s: %s", where, problem)
+        return None
+    return value
+
+
+def _type_problem(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return f"a JSON {type(value).__name__}, not an object"
+    for key, types in _TYPES.items():
+        if key in value and (not isinstance(value[key], types) or isinstance(value[key], bool) and bool not in types):
+            return f"{key} is a {type(value[key]).__name__}"
+    info = value.get("job_info") or {}
+    for key, types in _INFO_TYPES.items():
+        if key in info and (not isinstance(info[key], types) or isinstance(info[key], bool)):
+            return f"job_info.{key} is a {type(info[key]).__name__}"
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in value.get("committed") or ()):
+        return "committed holds a value that is not a step"
+    return None
 
 
 def ended(record: dict[str, Any], status: dict[str, Any] | None, info: dict[str, Any],

@@ -18,11 +18,13 @@ stand-ins alike (a dtype is then known by name).
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable, Mapping
+from array import array
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MAX_CHUNKS_PER_TENSOR", "layout_problem"]
+__all__ = ["MAX_CHUNKS_PER_TENSOR", "layout_problem", "tensor_ranges"]
 
 MAX_CHUNKS_PER_TENSOR = 1 << 20
 """Chunks one tensor may be saved in (one per rank and sharded dimension: far above any job)."""
@@ -112,6 +114,8 @@ def _tensor_problem(fqn: str, md: Any, chunks: Any, storage: dict, file_sizes: M
         return (f"declares {volume} elements, its chunks hold {covered} (a gap or an overlap: loading would "
                 "leave memory uninitialised or read elements twice)")
     overlap = _overlap(boxes)
+    if isinstance(overlap, str):
+        return overlap
     if overlap is not None:
         return f"has chunks at {list(overlap[0])} and {list(overlap[1])} that overlap"
     return None
@@ -132,15 +136,74 @@ def _bytes_problem(info: Any, need: int, file_sizes: Mapping[str, int] | None) -
     return None
 
 
-def _overlap(boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[tuple[int, ...], ...] | None:
-    """Two boxes that share an element, found by a sweep along the first dimension (chunks of a
-    tensor sharded along one dimension never overlap in it, so the sweep keeps one box active)."""
+_CELLS_PER_CHUNK = 4
+"""Grid cells per chunk up to which overlaps are found by marking cells (``_overlap_on_grid``)."""
+_SWEEP_PAIRS = 20_000_000
+"""Pairs of chunks compared at most for a layout that is no grid (``_overlap_by_sweep``)."""
+
+
+def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[tuple[int, ...], ...] | str | None:
+    """Two boxes that share an element (their offsets), a reason the layout cannot be judged, or None.
+
+    DCP's chunks form a grid (each dimension cut at the same points for every chunk), so the cut
+    points of every dimension split the tensor into cells, each chunk covers whole cells, and two
+    chunks overlap exactly when they mark one cell twice: O(n log n) however the chunks split
+    the tensor. A layout that is no grid (more cells than a few per chunk) is swept instead."""
+    if len(boxes) < 2:
+        return None
+    ndim = len(boxes[0][0])
+    cuts = [sorted({off[i] for off, _ in boxes} | {off[i] + sz[i] for off, sz in boxes}) for i in range(ndim)]
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells <= _CELLS_PER_CHUNK * len(boxes) + 64:
+        return _overlap_on_grid(boxes, cuts, cells)
+    return _overlap_by_sweep(boxes)
+
+
+def _overlap_on_grid(boxes: list, cuts: list[list[int]], cells: int) -> tuple[tuple[int, ...], ...] | None:
+    # Each mark fills a fresh cell or finds the overlap, so at most ``cells + 1`` marks are made.
+    index = [{c: k for k, c in enumerate(cs)} for cs in cuts]
+    strides = [1] * len(cuts)
+    for i in range(len(cuts) - 2, -1, -1):
+        strides[i] = strides[i + 1] * (len(cuts[i + 1]) - 1)
+    owner = array("i", [-1]) * max(cells, 1)
+    for n, (off, sz) in enumerate(boxes):
+        spans = [range(index[i][o] * st, index[i][o + s] * st, st)
+                 for i, (o, s, st) in enumerate(zip(off, sz, strides))]
+        for cell in itertools.product(*spans):
+            at = sum(cell)
+            if owner[at] >= 0:
+                return boxes[owner[at]][0], off
+            owner[at] = n
+    return None
+
+
+def _overlap_by_sweep(boxes: list) -> tuple[tuple[int, ...], ...] | str | None:
+    """A sweep along the dimension with the most distinct starts, keeping the boxes it is inside."""
+    dim = max(range(len(boxes[0][0])), key=lambda i: len({off[i] for off, _ in boxes}))
     active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for off, sz in sorted(boxes):
-        start = off[0] if off else 0
-        active = [b for b in active if (b[0][0] + b[1][0] if b[0] else 1) > start]
+    pairs = 0
+    for off, sz in sorted(boxes, key=lambda b: b[0][dim]):
+        active = [b for b in active if b[0][dim] + b[1][dim] > off[dim]]
+        pairs += len(active)
+        if pairs > _SWEEP_PAIRS:
+            return (f"cuts its dimensions at different points in different chunks, too irregularly to check "
+                    f"for overlaps (over {_SWEEP_PAIRS} pairs of chunks to compare); DCP never writes that")
         for other in active:
             if all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in zip(off, sz, other[0], other[1])):
                 return other[0], off
         active.append((off, sz))
     return None
+
+
+def tensor_ranges(metadata: Any) -> list[list]:
+    """``[file, offset, length]`` of every tensor chunk of ``metadata`` (each a ``torch.save`` blob)."""
+    storage = _index(getattr(metadata, "storage_data", None))
+    out: list[list] = []
+    entries = getattr(metadata, "state_dict_metadata", None)
+    for fqn, md in (entries.items() if isinstance(entries, dict) else ()):
+        for chunk in getattr(md, "chunks", None) or ():
+            info = storage.get((fqn, _dims(getattr(chunk, "offsets", None)) or ()))
+            path, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
+            if isinstance(path, str) and type(offset) is int and type(length) is int:
+                out.append([path, offset, length])
+    return out

@@ -32,6 +32,8 @@ import crc32c as _crc32c
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 
+_MAX_INT64 = 2**63 - 1
+
 __all__ = ["MANIFEST", "MANIFEST_FORMAT", "METRICS", "Checksum", "FileEntry", "KeepBestRecord",
            "Manifest", "checksum_file", "checksum_view", "describe_file", "file_crc32"]
 
@@ -141,6 +143,17 @@ class Manifest(BaseModel):
         # a diverged run's NaN or inf loss is recorded as null: JSON has no NaN, and no step is
         # ranked by it (``keep_best`` and ``export best`` skip a step without the metric)
         return None if isinstance(value, float) and not math.isfinite(value) else value
+
+    @field_validator("skipped_samples")
+    @classmethod
+    def _windows(cls, value: list[list[int]] | None) -> list[list[int]] | None:
+        # the rules the guard's rollback applies when it records a window (an int64 sample
+        # index, lo < hi): a resume computes start indices from them
+        for step, lo, hi in value or ():
+            if max(step, lo, hi) > _MAX_INT64 or lo >= hi:
+                raise ValueError(f"skip window [{step}, {lo}, {hi}]: needs 0 <= lo < hi <= 2**63-1 "
+                                 "(a window of the samples [lo, hi) from that step on)")
+        return value
 
     @field_validator("files")
     @classmethod

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import pickle
+
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,7 +31,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.futures import Future
 from torch.distributed.checkpoint._traverse import set_element
 
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
@@ -39,6 +42,8 @@ from raytrain_ckpt.checkpoint.format.chunks import layout_problem
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
 from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.format.prescan import check_torch_save
+from raytrain_ckpt.checkpoint.format.tensorblob import FileSlice, load_chunk
+from raytrain_ckpt.checkpoint.format.verify import MAX_MANIFEST_BYTES
 from raytrain_ckpt.checkpoint.format.unpickling import (allowed_global, check_data_files, checked_pickle, refusal,
                                                         resolve_builtin, unpickle)
 from raytrain_ckpt.events import headline
@@ -101,12 +106,50 @@ class _SafeMetadata:
         sizes = None
         if self.fs.exists(manifest_path):  # (a step without a manifest is refused before any load)
             with self.fs.create_stream(manifest_path, "rb") as f:
-                manifest = Manifest.from_json(f.read().decode("utf-8", errors="replace"))
+                text = f.read(MAX_MANIFEST_BYTES + 1)
+            if len(text) > MAX_MANIFEST_BYTES:
+                raise InvalidCheckpoint(f"{manifest_path} is over {MAX_MANIFEST_BYTES >> 20} MiB, more than any "
+                                        "manifest holds")
+            manifest = Manifest.from_json(text.decode("utf-8", errors="replace"))
             sizes = {name: entry.size for name, entry in manifest.files.items()}
             check_data_files(metadata.storage_data, where, set(sizes))
         problem = layout_problem(metadata, sizes)
         if problem is not None:
             raise InvalidCheckpoint(f"{where}: {problem}")
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's ``read_data``, each tensor chunk parsed by ``tensorblob`` instead of ``torch.load``
+        (no unpickler runs over a chunk's opcodes); bytes entries go to ``planner.load_bytes``."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for read_item in plan.items:
+            per_file.setdefault(self.storage_data[read_item.storage_index].relative_path, []).append(read_item)
+        for relative_path, reqs in per_file.items():
+            where = self.fs.concat_path(self.path, relative_path)
+            with self.fs.create_stream(where, "rb") as stream:
+                for req in reqs:
+                    self._read_item(stream, req, planner, f"{where} (chunk of {req.storage_index.fqn})")
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_item(self, stream: IO[bytes], req: ReadItem, planner: LoadPlanner, where: str) -> None:
+        item_md = self.storage_data[req.storage_index]
+        if item_md.transform_descriptors:
+            raw: IO[bytes] = io.BytesIO(self.transforms.transform_load_stream(
+                req, item_md.transform_descriptors, self._slice_file(stream, item_md)).read(-1))
+        else:
+            raw = FileSlice(stream, item_md.offset, item_md.length)
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(raw.read(-1)))
+            return
+        tensor = load_chunk(raw, where)
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise InvalidCheckpoint(f"{where} holds a chunk of {list(tensor.size())}, the metadata says "
+                                    f"{list(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
 
 
 class SafeFileSystemReader(_SafeMetadata, FileSystemReader):

@@ -37,9 +37,10 @@ from dataclasses import dataclass, replace
 from typing import BinaryIO
 
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
-from raytrain_ckpt.checkpoint.format import scancache
+from raytrain_ckpt.checkpoint.format import sandbox, scancache
 
-__all__ = ["BUDGET_ENV", "DEFAULT_BUDGET", "PickleBudget", "check_pickle", "check_torch_save", "read_bounded"]
+__all__ = ["BUDGET_ENV", "DEFAULT_BUDGET", "PickleBudget", "check_pickle", "check_torch_save", "read_bounded",
+           "scan_pickle", "stored_member", "torch_save_pickle"]
 
 BUDGET_ENV = "RAYTRAIN_CKPT_PICKLE_BUDGET"
 """A factor (e.g. ``4``) that multiplies every ``PickleBudget`` limit but the depth."""
@@ -132,20 +133,27 @@ def read_bounded(f: BinaryIO, where: str, budget: PickleBudget = DEFAULT_BUDGET)
 
 
 def check_pickle(data: bytes, where: str, budget: PickleBudget = DEFAULT_BUDGET) -> None:
-    """Refuse the pickle ``data`` (called ``where`` in messages) if loading it would exceed ``budget``.
+    """Refuse the pickle ``data`` (called ``where`` in messages) if loading it would exceed ``budget``;
+    a pass is remembered by content (``scancache.py``).
 
     Raises:
         InvalidCheckpoint: Over budget (naming the limit and ``RAYTRAIN_CKPT_PICKLE_BUDGET``), or
             not a well-formed pickle.
     """
+    data = bytes(data)
+    key = scancache.digest(data, repr(budget.scaled()))
+    if scancache.passed_before(key):
+        return
+    scan_pickle(data, where, budget)
+    scancache.remember_pass(key)
+
+
+def scan_pickle(data: bytes, where: str, budget: PickleBudget = DEFAULT_BUDGET) -> None:
+    """``check_pickle`` without remembering: what the reader process (``sandbox.py``) runs first."""
     budget = budget.scaled()
     if len(data) > budget.max_bytes:
         raise InvalidCheckpoint(f"{where} is over {budget.max_bytes} bytes, more than a pickle read from a "
                                 f"checkpoint may be (raise it with {BUDGET_ENV}=<factor>)")
-    data = bytes(data)
-    key = scancache.digest(data, repr(budget))
-    if scancache.passed_before(key):
-        return
     try:
         _run(data, budget)
     except InvalidCheckpoint as exc:
@@ -154,7 +162,6 @@ def check_pickle(data: bytes, where: str, budget: PickleBudget = DEFAULT_BUDGET)
     except (IndexError, KeyError, ValueError, TypeError, AttributeError) as exc:
         raise InvalidCheckpoint(f"{where} is unreadable (not a well-formed pickle: "
                                 f"{type(exc).__name__} at its opcodes)") from None
-    scancache.remember_pass(key)
 
 
 def _combine(children: list, budget: PickleBudget, mutable: bool) -> list | tuple:
@@ -341,13 +348,24 @@ def _run(data: bytes, budget: PickleBudget) -> None:  # noqa: C901 - one opcode 
 
 
 def check_torch_save(f: BinaryIO, where: str, budget: PickleBudget = DEFAULT_BUDGET) -> None:
-    """``check_pickle`` of the ``data.pkl`` of a ``torch.save`` file (its zip format; the older
-    format, a stream of pickles, is refused: neither DCP nor ``export`` writes it). ``f`` is left
-    at its start.
+    """The ``data.pkl`` of a ``torch.save`` file (its zip format; the older format, a stream of
+    pickles, is refused: neither DCP nor ``export`` writes it) decoded in the reader process
+    (``sandbox.py``: the pre-scan, then the structure built under the OS's memory and time
+    limits), before ``torch.load(weights_only=True)`` reads it here. ``f`` is left at its start.
 
     Raises:
-        InvalidCheckpoint: Not a zip-format ``torch.save`` file, or its pickle is over budget.
+        InvalidCheckpoint: Not a zip-format ``torch.save`` file, or its pickle is over a budget.
     """
+    name, data = torch_save_pickle(f, where, budget)
+    key = scancache.digest(data, f"torch.save pickle {budget.scaled()!r}")
+    if scancache.passed_before(key):
+        return
+    sandbox.decode_in_sandbox("pickle", data, f"{where} ({name})")
+    scancache.remember_pass(key)
+
+
+def torch_save_pickle(f: BinaryIO, where: str, budget: PickleBudget = DEFAULT_BUDGET) -> tuple[str, bytes]:
+    """The name and bytes of the ``data.pkl`` record of the ``torch.save`` file ``f`` (left at its start)."""
     start = f.tell()
     try:
         try:
@@ -366,15 +384,14 @@ def check_torch_save(f: BinaryIO, where: str, budget: PickleBudget = DEFAULT_BUD
                 raise InvalidCheckpoint(f"{where}: its pickle is over {limit} bytes, more than a pickle read "
                                         f"from a checkpoint may be (raise it with {BUDGET_ENV}=<factor>)")
             try:
-                data = _stored_member(archive, info)
+                return info.filename, stored_member(archive, info)
             except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
                 raise InvalidCheckpoint(f"{where}: its pickle is unreadable ({exc})") from None
-        check_pickle(data, f"{where} ({info.filename})", budget)
     finally:
         f.seek(start)
 
 
-def _stored_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+def stored_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
     """A stored (uncompressed) member's bytes, read past its local header. Not ``archive.open``:
     that checks the record's CRC-32, which the files this project writes leave out (a format
     ``torch.load`` reads; ``checkpoint/datapath/filewrite.py``)."""

@@ -17,13 +17,14 @@ from typing import Any, BinaryIO
 
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
 
-from raytrain_ckpt.checkpoint.format.chunks import layout_problem
+from raytrain_ckpt.checkpoint.format.chunks import layout_problem, tensor_ranges
 from raytrain_ckpt.checkpoint.format.manifest import check_file_name
-from raytrain_ckpt.checkpoint.format import scancache
-from raytrain_ckpt.checkpoint.format.prescan import DEFAULT_BUDGET, check_pickle, read_bounded
+from raytrain_ckpt.checkpoint.format import sandbox, scancache
+from raytrain_ckpt.checkpoint.format.prescan import DEFAULT_BUDGET, read_bounded, scan_pickle
 
 __all__ = ["ALLOWED_GLOBALS", "TORCH_DTYPES", "allowed_global", "check_data_files", "check_metadata_file",
-           "check_metadata_stream", "checked_pickle", "data_bytearray", "refusal", "resolve_builtin", "unpickle"]
+           "check_metadata_stream", "checked_pickle", "data_bytearray", "metadata_verdict", "refusal",
+           "resolve_builtin", "unpickle"]
 
 ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset({
@@ -73,9 +74,13 @@ def resolve_builtin(module: str, name: str, find: Any) -> Any:
 
 
 def checked_pickle(f: BinaryIO, where: str) -> io.BytesIO:
-    """All of ``f`` (bounded), pre-scanned for the work it would make loading do (``prescan.py``)."""
+    """All of ``f`` (bounded), once a check of it as DCP metadata passed in the reader process
+    (``sandbox.py``), so that unpickling it here costs at most that process's limits."""
     data = read_bounded(f, where)
-    check_pickle(data, where)
+    key = scancache.digest(data, f"metadata decode {DEFAULT_BUDGET.scaled()!r}")
+    if not scancache.passed_before(key):
+        sandbox.decode_in_sandbox("metadata", data, where, {"decode_only": True})
+        scancache.remember_pass(key)
     return io.BytesIO(data)
 
 
@@ -159,22 +164,40 @@ def unpickle(unpickler: pickle.Unpickler, where: str) -> Any:
         return unpickler.load()
     except UnsafeCheckpoint as exc:
         raise UnsafeCheckpoint(f"{where} {exc}") from None
+    except MemoryError:
+        raise  # over the reader process's memory limit (``sandbox.py`` names it), not a damaged file
     except Exception as exc:  # noqa: BLE001 - any failure to unpickle means a damaged file
         raise InvalidCheckpoint(f"{where} is unreadable ({type(exc).__name__}: {exc})") from None
 
 
-def check_metadata_stream(f: BinaryIO, name: str, files: Collection[str] | Mapping[str, int] | None = None) -> None:
+def check_metadata_stream(f: BinaryIO, name: str, files: Collection[str] | Mapping[str, int] | None = None,
+                          chunks: bool = False) -> list | None:
     """``check_metadata_file`` of an open binary stream (a local file or an object-store object)
     called ``name`` in messages. ``files``: the step's manifest's file names; every file the
     metadata makes DCP read must be one of them (so every byte loaded is checksummed). With their
     sizes (a mapping), every tensor is also checked to be tiled by its chunks, each chunk's bytes
-    inside its file (``chunks.layout_problem``)."""
+    inside its file (``chunks.layout_problem``). The check runs in the reader process
+    (``sandbox.py``), under the OS's memory and time limits; a pass is remembered by content.
+    With ``chunks``: the byte ranges ``[file, offset, length]`` of its tensor chunks (never remembered)."""
     data = read_bounded(f, name)
     key = scancache.digest(data, f"metadata check {DEFAULT_BUDGET.scaled()!r} {_files_key(files)}")
-    if scancache.passed_before(key):
-        return
-    check_pickle(data, name)
+    if not chunks and scancache.passed_before(key):
+        return None
+    args = {"files": files if isinstance(files, Mapping) or files is None else sorted(files), "chunks": chunks}
+    result = sandbox.decode_in_sandbox("metadata", data, name, args)
+    scancache.remember_pass(key)
+    return result
+
+
+def metadata_verdict(data: bytes, name: str, files: Collection[str] | Mapping[str, int] | None,
+                     chunks: bool = False, decode_only: bool = False) -> list | None:
+    """The torch-free check of the ``.metadata`` bytes ``data`` (what the reader process runs);
+    with ``chunks``, the byte ranges of its tensor chunks; with ``decode_only``, only the decode
+    (what loading then repeats, judging the objects it built itself)."""
+    scan_pickle(data, name)
     top = unpickle(_CheckingUnpickler(io.BytesIO(data)), name)
+    if decode_only:
+        return None
     if type(top).__name__ != "torch.distributed.checkpoint.metadata.Metadata":
         raise InvalidCheckpoint(f"{name} holds a {type(top).__name__}, not DCP Metadata")
     if vars(top).get("_called_with"):
@@ -185,7 +208,7 @@ def check_metadata_stream(f: BinaryIO, name: str, files: Collection[str] | Mappi
         problem = layout_problem(top, files)
         if problem is not None:
             raise InvalidCheckpoint(f"{name}: {problem}")
-    scancache.remember_pass(key)
+    return tensor_ranges(top) if chunks else None
 
 
 def _files_key(files: Collection[str] | Mapping[str, int] | None) -> str:

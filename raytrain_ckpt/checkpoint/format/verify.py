@@ -22,6 +22,7 @@ from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 
 from raytrain_ckpt.checkpoint.format.manifest import Checksum, checksum_name, FileEntry, MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.names import Location, parse_entry
+from raytrain_ckpt.checkpoint.format.tensorblob import FileSlice, parse_chunk
 from raytrain_ckpt.checkpoint.format.unpickling import check_metadata_stream
 
 __all__ = ["MAX_MANIFEST_BYTES", "StepFiles", "Verify", "check_file", "read_manifest", "step_problems",
@@ -112,7 +113,7 @@ def _problems(files: StepFiles, path: Location, manifest: Manifest, level: Verif
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     if intact and ".metadata" in manifest.files:
-        yield from _metadata_problems(files, path, {n: e.size for n, e in manifest.files.items()})
+        yield from _metadata_problems(files, path, {n: e.size for n, e in manifest.files.items()}, level == "checksum")
 
 
 def check_file(files: StepFiles, path: Location, want: FileEntry, checksum: bool,
@@ -139,16 +140,25 @@ def check_file(files: StepFiles, path: Location, want: FileEntry, checksum: bool
     return None
 
 
-def _metadata_problems(files: StepFiles, path: Location, listed: Mapping[str, int]) -> Iterator[str]:
-    # loading's verdict, without torch (and every tensor tiled by its chunks, in its files' sizes)
+def _metadata_problems(files: StepFiles, path: Location, listed: Mapping[str, int], chunks: bool) -> Iterator[str]:
+    # loading's verdict, without torch (and every tensor tiled by its chunks, in its files' sizes);
+    # with ``chunks`` (a checksum-level verify, which reads every byte anyway) also every tensor
+    # chunk's torch.save header, parsed as loading parses it (``tensorblob.py``)
     where = files.join(path, ".metadata")
     try:
         with files.open_read(where) as f:
-            check_metadata_stream(f, str(where), listed)
+            ranges = check_metadata_stream(f, str(where), listed, chunks=chunks)
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for name, offset, length in ranges or ():
+            by_file.setdefault(name, []).append((offset, length))
+        for name, spans in sorted(by_file.items()):
+            with files.open_read(files.join(path, name)) as f:
+                for offset, length in sorted(spans):
+                    parse_chunk(FileSlice(f, offset, length), f"{name} (the chunk at byte {offset})")
     except InvalidCheckpoint as exc:
         yield str(exc).replace(f"{path}/", "", 1)
     except OSError as exc:
-        yield f".metadata is unreadable ({exc})"
+        yield f".metadata or a data file is unreadable ({exc})"
 
 
 def _advance(progress: Callable[[int], None] | None, n: int) -> None:

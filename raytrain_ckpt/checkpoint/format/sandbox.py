@@ -1,0 +1,247 @@
+"""Decoding untrusted bytes where the kernel bounds what they may cost.
+
+A pickle's cost is not what a model of its opcodes says: one ``LONG_BINPUT`` with a large index
+makes CPython's unpickler size and zero a memo array of twice that index (9 bytes -> gigabytes),
+and a dict whose keys all hash alike takes quadratic time to build. So every pickle that comes
+from a checkpoint directory, an import file or a diagnostics folder is decoded first in a
+*reader process*: a child of this one, started lazily once per process and reused, that before
+each decode sets its own ``RLIMIT_AS`` (address space) to what it uses plus the decode's memory
+budget and its ``RLIMIT_CPU`` to what it has used plus the decode's time budget; this process
+waits for the answer no longer than a wall-clock deadline and kills the child past it. A decode
+over its memory fails with ``MemoryError`` in the child, one over its CPU time is killed by the
+kernel (``SIGXCPU``); either way the file is refused with ``InvalidCheckpoint`` naming it and the
+limit, and the next decode starts a new child.
+
+The child decodes with the same restricted unpicklers as loading (torch classes replaced by
+inert stand-ins, so it never imports torch), after the opcode pre-scan (``prescan.py``, whose
+refusals name their limits). A pickle that decoded within the budget there costs loading in this
+process about as much, bounded by the same budget. Verdicts of passed decodes are remembered by
+content (``scancache.py``), so a file read again costs no round trip.
+
+``ReadLimits`` names the budget; ``RAYTRAIN_CKPT_READ_LIMITS=<factor>`` raises it for a genuine
+file that needs more.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
+
+__all__ = ["DEFAULT_LIMITS", "LIMITS_ENV", "ReadLimits", "decode_in_sandbox"]
+
+log = logging.getLogger(__name__)
+
+LIMITS_ENV = "RAYTRAIN_CKPT_READ_LIMITS"
+"""A factor (e.g. ``4``) that multiplies every ``ReadLimits`` budget."""
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """The most one decode of an untrusted file may cost the reader process."""
+
+    memory_bytes: int = 512 << 20
+    """Address space a decode may add, plus ``memory_per_byte`` times the file's length."""
+    memory_per_byte: int = 48
+    """Address space per byte decoded (a real ``.metadata`` builds about 10 bytes of objects per byte)."""
+    cpu_s: float = 5.0
+    """CPU seconds a decode may take, plus ``cpu_s_per_mb`` per megabyte decoded."""
+    cpu_s_per_mb: float = 3.0
+    """CPU seconds per megabyte (the pre-scan and the decode run at about 2 MB/s together)."""
+
+    def scaled(self) -> ReadLimits:
+        """These limits times ``$RAYTRAIN_CKPT_READ_LIMITS`` (unset: unchanged)."""
+        raw = os.environ.get(LIMITS_ENV, "").strip()
+        if not raw:
+            return self
+        try:
+            factor = float(raw)
+        except ValueError:
+            factor = 0.0
+        if not 0.01 <= factor <= 1e4:
+            raise InvalidCheckpoint(f"{LIMITS_ENV}={raw[:40]!r}: use a factor from 0.01 to 10000")
+        return replace(self, memory_bytes=int(self.memory_bytes * factor), cpu_s=self.cpu_s * factor,
+                       cpu_s_per_mb=self.cpu_s_per_mb * factor)
+
+    def for_size(self, n: int) -> tuple[int, float]:
+        """(memory bytes, CPU seconds) one decode of ``n`` bytes may take."""
+        return self.memory_bytes + self.memory_per_byte * n, self.cpu_s + self.cpu_s_per_mb * n / 1e6
+
+
+DEFAULT_LIMITS = ReadLimits()
+
+_WALL_FACTOR, _WALL_SLACK_S = 3.0, 10.0
+"""The parent's deadline: CPU budget times this plus this (a shared machine runs the child slower)."""
+
+_MAX_REPLY = 16 << 20
+"""Largest answer read back from the reader process."""
+
+
+class _Reader:
+    """The reader process of this process: started on first use, restarted after a refusal that
+    killed it, never shared with a forked child (which starts its own)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._owner = 0
+
+    def call(self, kind: str, data: bytes, where: str, args: dict[str, Any], limits: ReadLimits) -> Any:
+        memory, cpu = limits.for_size(len(data))
+        request = json.dumps({"kind": kind, "where": where, "args": args, "memory": memory, "cpu": cpu}).encode()
+        with self._lock:
+            proc = self._running()
+            try:
+                proc.stdin.write(struct.pack("<IQ", len(request), len(data)) + request)
+                proc.stdin.write(data)
+                proc.stdin.flush()
+                reply = self._reply(proc, cpu * _WALL_FACTOR + _WALL_SLACK_S)
+            except (BrokenPipeError, OSError, _Dead):
+                reply = None
+            if reply is None:
+                self._stop()
+                raise _died(proc, where, memory, cpu) from None
+        return _answer(reply, where, memory)
+
+    def _running(self) -> subprocess.Popen:
+        if self._proc is not None and (self._owner != os.getpid() or self._proc.poll() is not None):
+            if self._owner == os.getpid():
+                self._stop()
+            self._proc = None  # a forked copy's handle: the child belongs to the parent process
+        if self._proc is None:
+            root = str(Path(__file__).resolve().parents[3])
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", "from raytrain_ckpt.checkpoint.format.sandbox_child import serve; serve()"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                close_fds=True, start_new_session=True)
+            self._owner = os.getpid()
+            log.debug("reader process %d started", self._proc.pid)
+        return self._proc
+
+    def _reply(self, proc: subprocess.Popen, wall_s: float) -> dict | None:
+        deadline = time.monotonic() + wall_s
+        head = _read_exact(proc, 4, deadline)
+        (n,) = struct.unpack("<I", head)
+        if n > _MAX_REPLY:
+            raise _Dead()
+        return json.loads(_read_exact(proc, n, deadline))
+
+    def _stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            proc.kill()
+        except OSError:
+            pass  # (it has exited already)
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass  # (a pipe to a dead child: nothing to flush)
+
+
+class _Dead(Exception):
+    """The reader process gave no answer by its deadline, or a malformed one."""
+
+    def __init__(self, timed_out: bool = False) -> None:
+        super().__init__()
+        self.timed_out = timed_out
+
+
+def _read_exact(proc: subprocess.Popen, n: int, deadline: float) -> bytes:
+    fd = proc.stdout.fileno()
+    out = bytearray()
+    while len(out) < n:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            proc.kill()
+            raise _Dead(timed_out=True)
+        piece = os.read(fd, min(n - len(out), 1 << 20))
+        if not piece:
+            raise _Dead()
+        out += piece
+    return bytes(out)
+
+
+def _died(proc: subprocess.Popen, where: str, memory: int, cpu: float) -> InvalidCheckpoint:
+    code = proc.returncode
+    if code in (-signal.SIGXCPU, -signal.SIGKILL) or code is None:
+        return InvalidCheckpoint(f"{where}: decoding it ran over its time limit ({cpu:.0f} CPU seconds, "
+                                 f"{cpu * _WALL_FACTOR + _WALL_SLACK_S:.0f} s wall); refused (a checkpoint is data; "
+                                 f"raise the limits with {LIMITS_ENV}=<factor> if this file is genuine)")
+    return _over_memory(where, memory, f" (the reader process exited with {code})")
+
+
+def _over_memory(where: str, memory: int, detail: str = "") -> InvalidCheckpoint:
+    return InvalidCheckpoint(f"{where}: decoding it needed over {memory >> 20} MiB of memory, its limit{detail}; "
+                             f"refused (a checkpoint is data; raise the limits with {LIMITS_ENV}=<factor> if "
+                             "this file is genuine)")
+
+
+def _answer(reply: dict, where: str, memory: int) -> Any:
+    if reply.get("ok"):
+        return reply.get("result")
+    error, message = reply.get("error"), str(reply.get("message", ""))[:4000]
+    if error == "unsafe":
+        raise UnsafeCheckpoint(message)
+    if error == "memory":
+        raise _over_memory(where, memory)
+    raise InvalidCheckpoint(message or f"{where} is unreadable")
+
+
+_READER = _Reader()
+
+
+def decode_in_sandbox(kind: str, data: bytes, where: str, args: dict[str, Any] | None = None,
+                      limits: ReadLimits = DEFAULT_LIMITS) -> Any:
+    """Run the decode ``kind`` (``sandbox_child.KINDS``) of ``data`` (called ``where`` in messages)
+    in the reader process, under ``limits`` scaled by ``$RAYTRAIN_CKPT_READ_LIMITS``; its result.
+
+    Raises:
+        UnsafeCheckpoint: The file refers to code.
+        InvalidCheckpoint: The file is damaged, over a pre-scan budget, or over the memory or time
+            limit of its decode (the message names the file and the limit).
+    """
+    return _READER.call(kind, data, where, args or {}, limits.scaled())
+
+
+def _limit_self(memory: int, cpu: float) -> None:
+    """In the reader process: at most ``memory`` more bytes of address space and ``cpu`` more CPU
+    seconds from now (soft limits, raised again by ``_unlimit_self`` between decodes)."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    spent = used.ru_utime + used.ru_stime
+    hard_cpu = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    soft_cpu = int(spent + cpu) + 1
+    if hard_cpu != resource.RLIM_INFINITY:
+        soft_cpu = min(soft_cpu, hard_cpu)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft_cpu, hard_cpu))
+    hard_as = resource.getrlimit(resource.RLIMIT_AS)[1]
+    soft_as = _address_space() + memory
+    if hard_as != resource.RLIM_INFINITY:
+        soft_as = min(soft_as, hard_as)
+    resource.setrlimit(resource.RLIMIT_AS, (soft_as, hard_as))
+
+
+def _unlimit_self() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (resource.getrlimit(resource.RLIMIT_AS)[1],) * 2)
+
+
+def _address_space() -> int:
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[0]) * resource.getpagesize()

@@ -1,0 +1,314 @@
+"""A DCP tensor chunk read without an unpickler.
+
+DCP writes each tensor chunk as its own ``torch.save`` blob (a zip: ``data.pkl``, ``data/<key>``,
+``byteorder``, ...) and hands it to ``torch.load(weights_only=True)``, which runs an unpickler
+over whatever opcodes the file holds. Here the ``data.pkl`` of a chunk is instead *parsed*, by a
+strict whitelist of the one shape ``torch.save`` gives a single tensor:
+
+    _rebuild_tensor_v2((storage, <XStorage>, key, "cpu", numel) as a persistent id, offset,
+                       size, stride, requires_grad, OrderedDict())
+    _rebuild_tensor_v3(... the same with an UntypedStorage of numel bytes ..., dtype)
+
+Protocol-2 opcodes only, a memo of at most 256 entries, at most 64 KiB: anything else is refused
+as "not a tensor chunk", so the parse is linear in the header and allocates nothing from a number
+the file gives. The tensor is then a strided view over the bytes of its ``data/<key>`` record,
+checked to hold every element the view reaches. ``parse_chunk`` needs no torch (``verify``
+checks every chunk's header with it); ``load_chunk`` builds the tensor.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.format.prescan import stored_member
+
+__all__ = ["MAX_HEADER", "ChunkHeader", "FileSlice", "load_chunk", "parse_chunk", "parse_tensor_pickle"]
+
+MAX_HEADER = 64 << 10
+"""Largest ``data.pkl`` of one tensor chunk (a 64-dimensional tensor's is about 1 KiB)."""
+
+_TYPED = {"DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "LongStorage": "int64",
+          "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+          "BoolStorage": "bool", "BFloat16Storage": "bfloat16", "ComplexDoubleStorage": "complex128",
+          "ComplexFloatStorage": "complex64"}
+"""``torch.<X>Storage`` -> the dtype of its elements (``torch.storage._dtype_to_storage_type_map``)."""
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+             "bool": 1, "bfloat16": 2, "complex128": 16, "complex64": 8, "uint16": 2, "uint32": 4, "uint64": 8,
+             "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+             "float8_e8m0fnu": 1, "complex32": 4}
+"""Bytes per element of each dtype a chunk may hold."""
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """What a chunk's ``data.pkl`` says: its dtype and the strided view of its storage record."""
+
+    dtype: str
+    key: str
+    nbytes: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _Refused(Exception):
+    """The pickle leaves the whitelisted shape (the reason)."""
+
+
+_STORAGE, _ODICT, _REBUILD2, _REBUILD3 = "storage", "odict", "rebuild_v2", "rebuild_v3"
+
+
+def _global(module: str, name: str) -> tuple:
+    if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
+        return ("g", _REBUILD2 if name.endswith("v2") else _REBUILD3)
+    if module == "collections" and name == "OrderedDict":
+        return ("g", _ODICT)
+    if module == "torch" and name in _TYPED:
+        return ("g", "typed", _TYPED[name])
+    if module == "torch.storage" and name == "UntypedStorage":
+        return ("g", "typed", "uint8")
+    if module == "torch" and name in _ITEMSIZE:
+        return ("g", "dtype", name)
+    raise _Refused(f"refers to {module}.{name}")
+
+
+def _int(value: Any, what: str) -> int:
+    if type(value) is not int or not 0 <= value < 1 << 62:
+        raise _Refused(f"has {what} that is not a size")
+    return value
+
+
+def _dims(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple) or len(value) > 64:
+        raise _Refused(f"has {what} that is not a tuple of at most 64 sizes")
+    return tuple(_int(v, what) for v in value)
+
+
+def _persistent(pid: Any) -> tuple:
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], tuple)
+            and pid[1][:2] == ("g", "typed") and isinstance(pid[2], str) and len(pid[2]) <= 32 and pid[3] == "cpu"):
+        raise _Refused("has a persistent id that is not a cpu storage")
+    return (_STORAGE, pid[1][2], pid[2], _int(pid[4], "a storage length"))
+
+
+def _reduce(fn: Any, args: Any) -> Any:
+    if fn == ("g", _ODICT) and args == ():
+        return (_ODICT,)
+    if fn not in (("g", _REBUILD2), ("g", _REBUILD3)) or not isinstance(args, tuple):
+        raise _Refused("calls something other than torch's tensor rebuild")
+    v3 = fn[1] == _REBUILD3
+    if len(args) != (7 if v3 else 6) or not (isinstance(args[0], tuple) and args[0][:1] == (_STORAGE,)):
+        raise _Refused("rebuilds a tensor from arguments torch.save never writes")
+    _, dtype, key, numel = args[0]
+    if args[4] not in (True, False) or args[5] != (_ODICT,):
+        raise _Refused("rebuilds a tensor with hooks or flags torch.save never writes")
+    if v3:
+        if dtype != "uint8" or not (isinstance(args[6], tuple) and args[6][:2] == ("g", "dtype")):
+            raise _Refused("rebuilds a tensor of an untyped storage without its dtype")
+        dtype, nbytes = args[6][2], numel
+    else:
+        nbytes = numel * _ITEMSIZE[dtype]
+    return ChunkHeader(dtype, key, nbytes, _int(args[1], "an offset"), _dims(args[2], "a size"),
+                       _dims(args[3], "a stride"))
+
+
+def _line(data: bytes, pos: int) -> tuple[str, int]:
+    end = data.find(b"\n", pos, pos + 128)
+    if end < 0:
+        raise _Refused("has a global name over 128 bytes")
+    return data[pos:end].decode("ascii"), end + 1
+
+
+def _run(data: bytes) -> Any:  # noqa: C901 - one opcode loop over a fixed whitelist
+    stack: list = []
+    marks: list[int] = []
+    memo: dict[int, Any] = {}
+    pos = 0
+    while True:
+        op = data[pos]
+        pos += 1
+        if op == 0x80:  # PROTO
+            if data[pos] != 2:
+                raise _Refused("is not of pickle protocol 2, which torch.save writes")
+            pos += 1
+        elif op == 0x63:  # GLOBAL
+            module, pos = _line(data, pos)
+            name, pos = _line(data, pos)
+            stack.append(_global(module, name))
+        elif op in (0x71, 0x72):  # BINPUT, LONG_BINPUT
+            width = 1 if op == 0x71 else 4
+            key = int.from_bytes(data[pos:pos + width], "little")
+            pos += width
+            if key >= 256 or not stack:
+                raise _Refused("uses a memo torch.save never writes")
+            memo[key] = stack[-1]
+        elif op in (0x68, 0x6A):  # BINGET, LONG_BINGET
+            width = 1 if op == 0x68 else 4
+            stack.append(memo[int.from_bytes(data[pos:pos + width], "little")])
+            pos += width
+        elif op == 0x28:  # MARK
+            marks.append(len(stack))
+        elif op == 0x74:  # TUPLE
+            at = marks.pop()
+            items = tuple(stack[at:])
+            del stack[at:]
+            stack.append(items)
+        elif op == 0x29:  # EMPTY_TUPLE
+            stack.append(())
+        elif op in (0x85, 0x86, 0x87):  # TUPLE1..3
+            n = op - 0x84
+            if len(stack) - (marks[-1] if marks else 0) < n:
+                raise _Refused("has a tuple of missing items")
+            items = tuple(stack[-n:])
+            del stack[-n:]
+            stack.append(items)
+        elif op in (0x58, 0x8C):  # BINUNICODE, SHORT_BINUNICODE
+            width = 4 if op == 0x58 else 1
+            n = int.from_bytes(data[pos:pos + width], "little")
+            pos += width
+            if n > 256 or pos + n > len(data):
+                raise _Refused("has a string over 256 bytes")
+            stack.append(data[pos:pos + n].decode("utf-8"))
+            pos += n
+        elif op in (0x4B, 0x4D, 0x4A):  # BININT1, BININT2, BININT
+            width = {0x4B: 1, 0x4D: 2, 0x4A: 4}[op]
+            if pos + width > len(data):
+                raise _Refused("ends inside a number")
+            stack.append(int.from_bytes(data[pos:pos + width], "little", signed=op == 0x4A))
+            pos += width
+        elif op == 0x8A:  # LONG1
+            n = data[pos]
+            if n > 9 or pos + 1 + n > len(data):
+                raise _Refused("has a number over 9 bytes")
+            stack.append(int.from_bytes(data[pos + 1:pos + 1 + n], "little", signed=True))
+            pos += 1 + n
+        elif op in (0x88, 0x89):  # NEWTRUE, NEWFALSE
+            stack.append(op == 0x88)
+        elif op == 0x51:  # BINPERSID
+            stack[-1] = _persistent(stack[-1])
+        elif op == 0x52:  # REDUCE
+            args = stack.pop()
+            stack[-1] = _reduce(stack[-1], args)
+        elif op == 0x2E:  # STOP
+            if len(stack) != 1 or marks or not isinstance(stack[0], ChunkHeader):
+                raise _Refused("does not hold exactly one tensor")
+            return stack[0]
+        else:
+            raise _Refused(f"has the opcode {op:#x}, which torch.save never writes for a tensor")
+        if len(stack) > 256 or len(marks) > 64:
+            raise _Refused("nests deeper than a tensor's header")
+
+
+def parse_tensor_pickle(data: bytes, where: str) -> ChunkHeader:
+    """The tensor the ``data.pkl`` bytes ``data`` describe, parsed by the whitelist (no unpickler).
+
+    Raises:
+        InvalidCheckpoint: Naming ``where`` and what is not a tensor as ``torch.save`` writes one.
+    """
+    if len(data) > MAX_HEADER:
+        raise InvalidCheckpoint(f"{where}: its data.pkl is {len(data)} bytes, over the {MAX_HEADER} of a tensor "
+                                "chunk's header: not a tensor chunk")
+    try:
+        return _run(data)
+    except _Refused as exc:
+        raise InvalidCheckpoint(f"{where} is not a tensor chunk as torch.save writes one: its data.pkl {exc}; "
+                                "refused without unpickling it") from None
+    except (IndexError, KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise InvalidCheckpoint(f"{where} is not a tensor chunk as torch.save writes one: its data.pkl is "
+                                f"malformed ({type(exc).__name__}); refused without unpickling it") from None
+
+
+def _span(header: ChunkHeader) -> int:
+    """Bytes of the storage the view reaches (0 for an empty tensor)."""
+    if any(s == 0 for s in header.size):
+        return 0
+    last = header.offset + sum((s - 1) * st for s, st in zip(header.size, header.stride))
+    return (last + 1) * _ITEMSIZE[header.dtype]
+
+
+def _open(f: BinaryIO, where: str) -> tuple[zipfile.ZipFile, ChunkHeader, zipfile.ZipInfo]:
+    try:
+        archive = zipfile.ZipFile(f)
+        infos = {i.filename: i for i in archive.infolist()}
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+        raise InvalidCheckpoint(f"{where} is not a torch.save blob ({exc})") from None
+    pickles = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pickles) != 1 or len(infos) > 16:
+        raise InvalidCheckpoint(f"{where} is not a torch.save blob of one tensor")
+    prefix = pickles[0][:-len("data.pkl")]
+    try:
+        header = parse_tensor_pickle(stored_member(archive, infos[pickles[0]]), where)
+        order = infos.get(prefix + "byteorder")
+        if order is not None and stored_member(archive, order) != b"little":
+            raise InvalidCheckpoint(f"{where} holds big-endian bytes, which this project never writes")
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+        raise InvalidCheckpoint(f"{where} is not a torch.save blob ({exc})") from None
+    record = infos.get(f"{prefix}data/{header.key}")
+    if record is None or record.file_size != header.nbytes or _span(header) > header.nbytes:
+        raise InvalidCheckpoint(f"{where}: its tensor reaches past its {header.nbytes}-byte storage record "
+                                "(or the record is missing or of another size)")
+    return archive, header, record
+
+
+def parse_chunk(f: BinaryIO, where: str) -> ChunkHeader:
+    """The header of the tensor chunk blob ``f`` (seekable, starting at the blob), checked against
+    its storage record; torch-free. Raises InvalidCheckpoint naming ``where``."""
+    archive, header, _ = _open(f, where)
+    archive.close()
+    return header
+
+
+def load_chunk(f: BinaryIO, where: str) -> Any:
+    """The tensor of the chunk blob ``f``: a strided view over its storage record's bytes."""
+    import torch
+
+    archive, header, record = _open(f, where)
+    with archive:
+        try:
+            raw = stored_member(archive, record)
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+            raise InvalidCheckpoint(f"{where}: its storage record is unreadable ({exc})") from None
+    dtype = getattr(torch, header.dtype)
+    if not raw:
+        flat = torch.empty(0, dtype=dtype)
+    else:
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
+    return flat.as_strided(header.size, header.stride, header.offset)
+
+
+class FileSlice(io.RawIOBase):
+    """Bytes ``offset .. offset + length`` of the seekable binary stream ``f``, as a seekable stream."""
+
+    def __init__(self, f: BinaryIO, offset: int, length: int) -> None:
+        super().__init__()
+        self._f, self._start, self._len, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self._len - self._pos))
+        if n == 0:
+            return 0
+        self._f.seek(self._start + self._pos)
+        data = self._f.read(n)
+        buffer[:len(data)] = data
+        self._pos += len(data)
+        return len(data)

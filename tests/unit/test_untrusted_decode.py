@@ -1,0 +1,238 @@
+"""Untrusted bytes are decoded under the kernel's limits, and tensor chunks without an unpickler.
+
+Each attack below passes the opcode pre-scan (``prescan.py``): only the reader process's
+``RLIMIT_AS``/``RLIMIT_CPU`` (``sandbox.py``) or the tensor chunk whitelist (``tensorblob.py``)
+stops it. The limits are lowered here (``RAYTRAIN_CKPT_READ_LIMITS``) so each case costs a
+moment; the files and the code paths are the real ones.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.format import scancache
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest, describe_file
+from raytrain_ckpt.checkpoint.format.metadata import load_metadata
+from raytrain_ckpt.checkpoint.format.prescan import check_pickle, check_torch_save
+from raytrain_ckpt.checkpoint.format.sandbox import LIMITS_ENV
+from raytrain_ckpt.checkpoint.format.tensorblob import load_chunk, parse_tensor_pickle
+from raytrain_ckpt.checkpoint.format.unpickling import check_metadata_stream
+from tests.unit.test_bounded_reads import _bounded, _dcp_step, _replace_metadata, _shared_nest
+
+MEMO_BOMB = b"\x80\x02N" + b"r" + struct.pack("<I", 20_000_000) + b"."
+"""9 bytes: ``None`` put in the memo at index 2e7; CPython's unpickler sizes a memo array of
+twice that (320 MB) to hold it."""
+
+
+def _colliding_dict(n: int) -> bytes:
+    """A pickled dict whose ``n`` int keys all hash to 0 on CPython (multiples of 2**61 - 1)."""
+    return pickle.dumps({k * (2**61 - 1): 0 for k in range(1, n + 1)}, protocol=2)
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.setattr(scancache, "_SEEN", set())
+    monkeypatch.setenv(scancache.CACHE_ENV, "0")
+    monkeypatch.setenv(LIMITS_ENV, "0.2")  # 100 MiB + 10 bytes a byte, 1 s CPU + 0.6 s a MB
+
+
+def test_the_memo_bomb_is_9_bytes_and_passes_the_prescan():
+    assert len(MEMO_BOMB) == 9
+    check_pickle(MEMO_BOMB, "m")  # the opcode model sees one small object
+
+
+def test_the_memo_bomb_is_refused_at_the_memory_limit_naming_the_file():
+    for read in (lambda: check_metadata_stream(io.BytesIO(MEMO_BOMB), "job/step-3/.metadata"),
+                 lambda: load_metadata(io.BytesIO(MEMO_BOMB), "job/step-3/.metadata")):
+        with pytest.raises(InvalidCheckpoint, match=r"job/step-3/\.metadata: decoding it needed over \d+ MiB"):
+            read()
+
+
+def test_a_dict_of_colliding_keys_is_refused_at_the_time_limit():
+    data = _colliding_dict(30_000)
+    check_pickle(data, "m")  # every budget of the pre-scan passes
+    with pytest.raises(InvalidCheckpoint, match="time limit"):
+        check_metadata_stream(io.BytesIO(data), "job/step-3/.metadata")
+
+
+def _torch_save_with_pickle(pkl: bytes) -> bytes:
+    buf = io.BytesIO()
+    torch.save({}, buf)
+    src = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            dst.writestr(info, pkl if info.filename.endswith("/data.pkl") else src.read(info))
+    return out.getvalue()
+
+
+def test_an_optimizer_entry_of_colliding_keys_is_refused_before_torch_reads_it():
+    blob = _torch_save_with_pickle(_colliding_dict(30_000))
+    with pytest.raises(InvalidCheckpoint, match="time limit"):
+        check_torch_save(io.BytesIO(blob), "entry optim.state")
+
+
+def test_a_tensor_chunk_is_parsed_by_a_whitelist_not_unpickled():
+    for tensor in (torch.arange(6.0).reshape(2, 3), torch.ones(3, 4).t(), torch.zeros((), dtype=torch.bfloat16),
+                   torch.arange(4.0).to(torch.float8_e4m3fn)):
+        buf = io.BytesIO()
+        torch.save(tensor, buf)
+        buf.seek(0)
+        got = load_chunk(buf, "c")
+        assert got.dtype == tensor.dtype and got.stride() == tensor.stride()
+        assert torch.equal(got.float(), tensor.float())
+    for pkl in (b"\x80\x02}" + _shared_nest() + b"K\x01s.", MEMO_BOMB, _colliding_dict(10)):
+        with pytest.raises(InvalidCheckpoint, match="not a tensor chunk"):
+            parse_tensor_pickle(pkl, "c")
+
+
+def test_a_tensor_reaching_past_its_storage_is_refused():
+    buf = io.BytesIO()
+    torch.save(torch.arange(4.0), buf)
+    data = buf.getvalue().replace(b"K\x04\x85", b"K\xff\x85", 1)  # size (255,) over 4 elements
+    with pytest.raises(InvalidCheckpoint, match="reaches past"):
+        load_chunk(io.BytesIO(data), "c")
+
+
+def _bomb_a_tensor_chunk(step: Path) -> None:
+    """Append a hash-bomb ``torch.save`` blob to a shard, point one tensor chunk at it, and
+    recompute the metadata and the manifest's sizes and checksums (every file checks out)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = pickle.loads((step / ".metadata").read_bytes())  # this test's own file
+    index = next(k for k in metadata.storage_data
+                 if isinstance(metadata.state_dict_metadata[k.fqn], TensorStorageMetadata))
+    shard = step / metadata.storage_data[index].relative_path
+    blob = _torch_save_with_pickle(b"\x80\x02}" + _shared_nest() + b"K\x01s.")
+    assert len(blob) < 4096
+    start = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(blob)
+    metadata.storage_data[index] = _StorageInfo(shard.name, start, len(blob))
+    _replace_metadata(step, pickle.dumps(metadata))
+    fields = Manifest.from_json((step / MANIFEST).read_text()).model_dump(mode="json", exclude_none=True)
+    fields["files"][shard.name] = describe_file(shard)
+    (step / MANIFEST).write_text(Manifest.model_validate(fields).to_json())
+
+
+@pytest.mark.parametrize("command", ["verify", "export"])
+def test_a_hash_bomb_in_place_of_a_tensor_chunk_is_refused(tmp_path, command):
+    step = _dcp_step(tmp_path / "job")
+    _bomb_a_tensor_chunk(step)
+    args = {"verify": ["verify", str(step)],
+            "export": ["export", str(step), "--format", "torch", "--out", str(tmp_path / "out")]}[command]
+    out = _bounded(*args)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    assert "not a tensor chunk" in text and "Traceback" not in text, text
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_real_step_still_loads_through_the_whitelist(tmp_path):
+    step = _dcp_step(tmp_path / "job")
+    out = _bounded("export", str(step), "--format", "torch", "--out", str(tmp_path / "out.pt"))
+    assert out.returncode == 0, out.stderr
+    exported = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert any(isinstance(v, torch.Tensor) for v in exported.values())
+
+
+class _Key:
+    def __init__(self, offset: tuple[int, ...]) -> None:
+        self.fqn, self.offset = "w", offset
+
+
+def _row_split(n: int, overlap_at: int | None = None):
+    """Metadata of a float32 ``[1, n]`` tensor saved in ``n`` chunks along its second dimension
+    (each its own 4 bytes of one file); ``overlap_at``: that chunk moved one element left."""
+    from types import SimpleNamespace as NS
+
+    cols = [i - 1 if i == overlap_at else i for i in range(n)]
+    chunks = [NS(offsets=(0, c), sizes=(1, 1)) for c in cols]
+    storage = {_Key((0, c)): NS(relative_path="f", offset=4 * i, length=4) for i, c in enumerate(cols)}
+    md = NS(size=(1, n), chunks=chunks, properties=NS(dtype=NS(itemsize=4)))
+    return NS(state_dict_metadata={"w": md}, storage_data=storage)
+
+
+def test_the_chunk_overlap_check_is_not_quadratic_in_a_second_dimension_split():
+    from raytrain_ckpt.checkpoint.format.chunks import layout_problem
+
+    n = 100_000  # quadratic: 5e9 box pairs; linear: a fraction of a second
+    assert layout_problem(_row_split(n), {"f": 4 * n}) is None
+    assert "that overlap" in layout_problem(_row_split(n, overlap_at=n // 2), {"f": 4 * n})
+
+
+def test_overlapping_chunks_of_equal_volume_are_named_in_any_dimension():
+    from raytrain_ckpt.checkpoint.format.chunks import _overlap
+
+    grid = [((r, c), (1, 2)) for r in range(3) for c in (0, 2)]
+    assert _overlap(grid) is None
+    assert _overlap(grid + [((1, 1), (1, 2))]) == ((1, 0), (1, 1))
+    staggered = [((0, 0), (1, 3)), ((0, 3), (1, 1)), ((1, 0), (1, 1)), ((1, 1), (1, 3)), ((1, 2), (1, 1))]
+    assert _overlap(staggered) == ((1, 1), (1, 2))
+
+
+def _plant_verdict(cache: Path, key: str, how: str) -> None:
+    """A verdict for ``key`` under ``cache/raytrain_ckpt/scanned`` that is not this user's own."""
+    import os
+
+    base = cache / "raytrain_ckpt" / "scanned"
+    if how == "symlinked":
+        elsewhere = cache / "planted"
+        (elsewhere / key[:2]).mkdir(parents=True)
+        (elsewhere / key[:2] / key).touch()
+        base.parent.mkdir(parents=True)
+        base.symlink_to(elsewhere)
+        return
+    (base / key[:2]).mkdir(parents=True)
+    os.chmod(cache / "raytrain_ckpt", 0o700)
+    os.chmod(base, 0o700)
+    os.chmod(base / key[:2], 0o700)
+    (base / key[:2] / key).touch()
+    if how == "world-writable":
+        os.chmod(base, 0o777)
+    elif how == "foreign-owned":
+        os.chown(base / key[:2] / key, 12345, 12345)
+    elif how == "linked-verdict":
+        (base / key[:2] / key).unlink()
+        (base / key[:2] / key).symlink_to(cache / "anything")
+
+
+@pytest.mark.parametrize("how", ["world-writable", "symlinked", "foreign-owned", "linked-verdict"])
+def test_a_verdict_that_is_not_ours_is_ignored(tmp_path, monkeypatch, how):
+    import os
+
+    if how == "foreign-owned" and os.getuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(scancache.CACHE_ENV)
+    nest = b"\x80\x02" + _shared_nest(40) + b"."
+    from raytrain_ckpt.checkpoint.format.prescan import DEFAULT_BUDGET
+
+    _plant_verdict(tmp_path / "cache", scancache.digest(nest, repr(DEFAULT_BUDGET.scaled())), how)
+    with pytest.raises(InvalidCheckpoint, match="shared references"):
+        check_pickle(nest, "x")
+
+
+def test_the_cache_folders_are_made_private_and_a_pass_is_remembered(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(scancache.CACHE_ENV)
+    os.umask(0o022)
+    check_pickle(pickle.dumps({"a": 1}), "x")
+    made = [tmp_path / "cache", tmp_path / "cache" / "raytrain_ckpt", tmp_path / "cache" / "raytrain_ckpt" / "scanned"]
+    made += [p for p in made[-1].iterdir()]
+    assert [stat.S_IMODE(p.stat().st_mode) for p in made] == [0o700] * len(made)
+    monkeypatch.setattr(scancache, "_SEEN", set())
+    assert scancache.passed_before(scancache.digest(pickle.dumps({"a": 1}), repr(
+        __import__("raytrain_ckpt.checkpoint.format.prescan", fromlist=["x"]).DEFAULT_BUDGET.scaled())))
