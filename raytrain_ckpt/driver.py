@@ -173,7 +173,8 @@ def _job_scalars(spec: JobSpec, service: CheckpointService | None) -> JobScalars
 def _record_end(spec: JobSpec, service: CheckpointService, record: dict, result: JobResult | None,
                 interrupted: bool) -> None:
     """The job's final state, for ``status --job`` after the end: posted in the cluster and written
-    to the job's record (``jobrecord.py``). A driver that stops on an error records FAILED."""
+    to the job's record (``jobrecord.py``). A driver that stops on an error records FAILED; one a
+    signal stopped records STOPPED with the step that is safe."""
     if result is not None and result.state.is_terminal:
         info = {"state": result.state.value, "attempt": result.attempts - 1, "train_step": _last_step(result),
                 "failures": dict(Counter(f.kind for f in result.failures))}
@@ -182,7 +183,7 @@ def _record_end(spec: JobSpec, service: CheckpointService, record: dict, result:
         info = {"state": "FAILED", "attempt": result.attempts - 1 if result is not None else 0, "train_step": None}
         error = "interrupted (Ctrl-C)" if interrupted else "the driver stopped on an error"
     status = result.checkpoints if result is not None and result.checkpoints else None
-    final = jobrecord.ended(record, status, info, error)
+    final = jobrecord.ended(record, status, info, error, stopped=result.stopped if result is not None else None)
     bulletin.post(spec.name, final)
     jobrecord.write(service.root, spec.name, final)
 

@@ -11,7 +11,8 @@ The driver writes it when the job starts and when it ends, to two places:
 
 Its content is the status's JSON view (``ActorStatus.to_dict``, what the bulletin in the GCS
 holds) with ``job_info.state`` the job's state, plus ``ended_unix`` (None while it runs) and
-``error`` (the headline of the last error of a FAILED job). Torch-free and Ray-free.
+``error`` (the headline of the last error of a FAILED job) and ``stopped`` (what a STOPPED job
+saved before it stopped: ``SIGTERM: step 95 is committed and safe``). Torch-free and Ray-free.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ __all__ = ["RECORD", "TERMINAL", "clamped", "ended", "is_ended", "local_path", "
 RECORD = ".job.json"
 """The record's name under the job's checkpoint root."""
 
-TERMINAL = ("SUCCEEDED", "FAILED")
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 """The job states a record ends with (``JobState``'s terminal members)."""
 
 
@@ -51,7 +52,7 @@ def started(job: str, root: str) -> dict[str, Any]:
             "failed": {}, "in_flight": [], "inflight": {"step": None, "phase": "idle", "ranks": {}},
             "failed_saves": {}, "job_info": {"state": "STARTING", "attempt": 0, "train_step": None},
             "at_risk": {"seconds": 0.0, "steps": 0}, "interval": None, "started_unix": time.time(),
-            "ended_unix": None, "error": None}
+            "ended_unix": None, "error": None, "stopped": None}
 
 
 def is_ended(record: dict[str, Any]) -> bool:
@@ -100,12 +101,13 @@ def _parse(read: Any) -> dict[str, Any] | None:
 
 
 def ended(record: dict[str, Any], status: dict[str, Any] | None, info: dict[str, Any],
-          error: str | None) -> dict[str, Any]:
+          error: str | None, stopped: str | None = None) -> dict[str, Any]:
     """The record of a job that reached its final state: ``record`` (its start) updated with
-    the CheckpointActor's last status and the controller's summary ``info``."""
+    the CheckpointActor's last status and the controller's summary ``info``; ``stopped``: what a
+    job a signal stopped saved."""
     out = {**record, **(status or {})}
     out["job_info"] = clamped(info, out.get("latest"))
-    out |= {"ended_unix": time.time(), "error": error}
+    out |= {"ended_unix": time.time(), "error": error, "stopped": stopped}
     return out
 
 

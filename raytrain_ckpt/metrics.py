@@ -420,7 +420,7 @@ class ControllerMetrics:
         state = ctrl.state.value
         if state != self._state:
             self._state = state
-            for s in ("STARTING", "RUNNING", "RECOVERING", "SUCCEEDED", "FAILED"):
+            for s in ("STARTING", "RUNNING", "RECOVERING", "SUCCEEDED", "FAILED", "STOPPED"):
                 record("job_state", int(s == state), {**self._tags, "state": s})
         record("job_attempt", ctrl.attempt, self._tags)
         failures = ctrl.result.failures

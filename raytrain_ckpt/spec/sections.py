@@ -710,7 +710,7 @@ class FaultToleranceSpec(_Section):
     max_preemptions: int | None = Field(None, ge=0)
     """Preemptions (drain notices acted on) the job survives before it fails; they never spend max_restarts. null: no limit."""
     stop_grace_s: float = Field(30.0, gt=0, le=MAX_SECONDS)
-    """On SIGTERM or SIGINT to the driver (`ray job stop`, a pod eviction, Ctrl-C): the time the ranks get to save and commit the step in hand before the job stops (exit 130, with the step that is safe); a second signal stops at once. SIGTERM to one rank's process (a pod eviction) gets the same time, as a drain notice of that rank: the job saves, restarts and resumes. Needs checkpoint.enabled."""
+    """On SIGTERM or SIGINT to the driver (`ray job stop`, a pod eviction, Ctrl-C): the time the ranks get to save and commit the step in hand before the job stops (state STOPPED, exit 143 for SIGTERM, 130 for SIGINT, with the step that is safe); a second signal stops at once. SIGTERM to one rank's process (a pod eviction) gets the same time, as a drain notice of that rank: the job saves, restarts and resumes. Needs checkpoint.enabled."""
     grow_check_s: float | None = Field(60.0, gt=0, le=MAX_SECONDS)
     """With resources.min_workers: how often a group running below num_workers looks for room for the missing ranks on nodes that are not draining; when they fit, the step in hand is saved and the group restarts at num_workers from it. Needs checkpoint.enabled. null: grow only at the next restart."""
     quarantine_s: float | None = Field(1800.0, gt=0, le=MAX_SECONDS)

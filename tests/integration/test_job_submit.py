@@ -365,6 +365,14 @@ def test_ray_job_stop_commits_the_step_in_hand_and_a_resubmit_resumes_there(head
     assert m, logs[-4000:]
     safe = int(m.group(1))
     assert 5 < safe < 10 and (root / f"step-{safe:08d}" / "manifest.json").exists()  # not the interval save
+    # STOPPED, as Ray says, in the driver's log, the job's record and `status`: not FAILED
+    line = f"SIGTERM: step {safe} is committed and safe"
+    assert f"RUNNING -> STOPPED ({line})" in logs and "-> FAILED" not in logs, logs[-4000:]
+    record = json.loads((root / ".job.json").read_text())
+    assert record["job_info"]["state"] == "STOPPED" and record["stopped"] == line and record["error"] is None, record
+    shown = subprocess.run([sys.executable, "-m", "raytrain_ckpt", "status", str(root)], cwd=REPO, env=head.env,
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and f"STOPPED" in shown.stdout and f"stopped by {line}" in shown.stdout, shown
     _, again = submit(safe + 2)
     out = again.stdout + again.stderr
     assert again.returncode == 0 and "succeeded" in out, out[-4000:]
