@@ -30,7 +30,7 @@ from raytrain_ckpt import reaper
 from raytrain_ckpt.preemption import preemption_guard, stop_signals
 from raytrain_ckpt.quarantine import Quarantine
 from raytrain_ckpt.preflight import protection_line
-from raytrain_ckpt.raydash import dashboard_line, job_metadata
+from raytrain_ckpt.raydash import dashboard_line, job_metadata, name_submitted_job
 from raytrain_ckpt.progressline import ProgressLine
 from raytrain_ckpt.scalars import JobScalars, open_logger
 from raytrain_ckpt.spec import JobSpec
@@ -69,6 +69,9 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
     try:
         _check_resources(spec, fixed_size=_local_ray())
         install_dashboard()
+        if (sub_id := name_submitted_job(job_metadata(spec))) is not None:
+            logger.info("submitted job %s: named %s on the Ray dashboard (Jobs: Name; ray list jobs --detail)",
+                        sub_id, spec.name)
         if (line := dashboard_line(spec.name)) is not None:
             logger.info("%s", line)
         logger.info("job %s: %d workers, dp_shard %d, pp %d, spec %s", spec.name, spec.world_size, spec.dp_size,

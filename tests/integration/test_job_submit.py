@@ -193,11 +193,25 @@ def test_job_submit_runs_the_demo_job_on_a_token_auth_head(head):
     # so `python -m raytrain_ckpt` imports it without an install, and the job's Ray
     # workers get the same copy on their path.
     done = head.ray_cli("job", "submit", "--address", head.api, "--submission-id", sub_id,
+                        "--metadata-json", '{"owner": "the-submitter"}',
                         "--working-dir", str(REPO), "--", *ENTRYPOINT, timeout=150)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
     assert f"Job '{sub_id}' succeeded" in out, out[-6000:]
     assert "SUCCEEDED" in out, out[-6000:]
+    assert f"submitted job {sub_id}: named llama-debug-fsdp on the Ray dashboard" in out, out[-6000:]
+
+    # the job names itself where the dashboard's Jobs page (Name: metadata.job_name) and the
+    # state API read a submitted job, the submitter's keys kept beside the job's own
+    code, body = head.get(f"/api/jobs/{sub_id}")
+    meta = json.loads(body)["metadata"]
+    assert meta["job_name"] == "llama-debug-fsdp" and meta["owner"] == "the-submitter", meta
+    assert meta["raytrain_ckpt.workers"] == "2" and meta["raytrain_ckpt.steps"] == "5", meta
+    assert meta["raytrain_ckpt.status"] == "raytrain-ckpt status --job llama-debug-fsdp", meta
+    listed = head.ray_cli("list", "jobs", "--detail", "--format", "json", "--address", head.api, timeout=60)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    [row] = [j for j in json.loads(listed.stdout) if j.get("submission_id") == sub_id]
+    assert row["metadata"]["job_name"] == "llama-debug-fsdp" and row["metadata"]["owner"] == "the-submitter", row
 
     # `ray job status` exits 0 whatever the job's state, so read what it says.
     status = head.ray_cli("job", "status", "--address", head.api, sub_id, timeout=60)
