@@ -12,6 +12,7 @@ import ray
 from ray.job_config import JobConfig
 
 from raytrain_ckpt.checkpoint.records import JobNote
+from raytrain_ckpt.clusteraddress import GCS_KEY
 from raytrain_ckpt.checkpoint.storage.runlock import FileRunLock, ObjectRunLock, run_lock
 from raytrain_ckpt import jobrecord
 from raytrain_ckpt.checkpoint.roles import bulletin
@@ -69,7 +70,7 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
     try:
         _check_resources(spec, fixed_size=_local_ray())
         install_dashboard()
-        if (sub_id := name_submitted_job(job_metadata(spec))) is not None:
+        if (sub_id := name_submitted_job(job_metadata(spec, _gcs_address()))) is not None:
             logger.info("submitted job %s: named %s on the Ray dashboard (Jobs: Name; ray list jobs --detail)",
                         sub_id, spec.name)
         if (line := dashboard_line(spec.name)) is not None:
@@ -110,7 +111,7 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
             ctrl.stop("checkpoint", problem)
 
     interrupted, result = False, None
-    record = jobrecord.started(spec.name, str(service.root)) if service is not None else None
+    record = jobrecord.started(spec.name, str(service.root), _gcs_address()) if service is not None else None
     if service is not None:
         jobrecord.write(service.root, spec.name, record)
     try:
@@ -241,6 +242,8 @@ def _init_ray(address: str | None, job_config: JobConfig | None = None) -> None:
         # where the node has none, the empty entry left behind puts the worker's own working
         # directory on its path, after every directory named here).
         env = {"PYTHONPATH": os.pathsep.join((path, "${PYTHONPATH}"))}
+        if job_config is not None and not target.startswith("ray://"):  # for status --address <dashboard URL>
+            job_config.set_metadata(GCS_KEY, target)
         _connect(target, lambda: ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True,
                                                    job_config=job_config))
         return
@@ -264,6 +267,14 @@ def _worker_path() -> str:
     relative entry against its own working directory, not the driver's."""
     entries = [os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     return os.pathsep.join(dict.fromkeys(os.path.abspath(e) for e in entries if e))
+
+
+def _gcs_address() -> str | None:
+    """The GCS address of the Ray this driver is connected to (None: a Ray Client driver)."""
+    from ray._private import worker
+
+    node = getattr(worker, "_global_node", None)
+    return getattr(node, "gcs_address", None)
 
 
 def _local_ray() -> bool:

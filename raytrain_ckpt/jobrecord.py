@@ -46,9 +46,10 @@ def local_path(job: str) -> Path:
     return base / "raytrain_ckpt" / "jobs" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}.json"
 
 
-def started(job: str, root: str) -> dict[str, Any]:
-    """The record of a job that is starting: its root, nothing committed yet known."""
-    return {"root": root, "job": job, "committed": [], "latest": None, "world_size": 0, "steps": {},
+def started(job: str, root: str, ray_address: str | None = None) -> dict[str, Any]:
+    """The record of a job that is starting: its root and the GCS address of its Ray cluster
+    (where ``status --job`` looks first), nothing committed yet known."""
+    return {"root": root, "job": job, "ray_address": ray_address, "committed": [], "latest": None, "world_size": 0, "steps": {},
             "failed": {}, "in_flight": [], "inflight": {"step": None, "phase": "idle", "ranks": {}},
             "failed_saves": {}, "job_info": {"state": "STARTING", "attempt": 0, "train_step": None},
             "at_risk": {"seconds": 0.0, "steps": 0}, "interval": None, "started_unix": time.time(),

@@ -36,10 +36,12 @@ _JOB_INFO_KEY = "_ray_internal_job_info_{}"
 """A submitted job's info in the GCS key-value store (``JobInfoStorageClient.JOB_DATA_KEY``)."""
 
 
-def job_metadata(spec: JobSpec) -> dict[str, str]:
-    """The job's keys in Ray's job metadata (strings only: Ray's ``JobConfig`` takes no other)."""
+def job_metadata(spec: JobSpec, gcs_address: str | None = None) -> dict[str, str]:
+    """The job's keys in Ray's job metadata (strings only: Ray's ``JobConfig`` takes no other);
+    ``gcs_address``: the cluster's, where ``status --address <dashboard URL>`` reads the job."""
     root = f"{str(spec.checkpoint.dir).rstrip('/')}/{spec.name}" if spec.checkpoint.enabled else "-"
-    return {"job_name": spec.name, "raytrain_ckpt.job": spec.name, "raytrain_ckpt.spec_hash": spec.spec_hash(),
+    gcs = {"raytrain_ckpt.gcs_address": gcs_address} if gcs_address else {}
+    return {**gcs, "job_name": spec.name, "raytrain_ckpt.job": spec.name, "raytrain_ckpt.spec_hash": spec.spec_hash(),
             "raytrain_ckpt.workers": str(spec.world_size), "raytrain_ckpt.steps": str(spec.training.steps),
             "raytrain_ckpt.checkpoint_root": root, "raytrain_ckpt.status": f"raytrain-ckpt status --job {spec.name}"}
 

@@ -370,6 +370,11 @@ def test_ray_job_stop_commits_the_step_in_hand_and_a_resubmit_resumes_there(head
         time.sleep(0.2)
     assert (root / "step-00000005" / "manifest.json").exists(), head.ray_cli(
         "job", "logs", "--address", head.api, sub_id).stdout[-4000:]
+    # the dashboard URL `ray job` takes finds the running job's cluster, and says which it used
+    shown = subprocess.run([sys.executable, "-m", "raytrain_ckpt", "status", "--job", "stop-resume", "--address",
+                            head.api], cwd=REPO, env=head.env, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert f"cluster: {head.api} (GCS " in shown.stdout and "job stop-resume: RUNNING" in shown.stdout, shown.stdout
     stop = head.ray_cli("job", "stop", "--address", head.api, sub_id, timeout=120)
     assert stop.returncode == 0, stop.stdout + stop.stderr
     code, body = head.get(f"/api/jobs/{sub_id}")
