@@ -33,7 +33,7 @@ from raytrain_ckpt.quarantine import Quarantine
 from raytrain_ckpt.preflight import protection_line
 from raytrain_ckpt.raydash import dashboard_line, job_metadata, name_submitted_job
 from raytrain_ckpt.progressline import ProgressLine
-from raytrain_ckpt.scalars import JobScalars, open_logger
+from raytrain_ckpt.scalars import JobScalars, open_job_loggers
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -164,13 +164,12 @@ def _progress_line(spec: JobSpec) -> ProgressLine:
 
 
 def _job_scalars(spec: JobSpec, service: CheckpointService | None) -> JobScalars | None:
-    """The driver's TensorBoard run (``training.tensorboard_dir``), replacing what an earlier run
-    of the job logged after the step this one resumes from."""
-    if spec.training.tensorboard_dir is None:
-        return None
+    """The driver's loggers (``training.tensorboard_dir``, ``training.loggers``): checkpoint and
+    failure events; TensorBoard's replaces what an earlier run logged after the resume step."""
     latest = service.status().latest if service is not None else None
-    out = open_logger(spec.training.tensorboard_dir, spec.name, "driver", latest or 0)
-    assert out is not None
+    out = open_job_loggers(spec, "driver", latest or 0)
+    if out is None:
+        return None
     return JobScalars(out, (lambda: service.status().to_dict()) if service is not None else None)
 
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from raytrain_ckpt.locations import home_problem, is_uri, mask_uri
 from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES, input_files
 from raytrain_ckpt.models import PRESETS, describe_model, resolve_factory
+from raytrain_ckpt.spec.loggers import LoggersSpec
 
 __all__ = [
     "CheckpointSpec",
@@ -375,8 +376,17 @@ class TrainingSpec(_Section):
     """cross_entropy (next-token, fp32), or a function 'package.module:fn' called as fn(logits [B, T, V], targets [B, T]) that returns a scalar tensor."""
     tensorboard_dir: str | None = None
     """Write TensorBoard scalars under <tensorboard_dir>/<job name>/: train (rank 0: loss, lr, tokens/s, eval loss) and driver (checkpoint commits, stall, persist, attempts, failures); steps replayed after a restart replace the earlier points. Needs the tensorboard extra; a directory every node can write (as checkpoint.dir). null: none."""
+    loggers: LoggersSpec = Field(default_factory=LoggersSpec)
+    """Scalar loggers: TensorBoard, W&B, MLflow or the user's own, one run per job (spec/loggers.py)."""
     guard: GuardSpec = Field(default_factory=GuardSpec)
     """The NaN/Inf and loss-spike guard: a trip rolls back to the newest certified step and skips the data window."""
+
+    @model_validator(mode="after")
+    def _tensorboard_named_with_its_dir(self) -> TrainingSpec:
+        if "tensorboard" in self.loggers.backends and self.tensorboard_dir is None:
+            raise ValueError("loggers.backends names tensorboard but training.tensorboard_dir is null; set "
+                             "training.tensorboard_dir=<directory>")
+        return self
 
     @field_validator("loss")
     @classmethod
