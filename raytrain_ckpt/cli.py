@@ -2,8 +2,9 @@
 clean-buffers | prepare-data``.
 
 Exit codes: 0 success, 1 the job failed, 2 a user mistake (bad spec, bad flag, not enough
-resources, a checkpoint.dir that not every node shares), 130 ``run`` stopped by Ctrl-C. User
-mistakes print one line per problem and never a traceback.
+resources, a checkpoint.dir that not every node shares), 130 ``run`` stopped by Ctrl-C (SIGINT),
+143 ``run`` stopped by SIGTERM (`ray job stop`): the job ended STOPPED. User mistakes print one
+line per problem and never a traceback.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ if TYPE_CHECKING:
     from raytrain_ckpt.spec import JobSpec
 
 __all__ = ["main"]
-
-"""128 + SIGINT, what a shell reports for a command stopped by Ctrl-C."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -262,10 +261,10 @@ def _run(spec: JobSpec, address: str | None) -> int:
         print(f"interrupted: job {spec.name} stopped; its committed checkpoints are kept, and running the same "
               "command again resumes from the newest valid step", file=sys.stderr)
         return ExitCode.INTERRUPTED
-    if result.stopped is not None:  # a signal: the step in hand was saved first
+    if result.state.value == "STOPPED":  # a signal: the step in hand was saved first
         print(f"stopped: job {spec.name}: {result.stopped}; running the same command again resumes from the newest "
               "committed step", file=sys.stderr)
-        return ExitCode.INTERRUPTED
+        return ExitCode.STOPPED if result.stopped_by == "SIGTERM" else ExitCode.INTERRUPTED
     if result.state.value == "SUCCEEDED":
         start = result.results[0].start_step if result.results else 0
         resumed = f", resumed at step {start}" if start else ""

@@ -86,17 +86,19 @@ class WorkerGroup(Protocol):
 
 
 class JobState(enum.Enum):
-    """Lifecycle of a job. SUCCEEDED and FAILED are terminal."""
+    """Lifecycle of a job. SUCCEEDED, FAILED and STOPPED are terminal. STOPPED: a signal to the
+    driver (`ray job stop`, Ctrl-C) ended it on purpose, after saving the step in hand."""
 
     STARTING = "STARTING"
     RUNNING = "RUNNING"
     RECOVERING = "RECOVERING"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
+    STOPPED = "STOPPED"
 
     @property
     def is_terminal(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.FAILED)
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
 
 
 class Decision(enum.Enum):
@@ -178,7 +180,9 @@ class JobResult:
     preemptions: list[dict] = field(default_factory=list)
     """Every preemption acted on: node, deadline, tier, saved step, steps lost (``PreemptionRecord``)."""
     stopped: str | None = None
-    """Set when a signal to the driver stopped the job: what was saved (the step that is safe)."""
+    """Set when a signal to the driver stopped the job (state STOPPED): what was saved (the step that is safe)."""
+    stopped_by: str | None = None
+    """The signal that stopped the job ("SIGTERM", "SIGINT"; None: it was not stopped)."""
     goodput: dict | None = None
     """Where the wall time went (``GoodputLedger.to_dict``): goodput, seconds by cause, each attempt's phases."""
     diagnostics: list[str] = field(default_factory=list)
@@ -529,17 +533,15 @@ class Controller:
             self._last_failure = None
             self._set_state(JobState.RECOVERING, failure.headline)
             return
+        if self.preemption.outcome == "stop":  # the driver was told to stop: the step is saved, stop
+            self._on_stop(failure)
+            return
         limit = self.spec.fault_tolerance.max_preemptions
         self.preemptions += 1
         self._last_failure = "preemption"
         self.result.failures.append(failure)
         self.result.preemptions.append(self.preemption.records[-1].to_dict())
         self.result.events.append((time.time(), f"attempt {self.attempt} preemption detected"))
-        if self.preemption.outcome == "stop":  # the driver was told to stop: the step is saved, stop
-            self.result.error = failure.detail
-            self.result.stopped = failure.headline
-            self._set_state(JobState.FAILED, f"stopped by {self.preemption.stop_request[0]}")
-            return
         if limit is not None and self.preemptions > limit:
             self.result.error = failure.detail
             self._set_state(JobState.FAILED, f"preemption; {self.preemptions - 1}/{limit} preemptions survived "
@@ -547,6 +549,14 @@ class Controller:
             return
         self._set_state(JobState.RECOVERING, f"preemption {self.preemptions}"
                                              + (f"/{limit}" if limit is not None else "") + "; restarts not spent")
+
+    def _on_stop(self, stop: Failure) -> None:
+        """A signal to the driver ended the job on purpose once the step in hand was saved: STOPPED,
+        not a failure (no budget spent, no error); ``result.stopped`` names the step that is safe."""
+        assert self.preemption is not None and self.preemption.stop_request is not None
+        self.result.stopped, self.result.stopped_by = stop.headline, self.preemption.stop_request[0]
+        self.result.events.append((time.time(), f"attempt {self.attempt} stopped by {self.result.stopped_by}"))
+        self._set_state(JobState.STOPPED, stop.headline)
 
     def _release_group(self, keep_warm: bool = False) -> None:
         if self.group is not None:

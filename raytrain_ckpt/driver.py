@@ -13,6 +13,7 @@ import ray
 from ray.job_config import JobConfig
 
 from raytrain_ckpt.checkpoint.records import JobNote
+from raytrain_ckpt.clusteraddress import GCS_KEY
 from raytrain_ckpt.checkpoint.storage.runlock import FileRunLock, ObjectRunLock, run_lock
 from raytrain_ckpt import jobrecord
 from raytrain_ckpt.checkpoint.roles import bulletin
@@ -31,9 +32,9 @@ from raytrain_ckpt import reaper
 from raytrain_ckpt.preemption import preemption_guard, stop_signals
 from raytrain_ckpt.quarantine import Quarantine
 from raytrain_ckpt.preflight import protection_line
-from raytrain_ckpt.raydash import dashboard_line, job_metadata
+from raytrain_ckpt.raydash import dashboard_line, job_metadata, name_submitted_job
 from raytrain_ckpt.progressline import ProgressLine
-from raytrain_ckpt.scalars import JobScalars, open_logger
+from raytrain_ckpt.scalars import JobScalars, open_job_loggers
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
     try:
         _check_resources(spec, fixed_size=_local_ray())
         install_dashboard()
+        if (sub_id := name_submitted_job(job_metadata(spec, _gcs_address()))) is not None:
+            logger.info("submitted job %s: named %s on the Ray dashboard (Jobs: Name; ray list jobs --detail)",
+                        sub_id, spec.name)
         if (line := dashboard_line(spec.name)) is not None:
             logger.info("%s", line)
         logger.info("job %s: %d workers, dp_shard %d, pp %d, spec %s", spec.name, spec.world_size, spec.dp_size,
@@ -109,7 +113,7 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
             ctrl.stop("checkpoint", problem)
 
     interrupted, result = False, None
-    record = jobrecord.started(spec.name, str(service.root)) if service is not None else None
+    record = jobrecord.started(spec.name, str(service.root), _gcs_address()) if service is not None else None
     if service is not None:
         jobrecord.write(service.root, spec.name, record)
     try:
@@ -162,20 +166,20 @@ def _progress_line(spec: JobSpec) -> ProgressLine:
 
 
 def _job_scalars(spec: JobSpec, service: CheckpointService | None) -> JobScalars | None:
-    """The driver's TensorBoard run (``training.tensorboard_dir``), replacing what an earlier run
-    of the job logged after the step this one resumes from."""
-    if spec.training.tensorboard_dir is None:
-        return None
+    """The driver's loggers (``training.tensorboard_dir``, ``training.loggers``): checkpoint and
+    failure events; TensorBoard's replaces what an earlier run logged after the resume step."""
     latest = service.status().latest if service is not None else None
-    out = open_logger(spec.training.tensorboard_dir, spec.name, "driver", latest or 0)
-    assert out is not None
+    out = open_job_loggers(spec, "driver", latest or 0)
+    if out is None:
+        return None
     return JobScalars(out, (lambda: service.status().to_dict()) if service is not None else None)
 
 
 def _record_end(spec: JobSpec, service: CheckpointService, record: dict, result: JobResult | None,
                 interrupted: bool) -> None:
     """The job's final state, for ``status --job`` after the end: posted in the cluster and written
-    to the job's record (``jobrecord.py``). A driver that stops on an error records FAILED."""
+    to the job's record (``jobrecord.py``). A driver that stops on an error records FAILED; one a
+    signal stopped records STOPPED with the step that is safe."""
     if result is not None and result.state.is_terminal:
         info = {"state": result.state.value, "attempt": result.attempts - 1, "train_step": _last_step(result),
                 "failures": dict(Counter(f.kind for f in result.failures))}
@@ -184,7 +188,7 @@ def _record_end(spec: JobSpec, service: CheckpointService, record: dict, result:
         info = {"state": "FAILED", "attempt": result.attempts - 1 if result is not None else 0, "train_step": None}
         error = "interrupted (Ctrl-C)" if interrupted else "the driver stopped on an error"
     status = result.checkpoints if result is not None and result.checkpoints else None
-    final = jobrecord.ended(record, status, info, error)
+    final = jobrecord.ended(record, status, info, error, stopped=result.stopped if result is not None else None)
     bulletin.post(spec.name, final)
     jobrecord.write(service.root, spec.name, final)
 
@@ -239,6 +243,8 @@ def _init_ray(address: str | None, job_config: JobConfig | None = None) -> None:
         # where the node has none, the empty entry left behind puts the worker's own working
         # directory on its path, after every directory named here).
         env = {"PYTHONPATH": os.pathsep.join((path, "${PYTHONPATH}"))}
+        if job_config is not None and not target.startswith("ray://"):  # for status --address <dashboard URL>
+            job_config.set_metadata(GCS_KEY, target)
         _connect(target, lambda: ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True,
                                                    job_config=job_config))
         return
@@ -263,6 +269,14 @@ def _worker_path() -> str:
     relative entry against its own working directory, not the driver's."""
     entries = [os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     return os.pathsep.join(dict.fromkeys(os.path.abspath(e) for e in entries if e))
+
+
+def _gcs_address() -> str | None:
+    """The GCS address of the Ray this driver is connected to (None: a Ray Client driver)."""
+    from ray._private import worker
+
+    node = getattr(worker, "_global_node", None)
+    return getattr(node, "gcs_address", None)
 
 
 def _local_ray() -> bool:

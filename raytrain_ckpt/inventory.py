@@ -260,6 +260,8 @@ def ending_line(record: dict[str, Any], now: float | None = None) -> str:
     line = (f"job {record.get('job', '?')}: {state}{when}, attempt {info.get('attempt', 0)}, training step "
             f"{info.get('train_step') if info.get('train_step') is not None else '-'}, last committed step "
             f"{latest if latest is not None else '-'}")
+    if record.get("stopped"):
+        line += f"; stopped by {record['stopped']}"
     return line + (f"; error: {record['error']}" if record.get("error") else "")
 
 

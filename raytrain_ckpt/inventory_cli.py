@@ -67,7 +67,9 @@ def add_parsers(sub: Any) -> None:
     st = sub.add_parser("status", help="checkpoint progress of a running job (--job) or a checkpoint directory")
     st.add_argument("dir", nargs="?", help="a job's checkpoint root (checkpoint.dir/<job name>)")
     st.add_argument("--job", help="name of a running job: ask its CheckpointActor")
-    st.add_argument("--address", help="Ray address for --job; default: RAY_ADDRESS, else the local cluster")
+    st.add_argument("--address", help="Ray cluster for --job: a dashboard URL (http://host:8265), a GCS address "
+                                      "(host:6379) or auto; default: RAY_ADDRESS, else the cluster the job's record "
+                                      "on this machine names, else auto")
     st.add_argument("--watch", type=_positive_seconds, nargs="?", const=2.0, metavar="SECONDS",
                     help="refresh every SECONDS (default 2) until Ctrl-C")
     st.add_argument("--json", action="store_true", help="print JSON (for scripts)")

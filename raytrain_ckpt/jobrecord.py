@@ -11,7 +11,8 @@ The driver writes it when the job starts and when it ends, to two places:
 
 Its content is the status's JSON view (``ActorStatus.to_dict``, what the bulletin in the GCS
 holds) with ``job_info.state`` the job's state, plus ``ended_unix`` (None while it runs) and
-``error`` (the headline of the last error of a FAILED job). Torch-free and Ray-free.
+``error`` (the headline of the last error of a FAILED job) and ``stopped`` (what a STOPPED job
+saved before it stopped: ``SIGTERM: step 95 is committed and safe``). Torch-free and Ray-free.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ __all__ = ["MAX_RECORD_BYTES", "RECORD", "TERMINAL", "clamped", "ended", "is_end
 RECORD = ".job.json"
 """The record's name under the job's checkpoint root."""
 
-TERMINAL = ("SUCCEEDED", "FAILED")
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 """The job states a record ends with (``JobState``'s terminal members)."""
 
 
@@ -45,13 +46,14 @@ def local_path(job: str) -> Path:
     return base / "raytrain_ckpt" / "jobs" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}.json"
 
 
-def started(job: str, root: str) -> dict[str, Any]:
-    """The record of a job that is starting: its root, nothing committed yet known."""
-    return {"root": root, "job": job, "committed": [], "latest": None, "world_size": 0, "steps": {},
+def started(job: str, root: str, ray_address: str | None = None) -> dict[str, Any]:
+    """The record of a job that is starting: its root and the GCS address of its Ray cluster
+    (where ``status --job`` looks first), nothing committed yet known."""
+    return {"root": root, "job": job, "ray_address": ray_address, "committed": [], "latest": None, "world_size": 0, "steps": {},
             "failed": {}, "in_flight": [], "inflight": {"step": None, "phase": "idle", "ranks": {}},
             "failed_saves": {}, "job_info": {"state": "STARTING", "attempt": 0, "train_step": None},
             "at_risk": {"seconds": 0.0, "steps": 0}, "interval": None, "started_unix": time.time(),
-            "ended_unix": None, "error": None}
+            "ended_unix": None, "error": None, "stopped": None}
 
 
 def is_ended(record: dict[str, Any]) -> bool:
@@ -147,12 +149,13 @@ def _type_problem(value: Any) -> str | None:
 
 
 def ended(record: dict[str, Any], status: dict[str, Any] | None, info: dict[str, Any],
-          error: str | None) -> dict[str, Any]:
+          error: str | None, stopped: str | None = None) -> dict[str, Any]:
     """The record of a job that reached its final state: ``record`` (its start) updated with
-    the CheckpointActor's last status and the controller's summary ``info``."""
+    the CheckpointActor's last status and the controller's summary ``info``; ``stopped``: what a
+    job a signal stopped saved."""
     out = {**record, **(status or {})}
     out["job_info"] = clamped(info, out.get("latest"))
-    out |= {"ended_unix": time.time(), "error": error}
+    out |= {"ended_unix": time.time(), "error": error, "stopped": stopped}
     return out
 
 

@@ -2,7 +2,7 @@
 
 In order:
 
-1. the job's bulletin in its cluster's GCS (``checkpoint/roles/bulletin.py``), read with a
+1. the job's bulletin in its cluster's GCS (which cluster: ``clusteraddress.py``) (``checkpoint/roles/bulletin.py``), read with a
    plain GCS client: no ``ray.init``, so no driver job joins the Ray dashboard's Jobs list. It
    is posted while the job runs and holds the final state once it ended, as long as the
    cluster lives;
@@ -26,8 +26,8 @@ from raytrain_ckpt import jobrecord
 from raytrain_ckpt.hangs import status_line
 from raytrain_ckpt.checkpoint.errors import StorageUnavailable
 from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text, summary_line
-from raytrain_ckpt.inventory import (UsageError, ending_line, interval_text, live_rows, live_status, root_dir, scan,
-                                     table, unreachable_address)
+from raytrain_ckpt.clusteraddress import resolve
+from raytrain_ckpt.inventory import UsageError, ending_line, interval_text, live_rows, live_status, root_dir, scan, table
 
 __all__ = ["JobView", "job_report", "job_status"]
 
@@ -44,6 +44,8 @@ class JobView:
     """Why the view is not the cluster's (the cluster is gone, the job recorded no end)."""
     cluster_gone: bool = False
     """No cluster answers: nothing newer will come."""
+    cluster: str | None = None
+    """The cluster asked, as ``status`` names it (``http://h:8265 (GCS h:6379)``, ``auto, found h:p``)."""
 
     @property
     def state(self) -> str:
@@ -57,57 +59,44 @@ class JobView:
 
 def job_status(job: str, address: str | None, last: JobView | None = None) -> JobView:
     """The status of ``job`` (see the module docstring); raises UsageError when nothing knows it."""
-    target = address or os.environ.get("RAY_ADDRESS") or "auto"
-    if target.startswith("ray://"):
-        return JobView(live_status(job, target).to_dict(), "cluster")
-    gcs, problem = _gcs_address(target)
-    if gcs is not None:
+    given = address or os.environ.get("RAY_ADDRESS") or "auto"
+    if given.startswith("ray://"):
+        return JobView(live_status(job, given).to_dict(), "cluster", cluster=given)
+    record = jobrecord.read_local(job)
+    target = resolve(job, address, (record or {}).get("ray_address"))
+    problem = target.problem
+    if target.gcs is not None:
         from raytrain_ckpt.checkpoint.roles import bulletin
 
         try:
-            data = bulletin.read(gcs, job)
+            data = bulletin.read(target.gcs, job)
         except ConnectionError as exc:
             problem = str(exc)
         except PermissionError as exc:  # the cluster is there but does not let this process in
             raise UsageError(f"--job {job}: {exc}") from None
         else:
             if data is not None:
-                return JobView(data, "cluster")
-    gone = (f"the Ray cluster at {target} is gone ({problem})" if problem is not None else
-            f"the Ray cluster at {target} knows no job {job}")
-    record, is_gone = jobrecord.read_local(job), problem is not None
+                return JobView(data, "cluster", cluster=target.describe())
+    named = target.describe()
+    gone = (f"the Ray cluster at {named} is gone ({problem})" if problem is not None else
+            f"the Ray cluster at {named} knows no job {job}")
+    is_gone = problem is not None
     if record is not None:
         how = ""
         if not jobrecord.is_ended(record):
             how = ("; the job recorded no end (its driver was stopped or lost)" if is_gone else
                    "; the job has not posted its status yet (starting), or its driver was lost")
-        return JobView(record, "record", f"{gone}: from the job's record {jobrecord.local_path(job)}{how}", is_gone)
+        return JobView(record, "record", f"{gone}: from the job's record {jobrecord.local_path(job)}{how}", is_gone,
+                       named)
     if last is not None:
-        return JobView(last.data, "last-seen", f"{gone}: its last status seen", True)
+        return JobView(last.data, "last-seen", f"{gone}: its last status seen", True, named)
     if problem is not None:
-        raise UsageError(f"--job {job}: cannot reach a Ray cluster at {target} ({problem}) and this machine has no "
+        raise UsageError(f"--job {job}: cannot reach a Ray cluster at {named} ({problem}) and this machine has no "
                          "record of that job; start the cluster, pass --address / RAY_ADDRESS, or give the job's "
                          "checkpoint root: raytrain-ckpt status DIR")
-    raise UsageError(f"--job {job}: no running job of that name on this cluster (none posted a status) and this "
-                     "machine has no record of it; check the name and --address, or give the job's checkpoint root: "
-                     "raytrain-ckpt status DIR")
-
-
-def _gcs_address(target: str) -> tuple[str | None, str | None]:
-    """(the GCS ``host:port`` of the cluster ``target`` names, None) or (None, why there is none)."""
-    from ray._private import services
-
-    problem = unreachable_address(target)  # as the user wrote it: Ray's client would retry a dead GCS for a minute
-    if problem:
-        return None, problem
-    try:
-        gcs = services.canonicalize_bootstrap_address(target)
-    except Exception as exc:  # noqa: BLE001 - Ray's ConnectionError / ValueError: no cluster found or a bad address
-        return None, " ".join(str(exc).split())[:200]
-    if gcs is None:
-        return None, "no Ray cluster runs on this machine"
-    problem = unreachable_address(gcs)  # (the cluster `auto` found)
-    return (None, problem) if problem else (gcs, None)
+    raise UsageError(f"--job {job}: no running job of that name on the cluster at {named} (none posted a status) and "
+                     "this machine has no record of it; check the name and --address, or give the job's checkpoint "
+                     "root: raytrain-ckpt status DIR")
 
 
 def job_report(view: JobView) -> tuple[str, dict[str, Any]]:
@@ -129,6 +118,8 @@ def job_report(view: JobView) -> tuple[str, dict[str, Any]]:
         head = (f"job {st.get('job', '?')}: {info.get('state', '?')}, attempt {info.get('attempt', 0)}, training step "
                 f"{info.get('train_step') if info.get('train_step') is not None else '?'}; {summary_line(st)}; "
                 f"work at risk {risk['steps']} steps, {risk['seconds']:.0f}s")
+    if view.source == "cluster" and view.cluster:
+        head += f"\ncluster: {view.cluster}"
     if view.note:
         head += f"\nnote: {view.note}"
     if info.get("preemption"):
@@ -143,6 +134,6 @@ def job_report(view: JobView) -> tuple[str, dict[str, Any]]:
     point = f"step {latest}" if latest is not None else "none (a fresh start)"
     data = {"root": root, "job": info, "summary": summary_line({**st, "latest": latest}), "at_risk": risk,
             "failed_saves": st.get("failed_saves") or {}, "interval": st.get("interval"), "ended": view.ended,
-            "source": view.source, "note": view.note, "ended_unix": st.get("ended_unix"), "error": st.get("error"),
+            "source": view.source, "cluster": view.cluster, "note": view.note, "ended_unix": st.get("ended_unix"), "error": st.get("error"),
             "resume_step": latest, "steps": [asdict(r) for r in rows]}
     return f"{head}\n{table(rows)}\nresume point: {point}", data

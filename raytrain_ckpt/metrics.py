@@ -125,6 +125,8 @@ METRICS: dict[str, MetricDef] = {m.name.removeprefix(PREFIX): m for m in (
        "(also one overtaken by a newer step, whose staging reused the buffer: that step's send follows); until "
        "a send succeeds, losing this node restores its ranks from storage.", "rank", "node"),
     # controller
+    _m("logger_dropped_total", "counter", "Scalar points a W&B, MLflow or user logger dropped (its service down or "
+       "slow: training never waits on it).", "logger"),
     _m("job_state", "gauge", "1 for the controller's current state, 0 for the others.", "state"),
     _m("job_attempt", "gauge", "Attempt number of the running worker group (0: the first)."),
     _m("job_failures_total", "counter", "Worker group failures, by cause (crash, exception, hang, start).",
@@ -420,7 +422,7 @@ class ControllerMetrics:
         state = ctrl.state.value
         if state != self._state:
             self._state = state
-            for s in ("STARTING", "RUNNING", "RECOVERING", "SUCCEEDED", "FAILED"):
+            for s in ("STARTING", "RUNNING", "RECOVERING", "SUCCEEDED", "FAILED", "STOPPED"):
                 record("job_state", int(s == state), {**self._tags, "state": s})
         record("job_attempt", ctrl.attempt, self._tags)
         failures = ctrl.result.failures

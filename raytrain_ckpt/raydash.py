@@ -2,14 +2,23 @@
 logs at start saying where the dashboard is and how a browser gets in.
 
 Ray keeps a driver job's ``JobConfig.metadata`` with the job (the dashboard's job page,
-``ray list jobs --detail``); a job submitted with ``ray job submit --metadata-json`` keeps the
-submitter's keys too (Ray merges them into the driver's). The metadata is fixed at connect time:
-the job's live state is the ``job_state`` metric and ``raytrain-ckpt status --job``.
+``ray list jobs --detail``). A submitted job (`ray job submit`) is shown from another record: the
+job's submission info (``JobInfo``, in the GCS's key-value store under the ``job`` namespace),
+which holds only the submitter's ``--metadata-json``; Ray has no call that changes it after the
+submit. So the driver of a submitted job adds its keys to that record itself once connected
+(``name_submitted_job``), the submitter's keys winning, the same read-modify-write Ray's job
+supervisor does for each status change (which keeps them: it replaces the status only). Where that
+cannot be done, the warning names the submit flag that does the same. The dashboard's Jobs page
+shows the ``job_name`` key in its Name column. The metadata is fixed at start: the job's live
+state is the ``job_state`` metric and ``raytrain-ckpt status --job``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shlex
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -17,13 +26,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["dashboard_line", "job_metadata"]
+__all__ = ["dashboard_line", "job_metadata", "metadata_flag", "name_submitted_job"]
+
+_SUBMITTED = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+"""Set by Ray's job supervisor for a submitted job's entrypoint: its runtime_env and metadata."""
+_SUBMISSION_ID = "job_submission_id"
+"""The metadata key holding a submitted job's id (``ray.dashboard.modules.job.common.JOB_ID_METADATA_KEY``)."""
+_JOB_INFO_KEY = "_ray_internal_job_info_{}"
+"""A submitted job's info in the GCS key-value store (``JobInfoStorageClient.JOB_DATA_KEY``)."""
 
 
-def job_metadata(spec: JobSpec) -> dict[str, str]:
-    """The job's keys in Ray's job metadata (strings only: Ray's ``JobConfig`` takes no other)."""
+def job_metadata(spec: JobSpec, gcs_address: str | None = None) -> dict[str, str]:
+    """The job's keys in Ray's job metadata (strings only: Ray's ``JobConfig`` takes no other);
+    ``gcs_address``: the cluster's, where ``status --address <dashboard URL>`` reads the job."""
     root = f"{str(spec.checkpoint.dir).rstrip('/')}/{spec.name}" if spec.checkpoint.enabled else "-"
-    return {"job_name": spec.name, "raytrain_ckpt.job": spec.name, "raytrain_ckpt.spec_hash": spec.spec_hash(),
+    gcs = {"raytrain_ckpt.gcs_address": gcs_address} if gcs_address else {}
+    return {**gcs, "job_name": spec.name, "raytrain_ckpt.job": spec.name, "raytrain_ckpt.spec_hash": spec.spec_hash(),
             "raytrain_ckpt.workers": str(spec.world_size), "raytrain_ckpt.steps": str(spec.training.steps),
             "raytrain_ckpt.checkpoint_root": root, "raytrain_ckpt.status": f"raytrain-ckpt status --job {spec.name}"}
 
@@ -54,3 +72,35 @@ def _token_auth() -> bool:
     except ImportError:  # a Ray without token authentication
         return False
     return is_token_auth_enabled()
+
+
+def metadata_flag(metadata: dict[str, str]) -> str:
+    """``--metadata-json '{...}'``: the `ray job submit` flag that gives a submitted job these keys."""
+    return f"--metadata-json {shlex.quote(json.dumps(metadata, separators=(',', ':')))}"
+
+
+def name_submitted_job(metadata: dict[str, str]) -> str | None:
+    """Add ``metadata`` to the submission record of the job this driver runs for (`ray job submit`),
+    keys the submitter gave kept as they are; returns its submission id (None: not a submitted
+    job). Never raises: a record that cannot be changed is a warning naming the submit flag."""
+    submitted = os.environ.get(_SUBMITTED)
+    if submitted is None:
+        return None
+    sub_id = (json.loads(submitted).get("metadata") or {}).get(_SUBMISSION_ID)
+    if not sub_id:
+        return None
+    from ray.experimental import internal_kv
+
+    key = _JOB_INFO_KEY.format(sub_id)
+    try:
+        raw = internal_kv._internal_kv_get(key, namespace="job")
+        info = json.loads(raw) if raw else None
+        if not isinstance(info, dict):
+            raise ValueError("no submission record")
+        info["metadata"] = {**metadata, **(info.get("metadata") or {})}
+        internal_kv._internal_kv_put(key, json.dumps(info), overwrite=True, namespace="job")
+    except Exception as exc:  # noqa: BLE001 - a Ray whose record differs: the job runs on, without its name
+        logger.warning("the Ray dashboard shows submitted job %s without its name (%s); submit with %s to give it "
+                       "one", sub_id, exc, metadata_flag(metadata))
+        return None
+    return sub_id

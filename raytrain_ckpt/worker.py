@@ -35,7 +35,7 @@ from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.nodeprogress import ProgressFile, PublishedProgress, read_node
 from raytrain_ckpt.metrics import TrainerMetrics
 from raytrain_ckpt.nccl_trace import enable_recorder, rank_trace
-from raytrain_ckpt.scalars import ScalarLogger, log_step, open_logger
+from raytrain_ckpt.scalars import ScalarLogger, log_step, open_job_loggers
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -472,7 +472,7 @@ class TrainWorker(PublishedProgress):
         if self.rank != 0:
             return None
         assert self.trainer is not None
-        return open_logger(self.spec.training.tensorboard_dir, self.spec.name, "train", self.trainer.state.step)
+        return open_job_loggers(self.spec, "train", self.trainer.state.step)
 
     def where(self) -> RankPlace:
         """This process's pid and Ray node id: where its stacks are read from when the group hangs."""

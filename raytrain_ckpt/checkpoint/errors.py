@@ -24,7 +24,9 @@ class ExitCode(enum.IntEnum):
     USAGE = 2
     """A user mistake: a bad spec, flag or path, a cluster that cannot hold the job; one line per problem."""
     INTERRUPTED = 130
-    """``run`` stopped by Ctrl-C; committed steps are kept."""
+    """``run`` stopped by Ctrl-C (SIGINT, 128 + 2); committed steps are kept."""
+    STOPPED = 143
+    """``run`` stopped by SIGTERM (128 + 15: `ray job stop`, a pod's end); the step in hand was saved."""
 
 
 class ConversionError(ValueError):

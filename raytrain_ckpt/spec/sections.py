@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from raytrain_ckpt.locations import home_problem, is_uri, mask_uri
 from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES, input_files
 from raytrain_ckpt.models import PRESETS, describe_model, resolve_factory
+from raytrain_ckpt.spec.loggers import LoggersSpec
 
 __all__ = [
     "CheckpointSpec",
@@ -375,8 +376,17 @@ class TrainingSpec(_Section):
     """cross_entropy (next-token, fp32), or a function 'package.module:fn' called as fn(logits [B, T, V], targets [B, T]) that returns a scalar tensor."""
     tensorboard_dir: str | None = None
     """Write TensorBoard scalars under <tensorboard_dir>/<job name>/: train (rank 0: loss, lr, tokens/s, eval loss) and driver (checkpoint commits, stall, persist, attempts, failures); steps replayed after a restart replace the earlier points. Needs the tensorboard extra; a directory every node can write (as checkpoint.dir). null: none."""
+    loggers: LoggersSpec = Field(default_factory=LoggersSpec)
+    """Scalar loggers: TensorBoard, W&B, MLflow or the user's own, one run per job (spec/loggers.py)."""
     guard: GuardSpec = Field(default_factory=GuardSpec)
     """The NaN/Inf and loss-spike guard: a trip rolls back to the newest certified step and skips the data window."""
+
+    @model_validator(mode="after")
+    def _tensorboard_named_with_its_dir(self) -> TrainingSpec:
+        if "tensorboard" in self.loggers.backends and self.tensorboard_dir is None:
+            raise ValueError("loggers.backends names tensorboard but training.tensorboard_dir is null; set "
+                             "training.tensorboard_dir=<directory>")
+        return self
 
     @field_validator("loss")
     @classmethod
@@ -710,7 +720,7 @@ class FaultToleranceSpec(_Section):
     max_preemptions: int | None = Field(None, ge=0)
     """Preemptions (drain notices acted on) the job survives before it fails; they never spend max_restarts. null: no limit."""
     stop_grace_s: float = Field(30.0, gt=0, le=MAX_SECONDS)
-    """On SIGTERM or SIGINT to the driver (`ray job stop`, a pod eviction, Ctrl-C): the time the ranks get to save and commit the step in hand before the job stops (exit 130, with the step that is safe); a second signal stops at once. SIGTERM to one rank's process (a pod eviction) gets the same time, as a drain notice of that rank: the job saves, restarts and resumes. Needs checkpoint.enabled."""
+    """On SIGTERM or SIGINT to the driver (`ray job stop`, a pod eviction, Ctrl-C): the time the ranks get to save and commit the step in hand before the job stops (state STOPPED, exit 143 for SIGTERM, 130 for SIGINT, with the step that is safe); a second signal stops at once. SIGTERM to one rank's process (a pod eviction) gets the same time, as a drain notice of that rank: the job saves, restarts and resumes. Needs checkpoint.enabled. A local Ray the driver starts runs in sessions of its own, so a signal to the driver's whole process group (`timeout`, a shell's job control) reaches the driver and not the Ray it stops with. A second signal means "stop now": logged as `SIGTERM again: stopping now`, and handled as Ctrl-C (what is committed stays, Ray shuts down, staging buffers are freed; exit 130)."""
     grow_check_s: float | None = Field(60.0, gt=0, le=MAX_SECONDS)
     """With resources.min_workers: how often a group running below num_workers looks for room for the missing ranks on nodes that are not draining; when they fit, the step in hand is saved and the group restarts at num_workers from it. Needs checkpoint.enabled. null: grow only at the next restart."""
     quarantine_s: float | None = Field(1800.0, gt=0, le=MAX_SECONDS)

@@ -193,11 +193,25 @@ def test_job_submit_runs_the_demo_job_on_a_token_auth_head(head):
     # so `python -m raytrain_ckpt` imports it without an install, and the job's Ray
     # workers get the same copy on their path.
     done = head.ray_cli("job", "submit", "--address", head.api, "--submission-id", sub_id,
+                        "--metadata-json", '{"owner": "the-submitter"}',
                         "--working-dir", str(REPO), "--", *ENTRYPOINT, timeout=150)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
     assert f"Job '{sub_id}' succeeded" in out, out[-6000:]
     assert "SUCCEEDED" in out, out[-6000:]
+    assert f"submitted job {sub_id}: named llama-debug-fsdp on the Ray dashboard" in out, out[-6000:]
+
+    # the job names itself where the dashboard's Jobs page (Name: metadata.job_name) and the
+    # state API read a submitted job, the submitter's keys kept beside the job's own
+    code, body = head.get(f"/api/jobs/{sub_id}")
+    meta = json.loads(body)["metadata"]
+    assert meta["job_name"] == "llama-debug-fsdp" and meta["owner"] == "the-submitter", meta
+    assert meta["raytrain_ckpt.workers"] == "2" and meta["raytrain_ckpt.steps"] == "5", meta
+    assert meta["raytrain_ckpt.status"] == "raytrain-ckpt status --job llama-debug-fsdp", meta
+    listed = head.ray_cli("list", "jobs", "--detail", "--format", "json", "--address", head.api, timeout=60)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    [row] = [j for j in json.loads(listed.stdout) if j.get("submission_id") == sub_id]
+    assert row["metadata"]["job_name"] == "llama-debug-fsdp" and row["metadata"]["owner"] == "the-submitter", row
 
     # `ray job status` exits 0 whatever the job's state, so read what it says.
     status = head.ray_cli("job", "status", "--address", head.api, sub_id, timeout=60)
@@ -356,6 +370,11 @@ def test_ray_job_stop_commits_the_step_in_hand_and_a_resubmit_resumes_there(head
         time.sleep(0.2)
     assert (root / "step-00000005" / "manifest.json").exists(), head.ray_cli(
         "job", "logs", "--address", head.api, sub_id).stdout[-4000:]
+    # the dashboard URL `ray job` takes finds the running job's cluster, and says which it used
+    shown = subprocess.run([sys.executable, "-m", "raytrain_ckpt", "status", "--job", "stop-resume", "--address",
+                            head.api], cwd=REPO, env=head.env, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert f"cluster: {head.api} (GCS " in shown.stdout and "job stop-resume: RUNNING" in shown.stdout, shown.stdout
     stop = head.ray_cli("job", "stop", "--address", head.api, sub_id, timeout=120)
     assert stop.returncode == 0, stop.stdout + stop.stderr
     code, body = head.get(f"/api/jobs/{sub_id}")
@@ -365,6 +384,14 @@ def test_ray_job_stop_commits_the_step_in_hand_and_a_resubmit_resumes_there(head
     assert m, logs[-4000:]
     safe = int(m.group(1))
     assert 5 < safe < 10 and (root / f"step-{safe:08d}" / "manifest.json").exists()  # not the interval save
+    # STOPPED, as Ray says, in the driver's log, the job's record and `status`: not FAILED
+    line = f"SIGTERM: step {safe} is committed and safe"
+    assert f"RUNNING -> STOPPED ({line})" in logs and "-> FAILED" not in logs, logs[-4000:]
+    record = json.loads((root / ".job.json").read_text())
+    assert record["job_info"]["state"] == "STOPPED" and record["stopped"] == line and record["error"] is None, record
+    shown = subprocess.run([sys.executable, "-m", "raytrain_ckpt", "status", str(root)], cwd=REPO, env=head.env,
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and f"STOPPED" in shown.stdout and f"stopped by {line}" in shown.stdout, shown
     _, again = submit(safe + 2)
     out = again.stdout + again.stderr
     assert again.returncode == 0 and "succeeded" in out, out[-4000:]

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -80,9 +81,14 @@ def test_a_deadline_too_short_for_a_durable_save_resumes_from_ram_on_a_surviving
     assert f"step-{saved:08d}" not in r["committed_after"] and saved not in run["committed"]
 
 
+_STATE_HOME = tempfile.mkdtemp(prefix="rtc-state-", dir="/tmp")
+"""This module's drivers write their job records here, not in the user's ~/.local/state."""
+
+
 def _cli_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(PYTHONPATH=str(REPO), RAY_AUTH_MODE="disabled", RAY_TMPDIR=tempfile.mkdtemp(prefix="rtc-", dir="/tmp"))
+    env.update(PYTHONPATH=str(REPO), RAY_AUTH_MODE="disabled", RAY_TMPDIR=tempfile.mkdtemp(prefix="rtc-", dir="/tmp"),
+               XDG_STATE_HOME=_STATE_HOME)
     return env
 
 
@@ -109,11 +115,26 @@ def test_sigterm_to_the_driver_commits_the_step_in_hand_and_a_rerun_resumes_ther
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err[-3000:]
+    assert proc.returncode == 143, err[-3000:]                  # 128 + SIGTERM: stopped, not failed (1)
     m = re.search(r"stopped: job llama-debug-fsdp: SIGTERM: step (\d+) is committed and safe", err)
     assert m, err[-3000:]
     safe = int(m.group(1))
     assert 5 < safe < 10 and (root / f"step-{safe:08d}" / "manifest.json").exists()   # not the interval save
+    line = f"SIGTERM: step {safe} is committed and safe"
+    assert f"RUNNING -> STOPPED ({line})" in err and "-> FAILED" not in err, err[-3000:]
+    record = json.loads((root / ".job.json").read_text())
+    assert record["job_info"]["state"] == "STOPPED" and record["stopped"] == line and record["error"] is None, record
+    # this machine's record (the local Ray the driver started is gone; an address where nothing
+    # answers, so that no other cluster on this machine is asked), and the root's record
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{s.getsockname()[1]}"
+    for args in (["--job", "llama-debug-fsdp", "--address", nowhere], [str(root)]):
+        shown = subprocess.run([sys.executable, "-m", "raytrain_ckpt", "status", *args], cwd=REPO, env=_cli_env(),
+                               capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0, shown.stderr[-2000:]
+        assert "STOPPED" in shown.stdout and f"stopped by {line}" in shown.stdout, shown.stdout
+        assert "FAILED" not in shown.stdout and "error:" not in shown.stdout, shown.stdout
     rerun = _run_cli(tmp_path, safe + 2)
     out, err = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, err[-3000:]

@@ -46,5 +46,6 @@ def test_each_error_pickles_with_its_message(cls):
 
 
 def test_exit_codes_are_the_documented_ones():
-    assert {c.name: int(c) for c in errors.ExitCode} == {"OK": 0, "FAILED": 1, "USAGE": 2, "INTERRUPTED": 130}
+    assert {c.name: int(c) for c in errors.ExitCode} == {"OK": 0, "FAILED": 1, "USAGE": 2, "INTERRUPTED": 130,
+                                                          "STOPPED": 143}
     assert all(issubclass(e, Exception) for e in errors.USAGE_ERRORS)

@@ -205,7 +205,9 @@ def test_a_stop_request_saves_the_step_in_hand_and_ends_the_job():
     assert DrainedGroup.created[0].preempted == 1030.0
     committed.append(33)
     ctl.step()
-    assert ctl.state is JobState.FAILED and ctl.result.stopped == "SIGTERM: step 33 is committed and safe"
+    assert ctl.state is JobState.STOPPED and ctl.result.stopped == "SIGTERM: step 33 is committed and safe"
+    assert ctl.result.stopped_by == "SIGTERM" and ctl.result.error is None
+    assert not ctl.result.failures and ctl.preemptions == 0      # a stop is no failure: nothing spent
 
 
 def test_the_first_signal_asks_for_a_stop_the_second_stops_now_and_says_so(caplog):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
 from raytrain_ckpt.checkpoint.roles.names import NAMESPACE
@@ -66,15 +67,35 @@ def read(gcs_address: str, job: str) -> dict[str, Any] | None:
     """The job's bulletin on the cluster whose GCS is at ``gcs_address`` (``host:port``), or None
     when it has none. Raises ConnectionError when the GCS does not answer, PermissionError when
     it refuses this process's authentication token."""
-    from ray._raylet import GcsClient
-
     try:
-        client = GcsClient(address=gcs_address)
-        raw = client.internal_kv_get(key(job), NAMESPACE.encode(), timeout=GCS_TIMEOUT_S)
+        raw = _get(gcs_address, job)
     except Exception as exc:  # Ray raises its own RpcError / GetTimeoutError kinds for a GCS that is gone
+        if type(exc).__name__ == "AuthenticationError" and _adopt_token():
+            return read(gcs_address, job)  # with the token of a Ray started on this machine, once
         if type(exc).__name__ == "AuthenticationError":
             raise PermissionError(f"the cluster at {gcs_address} uses token authentication and refused this "
                                   "process's token: set RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, "
                                   "or the file `ray get-auth-token` reads)") from None
         raise ConnectionError(f"the GCS at {gcs_address} does not answer ({type(exc).__name__})") from None
     return json.loads(raw) if raw else None
+
+
+def _get(gcs_address: str, job: str) -> bytes | None:
+    from ray._raylet import GcsClient
+
+    return GcsClient(address=gcs_address).internal_kv_get(key(job), NAMESPACE.encode(), timeout=GCS_TIMEOUT_S)
+
+
+def _adopt_token() -> bool:
+    """Turn token authentication on for this process when RAY_AUTH_MODE is unset and a token is
+    at hand (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token: the one a local ``run``'s Ray
+    made), as `ray` commands do; returns whether it did. A mode the user set is kept."""
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return False
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    if not AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
+        return False
+    os.environ["RAY_AUTH_MODE"] = "token"
+    Config.initialize("")  # Ray reads the mode from its cached config: refresh it
+    return True

@@ -1,0 +1,196 @@
+"""The job's scalar loggers besides TensorBoard (``training.loggers``): W&B, MLflow and a user
+logger by import path, behind ``scalars.ScalarLogger``.
+
+One run per job: its id is derived from the job's checkpoint root (``run_id``), so every attempt,
+restart and resubmit of the job resumes the same run (W&B ``resume="allow"``, MLflow's run id).
+Two processes write to it: rank 0 (``train/*``, ``eval/*``, and the resolved spec as the run's
+config) and the driver (``checkpoint/*``, ``job/*``: commits, attempts, failures).
+
+Steps are never logged twice: each logger is opened with the highest step its run already
+holds for the process's tags (``floor``) and drops points at or below it, so the steps a restart
+trains again after its resume point keep the first attempt's points (the same values: a replay
+is deterministic) and the run's x axis stays continuous.
+
+A service that is down never stalls a step: W&B, MLflow and user loggers are opened and written
+by a background thread from a bounded queue (``training.loggers.queue_size``); a full queue or a
+failing backend drops points, warns once and counts them (``logger_dropped_total``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from raytrain_ckpt.scalars import ScalarLogger
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BackgroundLogger", "MlflowLogger", "WandbLogger", "run_id", "open_backends"]
+
+CLOSE_WAIT_S = 10.0
+"""How long closing waits for a background logger to send what it holds (then it is left behind)."""
+
+
+def run_id(root: str) -> str:
+    """The run id of the job whose checkpoint root is ``root``: the same for every attempt and resubmit."""
+    return "rtc-" + hashlib.sha256(root.encode()).hexdigest()[:16]
+
+
+class WandbLogger:
+    """``ScalarLogger`` over one W&B run (offline with WANDB_MODE=offline)."""
+
+    def __init__(self, job: str, rid: str, project: str, directory: str | None, mode: str | None) -> None:
+        import wandb
+
+        self._run = wandb.init(project=project, id=rid, name=job, resume="allow", dir=directory, mode=mode,
+                               settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
+        self.floor = int(self._run.step) - 1  # W&B's next step: every earlier one is in the run
+
+    def config(self, config: dict[str, Any]) -> None:
+        self._run.config.update(config, allow_val_change=True)
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        if step > self.floor:
+            self._run.log({tag: value}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MlflowLogger:
+    """``ScalarLogger`` over one MLflow run (a server, or a ``file:`` store offline)."""
+
+    def __init__(self, job: str, rid: str, project: str, uri: str | None, tags: tuple[str, ...]) -> None:
+        from mlflow.tracking import MlflowClient
+
+        if (uri or os.environ.get("MLFLOW_TRACKING_URI") or "").startswith("file:"):
+            # a file store, asked for by name (offline): MLflow 3 refuses one unless told it is wanted
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self._client = MlflowClient(tracking_uri=uri)
+        experiment = self._client.get_experiment_by_name(project)
+        eid = experiment.experiment_id if experiment is not None else self._client.create_experiment(project)
+        found = self._client.search_runs([eid], filter_string=f"tags.raytrain_ckpt_run_id = '{rid}'", max_results=1)
+        run = found[0] if found else self._client.create_run(eid, run_name=job, tags={"raytrain_ckpt_run_id": rid})
+        self.run_id = run.info.run_id
+        self.floor = max((m.step for t in tags for m in self._client.get_metric_history(self.run_id, t)), default=-1)
+
+    def config(self, config: dict[str, Any]) -> None:
+        import json
+
+        self._client.log_dict(self.run_id, config, "spec.json")
+        for key, value in _flat(config).items():
+            try:
+                self._client.log_param(self.run_id, key, value)
+            except Exception:  # noqa: BLE001 - MLflow refuses to change a param a resubmit changed: the artifact has it
+                pass
+        self._client.set_tag(self.run_id, "raytrain_ckpt.spec", json.dumps(config)[:5000])
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        if step > self.floor:
+            self._client.log_metric(self.run_id, tag, float(value), step=step)
+
+    def close(self) -> None:
+        """The run stays open: the next attempt or resubmit resumes it."""
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = str(value)[:500]
+    return out
+
+
+class BackgroundLogger:
+    """A ``ScalarLogger`` that opens and writes ``open_inner()`` on its own thread, from a bounded
+    queue: the caller never waits on the service. Drops (a full queue, a backend that fails to
+    open or to write) warn once and are counted in ``dropped`` and ``logger_dropped_total``."""
+
+    _STOP = object()
+
+    def __init__(self, name: str, open_inner: Callable[[], ScalarLogger], size: int, job: str) -> None:
+        self.name, self.job, self.dropped = name, job, 0
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=size)
+        self._warned = False
+        self._thread = threading.Thread(target=self._serve, args=(open_inner,), name=f"rtc-logger-{name}", daemon=True)
+        self._thread.start()
+
+    def config(self, config: dict[str, Any]) -> None:
+        self._put(("config", config))
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        self._put(("scalar", (tag, value, step)))
+
+    def close(self) -> None:
+        try:
+            self._queue.put(self._STOP, timeout=CLOSE_WAIT_S)
+        except queue.Full:
+            pass
+        self._thread.join(CLOSE_WAIT_S)
+
+    def _put(self, item: tuple[str, Any]) -> None:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self._drop(1, f"its queue is full ({self._queue.maxsize} points)")
+
+    def _drop(self, n: int, why: str) -> None:
+        from raytrain_ckpt.metrics import record
+
+        self.dropped += n
+        record("logger_dropped_total", n, {"job": self.job, "logger": self.name})
+        if not self._warned:
+            self._warned = True
+            logger.warning("logger %s: dropping points, training goes on: %s", self.name, why)
+
+    def _serve(self, open_inner: Callable[[], ScalarLogger]) -> None:
+        try:
+            inner: ScalarLogger | None = open_inner()
+        except Exception as exc:  # noqa: BLE001 - a service down or refusing: training must not notice
+            inner, why = None, f"it could not be opened: {type(exc).__name__}: {exc}"
+        while (item := self._queue.get()) is not self._STOP:
+            if inner is None:
+                self._drop(1, why)
+                continue
+            try:
+                kind, args = item
+                inner.config(args) if kind == "config" else inner.scalar(*args)  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 - one failed write: dropped and counted, the next tried
+                self._drop(1, f"{type(exc).__name__}: {exc}")
+        if inner is not None:
+            try:
+                inner.close()
+            except Exception as exc:  # noqa: BLE001 - closing a run on a service that went away
+                logger.warning("logger %s: could not close its run: %s", self.name, exc)
+
+
+def open_backends(spec: Any, run: str, resume_step: int, root: str, tags: tuple[str, ...]) -> list[ScalarLogger]:
+    """The W&B, MLflow and user loggers ``spec.training.loggers`` names, for ``run`` ("train": rank
+    0, "driver") of the job whose checkpoint root is ``root``; ``tags``: the tags this process
+    writes (MLflow's floor is the highest step of these already in the run)."""
+    cfg, rid, out = spec.training.loggers, run_id(root), []
+    for name in cfg.backends:
+        if name == "tensorboard":
+            continue  # scalars.open_logger: its own runs, train and driver
+        opener = _opener(name, spec.name, run, rid, resume_step, cfg, tags)
+        out.append(BackgroundLogger(name, opener, cfg.queue_size, spec.name))
+    return out
+
+
+def _opener(name: str, job: str, run: str, rid: str, resume_step: int, cfg: Any,
+            tags: tuple[str, ...]) -> Callable[[], ScalarLogger]:
+    if name == "wandb":
+        return lambda: WandbLogger(job, rid, cfg.project, cfg.wandb_dir, cfg.wandb_mode)
+    if name == "mlflow":
+        return lambda: MlflowLogger(job, rid, cfg.project, cfg.mlflow_tracking_uri, tags)
+    from raytrain_ckpt.models import resolve_factory
+
+    factory = resolve_factory(name, "logger")
+    return lambda: factory(job, run, rid, resume_step)
