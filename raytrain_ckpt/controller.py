@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from raytrain_ckpt.events import Failure, FailureKind, RollbackRecord, WorkerResult, headline
 from raytrain_ckpt.goodput import GoodputLedger
 from raytrain_ckpt.hangs import FLOOR_S, HangClock, Verdict, auto_text
-from raytrain_ckpt.silence import MAX_REPLACEMENTS, NOTICE_S, overdue, silence_budget_s, stuck_line
+from raytrain_ckpt.silence import MAX_REPLACEMENTS, NOTICE_S, STALLED, overdue, silence_budget_s, stuck_line
 from raytrain_ckpt.stragglers import StragglerWatch
 from raytrain_ckpt.spec import JobSpec
 
@@ -415,7 +415,8 @@ class Controller:
         text = (f"{stuck_line(poll.min_step, saving, {w: silences[w] for w in late}, budget, in_flight)}: "
                 f"silent for longer than "
                 f"{budget:.0f}s ({why}); replaced, training continues")
-        replaced = self.group.replace_silent_checkpointing()  # type: ignore[union-attr]
+        stalled = {w: budget for w in late if STALLED in w}
+        replaced = self.group.replace_silent_checkpointing(stalled)  # type: ignore[union-attr]
         if not replaced:  # it answered the confirming ping: a pause, not a hang
             logger.warning("attempt %d: %s answered again; not replaced", self.attempt, ", ".join(late))
             return False

@@ -346,9 +346,10 @@ class RayWorkerGroup:
         steps = (posted or {}).get("in_flight") or []
         return min(steps) if steps else None
 
-    def replace_silent_checkpointing(self) -> list[str]:
-        """Kill and restart the checkpoint writers and actor that do not answer a ping now; one line each."""
-        return self.checkpoints.fleet.replace_silent() if self.checkpoints is not None else []
+    def replace_silent_checkpointing(self, stalled: dict[str, float] | None = None) -> list[str]:
+        """Kill and restart the checkpoint writers and actor that do not answer a ping now, and the
+        writers of ``stalled`` writes still unmoved past their budget; one line each."""
+        return self.checkpoints.fleet.replace_silent(stalled=stalled) if self.checkpoints is not None else []
 
     def diagnose(self) -> Verdict:
         """Before the hung group is torn down: every rank's stacks and step, kept under the job

@@ -10,6 +10,12 @@ calls to it fail), and training goes on, without a restart of the group and with
 ``max_restarts``. At most ``MAX_REPLACEMENTS`` per job: past that it is handled as a hang of the
 ranks would be (the group restarts, on ``max_restarts``).
 
+A writer's ping is its ``write_stalls()``: besides answering, it says how long each write in
+progress has moved no bytes. A write stuck in the file system while its writer answers (one
+thread held, the others free) is a silence of its own, keyed ``"<writer>STALLED<rank R step S>"``:
+named in ``status`` past ``NOTICE_S`` ("moved no bytes of its write of rank R step S for Ns"),
+and past the budget its writer is replaced as a silent one is (the save aborted, training on).
+
 Pure: no Ray, no torch (the controller imports it).
 """
 
@@ -17,10 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["MAX_REPLACEMENTS", "NOTICE_S", "overdue", "silence_budget_s", "stuck_line"]
+__all__ = ["MAX_REPLACEMENTS", "NOTICE_S", "STALLED", "overdue", "silence_budget_s", "stuck_line"]
 
 NOTICE_S = 10.0
 """Silence after which ``status`` names the process (the bound a restart's ping waits)."""
+STALLED = ", its write of "
+"""Joins a writer's name and one of its writes in the key of a stalled write's silence."""
 MAX_REPLACEMENTS = 3
 """Processes replaced while training, per job, before a silence restarts the group instead."""
 
@@ -54,4 +62,11 @@ def stuck_line(step: int, saving: bool, silences: Mapping[str, float], notice_s:
         return None
     where = (f"step {in_flight} (its save)" if in_flight is not None
              else f"step {step + 1} (its save)" if saving else f"step {step}")
-    return f"stuck: {where}, " + "; ".join(f"{what} has not answered for {s:.0f}s" for s, what in late)
+    return f"stuck: {where}, " + "; ".join(_silent(what, s) for s, what in late)
+
+
+def _silent(what: str, seconds: float) -> str:
+    writer, _, write = what.partition(STALLED)
+    if write:
+        return f"{writer} moved no bytes of its write of {write} for {seconds:.0f}s"
+    return f"{what} has not answered for {seconds:.0f}s"

@@ -110,3 +110,37 @@ def test_a_straggler_is_replaced_at_a_committed_step_and_the_run_finishes(ray_cl
     served = {r.rank: r.served for r in result.results}
     assert served == {0: (0, 1), 1: (1,)}, served              # rank 0's process kept, rank 1's replaced
     assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference_20.results]
+
+
+def test_a_write_stuck_while_its_writer_answers_is_named_and_its_writer_replaced(ray_cluster, reference_20,
+                                                                                 tmp_path: Path, monkeypatch):
+    """Rank 1's write of step 10 is held in the writer's write thread (a hang at the ``persist``
+    point: before any byte moves) while the writer's other threads answer every ping: the
+    stalled write is named in the job's status with its rank and step, then its writer is
+    replaced within the step timeout as a ``writer_hang`` (the group is not restarted) and the
+    job ends bit-identical to the uninterrupted run."""
+    monkeypatch.setenv(ENV_VAR, "hang@persist:rank=1,step=10")
+    spec = load_spec(DEMO, [*BASE, f"checkpoint.dir={tmp_path}"])
+    thread, out = _in_thread(spec)
+    node = ray.get_runtime_context().get_node_id()
+    stuck_seen = []
+    started = time.time()
+    while thread.is_alive() and time.time() - started < 400:
+        info = (bulletin.posted(spec.name) or {}).get("job_info") or {}
+        if info.get("stuck"):
+            stuck_seen.append(status_line(info))
+        time.sleep(0.5)
+    thread.join(timeout=60)
+    result = out["result"]
+    assert result.state is JobState.SUCCEEDED, result.error
+    assert result.attempts == 1                                # no restart of the group, max_restarts=0 kept
+    (failure,) = result.failures
+    assert (failure.kind, failure.rank) == ("writer_hang", None), failure
+    writer = f"checkpoint writer on node {node[:12]}"
+    assert f"{writer} moved no bytes of its write of rank 1 step 10 for " in failure.headline, failure.headline
+    assert any(f"{writer} moved no bytes of its write of rank 1 step 10" in line for line in stuck_seen), stuck_seen
+    replaced = [what for _, what in result.events if what.startswith(f"attempt 0: {writer} ")]
+    assert replaced and "moved no bytes of its write of rank 1 step 10" in replaced[0], result.events
+    committed = set(result.checkpoints["committed"])
+    assert {5, 15, 20} <= committed and 10 not in committed, committed
+    assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference_20.results]

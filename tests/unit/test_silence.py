@@ -66,7 +66,7 @@ class SilentWriterGroup:
     def checkpointing_silences(self) -> dict[str, float]:
         return {W: self.now - self.silent_since} if self.silent_since is not None else {W: 0.0}
 
-    def replace_silent_checkpointing(self) -> list[str]:
+    def replace_silent_checkpointing(self, stalled: dict[str, float] | None = None) -> list[str]:
         if self.silent_since is None:
             return []
         self.silent_since, self.saving = None, False
@@ -133,3 +133,12 @@ def test_status_names_the_stuck_process():
     line = status_line({"hang_timeout_s": 30.0, "hang_timeout_why": "learned",
                         "stuck": f"stuck: step 13 (its save), {W} has not answered for 31s"})
     assert line == f"hang timeout 30s (learned); stuck: step 13 (its save), {W} has not answered for 31s"
+
+
+def test_a_stalled_write_is_named_with_its_rank_and_step():
+    from raytrain_ckpt.silence import STALLED
+
+    key = f"{W}{STALLED}rank 1 step 10"
+    assert stuck_line(12, True, {key: 31.0, W: 0.2}, in_flight=10) == (
+        f"stuck: step 10 (its save), {W} moved no bytes of its write of rank 1 step 10 for 31s")
+    assert overdue({key: 31.0, W: 0.2}, 30.0) == [key]

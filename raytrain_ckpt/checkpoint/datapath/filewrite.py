@@ -56,7 +56,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from raytrain_ckpt.checkpoint.format.crc import Span, address_of
 from raytrain_ckpt.checkpoint.format.tensorsums import ShardSums, SumsAccumulator, merge_rows, tensor_sums
 
-__all__ = ["DIRECT_ALIGN", "IN_PLACE", "ChecksumSink", "OpenFile", "Phases", "RankFiles", "Resolve", "write_files"]
+__all__ = ["DIRECT_ALIGN", "IN_PLACE", "ChecksumSink", "OpenFile", "Phases", "RankFiles", "Resolve", "WriteProgress",
+           "WriteWatch", "write_files"]
 
 _CHUNK = 2 << 20
 """Bytes checksummed then written per system call: small enough to still be in the cache for the
@@ -110,6 +111,43 @@ class RankFiles:
     the manifest's fingerprints; None where the writing path does not sum (the writer sums then)."""
 
 
+class WriteProgress:
+    """The bytes a rank's write has handed on so far and when they last moved: read from another
+    thread (the writer's answer to the driver's poll) to tell a stuck write (a hung file system,
+    an upload that never returns) from a slow one."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.moved_at = time.monotonic()
+
+    def advance(self, nbytes: int) -> None:
+        self.bytes += nbytes  # one writer thread per file; a lost update only delays the clock
+        self.moved_at = time.monotonic()
+
+    def still_for(self, now: float) -> float:
+        """Seconds since the bytes last moved (since the write began, before the first)."""
+        return max(0.0, now - self.moved_at)
+
+
+class WriteWatch:
+    """A writer's writes in progress, by (rank, step), and how long each has moved no bytes."""
+
+    def __init__(self) -> None:
+        self._writes: dict[tuple[int, int], WriteProgress] = {}
+
+    def start(self, rank: int, step: int) -> WriteProgress:
+        progress = self._writes[(rank, step)] = WriteProgress()
+        return progress
+
+    def end(self, rank: int, step: int) -> None:
+        self._writes.pop((rank, step), None)
+
+    def stalls(self) -> dict[str, float]:
+        """``"rank R step S"`` -> seconds since that write last moved bytes (safe from any thread)."""
+        now = time.monotonic()
+        return {f"rank {r} step {s}": p.still_for(now) for (r, s), p in sorted(list(self._writes.items()))}
+
+
 class ChecksumSink(io.RawIOBase):
     """The stream ``torch.save`` writes into: CRC-32C over every byte, handed on in chunks of at
     most ``_CHUNK`` bytes to ``_put`` (a file descriptor here, multipart parts in ``upload.py``)."""
@@ -129,6 +167,8 @@ class ChecksumSink(io.RawIOBase):
         self.owner: torch.Tensor | None = None
         """The tensor whose item is being written: its storage is the memory ``torch.save`` hands
         over, kept alive by whatever writes from it later (``localfile``'s direct sink)."""
+        self.progress: WriteProgress | None = None
+        """Advanced by each chunk handed on (``write_files(progress=...)``)."""
         self._sums: SumsAccumulator | None = None
         self._summed = 0
         """Bytes of the owner's storage summed as they were checksummed."""
@@ -237,6 +277,8 @@ class ChecksumSink(io.RawIOBase):
                 self.spans.append(Span(address + start, chunk.nbytes, before, self.crc))
                 self._put_in_place(chunk, address + start)
             self.phases.write_calls_s += time.perf_counter() - t1
+            if self.progress is not None:
+                self.progress.advance(chunk.nbytes)
         self.position += view.nbytes
 
     def _put(self, chunk: memoryview) -> None:
@@ -253,23 +295,24 @@ OpenFile = Callable[[str, Phases], AbstractContextManager[ChecksumSink]]
 """Opens one file of a rank by name for writing; the file is durable once the context exits cleanly."""
 
 
-def write_files(plan: SavePlan, resolve: Resolve, threads: int, open_file: OpenFile) -> RankFiles:
+def write_files(plan: SavePlan, resolve: Resolve, threads: int, open_file: OpenFile,
+                progress: WriteProgress | None = None) -> RankFiles:
     """Write the items of ``plan`` (one rank's central plan) into whatever ``open_file`` opens (a
 local file, an object upload).
 
     Splits the items into ``threads`` files exactly as ``FileSystemWriter(thread_count=threads)``
     does, so file names, offsets and lengths are the ones DCP records. ``resolve`` maps a write
-    item to its data (``SavePlanner.resolve_data``).
+    item to its data (``SavePlanner.resolve_data``). ``progress``: advanced as bytes are handed on.
     """
     prefix = plan.storage_data.prefix
     buckets = [(f"{prefix}{i}{DEFAULT_SUFFIX}", bucket)
                for i, bucket in enumerate(_split_by_size_and_type(threads, plan.items))]
     out = RankFiles()
     if threads == 1:
-        parts = [_write_file(open_file, name, items, resolve) for name, items in buckets]
+        parts = [_write_file(open_file, name, items, resolve, progress) for name, items in buckets]
     else:
         with ThreadPoolExecutor(threads, thread_name_prefix="rtc-filewrite") as pool:
-            parts = list(pool.map(lambda b: _write_file(open_file, b[0], b[1], resolve), buckets))
+            parts = list(pool.map(lambda b: _write_file(open_file, b[0], b[1], resolve, progress), buckets))
     for part in parts:
         out.results += part.results
         out.files.update(part.files)
@@ -280,11 +323,13 @@ local file, an object upload).
     return out
 
 
-def _write_file(open_file: OpenFile, name: str, items: list[WriteItem], resolve: Resolve) -> RankFiles:
+def _write_file(open_file: OpenFile, name: str, items: list[WriteItem], resolve: Resolve,
+                progress: WriteProgress | None = None) -> RankFiles:
     """One DCP file: byte items first, then tensors, in plan order (``_write_files_from_queue``'s order)."""
     out = RankFiles()
     cpu0 = time.thread_time()
     with _zip_crc_off(), open_file(name, out.phases) as sink:
+        sink.progress = progress
         ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO]
                    + [i for i in items if i.type != WriteItemType.BYTE_IO])
         for item in ordered:

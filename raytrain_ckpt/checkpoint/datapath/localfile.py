@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.datapath.filewrite import (DIRECT_ALIGN, IN_PLACE, ChecksumSink, Phases, RankFiles,
-                                                         Resolve, write_files)
+                                                         Resolve, WriteProgress, write_files)
 from raytrain_ckpt.checkpoint.format.crc import address_of
 
 __all__ = ["write_rank_files"]
@@ -73,12 +73,13 @@ class _FileSink(ChecksumSink):
             pass
 
 
-def write_rank_files(directory: Path, plan: SavePlan, resolve: Resolve, threads: int = 1) -> RankFiles:
+def write_rank_files(directory: Path, plan: SavePlan, resolve: Resolve, threads: int = 1,
+                     progress: WriteProgress | None = None) -> RankFiles:
     """Write the items of ``plan`` (one rank's central plan) into ``directory``, fsynced
     (``filewrite.write_files``). Files are created exclusively: an existing file is an error,
     never overwritten.
     """
-    return write_files(plan, resolve, threads, lambda name, phases: _local_file(directory / name, phases))
+    return write_files(plan, resolve, threads, lambda name, phases: _local_file(directory / name, phases), progress)
 
 
 @contextmanager

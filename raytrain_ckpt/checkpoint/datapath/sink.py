@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
-from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles
+from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles, WriteProgress
 from raytrain_ckpt.checkpoint.datapath.localfile import write_rank_files
 from raytrain_ckpt.checkpoint.errors import StagingAborted
 from raytrain_ckpt.checkpoint.datapath.upload import is_s3, upload_rank_files
@@ -45,10 +45,11 @@ class ShardSink(Protocol):
     durable and recorded, before it is reported (None: none)."""
 
     def write(self, dest: str, plan: SavePlan, planner: SavePlanner, rank: int, step: int,
-              on_retry: Callable[[], None]) -> RankFiles:
+              on_retry: Callable[[], None], progress: WriteProgress | None = None) -> RankFiles:
         """Write the items of ``plan`` (rank ``rank``'s central plan of ``step``), resolved by
         ``planner``, under ``dest``; checked (``check_written``) and durable on return.
-        ``on_retry``: called before the rank is written again after a transient error."""
+        ``on_retry``: called before the rank is written again after a transient error.
+        ``progress``: advanced as bytes go out (DCP's fsspec writer does not: it stays still)."""
         ...
 
 
@@ -90,9 +91,9 @@ class LocalFileSink:
         self.threads = threads
 
     def write(self, dest: str, plan: SavePlan, planner: SavePlanner, rank: int, step: int,
-              on_retry: Callable[[], None]) -> RankFiles:
+              on_retry: Callable[[], None], progress: WriteProgress | None = None) -> RankFiles:
         tmp = Path(dest)
-        written = write_rank_files(tmp, plan, planner.resolve_data, self.threads)
+        written = write_rank_files(tmp, plan, planner.resolve_data, self.threads, progress)
         check_written(plan, written.results, {p.name: p.stat().st_size for p in tmp.iterdir()})
         return written
 
@@ -106,34 +107,38 @@ class _ObjectStoreSink:
         self.options, self.threads = options, threads
 
     def write(self, dest: str, plan: SavePlan, planner: SavePlanner, rank: int, step: int,
-              on_retry: Callable[[], None]) -> RankFiles:
-        return retry_transient(lambda: self._write_checked(dest, plan, planner, rank),
+              on_retry: Callable[[], None], progress: WriteProgress | None = None) -> RankFiles:
+        return retry_transient(lambda: self._write_checked(dest, plan, planner, rank, progress),
                                f"upload of rank {rank} step {step}", on_retry=lambda exc: on_retry(),
                                transient=_retryable)
 
-    def _write_checked(self, dest: str, plan: SavePlan, planner: SavePlanner, rank: int) -> RankFiles:
-        written = self._write_once(dest, plan, planner, rank)
+    def _write_checked(self, dest: str, plan: SavePlan, planner: SavePlanner, rank: int,
+                       progress: WriteProgress | None) -> RankFiles:
+        written = self._write_once(dest, plan, planner, rank, progress)
         check_written(plan, written.results, {name: f["size"] for name, f in written.files.items()})
         prefix = plan.storage_data.prefix
         written.files = {n: f for n, f in written.files.items() if n.startswith(prefix)}
         return written
 
-    def _write_once(self, dest: str, plan: SavePlan, planner: SavePlanner, rank: int) -> RankFiles:
+    def _write_once(self, dest: str, plan: SavePlan, planner: SavePlanner, rank: int,
+                    progress: WriteProgress | None) -> RankFiles:
         raise NotImplementedError
 
 
 class MultipartUploadSink(_ObjectStoreSink):
     """S3: parts in parallel from the staging buffer (``upload.upload_rank_files``)."""
 
-    def _write_once(self, dest: str, plan: SavePlan, planner: SavePlanner, rank: int) -> RankFiles:
+    def _write_once(self, dest: str, plan: SavePlan, planner: SavePlanner, rank: int,
+                    progress: WriteProgress | None) -> RankFiles:
         fs = object_filesystem(dest, self.options)
-        return upload_rank_files(fs, dest, plan, planner.resolve_data, self.threads)
+        return upload_rank_files(fs, dest, plan, planner.resolve_data, self.threads, progress=progress)
 
 
 class FsspecSink(_ObjectStoreSink):
     """Another fsspec store: DCP's writer, each file checksummed as it streams (``UploadingWriter``)."""
 
-    def _write_once(self, dest: str, plan: SavePlan, planner: SavePlanner, rank: int) -> RankFiles:
+    def _write_once(self, dest: str, plan: SavePlan, planner: SavePlanner, rank: int,
+                    progress: WriteProgress | None) -> RankFiles:
         writer = UploadingWriter(dest, self.options, self.threads)
         writer.set_up_storage_writer(False, rank=rank)
         return RankFiles(results=writer.write_data(plan, planner).wait(), files=writer.files, sums=None)

@@ -43,7 +43,8 @@ from typing import Any
 import crc32c as _crc32c
 from torch.distributed.checkpoint.planner import SavePlan
 
-from raytrain_ckpt.checkpoint.datapath.filewrite import ChecksumSink, Phases, RankFiles, Resolve, write_files
+from raytrain_ckpt.checkpoint.datapath.filewrite import (ChecksumSink, Phases, RankFiles, Resolve, WriteProgress,
+                                                         write_files)
 
 __all__ = ["INFLIGHT", "PART_SIZE", "is_s3", "upload_rank_files"]
 
@@ -67,7 +68,8 @@ def is_s3(fs: Any) -> bool:
 
 
 def upload_rank_files(fs: Any, directory: str, plan: SavePlan, resolve: Resolve, threads: int = 1,
-                      part_size: int = PART_SIZE, inflight: int = INFLIGHT) -> RankFiles:
+                      part_size: int = PART_SIZE, inflight: int = INFLIGHT,
+                      progress: WriteProgress | None = None) -> RankFiles:
     """Upload the items of ``plan`` as DCP files under ``directory`` (``s3://bucket/prefix``) on ``fs``.
 
     The files, results and CRC-32C entries are those ``localfile.write_rank_files`` writes locally.
@@ -77,7 +79,7 @@ def upload_rank_files(fs: Any, directory: str, plan: SavePlan, resolve: Resolve,
     def open_file(name: str, phases: Phases) -> Any:
         return _uploaded(_Upload(fs, bucket, f"{prefix.rstrip('/')}/{name}", part_size, inflight), phases)
 
-    return write_files(plan, resolve, threads, open_file)
+    return write_files(plan, resolve, threads, open_file, progress)
 
 
 @contextmanager

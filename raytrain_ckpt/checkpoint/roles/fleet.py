@@ -17,6 +17,7 @@ from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, ActorByName, actor_n
 from raytrain_ckpt.checkpoint.roles.writer import CheckpointWriter
 from raytrain_ckpt.checkpoint.errors import StorageNotShared
 from raytrain_ckpt.checkpoint.storage.probe import local_root, missing_probes, unshared_message
+from raytrain_ckpt.silence import STALLED
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class WriterFleet:
         """Nodes whose view of a local checkpoint root was probed (None: no preflight, or an object store)."""
         self._pings: dict[str, tuple[Any, float]] = {}
         """By process name: the ping in flight to it and when it was sent (``silences``)."""
+        self._stalls: dict[str, dict[str, float]] = {}
+        """By writer name: its writes in progress and how long each had moved no bytes, as it last answered."""
 
     def writer_for(self, node_id: str) -> Any:
         """The CheckpointWriter pinned to ``node_id`` (created on first use).
@@ -75,16 +78,24 @@ class WriterFleet:
 
     def silences(self, now: float) -> dict[str, float]:
         """While the job trains: how long each writer and the actor has left its ping unanswered
-        (``silence.py``). Never blocks: an answered ping (an error is an answer too) is dropped and
-        a new one sent; a process with a ping in flight gets no second one."""
+        (``silence.py``), and each write whose bytes have not moved for a while, keyed
+        ``"<writer>, its write of rank R step S"`` (``silence.STALLED``). Never blocks: an answered
+        ping (an error is an answer too) is dropped and a new one sent; a process with a ping in
+        flight gets no second one. A writer's ping is its ``write_stalls()``: answered on its
+        thread pool, so a writer whose write is stuck in the file system still answers it."""
         targets = dict(self._targets())
         for what, (ref, _) in list(self._pings.items()):
             if what not in targets or ray.wait([ref], timeout=0)[0]:
                 del self._pings[what]
+                self._stalls[what] = _answer(ref) if what in targets else {}
         for what, handle in targets.items():
             if what not in self._pings:
-                self._pings[what] = (handle.__ray_ready__.remote(), now)
-        return {what: now - sent for what, (_, sent) in self._pings.items()}
+                ping = handle.__ray_ready__ if what == "checkpoint actor" else handle.write_stalls
+                self._pings[what] = (ping.remote(), now)
+        out = {what: now - sent for what, (_, sent) in self._pings.items()}
+        for what, stalls in self._stalls.items():
+            out.update({f"{what}{STALLED}{write}": s for write, s in stalls.items() if what in targets})
+        return out
 
     def retire(self, node_id: str, timeout_s: float = PING_TIMEOUT_S) -> bool:
         """Stop the writer on ``node_id`` (a draining node that hosts no rank) and forget it: its
@@ -103,25 +114,48 @@ class WriterFleet:
             self._probed.discard(node_id)
         return True
 
-    def replace_silent(self, timeout_s: float = PING_TIMEOUT_S) -> list[str]:
+    def replace_silent(self, timeout_s: float = PING_TIMEOUT_S, stalled: dict[str, float] | None = None) -> list[str]:
         """Ping every writer and the CheckpointActor (Ray's ``__ray_ready__``, run as one of their
         tasks); kill each one that does not answer within ``timeout_s``, so that Ray restarts it
         (``max_restarts=-1``: the handles the attempt gets stay valid), and wait for it to be back.
+        ``stalled``: writes (``silences``' keys) past their budget: their writer is replaced too
+        if they are still in progress and still have not moved (a new ``write_stalls`` answer).
 
         Without this a restart would hand its ranks a stopped writer, hang on the first save
         again, and blame the ranks. Returns one line per replacement (also logged).
         """
         self._pings.clear()
+        self._stalls.clear()
         targets = self._targets()
         refs = [handle.__ray_ready__.remote() for _, handle in targets]
         answered, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)  # an error is an answer too
-        silent = [(what, handle) for (what, handle), ref in zip(targets, refs) if ref not in answered]
+        why = {what: f"did not answer within {timeout_s:g}s" for (what, _), ref in zip(targets, refs)
+               if ref not in answered}
+        why.update(self._still_stalled(dict(targets), stalled or {}, timeout_s, set(why)))
+        silent = [(what, handle) for what, handle in targets if what in why]
         for _, handle in silent:
             ray.kill(handle, no_restart=False)
         for what, handle in silent:  # back within start_timeout_s, as a new worker would be
             call_restarting(lambda h=handle: h.__ray_ready__.remote(), self.spec.fault_tolerance.start_timeout_s)
-            logger.warning("%s did not answer within %gs: replaced", what, timeout_s)
-        return [f"{what} did not answer within {timeout_s:g}s: replaced" for what, _ in silent]
+            logger.warning("%s %s: replaced", what, why[what])
+        return [f"{what} {why[what]}: replaced" for what, _ in silent]
+
+    def _still_stalled(self, targets: dict[str, Any], stalled: dict[str, float], timeout_s: float,
+                       silent: set[str]) -> dict[str, str]:
+        """Of the ``stalled`` writes (by ``silences`` key, with the budget they passed), those whose
+        writer confirms them still unmoved: writer name -> why it is replaced."""
+        out: dict[str, str] = {}
+        for key, budget in sorted(stalled.items()):
+            what, _, write = key.partition(STALLED)
+            if what in silent or what in out or what not in targets:
+                continue
+            try:
+                now = ray.get(targets[what].write_stalls.remote(), timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - no answer now: the ping above decides
+                continue
+            if now.get(write, 0.0) > budget:
+                out[what] = f"moved no bytes of its write of {write} for {now[write]:.0f}s"
+        return out
 
     def replicate_between(self, nodes: list[str]) -> dict[str, str]:
         """Point each rank-hosting node's writer at its peer (``ring_peers``); returns the ring.
@@ -179,6 +213,16 @@ class WriterFleet:
         assert self._probed is not None
         self._probed.update(nodes)
         logger.info("checkpoint root %s is shared by the %d node(s) that may host ranks", self.root, len(probes))
+
+
+def _answer(ref: Any) -> dict[str, float]:
+    """A writer's answer to its ping (``write_stalls``): an error, or an answer of another shape,
+    counts as an answer with no write in progress."""
+    try:
+        out = ray.get(ref, timeout=0)
+    except Exception:  # noqa: BLE001 - the process answered (with an error): it is not silent
+        return {}
+    return out if isinstance(out, dict) else {}
 
 
 def _rank_nodes(spec: JobSpec) -> list[str]:

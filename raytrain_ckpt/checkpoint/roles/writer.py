@@ -29,7 +29,7 @@ from ray.actor import ActorHandle
 from raytrain_ckpt.checkpoint.datapath.buffers import is_leased, shm_dir, sweep_orphans
 
 from raytrain_ckpt.checkpoint.errors import StagingFileError
-from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles
+from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles, WriteProgress, WriteWatch
 from raytrain_ckpt.checkpoint.datapath.progress import StageProgress
 from raytrain_ckpt.checkpoint.errors import StagingAborted
 from raytrain_ckpt.checkpoint.records import CommittedCopy, NodeProbe, PersistRequest, RankReport, Replica, SaveTimings, WriterRef, WriterUsage
@@ -89,6 +89,7 @@ class CheckpointWriter:
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rtc-writer")
         self._jobs: dict[tuple[int, int], Future] = {}
         self._running: dict[tuple[int, int], PersistRequest] = {}
+        self.writes = WriteWatch()
         self._tmp: dict[tuple[int, int], str] = {}
         self._last_phases: dict[int, dict[str, float]] = {}
         self._sent = SentResults()  # a rank's results that did not change go to the actor as a digest
@@ -114,14 +115,9 @@ class CheckpointWriter:
             (Path(local) / name).unlink(missing_ok=True)
 
     def allocate(self, rank: int, attempt: int, nbytes: int, copy: int = 0) -> str:
-        """The rank's staging file number ``copy`` for this attempt (reused across its saves).
-
-        A restarted group reuses the previous attempt's buffer of the rank (its pages are
-        allocated already: the first save after a restart costs what any save costs) unless
-        a write is still reading it or a process of the old attempt still leases it; then it
-        gets a new file. Older attempts' buffers are unlinked once a write of the newest attempt
-        is done (by then its ranks have claimed what they reuse) and nothing reads them.
-        """
+        """The rank's staging file number ``copy`` for this attempt, reused across its saves and,
+        unless a write or an old process still holds it, across a restart (``WriterBuffers.allocate``:
+        its pages are allocated already, so the first save after a restart costs what any save costs)."""
         return self.buffers.allocate(rank, attempt, nbytes, copy, self._busy())
 
     def _busy(self) -> set[str]:
@@ -214,6 +210,7 @@ class CheckpointWriter:
             self.coordinator.abort.remote(req.step, reason, req.attempt)
             raise
         finally:
+            self.writes.end(req.rank, req.step)
             with self.buffers.lock:
                 self._running.pop((req.rank, req.step), None)
                 self.buffers.drop_stale(req, self._busy())
@@ -228,15 +225,16 @@ class CheckpointWriter:
         """Write the rank's shards from the staging buffer through the sink, record the buffer as
         the step's copy, and report."""
         t0 = time.monotonic()
+        progress = self.writes.start(req.rank, req.step)
         dest = self._tmp.pop((req.rank, req.step))
         if self._sink is None:
             self._sink = pick_sink(self.root, self.storage_options, self.io_threads)
         mapped = self.buffers.mapped(req)
         staged = {**mapped.views, **pickle.loads(req.objects)}
         maybe_inject("persist", req.rank, req.step, req.attempt)
-        planner = StagedPlanner(staged, _ready(req, mapped))
+        planner = StagedPlanner(staged, _ready(req, mapped, progress))
         written = self._sink.write(dest, req.plan, planner, req.rank, req.step,
-                                   on_retry=lambda: self.metrics.retried(req.rank))
+                                   on_retry=lambda: self.metrics.retried(req.rank), progress=progress)
         copy_s = _staged(req, mapped)
         if self.memory_copies >= 2:
             self.buffers.record(req, staged, mapped, written)
@@ -275,9 +273,12 @@ class CheckpointWriter:
         longer checksum), so no later restart is offered it again."""
         self.buffers.forget(rank, step)
 
+    def write_stalls(self) -> dict[str, float]:
+        """The driver's ping (``silence.py``): each write in progress and how long it has moved no bytes."""
+        return self.writes.stalls()
+
     def usage(self) -> WriterUsage:
-        """CPU seconds this writer process has used (user, system) and, per rank, the phases of its
-        last write: for benchmarks and diagnosis."""
+        """CPU seconds this process has used (user, system) and each rank's last write's phases (benchmarks)."""
         r = resource.getrusage(resource.RUSAGE_SELF)
         return WriterUsage(r.ru_utime, r.ru_stime, dict(self._last_phases))
 
@@ -301,8 +302,7 @@ class CheckpointWriter:
         return self.replication.store.held()
 
     def copies_held(self, step: int) -> list[Replica]:
-        """The copies of ``step`` on this node: its own ranks' committed copies (``source_node`` is
-        this node) and the replicas it holds for its predecessor's ranks."""
+        """The copies of ``step`` on this node: its own ranks' committed copies and its replicas."""
         return self.replication.copies_held(step)
 
     def replicate(self, copy: CommittedCopy, wait: bool = False) -> Replica | None:
@@ -345,15 +345,16 @@ def _wait_staged(req: PersistRequest, mapped: Mapped, end: int) -> StageProgress
     return progress
 
 
-def _ready(req: PersistRequest, mapped: Mapped) -> Callable[[str], None] | None:
-    """For a request sent as its copy began: a wait, per tensor, for the copy to have reached it."""
-    if not req.token:
-        return None
-    ends = {s.fqn: s.offset + s.nbytes for s in req.slots}
+def _ready(req: PersistRequest, mapped: Mapped, progress: WriteProgress) -> Callable[[str], None]:
+    """Before each item is handed to the write: for a request sent as its copy began, a wait for
+    the copy to have reached it; then the write's progress moves (a writing path that counts no
+    bytes of its own, DCP's fsspec writer, moves item by item)."""
+    ends = {s.fqn: s.offset + s.nbytes for s in req.slots} if req.token else {}
 
     def ready(fqn: str) -> None:
         if fqn in ends:
             _wait_staged(req, mapped, ends[fqn])
+        progress.advance(0)
     return ready
 
 

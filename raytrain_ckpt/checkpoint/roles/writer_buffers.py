@@ -64,7 +64,11 @@ class WriterBuffers:
         self.newest_attempt = 0
 
     def allocate(self, rank: int, attempt: int, nbytes: int, copy: int, busy: set[str]) -> str:
-        """See ``CheckpointWriter.allocate``; ``busy``: the buffers writes are reading now."""
+        """The rank's staging file number ``copy`` for this attempt; ``busy``: the buffers writes are
+        reading now. A restarted group reuses the previous attempt's buffer of the rank unless a
+        write is still reading it or a process of the old attempt still leases it; then it gets a
+        new file. Older attempts' buffers are unlinked once a write of the newest attempt is done
+        (by then its ranks have claimed what they reuse) and nothing reads them."""
         with self.lock:
             path = self._held_for(rank, attempt, copy) or self._reusable(rank, attempt, busy)
             if path is None:
