@@ -34,7 +34,8 @@ from raytrain_ckpt.quarantine import Quarantine
 from raytrain_ckpt.preflight import protection_line
 from raytrain_ckpt.raydash import dashboard_line, job_metadata, name_submitted_job
 from raytrain_ckpt.progressline import ProgressLine
-from raytrain_ckpt.scalars import JobScalars, open_job_loggers
+from raytrain_ckpt.loggers import open_job_loggers
+from raytrain_ckpt.scalars import JobScalars
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)

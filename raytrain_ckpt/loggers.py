@@ -26,11 +26,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from raytrain_ckpt.scalars import ScalarLogger
+from raytrain_ckpt.scalars import DRIVER_TAGS, TRAIN_TAGS, Fanout, ScalarLogger, open_logger
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BackgroundLogger", "MlflowLogger", "WandbLogger", "run_id", "open_backends"]
+__all__ = ["BackgroundLogger", "MlflowLogger", "WandbLogger", "open_backends", "open_job_loggers", "run_id"]
 
 CLOSE_WAIT_S = 10.0
 """How long closing waits for a background logger to send what it holds (then it is left behind)."""
@@ -194,3 +194,22 @@ def _opener(name: str, job: str, run: str, rid: str, resume_step: int, cfg: Any,
 
     factory = resolve_factory(name, "logger")
     return lambda: factory(job, run, rid, resume_step)
+
+
+def open_job_loggers(spec: Any, run: str, resume_step: int) -> Fanout | None:
+    """Every logger of ``run`` ("train": rank 0, "driver") the spec asks for (TensorBoard by
+    ``training.tensorboard_dir``, the others by ``training.loggers``), or None: none. The train
+    run's loggers get the resolved spec as their config."""
+    from raytrain_ckpt.checkpoint.storage.backends import job_root
+
+    outs = []
+    if (tb := open_logger(spec.training.tensorboard_dir, spec.name, run, resume_step)) is not None:
+        outs.append(tb)
+    root = str(job_root(spec.checkpoint.dir, spec.name))
+    outs += open_backends(spec, run, resume_step, root, TRAIN_TAGS if run == "train" else DRIVER_TAGS)
+    if not outs:
+        return None
+    fan = Fanout(outs)
+    if run == "train":
+        fan.config(spec.model_dump(mode="json"))
+    return fan

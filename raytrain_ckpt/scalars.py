@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DRIVER_TAGS", "FLUSH_S", "TRAIN_TAGS", "open_job_loggers", "Fanout", "JobScalars", "ScalarLogger", "TensorBoardLogger", "log_step", "open_logger", "run_dir"]
+__all__ = ["DRIVER_TAGS", "FLUSH_S", "TRAIN_TAGS", "Fanout", "JobScalars", "ScalarLogger", "TensorBoardLogger", "log_step", "open_logger", "run_dir"]
 
 FLUSH_S = 2
 """Seconds between flushes of the event file: a rank killed mid-run loses at most this much."""
@@ -101,26 +101,6 @@ def open_logger(base: str | None, job: str, run: str, resume_step: int) -> Scala
     path = run_dir(base, job, run)
     path.mkdir(parents=True, exist_ok=True)
     return TensorBoardLogger(path, purge_step=resume_step + 1)
-
-
-def open_job_loggers(spec: Any, run: str, resume_step: int) -> Fanout | None:
-    """Every logger of ``run`` ("train": rank 0, "driver") the spec asks for (TensorBoard by
-    ``training.tensorboard_dir``, the others by ``training.loggers``), or None: none. The train
-    run's loggers get the resolved spec as their config."""
-    from raytrain_ckpt.checkpoint.storage.backends import job_root
-    from raytrain_ckpt.loggers import open_backends
-
-    outs = []
-    if (tb := open_logger(spec.training.tensorboard_dir, spec.name, run, resume_step)) is not None:
-        outs.append(tb)
-    root = str(job_root(spec.checkpoint.dir, spec.name))
-    outs += open_backends(spec, run, resume_step, root, TRAIN_TAGS if run == "train" else DRIVER_TAGS)
-    if not outs:
-        return None
-    fan = Fanout(outs)
-    if run == "train":
-        fan.config(spec.model_dump(mode="json"))
-    return fan
 
 
 def log_step(out: ScalarLogger, report: StepReport) -> None:

@@ -35,7 +35,8 @@ from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.nodeprogress import ProgressFile, PublishedProgress, read_node
 from raytrain_ckpt.metrics import TrainerMetrics
 from raytrain_ckpt.nccl_trace import enable_recorder, rank_trace
-from raytrain_ckpt.scalars import ScalarLogger, log_step, open_job_loggers
+from raytrain_ckpt.loggers import open_job_loggers
+from raytrain_ckpt.scalars import ScalarLogger, log_step
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)

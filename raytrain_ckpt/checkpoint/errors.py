@@ -134,6 +134,23 @@ class CopyMismatch(RuntimeError):
     """An in-memory copy that must not be loaded (the caller loads from storage instead)."""
 
 
+__all__ += ["ReaderGone", "TensorHeaderRefused"]
+
+
+class ReaderGone(RuntimeError):
+    """The sandboxed reader process gave no answer by its deadline (``timed_out``), or a malformed
+    one: the decode is refused (``format/sandbox.py``) and the next decode starts a new reader."""
+
+    def __init__(self, message: str = "", timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+class TensorHeaderRefused(ValueError):
+    """A tensor chunk's ``data.pkl`` that is not what ``torch.save`` writes for one tensor
+    (``format/tensorblob.py``): never unpickled."""
+
+
 USAGE_ERRORS: tuple[type[Exception], ...] = (RootInUse, StorageNotShared, ResumeRefused)
 """The errors a run raises for a user's mistake before anything trains: one line, exit code 2.
 (``ConversionError`` and ``StorageUnavailable`` are the same for ``export``/``import``/``ls``.)"""

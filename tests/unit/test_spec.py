@@ -415,7 +415,7 @@ def test_cli_validate_prints_one_line_per_error_and_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: training.stpes: unknown field; did you mean 'steps'? (valid fields: steps, "
                    "global_batch_size, micro_batch_size, seq_len, seed, grad_clip, mixed_precision, log_every_steps, "
-                   "activation_checkpointing, compile, deterministic, loss, tensorboard_dir, guard)"]
+                   "activation_checkpointing, compile, deterministic, loss, tensorboard_dir, loggers, guard)"]
 
 
 def test_cli_validate_and_schema_succeed(capsys):

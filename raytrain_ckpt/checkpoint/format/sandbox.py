@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, ReaderGone, UnsafeCheckpoint
 
 __all__ = ["DEFAULT_LIMITS", "LIMITS_ENV", "ReadLimits", "decode_in_sandbox"]
 
@@ -109,7 +109,7 @@ class _Reader:
                 proc.stdin.write(data)
                 proc.stdin.flush()
                 reply = self._reply(proc, cpu * _WALL_FACTOR + _WALL_SLACK_S)
-            except (BrokenPipeError, OSError, _Dead):
+            except (BrokenPipeError, OSError, ReaderGone):
                 reply = None
             if reply is None:
                 self._stop()
@@ -137,7 +137,7 @@ class _Reader:
         head = _read_exact(proc, 4, deadline)
         (n,) = struct.unpack("<I", head)
         if n > _MAX_REPLY:
-            raise _Dead()
+            raise ReaderGone()
         return json.loads(_read_exact(proc, n, deadline))
 
     def _stop(self) -> None:
@@ -156,14 +156,6 @@ class _Reader:
                 pass  # (a pipe to a dead child: nothing to flush)
 
 
-class _Dead(Exception):
-    """The reader process gave no answer by its deadline, or a malformed one."""
-
-    def __init__(self, timed_out: bool = False) -> None:
-        super().__init__()
-        self.timed_out = timed_out
-
-
 def _read_exact(proc: subprocess.Popen, n: int, deadline: float) -> bytes:
     fd = proc.stdout.fileno()
     out = bytearray()
@@ -171,10 +163,10 @@ def _read_exact(proc: subprocess.Popen, n: int, deadline: float) -> bytes:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
             proc.kill()
-            raise _Dead(timed_out=True)
+            raise ReaderGone(timed_out=True)
         piece = os.read(fd, min(n - len(out), 1 << 20))
         if not piece:
-            raise _Dead()
+            raise ReaderGone()
         out += piece
     return bytes(out)
 

@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, TensorHeaderRefused
 from raytrain_ckpt.checkpoint.format.prescan import stored_member
 
 __all__ = ["MAX_HEADER", "ChunkHeader", "FileSlice", "load_chunk", "parse_chunk", "parse_tensor_pickle"]
@@ -57,10 +57,6 @@ class ChunkHeader:
     stride: tuple[int, ...]
 
 
-class _Refused(Exception):
-    """The pickle leaves the whitelisted shape (the reason)."""
-
-
 _STORAGE, _ODICT, _REBUILD2, _REBUILD3 = "storage", "odict", "rebuild_v2", "rebuild_v3"
 
 
@@ -75,25 +71,25 @@ def _global(module: str, name: str) -> tuple:
         return ("g", "typed", "uint8")
     if module == "torch" and name in _ITEMSIZE:
         return ("g", "dtype", name)
-    raise _Refused(f"refers to {module}.{name}")
+    raise TensorHeaderRefused(f"refers to {module}.{name}")
 
 
 def _int(value: Any, what: str) -> int:
     if type(value) is not int or not 0 <= value < 1 << 62:
-        raise _Refused(f"has {what} that is not a size")
+        raise TensorHeaderRefused(f"has {what} that is not a size")
     return value
 
 
 def _dims(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple) or len(value) > 64:
-        raise _Refused(f"has {what} that is not a tuple of at most 64 sizes")
+        raise TensorHeaderRefused(f"has {what} that is not a tuple of at most 64 sizes")
     return tuple(_int(v, what) for v in value)
 
 
 def _persistent(pid: Any) -> tuple:
     if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], tuple)
             and pid[1][:2] == ("g", "typed") and isinstance(pid[2], str) and len(pid[2]) <= 32 and pid[3] == "cpu"):
-        raise _Refused("has a persistent id that is not a cpu storage")
+        raise TensorHeaderRefused("has a persistent id that is not a cpu storage")
     return (_STORAGE, pid[1][2], pid[2], _int(pid[4], "a storage length"))
 
 
@@ -101,16 +97,16 @@ def _reduce(fn: Any, args: Any) -> Any:
     if fn == ("g", _ODICT) and args == ():
         return (_ODICT,)
     if fn not in (("g", _REBUILD2), ("g", _REBUILD3)) or not isinstance(args, tuple):
-        raise _Refused("calls something other than torch's tensor rebuild")
+        raise TensorHeaderRefused("calls something other than torch's tensor rebuild")
     v3 = fn[1] == _REBUILD3
     if len(args) != (7 if v3 else 6) or not (isinstance(args[0], tuple) and args[0][:1] == (_STORAGE,)):
-        raise _Refused("rebuilds a tensor from arguments torch.save never writes")
+        raise TensorHeaderRefused("rebuilds a tensor from arguments torch.save never writes")
     _, dtype, key, numel = args[0]
     if args[4] not in (True, False) or args[5] != (_ODICT,):
-        raise _Refused("rebuilds a tensor with hooks or flags torch.save never writes")
+        raise TensorHeaderRefused("rebuilds a tensor with hooks or flags torch.save never writes")
     if v3:
         if dtype != "uint8" or not (isinstance(args[6], tuple) and args[6][:2] == ("g", "dtype")):
-            raise _Refused("rebuilds a tensor of an untyped storage without its dtype")
+            raise TensorHeaderRefused("rebuilds a tensor of an untyped storage without its dtype")
         dtype, nbytes = args[6][2], numel
     else:
         nbytes = numel * _ITEMSIZE[dtype]
@@ -121,7 +117,7 @@ def _reduce(fn: Any, args: Any) -> Any:
 def _line(data: bytes, pos: int) -> tuple[str, int]:
     end = data.find(b"\n", pos, pos + 128)
     if end < 0:
-        raise _Refused("has a global name over 128 bytes")
+        raise TensorHeaderRefused("has a global name over 128 bytes")
     return data[pos:end].decode("ascii"), end + 1
 
 
@@ -135,7 +131,7 @@ def _run(data: bytes) -> Any:  # noqa: C901 - one opcode loop over a fixed white
         pos += 1
         if op == 0x80:  # PROTO
             if data[pos] != 2:
-                raise _Refused("is not of pickle protocol 2, which torch.save writes")
+                raise TensorHeaderRefused("is not of pickle protocol 2, which torch.save writes")
             pos += 1
         elif op == 0x63:  # GLOBAL
             module, pos = _line(data, pos)
@@ -146,7 +142,7 @@ def _run(data: bytes) -> Any:  # noqa: C901 - one opcode loop over a fixed white
             key = int.from_bytes(data[pos:pos + width], "little")
             pos += width
             if key >= 256 or not stack:
-                raise _Refused("uses a memo torch.save never writes")
+                raise TensorHeaderRefused("uses a memo torch.save never writes")
             memo[key] = stack[-1]
         elif op in (0x68, 0x6A):  # BINGET, LONG_BINGET
             width = 1 if op == 0x68 else 4
@@ -164,7 +160,7 @@ def _run(data: bytes) -> Any:  # noqa: C901 - one opcode loop over a fixed white
         elif op in (0x85, 0x86, 0x87):  # TUPLE1..3
             n = op - 0x84
             if len(stack) - (marks[-1] if marks else 0) < n:
-                raise _Refused("has a tuple of missing items")
+                raise TensorHeaderRefused("has a tuple of missing items")
             items = tuple(stack[-n:])
             del stack[-n:]
             stack.append(items)
@@ -173,19 +169,19 @@ def _run(data: bytes) -> Any:  # noqa: C901 - one opcode loop over a fixed white
             n = int.from_bytes(data[pos:pos + width], "little")
             pos += width
             if n > 256 or pos + n > len(data):
-                raise _Refused("has a string over 256 bytes")
+                raise TensorHeaderRefused("has a string over 256 bytes")
             stack.append(data[pos:pos + n].decode("utf-8"))
             pos += n
         elif op in (0x4B, 0x4D, 0x4A):  # BININT1, BININT2, BININT
             width = {0x4B: 1, 0x4D: 2, 0x4A: 4}[op]
             if pos + width > len(data):
-                raise _Refused("ends inside a number")
+                raise TensorHeaderRefused("ends inside a number")
             stack.append(int.from_bytes(data[pos:pos + width], "little", signed=op == 0x4A))
             pos += width
         elif op == 0x8A:  # LONG1
             n = data[pos]
             if n > 9 or pos + 1 + n > len(data):
-                raise _Refused("has a number over 9 bytes")
+                raise TensorHeaderRefused("has a number over 9 bytes")
             stack.append(int.from_bytes(data[pos + 1:pos + 1 + n], "little", signed=True))
             pos += 1 + n
         elif op in (0x88, 0x89):  # NEWTRUE, NEWFALSE
@@ -197,12 +193,12 @@ def _run(data: bytes) -> Any:  # noqa: C901 - one opcode loop over a fixed white
             stack[-1] = _reduce(stack[-1], args)
         elif op == 0x2E:  # STOP
             if len(stack) != 1 or marks or not isinstance(stack[0], ChunkHeader):
-                raise _Refused("does not hold exactly one tensor")
+                raise TensorHeaderRefused("does not hold exactly one tensor")
             return stack[0]
         else:
-            raise _Refused(f"has the opcode {op:#x}, which torch.save never writes for a tensor")
+            raise TensorHeaderRefused(f"has the opcode {op:#x}, which torch.save never writes for a tensor")
         if len(stack) > 256 or len(marks) > 64:
-            raise _Refused("nests deeper than a tensor's header")
+            raise TensorHeaderRefused("nests deeper than a tensor's header")
 
 
 def parse_tensor_pickle(data: bytes, where: str) -> ChunkHeader:
@@ -216,7 +212,7 @@ def parse_tensor_pickle(data: bytes, where: str) -> ChunkHeader:
                                 "chunk's header: not a tensor chunk")
     try:
         return _run(data)
-    except _Refused as exc:
+    except TensorHeaderRefused as exc:
         raise InvalidCheckpoint(f"{where} is not a tensor chunk as torch.save writes one: its data.pkl {exc}; "
                                 "refused without unpickling it") from None
     except (IndexError, KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
