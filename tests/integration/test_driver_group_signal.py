@@ -62,7 +62,7 @@ def test_sigterm_to_the_drivers_process_group_saves_reports_and_frees_staging(tm
     root = tmp_path / "llama-debug-fsdp"
     proc = _start(tmp_path, shm)
     _, err = _signal_group_after_first_save(proc, root)
-    assert proc.returncode == 130, err[-3000:]
+    assert proc.returncode == 143, err[-3000:]  # STOPPED by SIGTERM (130 is Ctrl-C's, and a second signal's)
     m = re.search(r"stopped: job llama-debug-fsdp: SIGTERM: step (\d+) is committed and safe", err)
     assert m, err[-3000:]
     safe = int(m.group(1))
