@@ -14,6 +14,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(items):
+    """A test on the session's Ray is an integration test wherever it lives, so the fast tier
+    (``-m "not integration"``) never starts Ray."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.integration)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def results_dir(tmp_path_factory):
     """The default checkpoint location (``~/raytrain_results`` for a user) is a temporary directory:
