@@ -22,6 +22,10 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
 
 
+_SESSION_SHM: list[Path] = []
+"""This session's staging directory, once ``results_dir`` made it."""
+
+
 @pytest.fixture(scope="session", autouse=True)
 def results_dir(tmp_path_factory):
     """The default checkpoint location (``~/raytrain_results`` for a user) is a temporary directory:
@@ -37,6 +41,7 @@ def results_dir(tmp_path_factory):
         # of orphans never reaches another session's buffers (nor theirs ours).
         shm = Path(tempfile.mkdtemp(prefix="raytrain-tests-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
         mp.setenv("RAYTRAIN_CKPT_SHM_DIR", str(shm))
+        _SESSION_SHM[:] = [shm]
         yield path
     shutil.rmtree(shm, ignore_errors=True)
 
@@ -84,8 +89,9 @@ def _live_placement_groups() -> dict[str, str]:
 
 
 def _staging_files() -> dict[str, str]:
-    """Every file in this session's staging directory (``RAYTRAIN_CKPT_SHM_DIR``, set above)."""
-    shm = Path(os.environ["RAYTRAIN_CKPT_SHM_DIR"])
+    """Every file in this session's staging directory (``RAYTRAIN_CKPT_SHM_DIR``, set above; read
+    from the session's own record, so a test that changes the variable does not move the check)."""
+    shm = _SESSION_SHM[0]
     return {str(p): f"staging file {p}" for p in shm.rglob("*") if not p.is_dir()}
 
 
