@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(items):
+    """A test on the session's Ray is an integration test wherever it lives, so the fast tier
+    (``-m "not integration"``) never starts Ray."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.integration)
+
+
+_SESSION_SHM: list[Path] = []
+"""This session's staging directory, once ``results_dir`` made it."""
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -21,7 +36,14 @@ def results_dir(tmp_path_factory):
         mp.setenv("RAYTRAIN_CKPT_RESULTS", str(path))
         # the pre-scan's verdicts (checkpoint/format/scancache.py) are kept out of ~/.cache too
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        # Staging buffers of this session go to a directory of its own in /dev/shm (still RAM, still
+        # real files): the leak check below sees only what this session made, and a writer's sweep
+        # of orphans never reaches another session's buffers (nor theirs ours).
+        shm = Path(tempfile.mkdtemp(prefix="raytrain-tests-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        mp.setenv("RAYTRAIN_CKPT_SHM_DIR", str(shm))
+        _SESSION_SHM[:] = [shm]
         yield path
+    shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +59,70 @@ def ray_cluster(results_dir):
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
     yield ray
     ray.shutdown()
+
+
+LEAK_GRACE_S = 10.0
+"""How long the leak check waits for teardown that is asynchronous (``ray.kill`` returns before the
+GCS marks the actor dead; a writer unlinks its buffers as it exits) before it calls a leftover a leak."""
+_LIVE_ACTOR_STATES = ("DEPENDENCIES_UNREADY", "PENDING_CREATION", "ALIVE", "RESTARTING")
+
+
+def _live_actors() -> dict[str, str]:
+    """Every actor of the session's Ray that is not dead: id -> a line naming it."""
+    from ray._private import state
+
+    live = {}
+    for name in _LIVE_ACTOR_STATES:
+        for actor_id, a in state.actors(actor_state_name=name).items():
+            named = f" named {a['Name']!r}" if a["Name"] else ""
+            live[actor_id] = (f"actor {a['ActorClassName']}{named}{' (detached)' if a['IsDetached'] else ''}"
+                              f" {name} pid {a['Pid']}")
+    return live
+
+
+def _live_placement_groups() -> dict[str, str]:
+    """Every placement group of the session's Ray that is not removed: id -> a line naming it."""
+    from ray.util import placement_group_table
+
+    return {pg_id: f"placement group {pg['name'] or pg_id[:12]} {pg['state']} bundles {list(pg['bundles'].values())}"
+            for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
+
+
+def _staging_files() -> dict[str, str]:
+    """Every file in this session's staging directory (``RAYTRAIN_CKPT_SHM_DIR``, set above; read
+    from the session's own record, so a test that changes the variable does not move the check)."""
+    shm = _SESSION_SHM[0]
+    return {str(p): f"staging file {p}" for p in shm.rglob("*") if not p.is_dir()}
+
+
+def leftovers(before: dict[str, str], probes, grace_s: float | None = None) -> dict[str, str]:
+    """What ``probes`` see now that was not in ``before``, polled for ``grace_s`` (``LEAK_GRACE_S``)
+    until it is gone."""
+    deadline = time.monotonic() + (LEAK_GRACE_S if grace_s is None else grace_s)
+    while True:
+        now = {k: v for probe in probes for k, v in probe().items() if k not in before}
+        if not now or time.monotonic() > deadline:
+            return now
+        time.sleep(0.2)
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind(request):
+    """Fails a test that leaves a Ray actor or placement group of the session's Ray alive, or a
+    staging buffer file of this session, that was not there before it (module fixtures set up
+    before it count as before). Ray is looked at only for tests that use the session's Ray."""
+    probes = [_staging_files]
+    if "ray_cluster" in request.fixturenames:
+        request.getfixturevalue("ray_cluster")
+        probes += [_live_actors, _live_placement_groups]
+    before = {k: v for probe in probes for k, v in probe().items()}
+    yield
+    if len(probes) > 1 and not request.getfixturevalue("ray_cluster").is_initialized():
+        probes = probes[:1]  # a test that shut the session's Ray down left nothing of it alive
+    left = leftovers(before, probes)
+    if left:
+        pytest.fail(f"{request.node.nodeid} left behind (still there {LEAK_GRACE_S:.0f} s after it ended):\n  "
+                    + "\n  ".join(sorted(left.values())), pytrace=False)
 
 
 REFERENCE_20 = ["training.steps=20", "training.log_every_steps=1", "lr_scheduler.warmup_steps=2", "training.seq_len=32",

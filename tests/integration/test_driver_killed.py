@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from raytrain_ckpt.checkpoint.datapath.buffers import shm_dir, sweep_orphans
+
 pytestmark = pytest.mark.integration
 
 if not os.path.isdir("/proc"):
@@ -93,3 +95,6 @@ def test_a_driver_killed_with_sigkill_leaves_no_ray_process_behind(tmp_path: Pat
                 os.kill(int(line.split()[0]), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        # The writer died with its Ray (SIGKILL): its staging buffers are orphans now, which the next
+        # writer to start or `raytrain-ckpt clean-buffers` removes; the test removes them as those would.
+        sweep_orphans(shm_dir())

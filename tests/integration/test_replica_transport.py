@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from raytrain_ckpt.checkpoint.datapath.buffers import shm_dir
+
 pytestmark = pytest.mark.integration
 
 
@@ -68,7 +70,7 @@ def test_replica_goes_to_the_peer_and_on_to_a_replacement(ray_cluster, tmp_path)
     assert Path(moved.path).read_bytes() == data2 and moved.source_node == node
     with pytest.raises(ray.exceptions.RayTaskError, match="no verified copy of rank 1 step 10"):
         ray.get(b.push_replica.remote(1, 10, c, node))
-    # b and c are on one node sharing /dev/shm, as nodes of a one-machine cluster do: no clash
+    # b and c are on one node sharing shm_dir(), as nodes of a one-machine cluster do: no clash
     assert Path(moved.path) != Path(held2.path) and Path(held2.path).exists()
 
     ray.get([w.release_all.remote() for w in (b, c)])
@@ -86,14 +88,14 @@ def test_a_sender_killed_mid_send_leaves_no_replica(ray_cluster, tmp_path):
     copy, src, _ = _source(tmp_path, 0, 5, 24 << 20)      # 24 MB at 4 MB/s: about 6 s
     a.replicate.remote(copy)
     deadline = time.monotonic() + 60
-    while not list(Path("/dev/shm").glob(f"rtc-rep-peer-{os.getpid()}*-replica-rank0-step5.buf")):
+    while not list(shm_dir().glob(f"rtc-rep-peer-{os.getpid()}*-replica-rank0-step5.buf")):
         assert time.monotonic() < deadline, "the send never started"
         time.sleep(0.05)
     ray.kill(a)
     time.sleep(1.0)
     assert ray.get(b.replicas_held.remote()) == []           # half a replica is never held
     ray.get(b.release_all.remote())
-    assert not list(Path("/dev/shm").glob(f"rtc-rep-peer-{os.getpid()}*"))
+    assert not list(shm_dir().glob(f"rtc-rep-peer-{os.getpid()}*"))
     ray.kill(b)
     src.remove()
 
