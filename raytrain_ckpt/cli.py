@@ -163,6 +163,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(json.dumps(JobSpec.model_json_schema(), indent=2))
         return ExitCode.OK
     _factories_importable(args.spec)
+    if args.command == "run":  # before the spec: resolving it logs where a relative checkpoint.dir went
+        setup_logging()
     try:
         spec = api.resolve_spec(args.spec, args.overrides)
     except SpecError as exc:
