@@ -134,3 +134,47 @@ def test_a_missing_logger_package_is_one_error_line_and_exit_2(package, backend,
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and says in errors[0], proc.stderr[-3000:]
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.points, self.closed = [], False
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        self.points.append((tag, value, step))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_background_logger_sends_everything_in_order_and_closes(monkeypatch):
+    import raytrain_ckpt.loggers as loggers
+
+    monkeypatch.setattr(loggers, "DRAIN_S", 0.0)
+    inner = _Recorder()
+    out = loggers.BackgroundLogger("rec", lambda: inner, 100, "job")
+    for step in range(1, 31):
+        out.scalar("train/loss", float(step), step)
+    out.close()
+    assert inner.points == [("train/loss", float(s), s) for s in range(1, 31)] and inner.closed and out.dropped == 0
+
+
+def test_background_logger_counts_what_a_service_that_is_down_drops(monkeypatch):
+    import threading
+
+    import raytrain_ckpt.loggers as loggers
+
+    monkeypatch.setattr(loggers, "DRAIN_S", 0.0)
+    gate = threading.Event()
+
+    def unreachable():
+        gate.wait()                       # the service does not answer while the points arrive
+        raise ConnectionRefusedError("connection refused")
+
+    out = loggers.BackgroundLogger("down", unreachable, 4, "job")
+    for step in range(10):                # never blocks: 4 queued (or 5 taken), the rest dropped
+        out.scalar("train/loss", 1.0, step)
+    assert out.dropped >= 5
+    gate.set()
+    out.close()
+    assert out.dropped == 10
