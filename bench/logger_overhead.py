@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -136,7 +137,10 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="rtc-logger-bench-")
     ratios, rows, logged_runs = [], [], []
     for rep in range(args.reps):
-        plain, logged = _run(False, args, tmp), _run(True, args, tmp)
+        try:
+            plain, logged = _run(False, args, tmp), _run(True, args, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # W&B's files of the run that just ended
         ratios.append(logged["median_s"] / plain["median_s"] - 1)
         logged_runs.append(logged)
         rows.append(f"  rep {rep}: median step {plain['median_s'] * 1e3:6.1f} ms without, {logged['median_s'] * 1e3:6.1f} ms "
