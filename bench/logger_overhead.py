@@ -137,6 +137,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="rtc-logger-bench-")
     ratios, rows, logged_runs = [], [], []
     for rep in range(args.reps):
+        os.makedirs(tmp, exist_ok=True)
         try:
             plain, logged = _run(False, args, tmp), _run(True, args, tmp)
         finally:
