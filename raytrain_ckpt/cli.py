@@ -163,6 +163,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(json.dumps(JobSpec.model_json_schema(), indent=2))
         return ExitCode.OK
     _factories_importable(args.spec)
+    if args.command == "run":  # before the spec: resolving it logs where a relative checkpoint.dir went
+        setup_logging()
     try:
         spec = api.resolve_spec(args.spec, args.overrides)
     except SpecError as exc:
@@ -205,14 +207,18 @@ def _explain_hang_timeout(spec: JobSpec, as_comment: bool) -> None:
 
 
 def _print_run_ledger(result: Any) -> None:
-    """The end report's goodput line and each hang's diagnostics folder."""
+    """The end report's goodput line, each hang's diagnostics folder and each failure's full text."""
     from raytrain_ckpt.goodput import GoodputLedger
 
     if result.goodput:
         print(GoodputLedger.line_of(result.goodput, len(result.failures)))
+    from raytrain_ckpt.hangs import FAILURE_FILE
     from raytrain_ckpt.nccl_trace import traces_in
 
     for folder in result.diagnostics:
+        if Path(folder).name == FAILURE_FILE:
+            print(f"failed ranks' full text (tracebacks): {folder}")
+            continue
         ranks = traces_in(Path(folder))
         traces = f", NCCL flight recorder of rank {', '.join(map(str, ranks))}" if ranks else ""
         print(f"hang diagnostics (every rank's stacks{traces}): {folder}")

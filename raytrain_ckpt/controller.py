@@ -65,6 +65,8 @@ class GroupPoll:
     the most any rank reported, through its progress or its result."""
     evictions: dict[int, float] = field(default_factory=dict)
     """Ranks whose process got SIGTERM (a pod eviction) -> the deadline they stop by (``eviction.py``)."""
+    evidence: str | None = None
+    """The file the group kept every failed rank's full text in, when ``failures`` is not empty."""
 
 
 class WorkerGroup(Protocol):
@@ -368,8 +370,10 @@ class Controller:
             self._on_preemption(preempted)
         elif poll.failures:
             first = poll.failures[0]
-            self._on_failure(Failure(self.attempt, first.kind, first.rank, first.headline,
-                                     "\n".join(f.detail or str(f) for f in poll.failures)))
+            if poll.evidence is not None:
+                self.result.diagnostics.append(poll.evidence)
+            self._on_failure(Failure(self.attempt, first.kind, first.rank, first.headline, first.detail or str(first),
+                                     tuple(poll.failures[1:]), poll.evidence))
         elif poll.finished and self._swap is not None and min(r.steps for r in poll.results) < self.spec.training.steps:
             self._on_straggler_stopped(poll)
         elif poll.finished:
@@ -517,8 +521,8 @@ class Controller:
         if kind == "mismatch":  # a user's mistake: its message, without the ranks' tracebacks
             logger.error("attempt %d: the resume checkpoint does not fit this job: %s", self.attempt, failure.headline)
         else:
-            logger.error("attempt %d %s failure:\n%s", self.attempt, kind, failure.detail or failure.headline)
-        self.result.error = failure.detail or failure.headline
+            logger.error("attempt %d %s failure:\n%s", self.attempt, kind, failure.log_text())
+        self.result.error = failure.full_text()
         if decision is Decision.RESTART:
             self.restarts += 1
             self._set_state(JobState.RECOVERING, f"{kind}; restart {self.restarts}/{facts.max_restarts}")

@@ -1,6 +1,7 @@
-"""``raytrain-ckpt diagnostics JOB_ROOT``: the hangs a job kept evidence of.
+"""``raytrain-ckpt diagnostics JOB_ROOT``: the hangs and failures a job kept evidence of.
 
-Each hang's folder (``<job root>/diagnostics/attempt-<N>/``, written by ``hang_evidence.py`` before
+A failed attempt's folder holds ``failure.txt``: every failed rank's headline and full text (the
+log shows the first rank's and one line per other rank). Each hang's folder (``<job root>/diagnostics/attempt-<N>/``, written by ``hang_evidence.py`` before
 the hung group was torn down) holds every rank's stacks and ``verdict.txt``: this lists them, one
 block per attempt, with the culprit and the files.
 """
@@ -14,6 +15,8 @@ import stat
 import sys
 from pathlib import Path
 from typing import Any
+
+from raytrain_ckpt.hangs import FAILURE_FILE
 
 __all__ = ["add_parser", "folders", "run"]
 
@@ -62,18 +65,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
     entries = []
     for folder in folders(root):
-        verdict = folder / "verdict.txt"
-        lines = _verdict_lines(verdict)
-        entries.append({"folder": str(folder), "verdict": lines,
+        lines = _verdict_lines(folder / "verdict.txt")
+        failed = [line for line in _verdict_lines(folder / FAILURE_FILE) if line.startswith("attempt ")]
+        entries.append({"folder": str(folder), "verdict": lines, "failures": failed,
                         "files": sorted(str(p) for p in folder.iterdir() if p.is_file())})
     if args.json:
         print(json.dumps(entries, indent=2))
         return 0
     for e in entries:
         print(e["folder"])
-        for line in e["verdict"]:
+        for line in e["verdict"] + e["failures"]:
             print(f"  {line}")
         for f in e["files"]:
             print(f"  {f}")
-    print(f"{len(entries)} hang(s) with diagnostics under {root}")
+    failed = sum(bool(e["failures"]) for e in entries)
+    print(f"{sum(bool(e['verdict']) for e in entries)} hang(s) with diagnostics under {root}"
+          + (f"; {failed} attempt(s) with every failed rank's text ({FAILURE_FILE})" if failed else ""))
     return 0

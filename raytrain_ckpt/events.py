@@ -131,11 +131,31 @@ class Failure:
     headline: str
     """The line that says what happened (an exception's type and message)."""
     detail: str = ""
-    """The full text (tracebacks of every failed rank), for the log and ``JobResult.error``."""
+    """The full text of this failure (the failed rank's traceback), for the log and ``JobResult.error``."""
+    after: tuple[Failure, ...] = ()
+    """The other ranks' failures seen with it (a rank that crashed leaves the others' collectives
+    failing: gloo's "Connection reset by peer"): in ``JobResult.error`` and the diagnostics, one
+    line each in the log."""
+    evidence: str | None = None
+    """The file that keeps every failed rank's full text (``<job root>/diagnostics/attempt-<N>/failure.txt``)."""
 
     def __str__(self) -> str:
         who = f"rank {self.rank}: " if self.rank is not None else ""
         return f"attempt {self.attempt} {self.kind}: {who}{self.headline}"
+
+    def full_text(self) -> str:
+        """This failure's text and every other rank's after it: the failure record."""
+        return "\n".join([self.detail or self.headline, *(f.detail or str(f) for f in self.after)])
+
+    def log_text(self) -> str:
+        """What the log shows: this failure's text, then one line per other rank and where their
+        full text is (one headline per failure)."""
+        lines = [self.detail or self.headline]
+        if self.after:
+            where = self.evidence or "JobResult.error"
+            lines.append(f"{len(self.after)} other rank(s) failed after it (full text: {where}):")
+            lines += [f"  rank {f.rank} {f.kind}: {f.headline}" for f in self.after]
+        return "\n".join(lines)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")

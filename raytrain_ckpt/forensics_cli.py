@@ -91,9 +91,12 @@ def _stats(path: Path, only: str | None, as_json: bool) -> int:
 
 
 def _diff(a: Path, b: Path, as_json: bool) -> int:
-    from raytrain_ckpt.checkpoint.format.fingerprints import diff_steps
+    from raytrain_ckpt.checkpoint.format.fingerprints import diff_step_dirs
 
-    diffs = diff_steps(_read(a), _read(b))
+    try:
+        diffs = diff_step_dirs(a, b)
+    except (InvalidCheckpoint, OSError) as exc:
+        raise _Usage(f"{a} or {b}: unreadable ({exc}); check them with raytrain-ckpt verify") from None
     if as_json:
         print(json.dumps([{"tensor": d.name, "a": d.a.as_dict() if d.a else None, "b": d.b.as_dict() if d.b else None,
                            "delta_norm": d.delta_norm} for d in diffs], indent=1))
@@ -106,9 +109,13 @@ def _diff(a: Path, b: Path, as_json: bool) -> int:
         if d.a is None or d.b is None:
             print(f"  {d.name}: only in {b.name if d.a is None else a.name}")
         else:
-            print(f"  {d.name}: norm {d.a.norm:.6g} -> {d.b.norm:.6g} (|delta| {d.delta_norm:.3g}), "
+            print(f"  {d.name}: norm {d.a.norm:.6g} -> {d.b.norm:.6g} (|delta| {_norm(d.delta_norm)}), "
                   f"sum {d.a.sum:.6g} -> {d.b.sum:.6g}, nan {d.a.nan} -> {d.b.nan}, inf {d.a.inf} -> {d.b.inf}")
     return ExitCode.OK
+
+
+def _norm(value: float | None) -> str:
+    return "n/a (shapes differ)" if value is None else f"{value:.3g}"
 
 
 def _committed_steps(root: Path) -> list[tuple[int, Path]]:

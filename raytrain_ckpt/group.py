@@ -21,7 +21,7 @@ from raytrain_ckpt.controller import GroupPoll, GroupStartError, elastic_world_s
 from raytrain_ckpt.events import Failure, Progress, RankPlace, WorkerResult, headline
 from raytrain_ckpt.faults import fault_env
 from raytrain_ckpt.hang_evidence import diagnose, diagnostics_root, locate
-from raytrain_ckpt.hangs import Verdict
+from raytrain_ckpt.hangs import Verdict, keep_failures
 from raytrain_ckpt.nodeprogress import poll_progress
 from raytrain_ckpt.pool import WorkerPool, bundle_nodes, kill_actor
 from raytrain_ckpt.preemption import draining_nodes, room_for
@@ -301,12 +301,14 @@ class RayWorkerGroup:
             except RayActorError as exc:
                 what = f"worker process died: {headline(str(exc))}"
                 failures.insert(0, Failure(self.attempt, "crash", rank, what, f"rank {rank}: {what}\n{exc}"))
+        evidence = keep_failures(diagnostics_root(self.spec), self.attempt, failures) if failures else None
         progress = self._progress()
         finished = len(self._results) == len(self.workers)
         self._maybe_start_spares(progress)
         return GroupPoll(
             results=[self._results[r] for r in sorted(self._results)],
             failures=failures,
+            evidence=evidence,
             min_step=min((p.step for p in progress.values()), default=0),
             finished=finished,
             stall_s=max((p.stall_s for p in progress.values()), default=0.0),

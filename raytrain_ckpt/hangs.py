@@ -20,6 +20,7 @@ Pure: no Ray, no torch (the controller imports it).
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import subprocess
@@ -30,8 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FIRST_STEPS_S", "FLOOR_S", "HangClock", "MULTIPLE", "Verdict", "auto_text", "blame",
-           "collective_timeout_s", "dump_stacks", "in_collective", "py_spy", "status_line", "training_thread"]
+__all__ = ["FAILURE_FILE", "FIRST_STEPS_S", "FLOOR_S", "HangClock", "MULTIPLE", "Verdict", "auto_text", "blame",
+           "collective_timeout_s", "dump_stacks", "in_collective", "keep_failures", "py_spy", "status_line",
+           "training_thread"]
+
+logger = logging.getLogger(__name__)
 
 FLOOR_S = 30.0
 """The least an auto timeout waits: a loaded machine's pauses (GC, a busy core, logging)."""
@@ -281,3 +285,21 @@ def status_line(info: Mapping[str, Any]) -> str | None:
     if hang:
         line += f"; last hang: {hang}"
     return line
+
+
+FAILURE_FILE = "failure.txt"
+"""Every failed rank's full text of an attempt, beside its hang evidence (if any)."""
+
+
+def keep_failures(base: Path, attempt: int, failures: list[Any]) -> str | None:
+    """Append each of ``failures`` (a headline line, then its full text) to
+    ``<base>/attempt-<attempt>/failure.txt``; the path, or None where it cannot be written."""
+    path = base / f"attempt-{attempt}" / FAILURE_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.writelines(f"{failure}\n{failure.detail}\n\n" for failure in failures)
+    except OSError as exc:  # best effort: the failure is still handled, its text is in JobResult.error
+        logger.warning("could not keep the failures' text in %s: %s", path, exc)
+        return None
+    return str(path)

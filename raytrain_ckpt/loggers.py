@@ -6,10 +6,16 @@ restart and resubmit of the job resumes the same run (W&B ``resume="allow"``, ML
 Two processes write to it: rank 0 (``train/*``, ``eval/*``, and the resolved spec as the run's
 config) and the driver (``checkpoint/*``, ``job/*``: commits, attempts, failures).
 
-Steps are never logged twice: each logger is opened with the highest step its run already
-holds for the process's tags (``floor``) and drops points at or below it, so the steps a restart
-trains again after its resume point keep the first attempt's points (the same values: a replay
-is deterministic) and the run's x axis stays continuous.
+Steps are never logged twice: each logger knows the highest step its run already holds from
+this kind of process (``floor``) and drops points at or below it, so the steps a restart or a
+guard rollback trains again keep the first points (a restart's replay is deterministic: the same
+values; a rollback's retrained steps see other samples, and the marker of the rollback is the
+driver's ``job/rollback_steps``) and the run's x axis stays continuous. MLflow's floor is read per
+tag from the run's metric history. W&B cannot say which steps an offline run holds (each process
+writes a file of its own, and ``run.step`` starts from 0), so the W&B logger keeps its floor in
+``raytrain-ckpt-<run id>-<train|driver>.step`` beside W&B's own run files (``wandb_dir``/wandb),
+replaced atomically after each step's row is handed to W&B; a row is handed over whole, when the
+next step begins, so a process that dies mid-step leaves that step to the replay.
 
 A service that is down never stalls a step: W&B, MLflow and user loggers are opened and written
 by a background thread from a bounded queue (``training.loggers.queue_size``); a full queue or a
@@ -23,17 +29,22 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from raytrain_ckpt.scalars import DRIVER_TAGS, TRAIN_TAGS, Fanout, ScalarLogger, open_logger
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BackgroundLogger", "MlflowLogger", "WandbLogger", "open_backends", "open_job_loggers", "run_id"]
+__all__ = ["DRAIN_S", "BackgroundLogger", "MlflowLogger", "WandbLogger", "open_backends", "open_job_loggers", "read_floor",
+           "run_id", "write_floor"]
 
 CLOSE_WAIT_S = 10.0
 """How long closing waits for a background logger to send what it holds (then it is left behind)."""
+DRAIN_S = 0.5
+"""How long a background logger lets points gather after the first before it sends them together."""
 
 
 def run_id(root: str) -> str:
@@ -42,24 +53,57 @@ def run_id(root: str) -> str:
 
 
 class WandbLogger:
-    """``ScalarLogger`` over one W&B run (offline with WANDB_MODE=offline)."""
+    """``ScalarLogger`` over one W&B run (offline with WANDB_MODE=offline). ``run``: "train" or
+    "driver", the process kind whose step floor this is (module docstring)."""
 
-    def __init__(self, job: str, rid: str, project: str, directory: str | None, mode: str | None) -> None:
+    def __init__(self, job: str, rid: str, run: str, project: str, directory: str | None, mode: str | None) -> None:
         import wandb
 
         self._run = wandb.init(project=project, id=rid, name=job, resume="allow", dir=directory, mode=mode,
                                settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
-        self.floor = int(self._run.step) - 1  # W&B's next step: every earlier one is in the run
+        # <dir>/wandb/<offline-run-...>/files: the floor lives where W&B keeps the run's files
+        self.floor_file = Path(self._run.dir).parents[1] / f"raytrain-ckpt-{rid}-{run}.step"
+        self.floor = max(int(self._run.step) - 1, read_floor(self.floor_file))  # run.step: W&B's next step
+        self._row: dict[str, float] = {}
+        self._row_step: int | None = None
 
     def config(self, config: dict[str, Any]) -> None:
         self._run.config.update(config, allow_val_change=True)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
-        if step > self.floor:
-            self._run.log({tag: value}, step=step)
+        if step != self._row_step:
+            self._flush()
+            if step <= self.floor:
+                return
+            self._row_step = step
+        self._row[tag] = value
 
     def close(self) -> None:
+        self._flush()
         self._run.finish()
+
+    def _flush(self) -> None:
+        """The pending step's row to W&B as one committed row, then the floor to its file."""
+        if self._row_step is None:
+            return
+        self._run.log(self._row, step=self._row_step, commit=True)
+        self.floor, self._row, self._row_step = self._row_step, {}, None
+        write_floor(self.floor_file, self.floor)
+
+
+def read_floor(path: Path) -> int:
+    """The step floor ``write_floor`` left in ``path``; -1: none (a new run, or an unreadable file)."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):  # no file yet, or one from a torn disk: the run's own step counts
+        return -1
+
+
+def write_floor(path: Path, step: int) -> None:
+    """``step`` into ``path``, atomically: a reader sees the old floor or the new, never a torn one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{step}\n")
+    os.replace(tmp, path)
 
 
 class MlflowLogger:
@@ -77,7 +121,8 @@ class MlflowLogger:
         found = self._client.search_runs([eid], filter_string=f"tags.raytrain_ckpt_run_id = '{rid}'", max_results=1)
         run = found[0] if found else self._client.create_run(eid, run_name=job, tags={"raytrain_ckpt_run_id": rid})
         self.run_id = run.info.run_id
-        self.floor = max((m.step for t in tags for m in self._client.get_metric_history(self.run_id, t)), default=-1)
+        self.floors = {t: max((m.step for m in self._client.get_metric_history(self.run_id, t)), default=-1)
+                       for t in tags}
 
     def config(self, config: dict[str, Any]) -> None:
         import json
@@ -91,8 +136,11 @@ class MlflowLogger:
         self._client.set_tag(self.run_id, "raytrain_ckpt.spec", json.dumps(config)[:5000])
 
     def scalar(self, tag: str, value: float, step: int) -> None:
-        if step > self.floor:
+        if tag not in self.floors:  # a tag of its own kind (job/failures/<kind>): its history, once
+            self.floors[tag] = max((m.step for m in self._client.get_metric_history(self.run_id, tag)), default=-1)
+        if step > self.floors[tag]:
             self._client.log_metric(self.run_id, tag, float(value), step=step)
+            self.floors[tag] = step
 
     def close(self) -> None:
         """The run stays open: the next attempt or resubmit resumes it."""
@@ -155,20 +203,45 @@ class BackgroundLogger:
             inner: ScalarLogger | None = open_inner()
         except Exception as exc:  # noqa: BLE001 - a service down or refusing: training must not notice
             inner, why = None, f"it could not be opened: {type(exc).__name__}: {exc}"
-        while (item := self._queue.get()) is not self._STOP:
+        while True:
+            batch = self._take()
+            items = [item for item in batch if item is not self._STOP]
             if inner is None:
-                self._drop(1, why)
-                continue
-            try:
-                kind, args = item
-                inner.config(args) if kind == "config" else inner.scalar(*args)  # type: ignore[attr-defined]
-            except Exception as exc:  # noqa: BLE001 - one failed write: dropped and counted, the next tried
-                self._drop(1, f"{type(exc).__name__}: {exc}")
+                if items:
+                    self._drop(len(items), why)
+            else:
+                self._send(inner, items)
+            if len(items) < len(batch):
+                break
         if inner is not None:
             try:
                 inner.close()
             except Exception as exc:  # noqa: BLE001 - closing a run on a service that went away
                 logger.warning("logger %s: could not close its run: %s", self.name, exc)
+
+    def _take(self) -> list[Any]:
+        """The next batch: wait for one item, let ``DRAIN_S`` pass, then take all that came. The
+        thread wakes at most twice per ``DRAIN_S`` whatever the step rate, so it does not contend
+        for the GIL with the training thread at every point."""
+        batch = [self._queue.get()]
+        if batch[0] is not self._STOP:
+            time.sleep(DRAIN_S)
+        while batch[-1] is not self._STOP:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _send(self, inner: ScalarLogger, items: list[tuple[str, Any]]) -> None:
+        failed, why = 0, ""
+        for kind, args in items:
+            try:
+                inner.config(args) if kind == "config" else inner.scalar(*args)  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 - one failed write: dropped and counted, the next tried
+                failed, why = failed + 1, f"{type(exc).__name__}: {exc}"
+        if failed:
+            self._drop(failed, why)
 
 
 def open_backends(spec: Any, run: str, resume_step: int, root: str, tags: tuple[str, ...]) -> list[ScalarLogger]:
@@ -187,7 +260,7 @@ def open_backends(spec: Any, run: str, resume_step: int, root: str, tags: tuple[
 def _opener(name: str, job: str, run: str, rid: str, resume_step: int, cfg: Any,
             tags: tuple[str, ...]) -> Callable[[], ScalarLogger]:
     if name == "wandb":
-        return lambda: WandbLogger(job, rid, cfg.project, cfg.wandb_dir, cfg.wandb_mode)
+        return lambda: WandbLogger(job, rid, run, cfg.project, cfg.wandb_dir, cfg.wandb_mode)
     if name == "mlflow":
         return lambda: MlflowLogger(job, rid, cfg.project, cfg.mlflow_tracking_uri, tags)
     from raytrain_ckpt.models import resolve_factory

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from raytrain_ckpt.locations import mask_uri
 
-__all__ = ["LOG_FORMAT", "MaskSecrets", "setup_logging"]
+__all__ = ["LOG_FORMAT", "RAY_ACTOR_NAME_LINE", "MaskSecrets", "rename_log_prefix", "setup_logging"]
+
+RAY_ACTOR_NAME_LINE = ":actor_name:"
+"""The line an actor process writes to its stdout and stderr to name itself in the prefix Ray puts
+on its log lines (``(NAME pid=...)``): Ray writes ``repr(actor)`` once, when the actor starts, and
+its log monitor takes every later such line as the new name (``ray_constants.LOG_PREFIX_ACTOR_NAME``)."""
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -40,3 +46,16 @@ class MaskSecrets(logging.Filter):
             if masked != message:
                 record.msg, record.args = masked, None
         return True
+
+
+def rename_log_prefix(name: str) -> None:
+    """From now on Ray prefixes this actor process's log lines with ``name`` (a warm spare that
+    took over a rank). The Ray dashboard's Actors page keeps the repr the actor started with: the
+    GCS records it once, at creation. Outside a Ray actor nothing is written."""
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        stream.write(f"{RAY_ACTOR_NAME_LINE}{name}\n")
+        stream.flush()

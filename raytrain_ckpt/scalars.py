@@ -128,7 +128,10 @@ class JobScalars:
 
     def observe(self, failures: list[Any], train_step: int | None, now: float) -> None:
         """After each controller step: ``failures`` is the job's list so far (``Failure`` records)."""
-        if self._status is not None and now - self._asked >= self._every_s:
+        new_failures = len(failures) > self._seen_failures
+        # a failure asks at once: the commits before it are logged first, so a logger whose steps
+        # only go up (W&B) keeps them, and job/rollback_steps counts from the newest one
+        if self._status is not None and (new_failures or now - self._asked >= self._every_s):
             self._asked = now
             self.commits(self._status())
         step = train_step if train_step is not None else (self._latest or 0)

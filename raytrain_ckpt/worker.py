@@ -31,7 +31,7 @@ from raytrain_ckpt.checkpoint.records import RankCheckpointPlan
 from raytrain_ckpt.events import NodeProgress, Progress, RankPlace, WorkerResult
 from raytrain_ckpt.eviction import on_sigterm
 from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
-from raytrain_ckpt.logs import setup_logging
+from raytrain_ckpt.logs import rename_log_prefix, setup_logging
 from raytrain_ckpt.nodeprogress import ProgressFile, PublishedProgress, read_node
 from raytrain_ckpt.metrics import TrainerMetrics
 from raytrain_ckpt.nccl_trace import enable_recorder, rank_trace
@@ -123,6 +123,9 @@ class TrainWorker(PublishedProgress):
         assert self.trainer is None, "reset() before assigning a new attempt"
         self.spec = JobSpec.model_validate_json(spec_json)
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
+        if getattr(self, "_named", None) not in (None, repr(self)):  # a spare took over a rank
+            rename_log_prefix(repr(self))
+        self._named = repr(self)
         self.run_id = run_id or uuid.uuid4().hex
         if rank != SPARE_RANK:
             self.served.append(attempt)
@@ -501,11 +504,12 @@ class TrainWorker(PublishedProgress):
 
     def __repr__(self) -> str:
         # Shown in the Ray dashboard's actor list and as the log prefix. Ray evaluates it once,
-        # when the actor starts, so it names only what never changes: a kept process keeps its
-        # rank across attempts, a spare is named as one (log lines carry the live attempt and rank).
+        # when the actor starts, so it names no attempt: a kept process keeps its rank across
+        # attempts. A spare that takes a rank is renamed in the log prefix (logs.rename_log_prefix);
+        # the Actors page keeps the name it started with (the GCS records the repr once).
         # (It is also evaluated when __init__ raised: a spec a rank cannot load is reported as
         # itself, not as an AttributeError of this method.)
         if not hasattr(self, "spec"):
             return "TrainWorker(not started)"
-        who = "spare" if self.was_spare else f"rank {self.rank}/{self.world_size}"
+        who = "spare" if self.rank == SPARE_RANK else f"rank {self.rank}/{self.world_size}"
         return f"TrainWorker({self.spec.name} {who})"

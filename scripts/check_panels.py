@@ -36,7 +36,7 @@ def main() -> int:
     seen: dict[str, int] = {}
     top: dict[str, float] = {}
     for title, expr in _targets(dashboard["panels"]):
-        query = expr.replace("$job", args.job).replace("$__rate_interval", "1m")
+        query = expr.replace("$job", args.job).replace("$__rate_interval", "1m").replace("$__range", "1h")
         url = f"{args.prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": query})
         result = json.load(urllib.request.urlopen(url, timeout=10))["data"]["result"]
         seen[title] = seen.get(title, 0) + len(result)

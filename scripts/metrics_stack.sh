@@ -4,7 +4,7 @@
 #
 #   scripts/metrics_stack.sh [SESSION_DIR]   # default /tmp/ray/session_latest (run it on the head)
 #
-# Environment: PROM_PORT (default 9090), PYTHON (default .venv/bin/python, else python3),
+# Environment: PROM_PORT (default 9090), PYTHON (default the repository's .venv/bin/python, else python3),
 # GRAFANA_HOME (default /usr/share/grafana). Ctrl-C stops both (they are this script's children).
 #
 # It follows Ray's conventions: Prometheus runs with <session>/metrics/prometheus/prometheus.yml
@@ -19,7 +19,8 @@
 set -euo pipefail
 session=$(readlink -f "${1:-/tmp/ray/session_latest}")
 prom_port=${PROM_PORT:-9090}
-python=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+python=${PYTHON:-$( [ -x "$repo/.venv/bin/python" ] && echo "$repo/.venv/bin/python" || echo python3 )}
 prom_cfg=$session/metrics/prometheus/prometheus.yml
 grafana_ini=$session/metrics/grafana/grafana.ini
 if [ ! -f "$prom_cfg" ]; then
@@ -28,10 +29,13 @@ if [ ! -f "$prom_cfg" ]; then
 fi
 command -v prometheus >/dev/null || { echo "error: prometheus not found: apt-get install -y prometheus" >&2; exit 2; }
 
+# the repository on the path: the script works from any directory, installed or not
+dashboard=$(PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$python" -c \
+    'import yaml; from raytrain_ckpt.dashboard import packaged_dashboard; print(packaged_dashboard())' 2>/dev/null) \
+    || { echo "error: $python cannot import raytrain_ckpt and yaml: set PYTHON to the interpreter raytrain_ckpt is installed in (or create $repo/.venv: pip install -e $repo)" >&2; exit 2; }
 dashboards=$session/metrics/grafana/dashboards
 mkdir -p "$dashboards"
-cp "$("$python" -c 'from raytrain_ckpt.dashboard import packaged_dashboard; print(packaged_dashboard())')" \
-   "$dashboards/raytrain_ckpt_grafana_dashboard.json"
+cp "$dashboard" "$dashboards/raytrain_ckpt_grafana_dashboard.json"
 echo "dashboard: $dashboards/raytrain_ckpt_grafana_dashboard.json"
 
 # Ray's configuration with honor_labels: our metrics carry a `job` label (the job's name), which
@@ -47,7 +51,7 @@ yaml.safe_dump(cfg, open(sys.argv[2], "w"), sort_keys=False)
 PY
 
 pids=()
-trap 'kill "${pids[@]}" 2>/dev/null; wait' EXIT INT TERM
+trap 'kill "${pids[@]}" 2>/dev/null || true; wait' EXIT INT TERM
 prometheus --config.file="$ours" --storage.tsdb.path="$session/metrics/prometheus/data" \
     --web.listen-address=":$prom_port" >"$session/logs/prometheus.log" 2>&1 &
 pids+=($!)

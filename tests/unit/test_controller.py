@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from raytrain_ckpt.controller import (
@@ -444,3 +446,33 @@ def test_a_rollback_is_recorded_as_soon_as_the_progress_reports_it_once_and_surv
     assert [(f.attempt, f.kind) for f in ctl.result.failures] == [
         (0, "rollback"), (0, "rollback"), (0, "crash"), (1, "rollback")]
     assert ctl.summary()["failures"] == {"rollback": 3, "crash": 1}
+
+
+def test_a_crash_logs_one_headline_per_other_rank_and_keeps_their_tracebacks_in_the_record(make, caplog):
+    ctl, _ = make(max_restarts=1)
+    ctl.step()
+    group = FakeWorkerGroup.created[0]
+    group.fail(0)             # gloo's "Connection reset by peer" on the rank that did not fail
+    group.kill(1)             # the cause: polled first
+    with caplog.at_level(logging.ERROR, logger="raytrain_ckpt.controller"):
+        ctl.step()
+    assert ctl.state is JobState.RECOVERING
+    [logged] = [r.getMessage() for r in caplog.records if "failure:" in r.getMessage()]
+    assert logged.splitlines() == ["attempt 0 crash failure:", "attempt 0 crash: rank 1: worker process died",
+                                   "1 other rank(s) failed after it (full text: JobResult.error):",
+                                   "  rank 0 exception: RuntimeError: boom"]
+    assert "Traceback" not in logged
+    [failure] = ctl.result.failures
+    assert (failure.kind, failure.rank, [f.rank for f in failure.after]) == ("crash", 1, [0])
+    assert "worker process died" in ctl.result.error and "Traceback (most recent call last)" in ctl.result.error
+
+
+def test_a_single_failure_logs_its_full_text(make, caplog):
+    ctl, _ = make()
+    ctl.step()
+    FakeWorkerGroup.created[0].fail(1)
+    with caplog.at_level(logging.ERROR, logger="raytrain_ckpt.controller"):
+        ctl.step()
+    assert ctl.state is JobState.FAILED
+    [logged] = [r.getMessage() for r in caplog.records if "failure:" in r.getMessage()]
+    assert "Traceback (most recent call last)" in logged and "other rank" not in logged

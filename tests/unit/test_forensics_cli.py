@@ -62,6 +62,26 @@ def test_diff_of_a_step_with_itself_is_empty_and_of_two_steps_lists_the_changed_
     assert "model.b" not in out
 
 
+def test_diff_delta_is_the_norm_of_the_change_not_the_change_of_the_norm(tmp_path, capsys):
+    import json
+
+    w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    for step, value in ((1, w), (2, -w)):            # the same norm, a change of 2 * norm(w)
+        path = tmp_path / step_name(step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"model.w": value, "model.v": torch.zeros(step + 1)}, checkpoint_id=str(path), no_dist=True)
+        files = {f.name: describe_file(f) for f in path.iterdir()}
+        (path / MANIFEST).write_text(Manifest(step=step, world_size=1, dp_size=1, spec_hash="x", files=files).to_json())
+    assert main(["diff", str(tmp_path / step_name(1)), str(tmp_path / step_name(2)), "--json"]) == 0
+    rows = {r["tensor"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["model.w"]["a"]["norm"] == pytest.approx(rows["model.w"]["b"]["norm"])
+    assert rows["model.w"]["delta_norm"] == pytest.approx(2 * float(torch.linalg.vector_norm(w.double())))
+    assert rows["model.v"]["delta_norm"] is None      # shapes differ: no change to measure
+    assert main(["diff", str(tmp_path / step_name(1)), str(tmp_path / step_name(2))]) == 0
+    assert "(|delta| n/a (shapes differ))" in capsys.readouterr().out
+
+
 def test_stats_of_one_tensor(root, capsys):
     assert main(["stats", str(root / step_name(8)), "--tensor", "model.w", "--json"]) == 0
     import json

@@ -156,6 +156,27 @@ def test_validate_says_what_auto_chose_and_the_cli_lists_a_hang_s_diagnostics(tm
     assert capsys.readouterr().err.startswith("error: diagnostics ")
 
 
+def test_every_failed_rank_s_text_is_kept_and_listed_by_diagnostics(tmp_path: Path, capsys):
+    from raytrain_ckpt.cli import main
+    from raytrain_ckpt.events import Failure
+    from raytrain_ckpt.hangs import keep_failures
+
+    crash = Failure(2, "crash", 1, "worker process died", "rank 1: worker process died")
+    reset = Failure(2, "exception", 0, "RuntimeError: Connection reset by peer",
+                    "Traceback (most recent call last):\n  File \"x.py\"\nRuntimeError: Connection reset by peer")
+    path = keep_failures(tmp_path / "job" / "diagnostics", 2, [crash, reset])
+    assert path == str(tmp_path / "job" / "diagnostics" / "attempt-2" / "failure.txt")
+    text = Path(path).read_text()
+    assert "attempt 2 crash: rank 1: worker process died" in text and "Traceback (most recent call last)" in text
+    assert main(["diagnostics", str(tmp_path / "job")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:3] == ["  attempt 2 crash: rank 1: worker process died",
+                          "  attempt 2 exception: rank 0: RuntimeError: Connection reset by peer"]
+    assert lines[-1].endswith("; 1 attempt(s) with every failed rank's text (failure.txt)")
+    (tmp_path / "file").write_text("")
+    assert keep_failures(tmp_path / "file", 0, [crash]) is None   # not writable: the failure is still handled
+
+
 def test_the_status_line():
     assert status_line({}) is None
     info = {"hang_timeout_s": 31.2, "hang_timeout_why": "10 x p99 step time 3.12 s, at least 30 s", "goodput": 0.912,

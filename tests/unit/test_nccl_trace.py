@@ -43,7 +43,9 @@ def test_the_end_report_names_the_ranks_whose_dump_was_kept(tmp_path: Path, caps
     gloo.mkdir()
     nccl.mkdir()
     keep_traces(nccl, {0: b"a", 1: b"b"}, 2)
-    _print_run_ledger(SimpleNamespace(goodput=None, failures=[], diagnostics=[str(gloo), str(nccl)]))
+    failed = tmp_path / "attempt-2" / "failure.txt"
+    _print_run_ledger(SimpleNamespace(goodput=None, failures=[], diagnostics=[str(gloo), str(nccl), str(failed)]))
     assert capsys.readouterr().out.splitlines() == [
         f"hang diagnostics (every rank's stacks): {gloo}",
-        f"hang diagnostics (every rank's stacks, NCCL flight recorder of rank 0, 1): {nccl}"]
+        f"hang diagnostics (every rank's stacks, NCCL flight recorder of rank 0, 1): {nccl}",
+        f"failed ranks' full text (tracebacks): {failed}"]

@@ -35,8 +35,26 @@ def test_train_worker_repr_names_job_and_rank_or_spare():
     assert repr(worker) == "TrainWorker(my-job rank 1/2)"
     worker.attempt = 3  # a kept process serves a later attempt: nothing in the repr goes stale
     assert repr(worker) == "TrainWorker(my-job rank 1/2)"
-    worker.was_spare = True
+    worker.rank = -1  # SPARE_RANK: an idle spare
     assert repr(worker) == "TrainWorker(my-job spare)"
+
+
+def test_a_spare_that_takes_a_rank_renames_its_ray_log_prefix(monkeypatch, capsys):
+    """Ray prefixes an actor's log lines with the repr it started with; a later ``:actor_name:``
+    line on stdout and stderr renames it (Ray's log monitor), outside an actor nothing is written."""
+    import types
+
+    import ray
+
+    from raytrain_ckpt.logs import rename_log_prefix
+
+    rename_log_prefix("TrainWorker(my-job rank 1/2)")
+    assert capsys.readouterr() == ("", "")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(get_actor_id=lambda: "a1"))
+    rename_log_prefix("TrainWorker(my-job rank 1/2)")
+    out = capsys.readouterr()
+    assert out.out == out.err == ":actor_name:TrainWorker(my-job rank 1/2)\n"
 
 
 def test_train_worker_repr_of_a_worker_whose_spec_did_not_load():

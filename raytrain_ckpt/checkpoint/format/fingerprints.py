@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from raytrain_ckpt.checkpoint.format.metadata import SafeLoadPlanner, safe_reader
 from raytrain_ckpt.checkpoint.format.tensorsums import ShardSums, tensor_sums
 
-__all__ = ["ShardSums", "TensorDiff", "TensorStats", "diff_steps", "merge_shard_sums", "shard_sums", "step_stats",
+__all__ = ["ShardSums", "TensorDiff", "TensorStats", "diff_step_dirs", "diff_steps", "merge_shard_sums", "shard_sums", "step_stats",
            "step_tensors", "tensor_stats"]
 
 @dataclass(frozen=True)
@@ -60,13 +60,9 @@ class TensorDiff:
     name: str
     a: TensorStats | None
     b: TensorStats | None
-
-    @property
-    def delta_norm(self) -> float | None:
-        """``|norm(b) - norm(a)|``, or None when a side is missing."""
-        if self.a is None or self.b is None:
-            return None
-        return abs(self.b.norm - self.a.norm)
+    delta_norm: float | None = None
+    """``norm(b - a)`` in float64, the size of the change (not the change of the norm): None when
+    a side is missing, the shapes differ, or only fingerprints were compared (``diff_steps``)."""
 
 
 def tensor_stats(t: torch.Tensor) -> TensorStats:
@@ -114,6 +110,37 @@ def diff_steps(a: dict[str, TensorStats], b: dict[str, TensorStats]) -> list[Ten
         if sa is None or sb is None or (sa.crc32c, sa.shape, sa.dtype) != (sb.crc32c, sb.shape, sb.dtype):
             out.append(TensorDiff(name, sa, sb))
     return out
+
+
+def diff_step_dirs(a: Path | str, b: Path | str) -> list[TensorDiff]:
+    """The tensors that differ between the steps at ``a`` and ``b``, each with the norm of its
+    change: both steps are read tensor by tensor in name order (the memory of two of the largest
+    tensor and their difference), never whole."""
+    ita, itb = step_tensors(a), step_tensors(b)
+    ta, tb = next(ita, None), next(itb, None)
+    out = []
+    while ta is not None or tb is not None:
+        if tb is None or (ta is not None and ta[0] < tb[0]):
+            out.append(TensorDiff(ta[0], tensor_stats(ta[1]), None))
+            ta = next(ita, None)
+        elif ta is None or tb[0] < ta[0]:
+            out.append(TensorDiff(tb[0], None, tensor_stats(tb[1])))
+            tb = next(itb, None)
+        else:
+            if (d := _diff_pair(ta[0], ta[1], tb[1])) is not None:
+                out.append(d)
+            ta, tb = next(ita, None), next(itb, None)
+    return out
+
+
+def _diff_pair(name: str, a: torch.Tensor, b: torch.Tensor) -> TensorDiff | None:
+    sa, sb = tensor_stats(a), tensor_stats(b)
+    if (sa.crc32c, sa.shape, sa.dtype) == (sb.crc32c, sb.shape, sb.dtype):
+        return None
+    delta = None
+    if sa.shape == sb.shape:
+        delta = float(torch.linalg.vector_norm(b.detach().to(torch.float64) - a.detach().to(torch.float64)))
+    return TensorDiff(name, sa, sb, delta)
 
 
 def shard_sums(views: dict[str, torch.Tensor], fqns: set[str]) -> dict[str, ShardSums]:
