@@ -31,7 +31,14 @@ from raytrain_ckpt.worker import TrainWorker, WorkerFailure
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RayWorkerGroup"]
+__all__ = ["RayWorkerGroup", "guard_failure"]
+
+
+def guard_failure(attempt: int, reporter: int, cause: WorkerFailure) -> Failure:
+    """The job's failure for the training guard's report: it names the rank that tripped (which
+    the report carries), not ``reporter``, the rank that raised it (rank 0)."""
+    rank = reporter if cause.rank is None else cause.rank
+    return Failure(attempt, "rollback", rank, headline(cause.guard), cause.guard)
 
 
 class RayWorkerGroup:
@@ -295,7 +302,7 @@ class RayWorkerGroup:
                 # Ray wraps the worker's exception; its cause carries the clean traceback.
                 cause = getattr(exc, "cause", None) or exc
                 if getattr(cause, "guard", None):  # the training guard's one report: no traceback, no restart
-                    failures.append(Failure(self.attempt, "rollback", rank, headline(cause.guard), cause.guard))
+                    failures.append(guard_failure(self.attempt, rank, cause))
                     continue
                 failures.append(Failure(self.attempt, "exception", rank, headline(cause.text), str(cause)))
             except RayActorError as exc:

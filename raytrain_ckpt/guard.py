@@ -52,14 +52,15 @@ class GuardTrip(RuntimeError):
 
 
 class GuardFailed(RuntimeError):
-    """The job's one report when a trip cannot roll back (budget spent, recurrence, nothing certified)."""
+    """The job's one report when a trip cannot roll back (budget spent, recurrence, nothing certified).
+    Rank 0 raises it; ``rank`` is the rank that tripped, which the job's failure names."""
 
-    def __init__(self, report: str) -> None:
+    def __init__(self, report: str, rank: int | None = None) -> None:
         super().__init__(report)
-        self.report = report
+        self.report, self.rank = report, rank
 
     def __reduce__(self) -> tuple:
-        return (GuardFailed, (self.report,))
+        return (GuardFailed, (self.report, self.rank))
 
 
 def robust_z(value: float, history: list[float]) -> float:

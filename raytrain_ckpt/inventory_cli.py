@@ -51,14 +51,19 @@ def strict_json(data: Any) -> str:
     return json.dumps(_finite(data), indent=1, default=str, allow_nan=False)
 
 
+MAX_WATCH_S = 86400
+"""The longest ``--watch`` period: a refresh a day apart is no longer watching."""
+
+
 def _positive_seconds(text: str) -> float:
     """argparse type of ``--watch``: a refresh period > 0."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds > 0, e.g. 2")
+    if not value > 0 or value > MAX_WATCH_S:  # (nan fails the first; time.sleep overflows near 1e10)
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds > 0 and at most {MAX_WATCH_S} "
+                                         "(a day), e.g. 2")
     return value
 
 

@@ -201,6 +201,15 @@ def writable_dir_problem(path: Path) -> str | None:
     read-only mount even for root, which ignores permission bits.
     """
     path = Path(os.path.abspath(path))
+    problem = _existing_dir_problem(path)
+    virtual = _virtual_fs(path) if problem is None else None
+    if virtual is not None:  # (root passes the access checks on /proc itself)
+        return f"is under {virtual}, a view of the kernel's state that holds no files"
+    return problem
+
+
+def _existing_dir_problem(path: Path) -> str | None:
+    """``writable_dir_problem`` of the nearest existing directory at or above ``path``."""
     probe = path
     while True:
         try:  # os.stat, not Path.exists: exists() answers False for a symlink loop, which mkdir then fails on
@@ -217,6 +226,20 @@ def writable_dir_problem(path: Path) -> str | None:
     if not os.access(probe, os.W_OK | os.X_OK):
         why = "a read-only filesystem" if _read_only(probe) else "no write permission"
         return f"{probe} is not writable ({why})"
+    return None
+
+
+_VIRTUAL_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
+_DEV_SHM = Path("/dev/shm")  # (a tmpfs: real files, e.g. a one-node job's checkpoints in RAM)
+
+
+def _virtual_fs(path: Path) -> Path | None:
+    """The kernel's pseudo file system ``path`` lies under (/proc, /sys, /dev but /dev/shm), links
+    resolved, or None."""
+    real = Path(os.path.realpath(path))
+    for top in _VIRTUAL_ROOTS:
+        if (real == top or top in real.parents) and not (real == _DEV_SHM or _DEV_SHM in real.parents):
+            return top
     return None
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES, input_files
+from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES, input_files, open_regular
 from raytrain_ckpt.logs import setup_logging
 from raytrain_ckpt.checkpoint.errors import ExitCode
 
@@ -50,6 +50,8 @@ TOKENIZER_FILE = "tokenizer.json"
 MARKER_FILE = ".prepare-data.json"
 SEPARATOR = "<|endoftext|>"
 MAX_VOCAB = 1 << 32  # token ids are stored as uint32 at most
+_MAX_RECORD_BYTES = 1 << 20
+"""The most of a marker or sidecar JSON read: this module writes a few hundred bytes there."""
 _INPUT_SUFFIXES = frozenset(TEXT_SUFFIXES - {".json"}) | {".jsonl", ".parquet"}
 _BATCH = 256
 CHUNK_CHARS = 1 << 18
@@ -107,8 +109,9 @@ def _expand(path: Path, flag: str) -> Path:
 def _read_json(path: Path) -> Any:
     """The JSON in ``path``, or None when it is missing or not JSON (judged as not ours)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        with open_regular(path) as f:  # a FIFO planted in --out is judged, never read (it would block)
+            return json.loads(f.read(_MAX_RECORD_BYTES).decode("utf-8"))
+    except (OSError, ValueError, RecursionError):  # (ValueError: not UTF-8, not JSON, not a regular file)
         return None
 
 
@@ -231,13 +234,30 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
                                    f"{exc.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PrepareError(f"{path}:{lineno}: not JSON ({exc.msg}); each line must be one JSON object") from None
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise PrepareError(f"{path}:{lineno}: no string field {field!r}; pick the text field with --field")
-            yield record[field]
+            yield _jsonl_text(line, field, f"{path}:{lineno}")
+
+
+def _jsonl_text(line: str, field: str, where: str) -> str:
+    """The text field of one JSONL line; every way a line can be malformed is a PrepareError naming ``where``."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise PrepareError(f"{where}: not JSON ({exc.msg}); each line must be one JSON object") from None
+    except ValueError as exc:  # a number of thousands of digits: int() refuses to convert it
+        raise PrepareError(f"{where}: holds a number too long to read ({str(exc).split(';')[0]}); "
+                           "write it as a string, or drop the line") from None
+    except RecursionError:
+        raise PrepareError(f"{where}: nested too deep to read (thousands of [ or {{); each line must be one JSON "
+                           "object with a text field") from None
+    if not isinstance(record, dict) or not isinstance(record.get(field), str):
+        raise PrepareError(f"{where}: no string field {field!r}; pick the text field with --field")
+    text = record[field]
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # an escaped lone surrogate (\ud800): no tokenizer can take it
+        raise PrepareError(f"{where}: field {field!r} holds a lone surrogate (\\u{ord(text[exc.start]):04x} at "
+                           f"character {exc.start + 1}), half of a character; write the character itself") from None
+    return text
 
 
 def _parquet_documents(path: Path, column: str) -> Iterator[str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,12 @@ from raytrain_ckpt.checkpoint.format.verify import read_manifest
 from raytrain_ckpt.checkpoint.storage.backends import open_storage
 from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.data.skips import SampleSkips
+from raytrain_ckpt.events import headline
 from raytrain_ckpt.guard import GuardFailed, LossGuard, RollbackFacts, RollbackPolicy, RollbackRecord, Trip, failure_report
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["adopt_manifest", "roll_back"]
+__all__ = ["RollbackInterrupted", "adopt_manifest", "roll_back"]
 
 
 def roll_back(trainer: Any, ckpt: Any | None, guard: LossGuard, trip: Trip, holder: str) -> RollbackRecord | None:
@@ -50,7 +52,7 @@ def roll_back(trainer: Any, ckpt: Any | None, guard: LossGuard, trip: Trip, hold
                                               guard.earlier))
     if not why and ckpt is None:
         why = "checkpointing is off (checkpoint.enabled=false): there is no committed step to return to"
-    step, path = (None, None) if why else _lease_certified(trainer, ckpt, guard, holder)
+    step, path = (None, None) if why else _lease_certified(trainer, ckpt, guard, holder, trip)
     if not why and step is None:
         why = "no certified step could be loaded (none verifies any more)"
     if why:
@@ -63,10 +65,9 @@ def roll_back(trainer: Any, ckpt: Any | None, guard: LossGuard, trip: Trip, hold
     assert trainer.state.step == step, (trainer.state.step, step)
     window = trainer.skips.skip(step, trip.step)
     if trainer.rank == 0:
-        import ray
-
-        ray.get(ckpt.actor.start_timeline.remote(step, path, f"rollback to step {step}"))
-        ray.get(ckpt.actor.release.remote(holder))
+        _ask_actor(trip, f"starting the timeline of step {step}",
+                   lambda: ckpt.actor.start_timeline.remote(step, path, f"rollback to step {step}"))
+        _ask_actor(trip, f"releasing the lease on step {step}", lambda: ckpt.actor.release.remote(holder))
     dist.barrier()  # no rank saves a step of the new path before the old one is moved aside
     record = RollbackRecord(trip, step, (window.lo, window.hi))
     guard.rolled_back(record)
@@ -77,19 +78,19 @@ def roll_back(trainer: Any, ckpt: Any | None, guard: LossGuard, trip: Trip, hold
     return record
 
 
-def _lease_certified(trainer: Any, ckpt: Any, guard: LossGuard, holder: str) -> tuple[int | None, str | None]:
+def _lease_certified(trainer: Any, ckpt: Any, guard: LossGuard, holder: str,
+                     trip: Trip) -> tuple[int | None, str | None]:
     """Rank 0 leases the newest certified step that verifies; every rank gets ``(step, path)``."""
     ckpt.wait_committed()  # the in-flight save settles first: its step may be the certified one
     found: list[Any] = [None, None]
     if trainer.rank == 0:
-        import ray
-
         from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 
         verify = trainer.spec.checkpoint.verify_on_load
         for step in guard.certified_steps():
             try:
-                point = ray.get(ckpt.actor.acquire.remote(holder, str(step), verify))
+                point = _ask_actor(trip, f"leasing certified step {step}",
+                                   lambda step=step: ckpt.actor.acquire.remote(holder, str(step), verify))
             except InvalidCheckpoint as exc:  # (Ray's error is one too) gone or damaged: an older certified step
                 logger.warning("certified step %d cannot be loaded (%s); trying an older one", step, exc)
                 continue
@@ -100,11 +101,31 @@ def _lease_certified(trainer: Any, ckpt: Any, guard: LossGuard, holder: str) -> 
     return found[0], found[1]
 
 
+class RollbackInterrupted(RuntimeError):
+    """The CheckpointActor died while a rollback needed it: the failure says so, instead of Ray's
+    bare actor error (the restart that follows rebuilds the actor from storage)."""
+
+    def __reduce__(self) -> tuple:
+        return (RollbackInterrupted, self.args)
+
+
+def _ask_actor(trip: Trip, what: str, call: Callable[[], Any]) -> Any:
+    """``ray.get(call())`` on the CheckpointActor during the rollback of ``trip``; its death is
+    named as what failed (``what``: the rollback's step that needed it)."""
+    import ray
+
+    try:
+        return ray.get(call())
+    except ray.exceptions.RayActorError as exc:
+        raise RollbackInterrupted(f"checkpoint actor died during the rollback of {trip} ({what}): "
+                                  f"{headline(str(exc))[:300]}") from None
+
+
 def _fail(trainer: Any, trip: Trip, why: str, tripped: tuple[int, int], guard: LossGuard) -> None:
     report = failure_report(trip, why, tripped, guard.rollbacks, guard.certified())
     if trainer.rank == 0:
         logger.error("%s", report)
-        raise GuardFailed(report)
+        raise GuardFailed(report, trip.rank)  # the failure names the rank that tripped, not this reporter
     return None
 
 

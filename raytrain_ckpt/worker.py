@@ -357,15 +357,16 @@ class TrainWorker(PublishedProgress):
         """Train to ``training.steps``; raises WorkerFailure with the traceback on error."""
         from raytrain_ckpt.guard import GuardFailed
 
-        report = None
+        report, rank = None, self.rank
         try:
             return self._run()
         except GuardFailed as exc:
             text = report = exc.report
+            rank = self.rank if exc.rank is None else exc.rank  # the rank that tripped, not rank 0 that reports
         except Exception:
             text = traceback.format_exc()
         self._progress = Progress(self.rank, self._progress.step, self._progress.loss, time.time(), "failed")
-        raise WorkerFailure(self.rank, self.attempt, text, guard=report)  # outside the except block: see setup()
+        raise WorkerFailure(rank, self.attempt, text, guard=report)  # outside the except block: see setup()
 
     def _run(self) -> WorkerResult:
         from raytrain_ckpt.checkpoint.recovery.state import app_state

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from raytrain_ckpt.data.permutation import FeistelPermutation
-from raytrain_ckpt.data.suffixes import input_files
+from raytrain_ckpt.data.suffixes import input_files, open_regular
 
 logger = logging.getLogger(__name__)
 
@@ -109,25 +109,53 @@ def _random_access(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
+MAX_META_BYTES = 64 << 20
+"""A ``meta.json`` past this is not one prepare-data wrote (a million shards take about 40 MB)."""
+
+_REWRITE = "rerun `raytrain-ckpt prepare-data` into a new directory"
+
+
 def read_meta(path: Path) -> dict[str, Any] | None:
     """The ``meta.json`` next to the shards (the directory itself, or a single shard's parent).
 
     Raises:
-        ValueError: It is unreadable, not JSON, or not an object of the fields prepare-data writes.
+        ValueError: It is not a regular file, too large, unreadable, not JSON, or not an object of
+            the fields prepare-data writes (each field read is checked for its type here, so that
+            no later use of it can fail on a damaged file).
     """
     meta = (path if path.is_dir() else path.parent) / META_FILE
-    if not meta.is_file():
+    if not meta.exists():
         return None
     try:
-        data = json.loads(meta.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{meta} is unreadable ({exc}); rerun `raytrain-ckpt prepare-data` into a new "
-                         "directory") from None
-    shards = data.get("shards", {}) if isinstance(data, dict) else None  # name -> tokens (a list in older ones)
-    if not isinstance(shards, (dict, list)) or not all(isinstance(n, str) and n and "/" not in n for n in shards):
-        raise ValueError(f"{meta} is not what prepare-data writes (an object whose shards are file names); "
-                         "rerun `raytrain-ckpt prepare-data` into a new directory")
+        with open_regular(meta) as f:
+            raw = f.read(MAX_META_BYTES + 1)
+        if len(raw) > MAX_META_BYTES:
+            raise ValueError(f"more than {MAX_META_BYTES} bytes")
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        why = "nested too deep" if isinstance(exc, RecursionError) else str(exc).split(";")[0].removeprefix(f"{meta} ")
+        raise ValueError(f"{meta} is unreadable ({why[:200]}); {_REWRITE}") from None
+    problem = _meta_problem(data)
+    if problem is not None:
+        raise ValueError(f"{meta} is not what prepare-data writes ({problem}); {_REWRITE}")
     return data
+
+
+def _meta_problem(data: Any) -> str | None:
+    """What in a parsed ``meta.json`` is not of the shape prepare-data writes, or None."""
+    if not isinstance(data, dict):
+        return f"a JSON object is needed, got {type(data).__name__}"
+    dtype, vocab = data.get("dtype"), data.get("vocab_size")
+    if dtype is not None and (not isinstance(dtype, str) or dtype not in TOKEN_DTYPES):
+        return f"dtype={str(dtype)[:40]!r}: one of {sorted(TOKEN_DTYPES)} is written"
+    if vocab is not None and (type(vocab) is not int or not 0 < vocab <= 1 << 32):
+        return f"vocab_size={str(vocab)[:40]}: a whole number from 1 to 2**32 is written"
+    shards = data.get("shards", {})  # name -> tokens (a list of names in older ones)
+    if not isinstance(shards, (dict, list)) or not all(isinstance(n, str) and n and "/" not in n for n in shards):
+        return "shards must be the shards' file names"
+    if isinstance(shards, dict) and not all(type(n) is int and n >= 0 for n in shards.values()):
+        return "shards must map each file name to its token count"
+    return None
 
 
 class TokenCorpus:
@@ -190,8 +218,8 @@ def check_meta(meta: dict[str, Any] | None, dtype: str, vocab_size: int, where: 
     if meta.get("dtype") not in (None, dtype):
         raise ValueError(f"{where}: shards were written as {meta['dtype']} ({META_FILE}) but data.dtype={dtype}; "
                          f"set data.dtype={meta['dtype']}")
-    declared = meta.get("vocab_size")
-    if declared is not None and int(declared) > vocab_size:
+    declared = meta.get("vocab_size")  # (an int: read_meta checked it)
+    if declared is not None and declared > vocab_size:
         raise ValueError(f"{where}: the tokenizer has vocab_size {declared} ({META_FILE}) but the model has "
                          f"{vocab_size}; set model.overrides.vocab_size >= {declared}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from pathlib import Path
 
 from pydantic import Field, model_validator
 
@@ -189,8 +190,10 @@ def _split_point_problems(points: list[str], n_layers: int) -> list[tuple[str, s
     starts = []
     for point in points:
         prefix, _, key = point.partition(".")
-        if prefix != "layers" or not is_ascii_digits(key) or not 0 < int(key) < n_layers:
-            return [("parallelism.pp_split_points", f"{point!r} is not a layer a stage can start at; use "
+        # (a layer index has at most 9 digits: int() of thousands of them raises, and is never a layer)
+        if prefix != "layers" or not is_ascii_digits(key) or len(key) > 9 or not 0 < int(key) < n_layers:
+            shown = point if len(point) <= 40 else f"{point[:20]}...({len(point)} characters)"
+            return [("parallelism.pp_split_points", f"{shown!r} is not a layer a stage can start at; use "
                      f"'layers.<i>' with 1 <= i < n_layers={n_layers}")]
         starts.append(int(key))
     if starts != sorted(set(starts)):
@@ -243,7 +246,30 @@ def _final_export_problems(spec: JobSpec) -> list[tuple[str, str]]:
     if cfg.final_export.format == "hf" and ":" in spec.model.name:
         return [("checkpoint.final_export.format", f"hf needs the built-in Llama; model.name={spec.model.name} is a "
                  "user factory with no Hugging Face names; use format torch")]
-    return []
+    return _export_overlap_problems(cfg.dir, cfg.final_export.dir, spec.name)
+
+
+def _export_overlap_problems(base: Path | str, export: Path | str | None, name: str) -> list[tuple[str, str]]:
+    """An export directory inside the job's checkpoint root (or holding it) is refused: the root's
+    entries belong to retention and the start-up clean-up, and an export needs an empty directory,
+    which one holding the root never is once the job has saved."""
+    if export is None or isinstance(base, Path) != isinstance(export, Path):
+        return []
+    if isinstance(base, Path):
+        try:
+            root, out = (base.expanduser() / name).resolve(), export.expanduser().resolve()
+        except (OSError, RuntimeError):  # (a ~user with no home, a link loop: the path checks say so)
+            return []
+        inside, holds = root == out or root in out.parents, out in root.parents
+    else:
+        root, out = f"{base.rstrip('/')}/{name}", export.rstrip("/")
+        inside, holds = out == root or out.startswith(root + "/"), root.startswith(out + "/")
+    if not (inside or holds):
+        return []
+    where = "is inside" if inside else "holds"
+    return [(f"checkpoint.final_export.dir={export}", f"{where} the job's checkpoint root {root}, whose entries "
+             "retention and the start-up clean-up own; use null (<checkpoint.dir>/<name>/export-step-<N>, which the "
+             "root keeps) or a directory outside it")]
 
 
 def _auto_interval_problems(spec: JobSpec) -> list[tuple[str, str]]:

@@ -228,7 +228,7 @@ def _too_long_number(exc: ValueError) -> str:
 
 def _check_values(value: Any, where: str, path: Path | str) -> None:
     """Refuse non-finite and subnormal floats anywhere (also inside model.overrides), whole numbers
-    beyond 64 bits, and nesting past MAX_DEPTH.
+    beyond 64 bits, bytes (YAML's ``!!binary``), and nesting past MAX_DEPTH.
 
     Iterative, so that a deep JSON or TOML document is reported instead of exhausting the stack.
     """
@@ -246,6 +246,9 @@ def _check_values(value: Any, where: str, path: Path | str) -> None:
                              "on it underflows to 0; give 0 or a larger number"])
         if isinstance(item, int) and item.bit_length() > _PRINTABLE_BITS:  # (a dict of the Python API)
             raise SpecError([f"{at}: a number of thousands of digits; a setting is a whole number up to {MAX_INT}"])
+        if isinstance(item, (bytes, bytearray)):  # YAML's !!binary: no setting is bytes, and none is read as them
+            raise SpecError([f"{at or 'the spec'}: is a !!binary value (bytes); a setting is text, a number or "
+                             "true/false: remove the !!binary tag and write the value itself"])
         if isinstance(item, str) and not _is_unicode_text(item):
             raise SpecError([f"{at or 'the spec'}: holds a lone surrogate (an escape such as \\ud800 that is half of a "
                              "character), which no file name or log line can carry; write the character itself"])

@@ -5,6 +5,7 @@ the manifest fields that record it all."""
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -198,3 +199,52 @@ def test_a_resume_keeps_skipping_the_windows_its_step_recorded_wherever_the_step
     adopt_manifest(trainer, guard, step)
     assert trainer.skips.as_lists() == [[6, 96, 160]]
     assert guard.last_certified == 6
+
+
+# --- who is named when a rollback fails ----------------------------------------------------------
+
+class _Rank0:
+    rank = 0
+
+
+def test_a_failed_rollback_names_the_rank_that_tripped_not_rank_0_that_reports():
+    from raytrain_ckpt.group import guard_failure
+    from raytrain_ckpt.guard import GuardFailed
+    from raytrain_ckpt.rollback import _fail
+    from raytrain_ckpt.worker import WorkerFailure
+
+    trip = Trip(step=7, rank=3, metric="non-finite loss")
+    with pytest.raises(GuardFailed) as raised:
+        _fail(_Rank0(), trip, "the rollback budget is spent", (112, 128), _guard())
+    assert raised.value.rank == 3
+    assert pickle.loads(pickle.dumps(raised.value)).rank == 3  # it crosses the actor boundary
+    # what the worker of rank 0 raises, and what the controller records
+    failure = guard_failure(1, 0, WorkerFailure(raised.value.rank, 1, raised.value.report, guard=raised.value.report))
+    assert failure.rank == 3 and failure.kind == "rollback"
+    assert str(failure).startswith("attempt 1 rollback: rank 3: training guard: non-finite loss on rank 3 at step 8")
+
+
+def test_a_checkpoint_actor_killed_mid_rollback_is_named():
+    import ray
+
+    from raytrain_ckpt.rollback import RollbackInterrupted, _lease_certified
+
+    class _Dead:
+        def remote(self, *args):
+            raise ray.exceptions.ActorDiedError()  # what a call on a killed actor's handle raises
+
+    class _Ckpt:
+        actor = type("Actor", (), {"acquire": _Dead()})()
+
+        def wait_committed(self) -> None:
+            pass
+
+    class _Trainer(_Rank0):
+        spec = type("Spec", (), {"checkpoint": type("C", (), {"verify_on_load": "size"})()})()
+
+    guard = _guard()
+    guard.certified_steps = lambda: [40]
+    trip = Trip(step=47, rank=1, metric="loss spike")
+    with pytest.raises(RollbackInterrupted, match=r"checkpoint actor died during the rollback of loss spike on rank 1 "
+                                                  r"at step 48 \(leasing certified step 40\)"):
+        _lease_certified(_Trainer(), _Ckpt(), guard, "rollback-0", trip)

@@ -30,6 +30,7 @@ from raytrain_ckpt.checkpoint.errors import ConversionError, InvalidCheckpoint, 
 from raytrain_ckpt.checkpoint.format.manifest import Manifest, describe_file
 from raytrain_ckpt.checkpoint.format.names import Location
 from raytrain_ckpt.checkpoint.format.prescan import check_torch_save
+from raytrain_ckpt.data.suffixes import not_regular, open_regular
 from raytrain_ckpt.locations import is_uri
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.models.hf import HFAdapter, hf_adapter
@@ -54,11 +55,13 @@ class ImportResult:
 
 def _read_torch(path: Path) -> dict[str, torch.Tensor]:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO or a device is refused, never read (it would block)
             check_torch_save(f, str(path))  # the work its pickle asks for is bounded, before torch reads it
     except InvalidCheckpoint as exc:
         raise ConversionError(f"{path}: not a readable torch.save file: {str(exc).removeprefix(str(path)).strip()}; "
                               "pass a model state_dict saved by torch.save") from None
+    except ValueError as exc:
+        raise ConversionError(f"{exc}; pass a model state_dict saved by torch.save") from None
     except OSError as exc:
         raise ConversionError(f"{path}: unreadable ({exc})") from None
     try:
@@ -88,19 +91,36 @@ def _read_safetensors(path: Path, adapter: HFAdapter) -> dict[str, torch.Tensor]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ConversionError(f"{path}: no *.safetensors files in it; pass an HF model directory or a torch.save file")
+    for f in files:  # before any is read: a FIFO would block the import, a device read forever
+        problem = not_regular(f)
+        if problem is not None:
+            raise ConversionError(f"{f} {problem}; remove it from the directory, or import a copy without it")
     out: dict[str, torch.Tensor] = {}
+    source: dict[str, tuple[Path, str]] = {}  # our name -> the file and the name there that defined it
     bar = progress_bar(0, "import hf")
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
                 bar.total = (bar.total or 0) + len(st.keys())
                 for name in st.keys():
-                    out[adapter.our_name(name)] = st.get_tensor(name)
+                    ours = adapter.our_name(name)
+                    if ours in source:
+                        raise ConversionError(_defined_twice(ours, source[ours], (f, name)))
+                    source[ours] = (f, name)
+                    out[ours] = st.get_tensor(name)
                     bar.update(1)
         except (SafetensorError, OSError) as exc:
             raise ConversionError(f"{f}: not a readable safetensors file ({exc})") from None
     bar.close()
     return out
+
+
+def _defined_twice(ours: str, first: tuple[Path, str], second: tuple[Path, str]) -> str:
+    """One tensor in two places: which one is meant is not ours to guess (the later would win)."""
+    (f1, n1), (f2, n2) = first, second
+    names = f"{n1!r}" if n1 == n2 else f"{n1!r} and {n2!r}"
+    return (f"{str(ours)[:200]} is defined twice: by {f1.name} and by {f2.name} (as {names[:400]}) in {f1.parent}; "
+            "remove the stale file (an HF directory holds each tensor once), or import a copy without it")
 
 
 def import_checkpoint(src: Path, to: Location) -> ImportResult:
