@@ -77,7 +77,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 MODES = ("dcp.save", "dcp.async_save(thread)", "dcp.async_save(process)", "raytrain_ckpt", "raytrain_ckpt(restart)")
-PHASES = ("serialize_s", "checksum_s", "write_calls_s", "fsync_s", "report_s", "cpu_s")
+PHASES = ("serialize_s", "checksum_s", "sums_s", "write_calls_s", "fsync_s", "report_s", "cpu_s")
 
 
 class BenchRank:
@@ -465,7 +465,8 @@ def _bench(args: argparse.Namespace, out: Path, server: LocalS3 | None) -> None:
           f"{statistics.median(floors):.3f} s, max {max(floors):.3f} s ({total / min(floors) / 2**20:.0f} .. "
           f"{total / max(floors) / 2**20:.0f} MiB/s all ranks)")
     _print_against(costs, "dcp.async_save(thread)")
-    for line in stall_targets.report(stall_targets.figures(costs), record=args.record):
+    for line in stall_targets.report(stall_targets.figures(costs), record=args.record,
+                                      object_store=isinstance(out, str)):
         print(line)
     for mode, usage in profiles.items():
         _print_profile(mode, usage, total)

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 RECORDED = Path(__file__).resolve().parent / "recorded" / "checkpoint_stall.json"
+"""The local-disk run's recorded figures; an object-store run's are ``checkpoint_stall-object-store.json``."""
 
 TOLERANCE = 1.5
 """A figure this many times worse than recorded is flagged: two runs on this 2-core machine differ
@@ -49,12 +50,14 @@ def figures(costs: dict[str, dict[str, float]], mode: str = "raytrain_ckpt") -> 
     return out
 
 
-def report(found: dict[str, float], record: bool = False) -> list[str]:
-    """Lines comparing ``found`` with the targets and the recorded figures; ``record``: write them
-    as the new recorded figures (after a change whose figures the README then shows)."""
-    recorded = _load()
+def report(found: dict[str, float], record: bool = False, object_store: bool = False) -> list[str]:
+    """Lines comparing ``found`` with the targets and the recorded figures of the same kind of
+    destination; ``record``: write them as the new recorded figures (after a change whose figures
+    the README then shows)."""
+    path = RECORDED.with_name("checkpoint_stall-object-store.json") if object_store else RECORDED
+    recorded = _load(path)
     load = os.getloadavg()[0]
-    lines = [f"against the targets and the recorded figures ({RECORDED.name}, "
+    lines = [f"against the targets and the recorded figures ({path.name}, "
              f"load then {recorded.get('load_1m', float('nan')):.1f}; now {load:.1f}):"]
     for key, (what, target, lower) in TARGETS.items():
         if key not in found:
@@ -69,16 +72,16 @@ def report(found: dict[str, float], record: bool = False) -> list[str]:
             line += f"; recorded {before:.3f} ({value / before:.2f}x){flag}"
         lines.append(line)
     if record:
-        RECORDED.parent.mkdir(exist_ok=True)
-        RECORDED.write_text(json.dumps({"load_1m": round(load, 2), "figures": {k: round(v, 4) for k, v in found.items()}},
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"load_1m": round(load, 2), "figures": {k: round(v, 4) for k, v in found.items()}},
                                        indent=1) + "\n")
-        lines.append(f"  recorded in {RECORDED}")
+        lines.append(f"  recorded in {path}")
     return lines
 
 
-def _load() -> dict:
+def _load(path: Path) -> dict:
     try:
-        data = json.loads(RECORDED.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
