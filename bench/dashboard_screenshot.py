@@ -89,9 +89,11 @@ def page_text(url: str, budget_ms: int = 20000) -> str:
 
 
 @contextlib.contextmanager
-def frozen_job() -> Iterator[int]:
+def frozen_job(submit: bool = False) -> Iterator[int]:
     """A private one-node cluster with the dashboard and a job held after step 12 (step 10
-    committed); yields the dashboard's port, then stops everything it started."""
+    committed); yields the dashboard's port, then stops everything it started. ``submit``: the
+    job goes in through ``ray job submit`` (the Jobs page's submitted-job row), not a driver
+    started by hand."""
     tmp = Path(tempfile.mkdtemp(prefix="rts-", dir="/tmp"))
     dash, address_file = _free_port(), tmp / "address"
     spec = tmp / "dash_demo.yaml"
@@ -109,6 +111,10 @@ def frozen_job() -> Iterator[int]:
         cmd = [sys.executable, "-m", "raytrain_ckpt", "run", str(spec), "--set", "training.steps=20",
                "--set", "checkpoint.interval_steps=5", "--set", f"checkpoint.dir={tmp / 'ckpt'}",
                "--set", "fault_tolerance.hang_timeout_s=600"]
+        if submit:  # the entrypoint runs on the head, in the cluster's environment (PYTHONPATH set)
+            faults = '{"env_vars": {"RAYTRAIN_CKPT_FAULTS": "hang@step:rank=0,step=12"}}'
+            cmd = ["ray", "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--runtime-env-json", faults,
+                   "--", "python", "-m", "raytrain_ckpt", *cmd[3:]]
         with open(log, "w") as f:
             driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                       start_new_session=True)
@@ -122,6 +128,11 @@ def frozen_job() -> Iterator[int]:
         cluster.send_signal(signal.SIGTERM)  # local_cluster.py removes every node it started
         cluster.wait(timeout=120)
         shutil.rmtree(tmp, ignore_errors=True)
+        # the job was killed, not stopped: its writers' staging buffers are orphans now (what
+        # `raytrain-ckpt clean-buffers` removes); a live job's buffers are left alone
+        from raytrain_ckpt.checkpoint.datapath.buffers import shm_dir, sweep_orphans
+
+        sweep_orphans(shm_dir())
 
 
 def main() -> int:
@@ -130,11 +141,15 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=REPO / "docs" / "dashboard_actors.png")
     p.add_argument("--page", default="#/actors", help="dashboard route to render")
     p.add_argument("--budget-ms", type=int, default=20000, help="Chromium virtual time for the page to render")
+    p.add_argument("--submit", action="store_true", help="submit the job with `ray job submit` (else a driver by hand)")
+    p.add_argument("--also", nargs=2, action="append", default=[], metavar=("PAGE", "OUT"),
+                   help="another route and PNG of the same job (e.g. '#/jobs' docs/dashboard_jobs.png)")
     args = p.parse_args()
-    with frozen_job() as dash:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        screenshot(f"http://127.0.0.1:{dash}/{args.page}", args.out, args.budget_ms)
-        logger.info("wrote %s (%d bytes)", args.out, args.out.stat().st_size)
+    with frozen_job(args.submit) as dash:
+        for page, out in [(args.page, args.out), *((pg, Path(o)) for pg, o in args.also)]:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            screenshot(f"http://127.0.0.1:{dash}/{page}", out, args.budget_ms)
+            logger.info("wrote %s (%d bytes)", out, out.stat().st_size)
     return 0
 
 

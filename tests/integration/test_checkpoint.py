@@ -106,7 +106,10 @@ def test_hung_rank_is_detected_in_time_and_the_job_resumes_bit_exact(reference, 
     assert hang.headline.startswith("stuck in maybe_inject (raytrain_ckpt/faults.py:"), hang.headline
     assert "not in the collective that rank 0 wait in" in hang.headline and "hang_timeout_s=auto" in hang.headline
     folder = tmp_path / "llama-debug-fsdp" / "diagnostics" / "attempt-0"
-    assert result.diagnostics == [str(folder)]
+    # the hang's folder, then the crash's failure record (every rank's text of attempt 1)
+    crash_record = tmp_path / "llama-debug-fsdp" / "diagnostics" / "attempt-1" / "failure.txt"
+    assert result.diagnostics == [str(folder), str(crash_record)]
+    assert crash_record.is_file()
     stuck = (folder / "rank-1.stacks.txt").read_text()
     assert "maybe_inject (raytrain_ckpt/faults.py" in stuck, stuck
     assert "TrainWorker._run (raytrain_ckpt/worker.py" in stuck, stuck
