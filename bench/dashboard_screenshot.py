@@ -49,7 +49,8 @@ def _wait_for(path: Path, text: str, timeout_s: float, proc: subprocess.Popen) -
         if path.is_file() and text in path.read_text(errors="replace"):
             return
         if proc.poll() is not None:
-            raise RuntimeError(f"process {proc.pid} exited {proc.returncode} while waiting for {path}")
+            tail = path.read_text(errors="replace")[-2000:] if path.is_file() else ""
+            raise RuntimeError(f"process {proc.pid} exited {proc.returncode} while waiting for {path}:\n{tail}")
         time.sleep(1)
     raise TimeoutError(f"{text!r} not in {path} after {timeout_s:g}s")
 
@@ -89,11 +90,9 @@ def page_text(url: str, budget_ms: int = 20000) -> str:
 
 
 @contextlib.contextmanager
-def frozen_job(submit: bool = False) -> Iterator[int]:
+def frozen_job() -> Iterator[int]:
     """A private one-node cluster with the dashboard and a job held after step 12 (step 10
-    committed); yields the dashboard's port, then stops everything it started. ``submit``: the
-    job goes in through ``ray job submit`` (the Jobs page's submitted-job row), not a driver
-    started by hand."""
+    committed); yields the dashboard's port, then stops everything it started."""
     tmp = Path(tempfile.mkdtemp(prefix="rts-", dir="/tmp"))
     dash, address_file = _free_port(), tmp / "address"
     spec = tmp / "dash_demo.yaml"
@@ -111,10 +110,6 @@ def frozen_job(submit: bool = False) -> Iterator[int]:
         cmd = [sys.executable, "-m", "raytrain_ckpt", "run", str(spec), "--set", "training.steps=20",
                "--set", "checkpoint.interval_steps=5", "--set", f"checkpoint.dir={tmp / 'ckpt'}",
                "--set", "fault_tolerance.hang_timeout_s=600"]
-        if submit:  # the entrypoint runs on the head, in the cluster's environment (PYTHONPATH set)
-            faults = '{"env_vars": {"RAYTRAIN_CKPT_FAULTS": "hang@step:rank=0,step=12"}}'
-            cmd = ["ray", "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--runtime-env-json", faults,
-                   "--", "python", "-m", "raytrain_ckpt", *cmd[3:]]
         with open(log, "w") as f:
             driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                       start_new_session=True)
@@ -141,11 +136,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=REPO / "docs" / "dashboard_actors.png")
     p.add_argument("--page", default="#/actors", help="dashboard route to render")
     p.add_argument("--budget-ms", type=int, default=20000, help="Chromium virtual time for the page to render")
-    p.add_argument("--submit", action="store_true", help="submit the job with `ray job submit` (else a driver by hand)")
     p.add_argument("--also", nargs=2, action="append", default=[], metavar=("PAGE", "OUT"),
                    help="another route and PNG of the same job (e.g. '#/jobs' docs/dashboard_jobs.png)")
     args = p.parse_args()
-    with frozen_job(args.submit) as dash:
+    with frozen_job() as dash:
         for page, out in [(args.page, args.out), *((pg, Path(o)) for pg, o in args.also)]:
             out.parent.mkdir(parents=True, exist_ok=True)
             screenshot(f"http://127.0.0.1:{dash}/{page}", out, args.budget_ms)
