@@ -30,7 +30,6 @@ thousand nodes); ``RAYTRAIN_CKPT_PICKLE_BUDGET`` raises them all by a factor whe
 from __future__ import annotations
 
 import io
-import os
 import struct
 import zipfile
 from dataclasses import dataclass, replace
@@ -61,15 +60,9 @@ class PickleBudget:
 
     def scaled(self) -> PickleBudget:
         """This budget times ``$RAYTRAIN_CKPT_PICKLE_BUDGET`` (unset: unchanged)."""
-        raw = os.environ.get(BUDGET_ENV, "").strip()
-        if not raw:
+        factor = sandbox.env_factor(BUDGET_ENV, 1.0, 1e6)
+        if factor is None:
             return self
-        try:
-            factor = float(raw)
-        except ValueError:
-            factor = 0.0
-        if not 1.0 <= factor <= 1e6:
-            raise InvalidCheckpoint(f"{BUDGET_ENV}={raw[:40]!r}: use a factor from 1 to 1000000")
         return replace(self, max_bytes=int(self.max_bytes * factor), max_opcodes=int(self.max_opcodes * factor),
                        max_expanded=int(self.max_expanded * factor))
 

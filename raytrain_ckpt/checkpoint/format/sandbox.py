@@ -49,6 +49,21 @@ LIMITS_ENV = "RAYTRAIN_CKPT_READ_LIMITS"
 """A factor (e.g. ``4``) that multiplies every ``ReadLimits`` budget."""
 
 
+def env_factor(name: str, low: float, high: float) -> float | None:
+    """The factor ``$name`` multiplies a budget by (unset: None); out of ``[low, high]`` or not a
+    number is refused, naming the variable and the range."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        factor = float(raw)
+    except ValueError:
+        factor = 0.0
+    if not low <= factor <= high:
+        raise InvalidCheckpoint(f"{name}={raw[:40]!r}: use a factor from {low:.15g} to {high:.15g}")
+    return factor
+
+
 @dataclass(frozen=True)
 class ReadLimits:
     """The most one decode of an untrusted file may cost the reader process."""
@@ -64,15 +79,9 @@ class ReadLimits:
 
     def scaled(self) -> ReadLimits:
         """These limits times ``$RAYTRAIN_CKPT_READ_LIMITS`` (unset: unchanged)."""
-        raw = os.environ.get(LIMITS_ENV, "").strip()
-        if not raw:
+        factor = env_factor(LIMITS_ENV, 0.01, 1e4)
+        if factor is None:
             return self
-        try:
-            factor = float(raw)
-        except ValueError:
-            factor = 0.0
-        if not 0.01 <= factor <= 1e4:
-            raise InvalidCheckpoint(f"{LIMITS_ENV}={raw[:40]!r}: use a factor from 0.01 to 10000")
         return replace(self, memory_bytes=int(self.memory_bytes * factor), cpu_s=self.cpu_s * factor,
                        cpu_s_per_mb=self.cpu_s_per_mb * factor)
 
