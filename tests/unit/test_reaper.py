@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -77,13 +78,19 @@ def test_a_process_the_watcher_may_not_signal_is_skipped_and_the_rest_are_stoppe
     theirs = subprocess.Popen(["sleep", "600"])                # root's: EPERM for the watcher
     mine = subprocess.Popen(["sleep", "600"], user=nobody)
     driver = subprocess.Popen(["sleep", "600"], user=nobody)
+    readable = Path(tempfile.mkdtemp(prefix="rtc-reaper-"))
     try:
         roots = reaper.identities({theirs.pid, mine.pid})
         assert min(roots) == theirs.pid                       # signalled first
         args = [f"{driver.pid}:{reaper._start_time(driver.pid)}", *(f"{p}:{s}" for p, s in roots.items())]
-        watcher = subprocess.Popen(["/usr/bin/python3", "-m", "raytrain_ckpt.reaper", *args], user=nobody,
-                                   cwd="/", env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-                                   stderr=subprocess.PIPE, text=True)
+        # the watcher module (it imports nothing of the package) where the other user can read it:
+        # the checkout may sit under a directory only its owner may enter
+        readable.chmod(0o755)
+        script = readable / "reaper.py"
+        shutil.copyfile(REPO / "raytrain_ckpt" / "reaper.py", script)
+        script.chmod(0o644)
+        watcher = subprocess.Popen(["/usr/bin/python3", str(script), *args], user=nobody,
+                                   cwd="/", env={"PATH": "/usr/bin:/bin"}, stderr=subprocess.PIPE, text=True)
         driver.kill()
         driver.wait()
         _, err = watcher.communicate(timeout=120)
@@ -94,6 +101,7 @@ def test_a_process_the_watcher_may_not_signal_is_skipped_and_the_rest_are_stoppe
         for p in (theirs, mine, driver):
             p.kill()
             p.wait()
+        shutil.rmtree(readable, ignore_errors=True)
 
 
 def test_identities_are_taken_from_live_processes_only() -> None:
