@@ -67,6 +67,8 @@ class GroupPoll:
     """Ranks whose process got SIGTERM (a pod eviction) -> the deadline they stop by (``eviction.py``)."""
     evidence: str | None = None
     """The file the group kept every failed rank's full text in, when ``failures`` is not empty."""
+    step_s: float | None = None
+    """The longest latest-step duration a training rank measured (``Progress.step_s``; None: none yet)."""
 
 
 class WorkerGroup(Protocol):
@@ -469,7 +471,7 @@ class Controller:
         now = self._clock()
         if poll.min_step != self._last_step:
             self._last_step, self._last_advance = poll.min_step, now
-            self.hangs.observe(poll.min_step, now)
+            self.hangs.observe(poll.min_step, now, poll.step_s)
             learned = self.hangs.learned_s()
             if learned is not None and not self.hangs.announced:
                 self.hangs.announced = True

@@ -76,6 +76,9 @@ class Progress:
     """The training guard's rollbacks in this attempt so far, in order: the controller records each one as it sees it, not only when the attempt finishes."""
     evicted_until: float | None = None
     """This rank's process got SIGTERM (a pod eviction): the deadline (time.time()) it stops by."""
+    step_s: float | None = None
+    """How long this rank's latest step took, measured by the rank (None: the attempt's first step,
+    a warm-up, or none yet): the hang timeout learns the pace from it, whatever the poll's cadence."""
 
 
 @dataclass(frozen=True)

@@ -322,6 +322,7 @@ class RayWorkerGroup:
             eval_s=max((p.eval_s for p in progress.values()), default=0.0),
             phases={r: p.phase for r, p in progress.items()},
             starts={r: (p.step, p.step_started_at) for r, p in progress.items() if p.phase == "training"},
+            step_s=max((p.step_s for p in progress.values() if p.step_s is not None), default=None),
             rollbacks=max([p.rollbacks for p in progress.values()] + [r.rollbacks for r in self._results.values()],
                           key=len, default=()),
             evictions={r: p.evicted_until for r, p in progress.items() if p.evicted_until is not None}

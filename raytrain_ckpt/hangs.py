@@ -100,12 +100,23 @@ class HangClock:
         """A new attempt runs: its first step (warm-up, a load's page faults) is not measured."""
         self._mark, self._first = None, True
 
-    def observe(self, step: int, now: float) -> None:
-        """The slowest rank finished ``step`` at about ``now`` (seen by a poll)."""
+    def observe(self, step: int, now: float, step_s: float | None = None) -> None:
+        """The slowest rank finished ``step`` at about ``now`` (seen by a poll). ``step_s``: the
+        longest duration of a latest step the ranks measured themselves (None: not measured, the
+        attempt's first step). A measured duration is the pace whatever the polls' cadence: a
+        loaded driver that polls seldom still learns its timeout within the first few steps."""
         mark = self._mark
         if mark is not None and step <= mark[0]:
             return
         self._mark = (step, now)
+        covered = min(step - mark[0], WINDOW) if mark is not None else 1
+        if step_s is not None:  # the ranks timed a step that was not the attempt's first
+            self._first = False
+            if self._is_eval(step):
+                self._evals.append(step_s)
+            else:
+                self._steps.extend([step_s] * covered)
+            return
         if mark is None:  # the attempt's starting step
             return
         if self._first:  # the attempt's first step: warm-up, not measured
@@ -118,7 +129,7 @@ class HangClock:
             # one sample per step the poll covers: steps faster than the poll interval (several
             # finished between two polls) count as measured, or a fast job would keep the
             # first-steps budget (300 s) long after it measured its pace
-            self._steps.extend([per_step] * min(step - mark[0], WINDOW))
+            self._steps.extend([per_step] * covered)
 
     def learned_s(self) -> float | None:
         """The step budget learned so far (None: too few steps measured)."""

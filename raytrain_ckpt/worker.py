@@ -381,6 +381,7 @@ class TrainWorker(PublishedProgress):
         watch = ckpt is not None and (ft.watch_drains or ft.replace_stragglers)  # both stop via preempt()
         phase = "done"
         scalars = self._open_scalars()
+        measured = False  # the attempt's first step is a warm-up: its time does not teach the hang timeout
         while trainer.state.step < self.spec.training.steps and not self._stop.is_set():
             maybe_inject("step", self.rank, trainer.state.step, self.attempt)
             t0, began = time.monotonic(), time.time()
@@ -413,8 +414,11 @@ class TrainWorker(PublishedProgress):
                 log_step(scalars, report)
             self.metrics.after_step(report, ckpt)
             loss = report.loss if report.loss is not None else loss
-            self._progress = Progress(self.rank, report.step, loss, time.time(), "training",
-                                      ckpt.stats.stall_s if ckpt is not None else 0.0, eval_s, began)
+            now = time.time()
+            self._progress = Progress(self.rank, report.step, loss, now, "training",
+                                      ckpt.stats.stall_s if ckpt is not None else 0.0, eval_s, began,
+                                      step_s=now - began if measured else None)
+            measured = True
             self.timings.setdefault("first_step_at", self._progress.last_step_at)
             if preempted:
                 phase = "preempted"  # the step is saved: commit it and stop (the driver restarts off the node)

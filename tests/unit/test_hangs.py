@@ -183,3 +183,21 @@ def test_the_status_line():
             "stragglers": [1], "last_hang": "rank 1: stuck in f (x.py:1): ..."}
     assert status_line(info) == ("hang timeout 31s (10 x p99 step time 3.12 s, at least 30 s); goodput so far 91.2%; "
                                  "straggler rank(s) 1; last hang: rank 1: stuck in f (x.py:1): ...")
+
+
+def test_a_driver_that_polls_seldom_learns_the_pace_from_the_ranks_own_step_times():
+    # a loaded driver: its first poll sees step 5, its second step 12, then the group hangs. The
+    # poll times alone measured no step (the first advance is the warm-up); the ranks' own step
+    # times (0.1 s) teach the floor, not the first-steps budget of 300 s
+    clock = HangClock(_spec())
+    clock.attempt_started()
+    clock.observe(5, 3.0, step_s=0.1)
+    assert clock.budget(6)[0] == FIRST_STEPS_S          # one step measured: too few
+    clock.observe(12, 9.0, step_s=0.1)
+    assert clock.budget(13) == (FLOOR_S, "10 x p99 step time 0.1 s, at least 30 s")
+    slow = HangClock(_spec())
+    slow.attempt_started()
+    slow.observe(5, 3.0)
+    slow.observe(12, 9.0)                                 # without them: still the warm-up budget
+    assert slow.budget(13)[0] == FIRST_STEPS_S
+

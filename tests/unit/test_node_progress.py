@@ -34,11 +34,13 @@ RUN_A, RUN_B = "a" * 32, "b" * 32
 
 def test_every_change_of_a_ranks_progress_is_what_its_node_reads() -> None:
     ranks = [_Rank(RUN_A, 3, r) for r in range(4)]
-    ranks[2]._progress = Progress(2, 17, 1.25, 123.0, "saving", stall_s=0.5, eval_s=0.25, step_started_at=120.0)
+    ranks[2]._progress = Progress(2, 17, 1.25, 123.0, "saving", stall_s=0.5, eval_s=0.25, step_started_at=120.0,
+                                 step_s=2.5)
     answer = read_node(RUN_A, 3, [0, 1, 2, 3])
     assert answer.ask == []
     assert answer.progress == {r._progress.rank: r._progress for r in ranks}
-    assert answer.progress[2] == Progress(2, 17, 1.25, 123.0, "saving", stall_s=0.5, eval_s=0.25, step_started_at=120.0)
+    assert answer.progress[2] == Progress(2, 17, 1.25, 123.0, "saving", stall_s=0.5, eval_s=0.25, step_started_at=120.0,
+                                        step_s=2.5)
 
 
 def test_what_a_file_cannot_say_is_asked_of_the_rank(tmp_path: Path) -> None:
