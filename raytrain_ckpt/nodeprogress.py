@@ -80,11 +80,12 @@ class ProgressFile:
 
     def show(self, progress: Progress, rollbacks: int) -> None:
         """Write ``progress`` (and how many rollbacks this attempt made) for the node to read. A
-        run that ended ("done", "failed") removes the file instead (and the folder once empty): the
+        run that ended ("done", "failed", or "preempted": stopped by a drain notice or a SIGTERM such as
+        `ray job stop`'s) removes the file instead (and the folder once empty): the
         rank answers for itself from then on, and a job's end leaves nothing in shared memory."""
         if self._broken:
             return
-        if progress.phase in ("done", "failed"):
+        if progress.phase in ("done", "failed", "preempted"):
             self._remove()
             return
         record = {k: getattr(progress, k) for k in _PLAIN}

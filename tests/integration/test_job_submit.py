@@ -15,16 +15,15 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from bench.dashboard_screenshot import api_get, free_ports, session_pids
 
 pytestmark = pytest.mark.integration
 
@@ -41,41 +40,12 @@ if shutil.which("ray") is None or sys.platform != "linux":
     pytest.skip("needs the `ray` CLI and Linux /proc", allow_module_level=True)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _session_pids(sid: int) -> list[int]:
-    """Processes whose session is ``sid``: the head and everything it spawned."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # The command name in field 2 may contain spaces; fields after ')' are fixed.
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            pids.append(int(entry))
-    return pids
-
-
 class Head:
     """A `--block` head in its own session; ``stop()`` is idempotent."""
 
     def __init__(self, pythonpath: str | None = None) -> None:
         """``pythonpath``: the PYTHONPATH the head's processes (its workers) are started with."""
-        self.port, self.dashboard_port = _free_ports(2)
+        self.port, self.dashboard_port = free_ports(2)
         self.api = f"http://127.0.0.1:{self.dashboard_port}"
         # Short path on purpose: Ray's unix sockets live under it (limit ~107 chars).
         self.temp_dir = tempfile.mkdtemp(prefix="rtj-", dir="/tmp")
@@ -105,12 +75,7 @@ class Head:
         return Path(self.log_path).read_text(errors="replace")[-4000:]
 
     def get(self, path: str) -> tuple[int, str]:
-        req = urllib.request.Request(self.api + path, headers={"Authorization": f"Bearer {self.token}"})
-        try:
-            with urllib.request.urlopen(req, timeout=3) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode(errors="replace")
+        return api_get(self.api, self.token, path, timeout_s=3)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         # The jobs endpoint needs the token and the job agent: once it answers, submit works.
@@ -144,9 +109,9 @@ class Head:
             pass
         # start_head.sh caps Ray's SIGTERM drain at 3 s; the rest is process exit.
         deadline = time.monotonic() + 45
-        while time.monotonic() < deadline and (self.proc.poll() is None or _session_pids(self.sid)):
+        while time.monotonic() < deadline and (self.proc.poll() is None or session_pids(self.sid)):
             time.sleep(0.5)
-        left = _session_pids(self.sid)
+        left = session_pids(self.sid)
         if left:
             # Never leave a stray cluster behind on a shared machine, even when failing.
             try:
@@ -401,7 +366,7 @@ def test_ray_job_stop_commits_the_step_in_hand_and_a_resubmit_resumes_there(head
 def test_the_head_stops_with_nothing_left(head):
     left = head.stop()
     assert left == [], f"processes of the head survived SIGTERM: {left}"
-    assert _session_pids(head.sid) == []
+    assert session_pids(head.sid) == []
 
     # A local Ray this pytest process shares with other tests must be untouched.
     import ray

@@ -72,9 +72,11 @@ def test_an_evicted_ranks_deadline_reaches_its_nodes_file() -> None:
     assert read_node(RUN_A, 0, [0]).progress[0].evicted_until == 1234.5
 
 
-def test_a_run_that_ended_leaves_no_file_and_is_asked_of_the_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("end", ["done", "preempted"])
+def test_a_run_that_ended_leaves_no_file_and_is_asked_of_the_rank(tmp_path: Path, end: str) -> None:
+    """"preempted": the rank stopped on a drain notice or a SIGTERM (`ray job stop`), its step saved."""
     done, failed = _Rank(RUN_A, 0, 0), _Rank(RUN_A, 0, 1)
-    done._progress = Progress(0, 20, 1.0, time.time(), "done")
+    done._progress = Progress(0, 20, 1.0, time.time(), end)
     assert read_node(RUN_A, 0, [0, 1]).ask == [0]
     failed._progress = Progress(1, 7, None, time.time(), "failed")
     assert read_node(RUN_A, 0, [0, 1]).ask == [0, 1]
