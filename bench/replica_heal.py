@@ -22,36 +22,26 @@ from a live peer"); it needs ``pip install -e ".[bench]"`` (or ``".[replicas]"``
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-
-@ray.remote(num_cpus=0)
-class Lighthouse:
-    """torchft's quorum server, in a process of its own. ``heartbeat_ms``: how long a replica's
-    silence takes to drop it from the next quorum (what a healthy replica waits after a peer died)."""
-
-    def __init__(self, heartbeat_ms: int) -> None:
-        from torchft._torchft import LighthouseServer
-
-        self.server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100,
-                                       heartbeat_timeout_ms=heartbeat_ms, quorum_tick_ms=50)
-
-    def address(self) -> str:
-        return self.server.address()
+from raytrain_ckpt.replicas.lighthouse import start_lighthouse
 
 
 @ray.remote(num_cpus=0.5, max_concurrency=2)
 class Replica:
     """One replica group of one rank: the demo's model under torchft's Manager."""
 
-    def __init__(self, replica: int, lighthouse: str, steps: int) -> None:
-        self.replica, self.lighthouse, self.steps = replica, lighthouse, steps
+    def __init__(self, replica: int, lighthouse: str) -> None:
+        self.replica, self.lighthouse = replica, lighthouse
+        self.steps = 1 << 62
+        """The step to stop at (``finish_at``): until then a replica trains on, whatever its peers do."""
         self.log: list[tuple[int, float, int]] = []  # (step, time.time() after it, participants)
         self.error: str | None = None
         self.thread = threading.Thread(target=self._train, daemon=True)
@@ -68,9 +58,9 @@ class Replica:
     def _loop(self) -> None:
         import torch
         from torch.distributed import TCPStore
-        from torchft import Manager, Optimizer, ProcessGroupGloo
 
         from raytrain_ckpt.models import build_model
+        from raytrain_ckpt.replicas.sync import ReplicaSync
 
         torch.manual_seed(0)
         torch.set_num_threads(1)
@@ -82,40 +72,38 @@ class Replica:
             opt.load_state_dict(state["optim"])
 
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1,
-                          load_state_dict=load, state_dict=lambda: {"model": model.state_dict(),
-                                                                    "optim": opt.state_dict()},
-                          replica_id=f"replica{self.replica}", store_addr="127.0.0.1", store_port=store.port,
-                          rank=0, world_size=1, lighthouse_addr=self.lighthouse,
-                          timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=60))
-        optimizer = Optimizer(manager, opt)  # its step() starts the quorum and applies only on a commit vote
+        sync = ReplicaSync(replica=self.replica, rank=0, ranks=1, lighthouse=self.lighthouse,
+                           store=("127.0.0.1", store.port), load=load,
+                           state=lambda: {"model": model.state_dict(), "optim": opt.state_dict()}, timeout_s=10)
         vocab = model.cfg.vocab_size if hasattr(model, "cfg") else 256
         gen = torch.Generator().manual_seed(1000 + self.replica)
-        while manager.current_step() < self.steps:
+        while sync.step < self.steps:
             tokens = torch.randint(0, vocab, (4, 65), generator=gen)
-            optimizer.zero_grad()
+            sync.begin()
+            opt.zero_grad()
             logits = model(tokens[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
-            # the replicate dimension's gradient average: one flat buffer through the Manager (a
-            # failed peer makes it an error the commit vote sees, not an exception here)
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            manager.allreduce(flat).wait()
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-            optimizer.step()
-            self.log.append((manager.current_step(), time.time(), manager.num_participants()))
+            sync.average([p.grad for p in model.parameters() if p.grad is not None])
+            if sync.commit():
+                opt.step()
+            self.log.append((sync.step, time.time(), sync.participants()))
         self.sum = float(sum(p.detach().double().sum() for p in model.parameters()))
-        manager.shutdown(wait=False)
+        sync.close()
 
     def progress(self) -> tuple[list[tuple[int, float, int]], str | None, bool]:
         return list(self.log), self.error, not self.thread.is_alive()
 
     def fingerprint(self) -> float:
         return self.sum
+
+    def finish_at(self, step: int) -> None:
+        """Stop once the replicas' step count reaches ``step`` (every replica is told the same one,
+        after the heal, so that they end together in one quorum)."""
+        self.steps = step
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 def _wait(actor: Any, until: Any, timeout: float = 300.0) -> list[tuple[int, float, int]]:
@@ -130,25 +118,52 @@ def _wait(actor: Any, until: Any, timeout: float = 300.0) -> list[tuple[int, flo
     raise TimeoutError("replica did not get there in time")
 
 
-def one_run(steps: int, kill_step: int, heartbeat_ms: int) -> dict[str, float | bool]:
-    lighthouse = Lighthouse.remote(heartbeat_ms)
-    address = ray.get(lighthouse.address.remote())
-    healthy, failing = Replica.remote(0, address, steps), Replica.remote(1, address, steps)
-    _wait(failing, lambda log, done: bool(log) and log[-1][0] >= kill_step)
-    ray.kill(failing, no_restart=True)
-    killed = time.time()
-    healer = Replica.remote(1, address, steps)
-    healed_log = _wait(healer, lambda log, done: any(p == 2 for _, _, p in log))
-    healed = next(t for _, t, p in healed_log if p == 2)
-    log0 = _wait(healthy, lambda log, done: done)
-    _wait(healer, lambda log, done: done)
-    gaps = [b[1] - a[1] for a, b in zip(log0, log0[1:])]
-    around = [b[1] - a[1] for a, b in zip(log0, log0[1:]) if killed - 1 <= b[1] <= healed + 5]
-    same = ray.get(healthy.fingerprint.remote()) == ray.get(healer.fingerprint.remote())
-    for actor in (healthy, healer, lighthouse):
-        ray.kill(actor)
-    return {"median_step_s": statistics.median(gaps), "pause_s": max(around or [0.0]),
-            "heal_s": healed - killed, "same": same}
+@dataclass
+class HealRun:
+    """One run: each replica's log of (step, time.time() after it, replicas in its quorum)."""
+
+    healthy: list[tuple[int, float, int]]
+    failed: list[tuple[int, float, int]]
+    """The killed replica's log, as last read before the kill."""
+    healer: list[tuple[int, float, int]]
+    killed_pid: int
+    killed_at: float
+    sums: tuple[float, float]
+    """The healthy and the healed replica's parameters at the end (float64 sums)."""
+
+    def row(self) -> dict[str, float | bool]:
+        healed = next(t for _, t, p in self.healer if p == 2)
+        gaps = [b[1] - a[1] for a, b in zip(self.healthy, self.healthy[1:])]
+        around = [b[1] - a[1] for a, b in zip(self.healthy, self.healthy[1:])
+                  if self.killed_at - 1 <= b[1] <= healed + 5]
+        return {"median_step_s": statistics.median(gaps), "pause_s": max(around or [0.0]),
+                "heal_s": healed - self.killed_at, "same": self.sums[0] == self.sums[1]}
+
+
+def one_run(steps: int, kill_step: int, heartbeat_ms: int) -> HealRun:
+    """Two replicas; the second's process is killed once it passed ``kill_step`` and replaced by a
+    new one; once that one steps in a quorum of two, both stop at ``steps`` (or 10 steps on)."""
+    lighthouse, address = start_lighthouse(f"replica-heal-{time.time_ns()}", heartbeat_ms=heartbeat_ms)
+    healthy, failing = Replica.remote(0, address), Replica.remote(1, address)
+    actors = [healthy, failing, lighthouse]
+    try:
+        failed_log = _wait(failing, lambda log, done: bool(log) and log[-1][0] >= kill_step)
+        pid = ray.get(failing.pid.remote())
+        ray.kill(failing, no_restart=True)
+        killed = time.time()
+        healer = Replica.remote(1, address)
+        actors.append(healer)
+        joined = _wait(healer, lambda log, done: any(p == 2 for _, _, p in log))
+        last = max(joined[-1][0], ray.get(healthy.progress.remote())[0][-1][0])
+        for replica in (healthy, healer):
+            replica.finish_at.remote(max(steps, last + 10))
+        log0 = _wait(healthy, lambda log, done: done)
+        log1 = _wait(healer, lambda log, done: done)
+        sums = (ray.get(healthy.fingerprint.remote()), ray.get(healer.fingerprint.remote()))
+        return HealRun(log0, failed_log, log1, pid, killed, sums)
+    finally:
+        for actor in actors:
+            ray.kill(actor)
 
 
 def main() -> None:
@@ -162,7 +177,7 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     print("replica heal on Ray actors (torchft, gloo, demo model, 2 replica groups x 1 rank)")
     for heartbeat_ms, rep in ((h, r) for h in args.heartbeat_ms for r in range(args.reps)):
-        row = one_run(args.steps, args.kill_step, heartbeat_ms)
+        row = one_run(args.steps, args.kill_step, heartbeat_ms).row()
         print(f"  heartbeat timeout {heartbeat_ms} ms, run {rep + 1}: median step {row['median_step_s']:.3f}s, healthy replica's longest step around "
               f"the fault {row['pause_s']:.2f}s ({row['pause_s'] / row['median_step_s']:.1f} step times), "
               f"kill -> healed replica stepping in a quorum of 2 {row['heal_s']:.2f}s, "
