@@ -267,11 +267,11 @@ class JobNote:
     last_hang: str | None = None
     """The latest hang: its culprit and the diagnostics folder with every rank's stacks."""
     goodput: float | None = None
-    """Training time / wall time so far (``goodput.py``)."""
+    """Training time / wall time so far (``control/watch/goodput.py``)."""
     stragglers: list[int] | None = None
-    """Ranks reported as stragglers (``stragglers.py``)."""
+    """Ranks reported as stragglers (``control/watch/stragglers.py``)."""
     stuck: str | None = None
-    """A checkpoint writer or the actor not answering now, with the step (``silence.py``)."""
+    """A checkpoint writer or the actor not answering now, with the step (``control/watch/silence.py``)."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from raytrain_ckpt.locations import home_problem, is_uri, mask_uri
+from raytrain_ckpt.common.locations import home_problem, is_uri, mask_uri
 from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES, input_files
 from raytrain_ckpt.models import PRESETS, describe_model, resolve_factory
 from raytrain_ckpt.spec.loggers import LoggersSpec
@@ -565,7 +565,7 @@ def results_dir() -> Path | str:
     """Where a job's checkpoints go when its spec names no checkpoint.dir: $RAYTRAIN_CKPT_RESULTS,
     else ~/raytrain_results, made absolute here (the driver), so that every process of the job
     reads the same place from the resolved spec. Also the base of a relative checkpoint.dir under
-    ``ray job submit`` (see ``raytrain_ckpt/preflight.py``)."""
+    ``ray job submit`` (see ``raytrain_ckpt/control/preflight.py``)."""
     text = os.environ.get(RESULTS_ENV) or DEFAULT_RESULTS
     if is_uri(text):
         return text.rstrip("/")

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from raytrain_ckpt.controller import (
+from raytrain_ckpt.control.controller import (
     Controller,
     Decision,
     FailureFacts,
@@ -16,7 +16,7 @@ from raytrain_ckpt.controller import (
     JobState,
     elastic_world_size,
 )
-from raytrain_ckpt.events import Failure, RollbackRecord, Trip, WorkerResult
+from raytrain_ckpt.common.events import Failure, RollbackRecord, Trip, WorkerResult
 from raytrain_ckpt.spec import JobSpec
 
 
@@ -454,7 +454,7 @@ def test_a_crash_logs_one_headline_per_other_rank_and_keeps_their_tracebacks_in_
     group = FakeWorkerGroup.created[0]
     group.fail(0)             # gloo's "Connection reset by peer" on the rank that did not fail
     group.kill(1)             # the cause: polled first
-    with caplog.at_level(logging.ERROR, logger="raytrain_ckpt.controller"):
+    with caplog.at_level(logging.ERROR, logger="raytrain_ckpt.control.controller"):
         ctl.step()
     assert ctl.state is JobState.RECOVERING
     [logged] = [r.getMessage() for r in caplog.records if "failure:" in r.getMessage()]
@@ -471,7 +471,7 @@ def test_a_single_failure_logs_its_full_text(make, caplog):
     ctl, _ = make()
     ctl.step()
     FakeWorkerGroup.created[0].fail(1)
-    with caplog.at_level(logging.ERROR, logger="raytrain_ckpt.controller"):
+    with caplog.at_level(logging.ERROR, logger="raytrain_ckpt.control.controller"):
         ctl.step()
     assert ctl.state is JobState.FAILED
     [logged] = [r.getMessage() for r in caplog.records if "failure:" in r.getMessage()]

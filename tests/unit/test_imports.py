@@ -93,8 +93,8 @@ def test_find_cycle_finds_one_and_only_one():
 
 def test_the_graph_sees_function_level_imports_and_skips_type_checking():
     graph = import_graph()
-    assert "raytrain_ckpt.trainer" in graph["raytrain_ckpt.worker"]       # imported inside _setup()
-    assert "raytrain_ckpt.controller" not in graph["raytrain_ckpt.metrics"]  # annotations only
+    assert "raytrain_ckpt.rank.trainer" in graph["raytrain_ckpt.rank.worker"]       # imported inside _setup()
+    assert "raytrain_ckpt.control.controller" not in graph["raytrain_ckpt.observe.metrics"]  # annotations only
 
 
 def test_no_import_cycles():
@@ -104,9 +104,9 @@ def test_no_import_cycles():
 
 LIGHT = [
     # what the controller's unit tests import, and the CLI's offline commands
-    (["raytrain_ckpt.controller", "raytrain_ckpt.events", "raytrain_ckpt.spec", "raytrain_ckpt.metrics",
+    (["raytrain_ckpt.control.controller", "raytrain_ckpt.common.events", "raytrain_ckpt.spec", "raytrain_ckpt.observe.metrics",
       "tests.unit.test_controller"], ("torch", "ray")),
-    (["raytrain_ckpt", "raytrain_ckpt.api", "raytrain_ckpt.cli", "raytrain_ckpt.inventory"], ("torch", "ray")),
+    (["raytrain_ckpt", "raytrain_ckpt.api", "raytrain_ckpt.cli.main", "raytrain_ckpt.report.inventory"], ("torch", "ray")),
 ]
 
 
@@ -125,7 +125,7 @@ def test_light_modules_import_neither_torch_nor_ray(modules, absent):
 def test_validate_of_a_built_in_model_imports_neither_torch_nor_ray():
     # the whole command: parser, spec loading, and the environment checks, whose memory check
     # sizes the built-in model from its config; the demo spec trains on CPU
-    code = ("from raytrain_ckpt.cli import main\n"
+    code = ("from raytrain_ckpt.cli.main import main\n"
             "assert main(['validate', 'jobs/llama_debug_fsdp.yaml', '--set', 'model.overrides.n_layers=6']) == 0")
     assert _loaded_after(code, ("torch", "ray", "numpy")) == []
 
@@ -134,15 +134,15 @@ def test_validate_of_a_built_in_model_imports_neither_torch_nor_ray():
                                   ["export", "{tmp}", "--format", "torch", "--out", "/dev/null"]])
 def test_export_and_import_refuse_a_bad_path_before_importing_torch(tmp_path, argv):
     args = [a.format(tmp=tmp_path) for a in argv]
-    code = f"from raytrain_ckpt.cli import main\nassert main({args!r}) == 2"
+    code = f"from raytrain_ckpt.cli.main import main\nassert main({args!r}) == 2"
     assert _loaded_after(code, ("torch", "ray")) == []
 
 
 def test_validate_of_a_gpu_spec_imports_torch_only_where_a_gpu_driver_is():
-    from raytrain_ckpt.preflight import _has_gpu_device_files
+    from raytrain_ckpt.control.preflight import _has_gpu_device_files
 
     # torch.cuda tells the GPU's memory; a driver machine without a GPU skips that check
-    code = "from raytrain_ckpt.cli import main\nassert main(['validate', 'jobs/llama_8b_gpu.yaml']) == 0"
+    code = "from raytrain_ckpt.cli.main import main\nassert main(['validate', 'jobs/llama_8b_gpu.yaml']) == 0"
     assert _loaded_after(code, ("torch", "ray")) == (["torch"] if _has_gpu_device_files() else [])
 
 

@@ -8,10 +8,10 @@ import signal
 
 import pytest
 
-from raytrain_ckpt.controller import Controller, GroupPoll, JobState
-from raytrain_ckpt.events import WorkerResult
-from raytrain_ckpt.eviction import on_sigterm
-from raytrain_ckpt.preemption import PUSH_MB_PER_S, PreemptionGuard, SaveCosts, plan_save, stop_signals
+from raytrain_ckpt.control.controller import Controller, GroupPoll, JobState
+from raytrain_ckpt.common.events import WorkerResult
+from raytrain_ckpt.rank.eviction import on_sigterm
+from raytrain_ckpt.control.watch.preemption import PUSH_MB_PER_S, PreemptionGuard, SaveCosts, plan_save, stop_signals
 from raytrain_ckpt.spec import JobSpec
 
 
@@ -274,7 +274,7 @@ def test_a_notice_at_the_last_step_lets_the_job_succeed():
 
 
 def test_the_metrics_count_preemptions_and_their_lost_steps(monkeypatch):
-    from raytrain_ckpt import metrics
+    from raytrain_ckpt.observe import metrics
 
     recorded: list[tuple[str, float, dict]] = []
     monkeypatch.setattr(metrics, "record", lambda name, value, tags: recorded.append((name, value, dict(tags))))

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_ckpt.controller import Controller, GroupPoll, JobState
-from raytrain_ckpt.events import WorkerResult
-from raytrain_ckpt.hangs import FLOOR_S
-from raytrain_ckpt.silence import MAX_REPLACEMENTS, NOTICE_S, overdue, silence_budget_s, stuck_line
+from raytrain_ckpt.control.controller import Controller, GroupPoll, JobState
+from raytrain_ckpt.common.events import WorkerResult
+from raytrain_ckpt.control.watch.hangs import FLOOR_S
+from raytrain_ckpt.control.watch.silence import MAX_REPLACEMENTS, NOTICE_S, overdue, silence_budget_s, stuck_line
 from raytrain_ckpt.spec import JobSpec
 
 W = "checkpoint writer on node abc"
@@ -128,7 +128,7 @@ def test_past_max_replacements_a_silent_writer_is_left_to_the_hang_timeout():
 
 
 def test_status_names_the_stuck_process():
-    from raytrain_ckpt.hangs import status_line
+    from raytrain_ckpt.control.watch.hangs import status_line
 
     line = status_line({"hang_timeout_s": 30.0, "hang_timeout_why": "learned",
                         "stuck": f"stuck: step 13 (its save), {W} has not answered for 31s"})
@@ -136,7 +136,7 @@ def test_status_names_the_stuck_process():
 
 
 def test_a_stalled_write_is_named_with_its_rank_and_step():
-    from raytrain_ckpt.silence import STALLED
+    from raytrain_ckpt.control.watch.silence import STALLED
 
     key = f"{W}{STALLED}rank 1 step 10"
     assert stuck_line(12, True, {key: 31.0, W: 0.2}, in_flight=10) == (

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_ckpt.controller import Controller, GroupPoll, JobState
-from raytrain_ckpt.events import WorkerResult
+from raytrain_ckpt.control.controller import Controller, GroupPoll, JobState
+from raytrain_ckpt.common.events import WorkerResult
 from raytrain_ckpt.spec import JobSpec
-from raytrain_ckpt.stragglers import WINDOW, StragglerWatch
+from raytrain_ckpt.control.watch.stragglers import WINDOW, StragglerWatch
 
 
 def _feed(watch: StragglerWatch, lateness: dict[int, float], steps: int, step_s: float = 1.0,
