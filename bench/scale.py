@@ -237,7 +237,7 @@ def poll_rounds(sizes: list[int], actors: int = 8, rounds: int = 3, per_node: in
     """Seconds of one ``RayWorkerGroup.poll`` (the median of ``rounds``) over each of ``sizes``
     ranks, ``per_node`` to a node, served by ``actors`` real async Ray actors: every rank's
     pending ``run`` is a real Ray call, and each node's ``node_progress`` call (one per node) a
-    real Ray call that reads its ranks' real progress files (``nodeprogress.py``); a node's ranks
+    real Ray call that reads its ranks' real progress files (``rank/progress.py``); a node's ranks
     share an actor, several nodes to an actor."""
     import statistics
 

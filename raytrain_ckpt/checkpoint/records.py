@@ -70,6 +70,13 @@ class RankReport:
     """``roles.repeats.results_digest`` of ``results`` ("": not computed; the coordinator computes it)."""
 
 
+__all__ += ["STALLED"]
+
+STALLED = ", its write of "
+"""Joins a writer's name and one of its writes in the key of a stalled write's silence (the writers'
+fleet builds the key, the controller's silence watch reads it)."""
+
+
 __all__ += ["PersistRequest"]
 
 

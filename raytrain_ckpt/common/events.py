@@ -83,7 +83,7 @@ class Progress:
 
 @dataclass(frozen=True)
 class NodeProgress:
-    """One node's answer to the poll (``nodeprogress.read_node``): the progress its ranks' files
+    """One node's answer to the poll (``rank/progress.read_node``): the progress its ranks' files
     show, and the ranks the driver asks themselves."""
 
     progress: dict[int, Progress]

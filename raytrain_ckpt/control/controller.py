@@ -13,13 +13,16 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from raytrain_ckpt.common.events import Failure, FailureKind, RollbackRecord, WorkerResult, headline
+from raytrain_ckpt.control.poll import GroupPoll, GroupStartError, WorkerGroup
+from raytrain_ckpt.control.policy import Decision, FailureFacts, FailurePolicy
 from raytrain_ckpt.control.watch.goodput import GoodputLedger
-from raytrain_ckpt.control.watch.hangs import FLOOR_S, HangClock, Verdict, auto_text
-from raytrain_ckpt.control.watch.silence import MAX_REPLACEMENTS, NOTICE_S, STALLED, overdue, silence_budget_s, stuck_line
-from raytrain_ckpt.control.watch.stragglers import StragglerWatch
+from raytrain_ckpt.control.watch import Watch
+from raytrain_ckpt.control.watch.hangs import HangWatch, auto_text
+from raytrain_ckpt.control.watch.silence import MAX_REPLACEMENTS, SilenceWatch
+from raytrain_ckpt.control.watch.stragglers import StragglerSwap, StragglerWatch
 from raytrain_ckpt.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -27,66 +30,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Controller", "Decision", "FailureFacts", "FailurePolicy", "GroupPoll", "GroupStartError", "JobResult",
-           "JobState", "WorkerGroup", "elastic_world_size"]
-
-
-class GroupStartError(RuntimeError):
-    """The group could not be placed or could not form its process group in time.
-
-    ``mismatch``: a rank found that the resume checkpoint does not fit the job's model (the
-    ``CheckpointMismatch`` message); no restart would change that, so the job fails at once.
-    """
-
-    def __init__(self, message: str, mismatch: str | None = None) -> None:
-        super().__init__(message)
-        self.mismatch = mismatch
-
-
-@dataclass(frozen=True)
-class GroupPoll:
-    """One look at the group: finished results, failures, and the slowest rank's step."""
-
-    results: list[WorkerResult] = field(default_factory=list)
-    failures: list[Failure] = field(default_factory=list)
-    """Every rank failure seen by this poll ("crash" or "exception"), crashes first."""
-    min_step: int = 0
-    finished: bool = False
-    stall_s: float = 0.0
-    """The most checkpoint-stall seconds any rank reported this attempt (the goodput ledger)."""
-    eval_s: float = 0.0
-    """The most eval seconds any rank reported this attempt."""
-    phases: dict[int, str] = field(default_factory=dict)
-    """Each answering rank's phase (``Progress.phase``: "saving" while in a save): the hang budget's phase."""
-    starts: dict[int, tuple[int, float]] = field(default_factory=dict)
-    """Each training rank's latest step and when it began it (time.time()): the straggler watch."""
-    rollbacks: tuple[RollbackRecord, ...] = ()
-    """The training guard's rollbacks in this attempt so far, in order:
-    the most any rank reported, through its progress or its result."""
-    evictions: dict[int, float] = field(default_factory=dict)
-    """Ranks whose process got SIGTERM (a pod eviction) -> the deadline they stop by (``rank/eviction.py``)."""
-    evidence: str | None = None
-    """The file the group kept every failed rank's full text in, when ``failures`` is not empty."""
-    step_s: float | None = None
-    """The longest latest-step duration a training rank measured (``Progress.step_s``; None: none yet)."""
-
-
-class WorkerGroup(Protocol):
-    """What the controller needs from a group of training ranks."""
-
-    def start(self) -> None:
-        """Place, create and set up every rank, then start training; raises GroupStartError."""
-
-    def poll(self) -> GroupPoll:
-        """Non-blocking (bounded by the poll interval) look at progress and failures."""
-
-    def wait(self, timeout_s: float) -> None:
-        """Block until a rank's run ends (it finished, raised, or its process died) or ``timeout_s``
-        passed, whichever is first: the controller's pause between polls, cut short by a failure."""
-
-    def shutdown(self, keep_warm: bool = False) -> None:
-        """Release the ranks; safe to call twice. ``keep_warm``: keep what can serve the next
-        attempt (placement group, processes that reset cleanly), kill the rest."""
+__all__ = ["Controller", "JobResult", "JobState"]
 
 
 class JobState(enum.Enum):
@@ -103,67 +47,6 @@ class JobState(enum.Enum):
     @property
     def is_terminal(self) -> bool:
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
-
-
-class Decision(enum.Enum):
-    """What to do after a failure."""
-
-    RESTART = "RESTART"
-    FAIL = "FAIL"
-
-
-@dataclass(frozen=True)
-class FailureFacts:
-    """Everything the failure policy may look at."""
-
-    kind: FailureKind
-    restarts_done: int
-    max_restarts: int
-    recent_failures: int | None = None
-    """Failures inside fault_tolerance.failure_window_s, this one included (None: no window)."""
-
-
-class FailurePolicy:
-    """Restart while the budget lasts, then fail the job.
-
-    The budget is ``max_restarts`` failures over the whole job, or, with a failure window, at
-    most ``max_restarts`` failures inside any window (a job that fails rarely runs forever).
-    """
-
-    def __init__(self, retry_on: tuple[str, ...] = ("start", "crash", "exception", "hang"),
-                 reuse_workers: bool = True) -> None:
-        self.retry_on = retry_on
-        self.reuse_workers = reuse_workers
-
-    def keep_warm(self, kind: FailureKind | None) -> bool:
-        """Whether a restart after a ``kind`` failure may reuse the surviving processes.
-
-        After a crash or an exception the survivors' collectives fail and they can leave the
-        step (after a straggler's replacement every rank stopped at a committed step); after a hang they sit in a collective with the hung rank and are replaced.
-        """
-        return self.reuse_workers and kind in ("crash", "exception", "straggler")
-
-    def decide(self, facts: FailureFacts) -> Decision:
-        # a "mismatch" (or "checkpoint") is never in retry_on: the spec's retry_on cannot name it
-        if facts.kind not in self.retry_on:
-            return Decision.FAIL
-        if facts.recent_failures is not None:
-            return Decision.RESTART if facts.recent_failures <= facts.max_restarts else Decision.FAIL
-        return Decision.RESTART if facts.restarts_done < facts.max_restarts else Decision.FAIL
-
-
-def elastic_world_size(requested: int, min_workers: int, fit: int, global_batch: int, micro_batch: int,
-                       pp: int = 1) -> int | None:
-    """The largest world size <= ``fit`` and >= ``min_workers`` that keeps the global batch.
-
-    The global batch must stay a multiple of micro_batch x dp, so a shrink adds gradient
-    accumulation instead of changing the optimization. Only dp shrinks: the world stays a
-    multiple of the pipeline degree ``pp`` (dp = world / pp). None: no such size.
-    """
-    for n in range(min(requested, fit), min_workers - 1, -1):
-        if n >= pp and n % pp == 0 and global_batch % (micro_batch * (n // pp)) == 0:
-            return n
-    return None
 
 
 @dataclass
@@ -229,8 +112,6 @@ class Controller:
         self.restarts = 0
         self.group: WorkerGroup | None = None
         self.result = JobResult(JobState.STARTING, 0)
-        self._last_step = -1
-        self._last_advance = clock()
         self._started = clock()
         self._failure_times: list[float] = []
         self._last_failure: FailureKind | None = None
@@ -239,18 +120,16 @@ class Controller:
         """The latest poll of the running group (read by the observer)."""
         self.preemption = preemption
         self.preemptions = 0
-        self.hangs = HangClock(spec)
+        self.hang_watch = HangWatch(spec, clock)
+        self.hangs = self.hang_watch.hangs
         self.ledger = GoodputLedger(self._started)
         self.stragglers = StragglerWatch(spec.fault_tolerance.straggler_margin)
-        self._last_hang: str | None = None
+        self.swap = StragglerSwap(spec, self.stragglers)
+        self.silences = SilenceWatch(spec)
+        self.watches: list[Watch] = [self.hang_watch, self.ledger, self.swap, self.silences]
+        """Every watch over the polls, each owning its state; in the order their status is shown."""
         self._rollbacks_noted = 0
         """Rollbacks of the running attempt already in ``result.failures``."""
-        self._stuck: str | None = None
-        """A checkpoint writer or the actor silent now, with the step (``silence.stuck_line``)."""
-        self._silent_replaced = 0
-        self._swap: int | None = None
-        """The straggler rank whose replacement the running attempt stops for (replace_stragglers)."""
-        self._swapped: set[int] = set()
 
     def run(self) -> JobResult:
         """Step until terminal; always releases the group."""
@@ -287,13 +166,13 @@ class Controller:
         """The job at a glance, for ``raytrain-ckpt status --job``: state, attempt, restarts,
         failures by kind, and the slowest rank's step (what every rank has trained)."""
         poll = self.last_poll
-        return {"state": self.state.value, "attempt": self.attempt, "restarts": self.restarts,
-                "failures": dict(Counter(f.kind for f in self.result.failures)),
-                "preemption": next((f.headline for f in reversed(self.result.failures) if f.kind == "preemption"), None),
-                "train_step": poll.min_step if poll is not None else None,
-                "hang_timeout_s": self.hangs.current_s, "hang_timeout_why": self.hangs.why,
-                "last_hang": self._last_hang, "goodput": round(self.ledger.goodput, 4),
-                "stragglers": sorted(self.stragglers.reported), "stuck": self._stuck}
+        out = {"state": self.state.value, "attempt": self.attempt, "restarts": self.restarts,
+               "failures": dict(Counter(f.kind for f in self.result.failures)),
+               "preemption": next((f.headline for f in reversed(self.result.failures) if f.kind == "preemption"), None),
+               "train_step": poll.min_step if poll is not None else None}
+        for watch in self.watches:
+            out.update(watch.status())
+        return out
 
     def reject(self, kind: str, message: str) -> None:
         """Fail a job whose workers finished but whose outcome is not what was asked for
@@ -326,36 +205,35 @@ class Controller:
         self.ledger.attempt(self.attempt, self._clock())
         self.group = self._factory(self.spec, self.attempt)
         self.result.attempts = self.attempt + 1
-        if hasattr(self.group, "rollbacks_before"):  # the guard's budget is per job, not per attempt
-            self.group.rollbacks_before = sum(f.kind == "rollback" for f in self.result.failures)
+        # the guard's budget is per job, not per attempt
+        self.group.rollbacks_before = sum(f.kind == "rollback" for f in self.result.failures)
         try:
             self.group.start()
         except GroupStartError as exc:
             self._note_replaced()
-            self.ledger.start_marks(getattr(self.group, "start_marks", []), self._clock())
+            self.ledger.start_marks(self.group.start_marks, self._clock())
             if exc.mismatch is not None:
                 self._on_failure(Failure(self.attempt, "mismatch", None, headline(exc.mismatch), str(exc)))
             else:
                 self._on_failure(Failure(self.attempt, "start", None, headline(str(exc)), str(exc)))
             return
         self._note_replaced()
-        self._last_step, self._last_advance = -1, self._clock()
         self._rollbacks_noted = 0
+        for watch in self.watches:
+            watch.new_attempt()
         if self.preemption is not None:
             self.preemption.new_attempt()
-        self.ledger.start_marks(getattr(self.group, "start_marks", []), self._last_advance)
-        if getattr(self.group, "nodes", None):
+        self.ledger.start_marks(self.group.start_marks, self.hang_watch.last_advance)
+        if self.group.nodes:
             self.result.events.append((time.time(), f"attempt {self.attempt} placed on {','.join(self.group.nodes)}"))
-        self.hangs.attempt_started()
-        self.stragglers.restart()
-        self._swap = None
         self.result.events.append((time.time(), f"attempt {self.attempt} running"))
         self._set_state(JobState.RUNNING, f"{self.spec.world_size} workers started")
 
     def _note_replaced(self) -> None:
         """Into the result's events: the checkpoint writers or actor the start replaced for not
         answering (a stopped process; the previous failure may have been theirs, not the ranks')."""
-        for note in getattr(self.group, "replaced", []):
+        assert self.group is not None
+        for note in self.group.replaced:
             self.result.events.append((time.time(), f"attempt {self.attempt}: {note}"))
 
     def _watch_group(self) -> None:
@@ -366,7 +244,7 @@ class Controller:
         for line in self.stragglers.observe(poll.starts):
             logger.warning("attempt %d: %s", self.attempt, line)
             self.result.stragglers.append(f"attempt {self.attempt}: {line}")
-        self._maybe_swap_straggler()
+        self.swap.maybe_swap(self.group, self.attempt)
         preempted = self.preemption.watch(self.group, poll, self.attempt) if self.preemption is not None else None
         if preempted is not None:
             self._on_preemption(preempted)
@@ -376,17 +254,20 @@ class Controller:
                 self.result.diagnostics.append(poll.evidence)
             self._on_failure(Failure(self.attempt, first.kind, first.rank, first.headline, first.detail or str(first),
                                      tuple(poll.failures[1:]), poll.evidence))
-        elif poll.finished and self._swap is not None and min(r.steps for r in poll.results) < self.spec.training.steps:
+        elif self.swap.stopped(poll):
             self._on_straggler_stopped(poll)
         elif poll.finished:
             self.ledger.finished(self._clock())
             self.result.results = poll.results
             self._note_rollbacks(poll.results[0].rollbacks if poll.results else ())
             self._set_state(JobState.SUCCEEDED, f"{poll.min_step} steps done")
-        elif self._replaced_silent(poll, hung := self._hung(poll)):
-            self._last_advance = self._clock()  # its ranks waited on it: the step budget starts again
+        elif self._replaced_silent(poll, hung := self.hang_watch.hung(poll)):
+            self.hang_watch.waited()  # its ranks waited on it: the step budget starts again
         elif hung:
-            self._on_failure(self._hang_failure(poll))
+            failure, folder = self.hang_watch.failure(poll, self.group, self.attempt)
+            if folder is not None:
+                self.result.diagnostics.append(folder)
+            self._on_failure(failure)
         else:
             self.group.wait(self.spec.fault_tolerance.poll_interval_s)
 
@@ -399,115 +280,38 @@ class Controller:
         self._rollbacks_noted = max(self._rollbacks_noted, len(rollbacks))
 
     def _replaced_silent(self, poll: GroupPoll, hung: bool) -> bool:
-        """A checkpoint writer or the actor silent past its budget (``control/watch/silence.py``) is replaced while
-        the group trains on; returns whether one was. The silence is in ``status`` meanwhile.
-        ``hung``: the ranks are past their hang timeout; one silent past ``NOTICE_S`` is then what
-        they wait on (a save), replaced instead of blaming them."""
-        look = getattr(self.group, "checkpointing_silences", None)
-        silences = look() if look is not None else {}
-        saving = "saving" in poll.phases.values()
-        in_flight = None
-        if any(v > NOTICE_S for v in silences.values()) and hasattr(self.group, "save_in_flight"):
-            in_flight = self.group.save_in_flight()  # type: ignore[union-attr]
-        self._stuck = stuck_line(poll.min_step, saving, silences, in_flight=in_flight)
-        ck = self.spec.checkpoint
-        budget = silence_budget_s(self.hangs.fixed, self.hangs.learned_s(), FLOOR_S,
-                                  ck.commit_timeout_s if ck.enabled else None)
-        budget = min(budget, NOTICE_S) if hung else budget
-        late = overdue(silences, budget)
-        if not late or self._silent_replaced >= MAX_REPLACEMENTS:
+        """A checkpoint writer or the actor silent past its budget (``control/watch/silence.py``) is
+        replaced while the group trains on; returns whether one was (a ``writer_hang`` recovered from)."""
+        assert self.group is not None
+        found = self.silences.observe(self.group, poll, hung, self.hangs, self.attempt)
+        if found is None:
             return False
-        why = "its ranks are past their hang timeout" if hung else "the hang timeout of a step"
-        text = (f"{stuck_line(poll.min_step, saving, {w: silences[w] for w in late}, budget, in_flight)}: "
-                f"silent for longer than "
-                f"{budget:.0f}s ({why}); replaced, training continues")
-        stalled = {w: budget for w in late if STALLED in w}
-        replaced = self.group.replace_silent_checkpointing(stalled)  # type: ignore[union-attr]
-        if not replaced:  # it answered the confirming ping: a pause, not a hang
-            logger.warning("attempt %d: %s answered again; not replaced", self.attempt, ", ".join(late))
-            return False
-        self._silent_replaced += 1
+        text, replaced = found
         self.result.failures.append(Failure(self.attempt, "writer_hang", None, headline(text),
                                             "\n".join([text, *replaced])))
         self.result.events.append((time.time(), f"attempt {self.attempt} writer_hang detected"))
         self.result.events += [(time.time(), f"attempt {self.attempt}: {note}") for note in replaced]
         logger.error("attempt %d writer_hang (%d/%d, max_restarts not spent): %s", self.attempt,
-                     self._silent_replaced, MAX_REPLACEMENTS, text)
-        self._last_hang, self._stuck = text, None
+                     self.silences.replaced, MAX_REPLACEMENTS, text)
+        self.hang_watch.last_hang = text
         return True
-
-    def _maybe_swap_straggler(self) -> None:
-        """``fault_tolerance.replace_stragglers``: once a rank is reported, every rank saves and
-        commits the step in hand and stops (as for a drain); the restart then gives that rank a
-        spare or a new process. Each rank once per job (the watch reports a rank once)."""
-        ft, group = self.spec.fault_tolerance, self.group
-        if not ft.replace_stragglers or not self.spec.checkpoint.enabled or self._swap is not None:
-            return
-        ranks = sorted(set(self.stragglers.reported) - self._swapped)
-        if not ranks or not hasattr(group, "preempt"):
-            return
-        self._swap = ranks[0]
-        self._swapped.add(ranks[0])
-        logger.warning("attempt %d: replacing straggler rank %d (fault_tolerance.replace_stragglers): saving the step "
-                       "in hand, then restarting with a new process for it", self.attempt, ranks[0])
-        group.preempt(None)  # type: ignore[union-attr]
 
     def _on_straggler_stopped(self, poll: GroupPoll) -> None:
         """The group stopped at a committed step for a straggler's replacement: restart without it."""
-        rank = self._swap
-        assert rank is not None
-        step = min(r.steps for r in poll.results)
-        text = (f"rank {rank} replaced at committed step {step} (fault_tolerance.replace_stragglers): "
-                f"{self.stragglers.reported[rank]}")
-        self.result.failures.append(Failure(self.attempt, "straggler", rank, headline(text), text))
+        assert self.group is not None
+        failure = self.swap.failure(poll, self.attempt)
+        rank, step = failure.rank, min(r.steps for r in poll.results)
+        self.result.failures.append(failure)
         self.result.events.append((time.time(), f"attempt {self.attempt} straggler rank {rank} replaced"))
-        retire = getattr(self.group, "retire", None)
-        if retire is not None:
-            retire(rank)
+        self.group.retire(rank)
         self._last_failure = "straggler"
         self._set_state(JobState.RECOVERING, f"straggler rank {rank} at step {step}; restarts not spent")
-
-    def _hung(self, poll: GroupPoll) -> bool:
-        now = self._clock()
-        if poll.min_step != self._last_step:
-            self._last_step, self._last_advance = poll.min_step, now
-            self.hangs.observe(poll.min_step, now, poll.step_s)
-            learned = self.hangs.learned_s()
-            if learned is not None and not self.hangs.announced:
-                self.hangs.announced = True
-                self.hangs.budget(poll.min_step + 1)
-                logger.info("hang timeout auto: %.0f s (%s)", learned, self.hangs.why)
-            return False
-        budget, _ = self.hangs.budget(poll.min_step + 1, poll.phases)
-        return now - self._last_advance > budget
-
-    def _hang_failure(self, poll: GroupPoll) -> Failure:
-        """The hang, with every rank's stacks read and the culprit named before anything is killed."""
-        budget, why = self.hangs.current_s, self.hangs.why
-        diagnose = getattr(self.group, "diagnose", None)
-        try:
-            verdict = diagnose() if diagnose is not None else Verdict((), "no single rank can be blamed: "
-                                                                          "this group cannot read stacks")
-        except Exception as exc:  # noqa: BLE001 - the evidence is best effort: the hang is still handled
-            verdict = Verdict((), f"no single rank can be blamed: the evidence could not be read ({exc})")
-        setting = "auto" if self.hangs.fixed is None else f"{budget:g}"
-        timeout = (f"no step finished for {budget:.0f}s (fault_tolerance.hang_timeout_s={setting}: {why}); "
-                   f"slowest rank at step {poll.min_step}")
-        where = f"stuck in {verdict.where()}: " if verdict.where() else ""
-        text = f"{where}{verdict.reason}; {timeout}"
-        if verdict.folder is not None:
-            self.result.diagnostics.append(verdict.folder)
-            text += f"; every rank's stacks in {verdict.folder}"
-        frames = "".join(f"\n  rank {r}: " + "\n    ".join(f[:12]) for r, f in verdict.frames.items() if f)
-        self._last_hang = f"rank {verdict.rank}: {text}" if verdict.rank is not None else text
-        return Failure(self.attempt, "hang", verdict.rank, text, text + (f"\nstacks:{frames}" if frames else ""))
 
     def _on_failure(self, failure: Failure) -> None:
         ft, kind = self.spec.fault_tolerance, failure.kind
         now = self._clock()
         self.ledger.failed(kind, now)
-        note = getattr(self.group, "note_failure", None)
-        quarantined = note(failure) if note is not None else None
+        quarantined = self.group.note_failure(failure) if self.group is not None else None
         if quarantined is not None:
             self.result.quarantined.append(quarantined)
             self.result.events.append((time.time(), quarantined))

@@ -170,7 +170,7 @@ def _job_scalars(spec: JobSpec, service: CheckpointService | None) -> JobScalars
     """The driver's loggers (``training.tensorboard_dir``, ``training.loggers``): checkpoint and
     failure events; TensorBoard's replaces what an earlier run logged after the resume step."""
     latest = service.status().latest if service is not None else None
-    out = open_job_loggers(spec, "driver", latest or 0)
+    out = open_job_loggers(spec, "driver", latest or 0, str(job_root(spec.checkpoint.dir, spec.name)))
     if out is None:
         return None
     return JobScalars(out, (lambda: service.status().to_dict()) if service is not None else None)

@@ -17,7 +17,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain_ckpt.checkpoint.roles.service import CheckpointService
-from raytrain_ckpt.control.controller import GroupPoll, GroupStartError, elastic_world_size
+from raytrain_ckpt.control.poll import GroupPoll, GroupStartError
+from raytrain_ckpt.control.policy import elastic_world_size
 from raytrain_ckpt.common.events import Failure, Progress, RankPlace, WorkerResult, headline
 from raytrain_ckpt.common.faults import fault_env
 from raytrain_ckpt.control.hang_evidence import diagnose, diagnostics_root, locate

@@ -269,16 +269,14 @@ def _opener(name: str, job: str, run: str, rid: str, resume_step: int, cfg: Any,
     return lambda: factory(job, run, rid, resume_step)
 
 
-def open_job_loggers(spec: Any, run: str, resume_step: int) -> Fanout | None:
+def open_job_loggers(spec: Any, run: str, resume_step: int, root: str) -> Fanout | None:
     """Every logger of ``run`` ("train": rank 0, "driver") the spec asks for (TensorBoard by
     ``training.tensorboard_dir``, the others by ``training.loggers``), or None: none. The train
-    run's loggers get the resolved spec as their config."""
-    from raytrain_ckpt.checkpoint.storage.backends import job_root
-
+    run's loggers get the resolved spec as their config; ``root``, the job's checkpoint root
+    (``job_root``), names their run."""
     outs = []
     if (tb := open_logger(spec.training.tensorboard_dir, spec.name, run, resume_step)) is not None:
         outs.append(tb)
-    root = str(job_root(spec.checkpoint.dir, spec.name))
     outs += open_backends(spec, run, resume_step, root, TRAIN_TAGS if run == "train" else DRIVER_TAGS)
     if not outs:
         return None

@@ -12,8 +12,6 @@ TrainWorker that was never assigned (``rank == -1``) and only ran ``warm()``.
 
 from __future__ import annotations
 
-import datetime
-import gc
 import importlib
 import logging
 import os
@@ -21,52 +19,33 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from raytrain_ckpt.checkpoint.records import RankCheckpointPlan
-from raytrain_ckpt.common.events import NodeProgress, Progress, RankPlace, WorkerResult
+from raytrain_ckpt.common.events import Progress, WorkerResult
 from raytrain_ckpt.rank.eviction import on_sigterm
 from raytrain_ckpt.common.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.common.logs import rename_log_prefix, setup_logging
-from raytrain_ckpt.rank.progress import ProgressFile, PublishedProgress, read_node
+from raytrain_ckpt.rank.answers import SPARE_RANK, TIERS, RankAnswers
+from raytrain_ckpt.rank.progress import ProgressFile, PublishedProgress
+from raytrain_ckpt.rank.rendezvous import RankRendezvous
+from raytrain_ckpt.rank.resume import RankCheckpoints
 from raytrain_ckpt.observe.metrics import TrainerMetrics
-from raytrain_ckpt.rank.nccl_trace import enable_recorder, rank_trace
 from raytrain_ckpt.observe.loggers import open_job_loggers
 from raytrain_ckpt.observe.scalars import ScalarLogger, log_step
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Rendezvous", "TrainWorker", "WorkerFailure"]
+__all__ = ["SPARE_RANK", "TrainWorker", "WorkerFailure"]
 
-SPARE_RANK = -1
-"""The rank of an idle spare worker that no attempt has assigned yet."""
 _WARM_MODULES = ("raytrain_ckpt.rank.trainer", "raytrain_ckpt.checkpoint.roles.client", "raytrain_ckpt.checkpoint.recovery.state",
                  "torch.distributed.checkpoint", "torch.distributed.fsdp")
 _IMPORT_LOCK = threading.Lock()
-_TIERS = ("durable", "ram")
-"""A drain's save tiers (``preemption.SavePlan.tier``), in the order the ranks' MAX agrees on."""
 
-
-def _deterministic_cuda() -> None:
-    """Only deterministic CUDA kernels from here on (``training.deterministic``). cuBLAS reads
-    its workspace setting when this process creates its first handle, i.e. at the first
-    matmul, which comes after this call (made in join(); setup() waits for it): the actor has
-    not run one before."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where an attempt's ranks meet: the store rank 0 hosts (``TrainWorker.address``)."""
-
-    host: str
-    port: int
 
 
 class WorkerFailure(RuntimeError):
@@ -95,7 +74,7 @@ def _is_mismatch(exc: BaseException) -> bool:
     return isinstance(exc, CheckpointMismatch)
 
 
-class TrainWorker(PublishedProgress):
+class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswers):
     """One training rank. Created by the worker group as a Ray actor."""
 
     def __init__(self, spec_json: str, rank: int, world_size: int, attempt: int,
@@ -164,69 +143,9 @@ class TrainWorker(PublishedProgress):
                 importlib.import_module(name)
         return os.getpid()
 
-    def reserve_state(self, nbytes: int) -> int:
-        """Touch ``nbytes`` of memory now, while idle, for the optimizer state of the rank this
-        spare may take over (``checkpoint.state.StateReserve``); returns the bytes reserved."""
-        from raytrain_ckpt.checkpoint.recovery.state import StateReserve
-
-        reserve = StateReserve(nbytes)
-        if self.rank != SPARE_RANK:  # assigned a rank meanwhile (the other actor thread): too late to help
-            return 0
-        self._reserve = reserve
-        return nbytes
-
-    def reset(self) -> None:
-        """Leave the finished or failed attempt: stop staging, drop the trainer, destroy the process group.
-
-        Destroying the process group closes this rank's connections, so a peer still blocked
-        in a collective with it fails at once instead of waiting for the collective timeout.
-        """
-        self._stop.set()
-        if self.checkpoints is not None:
-            self.checkpoints.close()  # waits for a running staging copy: nothing reads the state after it
-        if self.trainer is not None:
-            from raytrain_ckpt.checkpoint.recovery.state import StateReserve, optimizer_tensors
-            from raytrain_ckpt.parallel import release_mesh
-
-            release_mesh(self.trainer.mesh)
-            if self.trainer.device.type == "cpu" and self.spec.checkpoint.enabled:
-                # the next attempt loads its optimizer state into these pages, not fresh ones
-                self._reserve = StateReserve(recycled=optimizer_tensors(self.trainer))
-        self.trainer = None
-        self.checkpoints = None
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self._store = None
-        gc.collect()  # only what this attempt made: join() froze everything older (gc.freeze)
-        self._progress = Progress(self.rank, 0, None, time.time(), "setup")
-        self._rollbacks = ()
-
     def _prefix(self) -> str:
         step = self.trainer.state.step if self.trainer else 0
         return f"[attempt {self.attempt} rank {self.rank} step {step}] "
-
-    def address(self) -> Rendezvous:
-        """Host the attempt's rendezvous (rank 0): a store already listening on a free port of
-        this node, and its address for the other ranks' ``join()``.
-
-        The store listens before any rank is asked to join, so no rank's connection is refused:
-        a refused one is retried after a back-off of about half a second (ARCHITECTURE, "Rank 0
-        hosts the rendezvous before the ranks join").
-        """
-        import ray
-
-        self._store = None  # a previous start's store, if any: closed
-        self._store = dist.TCPStore(ray.util.get_node_ip_address(), 0, self.world_size, is_master=True,
-                                    timeout=self._collective_timeout(), wait_for_workers=False)
-        return Rendezvous(ray.util.get_node_ip_address(), self._store.port)
-
-    def _collective_timeout(self) -> datetime.timedelta:
-        # The same timeout bounds the rendezvous and every collective: a rank whose peer hangs
-        # fails on its own after about hang_timeout_s instead of torch's default 30 minutes,
-        # never below join_timeout_s, the rendezvous's (room for a loaded machine).
-        from raytrain_ckpt.control.watch.hangs import collective_timeout_s
-
-        return datetime.timedelta(seconds=collective_timeout_s(self.spec.fault_tolerance))
 
     def join(self, master_addr: str, master_port: int) -> None:
         """Join the attempt's process group (rendezvous at rank 0's ``master_addr:master_port``).
@@ -244,29 +163,6 @@ class TrainWorker(PublishedProgress):
         finally:
             self._joined.set()
         raise WorkerFailure(self.rank, self.attempt, self._join_error)  # outside the except block: see setup()
-
-    def _join(self, master_addr: str, master_port: int) -> None:
-        # What exists now (modules, this actor, caches) outlives the attempt: freezing it keeps
-        # reset()'s collection to what the attempt made (0.17 s -> 0.01 s of a restart's teardown).
-        gc.freeze()
-        if self.spec.resources.use_gpu:
-            # Ray sets CUDA_VISIBLE_DEVICES per actor, so the assigned GPU is device 0 here.
-            torch.cuda.set_device(0)
-            if self.spec.training.deterministic:
-                _deterministic_cuda()
-            enable_recorder()  # read when the NCCL group is made: the dump a hang keeps (rank/nccl_trace.py)
-        t0 = time.monotonic()
-        timeout = self._collective_timeout()
-        store = self._store if self._store is not None else dist.TCPStore(
-            master_addr, master_port, self.world_size, is_master=False, timeout=timeout)
-        dist.init_process_group(
-            backend="nccl" if self.spec.resources.use_gpu else "gloo",
-            store=store,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=timeout,
-        )
-        self.timings["pg_init_s"] = time.monotonic() - t0
 
     def setup(self, ckpt: RankCheckpointPlan | None = None, rollbacks_before: int = 0) -> None:
         """Once ``join()`` is done: build model, optimizer and data, and load the resume checkpoint
@@ -312,47 +208,6 @@ class TrainWorker(PublishedProgress):
             logger.info("%sprocess group ready: %d ranks, backend %s, pid %d", self._prefix(), self.world_size,
                         dist.get_backend(), os.getpid())
 
-    def _setup_checkpoints(self, ckpt: RankCheckpointPlan) -> None:
-        from raytrain_ckpt.checkpoint.roles.client import CheckpointClient
-        from raytrain_ckpt.checkpoint.recovery.memcopy import restore
-
-        trainer = self.trainer
-        assert trainer is not None
-        kept = None
-        point = ckpt.resume
-        if point is not None:
-            source = ckpt.source
-            copy = source.copy if source is not None else None
-            done = restore(trainer, point.path, point.step, point.world_size == self.world_size, copy,
-                           source.why if source is not None else "", self.attempt,
-                           self.spec.checkpoint.verify_on_load,
-                           lambda: ckpt.writer.forget_copy.remote(self.rank, point.step))
-            self.timings["load_s"] = done.seconds
-            self.timings["resume_plan_s"] = ckpt.plan_s
-            self.timings["load_verify_s"] = done.verify_s
-            self.timings["load_checksum_s"] = done.checksum_s
-            self.timings["load_read_s"] = done.read_s
-            self.timings["loaded_from_memory"] = float(done.source == "memory")
-            self.start_step = trainer.state.step
-            trainer.state_reserve = None  # unused (a load without optimizer state): not kept alive
-            kept = copy.path if done.source == "memory" and copy is not None else None
-            from raytrain_ckpt.rank.rollback import adopt_manifest
-
-            if point.path:  # a RAM-tier step with nothing committed before it has no manifest
-                adopt_manifest(trainer, trainer.guard, point.path)
-            if self.rank == 0:
-                logger.info("%sresumed step %d from %s in %.2fs (%s)", self._prefix(), self.start_step,
-                            "memory" if kept else point.path, done.seconds, done.why)
-        self.checkpoints = CheckpointClient(self.spec.checkpoint, self.rank, self.attempt, self.spec.training.steps,
-                                            ckpt.actor, ckpt.writer, trainer.device,
-                                            self.spec.fault_tolerance.prior_mtbf_s, ckpt.interval,
-                                            kept_copy=(kept, self.start_step) if kept else None)
-        trainer.before_optimizer_step = self.checkpoints.before_optimizer_step
-        if trainer.guard is not None and self.rank == 0:  # retention keeps the newest certified step
-            trainer.guard.on_certified = lambda step: ckpt.actor.certify.remote(step)
-        self._progress = Progress(self.rank, self.start_step, None, time.time(), "setup")
-        self._rollbacks = ()
-
     def run(self) -> WorkerResult:
         """Train to ``training.steps``; raises WorkerFailure with the traceback on error."""
         from raytrain_ckpt.rank.guard import GuardFailed
@@ -395,9 +250,9 @@ class TrainWorker(PublishedProgress):
                 eval_s += max(0.0, time.monotonic() - t0 - report.step_time_s)
             due = ckpt is not None and ckpt.due(report.step)
             # a drain notice reached some rank: every rank saves this step, in the same tier (one
-            # collective agrees on both: 0 no notice, else 1 + the tier's index in _TIERS)
-            level = ckpt.max_rank(1 + _TIERS.index(self._notice_tier) if self._notice.is_set() else 0) if watch else 0
-            preempted, tier = level > 0, _TIERS[max(0, level - 1)]
+            # collective agrees on both: 0 no notice, else 1 + the tier's index in TIERS)
+            level = ckpt.max_rank(1 + TIERS.index(self._notice_tier) if self._notice.is_set() else 0) if watch else 0
+            preempted, tier = level > 0, TIERS[max(0, level - 1)]
             if due or preempted:
                 guard = trainer.guard
                 point = TrainingPoint(report.step * self.spec.training.global_batch_size, trainer.state.tokens_seen,
@@ -443,37 +298,6 @@ class TrainWorker(PublishedProgress):
                             tuple(trainer.guard.rollbacks) if trainer.guard is not None else (),
                             self._evicted_until)
 
-    def _roll_back(self, trip: Any) -> Any:
-        """A guard trip: roll back inside this attempt (``raytrain_ckpt/rank/rollback.py``)."""
-        from raytrain_ckpt.rank.rollback import roll_back
-
-        assert self.trainer is not None
-        record = roll_back(self.trainer, self.checkpoints, self.trainer.guard, trip, f"rollback-{self.attempt}")
-        self.metrics.rolled_back(record)
-        if record is not None:
-            self._rollbacks = tuple(self.trainer.guard.rollbacks)
-        return record
-
-    def _evicted(self) -> bool:
-        """The first SIGTERM (a signal handler on the main thread: no log line here, the training
-        thread logs the stop): stop like a drain notice within fault_tolerance.stop_grace_s. A spare
-        has nothing to save and exits as Ray's handler does."""
-        if self.rank == SPARE_RANK:
-            return False
-        self._evicted_until = time.time() + self.spec.fault_tolerance.stop_grace_s
-        self._notice.set()
-        return True
-
-    def preempt(self, deadline_unix: float | None, tier: str = "durable") -> None:
-        """A node of the group drains (before ``deadline_unix``): save the step in hand (in ``tier``,
-        ``preemption.plan_save``) at the next step boundary and stop; called from the second actor
-        thread while ``run()`` trains."""
-        if not self._notice.is_set():
-            logger.warning("%sdrain notice (deadline %s): saving the step in hand (%s tier)", self._prefix(),
-                           "none" if deadline_unix is None else f"in {deadline_unix - time.time():.1f}s", tier)
-        self._notice_tier = tier
-        self._notice.set()
-
     def _open_scalars(self) -> ScalarLogger | None:
         """Rank 0's TensorBoard run (``training.tensorboard_dir``); the points after the step this
         attempt resumed from are replaced (observe/scalars.py). An attempt that fails leaves its file
@@ -481,31 +305,10 @@ class TrainWorker(PublishedProgress):
         if self.rank != 0:
             return None
         assert self.trainer is not None
-        return open_job_loggers(self.spec, "train", self.trainer.state.step)
+        from raytrain_ckpt.checkpoint.storage.backends import job_root
 
-    def where(self) -> RankPlace:
-        """This process's pid and Ray node id: where its stacks are read from when the group hangs."""
-        import ray
-
-        return RankPlace(os.getpid(), ray.get_runtime_context().get_node_id())
-
-    def nccl_trace(self) -> bytes | str:
-        """This rank's NCCL flight recorder or why none (``rank/nccl_trace.py``), while ``run()`` is stuck."""
-        return rank_trace()
-
-    def node_progress(self, ranks: list[int]) -> NodeProgress:
-        """The progress of ``ranks``, this node's ranks of this attempt, read from their files."""
-        return read_node(self.run_id, self.attempt, ranks)
-
-    def progress(self) -> Progress:
-        """The last finished step, this attempt's rollbacks so far and an eviction's deadline;
-        answered from the second actor thread while ``run()`` trains."""
-        return replace(self._shown(), rollbacks=self._rollbacks)
-
-    def _shown(self) -> Progress:
-        """The progress with an eviction's deadline, as ``progress()`` answers and the node's file
-        shows it (written at the rank's next change of progress, by the training thread)."""
-        return replace(self._progress, evicted_until=self._evicted_until)
+        root = str(job_root(self.spec.checkpoint.dir, self.spec.name))
+        return open_job_loggers(self.spec, "train", self.trainer.state.step, root)
 
     def __repr__(self) -> str:
         # Shown in the Ray dashboard's actor list and as the log prefix. Ray evaluates it once,

@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from raytrain_ckpt.report import jobrecord
-from raytrain_ckpt.control.watch.hangs import status_line
 from raytrain_ckpt.checkpoint.errors import StorageUnavailable
 from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text, summary_line
 from raytrain_ckpt.report.clusteraddress import resolve
 from raytrain_ckpt.report.inventory import UsageError, ending_line, interval_text, live_rows, live_status, root_dir, scan, table
 
-__all__ = ["JobView", "job_report", "job_status"]
+__all__ = ["JobView", "job_report", "job_status", "status_line"]
 
 
 @dataclass(frozen=True)
@@ -137,3 +137,21 @@ def job_report(view: JobView) -> tuple[str, dict[str, Any]]:
             "source": view.source, "cluster": view.cluster, "note": view.note, "ended_unix": st.get("ended_unix"), "error": st.get("error"),
             "resume_step": latest, "steps": [asdict(r) for r in rows]}
     return f"{head}\n{table(rows)}\nresume point: {point}", data
+
+
+def status_line(info: Mapping[str, Any]) -> str | None:
+    """The hang line of ``status --job`` from the controller's summary (None: nothing to say)."""
+    value, why = info.get("hang_timeout_s"), info.get("hang_timeout_why")
+    if value is None:
+        return None
+    line = f"hang timeout {value:.0f}s ({why})"
+    if info.get("goodput") is not None:
+        line += f"; goodput so far {100 * info['goodput']:.1f}%"
+    if info.get("stragglers"):
+        line += f"; straggler rank(s) {', '.join(map(str, info['stragglers']))}"
+    if info.get("stuck"):
+        line += f"; {info['stuck']}"
+    hang = info.get("last_hang")
+    if hang:
+        line += f"; last hang: {hang}"
+    return line

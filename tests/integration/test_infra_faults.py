@@ -21,7 +21,7 @@ from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name, writer_n
 from raytrain_ckpt.control.controller import JobResult, JobState
 from raytrain_ckpt.control.driver import run_job
 from raytrain_ckpt.common.faults import ENV_VAR
-from raytrain_ckpt.control.watch.hangs import status_line
+from raytrain_ckpt.report.jobstatus import status_line
 from raytrain_ckpt.control.preflight import load_spec
 
 pytestmark = pytest.mark.integration

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.control.watch.hangs import (FIRST_STEPS_S, FLOOR_S, HangClock, auto_text, blame, dump_stacks, py_spy,
-                                 status_line, training_thread)
+from raytrain_ckpt.control.watch.hangs import (FIRST_STEPS_S, FLOOR_S, HangClock, auto_text, blame, dump_stacks,
+                                                py_spy, training_thread)
+from raytrain_ckpt.report.jobstatus import status_line
 from raytrain_ckpt.spec import JobSpec
 
 pytestmark = pytest.mark.skipif(py_spy() is None, reason="py-spy is a dependency of the project")

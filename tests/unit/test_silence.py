@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_ckpt.control.controller import Controller, GroupPoll, JobState
+from raytrain_ckpt.control.controller import Controller, JobState
+from raytrain_ckpt.control.poll import GroupPoll
 from raytrain_ckpt.common.events import WorkerResult
 from raytrain_ckpt.control.watch.hangs import FLOOR_S
 from raytrain_ckpt.control.watch.silence import MAX_REPLACEMENTS, NOTICE_S, overdue, silence_budget_s, stuck_line
 from raytrain_ckpt.spec import JobSpec
+from tests.unit.test_controller import GroupDefaults
 
 W = "checkpoint writer on node abc"
 
@@ -37,7 +39,7 @@ def test_overdue_and_the_status_line():
         f"stuck: step 12, checkpoint actor has not answered for 40s; {W} has not answered for 12s")
 
 
-class SilentWriterGroup:
+class SilentWriterGroup(GroupDefaults):
     """A group whose checkpoint writer can be stopped (``stop_writer``); replacing it makes it answer."""
 
     created: list[SilentWriterGroup] = []
@@ -128,7 +130,7 @@ def test_past_max_replacements_a_silent_writer_is_left_to_the_hang_timeout():
 
 
 def test_status_names_the_stuck_process():
-    from raytrain_ckpt.control.watch.hangs import status_line
+    from raytrain_ckpt.report.jobstatus import status_line
 
     line = status_line({"hang_timeout_s": 30.0, "hang_timeout_why": "learned",
                         "stuck": f"stuck: step 13 (its save), {W} has not answered for 31s"})

@@ -69,6 +69,13 @@ class GoodputLedger:
             phases = self.timelines[-1].phases
             phases[cause] = phases.get(cause, 0.0) + dt
 
+    def new_attempt(self) -> None:
+        pass  # the controller marks the attempt with its number and time (``attempt``)
+
+    def status(self) -> dict[str, Any]:
+        """The ``Watch``'s part of the summary: goodput so far."""
+        return {"goodput": round(self.goodput, 4)}
+
     def attempt(self, attempt: int, now: float) -> None:
         """An attempt begins its start (time before it: waiting)."""
         self._add("waiting", now)

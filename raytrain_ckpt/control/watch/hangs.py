@@ -29,11 +29,16 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["FAILURE_FILE", "FIRST_STEPS_S", "FLOOR_S", "HangClock", "MULTIPLE", "Verdict", "auto_text", "blame",
-           "collective_timeout_s", "dump_stacks", "in_collective", "keep_failures", "py_spy", "status_line",
-           "training_thread"]
+from raytrain_ckpt.common.events import Failure
+
+if TYPE_CHECKING:
+    from raytrain_ckpt.control.poll import GroupPoll, WorkerGroup
+
+__all__ = ["FAILURE_FILE", "FIRST_STEPS_S", "FLOOR_S", "HangClock", "HangWatch", "MULTIPLE", "Verdict", "auto_text", "blame",
+           "dump_stacks", "in_collective", "keep_failures", "py_spy", "training_thread"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +52,6 @@ MIN_SAMPLES = 5
 FIRST_STEPS_S = 300.0
 """The budget before MIN_SAMPLES steps were measured, for each attempt's first step, and for an
 eval step until one was measured."""
-AUTO_COLLECTIVE_S = 600.0
-"""With auto, the timeout of every collective: a backstop far beyond the controller's budget, which
-detects the hang first (with stacks) and tears the group down."""
-
-
-def collective_timeout_s(ft: Any) -> float:
-    """The timeout of the rendezvous and every collective for the ``fault_tolerance`` section ``ft``."""
-    fixed = ft.hang_timeout_s if not isinstance(ft.hang_timeout_s, str) else AUTO_COLLECTIVE_S
-    return max(fixed, ft.join_s)
-
-
 def auto_text(spec: Any) -> str:
     """What ``hang_timeout_s`` means for this spec, in one line (``validate``, the job's start)."""
     ft, ck = spec.fault_tolerance, spec.checkpoint
@@ -243,6 +237,66 @@ class Verdict:
         return frames[0] if frames else ""
 
 
+class HangWatch:
+    """The controller's hang detector (a ``Watch``): the slowest rank's step must advance within
+    the ``HangClock``'s budget; past it, every rank's stacks are read and the culprit named before
+    anything is killed."""
+
+    def __init__(self, spec: Any, clock: Callable[[], float]) -> None:
+        self.hangs = HangClock(spec)
+        self._clock = clock
+        self._last_step = -1
+        self.last_advance = clock()
+        """When the slowest rank's step last advanced (or the budget started again)."""
+        self.last_hang: str | None = None
+        """The latest hang (or silent process replaced): its culprit and the diagnostics folder."""
+
+    def new_attempt(self) -> None:
+        self._last_step, self.last_advance = -1, self._clock()
+        self.hangs.attempt_started()
+
+    def status(self) -> dict[str, Any]:
+        return {"hang_timeout_s": self.hangs.current_s, "hang_timeout_why": self.hangs.why, "last_hang": self.last_hang}
+
+    def waited(self) -> None:
+        """The ranks waited on another process (a silent writer, replaced): the step budget starts again."""
+        self.last_advance = self._clock()
+
+    def hung(self, poll: GroupPoll) -> bool:
+        """Whether the slowest rank is past its step's budget (a poll that sees it advance teaches the clock)."""
+        now, hangs = self._clock(), self.hangs
+        if poll.min_step != self._last_step:
+            self._last_step, self.last_advance = poll.min_step, now
+            hangs.observe(poll.min_step, now, poll.step_s)
+            learned = hangs.learned_s()
+            if learned is not None and not hangs.announced:
+                hangs.announced = True
+                hangs.budget(poll.min_step + 1)
+                logger.info("hang timeout auto: %.0f s (%s)", learned, hangs.why)
+            return False
+        budget, _ = hangs.budget(poll.min_step + 1, poll.phases)
+        return now - self.last_advance > budget
+
+    def failure(self, poll: GroupPoll, group: WorkerGroup, attempt: int) -> tuple[Failure, str | None]:
+        """The hang, with every rank's stacks read and the culprit named; and the diagnostics folder."""
+        budget, why = self.hangs.current_s, self.hangs.why
+        try:
+            verdict = group.diagnose()
+        except Exception as exc:  # noqa: BLE001 - the evidence is best effort: the hang is still handled
+            verdict = Verdict((), f"no single rank can be blamed: the evidence could not be read ({exc})")
+        setting = "auto" if self.hangs.fixed is None else f"{budget:g}"
+        timeout = (f"no step finished for {budget:.0f}s (fault_tolerance.hang_timeout_s={setting}: {why}); "
+                   f"slowest rank at step {poll.min_step}")
+        where = f"stuck in {verdict.where()}: " if verdict.where() else ""
+        text = f"{where}{verdict.reason}; {timeout}"
+        if verdict.folder is not None:
+            text += f"; every rank's stacks in {verdict.folder}"
+        frames = "".join(f"\n  rank {r}: " + "\n    ".join(f[:12]) for r, f in verdict.frames.items() if f)
+        self.last_hang = f"rank {verdict.rank}: {text}" if verdict.rank is not None else text
+        return (Failure(attempt, "hang", verdict.rank, text, text + (f"\nstacks:{frames}" if frames else "")),
+                verdict.folder)
+
+
 def blame(world: int, steps: Mapping[int, int], stacks: Mapping[int, str]) -> Verdict:
     """The culprit of a hang among ranks ``0..world-1``.
 
@@ -278,24 +332,6 @@ def blame(world: int, steps: Mapping[int, int], stacks: Mapping[int, str]) -> Ve
 
 def _names(ranks: tuple[int, ...]) -> str:
     return ", ".join(str(r) for r in ranks)
-
-
-def status_line(info: Mapping[str, Any]) -> str | None:
-    """The hang line of ``status --job`` from the controller's summary (None: nothing to say)."""
-    value, why = info.get("hang_timeout_s"), info.get("hang_timeout_why")
-    if value is None:
-        return None
-    line = f"hang timeout {value:.0f}s ({why})"
-    if info.get("goodput") is not None:
-        line += f"; goodput so far {100 * info['goodput']:.1f}%"
-    if info.get("stragglers"):
-        line += f"; straggler rank(s) {', '.join(map(str, info['stragglers']))}"
-    if info.get("stuck"):
-        line += f"; {info['stuck']}"
-    hang = info.get("last_hang")
-    if hang:
-        line += f"; last hang: {hang}"
-    return line
 
 
 FAILURE_FILE = "failure.txt"

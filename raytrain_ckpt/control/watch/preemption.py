@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from raytrain_ckpt.control.controller import GroupPoll
+from raytrain_ckpt.control.poll import GroupPoll
 from raytrain_ckpt.common.events import Failure
 
 logger = logging.getLogger(__name__)

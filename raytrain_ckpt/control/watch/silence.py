@@ -21,14 +21,23 @@ Pure: no Ray, no torch (the controller imports it).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["MAX_REPLACEMENTS", "NOTICE_S", "STALLED", "overdue", "silence_budget_s", "stuck_line"]
+from raytrain_ckpt.checkpoint.records import STALLED
+from raytrain_ckpt.control.watch.hangs import FLOOR_S
+
+if TYPE_CHECKING:
+    from raytrain_ckpt.control.poll import GroupPoll, WorkerGroup
+    from raytrain_ckpt.control.watch.hangs import HangClock
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MAX_REPLACEMENTS", "NOTICE_S", "STALLED", "SilenceWatch", "overdue", "silence_budget_s", "stuck_line"]
 
 NOTICE_S = 10.0
 """Silence after which ``status`` names the process (the bound a restart's ping waits)."""
-STALLED = ", its write of "
-"""Joins a writer's name and one of its writes in the key of a stalled write's silence."""
 MAX_REPLACEMENTS = 3
 """Processes replaced while training, per job, before a silence restarts the group instead."""
 
@@ -70,3 +79,51 @@ def _silent(what: str, seconds: float) -> str:
     if write:
         return f"{writer} moved no bytes of its write of {write} for {seconds:.0f}s"
     return f"{what} has not answered for {seconds:.0f}s"
+
+
+class SilenceWatch:
+    """The controller's watch over the checkpoint writers and the actor (a ``Watch``): a process
+    silent past its budget is replaced while the group trains on, at most ``MAX_REPLACEMENTS``
+    per job; the silence is in ``status`` meanwhile."""
+
+    def __init__(self, spec: Any) -> None:
+        ck = spec.checkpoint
+        self._save_s = ck.commit_timeout_s if ck.enabled else None
+        self.stuck: str | None = None
+        """A checkpoint writer or the actor silent now, with the step (``stuck_line``)."""
+        self.replaced = 0
+
+    def new_attempt(self) -> None:
+        pass  # silences are the checkpoint processes', which outlive attempts
+
+    def status(self) -> dict[str, Any]:
+        return {"stuck": self.stuck}
+
+    def observe(self, group: WorkerGroup, poll: GroupPoll, hung: bool, hangs: HangClock,
+                attempt: int) -> tuple[str, list[str]] | None:
+        """The text of a silence past its budget and one line per process replaced for it; None:
+        none replaced. ``hung``: the ranks are past their hang timeout; one silent past
+        ``NOTICE_S`` is then what they wait on (a save), replaced instead of blaming them."""
+        silences = group.checkpointing_silences()
+        saving = "saving" in poll.phases.values()
+        in_flight = None
+        if any(v > NOTICE_S for v in silences.values()):
+            in_flight = group.save_in_flight()
+        self.stuck = stuck_line(poll.min_step, saving, silences, in_flight=in_flight)
+        budget = silence_budget_s(hangs.fixed, hangs.learned_s(), FLOOR_S, self._save_s)
+        budget = min(budget, NOTICE_S) if hung else budget
+        late = overdue(silences, budget)
+        if not late or self.replaced >= MAX_REPLACEMENTS:
+            return None
+        why = "its ranks are past their hang timeout" if hung else "the hang timeout of a step"
+        text = (f"{stuck_line(poll.min_step, saving, {w: silences[w] for w in late}, budget, in_flight)}: "
+                f"silent for longer than "
+                f"{budget:.0f}s ({why}); replaced, training continues")
+        stalled = {w: budget for w in late if STALLED in w}
+        replaced = group.replace_silent_checkpointing(stalled)
+        if not replaced:  # it answered the confirming ping: a pause, not a hang
+            logger.warning("attempt %d: %s answered again; not replaced", attempt, ", ".join(late))
+            return None
+        self.replaced += 1
+        self.stuck = None
+        return text, replaced

@@ -12,11 +12,20 @@ latest step) is a metric. Pure: no Ray, no torch.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Mapping
 from statistics import median
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["MIN_LATE_S", "StragglerWatch", "WINDOW"]
+from raytrain_ckpt.common.events import Failure, headline
+
+if TYPE_CHECKING:
+    from raytrain_ckpt.control.poll import GroupPoll, WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MIN_LATE_S", "StragglerSwap", "StragglerWatch", "WINDOW"]
 
 WINDOW = 8
 MIN_LATE_S = 0.05
@@ -71,3 +80,50 @@ class StragglerWatch:
                 self.reported[rank] = line
                 found.append(line)
         return found
+
+
+class StragglerSwap:
+    """The controller's straggler watch (a ``Watch``), with ``fault_tolerance.replace_stragglers``:
+    once a rank is reported, every rank saves and commits the step in hand and stops (as for a
+    drain); the restart then gives that rank a spare or a new process. Each rank once per job
+    (the watch reports a rank once)."""
+
+    def __init__(self, spec: Any, watch: StragglerWatch) -> None:
+        self.on = spec.fault_tolerance.replace_stragglers and spec.checkpoint.enabled
+        self.steps = spec.training.steps
+        self.watch = watch
+        self.rank: int | None = None
+        """The straggler rank whose replacement the running attempt stops for."""
+        self._swapped: set[int] = set()
+
+    def new_attempt(self) -> None:
+        self.watch.restart()
+        self.rank = None
+
+    def status(self) -> dict[str, Any]:
+        return {"stragglers": sorted(self.watch.reported)}
+
+    def maybe_swap(self, group: WorkerGroup, attempt: int) -> None:
+        """Stop the group at a committed step for the first straggler not yet replaced."""
+        if not self.on or self.rank is not None:
+            return
+        ranks = sorted(set(self.watch.reported) - self._swapped)
+        if not ranks:
+            return
+        self.rank = ranks[0]
+        self._swapped.add(ranks[0])
+        logger.warning("attempt %d: replacing straggler rank %d (fault_tolerance.replace_stragglers): saving the step "
+                       "in hand, then restarting with a new process for it", attempt, ranks[0])
+        group.preempt(None)
+
+    def stopped(self, poll: GroupPoll) -> bool:
+        """Whether the group finished short of the last step because it stopped for a replacement."""
+        return poll.finished and self.rank is not None and min(r.steps for r in poll.results) < self.steps
+
+    def failure(self, poll: GroupPoll, attempt: int) -> Failure:
+        """The straggler's replacement, as the failure the restart is for."""
+        assert self.rank is not None
+        step = min(r.steps for r in poll.results)
+        text = (f"rank {self.rank} replaced at committed step {step} (fault_tolerance.replace_stragglers): "
+                f"{self.watch.reported[self.rank]}")
+        return Failure(attempt, "straggler", self.rank, headline(text), text)
