@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from raytrain_ckpt.common.events import Failure, FailureKind, RollbackRecord, WorkerResult, headline
 from raytrain_ckpt.control.poll import GroupPoll, GroupStartError, WorkerGroup
-from raytrain_ckpt.control.policy import Decision, FailureFacts, FailurePolicy
+from raytrain_ckpt.control.policy import Decision, FailurePolicy, RestartBudget
 from raytrain_ckpt.control.watch.goodput import GoodputLedger
 from raytrain_ckpt.control.watch import Watch
 from raytrain_ckpt.control.watch.hangs import HangWatch, auto_text
+from raytrain_ckpt.control.watch.rollbacks import RollbackWatch
 from raytrain_ckpt.control.watch.silence import MAX_REPLACEMENTS, SilenceWatch
 from raytrain_ckpt.control.watch.stragglers import StragglerSwap, StragglerWatch
 from raytrain_ckpt.spec import JobSpec
@@ -105,31 +106,38 @@ class Controller:
         self._factory = group_factory
         ft = spec.fault_tolerance
         self._policy = policy or FailurePolicy(tuple(ft.retry_on), ft.reuse_workers)
+        self._budget = RestartBudget(ft, self._policy)
         self._clock = clock
         self._sleep = sleep
         self.state = JobState.STARTING
         self.attempt = 0
-        self.restarts = 0
         self.group: WorkerGroup | None = None
         self.result = JobResult(JobState.STARTING, 0)
         self._started = clock()
-        self._failure_times: list[float] = []
         self._last_failure: FailureKind | None = None
         self._observer = observer
         self.last_poll: GroupPoll | None = None
         """The latest poll of the running group (read by the observer)."""
         self.preemption = preemption
-        self.preemptions = 0
         self.hang_watch = HangWatch(spec, clock)
         self.hangs = self.hang_watch.hangs
         self.ledger = GoodputLedger(self._started)
         self.stragglers = StragglerWatch(spec.fault_tolerance.straggler_margin)
         self.swap = StragglerSwap(spec, self.stragglers)
         self.silences = SilenceWatch(spec)
-        self.watches: list[Watch] = [self.hang_watch, self.ledger, self.swap, self.silences]
+        self.rollbacks = RollbackWatch()
+        self.watches: list[Watch] = [self.hang_watch, self.ledger, self.swap, self.silences, self.rollbacks]
         """Every watch over the polls, each owning its state; in the order their status is shown."""
-        self._rollbacks_noted = 0
-        """Rollbacks of the running attempt already in ``result.failures``."""
+
+    @property
+    def preemptions(self) -> int:
+        """Preemptions survived so far (``fault_tolerance.max_preemptions``)."""
+        return self.preemption.preemptions if self.preemption is not None else 0
+
+    @property
+    def restarts(self) -> int:
+        """Restarts spent on failures (``fault_tolerance.max_restarts``)."""
+        return self._budget.restarts
 
     def run(self) -> JobResult:
         """Step until terminal; always releases the group."""
@@ -142,9 +150,8 @@ class Controller:
             self.ledger.close(self._clock())
         self.result.elapsed_s = self._clock() - self._started
         self.result.goodput = self.ledger.to_dict()
-        for line in self.ledger.timeline_lines() if self.result.failures else ():
+        for line in [*(self.ledger.timeline_lines() if self.result.failures else ()), self.ledger.end_line()]:
             logger.info("%s", line)
-        logger.info("%s", self.ledger.end_line())
         return self.result
 
     def step(self) -> None:
@@ -178,20 +185,19 @@ class Controller:
         """Fail a job whose workers finished but whose outcome is not what was asked for
         (its final checkpoint did not commit): the result says why, the exit code is 1."""
         assert self.state is JobState.SUCCEEDED, self.state
-        self.result.failures.append(Failure(self.attempt, kind, None, headline(message), message))
-        self.result.events.append((time.time(), f"attempt {self.attempt} {kind} rejected"))
-        logger.error("attempt %d finished, but %s", self.attempt, message)
-        self.result.error = message
-        self._set_state(JobState.FAILED, kind)
+        self._fail_job(kind, message, f"{kind} rejected", f"finished, but {message}")
 
     def stop(self, kind: FailureKind, message: str) -> None:
         """Fail a job that has not ended, from outside its group (another run took its checkpoint
         root over): the run loop ends and releases the group; the result says why (exit code 1)."""
-        if self.state.is_terminal:
-            return
+        if not self.state.is_terminal:
+            self._fail_job(kind, message, "stopped", f"stopped: {message}")
+
+    def _fail_job(self, kind: str, message: str, what: str, log_line: str) -> None:
+        """FAILED from outside the group's failures (no restart): ``what`` the event, ``log_line`` the error logged."""
         self.result.failures.append(Failure(self.attempt, kind, None, headline(message), message))
-        self.result.events.append((time.time(), f"attempt {self.attempt} stopped"))
-        logger.error("attempt %d stopped: %s", self.attempt, message)
+        self.result.events.append((time.time(), f"attempt {self.attempt} {what}"))
+        logger.error("attempt %d %s", self.attempt, log_line)
         self.result.error = message
         self._set_state(JobState.FAILED, kind)
 
@@ -218,7 +224,6 @@ class Controller:
                 self._on_failure(Failure(self.attempt, "start", None, headline(str(exc)), str(exc)))
             return
         self._note_replaced()
-        self._rollbacks_noted = 0
         for watch in self.watches:
             watch.new_attempt()
         if self.preemption is not None:
@@ -233,18 +238,14 @@ class Controller:
         """Into the result's events: the checkpoint writers or actor the start replaced for not
         answering (a stopped process; the previous failure may have been theirs, not the ranks')."""
         assert self.group is not None
-        for note in self.group.replaced:
-            self.result.events.append((time.time(), f"attempt {self.attempt}: {note}"))
+        self.result.events += [(time.time(), f"attempt {self.attempt}: {note}") for note in self.group.replaced]
 
     def _watch_group(self) -> None:
         assert self.group is not None
         poll = self.last_poll = self.group.poll()
         self.ledger.progress(poll.min_step, self._clock(), poll.stall_s, poll.eval_s)
         self._note_rollbacks(poll.rollbacks)
-        for line in self.stragglers.observe(poll.starts):
-            logger.warning("attempt %d: %s", self.attempt, line)
-            self.result.stragglers.append(f"attempt {self.attempt}: {line}")
-        self.swap.maybe_swap(self.group, self.attempt)
+        self.result.stragglers += self.swap.observe(poll, self.group, self.attempt)
         preempted = self.preemption.watch(self.group, poll, self.attempt) if self.preemption is not None else None
         if preempted is not None:
             self._on_preemption(preempted)
@@ -274,10 +275,9 @@ class Controller:
     def _note_rollbacks(self, rollbacks: tuple[RollbackRecord, ...]) -> None:
         """The training guard's rollbacks are failures the job recovered from: each is recorded
         once, as soon as a poll sees it (an attempt that crashes later keeps them)."""
-        for rb in rollbacks[self._rollbacks_noted:]:
+        for rb in self.rollbacks.unseen(rollbacks):
             self.result.failures.append(Failure(self.attempt, "rollback", rb.trip.rank, str(rb), str(rb)))
             self.result.events.append((time.time(), f"attempt {self.attempt} rollback to step {rb.to_step}"))
-        self._rollbacks_noted = max(self._rollbacks_noted, len(rollbacks))
 
     def _replaced_silent(self, poll: GroupPoll, hung: bool) -> bool:
         """A checkpoint writer or the actor silent past its budget (``control/watch/silence.py``) is
@@ -308,66 +308,32 @@ class Controller:
         self._set_state(JobState.RECOVERING, f"straggler rank {rank} at step {step}; restarts not spent")
 
     def _on_failure(self, failure: Failure) -> None:
-        ft, kind = self.spec.fault_tolerance, failure.kind
-        now = self._clock()
+        kind, now = failure.kind, self._clock()
         self.ledger.failed(kind, now)
         quarantined = self.group.note_failure(failure) if self.group is not None else None
         if quarantined is not None:
             self.result.quarantined.append(quarantined)
             self.result.events.append((time.time(), quarantined))
-        self._failure_times.append(now)
-        recent = None
-        if ft.failure_window_s is not None:
-            recent = sum(1 for t in self._failure_times if now - t <= ft.failure_window_s)
-        facts = FailureFacts(kind, self.restarts, ft.max_restarts, recent)
         self._last_failure = kind
         self.result.failures.append(failure)
-        decision = self._policy.decide(facts)
+        decision, why = self._budget.decide(kind, now)
         self.result.events.append((time.time(), f"attempt {self.attempt} {kind} detected"))
         if kind == "mismatch":  # a user's mistake: its message, without the ranks' tracebacks
             logger.error("attempt %d: the resume checkpoint does not fit this job: %s", self.attempt, failure.headline)
         else:
             logger.error("attempt %d %s failure:\n%s", self.attempt, kind, failure.log_text())
         self.result.error = failure.full_text()
-        if decision is Decision.RESTART:
-            self.restarts += 1
-            self._set_state(JobState.RECOVERING, f"{kind}; restart {self.restarts}/{facts.max_restarts}")
-        else:
-            self._set_state(JobState.FAILED, f"{kind}; {self.restarts}/{facts.max_restarts} restarts used"
-                            + (f", {recent} failures within {ft.failure_window_s:g}s" if recent is not None else ""))
+        self._set_state(JobState.RECOVERING if decision is Decision.RESTART else JobState.FAILED, why)
 
     def _on_preemption(self, failure: Failure) -> None:
-        """A drained node stopped the group: restart off it, on the preemption budget, not max_restarts'."""
+        """A drained node stopped the group: restart off it, on the preemption budget, not max_restarts'
+        (or the driver was told to stop, or capacity came back: ``PreemptionGuard.settle``)."""
         assert self.preemption is not None
-        if self.preemption.outcome == "grow":  # capacity came back: the step is saved, restart at full size
-            self.result.events.append((time.time(), f"attempt {self.attempt} grow"))
-            self._last_failure = None
-            self._set_state(JobState.RECOVERING, failure.headline)
-            return
-        if self.preemption.outcome == "stop":  # the driver was told to stop: the step is saved, stop
-            self._on_stop(failure)
-            return
-        limit = self.spec.fault_tolerance.max_preemptions
-        self.preemptions += 1
-        self._last_failure = "preemption"
-        self.result.failures.append(failure)
-        self.result.preemptions.append(self.preemption.records[-1].to_dict())
-        self.result.events.append((time.time(), f"attempt {self.attempt} preemption detected"))
-        if limit is not None and self.preemptions > limit:
-            self.result.error = failure.detail
-            self._set_state(JobState.FAILED, f"preemption; {self.preemptions - 1}/{limit} preemptions survived "
-                                             "(fault_tolerance.max_preemptions)")
-            return
-        self._set_state(JobState.RECOVERING, f"preemption {self.preemptions}"
-                                             + (f"/{limit}" if limit is not None else "") + "; restarts not spent")
-
-    def _on_stop(self, stop: Failure) -> None:
-        """A signal to the driver ended the job on purpose once the step in hand was saved: STOPPED,
-        not a failure (no budget spent, no error); ``result.stopped`` names the step that is safe."""
-        assert self.preemption is not None and self.preemption.stop_request is not None
-        self.result.stopped, self.result.stopped_by = stop.headline, self.preemption.stop_request[0]
-        self.result.events.append((time.time(), f"attempt {self.attempt} stopped by {self.result.stopped_by}"))
-        self._set_state(JobState.STOPPED, stop.headline)
+        state, why = self.preemption.settle(failure, self.attempt, self.result,
+                                            self.spec.fault_tolerance.max_preemptions)
+        if self.preemption.outcome != "stop":
+            self._last_failure = "preemption" if self.preemption.outcome == "preemption" else None
+        self._set_state(JobState(state), why)
 
     def _release_group(self, keep_warm: bool = False) -> None:
         if self.group is not None:

@@ -9,26 +9,23 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.exceptions import RayActorError
+from ray.util.placement_group import remove_placement_group
 
 from raytrain_ckpt.checkpoint.roles.service import CheckpointService
 from raytrain_ckpt.control.poll import GroupPoll, GroupStartError
-from raytrain_ckpt.control.policy import elastic_world_size
+from raytrain_ckpt.control.placement import Placement, room_outside
 from raytrain_ckpt.common.events import Failure, Progress, RankPlace, WorkerResult, headline
-from raytrain_ckpt.common.faults import fault_env
 from raytrain_ckpt.control.hang_evidence import diagnose, diagnostics_root, locate
 from raytrain_ckpt.control.watch.hangs import Verdict, keep_failures
 from raytrain_ckpt.rank.progress import poll_progress
-from raytrain_ckpt.control.pool import WorkerPool, bundle_nodes, kill_actor
-from raytrain_ckpt.control.watch.preemption import draining_nodes, room_for
+from raytrain_ckpt.control.pool import WorkerPool, bundle_nodes, drain, kill_actor, new_worker
+from raytrain_ckpt.control.startcalls import StartCalls
 from raytrain_ckpt.control.watch.quarantine import Quarantine
 from raytrain_ckpt.spec import JobSpec
-from raytrain_ckpt.rank.worker import TrainWorker, WorkerFailure
+from raytrain_ckpt.rank.worker import WorkerFailure
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +59,9 @@ class RayWorkerGroup:
         """Ranks of this attempt served by a kept or spare process instead of a new one."""
         self._spares_started = False
         self._where: list[RankPlace | None] = []
+        """Each rank's (pid, node id): where its stacks are read from if the group hangs."""
         self.start_marks: list[tuple[str, float]] = []
+        """(phase, time.monotonic() it ended) of the start: placement, rendezvous, load (the goodput ledger)."""
         self.quarantine = quarantine
         self.nodes: list[str] = []
         """The node of each rank's bundle, once placed."""
@@ -70,8 +69,7 @@ class RayWorkerGroup:
         """The guard's rollbacks in the job's earlier attempts (the controller sets it before ``start``)."""
         self._retired: set[int] = set()
         """Ranks whose process is never kept for the next attempt (``retire``)."""
-        """(phase, time.monotonic() it ended) of the start: placement, rendezvous, load (the goodput ledger)."""
-        """Each rank's (pid, node id): where its stacks are read from if the group hangs."""
+        self._calls = StartCalls(spec.fault_tolerance.start_timeout_s)
 
     @property
     def replaced(self) -> list[str]:
@@ -88,15 +86,19 @@ class RayWorkerGroup:
         # full group does not fit in time)
         kept = self.pool.take(self.spec.world_size) if self.pool is not None else None
         bundle = {"CPU": res.cpus_per_worker, **({"GPU": res.gpus} if res.gpus else {})}
-        self._pg, survivors = kept if kept is not None else (self._place(bundle, deadline), {})
-        self._probe_failed_nodes(survivors)
+        placement = Placement(self.spec, self.attempt, self.quarantine)
+        try:
+            self._pg, survivors = kept if kept is not None else (placement.place(bundle, deadline), {})
+        finally:
+            self.spec = placement.spec  # an elastic group that did not fit whole trains at the size that fit
+        placement.probe_failed_nodes(self._pg, survivors)
         # build actors: survivors keep their rank, spares and new processes fill the gaps
         self.workers = self._assign_workers(survivors, deadline)
         self.nodes = bundle_nodes(self._pg)
         self.start_marks.append(("placement", time.monotonic()))
         # rendezvous at rank 0's node; plan the resume point while the ranks join, then set up
         # every rank concurrently
-        meet = self._get(self.workers[0].address.remote(), deadline, "locate rank 0")
+        meet = self._calls.get(self.workers[0].address.remote(), deadline, "locate rank 0")
         addr, port = meet.host, meet.port
         joins = [w.join.remote(addr, port) for w in self.workers]
         try:
@@ -104,9 +106,9 @@ class RayWorkerGroup:
                     if self.checkpoints is not None else None)
             setups = [w.setup.remote(ckpt.ranks[rank] if ckpt is not None else None, self.rollbacks_before)
                       for rank, w in enumerate(self.workers)]
-            self._get_all(joins, deadline, "join rank {rank} to the process group")
+            self._calls.get_all(joins, deadline, "join rank {rank} to the process group")
             self.start_marks.append(("rendezvous", time.monotonic()))
-            self._get_all(setups, deadline, "set up rank {rank}")
+            self._calls.get_all(setups, deadline, "set up rank {rank}")
             self.start_marks.append(("load", time.monotonic()))
             if self.checkpoints is not None:
                 self.checkpoints.started()  # every rank loaded the start: the timeline begins there
@@ -134,181 +136,38 @@ class RayWorkerGroup:
             if actor is None and self.pool is not None and not self.spec.resources.use_gpu:
                 actor = self.pool.spare_for(nodes[rank])
             if actor is None:
-                workers[rank] = self._new_worker(rank)
+                workers[rank] = new_worker(self.spec, self._pg, rank, self.attempt, self.run_id)
                 continue
             workers[rank] = actor
             assigns[actor.assign.remote(spec_json, rank, self.spec.world_size, self.attempt, self.run_id)] = rank
         for ref, rank in assigns.items():
             try:
-                self._get(ref, deadline, f"assign rank {rank} to a kept worker")
+                self._calls.get(ref, deadline, f"assign rank {rank} to a kept worker")
                 self.reused += 1
             except GroupStartError as exc:
                 logger.warning("attempt %d: kept worker for rank %d unusable (%s); starting a new one",
                                self.attempt, rank, exc)
                 kill_actor(workers[rank])
-                workers[rank] = self._new_worker(rank)
+                workers[rank] = new_worker(self.spec, self._pg, rank, self.attempt, self.run_id)
         return [workers[r] for r in range(self.spec.world_size)]
-
-    def _new_worker(self, rank: int) -> ray.actor.ActorHandle:
-        """A new TrainWorker process in bundle ``rank`` of the placement group."""
-        res = self.spec.resources
-        strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank)
-        # A fault plan set on the driver reaches every worker (see raytrain_ckpt.common.faults).
-        return ray.remote(TrainWorker).options(
-            num_cpus=res.cpus_per_worker, num_gpus=res.gpus, max_concurrency=2, scheduling_strategy=strategy,
-        ).remote(self.spec.model_dump_json(), rank, self.spec.world_size, self.attempt, fault_env(), self.run_id)
-
-    def _place(self, bundle: dict[str, float], deadline: float):
-        ft, res = self.spec.fault_tolerance, self.spec.resources
-        elastic = res.min_workers is not None and res.min_workers < self.spec.world_size
-        wait_s = min(ft.placement_timeout_s, ft.start_timeout_s) if elastic else ft.start_timeout_s
-        selector = self._around_quarantine(bundle)
-        pg = placement_group([dict(bundle)] * self.spec.world_size, strategy=res.placement_strategy,
-                             **({"bundle_label_selector": selector} if selector else {}))
-        if pg.wait(timeout_seconds=wait_s):
-            return pg
-        remove_placement_group(pg)
-        if elastic:
-            fit = room_for(bundle, set(draining_nodes()))  # a draining node takes no bundle
-            t = self.spec.training
-            n = elastic_world_size(self.spec.world_size, res.min_workers, fit, t.global_batch_size, t.micro_batch_size,
-                                   self.spec.parallelism.pp)
-            if n is not None and n < self.spec.world_size:
-                logger.warning("attempt %d: %d workers could not be placed within fault_tolerance.placement_timeout_s="
-                               "%gs; %d fit: continuing with %d workers (dp %d, global batch %d, %d micro-batches "
-                               "per rank)", self.attempt, self.spec.world_size, wait_s, fit, n,
-                               n // self.spec.parallelism.pp, t.global_batch_size,
-                               self.spec.with_workers(n).local_microbatches)
-                self.spec = self.spec.with_workers(n)
-                pg = placement_group([dict(bundle)] * n, strategy=res.placement_strategy)
-                if pg.wait(timeout_seconds=max(0.1, deadline - time.monotonic())):
-                    return pg
-                remove_placement_group(pg)
-        raise GroupStartError(
-            f"could not reserve {self.spec.world_size} x {bundle} within {wait_s:g}s; the cluster has "
-            f"{ray.available_resources()} available. Lower resources.num_workers / cpus_per_worker, add nodes, "
-            "or set resources.min_workers to allow a smaller group."
-        )
-
-    def _around_quarantine(self, bundle: dict[str, float]) -> list[dict[str, str]] | None:
-        """The label selector keeping the group off quarantined nodes, when the other alive nodes
-        have room for every rank (else None: the group may use them, logged)."""
-        q = self.quarantine
-        selector = q.selector(time.monotonic(), self.spec.world_size) if q is not None else None
-        if selector is None or q is None:
-            return None
-        out = set(q.excluded(time.monotonic()))
-        room = self._room_outside(out, bundle)
-        if room < self.spec.world_size:
-            logger.warning("attempt %d: quarantined node(s) %s used: the other nodes have room for %d of %d ranks",
-                           self.attempt, ", ".join(sorted(out)), room, self.spec.world_size)
-            return None
-        logger.info("attempt %d: placing around quarantined node(s) %s", self.attempt, ", ".join(sorted(out)))
-        return selector
-
-    def _probe_failed_nodes(self, survivors: dict[int, ray.actor.ActorHandle]) -> None:
-        """Before a node whose ranks failed before gets a rank: a short health probe (``control/watch/health.py``).
-        A node that fails it is quarantined and this start fails, so the next is placed around it."""
-        q = self.quarantine
-        nodes = [n for n in bundle_nodes(self._pg) if n in q.failures] if q is not None else []
-        if q is None or not nodes or q.quarantine_s is None:
-            return
-        from raytrain_ckpt.checkpoint.storage.backends import job_root
-        from raytrain_ckpt.checkpoint.storage.probe import local_root
-        from raytrain_ckpt.control.watch.health import plan_probes, probe_nodes
-
-        ck = self.spec.checkpoint
-        plans = plan_probes(nodes, bundle_nodes(self._pg), set(survivors), self.spec.resources.gpus)
-        problems = probe_nodes(plans, local_root(str(job_root(ck.dir, self.spec.name))) if ck.enabled else None,
-                               self._pg)
-        if not problems:
-            logger.info("attempt %d: node(s) %s passed the health probe", self.attempt,
-                        ", ".join(n[:12] for n in nodes))
-            return
-        for node in problems:
-            q.put_out(node, time.monotonic())
-        for actor in survivors.values():
-            kill_actor(actor)
-        text = "; ".join(f"node {n} failed its health probe ({p})" for n, p in problems.items())
-        raise GroupStartError(f"{text}: quarantined for {q.quarantine_s:g}s (fault_tolerance.quarantine_s)")
-
-    def _room_outside(self, out: set[str], bundle: dict[str, float] | None = None) -> int:
-        """How many ranks the alive nodes other than ``out`` have room for (their total resources)."""
-        res = self.spec.resources
-        bundle = bundle or {"CPU": res.cpus_per_worker, **({"GPU": res.gpus} if res.gpus else {})}
-        return sum(min(int(n["Resources"].get(k, 0.0) // v) for k, v in bundle.items() if v > 0)
-                   for n in ray.nodes() if n["Alive"] and n["NodeID"] not in out)
 
     def note_failure(self, failure: Failure) -> str | None:
         """A rank's crash or hang: count it against its node; the line to report when that puts
         the node in quarantine (``fault_tolerance.quarantine_s``), else None."""
-        q, rank = self.quarantine, failure.rank
-        if q is None or failure.kind not in ("crash", "hang") or rank is None or rank >= len(self._where):
+        rank = failure.rank
+        where = self._where[rank] if rank is not None and rank < len(self._where) else None
+        if self.quarantine is None or rank is None or where is None:
             return None
-        where = self._where[rank]
-        if where is None or not q.note(where.node_id, time.monotonic()):
-            return None
-        line = (f"node {where.node_id} quarantined for {q.quarantine_s:g}s (fault_tolerance.quarantine_s): its "
-                f"ranks failed {len(q.failures[where.node_id])} times, the latest rank {rank} ({failure.kind})")
-        logger.warning("attempt %d: %s", self.attempt, line)
+        line = self.quarantine.rank_failed(failure.kind, rank, where.node_id, time.monotonic())
+        if line is not None:
+            logger.warning("attempt %d: %s", self.attempt, line)
         return line
-
-    def _get_all(self, refs: list[ray.ObjectRef], deadline: float, what: str) -> None:
-        """Every rank's ``refs[rank]``, in the order they finish: the first failure raises at once
-        (a rank that cannot join leaves the others waiting in the rendezvous until the deadline).
-        A failure names the ranks not done yet too: it may be a peer's echo of theirs (rank 0's
-        rendezvous timing out on a rank that never arrived)."""
-        pending = {ref: rank for rank, ref in enumerate(refs)}
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise self._timed_out(what.format(rank=_ranks(pending.values())))
-            done = {ref: pending.pop(ref) for ref in ready}
-            late = f" (rank {_ranks(pending.values())} not done yet)" if pending else ""
-            for ref, rank in done.items():
-                try:
-                    self._get(ref, deadline, what.format(rank=rank) + late)
-                except GroupStartError as exc:
-                    if exc.mismatch is not None:
-                        _collect([*done, *pending], deadline)
-                    raise
-
-    def _timed_out(self, what: str) -> GroupStartError:
-        return GroupStartError(f"timed out trying to {what} within fault_tolerance.start_timeout_s="
-                               f"{self.spec.fault_tolerance.start_timeout_s:g}s")
-
-    def _get(self, ref: ray.ObjectRef, deadline: float, what: str):
-        try:
-            return ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
-        except GetTimeoutError:
-            raise self._timed_out(what) from None
-        except (WorkerFailure, RayActorError) as exc:
-            # Ray wraps the worker's exception; its cause is the WorkerFailure itself
-            cause = getattr(exc, "cause", None) or exc
-            raise GroupStartError(f"failed to {what}: {exc}", getattr(cause, "mismatch", None)) from None
-        except RayTaskError as exc:  # anything else a rank raised while starting: a failed start, counted
-            cause = getattr(exc, "cause", None) or exc
-            raise GroupStartError(f"failed to {what}: {type(cause).__name__}: {headline(str(cause))}") from None
 
     def poll(self) -> GroupPoll:
         """Collect finished runs and failures, then read every rank's progress."""
-        failures: list[Failure] = []
         pending = self._pending_runs()
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
-        for ref in ready:
-            rank = self._runs[ref]
-            try:
-                self._results[rank] = ray.get(ref)
-            except WorkerFailure as exc:
-                # Ray wraps the worker's exception; its cause carries the clean traceback.
-                cause = getattr(exc, "cause", None) or exc
-                if getattr(cause, "guard", None):  # the training guard's one report: no traceback, no restart
-                    failures.append(guard_failure(self.attempt, rank, cause))
-                    continue
-                failures.append(Failure(self.attempt, "exception", rank, headline(cause.text), str(cause)))
-            except RayActorError as exc:
-                what = f"worker process died: {headline(str(exc))}"
-                failures.insert(0, Failure(self.attempt, "crash", rank, what, f"rank {rank}: {what}\n{exc}"))
+        failures = collect_runs({ref: self._runs[ref] for ref in ready}, self._results, self.attempt)
         evidence = keep_failures(diagnostics_root(self.spec), self.attempt, failures) if failures else None
         progress = self._progress()
         finished = len(self._results) == len(self.workers)
@@ -351,11 +210,9 @@ class RayWorkerGroup:
     def save_in_flight(self) -> int | None:
         """The oldest step the CheckpointActor has in flight (the save a silent writer holds up), as
         its bulletin last said (None: none or unknown)."""
-        from raytrain_ckpt.checkpoint.roles import bulletin
+        from raytrain_ckpt.checkpoint.roles.bulletin import oldest_in_flight
 
-        posted = bulletin.posted(self.spec.name) if self.checkpoints is not None else None
-        steps = (posted or {}).get("in_flight") or []
-        return min(steps) if steps else None
+        return oldest_in_flight(self.spec.name) if self.checkpoints is not None else None
 
     def replace_silent_checkpointing(self, stalled: dict[str, float] | None = None) -> list[str]:
         """Kill and restart the checkpoint writers and actor that do not answer a ping now, and the
@@ -393,13 +250,8 @@ class RayWorkerGroup:
     def _maybe_start_spares(self, progress: dict[int, Progress]) -> None:
         """Start spares once every rank finished a step: a spare importing torch while the group
         sets up or loads would take CPU from the very restart it is meant to speed up."""
-        if self._spares_started or self.pool is None or self._pg is None:
-            return
-        # a rank in a save has finished a step too ("saving" is the step after one, not a set-up phase)
-        if len(progress) == len(self.workers) and all(p.phase in ("training", "saving", "done")
-                                                       for p in progress.values()):
-            self._spares_started = True
-            self.pool.replenish(self._pg)
+        if not self._spares_started and self.pool is not None and self._pg is not None:
+            self._spares_started = self.pool.replenish_once_trained(self._pg, progress, len(self.workers))
 
     def _progress(self) -> dict[int, Progress]:
         out = {r.rank: Progress(r.rank, r.steps, None, time.time(), "done") for r in self._results.values()}
@@ -416,9 +268,9 @@ class RayWorkerGroup:
         ``fault_tolerance.drain_timeout_s`` are kept for the next attempt; only the rest is killed.
         """
         out = set(self.quarantine.excluded(time.monotonic())) if self.quarantine is not None else set()
-        if keep_warm and out & set(self.nodes) and self._room_outside(out) >= self.spec.world_size:
+        if keep_warm and out & set(self.nodes) and room_outside(self.spec, out) >= self.spec.world_size:
             keep_warm = False  # a kept bundle would keep a quarantined node in the group: placed anew around it
-        survivors = self._drain() if keep_warm and self.pool is not None and self._pg is not None else {}
+        survivors = drain(self._runs, self.workers, self.spec.fault_tolerance.drain_timeout_s) if keep_warm and self.pool is not None and self._pg is not None else {}
         survivors = {rank: w for rank, w in survivors.items() if rank not in self._retired}
         for rank, w in enumerate(self.workers):
             if rank not in survivors:
@@ -432,55 +284,21 @@ class RayWorkerGroup:
         self.workers = []
         self._pg = None
 
-    def _drain(self) -> dict[int, ray.actor.ActorHandle]:
-        """Reset every rank whose run() ends before the drain timeout; returns those that reset cleanly.
 
-        A rank whose own code failed leaves its peers blocked in a collective with it;
-        resetting it first (closing its connections) is what unblocks them, so reset as soon
-        as each run ends rather than after all of them.
-        """
-        deadline = time.monotonic() + self.spec.fault_tolerance.drain_timeout_s
-        running = dict(self._runs)
-        resets: dict[ray.ObjectRef, int] = {}
-        while running and time.monotonic() < deadline:
-            ended, _ = ray.wait(list(running), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            for ref in ended:
-                rank = running.pop(ref)
-                if _ended_alive(ref):
-                    resets[self.workers[rank].reset.remote()] = rank
-        survivors = {}
-        done, _ = ray.wait(list(resets), num_returns=len(resets), timeout=max(0.1, deadline - time.monotonic()))
-        for ref in done:
-            try:
-                ray.get(ref)
-                survivors[resets[ref]] = self.workers[resets[ref]]
-            except Exception as exc:  # a rank that cannot reset is replaced, not reused
-                logger.warning("rank %d could not reset and is replaced: %s", resets[ref], headline(str(exc)))
-        return survivors
-
-
-def _ranks(ranks: Iterable[int]) -> str:
-    return ", ".join(str(r) for r in sorted(ranks))
-
-
-def _ended_alive(ref: ray.ObjectRef) -> bool:
-    """Whether a finished run() ref came from a process that is still alive."""
-    try:
-        ray.get(ref)
-    except RayActorError:
-        return False
-    except Exception:  # the rank raised (often because a peer died): the process itself is fine
-        return True
-    return True
-
-
-def _collect(refs: list[ray.ObjectRef], deadline: float, wait_s: float = 5.0) -> None:
-    """Fetch and drop what the other ranks' calls return: after a checkpoint mismatch every rank
-    fails the same way, and Ray prints each failure nobody fetched as an unhandled error, with
-    its traceback, beside the one-line message the user gets."""
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(wait_s, deadline - time.monotonic())))
-    for ref in ready:
+def collect_runs(ended: dict[ray.ObjectRef, int], results: dict[int, WorkerResult], attempt: int) -> list[Failure]:
+    """The ended ``run()`` refs (ref -> rank): each result into ``results``; the failures, crashes first."""
+    failures: list[Failure] = []
+    for ref, rank in ended.items():
         try:
-            ray.get(ref)
-        except Exception:  # the same mismatch, reported once already
-            pass
+            results[rank] = ray.get(ref)
+        except WorkerFailure as exc:
+            # Ray wraps the worker's exception; its cause carries the clean traceback.
+            cause = getattr(exc, "cause", None) or exc
+            if getattr(cause, "guard", None):  # the training guard's one report: no traceback, no restart
+                failures.append(guard_failure(attempt, rank, cause))
+                continue
+            failures.append(Failure(attempt, "exception", rank, headline(cause.text), str(cause)))
+        except RayActorError as exc:
+            what = f"worker process died: {headline(str(exc))}"
+            failures.insert(0, Failure(attempt, "crash", rank, what, f"rank {rank}: {what}\n{exc}"))
+    return failures

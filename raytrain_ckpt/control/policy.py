@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 from raytrain_ckpt.common.events import FailureKind
 
-__all__ = ["Decision", "FailureFacts", "FailurePolicy", "elastic_world_size"]
+__all__ = ["Decision", "FailureFacts", "FailurePolicy", "RestartBudget", "elastic_world_size"]
 
 
 class Decision(enum.Enum):
@@ -57,6 +58,30 @@ class FailurePolicy:
         if facts.recent_failures is not None:
             return Decision.RESTART if facts.recent_failures <= facts.max_restarts else Decision.FAIL
         return Decision.RESTART if facts.restarts_done < facts.max_restarts else Decision.FAIL
+
+
+class RestartBudget:
+    """The job's restarts against its ``FailurePolicy``: each failure's time is kept, so the
+    failures inside ``fault_tolerance.failure_window_s`` can be counted."""
+
+    def __init__(self, ft: Any, policy: FailurePolicy) -> None:
+        self._ft, self._policy = ft, policy
+        self._times: list[float] = []
+        self.restarts = 0
+
+    def decide(self, kind: FailureKind, now: float) -> tuple[Decision, str]:
+        """The decision on a ``kind`` failure at ``now`` (a restart is spent here), and why, in words."""
+        ft = self._ft
+        self._times.append(now)
+        recent = None
+        if ft.failure_window_s is not None:
+            recent = sum(1 for t in self._times if now - t <= ft.failure_window_s)
+        facts = FailureFacts(kind, self.restarts, ft.max_restarts, recent)
+        if self._policy.decide(facts) is Decision.RESTART:
+            self.restarts += 1
+            return Decision.RESTART, f"{kind}; restart {self.restarts}/{facts.max_restarts}"
+        return Decision.FAIL, (f"{kind}; {self.restarts}/{facts.max_restarts} restarts used"
+                               + (f", {recent} failures within {ft.failure_window_s:g}s" if recent is not None else ""))
 
 
 def elastic_world_size(requested: int, min_workers: int, fit: int, global_batch: int, micro_batch: int,

@@ -16,19 +16,23 @@ CPU-only; on GPU a replacement is started inside the bundle so Ray assigns it th
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from raytrain_ckpt.common.events import headline
+from raytrain_ckpt.common.faults import fault_env
 from raytrain_ckpt.spec import JobSpec
 from raytrain_ckpt.spec.memory import spare_reserve_bytes
 from raytrain_ckpt.rank.worker import SPARE_RANK, TrainWorker
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WorkerPool", "bundle_nodes", "kill_actor"]
+__all__ = ["WorkerPool", "bundle_nodes", "drain", "kill_actor", "new_worker"]
 
 
 def bundle_nodes(pg: PlacementGroup) -> list[str]:
@@ -88,6 +92,15 @@ class WorkerPool:
         spares = self._spares.get(node_id) or []
         return spares.pop() if spares else None
 
+    def replenish_once_trained(self, pg: PlacementGroup, progress: dict[int, Any], ranks: int) -> bool:
+        """``replenish`` once each of the group's ``ranks`` finished a step (its ``progress``);
+        whether it did."""
+        # a rank in a save has finished a step too ("saving" is the step after one, not a set-up phase)
+        if len(progress) == ranks and all(p.phase in ("training", "saving", "done") for p in progress.values()):
+            self.replenish(pg)
+            return True
+        return False
+
     def replenish(self, pg: PlacementGroup) -> None:
         """Start spares (without waiting) until the job has ``fault_tolerance.spare_workers`` of them,
         spread over the nodes of ``pg``'s bundles."""
@@ -131,3 +144,52 @@ def kill_actor(actor: Any) -> None:
         ray.kill(actor, no_restart=True)
     except Exception as exc:  # already dead: nothing left to release
         logger.debug("kill failed: %s", exc)
+
+
+def drain(runs: dict[ray.ObjectRef, int], workers: list[ray.actor.ActorHandle],
+          drain_timeout_s: float) -> dict[int, ray.actor.ActorHandle]:
+    """Reset every rank whose run() ends before the drain timeout; returns those that reset cleanly.
+
+    A rank whose own code failed leaves its peers blocked in a collective with it;
+    resetting it first (closing its connections) is what unblocks them, so reset as soon
+    as each run ends rather than after all of them.
+    """
+    deadline = time.monotonic() + drain_timeout_s
+    running = dict(runs)
+    resets: dict[ray.ObjectRef, int] = {}
+    while running and time.monotonic() < deadline:
+        ended, _ = ray.wait(list(running), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        for ref in ended:
+            rank = running.pop(ref)
+            if _ended_alive(ref):
+                resets[workers[rank].reset.remote()] = rank
+    survivors = {}
+    done, _ = ray.wait(list(resets), num_returns=len(resets), timeout=max(0.1, deadline - time.monotonic()))
+    for ref in done:
+        try:
+            ray.get(ref)
+            survivors[resets[ref]] = workers[resets[ref]]
+        except Exception as exc:  # a rank that cannot reset is replaced, not reused
+            logger.warning("rank %d could not reset and is replaced: %s", resets[ref], headline(str(exc)))
+    return survivors
+
+
+def _ended_alive(ref: ray.ObjectRef) -> bool:
+    """Whether a finished run() ref came from a process that is still alive."""
+    try:
+        ray.get(ref)
+    except RayActorError:
+        return False
+    except Exception:  # the rank raised (often because a peer died): the process itself is fine
+        return True
+    return True
+
+
+def new_worker(spec: JobSpec, pg: PlacementGroup, rank: int, attempt: int, run_id: str) -> ray.actor.ActorHandle:
+    """A new TrainWorker process for ``rank`` of ``attempt`` in bundle ``rank`` of ``pg``."""
+    res = spec.resources
+    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+    # A fault plan set on the driver reaches every worker (see raytrain_ckpt.common.faults).
+    return ray.remote(TrainWorker).options(
+        num_cpus=res.cpus_per_worker, num_gpus=res.gpus, max_concurrency=2, scheduling_strategy=strategy,
+    ).remote(spec.model_dump_json(), rank, spec.world_size, attempt, fault_env(), run_id)

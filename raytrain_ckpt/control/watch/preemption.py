@@ -25,17 +25,16 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from raytrain_ckpt.control.poll import GroupPoll
+from raytrain_ckpt.control.poll import GroupPoll, WorkerGroup
 from raytrain_ckpt.common.events import Failure
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DrainNotice", "PreemptedGroup", "PreemptionGuard", "PreemptionRecord", "SaveCosts", "SavePlan", "draining_nodes",
+__all__ = ["DrainNotice", "PreemptionGuard", "PreemptionRecord", "SaveCosts", "SavePlan", "draining_nodes",
            "plan_save", "preemption_guard", "stop_signals"]
 
 MOVE_WAIT_S = 60.0
@@ -156,16 +155,6 @@ class PreemptionRecord:
         return asdict(self)
 
 
-class PreemptedGroup(Protocol):
-    """What the guard needs from the running group."""
-
-    def rank_nodes(self) -> list[str]:
-        """Node id of every rank, by rank."""
-
-    def preempt(self, deadline_unix: float | None, tier: str = "durable") -> None:
-        """Ask every rank to save the step in hand (in ``tier``) at the next step boundary and stop."""
-
-
 class PreemptionGuard:
     """The driver's watch over drain notices, one per job (see the module docstring)."""
 
@@ -208,6 +197,8 @@ class PreemptionGuard:
         self.notice: DrainNotice | None = None
         """The notice the running attempt is acting on (None: none)."""
         self.records: list[PreemptionRecord] = []
+        self.preemptions = 0
+        """Preemptions acted on (a grow or a stop is none)."""
         self._ignored: set[str] = set()
         self._reached = 0
         self.stop_request: tuple[str, float] | None = None
@@ -224,7 +215,30 @@ class PreemptionGuard:
         self.outcome = "preemption"
         self._grow_checked = self._clock()
 
-    def watch(self, group: PreemptedGroup, poll: GroupPoll, attempt: int) -> Failure | None:
+    def settle(self, failure: Failure, attempt: int, result: Any, limit: int | None) -> tuple[str, str]:
+        """The job's next state (a ``JobState`` value) and why, the ``outcome`` recorded in ``result``:
+        a stop is no failure (``result.stopped``: the step that is safe); a preemption is spent on
+        ``limit`` (``fault_tolerance.max_preemptions``), not on max_restarts."""
+        if self.outcome == "grow":  # capacity came back: the step is saved, restart at full size
+            result.events.append((time.time(), f"attempt {attempt} grow"))
+            return "RECOVERING", failure.headline
+        if self.outcome == "stop":  # the driver was told to stop: the step is saved, stop
+            assert self.stop_request is not None
+            result.stopped, result.stopped_by = failure.headline, self.stop_request[0]
+            result.events.append((time.time(), f"attempt {attempt} stopped by {result.stopped_by}"))
+            return "STOPPED", failure.headline
+        self.preemptions += 1
+        result.failures.append(failure)
+        result.preemptions.append(self.records[-1].to_dict())
+        result.events.append((time.time(), f"attempt {attempt} preemption detected"))
+        if limit is not None and self.preemptions > limit:
+            result.error = failure.detail
+            return "FAILED", (f"preemption; {self.preemptions - 1}/{limit} preemptions survived "
+                              "(fault_tolerance.max_preemptions)")
+        return "RECOVERING", (f"preemption {self.preemptions}" + (f"/{limit}" if limit is not None else "")
+                              + "; restarts not spent")
+
+    def watch(self, group: WorkerGroup, poll: GroupPoll, attempt: int) -> Failure | None:
         """Look for a drain of the group's nodes; returns the preemption once the group stopped
         (or must be stopped: the deadline is near), else None."""
         self._reached = max(self._reached, poll.min_step, *(r.steps for r in poll.results))
@@ -251,7 +265,7 @@ class PreemptionGuard:
             return None
         return self._failure(poll, attempt, stopped=bool(stopped))
 
-    def _look(self, group: PreemptedGroup, poll: GroupPoll) -> None:
+    def _look(self, group: WorkerGroup, poll: GroupPoll) -> None:
         drains = self._draining()
         if not drains:
             return
@@ -293,7 +307,7 @@ class PreemptionGuard:
         elif not hosts_actor:
             logger.debug("node %s is draining; no rank of this job is there: ignored", node)
 
-    def _evicted(self, group: PreemptedGroup, poll: GroupPoll) -> None:
+    def _evicted(self, group: WorkerGroup, poll: GroupPoll) -> None:
         """Ranks whose process got SIGTERM: a drain notice of their node with their deadline (the
         ranks agreed on the step already; ``preempt`` reaches any that did not yet see it)."""
         ranks = tuple(sorted(poll.evictions))
@@ -308,7 +322,7 @@ class PreemptionGuard:
                        ", ".join(map(str, ranks)), node, deadline - now, plan.tier, plan.why)
         group.preempt(deadline)
 
-    def _maybe_grow(self, group: PreemptedGroup, poll: GroupPoll) -> None:
+    def _maybe_grow(self, group: WorkerGroup, poll: GroupPoll) -> None:
         size = len(group.rank_nodes())
         now = self._clock()
         if (self._grow_check_s is None or not 0 < size < self._full_size

@@ -44,6 +44,14 @@ class Quarantine:
         self.until[node] = now + self.quarantine_s
         return True
 
+    def rank_failed(self, kind: str, rank: int, node: str, now: float) -> str | None:
+        """A rank on ``node`` failed (``kind``): a crash or a hang counts against the node; the line
+        to report when that puts it in quarantine (``fault_tolerance.quarantine_s``), else None."""
+        if kind not in ("crash", "hang") or not self.note(node, now):
+            return None
+        return (f"node {node} quarantined for {self.quarantine_s:g}s (fault_tolerance.quarantine_s): its "
+                f"ranks failed {len(self.failures[node])} times, the latest rank {rank} ({kind})")
+
     def put_out(self, node: str, now: float) -> None:
         """Quarantine ``node`` now (it failed its health probe)."""
         if self.quarantine_s is not None:

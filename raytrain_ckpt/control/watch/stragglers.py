@@ -103,6 +103,14 @@ class StragglerSwap:
     def status(self) -> dict[str, Any]:
         return {"stragglers": sorted(self.watch.reported)}
 
+    def observe(self, poll: GroupPoll, group: WorkerGroup, attempt: int) -> list[str]:
+        """The stragglers this poll reports (one line each, logged), then ``maybe_swap``."""
+        lines = [f"attempt {attempt}: {line}" for line in self.watch.observe(poll.starts)]
+        for line in lines:
+            logger.warning("%s", line)
+        self.maybe_swap(group, attempt)
+        return lines
+
     def maybe_swap(self, group: WorkerGroup, attempt: int) -> None:
         """Stop the group at a committed step for the first straggler not yet replaced."""
         if not self.on or self.rank is not None:
