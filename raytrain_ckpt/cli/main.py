@@ -50,21 +50,21 @@ def _parser() -> argparse.ArgumentParser:
                         help="json: JSON Schema; markdown: the field reference table in README")
     _add_conversion_commands(sub)
     # checkpoint progress and checks: status, ls, verify (raytrain_ckpt/cli/status.py)
-    from raytrain_ckpt.cli import status as inventory_cli
+    from raytrain_ckpt.cli import status
 
-    inventory_cli.add_parsers(sub)
-    from raytrain_ckpt.cli import forensics as forensics_cli  # diff, stats, bisect: what a step holds, tensor by tensor
+    status.add_parsers(sub)
+    from raytrain_ckpt.cli import forensics  # diff, stats, bisect: what a step holds, tensor by tensor
 
-    forensics_cli.add_parsers(sub)
+    forensics.add_parsers(sub)
     from raytrain_ckpt.cli import clean_buffers
 
     clean_buffers.add_parser(sub)
     from raytrain_ckpt.cli import prepare
 
     prepare.add_parser(sub)
-    from raytrain_ckpt.cli import diagnostics as diagnostics_cli
+    from raytrain_ckpt.cli import diagnostics
 
-    diagnostics_cli.add_parser(sub)
+    diagnostics.add_parser(sub)
     return p
 
 
@@ -134,21 +134,21 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return clean_buffers.run(args)
     if args.command == "diagnostics":
-        from raytrain_ckpt.cli import diagnostics as diagnostics_cli
+        from raytrain_ckpt.cli import diagnostics
 
-        return diagnostics_cli.run(args)
+        return diagnostics.run(args)
     if args.command == "prepare-data":
         from raytrain_ckpt.cli import prepare
 
         return prepare.run(args)
     if args.command in ("diff", "stats", "bisect"):
-        from raytrain_ckpt.cli import forensics as forensics_cli
+        from raytrain_ckpt.cli import forensics
 
-        return forensics_cli.run(args)
+        return forensics.run(args)
     if args.command in ("status", "ls", "verify"):
-        from raytrain_ckpt.cli import status as inventory_cli
+        from raytrain_ckpt.cli import status
 
-        return inventory_cli.run(args)
+        return status.run(args)
     # Only the commands that read a spec import it (pydantic and the spec models): status, ls
     # and verify start faster without.
     from raytrain_ckpt import api
