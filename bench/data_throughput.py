@@ -60,8 +60,8 @@ def _init_single_rank() -> None:
 def _trainer(corpus: Path, per_rank_batch: int):
     import torch
 
-    from raytrain_ckpt.preflight import load_spec
-    from raytrain_ckpt.trainer import Trainer
+    from raytrain_ckpt.control.preflight import load_spec
+    from raytrain_ckpt.rank.trainer import Trainer
 
     spec = load_spec(REPO / "jobs/llama_debug_tokens.yaml", [
         f"data.path={corpus}", "resources.num_workers=1", "checkpoint.enabled=false",
@@ -143,7 +143,7 @@ def _floor(paths: list[Path], tokenizer: Path, batch: bool) -> tuple[int, float]
 
 
 def prepare_vs_floor(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
-    from raytrain_ckpt.prepare import TOKENIZER_FILE, prepare_data
+    from raytrain_ckpt.cli.prepare import TOKENIZER_FILE, prepare_data
 
     src = tmp / "jsonl"
     src.mkdir()

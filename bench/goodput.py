@@ -38,7 +38,7 @@ from pathlib import Path
 import ray
 import raytrain_peer
 
-from raytrain_ckpt.faults import ENV_VAR, STAMP_VAR
+from raytrain_ckpt.common.faults import ENV_VAR, STAMP_VAR
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "jobs" / "llama_debug_fsdp.yaml"
@@ -69,8 +69,8 @@ def plan(trace: list[str]) -> str:
 
 
 def run(tmp: Path, steps: int, faults: str, *extra: str) -> tuple[object, float]:
-    from raytrain_ckpt.driver import run_job
-    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.control.driver import run_job
+    from raytrain_ckpt.control.preflight import load_spec
 
     os.environ[ENV_VAR] = faults
     os.environ[STAMP_VAR] = str(tmp / "stamp")
@@ -108,7 +108,7 @@ def _next_attempt(tmp: Path, rank: int) -> int:
 
 
 def _ray_train_loop(config: dict) -> None:
-    from raytrain_ckpt import faults
+    from raytrain_ckpt.common import faults
 
     trainer, rank, _ = raytrain_peer.start(config)
     tmp, steps = Path(config["tmp"]), trainer.spec.training.steps
@@ -153,7 +153,7 @@ def ray_train_ledger(rows: list[tuple[int, int, float, float]], started: float, 
 def run_ray_train(tmp: Path, steps: int, trace: list[str]) -> dict:
     from ray.train import FailureConfig
 
-    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.control.preflight import load_spec
 
     spec = load_spec(SPEC, [f"training.steps={steps}", f"checkpoint.dir={tmp / 'unused'}",
                             "checkpoint.interval_steps=5", "training.log_every_steps=100"])

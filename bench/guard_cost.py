@@ -27,9 +27,9 @@ MODES = ("off", "nonfinite", "spike")
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
-    from raytrain_ckpt.guard import LossGuard
-    from raytrain_ckpt.preflight import load_spec
-    from raytrain_ckpt.trainer import Trainer
+    from raytrain_ckpt.rank.guard import LossGuard
+    from raytrain_ckpt.control.preflight import load_spec
+    from raytrain_ckpt.rank.trainer import Trainer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))

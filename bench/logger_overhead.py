@@ -46,7 +46,7 @@ def _closed_port() -> int:
 
 
 def _loggers(tmp: str) -> list:
-    from raytrain_ckpt.loggers import BackgroundLogger, MlflowLogger, WandbLogger
+    from raytrain_ckpt.observe.loggers import BackgroundLogger, MlflowLogger, WandbLogger
 
     mlflow_uri = f"http://127.0.0.1:{_closed_port()}"
     os.environ.update(WANDB_BASE_URL=f"http://127.0.0.1:{_closed_port()}", WANDB_API_KEY="x" * 40,

@@ -18,8 +18,8 @@ import ray
 
 @ray.remote(num_cpus=0)
 def _time_after_step(calls: int) -> dict[str, float]:
-    from raytrain_ckpt.metrics import TrainerMetrics
-    from raytrain_ckpt.trainer import StepReport
+    from raytrain_ckpt.observe.metrics import TrainerMetrics
+    from raytrain_ckpt.rank.trainer import StepReport
 
     m = TrainerMetrics("bench", rank=0)
     report = StepReport(step=1, loss=1.0, step_time_s=0.1, tokens_per_s=1e4, lr=1e-3)

@@ -77,8 +77,8 @@ def _job_step(job: str) -> int:
 
 
 def ours(tmp: Path, handle: bool) -> dict[str, float]:
-    from raytrain_ckpt.driver import run_job
-    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.control.driver import run_job
+    from raytrain_ckpt.control.preflight import load_spec
 
     cluster, nodes = _cluster()
     extra = ("fault_tolerance.max_restarts=0",) if handle else ("fault_tolerance.watch_drains=false",
@@ -142,7 +142,7 @@ def _ray_train_loop(config: dict) -> None:
 def ray_train(tmp: Path) -> dict[str, float] | None:
     from ray.train import FailureConfig
 
-    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.control.preflight import load_spec
 
     cluster, nodes = _cluster()
     spec = load_spec(SPEC, _overrides(tmp / "unused"))

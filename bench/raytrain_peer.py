@@ -37,7 +37,7 @@ def start(config: dict) -> tuple[Any, int, int | None]:
 
     from raytrain_ckpt.checkpoint.recovery.state import load_app_state
     from raytrain_ckpt.spec import JobSpec
-    from raytrain_ckpt.trainer import Trainer
+    from raytrain_ckpt.rank.trainer import Trainer
 
     torch.set_num_threads(1)
     trainer = Trainer(JobSpec.model_validate_json(config["spec"]), torch.device("cpu"))

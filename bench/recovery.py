@@ -47,7 +47,7 @@ from pathlib import Path
 import ray
 import raytrain_peer
 
-from raytrain_ckpt.faults import ENV_VAR, STAMP_VAR
+from raytrain_ckpt.common.faults import ENV_VAR, STAMP_VAR
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "jobs" / "llama_debug_fsdp.yaml"
@@ -61,8 +61,8 @@ def _overrides(ckpt_dir: str) -> list[str]:
 
 
 def ours(tmp: Path, reuse: bool = True) -> dict[str, float]:
-    from raytrain_ckpt.driver import run_job
-    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.control.driver import run_job
+    from raytrain_ckpt.control.preflight import load_spec
 
     stamp = tmp / "kill"
     os.environ[STAMP_VAR] = str(stamp)
@@ -107,8 +107,8 @@ def _evict_when_killed(stamp: Path, root: Path, done: threading.Event) -> None:
 
 def load_rows(tmp: Path, copies: int, shape: dict[str, int], cold: bool) -> dict[str, float]:
     """One restart of the large model, loading from memory (``copies`` 2) or storage (1)."""
-    from raytrain_ckpt.driver import run_job
-    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.control.driver import run_job
+    from raytrain_ckpt.control.preflight import load_spec
 
     os.environ[ENV_VAR] = "exit@step:rank=1,step=3"
     os.environ[STAMP_VAR] = str(tmp / "kill")
@@ -182,7 +182,7 @@ def ray_train(tmp: Path) -> dict[str, float] | None:
         return None
     from ray.train import FailureConfig
 
-    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.control.preflight import load_spec
 
     spec = load_spec(SPEC, _overrides(str(tmp / "unused")))
     trainer = raytrain_peer.torch_trainer(_ray_train_loop, {"spec": spec.model_dump_json(), "tmp": str(tmp)}, tmp,
@@ -210,8 +210,8 @@ def node_loss(tmp: Path, mode: str) -> dict[str, float]:
 
     from ray.cluster_utils import Cluster
 
-    from raytrain_ckpt.driver import run_job
-    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.control.driver import run_job
+    from raytrain_ckpt.control.preflight import load_spec
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
@@ -248,7 +248,7 @@ def node_loss(tmp: Path, mode: str) -> dict[str, float]:
 
 
 def main_node_loss(reps: int) -> None:
-    from raytrain_ckpt.logs import setup_logging
+    from raytrain_ckpt.common.logs import setup_logging
 
     setup_logging()
     # A private session root and no auth: these clusters must not touch any other Ray on the machine.

@@ -60,7 +60,7 @@ from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy  # noqa: E
 from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport, TrainingPoint  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.repeats import SentResults  # noqa: E402
-from raytrain_ckpt.preflight import load_spec  # noqa: E402
+from raytrain_ckpt.control.preflight import load_spec  # noqa: E402
 
 
 def _spec() -> Any:
@@ -179,7 +179,7 @@ def one(model: str, n: int) -> dict[str, Any]:
         point = asyncio.run(actor.acquire("bench", "latest", "size"))
         out["resume_s"] = time.perf_counter() - t0
         assert point is not None and point.step == 100, point
-        from raytrain_ckpt.inventory import status_report
+        from raytrain_ckpt.report.inventory import status_report
 
         t0 = time.perf_counter()
         text, data = status_report(root, "size")
@@ -237,15 +237,15 @@ def poll_rounds(sizes: list[int], actors: int = 8, rounds: int = 3, per_node: in
     """Seconds of one ``RayWorkerGroup.poll`` (the median of ``rounds``) over each of ``sizes``
     ranks, ``per_node`` to a node, served by ``actors`` real async Ray actors: every rank's
     pending ``run`` is a real Ray call, and each node's ``node_progress`` call (one per node) a
-    real Ray call that reads its ranks' real progress files (``nodeprogress.py``); a node's ranks
+    real Ray call that reads its ranks' real progress files (``rank/progress.py``); a node's ranks
     share an actor, several nodes to an actor."""
     import statistics
 
     import ray
 
-    from raytrain_ckpt.events import NodeProgress, Progress
-    from raytrain_ckpt.group import RayWorkerGroup
-    from raytrain_ckpt.nodeprogress import ProgressFile, read_node
+    from raytrain_ckpt.common.events import NodeProgress, Progress
+    from raytrain_ckpt.control.group import RayWorkerGroup
+    from raytrain_ckpt.rank.progress import ProgressFile, read_node
 
     spec = _spec()
 

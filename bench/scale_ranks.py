@@ -32,7 +32,7 @@ from raytrain_ckpt.checkpoint.recovery.state import create_optimizer_state
 from raytrain_ckpt.models.config import PRESETS, LlamaConfig
 from raytrain_ckpt.models.llama import Llama
 from raytrain_ckpt.spec import JobSpec
-from raytrain_ckpt.trainer import build_optimizer, lr_lambda
+from raytrain_ckpt.rank.trainer import build_optimizer, lr_lambda
 
 __all__ = ["MODELS", "RankTemplate", "local_plan", "template", "write_results"]
 

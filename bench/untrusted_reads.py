@@ -44,7 +44,7 @@ if sys.argv[1] == "off":
     import raytrain_ckpt.checkpoint.format.scancache as c
     c.passed_before = lambda key: False
     c.remember_pass = lambda key: None
-from raytrain_ckpt.cli import main
+from raytrain_ckpt.cli.main import main
 sys.exit(main(sys.argv[2:]))
 """
 

@@ -19,12 +19,13 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from raytrain_ckpt.api import ls, resolve_spec, run, status, verify
-    from raytrain_ckpt.controller import JobResult, JobState
+    from raytrain_ckpt.control.controller import JobResult, JobState
     from raytrain_ckpt.spec import JobSpec, SpecError
-    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.control.preflight import load_spec
 
-_HOMES = {"JobSpec": "spec", "SpecError": "spec", "load_spec": "preflight", "JobResult": "controller",
-          "JobState": "controller", "ls": "api", "resolve_spec": "api", "run": "api", "status": "api", "verify": "api"}
+_HOMES = {"JobSpec": "spec", "SpecError": "spec", "load_spec": "control.preflight",
+          "JobResult": "control.controller", "JobState": "control.controller",
+          "ls": "api", "resolve_spec": "api", "run": "api", "status": "api", "verify": "api"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,5 +1,5 @@
 import sys
 
-from raytrain_ckpt.cli import main
+from raytrain_ckpt.cli.main import main
 
 sys.exit(main())

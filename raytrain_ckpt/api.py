@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from raytrain_ckpt.spec import JobSpec, apply_overrides
 
-from raytrain_ckpt.preflight import check_environment, load_spec, validate_spec
+from raytrain_ckpt.control.preflight import check_environment, load_spec, validate_spec
 
 if TYPE_CHECKING:
-    from raytrain_ckpt.controller import JobResult
-    from raytrain_ckpt.inventory import StepRow
+    from raytrain_ckpt.control.controller import JobResult
+    from raytrain_ckpt.report.inventory import StepRow
 
 __all__ = ["ls", "resolve_spec", "run", "status", "verify"]
 
@@ -60,7 +60,7 @@ def run(spec: SpecLike, overrides: list[str] | None = None, address: str | None 
     """
     import os
 
-    from raytrain_ckpt.driver import run_job
+    from raytrain_ckpt.control.driver import run_job
 
     job = resolve_spec(spec, overrides)
     return run_job(job, address=address or os.environ.get("RAY_ADDRESS"))
@@ -71,7 +71,7 @@ def ls(root: str | Path, checksum: bool = False) -> list[StepRow]:
 
     ``checksum`` also checks every file's CRC-32 (reads every byte); otherwise file sizes.
     """
-    from raytrain_ckpt.inventory import StepRow, status_report
+    from raytrain_ckpt.report.inventory import StepRow, status_report
 
     data = status_report(str(root), "checksum" if checksum else "size")[1]
     return [StepRow(**row) for row in data["steps"]]
@@ -83,7 +83,7 @@ def verify(step_dir: str | Path) -> list[str]:
     Raises:
         ValueError: ``step_dir`` is not a directory.
     """
-    from raytrain_ckpt.inventory import UsageError, verify_step
+    from raytrain_ckpt.report.inventory import UsageError, verify_step
 
     path = Path(step_dir)
     if not path.is_dir():
@@ -94,8 +94,8 @@ def verify(step_dir: str | Path) -> list[str]:
 def status(root: str | Path | None = None, job: str | None = None, address: str | None = None) -> dict[str, Any]:
     """Checkpoint progress as ``raytrain-ckpt status --json`` prints it: of a checkpoint root on
     disk, or (``job``) of a running job, asked of its CheckpointActor on the Ray cluster."""
-    from raytrain_ckpt.inventory import UsageError, status_report
-    from raytrain_ckpt.jobstatus import job_report, job_status
+    from raytrain_ckpt.report.inventory import UsageError, status_report
+    from raytrain_ckpt.report.jobstatus import job_report, job_status
 
     if job is not None and root is not None:
         raise UsageError("status: give either a checkpoint root or a job, not both")

@@ -15,7 +15,7 @@ import sys
 import urllib.parse
 import urllib.request
 
-from raytrain_ckpt.dashboard import packaged_dashboard
+from raytrain_ckpt.observe.dashboard import packaged_dashboard
 
 
 def _targets(panels: list[dict]) -> list[tuple[str, str]]:

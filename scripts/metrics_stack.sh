@@ -31,7 +31,7 @@ command -v prometheus >/dev/null || { echo "error: prometheus not found: apt-get
 
 # the repository on the path: the script works from any directory, installed or not
 dashboard=$(PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$python" -c \
-    'import yaml; from raytrain_ckpt.dashboard import packaged_dashboard; print(packaged_dashboard())' 2>/dev/null) \
+    'import yaml; from raytrain_ckpt.observe.dashboard import packaged_dashboard; print(packaged_dashboard())' 2>/dev/null) \
     || { echo "error: $python cannot import raytrain_ckpt and yaml: set PYTHON to the interpreter raytrain_ckpt is installed in (or create $repo/.venv: pip install -e $repo)" >&2; exit 2; }
 dashboards=$session/metrics/grafana/dashboards
 mkdir -p "$dashboards"

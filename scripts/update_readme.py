@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from raytrain_ckpt.spec_reference import BEGIN, END, spec_reference_markdown
+from raytrain_ckpt.cli.spec_reference import BEGIN, END, spec_reference_markdown
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

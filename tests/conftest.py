@@ -137,9 +137,9 @@ def reference_20_run(ray_cluster, tmp_path_factory):
     """``REFERENCE_20`` run once, uninterrupted: (its result, its checkpoint directory). Its
     parameters, optimizer state and losses do not depend on where the checkpoints went or how many
     are kept, so every module that runs the same job with a fault compares with it."""
-    from raytrain_ckpt.controller import JobState
-    from raytrain_ckpt.driver import run_job
-    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.control.controller import JobState
+    from raytrain_ckpt.control.driver import run_job
+    from raytrain_ckpt.control.preflight import load_spec
 
     ckpt_dir = tmp_path_factory.mktemp("reference-20")
     result = run_job(load_spec(REPO / "jobs" / "llama_debug_fsdp.yaml", [*REFERENCE_20, f"checkpoint.dir={ckpt_dir}"]))

@@ -70,6 +70,13 @@ class RankReport:
     """``roles.repeats.results_digest`` of ``results`` ("": not computed; the coordinator computes it)."""
 
 
+__all__ += ["STALLED"]
+
+STALLED = ", its write of "
+"""Joins a writer's name and one of its writes in the key of a stalled write's silence (the writers'
+fleet builds the key, the controller's silence watch reads it)."""
+
+
 __all__ += ["PersistRequest"]
 
 
@@ -267,11 +274,11 @@ class JobNote:
     last_hang: str | None = None
     """The latest hang: its culprit and the diagnostics folder with every rank's stacks."""
     goodput: float | None = None
-    """Training time / wall time so far (``goodput.py``)."""
+    """Training time / wall time so far (``control/watch/goodput.py``)."""
     stragglers: list[int] | None = None
-    """Ranks reported as stragglers (``stragglers.py``)."""
+    """Ranks reported as stragglers (``control/watch/stragglers.py``)."""
     stuck: str | None = None
-    """A checkpoint writer or the actor not answering now, with the step (``silence.py``)."""
+    """A checkpoint writer or the actor not answering now, with the step (``control/watch/silence.py``)."""
 
 
 @dataclass(frozen=True)

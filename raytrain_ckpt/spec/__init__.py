@@ -6,7 +6,7 @@ Every problem is reported as ``path[=value]: what is wrong; how to fix it``.
 ``sections.py`` holds one pydantic model per section, ``job.py`` the whole ``JobSpec`` and the
 checks across sections, ``loading.py`` file reading, overrides and error formatting. Checks of a
 spec against the machine (paths, memory, an object store) and ``load_spec`` are in
-``raytrain_ckpt/preflight.py``: this package imports nothing of the checkpoint machinery.
+``raytrain_ckpt/control/preflight.py``: this package imports nothing of the checkpoint machinery.
 """
 
 from raytrain_ckpt.spec.job import JobSpec

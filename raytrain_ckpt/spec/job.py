@@ -22,9 +22,9 @@ from raytrain_ckpt.spec.sections import (
     ParallelismSpec,
     ResourcesSpec,
     TrainingSpec,
-    _Section,
     is_ascii_digits,
 )
+from raytrain_ckpt.spec.sections.base import _Section
 
 __all__ = ["JobSpec"]
 

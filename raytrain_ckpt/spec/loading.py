@@ -153,7 +153,7 @@ def read_spec(path: str | Path, overrides: list[str] | None = None) -> dict[str,
 
 def parse_spec(raw: dict[str, Any], base_dir: Path) -> JobSpec:
     """Validate a spec shaped as the file is (its own rules only, not this machine: see
-    ``raytrain_ckpt/preflight.py``).
+    ``raytrain_ckpt/control/preflight.py``).
 
     Args:
         raw: The spec's sections, overrides already applied.

@@ -1,5 +1,5 @@
 """``training.loggers``: where a job's scalars go besides its own log (TensorBoard, W&B, MLflow,
-or the user's own logger by import path). The backends themselves are ``raytrain_ckpt/loggers.py``."""
+or the user's own logger by import path). The backends themselves are ``raytrain_ckpt/observe/loggers.py``."""
 
 from __future__ import annotations
 

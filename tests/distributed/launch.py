@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 # What a rank imports, imported once in the fork server: each rank is then a fork of it (a real,
 # separate process) instead of a fresh interpreter importing torch and the trainer (2-3 s of CPU).
 _PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.distributed.pipelining",
-            "raytrain_ckpt.trainer", "raytrain_ckpt.checkpoint.roles.client", "tests.distributed.launch")
+            "raytrain_ckpt.rank.trainer", "raytrain_ckpt.checkpoint.roles.client", "tests.distributed.launch")
 
 
 def _context(backend: str) -> Any:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.preflight import load_spec
 from tests.distributed.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -26,7 +26,7 @@ def _spec(*extra: str) -> str:
 
 def _trainer(spec_json: str):
     from raytrain_ckpt.spec import JobSpec
-    from raytrain_ckpt.trainer import Trainer
+    from raytrain_ckpt.rank.trainer import Trainer
 
     torch.set_num_threads(1)
     return Trainer(JobSpec.model_validate_json(spec_json), torch.device("cpu"))

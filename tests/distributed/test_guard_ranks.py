@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.preflight import load_spec
 from tests.distributed.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -25,10 +25,10 @@ def nan_at_step(spec_json: str, guarded: bool, fault: str) -> dict:
 
     import torch.distributed as dist
 
-    from raytrain_ckpt.faults import ENV_VAR
-    from raytrain_ckpt.guard import GuardTrip, LossGuard
+    from raytrain_ckpt.common.faults import ENV_VAR
+    from raytrain_ckpt.rank.guard import GuardTrip, LossGuard
     from raytrain_ckpt.spec import JobSpec
-    from raytrain_ckpt.trainer import Trainer
+    from raytrain_ckpt.rank.trainer import Trainer
 
     os.environ[ENV_VAR] = fault
     torch.set_num_threads(1)
@@ -71,10 +71,10 @@ def roll_back_in_place(spec_json: str, ckpt_dir: str, windows: list[list[int]] |
 
     from raytrain_ckpt.checkpoint.recovery.state import app_state, load_app_state
     from raytrain_ckpt.data.skips import SampleSkips
-    from raytrain_ckpt.faults import ENV_VAR
-    from raytrain_ckpt.guard import GuardTrip, LossGuard
+    from raytrain_ckpt.common.faults import ENV_VAR
+    from raytrain_ckpt.rank.guard import GuardTrip, LossGuard
     from raytrain_ckpt.spec import JobSpec
-    from raytrain_ckpt.trainer import Trainer
+    from raytrain_ckpt.rank.trainer import Trainer
 
     torch.set_num_threads(1)
     spec = JobSpec.model_validate_json(spec_json)
@@ -120,9 +120,9 @@ def spike_steps(spec_json: str, steps: int) -> dict:
     """Which steps read a random window, and at which steps the spike guard trips (a trip skips the step)."""
     import torch.distributed as dist
 
-    from raytrain_ckpt.guard import GuardTrip, LossGuard
+    from raytrain_ckpt.rank.guard import GuardTrip, LossGuard
     from raytrain_ckpt.spec import JobSpec
-    from raytrain_ckpt.trainer import Trainer
+    from raytrain_ckpt.rank.trainer import Trainer
 
     torch.set_num_threads(1)
     spec = JobSpec.model_validate_json(spec_json)

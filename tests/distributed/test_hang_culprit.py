@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from raytrain_ckpt.hangs import blame, dump_stacks, in_collective, py_spy, training_thread
+from raytrain_ckpt.control.watch.hangs import blame, dump_stacks, in_collective, py_spy, training_thread
 
 pytestmark = pytest.mark.skipif(py_spy() is None, reason="py-spy is a dependency of the project")
 

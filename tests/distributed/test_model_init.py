@@ -11,7 +11,7 @@ import torch
 
 from raytrain_ckpt.models import Llama, describe_model
 from raytrain_ckpt.spec import JobSpec
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.preflight import load_spec
 from tests.distributed.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -28,7 +28,7 @@ def _spec(workers: int, *extra: str) -> str:
 
 def initial_params(spec_json: str) -> dict:
     """This rank's parameters right after the Trainer is built, unsharded (collective over dp)."""
-    from raytrain_ckpt.trainer import Trainer
+    from raytrain_ckpt.rank.trainer import Trainer
 
     torch.set_num_threads(1)
     trainer = Trainer(JobSpec.model_validate_json(spec_json), torch.device("cpu"))
@@ -87,7 +87,7 @@ def restored_params(spec_json: str, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from raytrain_ckpt.trainer import Trainer
+    from raytrain_ckpt.rank.trainer import Trainer
 
     torch.set_num_threads(1)
     spec = JobSpec.model_validate_json(spec_json)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raytrain_ckpt.nccl_trace import rank_trace
+from raytrain_ckpt.rank.nccl_trace import rank_trace
 from tests.distributed.launch import run_ranks
 
 

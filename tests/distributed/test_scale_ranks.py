@@ -15,7 +15,7 @@ import torch
 
 from bench.scale_ranks import local_plan, template
 from raytrain_ckpt.models.factory import describe_model
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.preflight import load_spec
 from tests.distributed.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -33,7 +33,7 @@ def real_local_plan(spec_json: str) -> bytes:
 
     from raytrain_ckpt.checkpoint.recovery.state import app_state
     from raytrain_ckpt.spec import JobSpec
-    from raytrain_ckpt.trainer import Trainer
+    from raytrain_ckpt.rank.trainer import Trainer
 
     torch.set_num_threads(1)
     trainer = Trainer(JobSpec.model_validate_json(spec_json), torch.device("cpu"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.preflight import load_spec
 from tests.distributed.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.distributed
 
 def train(spec_json: str, steps: int) -> dict:
     from raytrain_ckpt.spec import JobSpec
-    from raytrain_ckpt.trainer import Trainer
+    from raytrain_ckpt.rank.trainer import Trainer
 
     torch.set_num_threads(1)
     trainer = Trainer(JobSpec.model_validate_json(spec_json), torch.device("cpu"))

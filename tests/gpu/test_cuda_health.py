@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytrain_ckpt.health import gpu_problem, plan_probes, probe_nodes
+from raytrain_ckpt.control.watch.health import gpu_problem, plan_probes, probe_nodes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,7 +25,7 @@ def test_the_probe_task_gets_the_bundles_gpu_and_passes(ray_cluster):
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from raytrain_ckpt.pool import bundle_nodes
+    from raytrain_ckpt.control.pool import bundle_nodes
 
     ray = ray_cluster
     pg = placement_group([{"CPU": 1, "GPU": 1}])

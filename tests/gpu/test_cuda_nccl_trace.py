@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raytrain_ckpt.nccl_trace import TRACE_ENV, enable_recorder, keep_traces, rank_trace, traces_in
+from raytrain_ckpt.rank.nccl_trace import TRACE_ENV, enable_recorder, keep_traces, rank_trace, traces_in
 from tests.distributed.launch import run_ranks
 
 pytestmark = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.preflight import load_spec
 from tests.distributed.launch import run_ranks
 
 pytestmark = [
@@ -18,7 +18,7 @@ def train_cuda(spec_json: str, steps: int) -> dict:
     import time
 
     from raytrain_ckpt.spec import JobSpec
-    from raytrain_ckpt.trainer import Trainer
+    from raytrain_ckpt.rank.trainer import Trainer
 
     trainer = Trainer(JobSpec.model_validate_json(spec_json), torch.device("cuda", torch.cuda.current_device()))
     start = None

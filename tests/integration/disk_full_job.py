@@ -25,8 +25,8 @@ os.environ["RAYTRAIN_CKPT_FAULTS"] = "slow@step:rank=0,step=7;slow@step:rank=0,s
 import ray  # noqa: E402
 
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout  # noqa: E402
-from raytrain_ckpt.driver import run_job  # noqa: E402
-from raytrain_ckpt.preflight import load_spec  # noqa: E402
+from raytrain_ckpt.control.driver import run_job  # noqa: E402
+from raytrain_ckpt.control.preflight import load_spec  # noqa: E402
 
 LEAVE_FREE = 6 << 20
 """What the filler leaves: about half of one step of the debug model (11.5 MB)."""

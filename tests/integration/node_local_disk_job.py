@@ -37,7 +37,7 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from raytrain_ckpt.checkpoint.roles.service import CheckpointService  # noqa: E402
-from raytrain_ckpt.preflight import load_spec  # noqa: E402
+from raytrain_ckpt.control.preflight import load_spec  # noqa: E402
 
 JOB = REPO / "jobs" / "llama_debug_fsdp.yaml"
 NODE_TIMEOUT_S = 60.0

@@ -22,8 +22,8 @@ os.environ.pop("RAY_ADDRESS", None)
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from raytrain_ckpt.driver import run_job  # noqa: E402
-from raytrain_ckpt.preflight import load_spec  # noqa: E402
+from raytrain_ckpt.control.driver import run_job  # noqa: E402
+from raytrain_ckpt.control.preflight import load_spec  # noqa: E402
 
 
 def main(ckpt_dir: str) -> None:

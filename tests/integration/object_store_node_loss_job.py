@@ -34,9 +34,9 @@ from ray.util import placement_group_table  # noqa: E402
 
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name  # noqa: E402
-from raytrain_ckpt.driver import run_job  # noqa: E402
-from raytrain_ckpt.faults import ENV_VAR  # noqa: E402
-from raytrain_ckpt.preflight import load_spec  # noqa: E402
+from raytrain_ckpt.control.driver import run_job  # noqa: E402
+from raytrain_ckpt.common.faults import ENV_VAR  # noqa: E402
+from raytrain_ckpt.control.preflight import load_spec  # noqa: E402
 
 STEP_TIMEOUT_S = 240.0
 

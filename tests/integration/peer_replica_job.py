@@ -29,9 +29,9 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name, writer_name  # noqa: E402
-from raytrain_ckpt.driver import run_job  # noqa: E402
-from raytrain_ckpt.logs import setup_logging  # noqa: E402
-from raytrain_ckpt.preflight import load_spec  # noqa: E402
+from raytrain_ckpt.control.driver import run_job  # noqa: E402
+from raytrain_ckpt.common.logs import setup_logging  # noqa: E402
+from raytrain_ckpt.control.preflight import load_spec  # noqa: E402
 
 SAVED = 10
 

@@ -18,7 +18,7 @@ SHORT = ["training.steps=4", "training.log_every_steps=1", "lr_scheduler.warmup_
 
 
 def test_run_returns_the_result_and_inspection_sees_the_checkpoint(ray_cluster, tmp_path, capfd):
-    from raytrain_ckpt.dashboard import DASHBOARD_FILE, dashboards_dir
+    from raytrain_ckpt.observe.dashboard import DASHBOARD_FILE, dashboards_dir
 
     dashboard = dashboards_dir() / DASHBOARD_FILE
     dashboard.unlink(missing_ok=True)  # an earlier test's job may have put it there
@@ -49,8 +49,8 @@ def test_run_takes_a_dict_and_overrides_beat_it(tmp_path):
 
 
 def test_the_dashboard_lands_in_the_sessions_grafana_directory(ray_cluster):
-    from raytrain_ckpt.dashboard import DASHBOARD_FILE, dashboards_dir, install_dashboard
-    from raytrain_ckpt.metrics import exported_names
+    from raytrain_ckpt.observe.dashboard import DASHBOARD_FILE, dashboards_dir, install_dashboard
+    from raytrain_ckpt.observe.metrics import exported_names
 
     target = dashboards_dir()
     session = Path(ray_cluster._private.worker._global_node.get_session_dir_path())

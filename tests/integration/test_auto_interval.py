@@ -10,10 +10,10 @@ import time
 import pytest
 
 from raytrain_ckpt.checkpoint.policy.interval import PRIOR_WEIGHT
-from raytrain_ckpt.controller import JobState
-from raytrain_ckpt.driver import run_job
-from raytrain_ckpt.faults import ENV_VAR
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.controller import JobState
+from raytrain_ckpt.control.driver import run_job
+from raytrain_ckpt.common.faults import ENV_VAR
+from raytrain_ckpt.control.preflight import load_spec
 
 pytestmark = pytest.mark.integration
 

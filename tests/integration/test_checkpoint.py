@@ -15,10 +15,10 @@ import pytest
 
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.roles.names import actor_name, NAMESPACE
-from raytrain_ckpt.controller import JobResult, JobState
-from raytrain_ckpt.driver import run_job
-from raytrain_ckpt.faults import ENV_VAR, STAMP_VAR
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.controller import JobResult, JobState
+from raytrain_ckpt.control.driver import run_job
+from raytrain_ckpt.common.faults import ENV_VAR, STAMP_VAR
+from raytrain_ckpt.control.preflight import load_spec
 
 pytestmark = pytest.mark.integration
 
@@ -103,7 +103,7 @@ def test_hung_rank_is_detected_in_time_and_the_job_resumes_bit_exact(reference, 
     assert detected - float(stamp.read_text()) <= 60
     hang, crash = result.failures
     assert (hang.kind, hang.rank, crash.kind) == ("hang", 1, "crash"), result.failures
-    assert hang.headline.startswith("stuck in maybe_inject (raytrain_ckpt/faults.py:"), hang.headline
+    assert hang.headline.startswith("stuck in maybe_inject (raytrain_ckpt/common/faults.py:"), hang.headline
     assert "not in the collective that rank 0 wait in" in hang.headline and "hang_timeout_s=auto" in hang.headline
     folder = tmp_path / "llama-debug-fsdp" / "diagnostics" / "attempt-0"
     # the hang's folder, then the crash's failure record (every rank's text of attempt 1)
@@ -111,8 +111,8 @@ def test_hung_rank_is_detected_in_time_and_the_job_resumes_bit_exact(reference, 
     assert result.diagnostics == [str(folder), str(crash_record)]
     assert crash_record.is_file()
     stuck = (folder / "rank-1.stacks.txt").read_text()
-    assert "maybe_inject (raytrain_ckpt/faults.py" in stuck, stuck
-    assert "TrainWorker._run (raytrain_ckpt/worker.py" in stuck, stuck
+    assert "maybe_inject (raytrain_ckpt/common/faults.py" in stuck, stuck
+    assert "TrainWorker._run (raytrain_ckpt/rank/worker.py" in stuck, stuck
     assert "torch/distributed" in (folder / "rank-0.stacks.txt").read_text()
     verdict = (folder / "verdict.txt").read_text()
     assert "culprit: rank 1" in verdict and "rank 1 nccl trace: none (no flight recorder: backend gloo)" in verdict
@@ -312,7 +312,7 @@ def test_resuming_an_older_step_starts_a_new_timeline(reference, tmp_path, monke
 
 @pytest.mark.parametrize("how", ["number", "path"])
 def test_resuming_a_damaged_step_asked_for_fails_the_start(ten_steps, tmp_path, capfd, how):
-    from raytrain_ckpt import cli
+    from raytrain_ckpt.cli import main as cli
 
     root = _copy(ten_steps, tmp_path)
     shard = next((root / "step-00000010").glob("__0_*.distcp"))
@@ -348,7 +348,7 @@ def test_a_second_run_into_the_same_job_root_is_refused_at_start(ray_cluster, tm
 def refused_while_held(holder, root: str, capfd, *overrides: str) -> None:
     """``run`` of the demo job (``overrides`` on BASE, 5 steps) while ``holder``, a process holding
     the run lock of job root ``root``, lives: exit 2, one line naming the holder, no traceback."""
-    from raytrain_ckpt import cli
+    from raytrain_ckpt.cli import main as cli
 
     try:
         capfd.readouterr()

@@ -22,11 +22,11 @@ from raytrain_ckpt.checkpoint.errors import ConversionError
 from raytrain_ckpt.models.hf import hf_name
 from raytrain_ckpt.checkpoint.interchange.importer import import_checkpoint
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
-from raytrain_ckpt.cli import main
-from raytrain_ckpt.controller import JobResult, JobState
-from raytrain_ckpt.driver import run_job
+from raytrain_ckpt.cli.main import main
+from raytrain_ckpt.control.controller import JobResult, JobState
+from raytrain_ckpt.control.driver import run_job
 from raytrain_ckpt.models import build_model
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.preflight import load_spec
 
 pytestmark = pytest.mark.integration
 

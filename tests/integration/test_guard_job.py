@@ -15,11 +15,11 @@ import torch
 
 from raytrain_ckpt.checkpoint.format.fingerprints import step_stats
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
-from raytrain_ckpt.controller import JobState
+from raytrain_ckpt.control.controller import JobState
 from raytrain_ckpt.data import TokenSource, build_data
-from raytrain_ckpt.driver import run_job
-from raytrain_ckpt.faults import ENV_VAR
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.driver import run_job
+from raytrain_ckpt.common.faults import ENV_VAR
+from raytrain_ckpt.control.preflight import load_spec
 
 pytestmark = pytest.mark.integration
 

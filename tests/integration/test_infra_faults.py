@@ -18,11 +18,11 @@ import ray
 
 from raytrain_ckpt.checkpoint.roles import bulletin
 from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name, writer_name
-from raytrain_ckpt.controller import JobResult, JobState
-from raytrain_ckpt.driver import run_job
-from raytrain_ckpt.faults import ENV_VAR
-from raytrain_ckpt.hangs import status_line
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.controller import JobResult, JobState
+from raytrain_ckpt.control.driver import run_job
+from raytrain_ckpt.common.faults import ENV_VAR
+from raytrain_ckpt.report.jobstatus import status_line
+from raytrain_ckpt.control.preflight import load_spec
 
 pytestmark = pytest.mark.integration
 

@@ -93,7 +93,7 @@ def test_status_across_the_end_of_a_real_job(tmp_path):
         assert [r["step"] for r in data["steps"] if r["status"] == "valid"] == [10, 12]  # (retention keeps 2)
 
         driver_log = log_path.read_text()  # the driver's progress line, as plain log lines (not a terminal)
-        assert "raytrain_ckpt.progressline: progress: step " in driver_log and "/12 (" in driver_log
+        assert "raytrain_ckpt.observe.progressline: progress: step " in driver_log and "/12 (" in driver_log
         jobs = _jobs(env)  # the driver's job only: no status call joined the cluster
         assert len(jobs) == 1, jobs
         meta = next(iter(jobs.values()))

@@ -21,8 +21,8 @@ import pytest
 
 import raytrain_ckpt
 from raytrain_ckpt.checkpoint.storage.backends import job_root
-from raytrain_ckpt.faults import ENV_VAR
-from raytrain_ckpt.loggers import run_id
+from raytrain_ckpt.common.faults import ENV_VAR
+from raytrain_ckpt.observe.loggers import run_id
 
 pytestmark = pytest.mark.integration
 

@@ -74,8 +74,8 @@ def test_preflight_refuses_a_node_local_checkpoint_dir(private_mounts, tmp_path)
 
 def test_a_checkpoint_dir_a_node_cannot_write_is_refused_before_training(ray_cluster, tmp_path):
     from raytrain_ckpt.checkpoint.errors import StorageNotShared
-    from raytrain_ckpt.driver import run_job
-    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.control.driver import run_job
+    from raytrain_ckpt.control.preflight import load_spec
 
     spec = load_spec("jobs/llama_debug_fsdp.yaml", [f"checkpoint.dir={tmp_path}", "training.steps=2",
                                                     "fault_tolerance.max_restarts=0"])

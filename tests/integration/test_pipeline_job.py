@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
-from raytrain_ckpt.controller import JobResult, JobState
-from raytrain_ckpt.driver import run_job
-from raytrain_ckpt.faults import ENV_VAR
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.controller import JobResult, JobState
+from raytrain_ckpt.control.driver import run_job
+from raytrain_ckpt.common.faults import ENV_VAR
+from raytrain_ckpt.control.preflight import load_spec
 
 pytestmark = pytest.mark.integration
 

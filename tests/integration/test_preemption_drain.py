@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.faults import ENV_VAR
+from raytrain_ckpt.common.faults import ENV_VAR
 from tests.conftest import REFERENCE_20
 
 pytestmark = pytest.mark.integration
@@ -147,8 +147,8 @@ def test_sigterm_to_a_rank_process_saves_the_step_in_hand_and_resumes_there(refe
     import ray
 
     from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name
-    from raytrain_ckpt.driver import run_job
-    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.control.driver import run_job
+    from raytrain_ckpt.control.preflight import load_spec
 
     spec = load_spec(REPO / "jobs" / "llama_debug_fsdp.yaml", [
         *REFERENCE_20, f"checkpoint.dir={tmp_path}", "checkpoint.interval_steps=50",

@@ -237,7 +237,7 @@ class _Cli:
         self.capsys = capsys
 
     def __call__(self, *args: str) -> subprocess.CompletedProcess:
-        from raytrain_ckpt.cli import main
+        from raytrain_ckpt.cli.main import main
 
         code = main(list(args))
         out = self.capsys.readouterr()

@@ -103,7 +103,7 @@ def test_a_sender_killed_mid_send_leaves_no_replica(ray_cluster, tmp_path):
 def test_sends_and_failed_sends_reach_the_senders_metrics(ray_cluster, tmp_path, monkeypatch):
     """What a node's writer sent to its peer, and what it failed to send, is on its metrics
     (the dashboard's replica panel): the sender runs in this process to capture its records."""
-    from raytrain_ckpt import metrics
+    from raytrain_ckpt.observe import metrics
     from raytrain_ckpt.checkpoint.roles.writer import CheckpointWriter
 
     ray = ray_cluster

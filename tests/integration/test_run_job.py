@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from raytrain_ckpt.controller import JobState
-from raytrain_ckpt.driver import ResourceError, run_job
-from raytrain_ckpt.faults import ENV_VAR
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.controller import JobState
+from raytrain_ckpt.control.driver import ResourceError, run_job
+from raytrain_ckpt.common.faults import ENV_VAR
+from raytrain_ckpt.control.preflight import load_spec
 
 pytestmark = pytest.mark.integration
 
@@ -130,7 +130,7 @@ def test_spent_budget_fails_with_a_summary_of_every_failure(ray_cluster, monkeyp
 def test_a_resume_step_that_cannot_start_the_run_is_one_line_and_exit_2(ray_cluster, tmp_path, cli_stderr,
                                                                         resume, expected):
     from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
-    from raytrain_ckpt.cli import main
+    from raytrain_ckpt.cli.main import main
     from tests.unit.test_checkpoint_layout import _commit
 
     root = tmp_path / "llama-debug-fsdp"
@@ -152,7 +152,7 @@ def test_a_checkpoint_of_another_model_shape_fails_at_once_with_one_line_and_exi
     """The resume step is valid but was saved from another model shape: no restart can change
     that, so the job fails on its first attempt (exit 2, the mismatch in one line, no
     traceback) instead of spending its restart budget, and the step stays as it was."""
-    from raytrain_ckpt.cli import main
+    from raytrain_ckpt.cli.main import main
 
     saved = run_job(_spec("training.steps=2", "checkpoint.enabled=true", "checkpoint.interval_steps=2",
                           f"checkpoint.dir={tmp_path}"))
@@ -160,7 +160,7 @@ def test_a_checkpoint_of_another_model_shape_fails_at_once_with_one_line_and_exi
     root = tmp_path / "llama-debug-fsdp"
     before = {p.name: p.stat().st_size for p in (root / "step-00000002").iterdir()}
     cli_stderr()
-    caplog.set_level("INFO", logger="raytrain_ckpt.controller")
+    caplog.set_level("INFO", logger="raytrain_ckpt.control.controller")
     args = ["run", DEMO, *[f"--set={o}" for o in SHORT], "--set=checkpoint.enabled=true",
             f"--set=checkpoint.dir={tmp_path}", "--set=fault_tolerance.max_restarts=2",
             "--set=model.overrides.dim=96"]
@@ -169,7 +169,7 @@ def test_a_checkpoint_of_another_model_shape_fails_at_once_with_one_line_and_exi
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "has shape" in errors[0] and "checkpoint.resume=none" in errors[0], err
     assert "Traceback" not in err, err
-    driver_log = "\n".join(r.getMessage() for r in caplog.records if r.name == "raytrain_ckpt.controller")
+    driver_log = "\n".join(r.getMessage() for r in caplog.records if r.name == "raytrain_ckpt.control.controller")
     assert "mismatch; 0/2 restarts used" in driver_log and "attempt 1" not in driver_log, driver_log
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000002"]
     assert {p.name: p.stat().st_size for p in (root / "step-00000002").iterdir()} == before

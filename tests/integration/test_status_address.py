@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.faults import ENV_VAR
+from raytrain_ckpt.common.faults import ENV_VAR
 
 pytestmark = pytest.mark.integration
 

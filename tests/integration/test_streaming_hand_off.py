@@ -24,7 +24,7 @@ import torch
 from raytrain_ckpt.checkpoint.errors import StepAborted
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.roles.service import CheckpointService
-from raytrain_ckpt.faults import ENV_VAR
+from raytrain_ckpt.common.faults import ENV_VAR
 from raytrain_ckpt.spec import JobSpec
 
 pytestmark = pytest.mark.integration

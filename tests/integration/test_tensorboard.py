@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import raytrain_ckpt
-from raytrain_ckpt.faults import ENV_VAR
+from raytrain_ckpt.common.faults import ENV_VAR
 
 pytestmark = pytest.mark.integration
 

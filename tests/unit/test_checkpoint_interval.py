@@ -17,7 +17,7 @@ from raytrain_ckpt.checkpoint.policy.interval import (
     choose_interval,
 )
 from raytrain_ckpt.spec import SpecError
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.preflight import load_spec
 
 DAY = 86400.0
 
@@ -151,7 +151,7 @@ def test_status_shows_the_decision_and_validate_explains_auto() -> None:
     from dataclasses import asdict
 
     from raytrain_ckpt.checkpoint.policy.interval import explain
-    from raytrain_ckpt.inventory import interval_text
+    from raytrain_ckpt.report.inventory import interval_text
 
     d = choose_interval(IntervalFacts(10_000, 3600.0, 2, 1800.0, 2.0, 1.0))
     text = interval_text({"step": 30, **asdict(d)})

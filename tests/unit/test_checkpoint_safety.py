@@ -27,8 +27,8 @@ from raytrain_ckpt.checkpoint.format.manifest import describe_file, file_crc32, 
 from raytrain_ckpt.checkpoint.format.names import EntryKind, parse_entry, step_name
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.format.metadata import SafeFileSystemReader, SafeLoadPlanner
-from raytrain_ckpt.cli import main
-from raytrain_ckpt.inventory import scan, verify_step
+from raytrain_ckpt.cli.main import main
+from raytrain_ckpt.report.inventory import scan, verify_step
 from raytrain_ckpt.models import build_model
 from raytrain_ckpt.spec.sections import CheckpointSpec
 from tests.unit.test_checkpoint_layout import _commit

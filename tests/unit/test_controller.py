@@ -6,21 +6,49 @@ import logging
 
 import pytest
 
-from raytrain_ckpt.controller import (
-    Controller,
-    Decision,
-    FailureFacts,
-    FailurePolicy,
-    GroupPoll,
-    GroupStartError,
-    JobState,
-    elastic_world_size,
-)
-from raytrain_ckpt.events import Failure, RollbackRecord, Trip, WorkerResult
+from raytrain_ckpt.control.controller import Controller, JobState
+from raytrain_ckpt.control.poll import GroupPoll, GroupStartError
+from raytrain_ckpt.control.policy import Decision, FailureFacts, FailurePolicy, elastic_world_size
+from raytrain_ckpt.common.events import Failure, RollbackRecord, Trip, WorkerResult
+from raytrain_ckpt.control.watch.hangs import Verdict
 from raytrain_ckpt.spec import JobSpec
 
 
-class FakeWorkerGroup:
+class GroupDefaults:
+    """The capabilities of the ``WorkerGroup`` protocol a scripted group has no part in, each
+    answered with nothing to say: no nodes, no checkpoint processes, no stacks to read."""
+
+    rollbacks_before = 0
+    start_marks: list[tuple[str, float]] = []
+    nodes: list[str] = []
+    replaced: list[str] = []
+
+    def rank_nodes(self) -> list[str]:
+        return []
+
+    def preempt(self, deadline_unix: float | None, tier: str = "durable") -> None:
+        pass
+
+    def retire(self, rank: int) -> None:
+        pass
+
+    def note_failure(self, failure: Failure) -> str | None:
+        return None
+
+    def diagnose(self) -> Verdict:
+        return Verdict((), "no single rank can be blamed: this group cannot read stacks")
+
+    def checkpointing_silences(self) -> dict[str, float]:
+        return {}
+
+    def save_in_flight(self) -> int | None:
+        return None
+
+    def replace_silent_checkpointing(self, stalled: dict[str, float] | None = None) -> list[str]:
+        return []
+
+
+class FakeWorkerGroup(GroupDefaults):
     """A scripted group. Test-only methods: ``fail(rank)``, ``kill(rank)``, ``advance(steps)``, ``finish()``,
     ``roll_back(record)``."""
 
@@ -454,7 +482,7 @@ def test_a_crash_logs_one_headline_per_other_rank_and_keeps_their_tracebacks_in_
     group = FakeWorkerGroup.created[0]
     group.fail(0)             # gloo's "Connection reset by peer" on the rank that did not fail
     group.kill(1)             # the cause: polled first
-    with caplog.at_level(logging.ERROR, logger="raytrain_ckpt.controller"):
+    with caplog.at_level(logging.ERROR, logger="raytrain_ckpt.control.controller"):
         ctl.step()
     assert ctl.state is JobState.RECOVERING
     [logged] = [r.getMessage() for r in caplog.records if "failure:" in r.getMessage()]
@@ -471,7 +499,7 @@ def test_a_single_failure_logs_its_full_text(make, caplog):
     ctl, _ = make()
     ctl.step()
     FakeWorkerGroup.created[0].fail(1)
-    with caplog.at_level(logging.ERROR, logger="raytrain_ckpt.controller"):
+    with caplog.at_level(logging.ERROR, logger="raytrain_ckpt.control.controller"):
         ctl.step()
     assert ctl.state is JobState.FAILED
     [logged] = [r.getMessage() for r in caplog.records if "failure:" in r.getMessage()]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from raytrain_ckpt.dashboard import packaged_dashboard
+from raytrain_ckpt.observe.dashboard import packaged_dashboard
 
 
 def _panels(panels: list[dict]) -> list[dict]:

@@ -6,12 +6,12 @@ import os
 import subprocess
 import sys
 
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.preflight import load_spec
 
 
 def test_deterministic_cuda_switches_torch_to_deterministic_kernels():
     # a fresh process: the switch is process-wide, and cuBLAS reads its setting once
-    code = ("import os, torch; from raytrain_ckpt.worker import _deterministic_cuda; "
+    code = ("import os, torch; from raytrain_ckpt.rank.rendezvous import _deterministic_cuda; "
             "assert not torch.are_deterministic_algorithms_enabled(); _deterministic_cuda(); "
             "print(torch.are_deterministic_algorithms_enabled(), os.environ['CUBLAS_WORKSPACE_CONFIG'])")
     env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_workers_path_is_the_drivers_with_every_entry_absolute(tmp_path, monkeypatch):
-    from raytrain_ckpt.driver import _worker_path
+    from raytrain_ckpt.control.driver import _worker_path
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["src", "", "/opt/site", str(tmp_path), "src"]))

@@ -13,11 +13,11 @@ import yaml
 
 from raytrain_ckpt.checkpoint.format.manifest import METRICS, KeepBestRecord
 from raytrain_ckpt.checkpoint.policy.retention import KeepBest, RetentionPolicy, rank_steps
-from raytrain_ckpt.cli import main
+from raytrain_ckpt.cli.main import main
 from raytrain_ckpt.spec import SpecError
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.preflight import load_spec
 from raytrain_ckpt.spec.sections import KeepBestSpec, OptimizerSpec
-from raytrain_ckpt.trainer import build_loss, build_optimizer
+from raytrain_ckpt.rank.trainer import build_loss, build_optimizer
 
 NAN = float("nan")
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_ckpt.events import Failure, headline
+from raytrain_ckpt.common.events import Failure, headline
 
 TRACEBACK = """rank 1 (attempt 0) failed:
 Traceback (most recent call last):
   File "/x/worker.py", line 10, in run
     raise InjectedFault("boom")
-raytrain_ckpt.faults.InjectedFault: boom
+raytrain_ckpt.common.faults.InjectedFault: boom
 """
 RAY_TASK = """ray::CheckpointWriter.accept() (pid=12, ip=10.0.0.1, actor_id=ab)
   File "/x/writer.py", line 80, in accept
@@ -19,8 +19,8 @@ OSError: disk full"""
 
 
 @pytest.mark.parametrize(("text", "expected"), [
-    (TRACEBACK, "rank 1 (attempt 0) failed: raytrain_ckpt.faults.InjectedFault: boom"),
-    (TRACEBACK.split("\n", 1)[1], "raytrain_ckpt.faults.InjectedFault: boom"),   # a bare traceback
+    (TRACEBACK, "rank 1 (attempt 0) failed: raytrain_ckpt.common.faults.InjectedFault: boom"),
+    (TRACEBACK.split("\n", 1)[1], "raytrain_ckpt.common.faults.InjectedFault: boom"),   # a bare traceback
     (RAY_TASK, "ray::CheckpointWriter.accept() (pid=12, ip=10.0.0.1, actor_id=ab) OSError: disk full"),
     ("The actor died unexpectedly before finishing this task.\n\tclass_name: TrainWorker",
      "The actor died unexpectedly before finishing this task."),

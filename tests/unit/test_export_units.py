@@ -25,7 +25,7 @@ from raytrain_ckpt.checkpoint.storage.leases import LEASE_TTL_S, FileLease, Leas
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.models import build_model, describe_model
 from raytrain_ckpt.spec import SpecError
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.preflight import load_spec
 from tests.unit.test_checkpoint_layout import _commit
 
 
@@ -166,7 +166,7 @@ def _cli_with_file_size_limit(args: list[str], limit: int) -> subprocess.Complet
 FINAL_EXPORT = """
 import sys
 from raytrain_ckpt.checkpoint.interchange.export import final_export
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.preflight import load_spec
 spec = load_spec("jobs/llama_debug_fsdp.yaml", ["checkpoint.final_export.format=torch",
                                                  f"checkpoint.final_export.dir={sys.argv[2]}"])
 print("returned", final_export(spec, sys.argv[1]))

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.preflight import in_ray_package_dir, persistent_paths, protection_line
+from raytrain_ckpt.control.preflight import in_ray_package_dir, persistent_paths, protection_line
 from raytrain_ckpt.spec import JobSpec, SpecError
-from raytrain_ckpt.locations import mask_uri
+from raytrain_ckpt.common.locations import mask_uri
 
 
 def test_a_spec_that_says_nothing_checkpoints_and_restarts(results_dir: Path):

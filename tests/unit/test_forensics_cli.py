@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest, describe_file
 from raytrain_ckpt.checkpoint.format.names import step_name
-from raytrain_ckpt.cli import main
+from raytrain_ckpt.cli.main import main
 
 
 def _write_step(root: Path, step: int, poisoned: bool) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_ckpt.goodput import CAUSES, GoodputLedger
+from raytrain_ckpt.control.watch.goodput import CAUSES, GoodputLedger
 
 
 def _run_with_a_restart() -> GoodputLedger:

@@ -15,8 +15,8 @@ from raytrain_ckpt.checkpoint.format.fingerprints import diff_steps, tensor_stat
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy, newest_certified
 from raytrain_ckpt.data.skips import SampleSkips, SkipWindow
-from raytrain_ckpt.faults import ENV_VAR, parse_faults, take_nan
-from raytrain_ckpt.guard import LossGuard, RollbackFacts, RollbackPolicy, RollbackRecord, Trip, failure_report, robust_z
+from raytrain_ckpt.common.faults import ENV_VAR, parse_faults, take_nan
+from raytrain_ckpt.rank.guard import LossGuard, RollbackFacts, RollbackPolicy, RollbackRecord, Trip, failure_report, robust_z
 from raytrain_ckpt.spec.sections import GuardSpec
 
 
@@ -183,7 +183,7 @@ def test_a_resume_keeps_skipping_the_windows_its_step_recorded_wherever_the_step
     import uuid
 
     from raytrain_ckpt.checkpoint.storage.backends import open_storage
-    from raytrain_ckpt.rollback import adopt_manifest
+    from raytrain_ckpt.rank.rollback import adopt_manifest
     from raytrain_ckpt.spec import JobSpec
 
     spec = JobSpec.model_validate({"name": "j", "model": {"name": "debug"},
@@ -208,10 +208,10 @@ class _Rank0:
 
 
 def test_a_failed_rollback_names_the_rank_that_tripped_not_rank_0_that_reports():
-    from raytrain_ckpt.group import guard_failure
-    from raytrain_ckpt.guard import GuardFailed
-    from raytrain_ckpt.rollback import _fail
-    from raytrain_ckpt.worker import WorkerFailure
+    from raytrain_ckpt.control.group import guard_failure
+    from raytrain_ckpt.rank.guard import GuardFailed
+    from raytrain_ckpt.rank.rollback import _fail
+    from raytrain_ckpt.rank.worker import WorkerFailure
 
     trip = Trip(step=7, rank=3, metric="non-finite loss")
     with pytest.raises(GuardFailed) as raised:
@@ -227,7 +227,7 @@ def test_a_failed_rollback_names_the_rank_that_tripped_not_rank_0_that_reports()
 def test_a_checkpoint_actor_killed_mid_rollback_is_named():
     import ray
 
-    from raytrain_ckpt.rollback import RollbackInterrupted, _lease_certified
+    from raytrain_ckpt.rank.rollback import RollbackInterrupted, _lease_certified
 
     class _Dead:
         def remote(self, *args):

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.hangs import (FIRST_STEPS_S, FLOOR_S, HangClock, auto_text, blame, dump_stacks, py_spy,
-                                 status_line, training_thread)
+from raytrain_ckpt.control.watch.hangs import (FIRST_STEPS_S, FLOOR_S, HangClock, auto_text, blame, dump_stacks,
+                                                py_spy, training_thread)
+from raytrain_ckpt.report.jobstatus import status_line
 from raytrain_ckpt.spec import JobSpec
 
 pytestmark = pytest.mark.skipif(py_spy() is None, reason="py-spy is a dependency of the project")
@@ -123,10 +124,10 @@ def test_the_culprit_rules_in_order():
     assert blame(2, {}, {}).ranks == ()
     # an actor's training thread is not its main thread: the one running TrainWorker._run is read
     actor = ('Thread 9 (idle): "MainThread"\n    Worker.main_loop (ray/_private/worker.py:1069)\n'
-             'Thread 11 (idle): "Dummy-1"\n    maybe_inject (raytrain_ckpt/faults.py:151)\n'
-             '    TrainWorker._run (raytrain_ckpt/worker.py:329)\n')
-    assert training_thread(actor) == ["maybe_inject (raytrain_ckpt/faults.py:151)",
-                                      "TrainWorker._run (raytrain_ckpt/worker.py:329)"]
+             'Thread 11 (idle): "Dummy-1"\n    maybe_inject (raytrain_ckpt/common/faults.py:151)\n'
+             '    TrainWorker._run (raytrain_ckpt/rank/worker.py:329)\n')
+    assert training_thread(actor) == ["maybe_inject (raytrain_ckpt/common/faults.py:151)",
+                                      "TrainWorker._run (raytrain_ckpt/rank/worker.py:329)"]
 
 
 def test_a_dump_of_a_gone_process_says_why():
@@ -137,7 +138,7 @@ def test_a_dump_of_a_gone_process_says_why():
 
 
 def test_validate_says_what_auto_chose_and_the_cli_lists_a_hang_s_diagnostics(tmp_path: Path, capsys):
-    from raytrain_ckpt.cli import main
+    from raytrain_ckpt.cli.main import main
 
     assert main(["validate", "jobs/llama_debug_fsdp.yaml"]) == 0
     out = capsys.readouterr().out
@@ -157,9 +158,9 @@ def test_validate_says_what_auto_chose_and_the_cli_lists_a_hang_s_diagnostics(tm
 
 
 def test_every_failed_rank_s_text_is_kept_and_listed_by_diagnostics(tmp_path: Path, capsys):
-    from raytrain_ckpt.cli import main
-    from raytrain_ckpt.events import Failure
-    from raytrain_ckpt.hangs import keep_failures
+    from raytrain_ckpt.cli.main import main
+    from raytrain_ckpt.common.events import Failure
+    from raytrain_ckpt.control.watch.hangs import keep_failures
 
     crash = Failure(2, "crash", 1, "worker process died", "rank 1: worker process died")
     reset = Failure(2, "exception", 0, "RuntimeError: Connection reset by peer",

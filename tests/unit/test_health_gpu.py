@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytrain_ckpt.health import ProbePlan, gpu_problem, plan_probes
+from raytrain_ckpt.control.watch.health import ProbePlan, gpu_problem, plan_probes
 
 # bundle index -> node of a 4-bundle group: two bundles on each of nodes a and b
 BUNDLES = ["a", "a", "b", "b"]

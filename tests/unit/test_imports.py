@@ -93,8 +93,8 @@ def test_find_cycle_finds_one_and_only_one():
 
 def test_the_graph_sees_function_level_imports_and_skips_type_checking():
     graph = import_graph()
-    assert "raytrain_ckpt.trainer" in graph["raytrain_ckpt.worker"]       # imported inside _setup()
-    assert "raytrain_ckpt.controller" not in graph["raytrain_ckpt.metrics"]  # annotations only
+    assert "raytrain_ckpt.rank.trainer" in graph["raytrain_ckpt.rank.worker"]       # imported inside _setup()
+    assert "raytrain_ckpt.control.controller" not in graph["raytrain_ckpt.observe.metrics"]  # annotations only
 
 
 def test_no_import_cycles():
@@ -104,9 +104,9 @@ def test_no_import_cycles():
 
 LIGHT = [
     # what the controller's unit tests import, and the CLI's offline commands
-    (["raytrain_ckpt.controller", "raytrain_ckpt.events", "raytrain_ckpt.spec", "raytrain_ckpt.metrics",
+    (["raytrain_ckpt.control.controller", "raytrain_ckpt.common.events", "raytrain_ckpt.spec", "raytrain_ckpt.observe.metrics",
       "tests.unit.test_controller"], ("torch", "ray")),
-    (["raytrain_ckpt", "raytrain_ckpt.api", "raytrain_ckpt.cli", "raytrain_ckpt.inventory"], ("torch", "ray")),
+    (["raytrain_ckpt", "raytrain_ckpt.api", "raytrain_ckpt.cli.main", "raytrain_ckpt.report.inventory"], ("torch", "ray")),
 ]
 
 
@@ -125,7 +125,7 @@ def test_light_modules_import_neither_torch_nor_ray(modules, absent):
 def test_validate_of_a_built_in_model_imports_neither_torch_nor_ray():
     # the whole command: parser, spec loading, and the environment checks, whose memory check
     # sizes the built-in model from its config; the demo spec trains on CPU
-    code = ("from raytrain_ckpt.cli import main\n"
+    code = ("from raytrain_ckpt.cli.main import main\n"
             "assert main(['validate', 'jobs/llama_debug_fsdp.yaml', '--set', 'model.overrides.n_layers=6']) == 0")
     assert _loaded_after(code, ("torch", "ray", "numpy")) == []
 
@@ -134,15 +134,15 @@ def test_validate_of_a_built_in_model_imports_neither_torch_nor_ray():
                                   ["export", "{tmp}", "--format", "torch", "--out", "/dev/null"]])
 def test_export_and_import_refuse_a_bad_path_before_importing_torch(tmp_path, argv):
     args = [a.format(tmp=tmp_path) for a in argv]
-    code = f"from raytrain_ckpt.cli import main\nassert main({args!r}) == 2"
+    code = f"from raytrain_ckpt.cli.main import main\nassert main({args!r}) == 2"
     assert _loaded_after(code, ("torch", "ray")) == []
 
 
 def test_validate_of_a_gpu_spec_imports_torch_only_where_a_gpu_driver_is():
-    from raytrain_ckpt.preflight import _has_gpu_device_files
+    from raytrain_ckpt.control.preflight import _has_gpu_device_files
 
     # torch.cuda tells the GPU's memory; a driver machine without a GPU skips that check
-    code = "from raytrain_ckpt.cli import main\nassert main(['validate', 'jobs/llama_8b_gpu.yaml']) == 0"
+    code = "from raytrain_ckpt.cli.main import main\nassert main(['validate', 'jobs/llama_8b_gpu.yaml']) == 0"
     assert _loaded_after(code, ("torch", "ray")) == (["torch"] if _has_gpu_device_files() else [])
 
 
@@ -273,3 +273,80 @@ def test_the_size_check_counts_classes_and_modules(tmp_path):
 
 def test_no_class_or_module_of_checkpoint_is_oversized():
     assert oversized(PACKAGE / "checkpoint") == []
+
+
+def test_no_class_or_module_of_the_package_is_oversized():
+    assert oversized(PACKAGE) == [], "split it along its seams: a class past 250 lines, a module past 500"
+
+
+# --- the rooms of the package -----------------------------------------------------------------
+
+MAX_TOP_LEVEL = 4
+"""Modules directly in raytrain_ckpt/: ``__init__``, ``__main__`` and ``api``; the rest lives in rooms."""
+
+PACKAGE_ROOMS: dict[str, set[str]] = {
+    # room -> the rooms it may import (besides itself and SHARED_MODULES); by the process that
+    # runs it, leaves first. Two rooms never import each other: the table is a layering.
+    "common": set(),
+    "replicas": set(),  # torchft's quorum and heal; optional, imported only by a job with replicas
+    "models": {"common"},
+    "data": {"common", "models"},
+    "spec": {"common", "models", "data"},
+    "parallel": {"common", "models", "spec"},
+    "observe": {"common", "models", "spec"},
+    "checkpoint": {"common", "models", "data", "spec", "parallel", "observe"},
+    "report": {"common", "spec", "checkpoint"},
+    "rank": {"common", "models", "data", "spec", "parallel", "observe", "checkpoint"},
+    "control": {"common", "models", "data", "spec", "parallel", "observe", "checkpoint", "report", "rank"},
+    "api": {"common", "spec", "control", "report"},
+    "cli": {"common", "models", "data", "spec", "parallel", "observe", "checkpoint", "report", "rank", "control",
+            "api"},
+    "__main__": {"cli"},
+}
+SHARED_MODULES = {"raytrain_ckpt.checkpoint.records", "raytrain_ckpt.checkpoint.errors"}
+"""Plain data and error types that import nothing of the package: every room may import them."""
+
+
+def package_room(module: str) -> str | None:
+    """``raytrain_ckpt.control.watch.hangs`` -> ``control``; ``raytrain_ckpt.api`` -> ``api``; the
+    package itself (whose attributes are imported lazily) -> None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def package_room_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` for every import across the package's rooms that PACKAGE_ROOMS does not allow."""
+    out = []
+    for module, deps in sorted(graph.items()):
+        room = package_room(module)
+        for dep in sorted(deps - SHARED_MODULES):
+            target = package_room(dep)
+            if room is not None and target != room and target not in PACKAGE_ROOMS.get(room, set()):
+                out.append(f"{module} -> {dep}")
+    return out
+
+
+def test_the_package_room_check_finds_a_forbidden_import_and_allows_the_table():
+    graph = {"raytrain_ckpt.rank.worker": {"raytrain_ckpt.control.watch.hangs", "raytrain_ckpt.observe.metrics",
+                                           "raytrain_ckpt.rank.guard"},
+             "raytrain_ckpt.models.hf": {"raytrain_ckpt.checkpoint.errors"},
+             "raytrain_ckpt.common.logs": {"raytrain_ckpt.spec"}}
+    assert package_room_violations(graph) == ["raytrain_ckpt.common.logs -> raytrain_ckpt.spec",
+                                              "raytrain_ckpt.rank.worker -> raytrain_ckpt.control.watch.hangs"]
+
+
+def test_the_package_rooms_form_layers():
+    mutual = sorted(f"{a} <-> {b}" for a, allowed in PACKAGE_ROOMS.items() for b in allowed
+                    if a < b and a in PACKAGE_ROOMS.get(b, set()))
+    assert mutual == []
+
+
+def test_every_module_of_the_package_lives_in_a_room():
+    rooms = {package_room(m) for m in import_graph()} - {None}
+    assert sorted(rooms - set(PACKAGE_ROOMS)) == [], "a module outside the rooms of PACKAGE_ROOMS"
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, f"modules directly in raytrain_ckpt/: {top}"
+
+
+def test_each_package_room_imports_only_what_the_table_allows():
+    assert package_room_violations(import_graph()) == []

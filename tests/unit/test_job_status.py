@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt import jobrecord
-from raytrain_ckpt.events import cause_text
+from raytrain_ckpt.report import jobrecord
+from raytrain_ckpt.common.events import cause_text
 from tests.unit.test_checkpoint_actor import _save, _single_rank_actor
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ def test_no_cluster_and_no_record_is_one_line_exit_2(tmp_path):
 
 
 def test_watch_keeps_the_last_status_seen_when_the_cluster_goes(tmp_path, monkeypatch):
-    from raytrain_ckpt.jobstatus import JobView, job_report, job_status
+    from raytrain_ckpt.report.jobstatus import JobView, job_report, job_status
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))  # no record on this machine
     seen = JobView({"job": "j", "root": None, "latest": 4, "world_size": 2, "steps": {}, "failed": {},

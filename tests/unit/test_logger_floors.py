@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.loggers import MlflowLogger, WandbLogger, read_floor, write_floor
+from raytrain_ckpt.observe.loggers import MlflowLogger, WandbLogger, read_floor, write_floor
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -148,7 +148,7 @@ class _Recorder:
 
 
 def test_background_logger_sends_everything_in_order_and_closes(monkeypatch):
-    import raytrain_ckpt.loggers as loggers
+    import raytrain_ckpt.observe.loggers as loggers
 
     monkeypatch.setattr(loggers, "DRAIN_S", 0.0)
     inner = _Recorder()
@@ -162,7 +162,7 @@ def test_background_logger_sends_everything_in_order_and_closes(monkeypatch):
 def test_background_logger_counts_what_a_service_that_is_down_drops(monkeypatch):
     import threading
 
-    import raytrain_ckpt.loggers as loggers
+    import raytrain_ckpt.observe.loggers as loggers
 
     monkeypatch.setattr(loggers, "DRAIN_S", 0.0)
     gate = threading.Event()

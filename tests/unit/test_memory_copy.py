@@ -15,7 +15,7 @@ from raytrain_ckpt.checkpoint.records import CommittedCopy
 from raytrain_ckpt.checkpoint.errors import CopyMismatch
 from raytrain_ckpt.checkpoint.recovery.memcopy import choose_sources, CopyFacts, open_copy
 from raytrain_ckpt.checkpoint.datapath.staging import allocate_buffer, layout_key, map_buffer, plan_slots, slot_views
-from raytrain_ckpt.faults import ENV_VAR, parse_faults
+from raytrain_ckpt.common.faults import ENV_VAR, parse_faults
 
 FILES = {"__0_0.distcp": {"size": 100, "crc32c": 7}, "__1_0.distcp": {"size": 90, "crc32c": 8}}
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_ckpt.cli import main
+from raytrain_ckpt.cli.main import main
 from raytrain_ckpt.models import PRESETS
 from raytrain_ckpt.spec import SpecError
-from raytrain_ckpt.preflight import load_spec
-from raytrain_ckpt import preflight as environment
+from raytrain_ckpt.control.preflight import load_spec
+from raytrain_ckpt.control import preflight as environment
 from raytrain_ckpt.spec.memory import memory_estimate
 
 GPU_JOB = "jobs/llama_8b_gpu.yaml"
@@ -89,7 +89,7 @@ def test_a_gpu_job_has_no_spare_memory():
 
 
 def test_the_storage_estimate_counts_the_certified_step_kept_beside_keep_latest_k():
-    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.control.preflight import load_spec
     from raytrain_ckpt.spec.memory import storage_line
 
     base = ["checkpoint.enabled=true", "checkpoint.keep_latest_k=2"]

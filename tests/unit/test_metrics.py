@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt.cli import main
+from raytrain_ckpt.cli.main import main
 from raytrain_ckpt.checkpoint.roles.summary import summary_line
 from raytrain_ckpt.checkpoint.roles.steps import inflight_phase
-from raytrain_ckpt.metrics import METRICS, PHASES, exported_names
+from raytrain_ckpt.observe.metrics import METRICS, PHASES, exported_names
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "grafana_dashboard.json"
 _NAME = re.compile(r"\bray_[a-z0-9_]+")
@@ -32,7 +32,7 @@ def test_every_dashboard_query_names_an_exported_metric():
         used = _NAME.findall(expr)
         assert used, f"query names no metric: {expr}"
         unknown = set(used) - names
-        assert not unknown, f"{expr}: {sorted(unknown)} are not defined in raytrain_ckpt/metrics.py"
+        assert not unknown, f"{expr}: {sorted(unknown)} are not defined in raytrain_ckpt/observe/metrics.py"
 
 
 def test_dashboard_selectors_use_only_tags_the_metric_has():
@@ -88,7 +88,7 @@ def test_inspect_commands_reject_bad_paths(tmp_path, capsys):
 def test_status_watch_refreshes(tmp_path, capsys):
     import argparse
 
-    from raytrain_ckpt import inventory_cli as ckpt_inspect
+    from raytrain_ckpt.cli import status as ckpt_inspect
 
     args = argparse.Namespace(command="status", dir=str(tmp_path), job=None, address=None, watch=0.01, json=False,
                               checksum=False)
@@ -98,8 +98,8 @@ def test_status_watch_refreshes(tmp_path, capsys):
 
 
 def test_controller_observer_counts_failures_and_restarts_by_cause(monkeypatch):
-    from raytrain_ckpt import metrics
-    from raytrain_ckpt.controller import Controller, JobState
+    from raytrain_ckpt.observe import metrics
+    from raytrain_ckpt.control.controller import Controller, JobState
     from raytrain_ckpt.spec import JobSpec
     from tests.unit.test_controller import FakeWorkerGroup
 
@@ -136,7 +136,7 @@ def test_controller_observer_counts_failures_and_restarts_by_cause(monkeypatch):
 
 
 def test_the_packaged_dashboard_is_the_one_in_cluster():
-    from raytrain_ckpt.dashboard import packaged_dashboard
+    from raytrain_ckpt.observe.dashboard import packaged_dashboard
 
     assert packaged_dashboard().read_bytes() == DASHBOARD.read_bytes()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from raytrain_ckpt.nccl_trace import TRACE_ENTRIES, TRACE_ENV, dump_trace, enable_recorder, keep_traces, trace_file, traces_in
+from raytrain_ckpt.rank.nccl_trace import TRACE_ENTRIES, TRACE_ENV, dump_trace, enable_recorder, keep_traces, trace_file, traces_in
 
 
 def test_the_recorder_is_turned_on_only_where_the_user_did_not_set_it():
@@ -37,7 +37,7 @@ def test_the_dumps_are_kept_per_rank_and_the_verdict_says_which_exist(tmp_path: 
 
 
 def test_the_end_report_names_the_ranks_whose_dump_was_kept(tmp_path: Path, capsys):
-    from raytrain_ckpt.cli import _print_run_ledger
+    from raytrain_ckpt.cli.main import _print_run_ledger
 
     gloo, nccl = tmp_path / "attempt-0", tmp_path / "attempt-1"
     gloo.mkdir()

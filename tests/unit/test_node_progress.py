@@ -1,4 +1,4 @@
-"""Progress read one node at a time (``nodeprogress.py``): a rank's file says what its
+"""Progress read one node at a time (``rank/progress.py``): a rank's file says what its
 ``progress()`` says, and whatever a file cannot say is left for the rank itself to answer."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt import nodeprogress
-from raytrain_ckpt.events import Progress
-from raytrain_ckpt.nodeprogress import ProgressFile, PublishedProgress, node_batches, read_node
+from raytrain_ckpt.rank import progress as nodeprogress
+from raytrain_ckpt.common.events import Progress
+from raytrain_ckpt.rank.progress import ProgressFile, PublishedProgress, node_batches, read_node
 
 
 @pytest.fixture(autouse=True)
@@ -93,7 +93,7 @@ def test_ranks_are_asked_per_node_or_one_by_one_when_nodes_are_unknown() -> None
 def _worker(monkeypatch: pytest.MonkeyPatch, name: str, run_id: str):
     """A TrainWorker assigned rank 0 of attempt 0 of ``run_id`` as the driver does, without the
     process-wide setup of a Ray actor (logging, torch threads, metrics, imports ahead)."""
-    from raytrain_ckpt import worker as worker_module
+    from raytrain_ckpt.rank import worker as worker_module
     from raytrain_ckpt.spec import JobSpec
 
     monkeypatch.setattr(worker_module, "TrainerMetrics", lambda *a: None)

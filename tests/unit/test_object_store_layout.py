@@ -183,7 +183,7 @@ def test_a_permanent_error_is_not_retried(s3_endpoint) -> None:
 def test_import_to_s3_commits_step_0_that_verifies_and_exports_back(s3_endpoint, tmp_path, capsys) -> None:
     import torch
 
-    from raytrain_ckpt.cli import main
+    from raytrain_ckpt.cli.main import main
 
     weights = {"tok_embeddings.weight": torch.randn(16, 8), "norm.weight": torch.rand(8)}
     torch.save(weights, tmp_path / "m.pt")

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest, describe_file
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
-from raytrain_ckpt.cli import main
+from raytrain_ckpt.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,7 +63,7 @@ def test_a_manifest_written_with_a_nan_reads_as_null(tmp_path):
 
 
 def test_strict_json_turns_non_finite_numbers_into_null():
-    from raytrain_ckpt.inventory_cli import strict_json
+    from raytrain_ckpt.cli.status import strict_json
 
     assert json.loads(strict_json({"a": math.nan, "b": [math.inf, 1.5], "c": Path("/x")})) == \
         {"a": None, "b": [None, 1.5], "c": "/x"}
@@ -77,7 +77,7 @@ def test_a_uri_secret_is_never_printed(capsys):
 
 
 def test_a_uri_secret_is_masked_in_log_lines(caplog):
-    from raytrain_ckpt.logs import MaskSecrets
+    from raytrain_ckpt.common.logs import MaskSecrets
 
     record = logging.LogRecord("x", logging.INFO, __file__, 1, "saving to %s", ("s3://u:topsecret@host/b",), None)
     MaskSecrets().filter(record)
@@ -86,7 +86,7 @@ def test_a_uri_secret_is_masked_in_log_lines(caplog):
 
 def test_a_missing_optional_package_is_one_error_line(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n')
-    code = ("import sys; sys.modules['tokenizers'] = None\nfrom raytrain_ckpt.cli import main\n"
+    code = ("import sys; sys.modules['tokenizers'] = None\nfrom raytrain_ckpt.cli.main import main\n"
             "sys.exit(main(sys.argv[1:]))")
     out = subprocess.run([sys.executable, "-c", code, "prepare-data", str(tmp_path / "a.jsonl"), "--out",
                           str(tmp_path / "out"), "--vocab-size", "300", "--workers", "1"], cwd=REPO, capture_output=True,

@@ -8,11 +8,13 @@ import signal
 
 import pytest
 
-from raytrain_ckpt.controller import Controller, GroupPoll, JobState
-from raytrain_ckpt.events import WorkerResult
-from raytrain_ckpt.eviction import on_sigterm
-from raytrain_ckpt.preemption import PUSH_MB_PER_S, PreemptionGuard, SaveCosts, plan_save, stop_signals
+from raytrain_ckpt.control.controller import Controller, JobState
+from raytrain_ckpt.control.poll import GroupPoll
+from raytrain_ckpt.common.events import WorkerResult
+from raytrain_ckpt.rank.eviction import on_sigterm
+from raytrain_ckpt.control.watch.preemption import PUSH_MB_PER_S, PreemptionGuard, SaveCosts, plan_save, stop_signals
 from raytrain_ckpt.spec import JobSpec
+from tests.unit.test_controller import GroupDefaults
 
 
 @pytest.mark.parametrize("left, cost, fits, phrase", [
@@ -46,7 +48,7 @@ def test_ram_tier_costs_are_staging_plus_the_push():
     assert SaveCosts(4.0, 0.2, int(PUSH_MB_PER_S * 1e6)).ram_s() == pytest.approx(1.2)
 
 
-class DrainedGroup:
+class DrainedGroup(GroupDefaults):
     """Two ranks on nodes A and B that stop (save and return) at the step in hand once preempted."""
 
     created: list[DrainedGroup] = []
@@ -274,7 +276,7 @@ def test_a_notice_at_the_last_step_lets_the_job_succeed():
 
 
 def test_the_metrics_count_preemptions_and_their_lost_steps(monkeypatch):
-    from raytrain_ckpt import metrics
+    from raytrain_ckpt.observe import metrics
 
     recorded: list[tuple[str, float, dict]] = []
     monkeypatch.setattr(metrics, "record", lambda name, value, tags: recorded.append((name, value, dict(tags))))

@@ -16,8 +16,8 @@ import yaml
 from tokenizers import Tokenizer
 
 import raytrain_ckpt
-from raytrain_ckpt import prepare
-from raytrain_ckpt.cli import main
+from raytrain_ckpt.cli import prepare
+from raytrain_ckpt.cli.main import main
 from raytrain_ckpt.data import TokenCorpus, build_data
 
 ROOT = Path(raytrain_ckpt.__file__).resolve().parents[1]
@@ -256,7 +256,7 @@ _PEAK_SCRIPT = r"""
 import random, resource, sys
 from pathlib import Path
 from tokenizers import Tokenizer
-from raytrain_ckpt import prepare
+from raytrain_ckpt.cli import prepare
 tmp, n = Path(sys.argv[1]), int(sys.argv[2])
 rng = random.Random(0)
 words = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(1, 8))) for _ in range(2000)]
@@ -291,7 +291,7 @@ def test_a_long_document_tokenizes_in_pieces_as_it_does_whole(tmp_path: Path, mo
     import numpy as np
     from tokenizers import Tokenizer
 
-    from raytrain_ckpt import prepare
+    from raytrain_ckpt.cli import prepare
 
     newline = "\n"
     text = "".join(f"word{i % 97}{'  ' if i % 7 == 0 else ' '}{newline if i % 13 == 0 else ''}" for i in range(3000))

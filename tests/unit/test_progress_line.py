@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from raytrain_ckpt.progressline import PLAIN_EVERY_S, ProgressLine, progress_text
+from raytrain_ckpt.observe.progressline import PLAIN_EVERY_S, ProgressLine, progress_text
 
 
 @pytest.mark.parametrize(("args", "text"), [
@@ -40,7 +40,7 @@ def test_on_a_terminal_the_line_is_redrawn_in_place():
 
 
 def test_elsewhere_plain_lines_at_their_pace_and_only_while_the_step_moves(caplog):
-    caplog.set_level(logging.INFO, logger="raytrain_ckpt.progressline")
+    caplog.set_level(logging.INFO, logger="raytrain_ckpt.observe.progressline")
     asked = []
     line = ProgressLine(50, 100, lambda: asked.append(1) or 10, stream=io.StringIO())  # not a terminal
     assert not line.tty
@@ -60,7 +60,7 @@ def test_elsewhere_plain_lines_at_their_pace_and_only_while_the_step_moves(caplo
 
 
 def test_a_restart_that_goes_back_restarts_the_rate(caplog):
-    caplog.set_level(logging.INFO, logger="raytrain_ckpt.progressline")
+    caplog.set_level(logging.INFO, logger="raytrain_ckpt.observe.progressline")
     line = ProgressLine(100, 10, lambda: None, stream=io.StringIO())
     line.update(30, 0, "RUNNING", now=0.0)
     line.update(40, 0, "RUNNING", now=10.0)

@@ -3,7 +3,7 @@ out for quarantine_s; the placement group's label selector keeps every bundle of
 
 from __future__ import annotations
 
-from raytrain_ckpt.quarantine import NODE_ID_LABEL, Quarantine
+from raytrain_ckpt.control.watch.quarantine import NODE_ID_LABEL, Quarantine
 from raytrain_ckpt.spec import JobSpec
 
 
@@ -30,7 +30,7 @@ def test_quarantine_off_and_the_default():
 def test_the_health_probe_names_a_full_staging_file_system_and_an_unwritable_root(tmp_path):
     import os
 
-    from raytrain_ckpt.health import node_problem
+    from raytrain_ckpt.control.watch.health import node_problem
 
     root = tmp_path / "root"
     root.mkdir()

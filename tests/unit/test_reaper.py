@@ -1,4 +1,4 @@
-"""The reaper (``reaper.py``) signals only the processes it recorded, each known by its pid and
+"""The reaper (``control/reaper.py``) signals only the processes it recorded, each known by its pid and
 start time taken once: a recycled pid is never signalled, and a process it may not signal never
 ends the watcher. Real processes, a real pid recycled in a PID namespace of its own."""
 
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt import reaper
+from raytrain_ckpt.control import reaper
 
 REPO = Path(__file__).resolve().parents[2]
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="a PID namespace and another user's processes need root")
 
 _IN_NAMESPACE = textwrap.dedent("""
     import json, os, subprocess, sys, time
-    from raytrain_ckpt import reaper
+    from raytrain_ckpt.control import reaper
 
     def sleeper():
         return subprocess.Popen(["sleep", "600"])
@@ -30,7 +30,7 @@ _IN_NAMESPACE = textwrap.dedent("""
     driver, root, agent = sleeper(), sleeper(), sleeper()   # agent: a Ray process that stays
     roots = reaper.identities({root.pid, agent.pid})          # taken once, before anything exits
     me = f"{driver.pid}:{reaper._start_time(driver.pid)}"
-    watcher = subprocess.Popen([sys.executable, "-m", "raytrain_ckpt.reaper", me,
+    watcher = subprocess.Popen([sys.executable, "-m", "raytrain_ckpt.control.reaper", me,
                                 *(f"{p}:{s}" for p, s in roots.items())])
     time.sleep(reaper.REFRESH_S + 0.5)
     root.kill(); root.wait()                                  # a Ray root exits ...
@@ -87,7 +87,7 @@ def test_a_process_the_watcher_may_not_signal_is_skipped_and_the_rest_are_stoppe
         # the checkout may sit under a directory only its owner may enter
         readable.chmod(0o755)
         script = readable / "reaper.py"
-        shutil.copyfile(REPO / "raytrain_ckpt" / "reaper.py", script)
+        shutil.copyfile(REPO / "raytrain_ckpt" / "control/reaper.py", script)
         script.chmod(0o644)
         watcher = subprocess.Popen(["/usr/bin/python3", str(script), *args], user=nobody,
                                    cwd="/", env={"PATH": "/usr/bin:/bin"}, stderr=subprocess.PIPE, text=True)

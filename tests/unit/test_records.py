@@ -37,15 +37,16 @@ from raytrain_ckpt.checkpoint import records
 from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
 from raytrain_ckpt.checkpoint.roles.writer import CheckpointWriter
-from raytrain_ckpt.events import NodeProgress, Progress, RankPlace, WorkerResult
-from raytrain_ckpt.worker import Rendezvous, TrainWorker
+from raytrain_ckpt.common.events import NodeProgress, Progress, RankPlace, WorkerResult
+from raytrain_ckpt.rank.rendezvous import Rendezvous
+from raytrain_ckpt.rank.worker import TrainWorker
 
 PRIMITIVES = (type(None), bool, int, float, str, bytes)
 DCP_TYPES = (SavePlan, WriteResult, Metadata)
 FOREIGN_RECORDS = (
     IntervalDecision,  # the interval policy's decision, reported to the CheckpointActor as it is
-    NodeProgress, Progress, RankPlace, WorkerResult,  # a TrainWorker's answers to the driver (events.py)
-    Rendezvous,  # rank 0's store address (worker.py)
+    NodeProgress, Progress, RankPlace, WorkerResult,  # a TrainWorker's answers to the driver (common/events.py)
+    Rendezvous,  # rank 0's store address (rank/rendezvous.py)
 )
 HANDLES = (ActorHandle, ObjectRef)
 """Ray references: they cross as themselves (a handle is how one actor names another)."""

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt import diagnostics_cli, jobrecord
+from raytrain_ckpt.cli import diagnostics as diagnostics_cli
+from raytrain_ckpt.report import jobrecord
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 
@@ -53,7 +54,7 @@ def test_a_huge_job_record_is_not_read(tmp_path, caplog, monkeypatch):
 
 
 def test_status_of_a_root_with_a_deep_record_does_not_traceback(tmp_path, capsys):
-    from raytrain_ckpt.cli import main
+    from raytrain_ckpt.cli.main import main
 
     (tmp_path / jobrecord.RECORD).write_bytes(b"{\"a\":" * 200_000 + b"1" + b"}" * 200_000)
     main(["status", str(tmp_path)])

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 def _worker():
     from raytrain_ckpt.spec import JobSpec
-    from raytrain_ckpt.worker import TrainWorker
+    from raytrain_ckpt.rank.worker import TrainWorker
 
     # Built without __init__: constructing a worker configures the process for a Ray actor.
     worker = object.__new__(TrainWorker)

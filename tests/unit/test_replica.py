@@ -127,7 +127,7 @@ def test_a_held_replica_whose_bytes_rot_fails_the_check(tmp_path):
 
 def test_replication_spec():
     from raytrain_ckpt.spec import SpecError
-    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.control.preflight import load_spec
 
     spec = Path(__file__).resolve().parents[2] / "jobs" / "llama_debug_fsdp.yaml"
     assert load_spec(spec, []).checkpoint.replication.mode == "off"
@@ -141,7 +141,7 @@ def test_replication_spec():
 
 
 def test_memory_estimate_counts_the_replica():
-    from raytrain_ckpt.preflight import load_spec
+    from raytrain_ckpt.control.preflight import load_spec
     from raytrain_ckpt.spec.memory import memory_estimate
 
     spec = Path(__file__).resolve().parents[2] / "jobs" / "llama_debug_fsdp.yaml"

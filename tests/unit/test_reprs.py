@@ -17,7 +17,7 @@ def test_checkpoint_actor_and_writer_reprs_are_short_and_name_their_job(tmp_path
     assert repr(actor) == "CheckpointActor(my-job)"
     writer = object.__new__(CheckpointWriter)  # (its __init__ maps /dev/shm buffers and renices the process)
     assert repr(writer) == "CheckpointWriter(not started)"  # an __init__ that raised: the repr must not raise
-    from raytrain_ckpt.metrics import WriterMetrics
+    from raytrain_ckpt.observe.metrics import WriterMetrics
 
     writer.metrics = WriterMetrics("my-job", "a13e1a458185")
     assert repr(writer) == "CheckpointWriter(my-job)"
@@ -26,7 +26,7 @@ def test_checkpoint_actor_and_writer_reprs_are_short_and_name_their_job(tmp_path
 
 def test_train_worker_repr_names_job_and_rank_or_spare():
     from raytrain_ckpt.spec import JobSpec
-    from raytrain_ckpt.worker import TrainWorker
+    from raytrain_ckpt.rank.worker import TrainWorker
 
     # Built without __init__: constructing a worker configures the process (logging, torch
     # threads) for a Ray actor, which a test process must not take on.
@@ -46,7 +46,7 @@ def test_a_spare_that_takes_a_rank_renames_its_ray_log_prefix(monkeypatch, capsy
 
     import ray
 
-    from raytrain_ckpt.logs import rename_log_prefix
+    from raytrain_ckpt.common.logs import rename_log_prefix
 
     rename_log_prefix("TrainWorker(my-job rank 1/2)")
     assert capsys.readouterr() == ("", "")
@@ -61,7 +61,7 @@ def test_train_worker_repr_of_a_worker_whose_spec_did_not_load():
     """Ray evaluates the repr also for an actor whose __init__ raised (a spec a rank cannot load:
     a factory its node cannot import): the repr must not raise, or the driver is told of an
     AttributeError of the repr instead of the real error."""
-    from raytrain_ckpt.worker import TrainWorker
+    from raytrain_ckpt.rank.worker import TrainWorker
 
     worker = object.__new__(TrainWorker)
     worker.was_spare = False  # what __init__ sets before it loads the spec

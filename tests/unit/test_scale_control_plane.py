@@ -20,7 +20,7 @@ import pytest
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from bench.scale_ranks import local_plan, template, write_results
-from raytrain_ckpt import metrics
+from raytrain_ckpt.observe import metrics
 from raytrain_ckpt.checkpoint.errors import StepAborted
 from raytrain_ckpt.checkpoint.format.metadata import read_metadata
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
@@ -28,7 +28,7 @@ from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport, StepPhase
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
 from raytrain_ckpt.checkpoint.roles.repeats import SentResults
 from raytrain_ckpt.models.config import PRESETS
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.preflight import load_spec
 
 N = 32
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ckpt import metrics
+from raytrain_ckpt.observe import metrics
 from raytrain_ckpt.checkpoint.roles.steps import SaveFailures
 from raytrain_ckpt.checkpoint.records import NodeProbe
 from raytrain_ckpt.checkpoint.storage.probe import local_root, missing_probes, probe_name, unshared_message
@@ -103,7 +103,7 @@ def test_actor_counts_each_failed_step_once_and_a_commit_resets_the_run(tmp_path
 
 
 def test_restarts_without_checkpoints_warn_at_start(caplog) -> None:
-    from raytrain_ckpt.driver import _warn_restarts_without_checkpoints
+    from raytrain_ckpt.control.driver import _warn_restarts_without_checkpoints
     from raytrain_ckpt.spec import JobSpec
 
     caplog.set_level(logging.WARNING)
@@ -126,7 +126,7 @@ def test_restarts_without_checkpoints_warn_at_start(caplog) -> None:
     ({"interval_steps": "auto"}, False),
 ])
 def test_restarts_with_no_save_before_the_last_step_warn_at_start(caplog, checkpoint, warns) -> None:
-    from raytrain_ckpt.driver import _warn_restarts_without_checkpoints
+    from raytrain_ckpt.control.driver import _warn_restarts_without_checkpoints
     from raytrain_ckpt.spec import JobSpec
 
     caplog.set_level(logging.WARNING)
@@ -137,8 +137,8 @@ def test_restarts_with_no_save_before_the_last_step_warn_at_start(caplog, checkp
 
 
 def test_status_of_a_live_job_shows_failing_saves(tmp_path: Path, monkeypatch, capsys) -> None:
-    from raytrain_ckpt import jobstatus
-    from raytrain_ckpt.cli import main
+    from raytrain_ckpt.report import jobstatus
+    from raytrain_ckpt.cli.main import main
 
     actor = _single_rank_actor(tmp_path / "job", k=None)
 
@@ -166,9 +166,10 @@ def test_status_of_a_live_job_shows_failing_saves(tmp_path: Path, monkeypatch, c
     ("saves fine", 0, "out", "committed steps [2, 4]"),
 ])
 def test_run_reports_an_unshared_dir_and_failing_saves(monkeypatch, capsys, outcome, code, stream, line) -> None:
-    from raytrain_ckpt import api, cli
+    from raytrain_ckpt import api
+    from raytrain_ckpt.cli import main as cli
     from raytrain_ckpt.checkpoint.errors import StorageNotShared
-    from raytrain_ckpt.controller import JobResult, JobState
+    from raytrain_ckpt.control.controller import JobResult, JobState
     from raytrain_ckpt.spec import JobSpec
 
     failing = {"total": 3, "consecutive": 2 if outcome == "saves failing" else 0, "last_step": 6,

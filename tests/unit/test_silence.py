@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_ckpt.controller import Controller, GroupPoll, JobState
-from raytrain_ckpt.events import WorkerResult
-from raytrain_ckpt.hangs import FLOOR_S
-from raytrain_ckpt.silence import MAX_REPLACEMENTS, NOTICE_S, overdue, silence_budget_s, stuck_line
+from raytrain_ckpt.control.controller import Controller, JobState
+from raytrain_ckpt.control.poll import GroupPoll
+from raytrain_ckpt.common.events import WorkerResult
+from raytrain_ckpt.control.watch.hangs import FLOOR_S
+from raytrain_ckpt.control.watch.silence import MAX_REPLACEMENTS, NOTICE_S, overdue, silence_budget_s, stuck_line
 from raytrain_ckpt.spec import JobSpec
+from tests.unit.test_controller import GroupDefaults
 
 W = "checkpoint writer on node abc"
 
@@ -37,7 +39,7 @@ def test_overdue_and_the_status_line():
         f"stuck: step 12, checkpoint actor has not answered for 40s; {W} has not answered for 12s")
 
 
-class SilentWriterGroup:
+class SilentWriterGroup(GroupDefaults):
     """A group whose checkpoint writer can be stopped (``stop_writer``); replacing it makes it answer."""
 
     created: list[SilentWriterGroup] = []
@@ -128,7 +130,7 @@ def test_past_max_replacements_a_silent_writer_is_left_to_the_hang_timeout():
 
 
 def test_status_names_the_stuck_process():
-    from raytrain_ckpt.hangs import status_line
+    from raytrain_ckpt.report.jobstatus import status_line
 
     line = status_line({"hang_timeout_s": 30.0, "hang_timeout_why": "learned",
                         "stuck": f"stuck: step 13 (its save), {W} has not answered for 31s"})
@@ -136,7 +138,7 @@ def test_status_names_the_stuck_process():
 
 
 def test_a_stalled_write_is_named_with_its_rank_and_step():
-    from raytrain_ckpt.silence import STALLED
+    from raytrain_ckpt.control.watch.silence import STALLED
 
     key = f"{W}{STALLED}rank 1 step 10"
     assert stuck_line(12, True, {key: 31.0, W: 0.2}, in_flight=10) == (

@@ -13,9 +13,9 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from raytrain_ckpt.cli import main
+from raytrain_ckpt.cli.main import main
 from raytrain_ckpt.spec import JobSpec, SpecError
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.preflight import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = sorted((REPO / "jobs").glob("*.yaml"))
@@ -450,7 +450,7 @@ def test_readme_spec_reference_is_current() -> None:
 
 
 def test_schema_markdown_lists_every_field() -> None:
-    from raytrain_ckpt.spec_reference import spec_reference_markdown
+    from raytrain_ckpt.cli.spec_reference import spec_reference_markdown
 
     table = spec_reference_markdown()
     for section, field in JobSpec.model_fields.items():
@@ -467,7 +467,7 @@ def test_console_script_finds_a_factory_in_the_working_directory(tmp_path):
     (tmp_path / "pkg" / "raytrain_ckpt").symlink_to(REPO / "raytrain_ckpt")  # the package alone, not tests/
     script = tmp_path / "bin" / "raytrain-ckpt"
     script.parent.mkdir()
-    script.write_text("import sys\nfrom raytrain_ckpt.cli import main\nsys.exit(main())\n")
+    script.write_text("import sys\nfrom raytrain_ckpt.cli.main import main\nsys.exit(main())\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "pkg")}
     proc = subprocess.run([sys.executable, str(script), "validate", "jobs/custom_model.yaml"], capture_output=True,
                           text=True, cwd=REPO, env=env, timeout=300)

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from raytrain_ckpt.cli import main
+from raytrain_ckpt.cli.main import main
 from raytrain_ckpt.spec import JobSpec
 
 

@@ -53,7 +53,7 @@ def test_a_fifo_shard_that_meta_json_lists_is_refused(fifo_dir: Path):
 
 
 def test_a_fifo_in_a_text_directory_is_refused_by_validate(fifo_dir: Path, capsys):
-    from raytrain_ckpt.cli import main
+    from raytrain_ckpt.cli.main import main
 
     os.mkfifo(fifo_dir / "b.md")
     spec = fifo_dir.parent / "spec.yaml"
@@ -64,7 +64,7 @@ def test_a_fifo_in_a_text_directory_is_refused_by_validate(fifo_dir: Path, capsy
 
 
 def test_a_fifo_among_prepare_data_inputs_is_refused(fifo_dir: Path, capsys):
-    from raytrain_ckpt.cli import main
+    from raytrain_ckpt.cli.main import main
 
     os.mkfifo(fifo_dir / "c.jsonl")
     assert main(["prepare-data", str(fifo_dir), "--out", str(fifo_dir.parent / "out"), "--vocab-size", "300"]) == 2

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_ckpt.controller import Controller, GroupPoll, JobState
-from raytrain_ckpt.events import WorkerResult
+from raytrain_ckpt.control.controller import Controller, JobState
+from raytrain_ckpt.control.poll import GroupPoll
+from raytrain_ckpt.common.events import WorkerResult
 from raytrain_ckpt.spec import JobSpec
-from raytrain_ckpt.stragglers import WINDOW, StragglerWatch
+from tests.unit.test_controller import GroupDefaults
+from raytrain_ckpt.control.watch.stragglers import WINDOW, StragglerWatch
 
 
 def _feed(watch: StragglerWatch, lateness: dict[int, float], steps: int, step_s: float = 1.0,
@@ -42,7 +44,7 @@ def test_jitter_one_late_step_and_mixed_steps_are_not_stragglers():
     assert _feed(slow, {0: 0.0, 1: 0.2}, 2 * WINDOW, step_s=1.0) == []        # 0.2 s of a 1 s step: in the margin
 
 
-class SlowRankGroup:
+class SlowRankGroup(GroupDefaults):
     """Two ranks; rank 1 begins every step 0.5 s late. ``preempt`` makes both stop after the next step
     (the step saved), as the ranks do; ``retire`` records the rank the next attempt must not reuse."""
 

@@ -91,7 +91,7 @@ def test_what_loading_refuses_the_check_refuses(tmp_path, make, error, needle):
 
 def test_ls_status_and_verify_of_a_real_step_import_no_torch(tmp_path):
     step = _dcp_step(tmp_path / "job")
-    code = ("import json, sys\nfrom raytrain_ckpt.cli import main\n"
+    code = ("import json, sys\nfrom raytrain_ckpt.cli.main import main\n"
             f"rcs = [main(['ls', {str(step.parent)!r}]), main(['status', {str(step.parent)!r}]),"
             f" main(['verify', {str(step)!r}])]\n"
             "print(json.dumps([rcs, [m for m in ('torch', 'ray') if m in sys.modules]]))")

@@ -34,7 +34,7 @@ def _no_hang():
 
 
 def _main(argv: list[str], capsys) -> tuple[int, str]:
-    from raytrain_ckpt.cli import main
+    from raytrain_ckpt.cli.main import main
 
     rc = main(argv)
     err = capsys.readouterr().err

@@ -29,7 +29,7 @@ from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles, WriteProgress
 from raytrain_ckpt.checkpoint.datapath.localfile import write_rank_files
 from raytrain_ckpt.checkpoint.errors import StagingAborted
 from raytrain_ckpt.checkpoint.datapath.upload import is_s3, upload_rank_files
-from raytrain_ckpt.locations import is_uri
+from raytrain_ckpt.common.locations import is_uri
 from raytrain_ckpt.checkpoint.storage.objects import object_filesystem
 from raytrain_ckpt.checkpoint.storage.retries import is_transient, retry_transient
 from raytrain_ckpt.checkpoint.storage.dcp import UploadingWriter
@@ -41,7 +41,7 @@ class ShardSink(Protocol):
     """Where one rank's shard files of a step are written."""
 
     fault_point: str | None
-    """The named fault point (``raytrain_ckpt.faults``) right after a write to this sink is
+    """The named fault point (``raytrain_ckpt.common.faults``) right after a write to this sink is
     durable and recorded, before it is reported (None: none)."""
 
     def write(self, dest: str, plan: SavePlan, planner: SavePlanner, rank: int, step: int,

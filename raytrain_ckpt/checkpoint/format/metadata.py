@@ -40,13 +40,13 @@ from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
 
 from raytrain_ckpt.checkpoint.format.chunks import layout_problem
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
-from raytrain_ckpt.locations import is_uri
+from raytrain_ckpt.common.locations import is_uri
 from raytrain_ckpt.checkpoint.format.prescan import check_torch_save
 from raytrain_ckpt.checkpoint.format.tensorblob import FileSlice, load_chunk
 from raytrain_ckpt.checkpoint.format.verify import MAX_MANIFEST_BYTES
 from raytrain_ckpt.checkpoint.format.unpickling import (allowed_global, check_data_files, checked_pickle, refusal,
                                                         resolve_builtin, unpickle)
-from raytrain_ckpt.events import headline
+from raytrain_ckpt.common.events import headline
 
 __all__ = ["SafeFileSystemReader", "SafeFsspecReader", "SafeLoadPlanner", "SafeUnpickler", "empty_safe_planner",
            "read_metadata", "safe_reader"]

@@ -58,7 +58,7 @@ from raytrain_ckpt.checkpoint.errors import ConversionError, InvalidCheckpoint, 
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.metadata import SafeLoadPlanner, empty_safe_planner, safe_reader
 from raytrain_ckpt.checkpoint.format.names import Location, parent_of, parse_entry, step_name
-from raytrain_ckpt.locations import is_uri
+from raytrain_ckpt.common.locations import is_uri
 from raytrain_ckpt.checkpoint.format.verify import Verify, verify_step
 from raytrain_ckpt.checkpoint.interchange.formats import lazy_tensor, stream_torch_save
 from raytrain_ckpt.checkpoint.interchange.hf_export import write_hf
@@ -67,7 +67,7 @@ from raytrain_ckpt.checkpoint.storage.backends import open_storage
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.checkpoint.storage.leases import FileLease
 from raytrain_ckpt.checkpoint.storage.posix import fsync_dir
-from raytrain_ckpt.events import headline
+from raytrain_ckpt.common.events import headline
 from raytrain_ckpt.models import describe_model
 from raytrain_ckpt.models.config import LlamaConfig
 from raytrain_ckpt.models.hf import hf_adapter

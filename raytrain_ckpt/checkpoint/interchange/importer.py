@@ -31,10 +31,10 @@ from raytrain_ckpt.checkpoint.format.manifest import Manifest, describe_file
 from raytrain_ckpt.checkpoint.format.names import Location
 from raytrain_ckpt.checkpoint.format.prescan import check_torch_save
 from raytrain_ckpt.data.suffixes import not_regular, open_regular
-from raytrain_ckpt.locations import is_uri
+from raytrain_ckpt.common.locations import is_uri
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.models.hf import HFAdapter, hf_adapter
-from raytrain_ckpt.events import headline
+from raytrain_ckpt.common.events import headline
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from raytrain_ckpt.checkpoint.errors import ConversionError, InvalidCheckpoint, StorageUnavailable
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.format.names import Location, parent_of, parse_entry
-from raytrain_ckpt.locations import is_uri
+from raytrain_ckpt.common.locations import is_uri
 from raytrain_ckpt.checkpoint.format.verify import Verify, verify_step
 from raytrain_ckpt.checkpoint.policy.selection import candidates, parse_selector
 from raytrain_ckpt.checkpoint.storage.backends import open_storage

@@ -39,8 +39,8 @@ from raytrain_ckpt.checkpoint.format.manifest import checksum_view
 from raytrain_ckpt.checkpoint.datapath.staging import copy_bytes, layout_key, map_whole, plan_slots, views_of
 from raytrain_ckpt.checkpoint.recovery.state import apply_own_state, load_app_state, own_state
 from raytrain_ckpt.checkpoint.format.names import Location
-from raytrain_ckpt.locations import is_uri
-from raytrain_ckpt.faults import planned
+from raytrain_ckpt.common.locations import is_uri
+from raytrain_ckpt.common.faults import planned
 from raytrain_ckpt.checkpoint.records import CommittedCopy
 from raytrain_ckpt.checkpoint.errors import CopyMismatch
 

@@ -33,9 +33,9 @@ from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.format.verify import Verify
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, LEFTOVER_GRACE_S
 from raytrain_ckpt.checkpoint.storage.leases import LeaseFiles
-from raytrain_ckpt.faults import adopt_fault_env
-from raytrain_ckpt.logs import setup_logging
-from raytrain_ckpt.metrics import CheckpointMetrics
+from raytrain_ckpt.common.faults import adopt_fault_env
+from raytrain_ckpt.common.logs import setup_logging
+from raytrain_ckpt.observe.metrics import CheckpointMetrics
 
 logger = logging.getLogger(__name__)
 

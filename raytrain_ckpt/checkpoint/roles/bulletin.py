@@ -21,7 +21,7 @@ from raytrain_ckpt.checkpoint.roles.names import NAMESPACE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GCS_TIMEOUT_S", "key", "post", "posted", "read"]
+__all__ = ["GCS_TIMEOUT_S", "key", "oldest_in_flight", "post", "posted", "read"]
 
 GCS_TIMEOUT_S = 5.0
 """How long a read waits for the GCS to answer."""
@@ -61,6 +61,13 @@ def posted(job: str) -> dict[str, Any] | None:
     except Exception:  # noqa: BLE001 - a GCS restarting: the progress line shows no committed step this time
         return None
     return json.loads(raw) if raw else None
+
+
+def oldest_in_flight(job: str) -> int | None:
+    """The oldest step the job's CheckpointActor has in flight, as its bulletin last said (None:
+    none or unknown)."""
+    steps = (posted(job) or {}).get("in_flight") or []
+    return min(steps) if steps else None
 
 
 def read(gcs_address: str, job: str) -> dict[str, Any] | None:

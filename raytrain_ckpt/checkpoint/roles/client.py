@@ -34,8 +34,8 @@ from raytrain_ckpt.checkpoint.policy.interval import CostMeter, IntervalDecision
 from raytrain_ckpt.checkpoint.policy.schedule import SaveSchedule, on_busy_choice
 from raytrain_ckpt.checkpoint.datapath.staging import (PinnedCudaStaging, SharedMemoryStaging, Staging, TensorSlot, layout_key,
                                                      map_buffer, plan_slots, populate_of)
-from raytrain_ckpt.events import cause_text, headline
-from raytrain_ckpt.faults import maybe_inject
+from raytrain_ckpt.common.events import cause_text, headline
+from raytrain_ckpt.common.faults import maybe_inject
 from raytrain_ckpt.spec import CheckpointSpec
 
 logger = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ from raytrain_ckpt.checkpoint.storage.dcp import dcp_writer
 from raytrain_ckpt.checkpoint.format.fingerprints import merge_shard_sums
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
-from raytrain_ckpt.faults import maybe_inject
-from raytrain_ckpt.metrics import CheckpointMetrics
+from raytrain_ckpt.common.faults import maybe_inject
+from raytrain_ckpt.observe.metrics import CheckpointMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from raytrain_ckpt.checkpoint.datapath.replica import ring_peers
 from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, ActorByName, actor_name, call_restarting, writer_name
 from raytrain_ckpt.checkpoint.roles.writer import CheckpointWriter
 from raytrain_ckpt.checkpoint.errors import StorageNotShared
+from raytrain_ckpt.checkpoint.records import STALLED
 from raytrain_ckpt.checkpoint.storage.probe import local_root, missing_probes, unshared_message
-from raytrain_ckpt.silence import STALLED
 from raytrain_ckpt.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,8 @@ class WriterFleet:
 
     def silences(self, now: float) -> dict[str, float]:
         """While the job trains: how long each writer and the actor has left its ping unanswered
-        (``silence.py``), and each write whose bytes have not moved for a while, keyed
-        ``"<writer>, its write of rank R step S"`` (``silence.STALLED``). Never blocks: an answered
+        (``control/watch/silence.py``), and each write whose bytes have not moved for a while, keyed
+        ``"<writer>, its write of rank R step S"`` (``records.STALLED``). Never blocks: an answered
         ping (an error is an answer too) is dropped and a new one sent; a process with a ping in
         flight gets no second one. A writer's ping is its ``write_stalls()``: answered on its
         thread pool, so a writer whose write is stuck in the file system still answers it."""

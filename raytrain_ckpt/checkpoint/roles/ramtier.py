@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from raytrain_ckpt.events import headline
+from raytrain_ckpt.common.events import headline
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from raytrain_ckpt.checkpoint.errors import StepAborted
 from raytrain_ckpt.checkpoint.format.names import Location
 from raytrain_ckpt.checkpoint.records import RankReport
-from raytrain_ckpt.locations import is_uri
+from raytrain_ckpt.common.locations import is_uri
 
 logger = logging.getLogger(__name__)
 

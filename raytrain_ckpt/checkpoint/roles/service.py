@@ -25,8 +25,8 @@ from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name, call_res
 from raytrain_ckpt.checkpoint.storage.backends import job_root
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.verify import Verify
-from raytrain_ckpt.events import headline
-from raytrain_ckpt.faults import planned
+from raytrain_ckpt.common.events import headline
+from raytrain_ckpt.common.faults import planned
 from raytrain_ckpt.spec import CheckpointSpec, JobSpec
 from raytrain_ckpt.checkpoint.errors import ResumeRefused
 

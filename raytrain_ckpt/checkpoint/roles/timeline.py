@@ -20,7 +20,7 @@ from raytrain_ckpt.checkpoint.roles.retainer import Retainer
 from raytrain_ckpt.checkpoint.roles.steps import StepRegistry
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.names import EntryKind
-from raytrain_ckpt.locations import is_uri
+from raytrain_ckpt.common.locations import is_uri
 from raytrain_ckpt.checkpoint.format.verify import Verify, verify_step
 from raytrain_ckpt.checkpoint.storage.backends import open_storage
 from raytrain_ckpt.checkpoint.storage.commit import protocol_for

@@ -41,9 +41,9 @@ from raytrain_ckpt.checkpoint.roles.replication import Replication
 from raytrain_ckpt.checkpoint.roles.writer_buffers import Mapped, WriterBuffers
 from raytrain_ckpt.checkpoint.storage.posix import replace_file
 from raytrain_ckpt.checkpoint.storage.probe import local_root, probe_name
-from raytrain_ckpt.faults import adopt_fault_env, maybe_inject
-from raytrain_ckpt.logs import setup_logging
-from raytrain_ckpt.metrics import WriterMetrics
+from raytrain_ckpt.common.faults import adopt_fault_env, maybe_inject
+from raytrain_ckpt.common.logs import setup_logging
+from raytrain_ckpt.observe.metrics import WriterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ class CheckpointWriter:
         self.buffers.forget(rank, step)
 
     def write_stalls(self) -> dict[str, float]:
-        """The driver's ping (``silence.py``): each write in progress and how long it has moved no bytes."""
+        """The driver's ping (``control/watch/silence.py``): each write in progress and how long it has moved no bytes."""
         return self.writes.stalls()
 
     def usage(self) -> WriterUsage:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from raytrain_ckpt.checkpoint.format.names import Location
 
-from raytrain_ckpt.locations import is_uri
+from raytrain_ckpt.common.locations import is_uri
 from raytrain_ckpt.checkpoint.format.verify import StepFiles
 from raytrain_ckpt.checkpoint.storage.objects import ObjectStorage
 from raytrain_ckpt.checkpoint.storage.posix import PosixStorage

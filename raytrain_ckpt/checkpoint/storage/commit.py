@@ -37,7 +37,7 @@ from typing import ClassVar
 
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.names import Entry, EntryKind, Location, step_name
-from raytrain_ckpt.locations import is_uri
+from raytrain_ckpt.common.locations import is_uri
 from raytrain_ckpt.checkpoint.storage.backends import Storage
 from raytrain_ckpt.checkpoint.storage.posix import fsync_dir, replace_file
 

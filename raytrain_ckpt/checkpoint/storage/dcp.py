@@ -17,7 +17,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWr
 
 from raytrain_ckpt.checkpoint.format.names import Location
 
-from raytrain_ckpt.locations import is_uri
+from raytrain_ckpt.common.locations import is_uri
 from raytrain_ckpt.checkpoint.storage.objects import checksummed_upload
 
 __all__ = ["UploadingWriter", "dcp_writer"]

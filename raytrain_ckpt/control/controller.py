@@ -1,0 +1,342 @@
+"""The driver's controller: an explicit state machine over one worker group at a time.
+
+``step()`` is the only code that branches on the state and ``_set_state()`` the only
+code that changes it. What to do about a failure is decided by ``FailurePolicy`` (pure,
+table-tested); the controller only acts on the decision.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from raytrain_ckpt.common.events import Failure, FailureKind, RollbackRecord, WorkerResult, headline
+from raytrain_ckpt.control.poll import GroupPoll, GroupStartError, WorkerGroup
+from raytrain_ckpt.control.policy import Decision, FailurePolicy, RestartBudget
+from raytrain_ckpt.control.watch.goodput import GoodputLedger
+from raytrain_ckpt.control.watch import Watch
+from raytrain_ckpt.control.watch.hangs import HangWatch, auto_text
+from raytrain_ckpt.control.watch.rollbacks import RollbackWatch
+from raytrain_ckpt.control.watch.silence import MAX_REPLACEMENTS, SilenceWatch
+from raytrain_ckpt.control.watch.stragglers import StragglerSwap, StragglerWatch
+from raytrain_ckpt.spec import JobSpec
+
+if TYPE_CHECKING:
+    from raytrain_ckpt.control.watch.preemption import PreemptionGuard
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Controller", "JobResult", "JobState"]
+
+
+class JobState(enum.Enum):
+    """Lifecycle of a job. SUCCEEDED, FAILED and STOPPED are terminal. STOPPED: a signal to the
+    driver (`ray job stop`, Ctrl-C) ended it on purpose, after saving the step in hand."""
+
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
+
+
+@dataclass
+class JobResult:
+    """The outcome the driver reports and exits with."""
+
+    state: JobState
+    attempts: int
+    results: list[WorkerResult] = field(default_factory=list)
+    error: str | None = None
+    elapsed_s: float = 0.0
+    checkpoints: dict | None = None
+    """The CheckpointActor's final status (committed steps, failures), when checkpointing is on."""
+    failures: list[Failure] = field(default_factory=list)
+    """Every failure that ended an attempt, in order."""
+    events: list[tuple[float, str]] = field(default_factory=list)
+    """(time.time(), what) of every failure detected and every group start and start-up."""
+    preemptions: list[dict] = field(default_factory=list)
+    """Every preemption acted on: node, deadline, tier, saved step, steps lost (``PreemptionRecord``)."""
+    stopped: str | None = None
+    """Set when a signal to the driver stopped the job (state STOPPED): what was saved (the step that is safe)."""
+    stopped_by: str | None = None
+    """The signal that stopped the job ("SIGTERM", "SIGINT"; None: it was not stopped)."""
+    goodput: dict | None = None
+    """Where the wall time went (``GoodputLedger.to_dict``): goodput, seconds by cause, each attempt's phases."""
+    diagnostics: list[str] = field(default_factory=list)
+    """The diagnostics folder of every hang (every rank's stacks and the verdict), in order."""
+    quarantined: list[str] = field(default_factory=list)
+    """Every node put in quarantine (``fault_tolerance.quarantine_s``), one line each."""
+    stragglers: list[str] = field(default_factory=list)
+    """Every rank reported as a straggler (``fault_tolerance.straggler_margin``), one line each."""
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """Rank 0's logged global losses by step."""
+        return self.results[0].losses if self.results else {}
+
+
+GroupFactory = Callable[[JobSpec, int], WorkerGroup]
+
+
+class Controller:
+    """Runs a job to a terminal state: start a group, watch it, restart or finish."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        group_factory: GroupFactory,
+        policy: FailurePolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        observer: Callable[[Controller], None] | None = None,
+        preemption: PreemptionGuard | None = None,
+    ) -> None:
+        self.spec = spec
+        self._factory = group_factory
+        ft = spec.fault_tolerance
+        self._policy = policy or FailurePolicy(tuple(ft.retry_on), ft.reuse_workers)
+        self._budget = RestartBudget(ft, self._policy)
+        self._clock = clock
+        self._sleep = sleep
+        self.state = JobState.STARTING
+        self.attempt = 0
+        self.group: WorkerGroup | None = None
+        self.result = JobResult(JobState.STARTING, 0)
+        self._started = clock()
+        self._last_failure: FailureKind | None = None
+        self._observer = observer
+        self.last_poll: GroupPoll | None = None
+        """The latest poll of the running group (read by the observer)."""
+        self.preemption = preemption
+        self.hang_watch = HangWatch(spec, clock)
+        self.hangs = self.hang_watch.hangs
+        self.ledger = GoodputLedger(self._started)
+        self.stragglers = StragglerWatch(spec.fault_tolerance.straggler_margin)
+        self.swap = StragglerSwap(spec, self.stragglers)
+        self.silences = SilenceWatch(spec)
+        self.rollbacks = RollbackWatch()
+        self.watches: list[Watch] = [self.hang_watch, self.ledger, self.swap, self.silences, self.rollbacks]
+        """Every watch over the polls, each owning its state; in the order their status is shown."""
+
+    @property
+    def preemptions(self) -> int:
+        """Preemptions survived so far (``fault_tolerance.max_preemptions``)."""
+        return self.preemption.preemptions if self.preemption is not None else 0
+
+    @property
+    def restarts(self) -> int:
+        """Restarts spent on failures (``fault_tolerance.max_restarts``)."""
+        return self._budget.restarts
+
+    def run(self) -> JobResult:
+        """Step until terminal; always releases the group."""
+        logger.info("%s", auto_text(self.spec))
+        try:
+            while not self.state.is_terminal:
+                self.step()
+        finally:
+            self._release_group()
+            self.ledger.close(self._clock())
+        self.result.elapsed_s = self._clock() - self._started
+        self.result.goodput = self.ledger.to_dict()
+        for line in [*(self.ledger.timeline_lines() if self.result.failures else ()), self.ledger.end_line()]:
+            logger.info("%s", line)
+        return self.result
+
+    def step(self) -> None:
+        """Advance the state machine by one transition or one poll."""
+        if self.state is JobState.STARTING:
+            self._start_group()
+        elif self.state is JobState.RUNNING:
+            self._watch_group()
+        elif self.state is JobState.RECOVERING:
+            self._release_group(keep_warm=self._policy.keep_warm(self._last_failure))
+            self.ledger.torn_down(self._clock())
+            self._sleep(self.spec.fault_tolerance.restart_backoff_s)
+            self.attempt += 1
+            self._set_state(JobState.STARTING, f"attempt {self.attempt}")
+        if self._observer is not None:  # metrics: called after every transition or poll
+            self._observer(self)
+
+    def summary(self) -> dict[str, Any]:
+        """The job at a glance, for ``raytrain-ckpt status --job``: state, attempt, restarts,
+        failures by kind, and the slowest rank's step (what every rank has trained)."""
+        poll = self.last_poll
+        out = {"state": self.state.value, "attempt": self.attempt, "restarts": self.restarts,
+               "failures": dict(Counter(f.kind for f in self.result.failures)),
+               "preemption": next((f.headline for f in reversed(self.result.failures) if f.kind == "preemption"), None),
+               "train_step": poll.min_step if poll is not None else None}
+        for watch in self.watches:
+            out.update(watch.status())
+        return out
+
+    def reject(self, kind: str, message: str) -> None:
+        """Fail a job whose workers finished but whose outcome is not what was asked for
+        (its final checkpoint did not commit): the result says why, the exit code is 1."""
+        assert self.state is JobState.SUCCEEDED, self.state
+        self._fail_job(kind, message, f"{kind} rejected", f"finished, but {message}")
+
+    def stop(self, kind: FailureKind, message: str) -> None:
+        """Fail a job that has not ended, from outside its group (another run took its checkpoint
+        root over): the run loop ends and releases the group; the result says why (exit code 1)."""
+        if not self.state.is_terminal:
+            self._fail_job(kind, message, "stopped", f"stopped: {message}")
+
+    def _fail_job(self, kind: str, message: str, what: str, log_line: str) -> None:
+        """FAILED from outside the group's failures (no restart): ``what`` the event, ``log_line`` the error logged."""
+        self.result.failures.append(Failure(self.attempt, kind, None, headline(message), message))
+        self.result.events.append((time.time(), f"attempt {self.attempt} {what}"))
+        logger.error("attempt %d %s", self.attempt, log_line)
+        self.result.error = message
+        self._set_state(JobState.FAILED, kind)
+
+    def _set_state(self, new: JobState, reason: str) -> None:
+        logger.info("%s -> %s (%s)", self.state.value, new.value, reason)
+        self.state = new
+        self.result.state = new
+
+    def _start_group(self) -> None:
+        self.result.events.append((time.time(), f"attempt {self.attempt} starting"))
+        self.ledger.attempt(self.attempt, self._clock())
+        self.group = self._factory(self.spec, self.attempt)
+        self.result.attempts = self.attempt + 1
+        # the guard's budget is per job, not per attempt
+        self.group.rollbacks_before = sum(f.kind == "rollback" for f in self.result.failures)
+        try:
+            self.group.start()
+        except GroupStartError as exc:
+            self._note_replaced()
+            self.ledger.start_marks(self.group.start_marks, self._clock())
+            if exc.mismatch is not None:
+                self._on_failure(Failure(self.attempt, "mismatch", None, headline(exc.mismatch), str(exc)))
+            else:
+                self._on_failure(Failure(self.attempt, "start", None, headline(str(exc)), str(exc)))
+            return
+        self._note_replaced()
+        for watch in self.watches:
+            watch.new_attempt()
+        if self.preemption is not None:
+            self.preemption.new_attempt()
+        self.ledger.start_marks(self.group.start_marks, self.hang_watch.last_advance)
+        if self.group.nodes:
+            self.result.events.append((time.time(), f"attempt {self.attempt} placed on {','.join(self.group.nodes)}"))
+        self.result.events.append((time.time(), f"attempt {self.attempt} running"))
+        self._set_state(JobState.RUNNING, f"{self.spec.world_size} workers started")
+
+    def _note_replaced(self) -> None:
+        """Into the result's events: the checkpoint writers or actor the start replaced for not
+        answering (a stopped process; the previous failure may have been theirs, not the ranks')."""
+        assert self.group is not None
+        self.result.events += [(time.time(), f"attempt {self.attempt}: {note}") for note in self.group.replaced]
+
+    def _watch_group(self) -> None:
+        assert self.group is not None
+        poll = self.last_poll = self.group.poll()
+        self.ledger.progress(poll.min_step, self._clock(), poll.stall_s, poll.eval_s)
+        self._note_rollbacks(poll.rollbacks)
+        self.result.stragglers += self.swap.observe(poll, self.group, self.attempt)
+        preempted = self.preemption.watch(self.group, poll, self.attempt) if self.preemption is not None else None
+        if preempted is not None:
+            self._on_preemption(preempted)
+        elif poll.failures:
+            first = poll.failures[0]
+            if poll.evidence is not None:
+                self.result.diagnostics.append(poll.evidence)
+            self._on_failure(Failure(self.attempt, first.kind, first.rank, first.headline, first.detail or str(first),
+                                     tuple(poll.failures[1:]), poll.evidence))
+        elif self.swap.stopped(poll):
+            self._on_straggler_stopped(poll)
+        elif poll.finished:
+            self.ledger.finished(self._clock())
+            self.result.results = poll.results
+            self._note_rollbacks(poll.results[0].rollbacks if poll.results else ())
+            self._set_state(JobState.SUCCEEDED, f"{poll.min_step} steps done")
+        elif self._replaced_silent(poll, hung := self.hang_watch.hung(poll)):
+            self.hang_watch.waited()  # its ranks waited on it: the step budget starts again
+        elif hung:
+            failure, folder = self.hang_watch.failure(poll, self.group, self.attempt)
+            if folder is not None:
+                self.result.diagnostics.append(folder)
+            self._on_failure(failure)
+        else:
+            self.group.wait(self.spec.fault_tolerance.poll_interval_s)
+
+    def _note_rollbacks(self, rollbacks: tuple[RollbackRecord, ...]) -> None:
+        """The training guard's rollbacks are failures the job recovered from: each is recorded
+        once, as soon as a poll sees it (an attempt that crashes later keeps them)."""
+        for rb in self.rollbacks.unseen(rollbacks):
+            self.result.failures.append(Failure(self.attempt, "rollback", rb.trip.rank, str(rb), str(rb)))
+            self.result.events.append((time.time(), f"attempt {self.attempt} rollback to step {rb.to_step}"))
+
+    def _replaced_silent(self, poll: GroupPoll, hung: bool) -> bool:
+        """A checkpoint writer or the actor silent past its budget (``control/watch/silence.py``) is
+        replaced while the group trains on; returns whether one was (a ``writer_hang`` recovered from)."""
+        assert self.group is not None
+        found = self.silences.observe(self.group, poll, hung, self.hangs, self.attempt)
+        if found is None:
+            return False
+        text, replaced = found
+        self.result.failures.append(Failure(self.attempt, "writer_hang", None, headline(text),
+                                            "\n".join([text, *replaced])))
+        self.result.events.append((time.time(), f"attempt {self.attempt} writer_hang detected"))
+        self.result.events += [(time.time(), f"attempt {self.attempt}: {note}") for note in replaced]
+        logger.error("attempt %d writer_hang (%d/%d, max_restarts not spent): %s", self.attempt,
+                     self.silences.replaced, MAX_REPLACEMENTS, text)
+        self.hang_watch.last_hang = text
+        return True
+
+    def _on_straggler_stopped(self, poll: GroupPoll) -> None:
+        """The group stopped at a committed step for a straggler's replacement: restart without it."""
+        assert self.group is not None
+        failure = self.swap.failure(poll, self.attempt)
+        rank, step = failure.rank, min(r.steps for r in poll.results)
+        self.result.failures.append(failure)
+        self.result.events.append((time.time(), f"attempt {self.attempt} straggler rank {rank} replaced"))
+        self.group.retire(rank)
+        self._last_failure = "straggler"
+        self._set_state(JobState.RECOVERING, f"straggler rank {rank} at step {step}; restarts not spent")
+
+    def _on_failure(self, failure: Failure) -> None:
+        kind, now = failure.kind, self._clock()
+        self.ledger.failed(kind, now)
+        quarantined = self.group.note_failure(failure) if self.group is not None else None
+        if quarantined is not None:
+            self.result.quarantined.append(quarantined)
+            self.result.events.append((time.time(), quarantined))
+        self._last_failure = kind
+        self.result.failures.append(failure)
+        decision, why = self._budget.decide(kind, now)
+        self.result.events.append((time.time(), f"attempt {self.attempt} {kind} detected"))
+        if kind == "mismatch":  # a user's mistake: its message, without the ranks' tracebacks
+            logger.error("attempt %d: the resume checkpoint does not fit this job: %s", self.attempt, failure.headline)
+        else:
+            logger.error("attempt %d %s failure:\n%s", self.attempt, kind, failure.log_text())
+        self.result.error = failure.full_text()
+        self._set_state(JobState.RECOVERING if decision is Decision.RESTART else JobState.FAILED, why)
+
+    def _on_preemption(self, failure: Failure) -> None:
+        """A drained node stopped the group: restart off it, on the preemption budget, not max_restarts'
+        (or the driver was told to stop, or capacity came back: ``PreemptionGuard.settle``)."""
+        assert self.preemption is not None
+        state, why = self.preemption.settle(failure, self.attempt, self.result,
+                                            self.spec.fault_tolerance.max_preemptions)
+        if self.preemption.outcome != "stop":
+            self._last_failure = "preemption" if self.preemption.outcome == "preemption" else None
+        self._set_state(JobState(state), why)
+
+    def _release_group(self, keep_warm: bool = False) -> None:
+        if self.group is not None:
+            self.group.shutdown(keep_warm=keep_warm)
+            self.group = None
+

@@ -1,0 +1,304 @@
+"""The Ray worker group: a placement group and one TrainWorker actor per rank.
+
+It implements the controller's small ``WorkerGroup`` protocol (start / poll / shutdown),
+so the state machine is unit-tested with a fake and driven by this class in production.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util.placement_group import remove_placement_group
+
+from raytrain_ckpt.checkpoint.roles.service import CheckpointService
+from raytrain_ckpt.control.poll import GroupPoll, GroupStartError
+from raytrain_ckpt.control.placement import Placement, room_outside
+from raytrain_ckpt.common.events import Failure, Progress, RankPlace, WorkerResult, headline
+from raytrain_ckpt.control.hang_evidence import diagnose, diagnostics_root, locate
+from raytrain_ckpt.control.watch.hangs import Verdict, keep_failures
+from raytrain_ckpt.rank.progress import poll_progress
+from raytrain_ckpt.control.pool import WorkerPool, bundle_nodes, drain, kill_actor, new_worker
+from raytrain_ckpt.control.startcalls import StartCalls
+from raytrain_ckpt.control.watch.quarantine import Quarantine
+from raytrain_ckpt.spec import JobSpec
+from raytrain_ckpt.rank.worker import WorkerFailure
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RayWorkerGroup", "guard_failure"]
+
+
+def guard_failure(attempt: int, reporter: int, cause: WorkerFailure) -> Failure:
+    """The job's failure for the training guard's report: it names the rank that tripped (which
+    the report carries), not ``reporter``, the rank that raised it (rank 0)."""
+    rank = reporter if cause.rank is None else cause.rank
+    return Failure(attempt, "rollback", rank, headline(cause.guard), cause.guard)
+
+
+class RayWorkerGroup:
+    """``num_workers`` TrainWorker actors in one placement group."""
+
+    def __init__(self, spec: JobSpec, attempt: int, checkpoints: CheckpointService | None = None,
+                 pool: WorkerPool | None = None, quarantine: Quarantine | None = None,
+                 run_id: str | None = None) -> None:
+        self.spec = spec
+        self.run_id = run_id or uuid.uuid4().hex
+        """The run's identity (the driver mints one per run): the key of its ranks' files on a node."""
+        self.attempt = attempt
+        self.checkpoints = checkpoints
+        self.pool = pool
+        self.workers: list[ray.actor.ActorHandle] = []
+        self._runs: dict[ray.ObjectRef, int] = {}
+        self._results: dict[int, WorkerResult] = {}
+        self._pg = None
+        self.reused = 0
+        """Ranks of this attempt served by a kept or spare process instead of a new one."""
+        self._spares_started = False
+        self._where: list[RankPlace | None] = []
+        """Each rank's (pid, node id): where its stacks are read from if the group hangs."""
+        self.start_marks: list[tuple[str, float]] = []
+        """(phase, time.monotonic() it ended) of the start: placement, rendezvous, load (the goodput ledger)."""
+        self.quarantine = quarantine
+        self.nodes: list[str] = []
+        """The node of each rank's bundle, once placed."""
+        self.rollbacks_before = 0
+        """The guard's rollbacks in the job's earlier attempts (the controller sets it before ``start``)."""
+        self._retired: set[int] = set()
+        """Ranks whose process is never kept for the next attempt (``retire``)."""
+        self._calls = StartCalls(spec.fault_tolerance.start_timeout_s)
+
+    @property
+    def replaced(self) -> list[str]:
+        """The checkpoint writers and actor this attempt's start replaced because they did not
+        answer (``CheckpointService.plan_attempt``), one line each."""
+        return self.checkpoints.replaced.get(self.attempt, []) if self.checkpoints is not None else []
+
+    def start(self) -> None:
+        """Reserve bundles, create the actors, rendezvous, and start ``run()`` on every rank."""
+        ft, res = self.spec.fault_tolerance, self.spec.resources
+        deadline = time.monotonic() + ft.start_timeout_s
+        self.start_marks.clear()
+        # build placement group: the kept one, or a new one (smaller, when elastic and the
+        # full group does not fit in time)
+        kept = self.pool.take(self.spec.world_size) if self.pool is not None else None
+        bundle = {"CPU": res.cpus_per_worker, **({"GPU": res.gpus} if res.gpus else {})}
+        placement = Placement(self.spec, self.attempt, self.quarantine)
+        try:
+            self._pg, survivors = kept if kept is not None else (placement.place(bundle, deadline), {})
+        finally:
+            self.spec = placement.spec  # an elastic group that did not fit whole trains at the size that fit
+        placement.probe_failed_nodes(self._pg, survivors)
+        # build actors: survivors keep their rank, spares and new processes fill the gaps
+        self.workers = self._assign_workers(survivors, deadline)
+        self.nodes = bundle_nodes(self._pg)
+        self.start_marks.append(("placement", time.monotonic()))
+        # rendezvous at rank 0's node; plan the resume point while the ranks join, then set up
+        # every rank concurrently
+        meet = self._calls.get(self.workers[0].address.remote(), deadline, "locate rank 0")
+        addr, port = meet.host, meet.port
+        joins = [w.join.remote(addr, port) for w in self.workers]
+        try:
+            ckpt = (self.checkpoints.plan_attempt(self.attempt, self.spec, bundle_nodes(self._pg))
+                    if self.checkpoints is not None else None)
+            setups = [w.setup.remote(ckpt.ranks[rank] if ckpt is not None else None, self.rollbacks_before)
+                      for rank, w in enumerate(self.workers)]
+            self._calls.get_all(joins, deadline, "join rank {rank} to the process group")
+            self.start_marks.append(("rendezvous", time.monotonic()))
+            self._calls.get_all(setups, deadline, "set up rank {rank}")
+            self.start_marks.append(("load", time.monotonic()))
+            if self.checkpoints is not None:
+                self.checkpoints.started()  # every rank loaded the start: the timeline begins there
+        finally:
+            if self.checkpoints is not None:
+                self.checkpoints.release(self.attempt)
+        self._where = locate(self.workers, max(1.0, deadline - time.monotonic()))  # for a hang's stacks
+        self._runs = {w.run.remote(): rank for rank, w in enumerate(self.workers)}
+        logger.info("attempt %d: %d workers training (%d reused; rendezvous %s:%d)", self.attempt,
+                    len(self.workers), self.reused, addr, port)
+
+    def _assign_workers(self, survivors: dict[int, ray.actor.ActorHandle],
+                        deadline: float) -> list[ray.actor.ActorHandle]:
+        """One actor per rank: a kept survivor, else a spare on the rank's node, else a new process.
+
+        A kept or spare process that turns out dead when assigned is replaced by a new one:
+        reuse only ever saves time, it never fails a start.
+        """
+        spec_json = self.spec.model_dump_json()
+        nodes = bundle_nodes(self._pg)
+        workers: dict[int, ray.actor.ActorHandle] = {}
+        assigns: dict[ray.ObjectRef, int] = {}
+        for rank in range(self.spec.world_size):
+            actor = survivors.get(rank)
+            if actor is None and self.pool is not None and not self.spec.resources.use_gpu:
+                actor = self.pool.spare_for(nodes[rank])
+            if actor is None:
+                workers[rank] = new_worker(self.spec, self._pg, rank, self.attempt, self.run_id)
+                continue
+            workers[rank] = actor
+            assigns[actor.assign.remote(spec_json, rank, self.spec.world_size, self.attempt, self.run_id)] = rank
+        for ref, rank in assigns.items():
+            try:
+                self._calls.get(ref, deadline, f"assign rank {rank} to a kept worker")
+                self.reused += 1
+            except GroupStartError as exc:
+                logger.warning("attempt %d: kept worker for rank %d unusable (%s); starting a new one",
+                               self.attempt, rank, exc)
+                kill_actor(workers[rank])
+                workers[rank] = new_worker(self.spec, self._pg, rank, self.attempt, self.run_id)
+        return [workers[r] for r in range(self.spec.world_size)]
+
+    def note_failure(self, failure: Failure) -> str | None:
+        """A rank's crash or hang: count it against its node; the line to report when that puts
+        the node in quarantine (``fault_tolerance.quarantine_s``), else None."""
+        rank = failure.rank
+        where = self._where[rank] if rank is not None and rank < len(self._where) else None
+        if self.quarantine is None or rank is None or where is None:
+            return None
+        line = self.quarantine.rank_failed(failure.kind, rank, where.node_id, time.monotonic())
+        if line is not None:
+            logger.warning("attempt %d: %s", self.attempt, line)
+        return line
+
+    def poll(self) -> GroupPoll:
+        """Collect finished runs and failures, then read every rank's progress."""
+        pending = self._pending_runs()
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
+        failures = collect_runs({ref: self._runs[ref] for ref in ready}, self._results, self.attempt)
+        evidence = keep_failures(diagnostics_root(self.spec), self.attempt, failures) if failures else None
+        progress = self._progress()
+        finished = len(self._results) == len(self.workers)
+        self._maybe_start_spares(progress)
+        return GroupPoll(
+            results=[self._results[r] for r in sorted(self._results)],
+            failures=failures,
+            evidence=evidence,
+            min_step=min((p.step for p in progress.values()), default=0),
+            finished=finished,
+            stall_s=max((p.stall_s for p in progress.values()), default=0.0),
+            eval_s=max((p.eval_s for p in progress.values()), default=0.0),
+            phases={r: p.phase for r, p in progress.items()},
+            starts={r: (p.step, p.step_started_at) for r, p in progress.items() if p.phase == "training"},
+            step_s=max((p.step_s for p in progress.values() if p.step_s is not None), default=None),
+            rollbacks=max([p.rollbacks for p in progress.values()] + [r.rollbacks for r in self._results.values()],
+                          key=len, default=()),
+            evictions={r: p.evicted_until for r, p in progress.items() if p.evicted_until is not None}
+            | {r.rank: r.evicted_until for r in self._results.values() if r.evicted_until is not None},
+        )
+
+    def rank_nodes(self) -> list[str]:
+        """Node id of every rank, by rank (the placement group's bundles)."""
+        return bundle_nodes(self._pg) if self._pg is not None else []
+
+    def preempt(self, deadline_unix: float | None, tier: str = "durable") -> None:
+        """A drain notice: every rank saves the step in hand (in ``tier``) at the next step boundary and stops."""
+        for w in self.workers:
+            w.preempt.remote(deadline_unix, tier)
+
+    def retire(self, rank: int) -> None:
+        """The next attempt gets a spare or a new process for ``rank`` (a straggler), even when the
+        others are kept."""
+        self._retired.add(rank)
+
+    def checkpointing_silences(self) -> dict[str, float]:
+        """How long each checkpoint writer and the actor has left its ping unanswered (``control/watch/silence.py``)."""
+        return self.checkpoints.fleet.silences(time.monotonic()) if self.checkpoints is not None else {}
+
+    def save_in_flight(self) -> int | None:
+        """The oldest step the CheckpointActor has in flight (the save a silent writer holds up), as
+        its bulletin last said (None: none or unknown)."""
+        from raytrain_ckpt.checkpoint.roles.bulletin import oldest_in_flight
+
+        return oldest_in_flight(self.spec.name) if self.checkpoints is not None else None
+
+    def replace_silent_checkpointing(self, stalled: dict[str, float] | None = None) -> list[str]:
+        """Kill and restart the checkpoint writers and actor that do not answer a ping now, and the
+        writers of ``stalled`` writes still unmoved past their budget; one line each."""
+        return self.checkpoints.fleet.replace_silent(stalled=stalled) if self.checkpoints is not None else []
+
+    def diagnose(self) -> Verdict:
+        """Before the hung group is torn down: every rank's stacks and step, kept under the job
+        root's diagnostics/attempt-N/, and the culprit (``hang_evidence``)."""
+        return diagnose(self.workers, self._where, diagnostics_root(self.spec) / f"attempt-{self.attempt}")
+
+    def _pending_runs(self) -> list[ray.ObjectRef]:
+        """The ``run()`` refs of ranks whose result is not collected yet."""
+        return [r for r in self._runs if self._runs[r] not in self._results]
+
+    def wait(self, timeout_s: float) -> None:
+        """Until the ranks' runs have ended or ``timeout_s`` passes, returning early once a run has
+        ended and the others ended too: a crash is seen as soon as Ray reports it, not at the
+        next poll.
+
+        When a process dies, its peers' collectives fail at once, so their runs often end (with a
+        connection reset) before Ray reports the death. Returning at the first end would report
+        that echo as the failure; waiting for the other runs, within the same interval, lets the
+        poll see the crash itself, as a poll after the whole interval would have.
+        """
+        pending = self._pending_runs()
+        if not pending:
+            time.sleep(timeout_s)
+            return
+        deadline = time.monotonic() + timeout_s
+        ended, rest = ray.wait(pending, num_returns=1, timeout=timeout_s)
+        if ended and rest:
+            ray.wait(rest, num_returns=len(rest), timeout=max(0.0, deadline - time.monotonic()))
+
+    def _maybe_start_spares(self, progress: dict[int, Progress]) -> None:
+        """Start spares once every rank finished a step: a spare importing torch while the group
+        sets up or loads would take CPU from the very restart it is meant to speed up."""
+        if not self._spares_started and self.pool is not None and self._pg is not None:
+            self._spares_started = self.pool.replenish_once_trained(self._pg, progress, len(self.workers))
+
+    def _progress(self) -> dict[int, Progress]:
+        out = {r.rank: Progress(r.rank, r.steps, None, time.time(), "done") for r in self._results.values()}
+        running = [rank for rank in range(len(self.workers)) if rank not in self._results]
+        # One call per node (rank/progress.py); a dead rank's run() ref reports its death.
+        out |= poll_progress(self.workers, self.nodes, running, self.spec.fault_tolerance.poll_interval_s)
+        return out
+
+    def shutdown(self, keep_warm: bool = False) -> None:
+        """Kill the actors (no Ray-level restart: the controller decides) and free the bundles.
+
+        With ``keep_warm`` (a restart after a crash or exception) and a pool, the placement
+        group and every rank that leaves the failed step and resets within
+        ``fault_tolerance.drain_timeout_s`` are kept for the next attempt; only the rest is killed.
+        """
+        out = set(self.quarantine.excluded(time.monotonic())) if self.quarantine is not None else set()
+        if keep_warm and out & set(self.nodes) and room_outside(self.spec, out) >= self.spec.world_size:
+            keep_warm = False  # a kept bundle would keep a quarantined node in the group: placed anew around it
+        survivors = drain(self._runs, self.workers, self.spec.fault_tolerance.drain_timeout_s) if keep_warm and self.pool is not None and self._pg is not None else {}
+        survivors = {rank: w for rank, w in survivors.items() if rank not in self._retired}
+        for rank, w in enumerate(self.workers):
+            if rank not in survivors:
+                kill_actor(w)
+        if survivors:
+            assert self.pool is not None
+            self.pool.keep(self._pg, survivors)
+            logger.info("attempt %d: keeping rank(s) %s for the next attempt", self.attempt, sorted(survivors))
+        elif self._pg is not None:
+            remove_placement_group(self._pg)
+        self.workers = []
+        self._pg = None
+
+
+def collect_runs(ended: dict[ray.ObjectRef, int], results: dict[int, WorkerResult], attempt: int) -> list[Failure]:
+    """The ended ``run()`` refs (ref -> rank): each result into ``results``; the failures, crashes first."""
+    failures: list[Failure] = []
+    for ref, rank in ended.items():
+        try:
+            results[rank] = ray.get(ref)
+        except WorkerFailure as exc:
+            # Ray wraps the worker's exception; its cause carries the clean traceback.
+            cause = getattr(exc, "cause", None) or exc
+            if getattr(cause, "guard", None):  # the training guard's one report: no traceback, no restart
+                failures.append(guard_failure(attempt, rank, cause))
+                continue
+            failures.append(Failure(attempt, "exception", rank, headline(cause.text), str(cause)))
+        except RayActorError as exc:
+            what = f"worker process died: {headline(str(exc))}"
+            failures.insert(0, Failure(attempt, "crash", rank, what, f"rank {rank}: {what}\n{exc}"))
+    return failures

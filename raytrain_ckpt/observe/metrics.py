@@ -1,0 +1,447 @@
+"""Every metric raytrain_ckpt exports, and the small recorders that emit them.
+
+Metrics go through ``ray.util.metrics``: each process records into Ray's per-node metrics
+agent, which serves them in Prometheus format on the node's ``metrics_export_port`` (Ray
+prefixes every name with ``ray_``). ``METRICS`` is the one list of names, kinds, tags and
+help texts; the Grafana dashboard in ``cluster/`` is tested against it.
+
+Who emits what:
+
+* ``TrainerMetrics`` (each TrainWorker): step, loss, eval loss, tokens/s, step time, checkpoint stall.
+* ``CheckpointMetrics`` (the CheckpointActor): committed and in-flight step, phase and
+  per-rank progress, phase durations, bytes, throughput, purges, aborts, failed saves (in a
+  row and in all), work at risk, the interval ``interval_steps: auto`` chose.
+* ``WriterMetrics`` (each node's CheckpointWriter): bytes and write time per rank, upload
+  retries, and the copies it sent to its peer node (step, bytes, time, failures).
+* ``ControllerMetrics`` (the driver, called after every controller step): state, attempt,
+  failures and restarts by cause, and the training step it polled.
+
+Recording never raises into the caller: a metrics problem must not stop training.
+
+Ray's metrics agent drops a gauge value once it has been scraped, and a process reports only
+the values recorded since its last report (Ray 2.60), so a gauge that is set once (the
+committed step of a job that stopped saving) would vanish from Prometheus. Each process
+therefore re-records its gauges' last values on a background thread every
+``keepalive_interval_s()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from raytrain_ckpt.checkpoint.records import IN_FLIGHT_PHASES, InFlight, WorkAtRisk
+
+if TYPE_CHECKING:
+    from raytrain_ckpt.checkpoint.format.manifest import Manifest
+    from raytrain_ckpt.control.controller import Controller
+    from raytrain_ckpt.rank.trainer import StepReport
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["METRICS", "PHASES", "CheckpointMetrics", "ControllerMetrics", "MetricDef", "TrainerMetrics",
+           "WriterMetrics", "exported_names"]
+
+Kind = Literal["gauge", "counter", "histogram"]
+SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+PHASES = ("idle", *(p.value for p in IN_FLIGHT_PHASES))
+"""Phases of the in-flight step, in order (``raytrain_ckpt_checkpoint_inflight_phase`` has one series each):
+``idle`` when none is in flight, else its ``StepPhase``."""
+PREFIX = "raytrain_ckpt_"
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """One exported metric: its name (without Ray's ``ray_`` prefix), kind, tags and help text."""
+
+    name: str
+    kind: Kind
+    help: str
+    tags: tuple[str, ...] = ("job",)
+    boundaries: tuple[float, ...] = SECONDS
+
+
+def _m(name: str, kind: Kind, help_text: str, *tags: str) -> MetricDef:
+    return MetricDef(PREFIX + name, kind, help_text, ("job", *tags))
+
+
+METRICS: dict[str, MetricDef] = {m.name.removeprefix(PREFIX): m for m in (
+    # trainer side
+    _m("train_step", "gauge", "Last finished optimizer step of a rank.", "rank"),
+    _m("train_loss", "gauge", "Global mean loss at the last logging step (rank 0)."),
+    _m("eval_loss", "gauge", "Validation loss on the held-out samples at the last eval step (rank 0)."),
+    _m("train_tokens_per_second", "gauge", "Tokens per second of the last step (whole job, seen by a rank).", "rank"),
+    _m("train_step_seconds", "gauge", "Wall time of the last step of a rank.", "rank"),
+    _m("checkpoint_stall_seconds", "histogram", "Seconds one save blocked a rank's training thread.", "rank"),
+    _m("checkpoint_last_stall_seconds", "gauge", "Seconds the last save blocked a rank's training thread.", "rank"),
+    _m("train_rollbacks_total", "counter", "Rollbacks of the training guard to a certified step (rank 0)."),
+    _m("train_skipped_samples_total", "counter", "Samples the training guard's rollbacks skipped (rank 0)."),
+    # checkpoint actor
+    _m("checkpoint_committed_step", "gauge", "Newest committed checkpoint step (-1: none)."),
+    _m("checkpoint_last_commit_timestamp_seconds", "gauge", "Unix time of the newest commit (0: none)."),
+    _m("checkpoint_inflight_step", "gauge", "Step being saved (-1: none)."),
+    _m("checkpoint_inflight_phase", "gauge", "1 for the phase the in-flight step is in, 0 for the others.",
+       "phase"),
+    _m("checkpoint_inflight_ranks", "gauge", "Ranks of the in-flight step that reached a stage (handed_off, "
+       "written).", "stage"),
+    _m("checkpoint_rank_progress", "gauge", "Per rank, for the in-flight step: 0 staging, 1 handed off to its "
+       "writer, 2 written.", "rank"),
+    _m("checkpoint_phase_seconds", "histogram", "Duration of a save phase (plan, stage, write, persist, commit, "
+       "total).", "phase"),
+    _m("checkpoint_last_bytes", "gauge", "Bytes of the newest committed step (every file its manifest lists)."),
+    _m("checkpoint_bytes_written_total", "counter", "Bytes of every step committed by this job."),
+    _m("checkpoint_throughput_bytes_per_second", "gauge", "Bytes of the newest step divided by its save time "
+       "(hand-off of the first rank to the commit)."),
+    _m("checkpoint_commits_total", "counter", "Steps committed."),
+    _m("checkpoint_aborted_total", "counter", "Steps aborted (a writer died, a commit failed, a restart)."),
+    _m("checkpoint_purged_total", "counter", "Committed steps removed by retention."),
+    _m("checkpoint_failed_saves_total", "counter", "Saves that did not commit, for any reason (counted once per "
+       "step)."),
+    _m("checkpoint_consecutive_failed_saves", "gauge", "Saves that failed since the last commit (0 after a "
+       "commit): alert when it stays above 0."),
+    _m("checkpoint_interval_steps", "gauge", "Steps between saves chosen by checkpoint.interval_steps=auto "
+       "(Young-Daly from the measured save cost and the failure rate)."),
+    _m("work_at_risk_seconds", "gauge", "Seconds since the newest commit (since the job started when none): "
+       "the training time a failure now would repeat."),
+    _m("work_at_risk_steps", "gauge", "Steps trained since the newest committed step."),
+    # writer
+    _m("checkpoint_rank_bytes_written_total", "counter", "Bytes of shard files a node's writer wrote for a rank.",
+       "rank", "node"),
+    _m("checkpoint_rank_write_seconds", "gauge", "Seconds a writer took to write, fsync and checksum a rank's "
+       "files of the last step.", "rank", "node"),
+    _m("checkpoint_rank_upload_retries_total", "counter", "Uploads of a rank's shards to an object store tried "
+       "again after a transient error (5xx, throttling, a dropped connection).", "rank", "node"),
+    _m("checkpoint_replica_step", "gauge", "Newest step of a rank's committed copy that a node's writer sent to "
+       "its peer node (checkpoint.replication; the last send, not what the peer still holds).", "rank", "node"),
+    _m("checkpoint_replica_seconds", "gauge", "Seconds the last send of a rank's copy to the peer node took.",
+       "rank", "node"),
+    _m("checkpoint_replica_bytes_total", "counter", "Bytes of a rank's committed copies sent to the peer node.",
+       "rank", "node"),
+    _m("checkpoint_replica_failures_total", "counter", "Sends of a rank's copy to the peer node that failed "
+       "(also one overtaken by a newer step, whose staging reused the buffer: that step's send follows); until "
+       "a send succeeds, losing this node restores its ranks from storage.", "rank", "node"),
+    # controller
+    _m("logger_dropped_total", "counter", "Scalar points a W&B, MLflow or user logger dropped (its service down or "
+       "slow: training never waits on it).", "logger"),
+    _m("job_state", "gauge", "1 for the controller's current state, 0 for the others.", "state"),
+    _m("job_attempt", "gauge", "Attempt number of the running worker group (0: the first)."),
+    _m("job_failures_total", "counter", "Worker group failures, by cause (crash, exception, hang, start).",
+       "cause"),
+    _m("job_restarts_total", "counter", "Worker group restarts, by the cause of the failure.", "cause"),
+    _m("job_preemption_steps_lost_total", "counter", "Steps trained that no committed step held when a drained node "
+       "(or a stop signal) stopped the group: trained again."),
+    _m("job_preemption_notice_seconds", "gauge", "Seconds between the latest drain notice and its deadline (-1: no "
+       "deadline)."),
+    _m("job_wall_seconds_total", "counter", "Seconds of the job's wall time, by the cause they went to (goodput "
+       "ledger: training, checkpoint_stall, eval, redone, first_step, placement, rendezvous, load, detection, "
+       "teardown, waiting).", "cause"),
+    _m("job_goodput_ratio", "gauge", "Training seconds / wall seconds of the job so far."),
+    _m("job_hang_timeout_seconds", "gauge", "The hang timeout in force (learned from the step times when "
+       "fault_tolerance.hang_timeout_s is auto)."),
+    _m("job_step_skew_seconds", "gauge", "How much later the last rank began the latest step than the first "
+       "(per-rank step-time skew; a persistent one names a straggler)."),
+    _m("job_stragglers", "gauge", "Ranks reported as stragglers (fault_tolerance.straggler_margin)."),
+)}
+
+
+def exported_names() -> set[str]:
+    """Every series name Prometheus sees: ``ray_`` + name, ``_bucket``/``_sum``/``_count`` for histograms."""
+    out = set()
+    for m in METRICS.values():
+        base = "ray_" + m.name
+        out |= {base + s for s in ("_bucket", "_sum", "_count")} if m.kind == "histogram" else {base}
+    return out
+
+
+_objects: dict[str, Any] = {}
+_warned = False
+_gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+_lock = threading.Lock()
+_create_lock = threading.Lock()
+_keepalive: threading.Thread | None = None
+
+
+def keepalive_interval_s() -> float:
+    """Half of Ray's metrics report interval (``RAY_metrics_report_interval_ms``, default 10 s)."""
+    report_ms = float(os.environ.get("RAY_metrics_report_interval_ms", "10000"))
+    return min(5.0, max(0.2, report_ms / 2000.0))
+
+
+def _keep_gauges_alive() -> None:
+    while True:
+        time.sleep(keepalive_interval_s())
+        with _lock:
+            values = list(_gauges.items())
+        for (name, tags), value in values:
+            _set(name, value, dict(tags))
+
+
+def _warn_once(name: str, exc: Exception) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        logger.warning("could not record metric %s (further errors in this process are not logged): %s: %s",
+                       name, type(exc).__name__, exc)
+
+
+def _set(name: str, value: float, tags: dict[str, str]) -> None:
+    try:
+        _metric(name).set(value, tags=tags)
+    except Exception as exc:  # metrics are best effort: never fail a training step or a commit over them
+        _warn_once(name, exc)
+
+
+def _metric(name: str) -> Any:
+    with _create_lock:  # the keepalive thread records too: create each metric once
+        return _objects.get(name) or _objects.setdefault(name, _create(METRICS[name]))
+
+
+def _create(d: MetricDef) -> Any:
+    from ray.util import metrics as rm
+
+    if d.kind == "gauge":
+        return rm.Gauge(d.name, d.help, tag_keys=d.tags)
+    if d.kind == "counter":
+        return rm.Counter(d.name, d.help, tag_keys=d.tags)
+    return rm.Histogram(d.name, d.help, boundaries=list(d.boundaries), tag_keys=d.tags)
+
+
+def record(name: str, value: float, tags: dict[str, str]) -> None:
+    """Set a gauge, add to a counter or observe a histogram, by the metric's kind."""
+    global _keepalive
+    tags = {k: str(v) for k, v in tags.items()}
+    if METRICS[name].kind == "gauge":
+        with _lock:
+            _gauges[(name, tuple(sorted(tags.items())))] = float(value)
+            if _keepalive is None:
+                _keepalive = threading.Thread(target=_keep_gauges_alive, name="rtc-metrics", daemon=True)
+                _keepalive.start()
+        _set(name, float(value), tags)
+        return
+    try:
+        obj = _metric(name)
+        if METRICS[name].kind == "counter":
+            if value > 0:
+                obj.inc(float(value), tags=tags)
+        else:
+            obj.observe(float(value), tags=tags)
+    except Exception as exc:  # metrics are best effort: never fail a training step or a commit over them
+        _warn_once(name, exc)
+
+
+class TrainerMetrics:
+    """Per rank: training progress after every step, and the stall each save cost."""
+
+    def __init__(self, job: str, rank: int) -> None:
+        self.job, self.rank = job, rank
+        self._tags = {"job": job, "rank": str(rank)}
+        self._saves = 0
+
+    def after_step(self, report: StepReport, ckpt: Any | None) -> None:
+        """Record ``report``; with checkpointing, the stall of a save made at this step
+        (what ``save()`` blocked the training thread: flatten, planning, a busy previous save)."""
+        record("train_step", report.step, self._tags)
+        record("train_step_seconds", report.step_time_s, self._tags)
+        record("train_tokens_per_second", report.tokens_per_s, self._tags)
+        if report.loss is not None and self.rank == 0:
+            record("train_loss", report.loss, {"job": self.job})
+        if report.eval_loss is not None and self.rank == 0:
+            record("eval_loss", report.eval_loss, {"job": self.job})
+        if ckpt is None:
+            return
+        stats = ckpt.stats
+        if stats.saves > self._saves:
+            self._saves = stats.saves
+            record("checkpoint_stall_seconds", stats.last_stall_s, self._tags)
+            record("checkpoint_last_stall_seconds", stats.last_stall_s, self._tags)
+
+
+    def rolled_back(self, rollback: Any) -> None:
+        """A rollback of the training guard (``guard.RollbackRecord``; None: the trip ended the job)."""
+        if rollback is None or self.rank != 0:
+            return
+        record("train_rollbacks_total", 1, {"job": self.job})
+        record("train_skipped_samples_total", rollback.samples[1] - rollback.samples[0], {"job": self.job})
+
+
+class WriterMetrics:
+    """Per node: what the writer wrote for each rank."""
+
+    def __init__(self, job: str, node: str) -> None:
+        self.job, self.node = job, node
+
+    def wrote(self, rank: int, nbytes: int, seconds: float) -> None:
+        tags = {"job": self.job, "rank": str(rank), "node": self.node}
+        record("checkpoint_rank_bytes_written_total", nbytes, tags)
+        record("checkpoint_rank_write_seconds", seconds, tags)
+
+    def replicated(self, rank: int, step: int, nbytes: int, seconds: float) -> None:
+        """Rank ``rank``'s copy of ``step`` reached the peer node, verified there."""
+        tags = {"job": self.job, "rank": str(rank), "node": self.node}
+        record("checkpoint_replica_step", step, tags)
+        record("checkpoint_replica_seconds", seconds, tags)
+        record("checkpoint_replica_bytes_total", nbytes, tags)
+
+    def replica_failed(self, rank: int) -> None:
+        """A send of rank ``rank``'s copy to the peer node failed (the step stays committed on storage)."""
+        record("checkpoint_replica_failures_total", 1, {"job": self.job, "rank": str(rank), "node": self.node})
+
+    def retried(self, rank: int) -> None:
+        """An upload to an object store failed with a transient error and is tried again."""
+        record("checkpoint_rank_upload_retries_total", 1, {"job": self.job, "rank": str(rank), "node": self.node})
+
+
+class CheckpointMetrics:
+    """The CheckpointActor's view: steps, phases, bytes, and the work a failure would lose."""
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self._tags = {"job": job}
+        self.train_step = 0
+        """The newest training step the driver reported (``note_job``)."""
+        self.started = time.time()
+        self.commit_unix = 0.0
+        self.committed_step = -1
+        self._ranks: set[int] = set()
+
+    def start(self, committed: dict[int, Manifest]) -> None:
+        """Publish what storage holds when the actor (re)starts."""
+        if committed:
+            newest = committed[max(committed)]
+            self.committed_step, self.commit_unix = newest.step, newest.created_unix
+        record("checkpoint_committed_step", self.committed_step, self._tags)
+        record("checkpoint_last_commit_timestamp_seconds", self.commit_unix, self._tags)
+        record("checkpoint_consecutive_failed_saves", 0, self._tags)
+        self.progress(InFlight(), 0)
+
+    def progress(self, inflight: InFlight, world_size: int) -> None:
+        """The in-flight step (None: none), its phase and each rank's progress (0, 1, 2)."""
+        step, phase, ranks = inflight.step, inflight.phase_name, inflight.ranks
+        values = list(ranks.values())
+        self._inflight(step, phase, sum(v >= 1 for v in values), sum(v >= 2 for v in values))
+        self._ranks |= set(range(world_size))
+        for rank in sorted(self._ranks):
+            record("checkpoint_rank_progress", ranks.get(rank, 0), {**self._tags, "rank": str(rank)})
+
+    def rank_moved(self, step: int, phase: str, handed_off: int, written: int, rank: int, value: int) -> None:
+        """One rank of the in-flight step moved on: the counts and that rank's series only."""
+        self._inflight(step, phase, handed_off, written)
+        self._ranks.add(rank)
+        record("checkpoint_rank_progress", value, {**self._tags, "rank": str(rank)})
+
+    def _inflight(self, step: int | None, phase: str, handed_off: int, written: int) -> None:
+        record("checkpoint_inflight_step", -1 if step is None else step, self._tags)
+        for p in PHASES:
+            record("checkpoint_inflight_phase", int(p == phase), {**self._tags, "phase": p})
+        record("checkpoint_inflight_ranks", handed_off, {**self._tags, "stage": "handed_off"})
+        record("checkpoint_inflight_ranks", written, {**self._tags, "stage": "written"})
+
+    def planned(self, seconds: float) -> None:
+        record("checkpoint_phase_seconds", seconds, {**self._tags, "phase": "plan"})
+
+    def committed(self, manifest: Manifest) -> None:
+        """A step committed: its phases, size and throughput; it is the new resume point."""
+        for phase in ("stage", "write", "persist", "commit", "total"):
+            if f"{phase}_s" in manifest.wall:
+                record("checkpoint_phase_seconds", manifest.wall[f"{phase}_s"], {**self._tags, "phase": phase})
+        nbytes = manifest.total_bytes
+        record("checkpoint_last_bytes", nbytes, self._tags)
+        record("checkpoint_bytes_written_total", nbytes, self._tags)
+        record("checkpoint_commits_total", 1, self._tags)
+        record("checkpoint_consecutive_failed_saves", 0, self._tags)
+        total = manifest.wall.get("total_s", 0.0)
+        if total > 0:
+            record("checkpoint_throughput_bytes_per_second", nbytes / total, self._tags)
+        if manifest.step >= self.committed_step:
+            self.committed_step, self.commit_unix = manifest.step, manifest.created_unix
+            record("checkpoint_committed_step", manifest.step, self._tags)
+            record("checkpoint_last_commit_timestamp_seconds", manifest.created_unix, self._tags)
+        self.at_risk()
+
+    def aborted(self) -> None:
+        record("checkpoint_aborted_total", 1, self._tags)
+
+    def interval(self, steps: int) -> None:
+        """The interval ``interval_steps: auto`` chose."""
+        record("checkpoint_interval_steps", steps, self._tags)
+
+    def save_failed(self, consecutive: int) -> None:
+        """A step's save failed; ``consecutive``: failed saves since the last commit, this one included."""
+        record("checkpoint_failed_saves_total", 1, self._tags)
+        record("checkpoint_consecutive_failed_saves", consecutive, self._tags)
+
+    def purged(self, count: int) -> None:
+        record("checkpoint_purged_total", count, self._tags)
+
+    def at_risk(self, train_step: int | None = None) -> WorkAtRisk:
+        """Seconds and steps since the newest commit; recorded and returned."""
+        if train_step is not None:
+            self.train_step = train_step
+        since = self.commit_unix or self.started
+        risk = WorkAtRisk(seconds=max(0.0, time.time() - since),
+                          steps=max(0, self.train_step - max(self.committed_step, 0)))
+        record("work_at_risk_seconds", risk.seconds, self._tags)
+        record("work_at_risk_steps", risk.steps, self._tags)
+        return risk
+
+
+class ControllerMetrics:
+    """Called by the Controller after every ``step()`` (its observer): state, attempt, failures
+    and restarts by kind; without checkpointing also the work at risk (with it, the
+    CheckpointActor records that from the job notes the driver sends it)."""
+
+    def __init__(self, job: str, checkpointing: bool = False) -> None:
+        self.job = job
+        self.checkpointing = checkpointing
+        self._tags = {"job": job}
+        self._failures = 0
+        self._restarts = 0
+        self._preemptions = 0
+        self._state = ""
+        self._started = time.time()
+        self._attempt = 0
+        self._seconds: dict[str, float] = {}
+
+    def _ledger(self, ctrl: Controller) -> None:
+        """The goodput ledger's seconds by cause (as counters), its ratio, and the hang timeout."""
+        for cause, total in ctrl.ledger.seconds.items():
+            delta = total - self._seconds.get(cause, 0.0)
+            if delta > 0:
+                record("job_wall_seconds_total", delta, {**self._tags, "cause": cause})
+                self._seconds[cause] = total
+        record("job_goodput_ratio", ctrl.ledger.goodput, self._tags)
+        record("job_hang_timeout_seconds", ctrl.hangs.current_s, self._tags)
+        record("job_step_skew_seconds", ctrl.stragglers.skew_s, self._tags)
+        record("job_stragglers", len(ctrl.stragglers.reported), self._tags)
+
+    def __call__(self, ctrl: Controller) -> None:
+        state = ctrl.state.value
+        if state != self._state:
+            self._state = state
+            for s in ("STARTING", "RUNNING", "RECOVERING", "SUCCEEDED", "FAILED", "STOPPED"):
+                record("job_state", int(s == state), {**self._tags, "state": s})
+        record("job_attempt", ctrl.attempt, self._tags)
+        failures = ctrl.result.failures
+        for failure in failures[self._failures:]:
+            record("job_failures_total", 1, {**self._tags, "cause": failure.kind})
+        self._failures = len(failures)
+        preemptions = ctrl.result.preemptions
+        for p in preemptions[self._preemptions:]:
+            record("job_preemption_steps_lost_total", p["steps_lost"], self._tags)
+            left = p["time_left_s"]
+            record("job_preemption_notice_seconds", -1 if left is None else left, self._tags)
+        self._preemptions = len(preemptions)
+        if ctrl.restarts > self._restarts and failures:
+            record("job_restarts_total", ctrl.restarts - self._restarts, {**self._tags, "cause": failures[-1].kind})
+            self._restarts = ctrl.restarts
+        self._ledger(ctrl)
+        poll = ctrl.last_poll
+        if poll is not None and not self.checkpointing:  # everything this attempt trained is at risk
+            if ctrl.attempt != self._attempt:
+                self._attempt, self._started = ctrl.attempt, time.time()
+            record("work_at_risk_steps", poll.min_step, self._tags)  # the slowest rank: what all ranks trained
+            record("work_at_risk_seconds", time.time() - self._started, self._tags)
