@@ -269,8 +269,8 @@ def submitted_job(timeout_s: float = 420) -> Iterator[SubmittedJob]:
 
 
 def _progress_files() -> list[tuple[str, int]]:
-    """(path, pid) of each rank progress file on this node (``nodeprogress.py``)."""
-    from raytrain_ckpt import nodeprogress
+    """(path, pid) of each rank progress file on this node (``rank/progress.py``)."""
+    from raytrain_ckpt.rank import progress as nodeprogress
 
     out = []
     for path in nodeprogress._dir().glob("*.json") if nodeprogress._dir().is_dir() else ():
