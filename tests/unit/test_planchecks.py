@@ -147,3 +147,15 @@ def test_the_planner_refuses_what_dcp_refuses() -> None:
         DefaultSavePlanner().create_global_plan(plans)
     with pytest.raises(ValueError, match="Failed to validate global plan"):
         LinearCheckPlanner().create_global_plan(plans)
+
+
+def test_row_shards_take_the_sort_and_other_layouts_the_grid() -> None:
+    from raytrain_ckpt.checkpoint.format import planchecks
+
+    def chunks(boxes):
+        return _metadata((1,), boxes).state_dict_metadata["t"].chunks
+
+    assert planchecks._rows((64, 4096), chunks(_rows((64, 4096), 8)), True) == ""
+    assert planchecks._rows((8, 4), chunks(CASES["overlap by a row"][1]), True)
+    assert planchecks._rows((8, 4), chunks(CASES["0-size chunk strictly inside another"][1]), True)
+    assert planchecks._rows((30, 40), chunks(CASES["2-d grid"][1]), True) is None

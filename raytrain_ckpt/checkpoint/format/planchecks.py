@@ -46,6 +46,9 @@ def plan_problems(global_plan: list[SavePlan], metadata: Metadata) -> list[str]:
 
 
 def _tensor_problem(size: Any, chunks: list, whole: bool) -> str | None:
+    rows = _rows(size, chunks, whole)
+    if rows is not None:
+        return rows or None
     volume = 0
     boxes, flat = [], []
     for chunk in chunks:
@@ -67,6 +70,37 @@ def _tensor_problem(size: Any, chunks: list, whole: bool) -> str | None:
     if found is not None:
         return f"has overlapping chunks at {list(found[0])} and {list(found[1])}"
     return None
+
+
+def _rows(size: Any, chunks: list, whole: bool) -> str | None:
+    """For chunks that all span every dimension but the first (FSDP2's ``Shard(0)``): the problem,
+    or "" when they tile ``size`` without one; None for any other layout. Each chunk is an
+    interval of rows, so a sort finds every overlap DCP's pairwise check finds: a chunk of rows
+    overlaps an earlier one (by offset) that ends after its start, and one of no rows overlaps
+    only an earlier one that starts before it and ends after it."""
+    rest = tuple(size[1:])
+    if not size or any(d <= 0 for d in rest):
+        return None
+    spans = []
+    for chunk in chunks:
+        offsets, sizes = chunk.offsets, chunk.sizes
+        if len(offsets) != len(size) or len(sizes) != len(size) or tuple(sizes[1:]) != rest or any(offsets[1:]):
+            return None
+        spans.append((offsets[0], sizes[0]))
+    spans.sort()
+    volume, reach, before, at = 0, -1, -1, None
+    for start, rows in spans:
+        if start < 0 or rows < 0 or start + rows > size[0]:
+            return f"has out of bounds chunk: tensor-size:{size} chunk at row {start} of {rows} rows"
+        if start != at:
+            before, at = reach, start
+        if (reach if rows else before) > start:
+            return f"has overlapping chunks at row {start}"
+        reach = max(reach, start + rows)
+        volume += rows
+    if whole and volume != size[0]:
+        return f"invalid fill tensor-volume: {math.prod(size)} chunks-volume: {volume * math.prod(rest)}"
+    return ""
 
 
 class LinearCheckPlanner(DefaultSavePlanner):
