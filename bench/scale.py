@@ -139,6 +139,8 @@ def one(model: str, n: int) -> dict[str, Any]:
     """Every figure of one model at ``n`` ranks (run in its own process: its peak memory is its own)."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+    from raytrain_ckpt.checkpoint.format.planchecks import global_plan
+
     out: dict[str, Any] = {"model": model, "n": n}
     t0 = time.perf_counter()
     shape = template(_spec(), MODELS[model])
@@ -148,8 +150,10 @@ def one(model: str, n: int) -> dict[str, Any]:
     out["plans_mb"] = _rss_mb()
     gc.collect()
     peer = _capped(lambda: DefaultSavePlanner().create_global_plan(plans), DCP_CAP_S)
-    if peer is not None:
-        out["dcp_global_plan_s"] = peer
+    # The coordinator's planner alone, the same way (a forked child of this process's state).
+    ours = _capped(lambda: global_plan(plans), DCP_CAP_S)
+    out["capped"] = [k for k, v in (("dcp_global_plan_s", peer), ("global_plan_s", ours)) if v is None]
+    out |= {k: v for k, v in (("dcp_global_plan_s", peer), ("global_plan_s", ours)) if v is not None}
     gc.collect()
     with tempfile.TemporaryDirectory(prefix="scale-", dir=os.environ.get("SCALE_DIR")) as root:
         rss0 = _rss_mb()
@@ -276,6 +280,35 @@ def check_row(model: str, n: int) -> dict[str, Any]:
     return out
 
 
+S3_PUTS_PER_PREFIX_S = 3500
+"""S3's documented request rate per partitioned prefix for PUT/COPY/POST/DELETE (GET: 5,500)."""
+
+
+def prefix_row(model: str, n: int) -> dict[str, Any]:
+    """Object-store requests of one save of ``n`` ranks of ``model`` under the step's prefix:
+    each rank's tensor bytes from DTensor's shard arithmetic (the FSDP2 shards of the model and
+    both AdamW moments; the small unsharded entries left out), one file per rank
+    (``writer_threads: 1``), uploaded as ``datapath/upload.py`` does (one PUT below a part, else
+    create + ``ceil(bytes / PART_SIZE)`` parts + complete), plus ``.metadata`` and the manifest."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from raytrain_ckpt.checkpoint.datapath.upload import PART_SIZE
+
+    shape = template(_spec(), MODELS[model])
+    per_rank = [0] * n
+    for section in ("model", "optim"):
+        for key in shape.sharded[section]:
+            value = shape.state[section][key]
+            for r in range(n):
+                sizes, _ = _compute_local_shape_and_global_offset(tuple(value.shape), (n,), lambda d, r=r: r,
+                                                                  (Shard(0),))
+                per_rank[r] += math.prod(sizes) * value.dtype.itemsize
+    requests = sum(1 if b < PART_SIZE else 2 + -(-b // PART_SIZE) for b in per_rank) + 2
+    return {"model": model, "n": n, "bytes": sum(per_rank), "file_mb": max(per_rank) / 1e6, "requests": requests,
+            "prefix_s": requests / S3_PUTS_PER_PREFIX_S}
+
+
 def ray_saves(model: str, n: int) -> dict[str, float]:
     """The same two saves through the CheckpointActor as a Ray actor (every call a real Ray call,
     the ranks' calls in flight together, as the trainers and writers make them): seconds from
@@ -378,7 +411,8 @@ def poll_rounds(sizes: list[int], actors: int = 8, rounds: int = 3, per_node: in
         ray.shutdown()
 
 
-COLUMNS = [("plan_s", "plan+metadata s", "{:.3f}"), ("dcp_global_plan_s", "DCP global plan s", "{:.3f}"),
+COLUMNS = [("plan_s", "plan+metadata s", "{:.3f}"), ("global_plan_s", "global plan s", "{:.3f}"),
+           ("dcp_global_plan_s", "DCP global plan s", "{:.3f}"),
            ("metadata_mb", ".metadata MB", "{:.2f}"), ("first_commit_s", "1st commit s", "{:.3f}"),
            ("first_save_s", "1st save s", "{:.3f}"), ("commit_s", "commit s", "{:.3f}"),
            ("save_s", "save s", "{:.3f}"), ("changed_commit_s", "changed commit s", "{:.3f}"),
@@ -397,7 +431,7 @@ RAY_MAX_N = 64
 def _cell(row: dict[str, Any], key: str, form: str) -> str:
     if key in row:
         return form.format(row[key])
-    return f"> {DCP_CAP_S:g} (cap)" if key == "dcp_global_plan_s" else "-"
+    return f"> {DCP_CAP_S:g} (cap)" if key in row.get("capped", ()) else "-"
 
 
 def _table(rows: list[dict[str, Any]]) -> None:
@@ -427,6 +461,8 @@ def main() -> None:
     ap.add_argument("--poll-only", action="store_true", help="only the controller poll round per N")
     ap.add_argument("--ray", action="store_true",
                     help=f"also the two saves through the actor as a Ray actor (N <= {RAY_MAX_N})")
+    ap.add_argument("--prefixes", action="store_true",
+                    help="only the object-store write requests per save under the step's prefix, per model and N")
     ap.add_argument("--check-only", action="store_true",
                     help="only the first save's global-plan check (ours and DCP's) per model and N")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
@@ -436,6 +472,14 @@ def main() -> None:
         if args.ray and row["n"] <= RAY_MAX_N:
             row.update(ray_saves(args.one[0], row["n"]))
         print(json.dumps(row))
+        return
+    if args.prefixes:
+        for model in args.models:
+            for n in args.sizes:
+                r = prefix_row(model, n)
+                print(f"{model} N={n:>5}: {r['bytes'] / 1e9:.0f} GB a save, files of {r['file_mb']:.0f} MB: "
+                      f"{r['requests']} write requests under the step's prefix, {r['prefix_s']:.1f} s of one "
+                      f"prefix's {S3_PUTS_PER_PREFIX_S}/s", flush=True)
         return
     if args.check_only:
         for model in args.models:

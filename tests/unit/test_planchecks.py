@@ -159,3 +159,26 @@ def test_row_shards_take_the_sort_and_other_layouts_the_grid() -> None:
     assert planchecks._rows((8, 4), chunks(CASES["overlap by a row"][1]), True)
     assert planchecks._rows((8, 4), chunks(CASES["0-size chunk strictly inside another"][1]), True)
     assert planchecks._rows((30, 40), chunks(CASES["2-d grid"][1]), True) is None
+
+
+def test_the_coordinators_plan_pauses_the_collector_and_restores_it() -> None:
+    import gc
+
+    from raytrain_ckpt.checkpoint.format.planchecks import global_plan
+
+    spec = load_spec("jobs/llama_debug_fsdp.yaml", [])
+    shape = template(spec, describe_model(spec.model.name, spec.model.overrides))
+    plans = [local_plan(shape, r, 2) for r in range(2)]
+    assert gc.isenabled()
+    assert global_plan(plans) == DefaultSavePlanner().create_global_plan(plans)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        global_plan(plans)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    plans[1] = plans[0]
+    with pytest.raises(ValueError):
+        global_plan(plans)
+    assert gc.isenabled()

@@ -19,6 +19,7 @@ and ``.metadata`` are DCP's own functions.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 from collections import ChainMap
 from typing import Any
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.format.chunks import _overlap, _overlap_by_sweep
 
-__all__ = ["LinearCheckPlanner", "plan_problems"]
+__all__ = ["LinearCheckPlanner", "global_plan", "plan_problems"]
 
 
 def plan_problems(global_plan: list[SavePlan], metadata: Metadata) -> list[str]:
@@ -118,3 +119,17 @@ class LinearCheckPlanner(DefaultSavePlanner):
             raise ValueError(f"Failed to validate global plan: {summary[:500]}"
                              + ("... (truncated)" if len(summary) > 500 else ""))
         return global_plan, metadata
+
+
+def global_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+    """``LinearCheckPlanner().create_global_plan(all_plans)`` with the cyclic garbage collector
+    paused: the plan allocates a few objects per item (millions at thousands of ranks), none of
+    them in a cycle, and each full collection they trigger walks every live object, the ranks'
+    plans included (3.7 of 4.9 s of the coordinator's plan at 32 ranks of 70B)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return LinearCheckPlanner().create_global_plan(all_plans)
+    finally:
+        if enabled:
+            gc.enable()
