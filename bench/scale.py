@@ -16,8 +16,9 @@ for N <= 64, timed from the caller) through two saves of one attempt, as the ran
 
 The writers' files exist as sparse files of the sizes the reports name, so the commit checks,
 ``ls``/``status`` and the resume plan's verification see a real step directory. Printed per N:
-the plan's build time (and DCP's ``DefaultSavePlanner.create_global_plan`` on the same local
-plans: the peer row), the ``.metadata`` size, the commit time, the coordinator's work per save
+the plan's build time (and, each in a forked child stopped at ``SCALE_DCP_CAP_S``, the
+coordinator's planner alone and DCP's ``DefaultSavePlanner.create_global_plan`` on the same local
+plans: the peer column), the ``.metadata`` size, the commit time, the coordinator's work per save
 (the sum of its methods' time for the second save), the calls and pickled bytes into the actor
 per save, the process's peak memory growth during the coordinator's work, the resume plan
 (``acquire``: verify the newest step to sizes and lease it) and ``ls``/``status`` on the root;
@@ -30,6 +31,8 @@ Ray calls; several ranks share an actor, so the actors' side is serialised over 
 than a real group has).
 
     .venv/bin/python bench/scale.py                       # 8b and 70b at 8, 64, 512 ranks
+    .venv/bin/python bench/scale.py --check-only --sizes 8 64 512 4096   # the first save's plan check
+    .venv/bin/python bench/scale.py --prefixes --sizes 512 4096          # object-store requests a save
     .venv/bin/python bench/scale.py --sizes 8 64 512 --models 70b --poll
     .venv/bin/python bench/scale.py --sizes 8 64 512 4096 --poll-only
 """
