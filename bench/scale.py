@@ -16,8 +16,9 @@ for N <= 64, timed from the caller) through two saves of one attempt, as the ran
 
 The writers' files exist as sparse files of the sizes the reports name, so the commit checks,
 ``ls``/``status`` and the resume plan's verification see a real step directory. Printed per N:
-the plan's build time (and DCP's ``DefaultSavePlanner.create_global_plan`` on the same local
-plans: the peer row), the ``.metadata`` size, the commit time, the coordinator's work per save
+the plan's build time (and, each in a forked child stopped at ``SCALE_DCP_CAP_S``, the
+coordinator's planner alone and DCP's ``DefaultSavePlanner.create_global_plan`` on the same local
+plans: the peer column), the ``.metadata`` size, the commit time, the coordinator's work per save
 (the sum of its methods' time for the second save), the calls and pickled bytes into the actor
 per save, the process's peak memory growth during the coordinator's work, the resume plan
 (``acquire``: verify the newest step to sizes and lease it) and ``ls``/``status`` on the root;
@@ -30,6 +31,8 @@ Ray calls; several ranks share an actor, so the actors' side is serialised over 
 than a real group has).
 
     .venv/bin/python bench/scale.py                       # 8b and 70b at 8, 64, 512 ranks
+    .venv/bin/python bench/scale.py --check-only --sizes 8 64 512 4096   # the first save's plan check
+    .venv/bin/python bench/scale.py --prefixes --sizes 512 4096          # object-store requests a save
     .venv/bin/python bench/scale.py --sizes 8 64 512 --models 70b --poll
     .venv/bin/python bench/scale.py --sizes 8 64 512 4096 --poll-only
 """
@@ -139,16 +142,21 @@ def one(model: str, n: int) -> dict[str, Any]:
     """Every figure of one model at ``n`` ranks (run in its own process: its peak memory is its own)."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+    from raytrain_ckpt.checkpoint.format.planchecks import global_plan
+
     out: dict[str, Any] = {"model": model, "n": n}
     t0 = time.perf_counter()
     shape = template(_spec(), MODELS[model])
     plans = [local_plan(shape, r, n) for r in range(n)]
     out["simulate_s"] = time.perf_counter() - t0
     out["items"] = sum(len(p.items) for p in plans)
+    out["plans_mb"] = _rss_mb()
     gc.collect()
-    t0 = time.perf_counter()
-    DefaultSavePlanner().create_global_plan(plans)
-    out["dcp_global_plan_s"] = time.perf_counter() - t0
+    peer = _capped(lambda: DefaultSavePlanner().create_global_plan(plans), DCP_CAP_S)
+    # The coordinator's planner alone, the same way (a forked child of this process's state).
+    ours = _capped(lambda: global_plan(plans), DCP_CAP_S)
+    out["capped"] = [k for k, v in (("dcp_global_plan_s", peer), ("global_plan_s", ours)) if v is None]
+    out |= {k: v for k, v in (("dcp_global_plan_s", peer), ("global_plan_s", ours)) if v is not None}
     gc.collect()
     with tempfile.TemporaryDirectory(prefix="scale-", dir=os.environ.get("SCALE_DIR")) as root:
         rss0 = _rss_mb()
@@ -185,7 +193,123 @@ def one(model: str, n: int) -> dict[str, Any]:
         text, data = status_report(root, "size")
         out["ls_status_s"] = time.perf_counter() - t0
         assert [r["step"] for r in data["steps"] if r["status"] == "valid"] == [20, 100], data["steps"]
+        # Again: each step's .metadata check passed above and is remembered by content
+        # (format/scancache.py), so only the sizes and the checksum of .metadata are read.
+        t0 = time.perf_counter()
+        assert asyncio.run(actor.acquire("bench", "latest", "size")) is not None
+        out["resume_again_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        status_report(root, "size")
+        out["ls_status_again_s"] = time.perf_counter() - t0
     return out
+
+
+DCP_CAP_S = float(os.environ.get("SCALE_DCP_CAP_S", "300"))
+"""Seconds DCP's own ``create_global_plan`` (the peer column) may take before it is stopped ("> cap")."""
+
+
+def _capped(work: Any, cap_s: float) -> float | None:
+    """Seconds ``work()`` took in a forked child (the plans shared, not copied), or None when it
+    ran past ``cap_s`` and was stopped."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        t0 = time.perf_counter()
+        work()
+        send.send(time.perf_counter() - t0)
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    try:
+        if recv.poll(cap_s):
+            return recv.recv()
+        return None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+
+
+def check_row(model: str, n: int) -> dict[str, Any]:
+    """The first save's global-plan check alone at ``n`` ranks of ``model``: the ``.metadata`` of
+    the FSDP2-sharded tensors (each rank's chunk by DTensor's own shard arithmetic, one chunk list
+    per distinct shape, shared), checked by ``plan_problems`` and by DCP's ``_validate_global_plan``
+    (in a forked child, stopped at the cap), and DCP's on the widest tensor alone."""
+    import torch
+    from torch.distributed.checkpoint.default_planner import _validate_global_plan
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.planner import SavePlan
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from raytrain_ckpt.checkpoint.format.planchecks import plan_problems
+
+    shape = template(_spec(), MODELS[model])
+    by_shape: dict[tuple[int, ...], list[Any]] = {}
+    entries = {}
+    for section in ("model", "optim"):
+        for key in sorted(shape.sharded[section]):
+            size = tuple(shape.state[section][key].shape)
+            if size not in by_shape:
+                by_shape[size] = []
+                for r in range(n):
+                    sizes, offsets = _compute_local_shape_and_global_offset(size, (n,), lambda d, r=r: r, (Shard(0),))
+                    by_shape[size].append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            entries[f"{section}.{key}"] = TensorStorageMetadata(TensorProperties(dtype=torch.float32),
+                                                                torch.Size(size), by_shape[size])
+    plans = [SavePlan([]), SavePlan([])]  # (the check reads only how many there are)
+    out: dict[str, Any] = {"model": model, "n": n, "tensors": len(entries),
+                           "chunks": sum(len(e.chunks) for e in entries.values())}
+    t0 = time.perf_counter()
+    assert plan_problems(plans, Metadata(entries)) == []
+    out["check_s"] = time.perf_counter() - t0
+    peer = _capped(lambda: _validate_global_plan(plans, Metadata(entries)), DCP_CAP_S)
+    if peer is not None:
+        out["dcp_check_s"] = peer
+    wide = max((k for k, e in entries.items() if len(e.size) == 2 and e.size[1] > e.size[0]),
+               key=lambda k: entries[k].size[1], default=None)
+    if wide is not None:
+        out["wide_tensors"] = sum(len(e.size) == 2 and e.size[1] > e.size[0] for e in entries.values())
+        t0 = time.perf_counter()
+        assert plan_problems(plans, Metadata({wide: entries[wide]})) == []
+        out["wide_check_s"] = time.perf_counter() - t0
+        one = _capped(lambda: _validate_global_plan(plans, Metadata({wide: entries[wide]})), DCP_CAP_S)
+        if one is not None:
+            out["wide_dcp_check_s"] = one
+    return out
+
+
+S3_PUTS_PER_PREFIX_S = 3500
+"""S3's documented request rate per partitioned prefix for PUT/COPY/POST/DELETE (GET: 5,500)."""
+
+
+def prefix_row(model: str, n: int) -> dict[str, Any]:
+    """Object-store requests of one save of ``n`` ranks of ``model`` under the step's prefix:
+    each rank's tensor bytes from DTensor's shard arithmetic (the FSDP2 shards of the model and
+    both AdamW moments; the small unsharded entries left out), one file per rank
+    (``writer_threads: 1``), uploaded as ``datapath/upload.py`` does (one PUT below a part, else
+    create + ``ceil(bytes / PART_SIZE)`` parts + complete), plus ``.metadata`` and the manifest."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from raytrain_ckpt.checkpoint.datapath.upload import PART_SIZE
+
+    shape = template(_spec(), MODELS[model])
+    per_rank = [0] * n
+    for section in ("model", "optim"):
+        for key in shape.sharded[section]:
+            value = shape.state[section][key]
+            for r in range(n):
+                sizes, _ = _compute_local_shape_and_global_offset(tuple(value.shape), (n,), lambda d, r=r: r,
+                                                                  (Shard(0),))
+                per_rank[r] += math.prod(sizes) * value.dtype.itemsize
+    requests = sum(1 if b < PART_SIZE else 2 + -(-b // PART_SIZE) for b in per_rank) + 2
+    return {"model": model, "n": n, "bytes": sum(per_rank), "file_mb": max(per_rank) / 1e6, "requests": requests,
+            "prefix_s": requests / S3_PUTS_PER_PREFIX_S}
 
 
 def ray_saves(model: str, n: int) -> dict[str, float]:
@@ -290,7 +414,8 @@ def poll_rounds(sizes: list[int], actors: int = 8, rounds: int = 3, per_node: in
         ray.shutdown()
 
 
-COLUMNS = [("plan_s", "plan+metadata s", "{:.3f}"), ("dcp_global_plan_s", "DCP global plan s", "{:.3f}"),
+COLUMNS = [("plan_s", "plan+metadata s", "{:.3f}"), ("global_plan_s", "global plan s", "{:.3f}"),
+           ("dcp_global_plan_s", "DCP global plan s", "{:.3f}"),
            ("metadata_mb", ".metadata MB", "{:.2f}"), ("first_commit_s", "1st commit s", "{:.3f}"),
            ("first_save_s", "1st save s", "{:.3f}"), ("commit_s", "commit s", "{:.3f}"),
            ("save_s", "save s", "{:.3f}"), ("changed_commit_s", "changed commit s", "{:.3f}"),
@@ -298,10 +423,18 @@ COLUMNS = [("plan_s", "plan+metadata s", "{:.3f}"), ("dcp_global_plan_s", "DCP g
            ("mb", "MB in/save", "{:.1f}"), ("changed_mb", "MB in changed", "{:.1f}"),
            ("first_mb", "MB in 1st", "{:.1f}"), ("peak_mb", "peak MB", "{:.0f}"),
            ("resume_s", "resume plan s", "{:.3f}"), ("ls_status_s", "ls/status s", "{:.3f}"),
+           ("resume_again_s", "resume again s", "{:.3f}"), ("ls_status_again_s", "ls/status again s", "{:.3f}"),
+           ("plans_mb", "RSS w/ plans MB", "{:.0f}"),
            ("poll_s", "poll s", "{:.3f}"), ("ray_first_save_s", "Ray actor 1st save s", "{:.3f}"),
            ("ray_save_s", "Ray actor save s", "{:.3f}")]
 RAY_MAX_N = 64
 """The largest N ``--ray`` drives through a Ray actor (the calls of larger N take this box's two cores for long)."""
+
+
+def _cell(row: dict[str, Any], key: str, form: str) -> str:
+    if key in row:
+        return form.format(row[key])
+    return f"> {DCP_CAP_S:g} (cap)" if key in row.get("capped", ()) else "-"
 
 
 def _table(rows: list[dict[str, Any]]) -> None:
@@ -309,7 +442,7 @@ def _table(rows: list[dict[str, Any]]) -> None:
     print(f"{'model':>5} {'N':>5} {'items':>9} " + " ".join(f"{h:>17}" for _, h, _ in cols))
     for r in rows:
         print(f"{r['model']:>5} {r['n']:>5} {r['items']:>9} "
-              + " ".join(f"{(f.format(r[k]) if k in r else '-'):>17}" for k, _, f in cols))
+              + " ".join(f"{_cell(r, k, f):>17}" for k, _, f in cols))
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["n"])
         if len(mine) < 2:
@@ -331,6 +464,10 @@ def main() -> None:
     ap.add_argument("--poll-only", action="store_true", help="only the controller poll round per N")
     ap.add_argument("--ray", action="store_true",
                     help=f"also the two saves through the actor as a Ray actor (N <= {RAY_MAX_N})")
+    ap.add_argument("--prefixes", action="store_true",
+                    help="only the object-store write requests per save under the step's prefix, per model and N")
+    ap.add_argument("--check-only", action="store_true",
+                    help="only the first save's global-plan check (ours and DCP's) per model and N")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -338,6 +475,24 @@ def main() -> None:
         if args.ray and row["n"] <= RAY_MAX_N:
             row.update(ray_saves(args.one[0], row["n"]))
         print(json.dumps(row))
+        return
+    if args.prefixes:
+        for model in args.models:
+            for n in args.sizes:
+                r = prefix_row(model, n)
+                print(f"{model} N={n:>5}: {r['bytes'] / 1e9:.0f} GB a save, files of {r['file_mb']:.0f} MB: "
+                      f"{r['requests']} write requests under the step's prefix, {r['prefix_s']:.1f} s of one "
+                      f"prefix's {S3_PUTS_PER_PREFIX_S}/s", flush=True)
+        return
+    if args.check_only:
+        for model in args.models:
+            for n in args.sizes:
+                r = check_row(model, n)
+                dcp = f"{r['dcp_check_s']:.2f} s" if "dcp_check_s" in r else f"> {DCP_CAP_S:g} s (cap)"
+                wide = f"{r['wide_dcp_check_s']:.3f} s" if "wide_dcp_check_s" in r else f"> {DCP_CAP_S:g} s (cap)"
+                print(f"{model} N={n:>5}: {r['tensors']} sharded tensors, {r['chunks']} chunks: plan check "
+                      f"{r['check_s']:.2f} s, DCP's {dcp}; one wide tensor ({r.get('wide_tensors', 0)} of them) "
+                      f"{r.get('wide_check_s', 0):.3f} s, DCP's {wide}", flush=True)
         return
     if args.poll_only:
         for n, seconds in poll_rounds(args.sizes).items():

@@ -177,15 +177,18 @@ def _overlap_on_grid(boxes: list, cuts: list[list[int]], cells: int) -> tuple[tu
     return None
 
 
-def _overlap_by_sweep(boxes: list) -> tuple[tuple[int, ...], ...] | str | None:
-    """A sweep along the dimension with the most distinct starts, keeping the boxes it is inside."""
+def _overlap_by_sweep(boxes: list, max_pairs: int | None = _SWEEP_PAIRS) -> tuple[tuple[int, ...], ...] | str | None:
+    """A sweep along the dimension with the most distinct starts, keeping the boxes it is inside
+    (``max_pairs``: pairs compared at most, None: no limit). Two boxes overlap when each starts
+    before the other ends in every dimension, so a box of size 0 overlaps one it lies strictly
+    inside, as DCP's plan check counts it."""
     dim = max(range(len(boxes[0][0])), key=lambda i: len({off[i] for off, _ in boxes}))
     active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     pairs = 0
     for off, sz in sorted(boxes, key=lambda b: b[0][dim]):
         active = [b for b in active if b[0][dim] + b[1][dim] > off[dim]]
         pairs += len(active)
-        if pairs > _SWEEP_PAIRS:
+        if max_pairs is not None and pairs > max_pairs:
             return (f"cuts its dimensions at different points in different chunks, too irregularly to check "
                     f"for overlaps (over {_SWEEP_PAIRS} pairs of chunks to compare); DCP never writes that")
         for other in active:
