@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from bench.scale_ranks import local_plan, template
 from raytrain_ckpt.checkpoint.format.planchecks import LinearCheckPlanner, plan_problems
 from raytrain_ckpt.models.factory import describe_model
-from raytrain_ckpt.preflight import load_spec
+from raytrain_ckpt.control.preflight import load_spec
 
 
 def _metadata(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> Metadata:
