@@ -56,7 +56,8 @@ def open_private(path: Path, create: bool = True) -> Iterator[int]:
 
 def write_atomic(folder: int, name: str, data: bytes) -> None:
     """Replace ``name`` in the folder open as ``folder`` with ``data``: written to a new file
-    created exclusively (mode 0600, never through a link) and renamed over ``name``."""
+    created exclusively (mode 0600, never through a link) and renamed over ``name``. A process
+    killed before the rename leaves that file behind; ``temp_writer`` names its writer."""
     tmp = f".{name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder)
     try:
@@ -67,6 +68,15 @@ def write_atomic(folder: int, name: str, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=folder)
         raise
+
+
+def temp_writer(name: str) -> int | None:
+    """The pid of the process whose ``write_atomic`` created the temporary file ``name`` (None:
+    not such a file)."""
+    parts = name.split(".")
+    if not name.startswith(".") or len(parts) < 5 or parts[-1] != "tmp" or not parts[-3].isdigit():
+        return None
+    return int(parts[-3])
 
 
 def read_small(folder: int, name: str, limit: int) -> bytes:

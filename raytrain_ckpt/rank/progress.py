@@ -42,7 +42,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from raytrain_ckpt.common.events import NodeProgress, Progress
-from raytrain_ckpt.common.privatedir import UntrustedFolder, open_private, read_small, write_atomic
+from raytrain_ckpt.common.privatedir import UntrustedFolder, open_private, read_small, temp_writer, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -116,12 +116,14 @@ class ProgressFile:
 
 def _sweep(folder: int) -> None:
     """Remove the files of ranks whose process is gone (a rank killed while it trained): each run
-    has its own names, so no later run overwrites them."""
+    has its own names, so no later run overwrites them. A temporary file of a rank killed while
+    it wrote goes too."""
     for name in os.listdir(folder):
-        if not name.endswith(".json"):
+        pid = temp_writer(name)
+        if pid is None and not name.endswith(".json"):
             continue
         try:
-            pid = int(json.loads(read_small(folder, name, _LIMIT))["pid"])
+            pid = pid if pid is not None else int(json.loads(read_small(folder, name, _LIMIT))["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # being replaced, or not a record: left alone
         if not _alive(pid):

@@ -122,9 +122,15 @@ def test_a_file_left_by_a_killed_rank_of_another_run_is_removed(tmp_path: Path) 
     left = folder / f"{RUN_A}.rank0.json"
     left.write_text(left.read_text().replace(f'"pid": {os.getpid()}', '"pid": 999999999'))  # its process is gone
     live = _Rank(RUN_A, 0, 1)._progress_file.path
+    killed_writing = folder / f".{RUN_A}.rank2.json.999999999.0a1b2c3d4e5f.tmp"  # SIGKILL before the rename
+    killed_writing.write_bytes(b"")
+    writing = folder / f".{RUN_A}.rank1.json.{os.getpid()}.0a1b2c3d4e5f.tmp"       # a live rank mid-write
+    writing.write_bytes(b"")
     _Rank(RUN_B, 0, 0)                  # the next rank to start on the node
     assert not left.exists()
     assert live.exists()                # a live rank's file stays
+    assert not killed_writing.exists()
+    assert writing.exists()
 
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="handing a folder to another user needs root")
