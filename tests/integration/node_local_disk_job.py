@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,10 +31,12 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "3"
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 os.environ.pop("RAY_ADDRESS", None)
+sys.path.insert(0, str(REPO))  # this checkout's package and bench/, whichever the venv installed
 
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from bench.dashboard_screenshot import free_ports  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.service import CheckpointService  # noqa: E402
 from raytrain_ckpt.control.preflight import load_spec  # noqa: E402
 
@@ -43,20 +44,9 @@ JOB = REPO / "jobs" / "llama_debug_fsdp.yaml"
 NODE_TIMEOUT_S = 60.0
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _private_disk_node(address: str, ckpt: Path) -> subprocess.Popen:
     """`ray start --block` in its own mount namespace, with a tmpfs over ``ckpt`` only it sees."""
-    agent, grpc, metrics, renv = _free_ports(4)
+    agent, grpc, metrics, renv = free_ports(4)
     start = (f"exec {Path(sys.executable).with_name('ray')} start --address={address} --num-cpus=2 --block "
              f"--dashboard-agent-listen-port={agent} --dashboard-agent-grpc-port={grpc} "
              f"--metrics-export-port={metrics} --runtime-env-agent-port={renv}")
