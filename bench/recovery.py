@@ -335,5 +335,6 @@ def _print_recovery(rows: dict[str, list[dict[str, float]]], errors: dict[str, l
     else:
         print("Ray Train: no run completed, so no ratio (its errors are above)")
 
+
 if __name__ == "__main__":
     main()

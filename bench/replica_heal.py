@@ -75,7 +75,7 @@ class Replica:
         sync = ReplicaSync(replica=self.replica, rank=0, ranks=1, lighthouse=self.lighthouse,
                            store=("127.0.0.1", store.port), load=load,
                            state=lambda: {"model": model.state_dict(), "optim": opt.state_dict()}, timeout_s=10)
-        vocab = model.cfg.vocab_size if hasattr(model, "cfg") else 256
+        vocab = model.cfg.vocab_size
         gen = torch.Generator().manual_seed(1000 + self.replica)
         while sync.step < self.steps:
             tokens = torch.randint(0, vocab, (4, 65), generator=gen)

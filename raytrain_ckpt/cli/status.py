@@ -34,7 +34,6 @@ from raytrain_ckpt.checkpoint.errors import ExitCode
 __all__ = ["add_parsers", "run", "strict_json"]
 
 
-
 def _finite(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else None

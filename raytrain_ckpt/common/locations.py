@@ -45,7 +45,6 @@ def mask_uri(text: str) -> str:
     return _USERINFO.sub(masked, text)
 
 
-
 def uri_secrets(text: str) -> set[str]:
     """The passwords (or lone tokens) of every ``scheme://user:secret@host`` in ``text``: what a
     printer masks wherever it shows up, also where a library quotes the URI's parts out of it."""

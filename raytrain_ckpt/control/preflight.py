@@ -36,6 +36,7 @@ __all__ = [
     "validate_spec",
 ]
 
+
 def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     """Read a YAML, JSON or TOML job spec, apply ``--set`` overrides, validate it and check it
     against this machine.

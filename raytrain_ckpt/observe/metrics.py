@@ -259,7 +259,6 @@ class TrainerMetrics:
             record("checkpoint_stall_seconds", stats.last_stall_s, self._tags)
             record("checkpoint_last_stall_seconds", stats.last_stall_s, self._tags)
 
-
     def rolled_back(self, rollback: Any) -> None:
         """A rollback of the training guard (``guard.RollbackRecord``; None: the trip ended the job)."""
         if rollback is None or self.rank != 0:

@@ -47,7 +47,6 @@ _WARM_MODULES = ("raytrain_ckpt.rank.trainer", "raytrain_ckpt.checkpoint.roles.c
 _IMPORT_LOCK = threading.Lock()
 
 
-
 class WorkerFailure(RuntimeError):
     """A rank's exception, with its rank and formatted traceback (picklable across actors)."""
 

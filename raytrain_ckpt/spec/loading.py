@@ -79,7 +79,6 @@ class _SpecLoader(yaml.SafeLoader):
         self._sizes[id(node)] = size
         return node
 
-
     def _check_unique_keys(self, node: yaml.MappingNode) -> None:
         seen: dict[tuple[str, str], yaml.Node] = {}
         for key, _ in node.value:

@@ -97,7 +97,6 @@ def test_a_trip_every_window_spends_the_budget_and_fails_with_one_report(tmp_pat
     assert 10 in _manifests(tmp_path / spec.name)
 
 
-
 def test_the_rollback_budget_is_per_job_a_restart_does_not_refill_it(tmp_path, monkeypatch, ray_cluster):
     # attempt 0 rolls back once (step 9) and then crashes (step 11); attempt 1 trips again (step 13):
     # with max_rollbacks=1 that trip is one too many, though it is attempt 1's first

@@ -186,8 +186,6 @@ def test_job_submit_runs_the_demo_job_on_a_token_auth_head(head):
     assert code == 200 and json.loads(body)["status"] == "SUCCEEDED", body
 
 
-
-
 def _project_copy(dest: Path) -> Path:
     """The package and nothing else, as a user's project directory: ``--working-dir`` ships it."""
     shutil.copytree(REPO / "raytrain_ckpt", dest / "raytrain_ckpt",

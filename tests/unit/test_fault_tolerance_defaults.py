@@ -49,7 +49,6 @@ def test_the_job_says_what_it_is_not_protected_against():
     assert "hang failures, not in fault_tolerance.retry_on" in some and "in the whole job" in some
 
 
-
 def test_credentials_in_a_uri_are_refused_and_never_echoed():
     from raytrain_ckpt.spec import parse_spec
 

@@ -27,6 +27,7 @@ from raytrain_ckpt.checkpoint.format.tensorsums import ShardSums, tensor_sums
 __all__ = ["ShardSums", "TensorDiff", "TensorStats", "diff_step_dirs", "diff_steps", "merge_shard_sums", "shard_sums", "step_stats",
            "step_tensors", "tensor_stats"]
 
+
 @dataclass(frozen=True)
 class TensorStats:
     """One tensor's fingerprint."""

@@ -80,6 +80,8 @@ __all__ = ["DTYPES", "ExportResult", "check_outside_checkpoints", "export_checkp
 
 Format = Literal["hf", "torch"]
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
 @dataclass
 class ExportResult:
     """What an export wrote and what it cost."""

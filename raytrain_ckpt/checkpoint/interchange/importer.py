@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["ImportResult", "import_checkpoint"]
 
 
-
 @dataclass
 class ImportResult:
     """The committed step an import wrote."""

@@ -26,10 +26,9 @@ import shutil
 import subprocess
 import sys
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from raytrain_ckpt.common.events import Failure
@@ -52,6 +51,8 @@ MIN_SAMPLES = 5
 FIRST_STEPS_S = 300.0
 """The budget before MIN_SAMPLES steps were measured, for each attempt's first step, and for an
 eval step until one was measured."""
+
+
 def auto_text(spec: Any) -> str:
     """What ``hang_timeout_s`` means for this spec, in one line (``validate``, the job's start)."""
     ft, ck = spec.fault_tolerance, spec.checkpoint

@@ -371,7 +371,6 @@ class PreemptionGuard:
         logger.warning("preemption: %s", text)
         return Failure(attempt, "preemption", notice.ranks[0], text, text)
 
-
     def _outcome(self, notice: DrainNotice, saved: int | None, latest: int) -> tuple[str, int]:
         """What became of the save (``saved``: the step the ranks stopped at, None: they did not
         finish), and the steps lost."""
