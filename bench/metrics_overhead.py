@@ -18,7 +18,7 @@ import ray
 
 @ray.remote(num_cpus=0)
 def _time_after_step(calls: int) -> dict[str, float]:
-    from raytrain_ckpt.observe.metrics import TrainerMetrics
+    from raytrain_ckpt.rank.metrics import TrainerMetrics
     from raytrain_ckpt.rank.trainer import StepReport
 
     m = TrainerMetrics("bench", rank=0)

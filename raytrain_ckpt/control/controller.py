@@ -1,8 +1,10 @@
 """The driver's controller: an explicit state machine over one worker group at a time.
 
 ``step()`` is the only code that branches on the state and ``_set_state()`` the only
-code that changes it. What to do about a failure is decided by ``FailurePolicy`` (pure,
-table-tested); the controller only acts on the decision.
+code that changes it. What to do about a poll is said by the job's watches (``control/watch/``,
+built by ``watches_for``), each in a ``Verdict``; what to do about a failure is decided by
+``FailurePolicy`` (pure, table-tested). The controller acts on both in one place (``_act``) and
+keeps no detector's state.
 """
 
 from __future__ import annotations
@@ -13,23 +15,23 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from raytrain_ckpt.common.events import Failure, FailureKind, RollbackRecord, WorkerResult, headline
+from raytrain_ckpt.common.events import Failure, FailureKind, WorkerResult, headline
 from raytrain_ckpt.control.poll import GroupPoll, GroupStartError, WorkerGroup
 from raytrain_ckpt.control.policy import Decision, FailurePolicy, RestartBudget
+from raytrain_ckpt.control.watch import Act, Verdict, Watch
+from raytrain_ckpt.control.watch.build import watches_for
 from raytrain_ckpt.control.watch.goodput import GoodputLedger
-from raytrain_ckpt.control.watch import Watch
-from raytrain_ckpt.control.watch.hangs import HangWatch, auto_text
-from raytrain_ckpt.control.watch.rollbacks import RollbackWatch
-from raytrain_ckpt.control.watch.silence import MAX_REPLACEMENTS, SilenceWatch
-from raytrain_ckpt.control.watch.stragglers import StragglerSwap, StragglerWatch
+from raytrain_ckpt.control.watch.hangs import auto_text
 from raytrain_ckpt.spec import JobSpec
 
 if TYPE_CHECKING:
     from raytrain_ckpt.control.watch.preemption import PreemptionGuard
 
 logger = logging.getLogger(__name__)
+
+W = TypeVar("W")
 
 __all__ = ["Controller", "JobResult", "JobState"]
 
@@ -118,21 +120,19 @@ class Controller:
         self._observer = observer
         self.last_poll: GroupPoll | None = None
         """The latest poll of the running group (read by the observer)."""
-        self.preemption = preemption
-        self.hang_watch = HangWatch(spec, clock)
-        self.hangs = self.hang_watch.hangs
-        self.ledger = GoodputLedger(self._started)
-        self.stragglers = StragglerWatch(spec.fault_tolerance.straggler_margin)
-        self.swap = StragglerSwap(spec, self.stragglers)
-        self.silences = SilenceWatch(spec)
-        self.rollbacks = RollbackWatch()
-        self.watches: list[Watch] = [self.hang_watch, self.ledger, self.swap, self.silences, self.rollbacks]
-        """Every watch over the polls, each owning its state; in the order their status is shown."""
+        self.ledger = GoodputLedger(self._started, clock)
+        """Where the wall time went: the controller marks each attempt's start and end on it."""
+        self.watches: list[Watch] = watches_for(spec, clock, self.ledger, preemption)
+        """Every watch over the polls, each owning its state, in priority order (``watches_for``)."""
+
+    def watch(self, kind: type[W]) -> W | None:
+        """The job's watch of type ``kind`` (None: the job has none), for what it measured."""
+        return next((w for w in self.watches if isinstance(w, kind)), None)
 
     @property
     def preemptions(self) -> int:
         """Preemptions survived so far (``fault_tolerance.max_preemptions``)."""
-        return self.preemption.preemptions if self.preemption is not None else 0
+        return sum(f.kind == "preemption" for f in self.result.failures)
 
     @property
     def restarts(self) -> int:
@@ -224,11 +224,10 @@ class Controller:
                 self._on_failure(Failure(self.attempt, "start", None, headline(str(exc)), str(exc)))
             return
         self._note_replaced()
+        running = self._clock()
         for watch in self.watches:
             watch.new_attempt()
-        if self.preemption is not None:
-            self.preemption.new_attempt()
-        self.ledger.start_marks(self.group.start_marks, self.hang_watch.last_advance)
+        self.ledger.start_marks(self.group.start_marks, running)
         if self.group.nodes:
             self.result.events.append((time.time(), f"attempt {self.attempt} placed on {','.join(self.group.nodes)}"))
         self.result.events.append((time.time(), f"attempt {self.attempt} running"))
@@ -241,71 +240,45 @@ class Controller:
         self.result.events += [(time.time(), f"attempt {self.attempt}: {note}") for note in self.group.replaced]
 
     def _watch_group(self) -> None:
+        """One poll, asked of every watch in priority order until a verdict ends it; none did:
+        wait for the next poll."""
         assert self.group is not None
         poll = self.last_poll = self.group.poll()
-        self.ledger.progress(poll.min_step, self._clock(), poll.stall_s, poll.eval_s)
-        self._note_rollbacks(poll.rollbacks)
-        self.result.stragglers += self.swap.observe(poll, self.group, self.attempt)
-        preempted = self.preemption.watch(self.group, poll, self.attempt) if self.preemption is not None else None
-        if preempted is not None:
-            self._on_preemption(preempted)
-        elif poll.failures:
-            first = poll.failures[0]
-            if poll.evidence is not None:
-                self.result.diagnostics.append(poll.evidence)
-            self._on_failure(Failure(self.attempt, first.kind, first.rank, first.headline, first.detail or str(first),
-                                     tuple(poll.failures[1:]), poll.evidence))
-        elif self.swap.stopped(poll):
-            self._on_straggler_stopped(poll)
-        elif poll.finished:
+        for watch in self.watches:
+            verdict = watch.observe(poll, self.group, self.attempt)
+            if verdict is not None and self._act(verdict, poll):
+                return
+        self.group.wait(self.spec.fault_tolerance.poll_interval_s)
+
+    def _act(self, verdict: Verdict, poll: GroupPoll) -> bool:
+        """Record what ``verdict`` carries and do what it says; whether it ended the poll."""
+        assert self.group is not None
+        result = self.result
+        result.failures += verdict.recorded
+        result.preemptions += verdict.preemptions
+        result.events += [(time.time(), line) for line in verdict.events]
+        result.stragglers += verdict.stragglers
+        result.diagnostics += verdict.diagnostics
+        act = verdict.act
+        if act is Act.FAIL:
+            assert verdict.failure is not None
+            self._on_failure(verdict.failure)
+        elif act is Act.RESTART:
+            if verdict.retire is not None:
+                self.group.retire(verdict.retire)
+            self._last_failure = verdict.cause
+            self._set_state(JobState.RECOVERING, verdict.reason)
+        elif act is Act.STOP:
+            result.stopped, result.stopped_by = verdict.reason, verdict.stopped_by
+            self._set_state(JobState.STOPPED, verdict.reason)
+        elif act is Act.GIVE_UP:
+            result.error = verdict.error
+            self._set_state(JobState.FAILED, verdict.reason)
+        elif act is Act.FINISH:
             self.ledger.finished(self._clock())
-            self.result.results = poll.results
-            self._note_rollbacks(poll.results[0].rollbacks if poll.results else ())
-            self._set_state(JobState.SUCCEEDED, f"{poll.min_step} steps done")
-        elif self._replaced_silent(poll, hung := self.hang_watch.hung(poll)):
-            self.hang_watch.waited()  # its ranks waited on it: the step budget starts again
-        elif hung:
-            failure, folder = self.hang_watch.failure(poll, self.group, self.attempt)
-            if folder is not None:
-                self.result.diagnostics.append(folder)
-            self._on_failure(failure)
-        else:
-            self.group.wait(self.spec.fault_tolerance.poll_interval_s)
-
-    def _note_rollbacks(self, rollbacks: tuple[RollbackRecord, ...]) -> None:
-        """The training guard's rollbacks are failures the job recovered from: each is recorded
-        once, as soon as a poll sees it (an attempt that crashes later keeps them)."""
-        for rb in self.rollbacks.unseen(rollbacks):
-            self.result.failures.append(Failure(self.attempt, "rollback", rb.trip.rank, str(rb), str(rb)))
-            self.result.events.append((time.time(), f"attempt {self.attempt} rollback to step {rb.to_step}"))
-
-    def _replaced_silent(self, poll: GroupPoll, hung: bool) -> bool:
-        """A checkpoint writer or the actor silent past its budget (``control/watch/silence.py``) is
-        replaced while the group trains on; returns whether one was (a ``writer_hang`` recovered from)."""
-        assert self.group is not None
-        found = self.silences.observe(self.group, poll, hung, self.hangs, self.attempt)
-        if found is None:
-            return False
-        text, replaced = found
-        self.result.failures.append(Failure(self.attempt, "writer_hang", None, headline(text),
-                                            "\n".join([text, *replaced])))
-        self.result.events.append((time.time(), f"attempt {self.attempt} writer_hang detected"))
-        self.result.events += [(time.time(), f"attempt {self.attempt}: {note}") for note in replaced]
-        logger.error("attempt %d writer_hang (%d/%d, max_restarts not spent): %s", self.attempt,
-                     self.silences.replaced, MAX_REPLACEMENTS, text)
-        self.hang_watch.last_hang = text
-        return True
-
-    def _on_straggler_stopped(self, poll: GroupPoll) -> None:
-        """The group stopped at a committed step for a straggler's replacement: restart without it."""
-        assert self.group is not None
-        failure = self.swap.failure(poll, self.attempt)
-        rank, step = failure.rank, min(r.steps for r in poll.results)
-        self.result.failures.append(failure)
-        self.result.events.append((time.time(), f"attempt {self.attempt} straggler rank {rank} replaced"))
-        self.group.retire(rank)
-        self._last_failure = "straggler"
-        self._set_state(JobState.RECOVERING, f"straggler rank {rank} at step {step}; restarts not spent")
+            result.results = poll.results
+            self._set_state(JobState.SUCCEEDED, verdict.reason)
+        return act is not Act.NOTE
 
     def _on_failure(self, failure: Failure) -> None:
         kind, now = failure.kind, self._clock()
@@ -324,16 +297,6 @@ class Controller:
             logger.error("attempt %d %s failure:\n%s", self.attempt, kind, failure.log_text())
         self.result.error = failure.full_text()
         self._set_state(JobState.RECOVERING if decision is Decision.RESTART else JobState.FAILED, why)
-
-    def _on_preemption(self, failure: Failure) -> None:
-        """A drained node stopped the group: restart off it, on the preemption budget, not max_restarts'
-        (or the driver was told to stop, or capacity came back: ``PreemptionGuard.settle``)."""
-        assert self.preemption is not None
-        state, why = self.preemption.settle(failure, self.attempt, self.result,
-                                            self.spec.fault_tolerance.max_preemptions)
-        if self.preemption.outcome != "stop":
-            self._last_failure = "preemption" if self.preemption.outcome == "preemption" else None
-        self._set_state(JobState(state), why)
 
     def _release_group(self, keep_warm: bool = False) -> None:
         if self.group is not None:

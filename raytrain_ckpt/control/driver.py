@@ -26,10 +26,11 @@ from raytrain_ckpt.observe.dashboard import install_dashboard
 from raytrain_ckpt.common.events import headline
 from raytrain_ckpt.common.faults import fault_env
 from raytrain_ckpt.control.group import RayWorkerGroup
-from raytrain_ckpt.observe.metrics import ControllerMetrics
+from raytrain_ckpt.control.metrics import ControllerMetrics
 from raytrain_ckpt.control.pool import WorkerPool
 from raytrain_ckpt.control import reaper
-from raytrain_ckpt.control.watch.preemption import preemption_guard, stop_signals
+from raytrain_ckpt.control.watch.drains import preemption_guard
+from raytrain_ckpt.control.watch.preemption import stop_signals
 from raytrain_ckpt.control.watch.quarantine import Quarantine
 from raytrain_ckpt.control.preflight import protection_line
 from raytrain_ckpt.observe.raydash import dashboard_line, job_metadata, name_submitted_job

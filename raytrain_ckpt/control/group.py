@@ -19,7 +19,7 @@ from raytrain_ckpt.control.poll import GroupPoll, GroupStartError
 from raytrain_ckpt.control.placement import Placement, room_outside
 from raytrain_ckpt.common.events import Failure, Progress, RankPlace, WorkerResult, headline
 from raytrain_ckpt.control.hang_evidence import diagnose, diagnostics_root, locate
-from raytrain_ckpt.control.watch.hangs import Verdict, keep_failures
+from raytrain_ckpt.control.watch.hangs import Blame, keep_failures
 from raytrain_ckpt.rank.progress import poll_progress
 from raytrain_ckpt.control.pool import WorkerPool, bundle_nodes, drain, kill_actor, new_worker
 from raytrain_ckpt.control.startcalls import StartCalls
@@ -219,7 +219,7 @@ class RayWorkerGroup:
         writers of ``stalled`` writes still unmoved past their budget; one line each."""
         return self.checkpoints.fleet.replace_silent(stalled=stalled) if self.checkpoints is not None else []
 
-    def diagnose(self) -> Verdict:
+    def diagnose(self) -> Blame:
         """Before the hung group is torn down: every rank's stacks and step, kept under the job
         root's diagnostics/attempt-N/, and the culprit (``hang_evidence``)."""
         return diagnose(self.workers, self._where, diagnostics_root(self.spec) / f"attempt-{self.attempt}")

@@ -22,7 +22,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ckpt.common.events import RankPlace
-from raytrain_ckpt.control.watch.hangs import DUMP_TIMEOUT_S, Verdict, blame, dump_stacks
+from raytrain_ckpt.control.watch.hangs import DUMP_TIMEOUT_S, Blame, blame, dump_stacks
 from raytrain_ckpt.rank.nccl_trace import keep_traces
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def _traces(workers: list[Any]) -> dict[int, bytes | str]:
     return answers
 
 
-def diagnose(workers: list[Any], where: list[RankPlace | None], folder: Path) -> Verdict:
+def diagnose(workers: list[Any], where: list[RankPlace | None], folder: Path) -> Blame:
     """Read every rank's stacks and step (concurrently), keep the stacks in ``folder``, and blame."""
     here = ray.get_runtime_context().get_node_id()
     with ThreadPoolExecutor(max_workers=len(workers) + 2) as pool:
@@ -113,8 +113,8 @@ def diagnose(workers: list[Any], where: list[RankPlace | None], folder: Path) ->
         (folder / "verdict.txt").write_text("\n".join(lines) + "\n")
     except OSError as exc:
         logger.warning("could not keep the hang's stacks in %s: %s", folder, exc)
-        return Verdict(verdict.ranks, verdict.reason, verdict.frames, None)
-    return Verdict(verdict.ranks, verdict.reason, verdict.frames, str(folder))
+        return Blame(verdict.ranks, verdict.reason, verdict.frames, None)
+    return Blame(verdict.ranks, verdict.reason, verdict.frames, str(folder))
 
 
 def diagnostics_root(spec: Any) -> Path:

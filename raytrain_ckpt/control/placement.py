@@ -14,7 +14,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from raytrain_ckpt.control.poll import GroupStartError
 from raytrain_ckpt.control.policy import elastic_world_size
 from raytrain_ckpt.control.pool import bundle_nodes, kill_actor
-from raytrain_ckpt.control.watch.preemption import draining_nodes, room_for
+from raytrain_ckpt.control.watch.drains import room_for
+from raytrain_ckpt.control.watch.preemption import draining_nodes
 from raytrain_ckpt.control.watch.quarantine import Quarantine
 from raytrain_ckpt.spec import JobSpec
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 from raytrain_ckpt.common.events import Failure, RollbackRecord, WorkerResult
 
 if TYPE_CHECKING:
-    from raytrain_ckpt.control.watch.hangs import Verdict
+    from raytrain_ckpt.control.watch.hangs import Blame
 
 __all__ = ["GroupPoll", "GroupStartError", "WorkerGroup"]
 
@@ -98,7 +98,7 @@ class WorkerGroup(Protocol):
     def note_failure(self, failure: Failure) -> str | None:
         """Count a failure against the nodes of its ranks; the quarantine line of a node it puts out, if any."""
 
-    def diagnose(self) -> Verdict:
+    def diagnose(self) -> Blame:
         """Every rank's stacks and step read before a hung group is torn down, and the culprit."""
 
     def checkpointing_silences(self) -> dict[str, float]:

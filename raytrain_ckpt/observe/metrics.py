@@ -1,20 +1,27 @@
-"""Every metric raytrain_ckpt exports, and the small recorders that emit them.
+"""Every metric raytrain_ckpt exports, and the plumbing that records them.
 
 Metrics go through ``ray.util.metrics``: each process records into Ray's per-node metrics
 agent, which serves them in Prometheus format on the node's ``metrics_export_port`` (Ray
 prefixes every name with ``ray_``). ``METRICS`` is the one list of names, kinds, tags and
-help texts; the Grafana dashboard in ``cluster/`` is tested against it.
+help texts; the Grafana dashboard in ``cluster/`` is tested against it. ``record`` is the one
+way a value is recorded.
 
-Who emits what:
+Who emits what: each recorder lives beside the code of the process that emits it, and records
+through this module's ``record``:
 
-* ``TrainerMetrics`` (each TrainWorker): step, loss, eval loss, tokens/s, step time, checkpoint stall.
-* ``CheckpointMetrics`` (the CheckpointActor): committed and in-flight step, phase and
-  per-rank progress, phase durations, bytes, throughput, purges, aborts, failed saves (in a
-  row and in all), work at risk, the interval ``interval_steps: auto`` chose.
-* ``WriterMetrics`` (each node's CheckpointWriter): bytes and write time per rank, upload
-  retries, and the copies it sent to its peer node (step, bytes, time, failures).
-* ``ControllerMetrics`` (the driver, called after every controller step): state, attempt,
-  failures and restarts by cause, and the training step it polled.
+* ``TrainerMetrics`` (each TrainWorker, ``rank/metrics.py``): step, loss, eval loss, tokens/s,
+  step time, checkpoint stall, the training guard's rollbacks.
+* ``CheckpointMetrics`` (the CheckpointActor, ``checkpoint/roles/metrics.py``): committed and
+  in-flight step, phase and per-rank progress, phase durations, bytes, throughput, purges,
+  aborts, failed saves (in a row and in all), work at risk, the interval ``interval_steps: auto``
+  chose.
+* ``WriterMetrics`` (each node's CheckpointWriter, ``checkpoint/roles/metrics.py``): bytes and
+  write time per rank, upload retries, and the copies it sent to its peer node (step, bytes,
+  time, failures).
+* ``ControllerMetrics`` (the driver, called after every controller step, ``control/metrics.py``):
+  state, attempt, failures and restarts by cause, preemptions, goodput, the hang timeout,
+  stragglers, and the training step it polled.
+* the scalar loggers' dropped points (the process that logs, ``observe/loggers.py``).
 
 Recording never raises into the caller: a metrics problem must not stop training.
 
@@ -32,19 +39,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from raytrain_ckpt.checkpoint.records import IN_FLIGHT_PHASES, InFlight, WorkAtRisk
-
-if TYPE_CHECKING:
-    from raytrain_ckpt.checkpoint.format.manifest import Manifest
-    from raytrain_ckpt.control.controller import Controller
-    from raytrain_ckpt.rank.trainer import StepReport
+from raytrain_ckpt.checkpoint.records import IN_FLIGHT_PHASES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["METRICS", "PHASES", "CheckpointMetrics", "ControllerMetrics", "MetricDef", "TrainerMetrics",
-           "WriterMetrics", "exported_names"]
+__all__ = ["METRICS", "PHASES", "MetricDef", "exported_names", "record"]
 
 Kind = Literal["gauge", "counter", "histogram"]
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -231,216 +232,3 @@ def record(name: str, value: float, tags: dict[str, str]) -> None:
             obj.observe(float(value), tags=tags)
     except Exception as exc:  # metrics are best effort: never fail a training step or a commit over them
         _warn_once(name, exc)
-
-
-class TrainerMetrics:
-    """Per rank: training progress after every step, and the stall each save cost."""
-
-    def __init__(self, job: str, rank: int) -> None:
-        self.job, self.rank = job, rank
-        self._tags = {"job": job, "rank": str(rank)}
-        self._saves = 0
-
-    def after_step(self, report: StepReport, ckpt: Any | None) -> None:
-        """Record ``report``; with checkpointing, the stall of a save made at this step
-        (what ``save()`` blocked the training thread: flatten, planning, a busy previous save)."""
-        record("train_step", report.step, self._tags)
-        record("train_step_seconds", report.step_time_s, self._tags)
-        record("train_tokens_per_second", report.tokens_per_s, self._tags)
-        if report.loss is not None and self.rank == 0:
-            record("train_loss", report.loss, {"job": self.job})
-        if report.eval_loss is not None and self.rank == 0:
-            record("eval_loss", report.eval_loss, {"job": self.job})
-        if ckpt is None:
-            return
-        stats = ckpt.stats
-        if stats.saves > self._saves:
-            self._saves = stats.saves
-            record("checkpoint_stall_seconds", stats.last_stall_s, self._tags)
-            record("checkpoint_last_stall_seconds", stats.last_stall_s, self._tags)
-
-    def rolled_back(self, rollback: Any) -> None:
-        """A rollback of the training guard (``guard.RollbackRecord``; None: the trip ended the job)."""
-        if rollback is None or self.rank != 0:
-            return
-        record("train_rollbacks_total", 1, {"job": self.job})
-        record("train_skipped_samples_total", rollback.samples[1] - rollback.samples[0], {"job": self.job})
-
-
-class WriterMetrics:
-    """Per node: what the writer wrote for each rank."""
-
-    def __init__(self, job: str, node: str) -> None:
-        self.job, self.node = job, node
-
-    def wrote(self, rank: int, nbytes: int, seconds: float) -> None:
-        tags = {"job": self.job, "rank": str(rank), "node": self.node}
-        record("checkpoint_rank_bytes_written_total", nbytes, tags)
-        record("checkpoint_rank_write_seconds", seconds, tags)
-
-    def replicated(self, rank: int, step: int, nbytes: int, seconds: float) -> None:
-        """Rank ``rank``'s copy of ``step`` reached the peer node, verified there."""
-        tags = {"job": self.job, "rank": str(rank), "node": self.node}
-        record("checkpoint_replica_step", step, tags)
-        record("checkpoint_replica_seconds", seconds, tags)
-        record("checkpoint_replica_bytes_total", nbytes, tags)
-
-    def replica_failed(self, rank: int) -> None:
-        """A send of rank ``rank``'s copy to the peer node failed (the step stays committed on storage)."""
-        record("checkpoint_replica_failures_total", 1, {"job": self.job, "rank": str(rank), "node": self.node})
-
-    def retried(self, rank: int) -> None:
-        """An upload to an object store failed with a transient error and is tried again."""
-        record("checkpoint_rank_upload_retries_total", 1, {"job": self.job, "rank": str(rank), "node": self.node})
-
-
-class CheckpointMetrics:
-    """The CheckpointActor's view: steps, phases, bytes, and the work a failure would lose."""
-
-    def __init__(self, job: str) -> None:
-        self.job = job
-        self._tags = {"job": job}
-        self.train_step = 0
-        """The newest training step the driver reported (``note_job``)."""
-        self.started = time.time()
-        self.commit_unix = 0.0
-        self.committed_step = -1
-        self._ranks: set[int] = set()
-
-    def start(self, committed: dict[int, Manifest]) -> None:
-        """Publish what storage holds when the actor (re)starts."""
-        if committed:
-            newest = committed[max(committed)]
-            self.committed_step, self.commit_unix = newest.step, newest.created_unix
-        record("checkpoint_committed_step", self.committed_step, self._tags)
-        record("checkpoint_last_commit_timestamp_seconds", self.commit_unix, self._tags)
-        record("checkpoint_consecutive_failed_saves", 0, self._tags)
-        self.progress(InFlight(), 0)
-
-    def progress(self, inflight: InFlight, world_size: int) -> None:
-        """The in-flight step (None: none), its phase and each rank's progress (0, 1, 2)."""
-        step, phase, ranks = inflight.step, inflight.phase_name, inflight.ranks
-        values = list(ranks.values())
-        self._inflight(step, phase, sum(v >= 1 for v in values), sum(v >= 2 for v in values))
-        self._ranks |= set(range(world_size))
-        for rank in sorted(self._ranks):
-            record("checkpoint_rank_progress", ranks.get(rank, 0), {**self._tags, "rank": str(rank)})
-
-    def rank_moved(self, step: int, phase: str, handed_off: int, written: int, rank: int, value: int) -> None:
-        """One rank of the in-flight step moved on: the counts and that rank's series only."""
-        self._inflight(step, phase, handed_off, written)
-        self._ranks.add(rank)
-        record("checkpoint_rank_progress", value, {**self._tags, "rank": str(rank)})
-
-    def _inflight(self, step: int | None, phase: str, handed_off: int, written: int) -> None:
-        record("checkpoint_inflight_step", -1 if step is None else step, self._tags)
-        for p in PHASES:
-            record("checkpoint_inflight_phase", int(p == phase), {**self._tags, "phase": p})
-        record("checkpoint_inflight_ranks", handed_off, {**self._tags, "stage": "handed_off"})
-        record("checkpoint_inflight_ranks", written, {**self._tags, "stage": "written"})
-
-    def planned(self, seconds: float) -> None:
-        record("checkpoint_phase_seconds", seconds, {**self._tags, "phase": "plan"})
-
-    def committed(self, manifest: Manifest) -> None:
-        """A step committed: its phases, size and throughput; it is the new resume point."""
-        for phase in ("stage", "write", "persist", "commit", "total"):
-            if f"{phase}_s" in manifest.wall:
-                record("checkpoint_phase_seconds", manifest.wall[f"{phase}_s"], {**self._tags, "phase": phase})
-        nbytes = manifest.total_bytes
-        record("checkpoint_last_bytes", nbytes, self._tags)
-        record("checkpoint_bytes_written_total", nbytes, self._tags)
-        record("checkpoint_commits_total", 1, self._tags)
-        record("checkpoint_consecutive_failed_saves", 0, self._tags)
-        total = manifest.wall.get("total_s", 0.0)
-        if total > 0:
-            record("checkpoint_throughput_bytes_per_second", nbytes / total, self._tags)
-        if manifest.step >= self.committed_step:
-            self.committed_step, self.commit_unix = manifest.step, manifest.created_unix
-            record("checkpoint_committed_step", manifest.step, self._tags)
-            record("checkpoint_last_commit_timestamp_seconds", manifest.created_unix, self._tags)
-        self.at_risk()
-
-    def aborted(self) -> None:
-        record("checkpoint_aborted_total", 1, self._tags)
-
-    def interval(self, steps: int) -> None:
-        """The interval ``interval_steps: auto`` chose."""
-        record("checkpoint_interval_steps", steps, self._tags)
-
-    def save_failed(self, consecutive: int) -> None:
-        """A step's save failed; ``consecutive``: failed saves since the last commit, this one included."""
-        record("checkpoint_failed_saves_total", 1, self._tags)
-        record("checkpoint_consecutive_failed_saves", consecutive, self._tags)
-
-    def purged(self, count: int) -> None:
-        record("checkpoint_purged_total", count, self._tags)
-
-    def at_risk(self, train_step: int | None = None) -> WorkAtRisk:
-        """Seconds and steps since the newest commit; recorded and returned."""
-        if train_step is not None:
-            self.train_step = train_step
-        since = self.commit_unix or self.started
-        risk = WorkAtRisk(seconds=max(0.0, time.time() - since),
-                          steps=max(0, self.train_step - max(self.committed_step, 0)))
-        record("work_at_risk_seconds", risk.seconds, self._tags)
-        record("work_at_risk_steps", risk.steps, self._tags)
-        return risk
-
-
-class ControllerMetrics:
-    """Called by the Controller after every ``step()`` (its observer): state, attempt, failures
-    and restarts by kind; without checkpointing also the work at risk (with it, the
-    CheckpointActor records that from the job notes the driver sends it)."""
-
-    def __init__(self, job: str, checkpointing: bool = False) -> None:
-        self.job = job
-        self.checkpointing = checkpointing
-        self._tags = {"job": job}
-        self._failures = 0
-        self._restarts = 0
-        self._preemptions = 0
-        self._state = ""
-        self._started = time.time()
-        self._attempt = 0
-        self._seconds: dict[str, float] = {}
-
-    def _ledger(self, ctrl: Controller) -> None:
-        """The goodput ledger's seconds by cause (as counters), its ratio, and the hang timeout."""
-        for cause, total in ctrl.ledger.seconds.items():
-            delta = total - self._seconds.get(cause, 0.0)
-            if delta > 0:
-                record("job_wall_seconds_total", delta, {**self._tags, "cause": cause})
-                self._seconds[cause] = total
-        record("job_goodput_ratio", ctrl.ledger.goodput, self._tags)
-        record("job_hang_timeout_seconds", ctrl.hangs.current_s, self._tags)
-        record("job_step_skew_seconds", ctrl.stragglers.skew_s, self._tags)
-        record("job_stragglers", len(ctrl.stragglers.reported), self._tags)
-
-    def __call__(self, ctrl: Controller) -> None:
-        state = ctrl.state.value
-        if state != self._state:
-            self._state = state
-            for s in ("STARTING", "RUNNING", "RECOVERING", "SUCCEEDED", "FAILED", "STOPPED"):
-                record("job_state", int(s == state), {**self._tags, "state": s})
-        record("job_attempt", ctrl.attempt, self._tags)
-        failures = ctrl.result.failures
-        for failure in failures[self._failures:]:
-            record("job_failures_total", 1, {**self._tags, "cause": failure.kind})
-        self._failures = len(failures)
-        preemptions = ctrl.result.preemptions
-        for p in preemptions[self._preemptions:]:
-            record("job_preemption_steps_lost_total", p["steps_lost"], self._tags)
-            left = p["time_left_s"]
-            record("job_preemption_notice_seconds", -1 if left is None else left, self._tags)
-        self._preemptions = len(preemptions)
-        if ctrl.restarts > self._restarts and failures:
-            record("job_restarts_total", ctrl.restarts - self._restarts, {**self._tags, "cause": failures[-1].kind})
-            self._restarts = ctrl.restarts
-        self._ledger(ctrl)
-        poll = ctrl.last_poll
-        if poll is not None and not self.checkpointing:  # everything this attempt trained is at risk
-            if ctrl.attempt != self._attempt:
-                self._attempt, self._started = ctrl.attempt, time.time()
-            record("work_at_risk_steps", poll.min_step, self._tags)  # the slowest rank: what all ranks trained
-            record("work_at_risk_seconds", time.time() - self._started, self._tags)

@@ -33,7 +33,7 @@ from raytrain_ckpt.rank.answers import SPARE_RANK, TIERS, RankAnswers
 from raytrain_ckpt.rank.progress import ProgressFile, PublishedProgress
 from raytrain_ckpt.rank.rendezvous import RankRendezvous
 from raytrain_ckpt.rank.resume import RankCheckpoints
-from raytrain_ckpt.observe.metrics import TrainerMetrics
+from raytrain_ckpt.rank.metrics import TrainerMetrics
 from raytrain_ckpt.observe.loggers import open_job_loggers
 from raytrain_ckpt.observe.scalars import ScalarLogger, log_step
 from raytrain_ckpt.spec import JobSpec

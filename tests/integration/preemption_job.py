@@ -41,7 +41,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name, writer_name  # noqa: E402
 from raytrain_ckpt.control.driver import run_job  # noqa: E402
 from raytrain_ckpt.common.faults import ENV_VAR  # noqa: E402
-from raytrain_ckpt.control.watch.preemption import actor_node  # noqa: E402
+from raytrain_ckpt.control.watch.drains import actor_node  # noqa: E402
 from raytrain_ckpt.control.preflight import load_spec  # noqa: E402
 from tests.conftest import REFERENCE_20  # noqa: E402
 

@@ -10,7 +10,7 @@ from raytrain_ckpt.control.controller import Controller, JobState
 from raytrain_ckpt.control.poll import GroupPoll, GroupStartError
 from raytrain_ckpt.control.policy import Decision, FailureFacts, FailurePolicy, elastic_world_size
 from raytrain_ckpt.common.events import Failure, RollbackRecord, Trip, WorkerResult
-from raytrain_ckpt.control.watch.hangs import Verdict
+from raytrain_ckpt.control.watch.hangs import Blame
 from raytrain_ckpt.spec import JobSpec
 
 
@@ -35,8 +35,8 @@ class GroupDefaults:
     def note_failure(self, failure: Failure) -> str | None:
         return None
 
-    def diagnose(self) -> Verdict:
-        return Verdict((), "no single rank can be blamed: this group cannot read stacks")
+    def diagnose(self) -> Blame:
+        return Blame((), "no single rank can be blamed: this group cannot read stacks")
 
     def checkpointing_silences(self) -> dict[str, float]:
         return {}

@@ -100,6 +100,7 @@ def test_status_watch_refreshes(tmp_path, capsys):
 def test_controller_observer_counts_failures_and_restarts_by_cause(monkeypatch):
     from raytrain_ckpt.observe import metrics
     from raytrain_ckpt.control.controller import Controller, JobState
+    from raytrain_ckpt.control.metrics import ControllerMetrics
     from raytrain_ckpt.spec import JobSpec
     from tests.unit.test_controller import FakeWorkerGroup
 
@@ -112,7 +113,7 @@ def test_controller_observer_counts_failures_and_restarts_by_cause(monkeypatch):
         return groups[-1]
 
     spec = JobSpec(name="obs", fault_tolerance={"max_restarts": 2})
-    ctrl = Controller(spec, factory, sleep=lambda s: None, observer=metrics.ControllerMetrics("obs"))
+    ctrl = Controller(spec, factory, sleep=lambda s: None, observer=ControllerMetrics("obs"))
     ctrl.step()  # STARTING -> RUNNING
     groups[-1].advance(3)
     ctrl.step()  # a poll: step 3 and no checkpoints, so 3 steps at risk

@@ -202,7 +202,7 @@ def test_a_stop_request_saves_the_step_in_hand_and_ends_the_job():
     ctl = _controller({}, committed)
     ctl.step()
     DrainedGroup.created[0].step = 33
-    ctl.preemption.request_stop("SIGTERM", 30.0)
+    ctl.watch(PreemptionGuard).request_stop("SIGTERM", 30.0)
     ctl.step()
     assert DrainedGroup.created[0].preempted == 1030.0
     committed.append(33)
@@ -276,13 +276,14 @@ def test_a_notice_at_the_last_step_lets_the_job_succeed():
 
 
 def test_the_metrics_count_preemptions_and_their_lost_steps(monkeypatch):
+    from raytrain_ckpt.control.metrics import ControllerMetrics
     from raytrain_ckpt.observe import metrics
 
     recorded: list[tuple[str, float, dict]] = []
     monkeypatch.setattr(metrics, "record", lambda name, value, tags: recorded.append((name, value, dict(tags))))
     drains: dict = {}
     ctl = _controller(drains, [50])
-    ctl._observer = metrics.ControllerMetrics("t", checkpointing=True)
+    ctl._observer = ControllerMetrics("t", checkpointing=True)
     ctl.step()
     DrainedGroup.created[0].step = 54
     drains["B"] = 1020.0

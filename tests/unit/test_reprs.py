@@ -17,7 +17,7 @@ def test_checkpoint_actor_and_writer_reprs_are_short_and_name_their_job(tmp_path
     assert repr(actor) == "CheckpointActor(my-job)"
     writer = object.__new__(CheckpointWriter)  # (its __init__ maps /dev/shm buffers and renices the process)
     assert repr(writer) == "CheckpointWriter(not started)"  # an __init__ that raised: the repr must not raise
-    from raytrain_ckpt.observe.metrics import WriterMetrics
+    from raytrain_ckpt.checkpoint.roles.metrics import WriterMetrics
 
     writer.metrics = WriterMetrics("my-job", "a13e1a458185")
     assert repr(writer) == "CheckpointWriter(my-job)"

@@ -35,7 +35,7 @@ from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, LEFTOVER_G
 from raytrain_ckpt.checkpoint.storage.leases import LeaseFiles
 from raytrain_ckpt.common.faults import adopt_fault_env
 from raytrain_ckpt.common.logs import setup_logging
-from raytrain_ckpt.observe.metrics import CheckpointMetrics
+from raytrain_ckpt.checkpoint.roles.metrics import CheckpointMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from raytrain_ckpt.checkpoint.records import (ActorStatus, CommittedStep, GroupL
 from raytrain_ckpt.checkpoint.roles import bulletin
 from raytrain_ckpt.checkpoint.roles.retainer import Retainer
 from raytrain_ckpt.checkpoint.roles.steps import StepRegistry, inflight_phase
-from raytrain_ckpt.observe.metrics import CheckpointMetrics
+from raytrain_ckpt.checkpoint.roles.metrics import CheckpointMetrics
 
 __all__ = ["StatusBoard"]
 

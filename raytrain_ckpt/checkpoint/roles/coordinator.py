@@ -32,7 +32,7 @@ from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.format.planchecks import global_plan
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.common.faults import maybe_inject
-from raytrain_ckpt.observe.metrics import CheckpointMetrics
+from raytrain_ckpt.checkpoint.roles.metrics import CheckpointMetrics
 
 logger = logging.getLogger(__name__)
 

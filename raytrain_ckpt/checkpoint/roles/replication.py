@@ -28,7 +28,7 @@ from raytrain_ckpt.checkpoint.datapath.replica import Pacer, ReplicaStore, send_
 from raytrain_ckpt.checkpoint.errors import ReplicaError
 
 from raytrain_ckpt.checkpoint.records import Replica
-from raytrain_ckpt.observe.metrics import WriterMetrics
+from raytrain_ckpt.checkpoint.roles.metrics import WriterMetrics
 
 logger = logging.getLogger(__name__)
 

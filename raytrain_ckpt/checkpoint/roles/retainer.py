@@ -19,7 +19,7 @@ from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy, newest_ce
 from raytrain_ckpt.checkpoint.roles.steps import StepRegistry
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, LeftoverWatch
 from raytrain_ckpt.checkpoint.storage.leases import LeaseFiles, purge_lock
-from raytrain_ckpt.observe.metrics import CheckpointMetrics
+from raytrain_ckpt.checkpoint.roles.metrics import CheckpointMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from raytrain_ckpt.checkpoint.records import FailedSaves, GroupLayout, InFlight, RankReport, StepPhase, WriterRef
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
-from raytrain_ckpt.observe.metrics import CheckpointMetrics
+from raytrain_ckpt.checkpoint.roles.metrics import CheckpointMetrics
 from raytrain_ckpt.checkpoint.errors import StepAborted
 
 logger = logging.getLogger(__name__)

@@ -43,7 +43,7 @@ from raytrain_ckpt.checkpoint.storage.posix import replace_file
 from raytrain_ckpt.checkpoint.storage.probe import local_root, probe_name
 from raytrain_ckpt.common.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.common.logs import setup_logging
-from raytrain_ckpt.observe.metrics import WriterMetrics
+from raytrain_ckpt.checkpoint.roles.metrics import WriterMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,13 @@ split at that resolution. Goodput is training / wall time. Pure: no Ray, no torc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raytrain_ckpt.control.poll import GroupPoll, WorkerGroup
+    from raytrain_ckpt.control.watch import Verdict
 
 __all__ = ["CAUSES", "GoodputLedger"]
 
@@ -42,9 +47,11 @@ class AttemptTimeline:
 
 
 class GoodputLedger:
-    """Accounts wall time to causes as the controller reports what happened."""
+    """Accounts wall time to causes as the controller reports what happened. A ``Watch`` too (the
+    first one): each poll's progress (``observe``), never a verdict; ``clock``: the controller's."""
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, clock: Callable[[], float] | None = None) -> None:
+        self._clock = clock
         self.started_at = now
         self._mark = now
         self.seconds: dict[str, float] = dict.fromkeys(CAUSES, 0.0)
@@ -71,6 +78,12 @@ class GoodputLedger:
 
     def new_attempt(self) -> None:
         pass  # the controller marks the attempt with its number and time (``attempt``)
+
+    def observe(self, poll: GroupPoll, group: WorkerGroup, attempt: int) -> Verdict | None:
+        """The poll's progress (``progress``) at the clock's time; nothing for the controller to do."""
+        assert self._clock is not None, "a ledger that observes polls needs the controller's clock"
+        self.progress(poll.min_step, self._clock(), poll.stall_s, poll.eval_s)
+        return None
 
     def status(self) -> dict[str, Any]:
         """The ``Watch``'s part of the summary: goodput so far."""

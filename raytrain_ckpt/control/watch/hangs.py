@@ -32,11 +32,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raytrain_ckpt.common.events import Failure
+from raytrain_ckpt.control.watch import Act, Verdict
 
 if TYPE_CHECKING:
     from raytrain_ckpt.control.poll import GroupPoll, WorkerGroup
 
-__all__ = ["FAILURE_FILE", "FIRST_STEPS_S", "FLOOR_S", "HangClock", "HangWatch", "MULTIPLE", "Verdict", "auto_text", "blame",
+__all__ = ["Blame", "FAILURE_FILE", "FIRST_STEPS_S", "FLOOR_S", "HangClock", "HangWatch", "MULTIPLE", "auto_text", "blame",
            "dump_stacks", "in_collective", "keep_failures", "py_spy", "training_thread"]
 
 logger = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ def in_collective(frames: list[str]) -> bool:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Blame:
     """Who a hang is blamed on, and what it rests on."""
 
     ranks: tuple[int, ...]
@@ -241,7 +242,7 @@ class Verdict:
 class HangWatch:
     """The controller's hang detector (a ``Watch``): the slowest rank's step must advance within
     the ``HangClock``'s budget; past it, every rank's stacks are read and the culprit named before
-    anything is killed."""
+    anything is killed (a ``FAIL`` verdict)."""
 
     def __init__(self, spec: Any, clock: Callable[[], float]) -> None:
         self.hangs = HangClock(spec)
@@ -251,6 +252,8 @@ class HangWatch:
         """When the slowest rank's step last advanced (or the budget started again)."""
         self.last_hang: str | None = None
         """The latest hang (or silent process replaced): its culprit and the diagnostics folder."""
+        self._judged: tuple[GroupPoll, bool] | None = None
+        """The latest poll ``hung`` judged, and its answer (the silence watch asks first)."""
 
     def new_attempt(self) -> None:
         self._last_step, self.last_advance = -1, self._clock()
@@ -259,12 +262,29 @@ class HangWatch:
     def status(self) -> dict[str, Any]:
         return {"hang_timeout_s": self.hangs.current_s, "hang_timeout_why": self.hangs.why, "last_hang": self.last_hang}
 
-    def waited(self) -> None:
-        """The ranks waited on another process (a silent writer, replaced): the step budget starts again."""
+    def observe(self, poll: GroupPoll, group: WorkerGroup, attempt: int) -> Verdict | None:
+        """A group past its step's budget: the hang, with its culprit, fails the attempt."""
+        if not self.hung(poll):
+            return None
+        failure, folder = self.failure(poll, group, attempt)
+        return Verdict(Act.FAIL, failure, diagnostics=(folder,) if folder is not None else ())
+
+    def waited(self, why: str) -> None:
+        """The ranks waited on another process (``why``: a silent writer, replaced): the step
+        budget starts again; ``status`` names it as the latest hang."""
         self.last_advance = self._clock()
+        self.last_hang = why
 
     def hung(self, poll: GroupPoll) -> bool:
-        """Whether the slowest rank is past its step's budget (a poll that sees it advance teaches the clock)."""
+        """Whether the slowest rank is past its step's budget (a poll that sees it advance teaches
+        the clock); asked again about the same poll, the same answer."""
+        if self._judged is not None and self._judged[0] is poll:
+            return self._judged[1]
+        hung = self._hung(poll)
+        self._judged = (poll, hung)
+        return hung
+
+    def _hung(self, poll: GroupPoll) -> bool:
         now, hangs = self._clock(), self.hangs
         if poll.min_step != self._last_step:
             self._last_step, self.last_advance = poll.min_step, now
@@ -284,7 +304,7 @@ class HangWatch:
         try:
             verdict = group.diagnose()
         except Exception as exc:  # noqa: BLE001 - the evidence is best effort: the hang is still handled
-            verdict = Verdict((), f"no single rank can be blamed: the evidence could not be read ({exc})")
+            verdict = Blame((), f"no single rank can be blamed: the evidence could not be read ({exc})")
         setting = "auto" if self.hangs.fixed is None else f"{budget:g}"
         timeout = (f"no step finished for {budget:.0f}s (fault_tolerance.hang_timeout_s={setting}: {why}); "
                    f"slowest rank at step {poll.min_step}")
@@ -298,7 +318,7 @@ class HangWatch:
                 verdict.folder)
 
 
-def blame(world: int, steps: Mapping[int, int], stacks: Mapping[int, str]) -> Verdict:
+def blame(world: int, steps: Mapping[int, int], stacks: Mapping[int, str]) -> Blame:
     """The culprit of a hang among ranks ``0..world-1``.
 
     ``steps``: each rank's last finished step, for the ranks that answered; ``stacks``: each rank's
@@ -308,19 +328,19 @@ def blame(world: int, steps: Mapping[int, int], stacks: Mapping[int, str]) -> Ve
     frames = {r: training_thread(stacks[r]) for r in ranks if r in stacks}
     silent = tuple(r for r in ranks if r not in steps)
     if silent and len(silent) < world:
-        return Verdict(silent, f"rank {_names(silent)} did not answer (its process is stuck or gone)",
+        return Blame(silent, f"rank {_names(silent)} did not answer (its process is stuck or gone)",
                        {r: frames.get(r, []) for r in silent})
     if not steps:
-        return Verdict((), "no rank answered: the whole group (or its node) is stuck; no single rank can be blamed")
+        return Blame((), "no rank answered: the whole group (or its node) is stuck; no single rank can be blamed")
     low, high = min(steps.values()), max(steps.values())
     if low < high:
         behind = tuple(r for r in ranks if steps.get(r) == low)
-        return Verdict(behind, f"rank {_names(behind)} behind at step {low} while others reached step {high}",
+        return Blame(behind, f"rank {_names(behind)} behind at step {low} while others reached step {high}",
                        {r: frames.get(r, []) for r in behind})
     waiting = tuple(r for r in ranks if r in frames and frames[r] and in_collective(frames[r]))
     outside = tuple(r for r in ranks if r in frames and frames[r] and not in_collective(frames[r]))
     if waiting and outside:
-        return Verdict(outside, f"rank {_names(outside)} not in the collective that rank {_names(waiting)} "
+        return Blame(outside, f"rank {_names(outside)} not in the collective that rank {_names(waiting)} "
                                 f"wait in (all at step {low})", {r: frames[r] for r in outside})
     if len(frames) < world:
         why = f"stacks of rank {_names(tuple(r for r in ranks if r not in frames))} could not be read"
@@ -328,7 +348,7 @@ def blame(world: int, steps: Mapping[int, int], stacks: Mapping[int, str]) -> Ve
         why = "every rank waits in a collective"
     else:
         why = "no rank is in a collective"
-    return Verdict((), f"no single rank can be blamed: every rank at step {low}, {why}")
+    return Blame((), f"no single rank can be blamed: every rank at step {low}, {why}")
 
 
 def _names(ranks: tuple[int, ...]) -> str:

@@ -29,16 +29,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from raytrain_ckpt.control.poll import GroupPoll, WorkerGroup
 from raytrain_ckpt.common.events import Failure
+from raytrain_ckpt.control.poll import GroupPoll, WorkerGroup
+from raytrain_ckpt.control.watch import Act, Verdict
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DrainNotice", "PreemptionGuard", "PreemptionRecord", "SaveCosts", "SavePlan", "draining_nodes",
-           "plan_save", "preemption_guard", "stop_signals"]
+           "plan_save", "stop_signals"]
 
-MOVE_WAIT_S = 60.0
-"""How long the driver waits for a CheckpointActor it restarted off a draining node to serve again."""
 STOP_MARGIN_S = 1.0
 """A group still running this close to the deadline is stopped by the driver: the node goes at the deadline."""
 
@@ -156,7 +155,8 @@ class PreemptionRecord:
 
 
 class PreemptionGuard:
-    """The driver's watch over drain notices, one per job (see the module docstring)."""
+    """The driver's watch over drain notices and stop signals, one per job (see the module
+    docstring); a ``Watch``: its verdicts restart (a preemption, a grow), stop or give up."""
 
     def __init__(self, total_steps: int, latest_committed: Callable[[], int | None],
                  save_cost: Callable[[], float | None] = lambda: None,
@@ -199,6 +199,8 @@ class PreemptionGuard:
         self.records: list[PreemptionRecord] = []
         self.preemptions = 0
         """Preemptions acted on (a grow or a stop is none)."""
+        self.limit: int | None = None
+        """``fault_tolerance.max_preemptions`` (None: no bound); ``watches_for`` sets it from the spec."""
         self._ignored: set[str] = set()
         self._reached = 0
         self.stop_request: tuple[str, float] | None = None
@@ -209,34 +211,44 @@ class PreemptionGuard:
         the ranks save and commit the step in hand within ``grace_s`` and the job ends there."""
         self.stop_request = (why, self._clock() + grace_s)
 
+    def status(self) -> dict[str, Any]:
+        return {}  # the summary's "preemption" is the latest preemption failure of the job's result
+
     def new_attempt(self) -> None:
         self.notice = None
         self._reached = 0
         self.outcome = "preemption"
         self._grow_checked = self._clock()
 
-    def settle(self, failure: Failure, attempt: int, result: Any, limit: int | None) -> tuple[str, str]:
-        """The job's next state (a ``JobState`` value) and why, the ``outcome`` recorded in ``result``:
-        a stop is no failure (``result.stopped``: the step that is safe); a preemption is spent on
-        ``limit`` (``fault_tolerance.max_preemptions``), not on max_restarts."""
+    def settle(self, failure: Failure, attempt: int) -> Verdict:
+        """What the stop of the group was for, as the controller's verdict: capacity came back
+        (restart at full size); the driver was told to stop (the job ends, no failure: the step
+        that is safe); a preemption, spent on ``limit`` (``fault_tolerance.max_preemptions``), never
+        on max_restarts."""
         if self.outcome == "grow":  # capacity came back: the step is saved, restart at full size
-            result.events.append((time.time(), f"attempt {attempt} grow"))
-            return "RECOVERING", failure.headline
+            return Verdict(Act.RESTART, failure, events=(f"attempt {attempt} grow",), reason=failure.headline)
         if self.outcome == "stop":  # the driver was told to stop: the step is saved, stop
             assert self.stop_request is not None
-            result.stopped, result.stopped_by = failure.headline, self.stop_request[0]
-            result.events.append((time.time(), f"attempt {attempt} stopped by {result.stopped_by}"))
-            return "STOPPED", failure.headline
+            by = self.stop_request[0]
+            return Verdict(Act.STOP, failure, events=(f"attempt {attempt} stopped by {by}",), stopped_by=by,
+                           reason=failure.headline)
         self.preemptions += 1
-        result.failures.append(failure)
-        result.preemptions.append(self.records[-1].to_dict())
-        result.events.append((time.time(), f"attempt {attempt} preemption detected"))
+        noted = {"recorded": (failure,), "preemptions": (self.records[-1].to_dict(),),
+                 "events": (f"attempt {attempt} preemption detected",)}
+        limit = self.limit
         if limit is not None and self.preemptions > limit:
-            result.error = failure.detail
-            return "FAILED", (f"preemption; {self.preemptions - 1}/{limit} preemptions survived "
-                              "(fault_tolerance.max_preemptions)")
-        return "RECOVERING", (f"preemption {self.preemptions}" + (f"/{limit}" if limit is not None else "")
-                              + "; restarts not spent")
+            return Verdict(Act.GIVE_UP, failure, error=failure.detail, **noted,
+                           reason=(f"preemption; {self.preemptions - 1}/{limit} preemptions survived "
+                                   "(fault_tolerance.max_preemptions)"))
+        return Verdict(Act.RESTART, failure, cause="preemption", **noted,
+                       reason=(f"preemption {self.preemptions}" + (f"/{limit}" if limit is not None else "")
+                               + "; restarts not spent"))
+
+    def observe(self, poll: GroupPoll, group: WorkerGroup, attempt: int) -> Verdict | None:
+        """The group stopped for a drain, a stop signal or a grow (or must stop: the deadline is
+        near): what that settles (``settle``); else None."""
+        failure = self.watch(group, poll, attempt)
+        return self.settle(failure, attempt) if failure is not None else None
 
     def watch(self, group: WorkerGroup, poll: GroupPoll, attempt: int) -> Failure | None:
         """Look for a drain of the group's nodes; returns the preemption once the group stopped
@@ -428,72 +440,3 @@ def stop_signals(guard: PreemptionGuard | None, grace_s: float) -> Iterator[None
         yield
     finally:
         restore()
-
-
-def preemption_guard(spec: Any, service: Any) -> PreemptionGuard | None:
-    """The job's guard over drain notices and stop signals (None: nothing is checkpointed, so
-    neither can be acted on; fault_tolerance.watch_drains off: signals only)."""
-    if service is None:
-        return None
-
-    def costs() -> SaveCosts:
-        status = service.status()
-        latest = status.steps.get(status.latest) if status.latest is not None else None
-        if latest is None:
-            return SaveCosts()
-        return SaveCosts(sum(latest.wall.get(k, 0.0) for k in ("stage_s", "persist_s", "commit_s")),
-                         latest.wall.get("stage_s", 0.0), latest.bytes)
-
-    def ram_cost(draining: set[str]) -> float | None:
-        if spec.checkpoint.memory_copies < 2 or not service.ram_tier_nodes(draining):
-            return None
-        return costs().ram_s()
-
-    def move_service() -> None:
-        import ray
-
-        was = actor_node(service.actor)
-        ray.kill(service.actor, no_restart=False)
-        deadline = time.monotonic() + MOVE_WAIT_S
-        while time.monotonic() < deadline:  # back, elsewhere: the next call finds it serving
-            if actor_state(service.actor) == "ALIVE" and actor_node(service.actor) not in (None, was):
-                return
-            time.sleep(0.2)
-        logger.warning("the CheckpointActor is not back after %.0fs; calls to it wait for its restart", MOVE_WAIT_S)
-
-    draining = draining_nodes if spec.fault_tolerance.watch_drains else dict
-    res, ft = spec.resources, spec.fault_tolerance
-    bundle = {"CPU": res.cpus_per_worker, **({"GPU": res.gpus} if res.gpus else {})}
-    grow = ft.grow_check_s if res.min_workers is not None and res.min_workers < spec.world_size else None
-    return PreemptionGuard(spec.training.steps, lambda: service.status().latest, lambda: costs().durable_s, draining,
-                           service_node=lambda: actor_node(service.actor), move_service=move_service,
-                           full_size=spec.world_size, grow_check_s=grow, room=lambda skip: room_for(bundle, skip),
-                           ram_cost=ram_cost, keep_in_ram=service.keep_in_ram, retire_writer=service.fleet.retire)
-
-
-def room_for(bundle: dict[str, float], draining: set[str]) -> int:
-    """How many more ``bundle``s fit now on the cluster's nodes that are not draining."""
-    import ray
-
-    per_node = ray._private.state.available_resources_per_node()
-    return sum(min(int(avail.get(k, 0.0) // v) for k, v in bundle.items() if v > 0)
-               for node, avail in per_node.items() if node not in draining)
-
-
-def _actor_info(handle: Any) -> dict:
-    import ray
-
-    try:
-        return ray._private.state.actors(actor_id=handle._actor_id.hex()) or {}
-    except Exception:  # noqa: BLE001 - an actor table Ray cannot read: nothing is moved
-        return {}
-
-
-def actor_node(handle: Any) -> str | None:
-    """The node id an actor lives on, from the GCS's actor table (None: not known)."""
-    return (_actor_info(handle).get("Address") or {}).get("NodeID") or None
-
-
-def actor_state(handle: Any) -> str | None:
-    """ALIVE, RESTARTING, DEAD, ... from the GCS's actor table (None: not known)."""
-    return _actor_info(handle).get("State")

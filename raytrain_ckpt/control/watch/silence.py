@@ -26,11 +26,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from raytrain_ckpt.checkpoint.records import STALLED
+from raytrain_ckpt.common.events import Failure, headline
+from raytrain_ckpt.control.watch import Act, Verdict
 from raytrain_ckpt.control.watch.hangs import FLOOR_S
 
 if TYPE_CHECKING:
     from raytrain_ckpt.control.poll import GroupPoll, WorkerGroup
-    from raytrain_ckpt.control.watch.hangs import HangClock
+    from raytrain_ckpt.control.watch.hangs import HangClock, HangWatch
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +85,13 @@ def _silent(what: str, seconds: float) -> str:
 
 class SilenceWatch:
     """The controller's watch over the checkpoint writers and the actor (a ``Watch``): a process
-    silent past its budget is replaced while the group trains on, at most ``MAX_REPLACEMENTS``
-    per job; the silence is in ``status`` meanwhile."""
+    silent past its budget is replaced while the group trains on (a ``PROCEED`` verdict, a
+    ``writer_hang`` recovered from), at most ``MAX_REPLACEMENTS`` per job; the silence is in
+    ``status`` meanwhile. ``hang``: the job's hang watch, whose budget bounds a silence's and
+    whose step budget starts again once the process its ranks waited on was replaced."""
 
-    def __init__(self, spec: Any) -> None:
+    def __init__(self, spec: Any, hang: HangWatch) -> None:
+        self._hang = hang
         ck = spec.checkpoint
         self._save_s = ck.commit_timeout_s if ck.enabled else None
         self.stuck: str | None = None
@@ -99,8 +104,22 @@ class SilenceWatch:
     def status(self) -> dict[str, Any]:
         return {"stuck": self.stuck}
 
-    def observe(self, group: WorkerGroup, poll: GroupPoll, hung: bool, hangs: HangClock,
-                attempt: int) -> tuple[str, list[str]] | None:
+    def observe(self, poll: GroupPoll, group: WorkerGroup, attempt: int) -> Verdict | None:
+        """A process silent past its budget, replaced: the ``writer_hang`` recorded, training on."""
+        found = self.replace_silent(group, poll, self._hang.hung(poll), self._hang.hangs, attempt)
+        if found is None:
+            return None
+        text, replaced = found
+        logger.error("attempt %d writer_hang (%d/%d, max_restarts not spent): %s", attempt, self.replaced,
+                     MAX_REPLACEMENTS, text)
+        self._hang.waited(text)  # its ranks waited on it: the step budget starts again
+        return Verdict(Act.PROCEED, recorded=(Failure(attempt, "writer_hang", None, headline(text),
+                                                      "\n".join([text, *replaced])),),
+                       events=(f"attempt {attempt} writer_hang detected",
+                               *(f"attempt {attempt}: {note}" for note in replaced)))
+
+    def replace_silent(self, group: WorkerGroup, poll: GroupPoll, hung: bool, hangs: HangClock,
+                       attempt: int) -> tuple[str, list[str]] | None:
         """The text of a silence past its budget and one line per process replaced for it; None:
         none replaced. ``hung``: the ranks are past their hang timeout; one silent past
         ``NOTICE_S`` is then what they wait on (a save), replaced instead of blaming them."""

@@ -19,13 +19,14 @@ from statistics import median
 from typing import TYPE_CHECKING, Any
 
 from raytrain_ckpt.common.events import Failure, headline
+from raytrain_ckpt.control.watch import Act, Verdict
 
 if TYPE_CHECKING:
     from raytrain_ckpt.control.poll import GroupPoll, WorkerGroup
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MIN_LATE_S", "StragglerSwap", "StragglerWatch", "WINDOW"]
+__all__ = ["MIN_LATE_S", "StragglerStop", "StragglerSwap", "StragglerWatch", "WINDOW"]
 
 WINDOW = 8
 MIN_LATE_S = 0.05
@@ -103,13 +104,13 @@ class StragglerSwap:
     def status(self) -> dict[str, Any]:
         return {"stragglers": sorted(self.watch.reported)}
 
-    def observe(self, poll: GroupPoll, group: WorkerGroup, attempt: int) -> list[str]:
+    def observe(self, poll: GroupPoll, group: WorkerGroup, attempt: int) -> Verdict | None:
         """The stragglers this poll reports (one line each, logged), then ``maybe_swap``."""
         lines = [f"attempt {attempt}: {line}" for line in self.watch.observe(poll.starts)]
         for line in lines:
             logger.warning("%s", line)
         self.maybe_swap(group, attempt)
-        return lines
+        return Verdict(stragglers=tuple(lines)) if lines else None
 
     def maybe_swap(self, group: WorkerGroup, attempt: int) -> None:
         """Stop the group at a committed step for the first straggler not yet replaced."""
@@ -135,3 +136,27 @@ class StragglerSwap:
         text = (f"rank {self.rank} replaced at committed step {step} (fault_tolerance.replace_stragglers): "
                 f"{self.watch.reported[self.rank]}")
         return Failure(attempt, "straggler", self.rank, headline(text), text)
+
+
+class StragglerStop:
+    """The swap's second look (a ``Watch``), after the group's failures and drains: a group that
+    stopped at a committed step for a straggler's replacement restarts without it, on no budget
+    (a ``RESTART`` verdict)."""
+
+    def __init__(self, swap: StragglerSwap) -> None:
+        self.swap = swap
+
+    def new_attempt(self) -> None:
+        pass  # the swap hears of it
+
+    def status(self) -> dict[str, Any]:
+        return {}  # the swap's part
+
+    def observe(self, poll: GroupPoll, group: WorkerGroup, attempt: int) -> Verdict | None:
+        if not self.swap.stopped(poll):
+            return None
+        failure = self.swap.failure(poll, attempt)
+        rank, step = failure.rank, min(r.steps for r in poll.results)
+        return Verdict(Act.RESTART, failure, recorded=(failure,), retire=rank, cause="straggler",
+                       events=(f"attempt {attempt} straggler rank {rank} replaced",),
+                       reason=f"straggler rank {rank} at step {step}; restarts not spent")
