@@ -20,7 +20,7 @@ from raytrain_ckpt.control.placement import Placement, room_outside
 from raytrain_ckpt.common.events import Failure, Progress, RankPlace, WorkerResult, headline
 from raytrain_ckpt.control.hang_evidence import diagnose, diagnostics_root, locate
 from raytrain_ckpt.control.watch.hangs import Blame, keep_failures
-from raytrain_ckpt.rank.progress import poll_progress
+from raytrain_ckpt.control.pollcalls import poll_progress
 from raytrain_ckpt.control.pool import WorkerPool, bundle_nodes, drain, kill_actor, new_worker
 from raytrain_ckpt.control.startcalls import StartCalls
 from raytrain_ckpt.control.watch.quarantine import Quarantine

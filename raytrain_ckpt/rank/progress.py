@@ -5,7 +5,7 @@ calls a round (2.3 s, against half of ``fault_tolerance.poll_interval_s``), most
 driver submitting them. Instead each rank writes its progress, at every change, to a small file
 in its node's shared memory (``ProgressFile``: JSON, replaced atomically, about 50 us), and the
 poll asks one rank per node (``TrainWorker.node_progress``), which reads its node's files:
-one call per node (``poll_progress``).
+one call per node (the driver's ``control/pollcalls.py``).
 
 What a file cannot say is asked of the rank itself, in the same round: a file missing, of
 another attempt or rank, or of a process that is gone (a rank still starting, a stale file of
@@ -32,21 +32,17 @@ import logging
 import os
 import re
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
-
-import ray
-from ray.exceptions import RayActorError
 
 from raytrain_ckpt.common.events import NodeProgress, Progress
 from raytrain_ckpt.common.privatedir import UntrustedFolder, open_private, read_small, temp_writer, write_atomic
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ProgressFile", "PublishedProgress", "node_batches", "poll_progress", "read_node"]
+__all__ = ["ProgressFile", "PublishedProgress", "node_batches", "read_node"]
 
 _PLAIN = [f.name for f in fields(Progress) if f.name != "rollbacks"]
 
@@ -225,32 +221,3 @@ def node_batches(ranks: Sequence[int], nodes: Sequence[str]) -> list[list[int]]:
     for r in ranks:
         by_node.setdefault(nodes[r], []).append(r)
     return list(by_node.values())
-
-
-def poll_progress(workers: Sequence[Any], nodes: Sequence[str], ranks: Sequence[int],
-                  timeout_s: float) -> dict[int, Progress]:
-    """The progress of ``ranks``: one ``node_progress`` call per node, then ``progress`` calls for
-    the ranks a node could not answer for, all within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    batches = {workers[b[0]].node_progress.remote(b): b for b in node_batches(ranks, nodes) if len(b) > 1}
-    asked = {workers[b[0]].progress.remote(): b[0] for b in node_batches(ranks, nodes) if len(b) == 1}
-    out: dict[int, Progress] = {}
-    ready, _ = ray.wait(list(batches), num_returns=len(batches), timeout=timeout_s) if batches else ([], [])
-    for ref in ready:
-        try:
-            answer: NodeProgress = ray.get(ref)
-        except RayActorError:  # the node's asked rank died (its run() ref says so): ask the others
-            asked |= {workers[r].progress.remote(): r for r in batches[ref][1:]}
-            continue
-        out |= answer.progress
-        asked |= {workers[r].progress.remote(): r for r in answer.ask}
-    left = max(0.0, deadline - time.monotonic())
-    ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=left) if asked else ([], [])
-    for ref in ready:
-        try:
-            p = ray.get(ref)
-        except RayActorError:  # the run() ref of a dead actor reports the death; nothing to add here
-            continue
-        out[p.rank] = p
-    return out
-

@@ -44,6 +44,7 @@ class RankCheckpoints:
 
     def _setup_checkpoints(self, ckpt: RankCheckpointPlan) -> None:
         from raytrain_ckpt.checkpoint.roles.client import CheckpointClient
+        from raytrain_ckpt.checkpoint.roles.client_asks import ClientAsks
         from raytrain_ckpt.checkpoint.recovery.memcopy import restore
 
         trainer = self.trainer
@@ -56,7 +57,7 @@ class RankCheckpoints:
             done = restore(trainer, point.path, point.step, point.world_size == self.world_size, copy,
                            source.why if source is not None else "", self.attempt,
                            self.spec.checkpoint.verify_on_load,
-                           lambda: ckpt.writer.forget_copy.remote(self.rank, point.step))
+                           lambda: ClientAsks(ckpt.actor, ckpt.writer).forget_copy(self.rank, point.step))
             self.timings["load_s"] = done.seconds
             self.timings["resume_plan_s"] = ckpt.plan_s
             self.timings["load_verify_s"] = done.verify_s
@@ -79,7 +80,7 @@ class RankCheckpoints:
                                             kept_copy=(kept, self.start_step) if kept else None)
         trainer.before_optimizer_step = self.checkpoints.before_optimizer_step
         if trainer.guard is not None and self.rank == 0:  # retention keeps the newest certified step
-            trainer.guard.on_certified = lambda step: ckpt.actor.certify.remote(step)
+            trainer.guard.on_certified = self.checkpoints.asks.certify
         self._progress = Progress(self.rank, self.start_step, None, time.time(), "setup")
         self._rollbacks = ()
 

@@ -66,8 +66,8 @@ def roll_back(trainer: Any, ckpt: Any | None, guard: LossGuard, trip: Trip, hold
     window = trainer.skips.skip(step, trip.step)
     if trainer.rank == 0:
         _ask_actor(trip, f"starting the timeline of step {step}",
-                   lambda: ckpt.actor.start_timeline.remote(step, path, f"rollback to step {step}"))
-        _ask_actor(trip, f"releasing the lease on step {step}", lambda: ckpt.actor.release.remote(holder))
+                   lambda: ckpt.asks.start_timeline(step, path, f"rollback to step {step}"))
+        _ask_actor(trip, f"releasing the lease on step {step}", lambda: ckpt.asks.release(holder))
     dist.barrier()  # no rank saves a step of the new path before the old one is moved aside
     record = RollbackRecord(trip, step, (window.lo, window.hi))
     guard.rolled_back(record)
@@ -90,7 +90,7 @@ def _lease_certified(trainer: Any, ckpt: Any, guard: LossGuard, holder: str,
         for step in guard.certified_steps():
             try:
                 point = _ask_actor(trip, f"leasing certified step {step}",
-                                   lambda step=step: ckpt.actor.acquire.remote(holder, str(step), verify))
+                                   lambda step=step: ckpt.asks.acquire(holder, str(step), verify))
             except InvalidCheckpoint as exc:  # (Ray's error is one too) gone or damaged: an older certified step
                 logger.warning("certified step %d cannot be loaded (%s); trying an older one", step, exc)
                 continue

@@ -144,6 +144,7 @@ def live_status(job: str, address: str | None) -> ActorStatus:
     """The CheckpointActor's status of a running job; raises UsageError when there is none."""
     import ray
 
+    from raytrain_ckpt.checkpoint.roles.client_asks import actor_status
     from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name
 
     if not ray.is_initialized():
@@ -162,7 +163,7 @@ def live_status(job: str, address: str | None) -> ActorStatus:
     except ValueError:
         raise UsageError(f"--job {job}: no running job of that name on this cluster (no actor "
                          f"{actor_name(job)} in namespace {NAMESPACE}); check the name and --address") from None
-    return ray.get(actor.status.remote(), timeout=30)
+    return actor_status(actor, timeout_s=30)
 
 
 CONNECT_TIMEOUT_S = 5.0

@@ -227,6 +227,7 @@ def test_a_failed_rollback_names_the_rank_that_tripped_not_rank_0_that_reports()
 def test_a_checkpoint_actor_killed_mid_rollback_is_named():
     import ray
 
+    from raytrain_ckpt.checkpoint.roles.client_asks import ClientAsks
     from raytrain_ckpt.rank.rollback import RollbackInterrupted, _lease_certified
 
     class _Dead:
@@ -234,7 +235,7 @@ def test_a_checkpoint_actor_killed_mid_rollback_is_named():
             raise ray.exceptions.ActorDiedError()  # what a call on a killed actor's handle raises
 
     class _Ckpt:
-        actor = type("Actor", (), {"acquire": _Dead()})()
+        asks = ClientAsks(type("Actor", (), {"acquire": _Dead()})(), None)
 
         def wait_committed(self) -> None:
             pass

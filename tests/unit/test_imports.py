@@ -351,3 +351,63 @@ def test_every_module_of_the_package_lives_in_a_room():
 
 def test_each_package_room_imports_only_what_the_table_allows():
     assert package_room_violations(import_graph()) == []
+
+
+# --- who speaks Ray to other processes ----------------------------------------------------------
+
+RAY_CALLERS: dict[str, bool] = {
+    # room (checkpoint/ by its own rooms) -> whether its code calls Ray: a remote method or task
+    # (``x.remote(...)``) or an actor or task of its own (``ray.remote``). Per process, one room
+    # speaks Ray to the others: the driver through control/, a rank and the CLI to the checkpoint
+    # processes through checkpoint/roles/ (``client.py``, ``client_asks.py``), the checkpoint
+    # processes to each other through checkpoint/roles/.
+    "control": True,  # the driver: its ranks (start, poll, preempt, evidence), spares, node probes
+    "checkpoint/roles": True,  # the CheckpointActor, the writers, and the ranks' and the CLI's clients of them
+    "replicas": True,  # the Lighthouse actor on the head node: its own room, an optional extra importing nothing
+    "checkpoint/format": False, "checkpoint/storage": False, "checkpoint/policy": False,
+    "checkpoint/datapath": False, "checkpoint/recovery": False, "checkpoint/interchange": False,
+    "checkpoint/records": False, "checkpoint/errors": False, "checkpoint": False,
+    "rank": False, "report": False, "observe": False, "cli": False, "api": False, "__main__": False,
+    "common": False, "models": False, "data": False, "spec": False, "parallel": False,
+}
+
+
+def ray_room(module: str) -> str:
+    """``raytrain_ckpt.checkpoint.roles.client`` -> ``checkpoint/roles``; ``raytrain_ckpt.rank.resume``
+    -> ``rank``; the package itself -> ``api`` (its lazy names are the API's)."""
+    checkpoint = room_of(module)
+    if checkpoint is not None:
+        return f"checkpoint/{checkpoint}"
+    return package_room(module) or "api"
+
+
+def calls_ray(path: Path) -> list[int]:
+    """The lines of ``path`` that call Ray's remote API (``.remote``), outside ``TYPE_CHECKING``."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_nodes(tree)
+    return sorted({node.lineno for node in ast.walk(tree)
+                   if id(node) not in skip and isinstance(node, ast.Attribute) and node.attr == "remote"})
+
+
+def ray_call_violations(modules: dict[str, Path]) -> list[str]:
+    """``module:line`` for every call of Ray's remote API in a room RAY_CALLERS does not allow."""
+    return [f"{name}:{line}" for name, path in sorted(modules.items()) if not RAY_CALLERS.get(ray_room(name), False)
+            for line in calls_ray(path)]
+
+
+def test_the_ray_call_check_finds_a_call_a_decorator_and_allows_the_table(tmp_path):
+    (tmp_path / "a.py").write_text("def f(actor):\n    return actor.status.remote()\n")
+    (tmp_path / "b.py").write_text("import ray\n\n@ray.remote\ndef g():\n    pass\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    x = y.remote\n")
+    modules = {"raytrain_ckpt.rank.a": tmp_path / "a.py", "raytrain_ckpt.report.b": tmp_path / "b.py",
+               "raytrain_ckpt.rank.c": tmp_path / "c.py", "raytrain_ckpt.checkpoint.roles.a": tmp_path / "a.py",
+               "raytrain_ckpt.control.b": tmp_path / "b.py"}
+    assert ray_call_violations(modules) == ["raytrain_ckpt.rank.a:2", "raytrain_ckpt.report.b:3"]
+
+
+def test_every_room_has_a_row_in_the_ray_table():
+    assert sorted({ray_room(m) for m in _module_names()} - set(RAY_CALLERS)) == []
+
+
+def test_only_the_rooms_of_the_table_call_ray():
+    assert ray_call_violations(_module_names()) == [], "call Ray through the room that speaks it for this process"

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
 from raytrain_ckpt.checkpoint.records import PersistRequest, TrainingPoint
+from raytrain_ckpt.checkpoint.roles.client_asks import ClientAsks
 from raytrain_ckpt.checkpoint.roles.names import call_restarting
 from raytrain_ckpt.checkpoint.errors import StepAborted
 from raytrain_ckpt.checkpoint.datapath.buffers import BufferLease
@@ -151,8 +152,8 @@ class CheckpointClient:
                  history: IntervalHistory | None = None, kept_copy: tuple[str, int] | None = None) -> None:
         self.cfg, self.rank, self.attempt, self.total_steps = cfg, rank, attempt, total_steps
         self.actor, self.writer, self.device = actor, writer, device
-        self.stats = SaveStats()
-        self._stall_reported = 0.0
+        self.asks = ClientAsks(actor, writer)  # outside a save: a certified step, a rollback's lease and timeline
+        self.stats, self._stall_reported = SaveStats(), 0.0
         self.schedule = SaveSchedule.configured(total_steps, cfg.interval_steps, cfg.save_final)
         self.interval: _AutoInterval | None = None
         if cfg.interval_steps == "auto":
