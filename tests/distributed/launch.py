@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import io
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -29,18 +28,13 @@ def _context(backend: str) -> Any:
     return ctx
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue: Any) -> None:
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
+        timeout = datetime.timedelta(seconds=120)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         try:
             # Serialise to bytes: torch's queue would share tensors through handles that
             # die with this process before the parent reads them.
@@ -58,7 +52,11 @@ def run_ranks(fn: Callable, world: int, *args: Any, backend: str = "gloo", timeo
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before the fork server starts: its forks inherit its environment
     ctx = _context(backend)
     queue = ctx.Queue()
-    port = _free_port()
+    # The parent serves the rendezvous store on a port the kernel picks as it binds: a port
+    # found free and bound later by a rank can be taken in between by any other process.
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    port = store.port
     procs = [ctx.Process(target=_entry, args=(r, world, port, backend, fn, args, queue)) for r in range(world)]
     for p in procs:
         p.start()

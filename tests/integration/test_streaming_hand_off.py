@@ -11,7 +11,6 @@ and the step committed before it is untouched and loads.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,10 +43,8 @@ def _trainer_class() -> type:
             from raytrain_ckpt.checkpoint.roles.client import CheckpointClient
             from raytrain_ckpt.spec import CheckpointSpec
 
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+            # one rank: an in-process store, no port to race another process for
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=datetime.timedelta(seconds=60))
             torch.manual_seed(0)
             self.state = {"model": {f"w{i}": torch.randn(512, 512) for i in range(16)}}

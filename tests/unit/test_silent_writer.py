@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import socket
 from pathlib import Path
 
 import ray
@@ -31,10 +30,8 @@ def _trainer_class() -> type:
             from raytrain_ckpt.checkpoint.roles.client import CheckpointClient
             from raytrain_ckpt.spec import CheckpointSpec
 
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+            # one rank: an in-process store, no port to race another process for
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=datetime.timedelta(seconds=60))
             cfg = CheckpointSpec(enabled=True, dir=root, keep_latest_k=None, interval_steps=50)
             client = CheckpointClient(cfg, 0, 1, 100, actor, writer, torch.device("cpu"))
