@@ -136,7 +136,7 @@ class Trainer:
         # allocates and initialises only its shards), else whole on CPU under the seed. Either
         # way the initial parameters do not depend on the layout.
         par = spec.parallelism
-        self.mesh = build_mesh(device.type, spec.dp_size, par.pp)
+        self.mesh = build_mesh(device.type, spec.dp_shard_size, par.pp)
         model, deferred = _build_model(spec)
         self.deferred_init = deferred
         """Whether the model was built on the meta device and only local shards initialised."""
