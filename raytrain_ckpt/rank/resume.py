@@ -115,6 +115,8 @@ class RankCheckpoints:
         self._stop.set()
         if self.checkpoints is not None:
             self.checkpoints.close()  # waits for a running staging copy: nothing reads the state after it
+        if self.trainer is not None and self.trainer.replicas is not None:
+            self.trainer.replicas.close()
         if self.trainer is not None:
             from raytrain_ckpt.checkpoint.recovery.state import StateReserve, optimizer_tensors
             from raytrain_ckpt.parallel import release_mesh

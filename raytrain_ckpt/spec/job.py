@@ -148,13 +148,13 @@ def _replica_problems(spec: JobSpec) -> list[tuple[str, str]]:
 
 
 def _replicas_not_trained(spec: JobSpec) -> list[tuple[str, str]]:
-    """A valid layout with replica groups, which a job does not train with yet (named last, alone:
-    the other problems of a spec are the ones to fix first)."""
+    """What replica groups do not do in a job yet (named last, alone: the other problems of a spec
+    are the ones to fix first)."""
     r = spec.parallelism.dp_replicate
-    if r == 1:
+    if r == 1 or not spec.checkpoint.enabled:
         return []
-    return [("parallelism.dp_replicate", f"{r}: replica groups are validated but do not train in a job yet (a "
-             "replica heals from a live peer on bare actors only, README: Replicas); use dp_replicate=1")]
+    return [("checkpoint.enabled", f"true with parallelism.dp_replicate={r}: replica groups do not save or resume "
+             "checkpoints yet (README: Replicas); set checkpoint.enabled=false, or dp_replicate=1")]
 
 
 def _batch_problems(spec: JobSpec) -> list[tuple[str, str]]:
