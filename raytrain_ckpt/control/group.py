@@ -97,16 +97,16 @@ class RayWorkerGroup:
         self.workers = self._assign_workers(survivors, deadline)
         self.nodes = bundle_nodes(self._pg)
         self.start_marks.append(("placement", time.monotonic()))
-        # rendezvous at rank 0's node (with replicas: each replica group at its first rank's, a
-        # process group of its own); plan the resume point while the ranks join, then set up
-        # every rank concurrently
+        # rendezvous at rank 0's node (with replicas: each group at its first rank's); plan the
+        # resume point while the ranks join (the first group saves), then set up every rank concurrently
         addr, port, joins = _join_groups(self.spec, self.workers, self._calls, deadline)
         self._lighthouse, lighthouse = _start_lighthouse(self.spec, self.run_id, self.attempt)
         try:
-            ckpt = (self.checkpoints.plan_attempt(self.attempt, self.spec, bundle_nodes(self._pg))
+            saving = self.spec.saving_group()
+            ckpt = (self.checkpoints.plan_attempt(self.attempt, saving, bundle_nodes(self._pg)[:saving.world_size])
                     if self.checkpoints is not None else None)
-            setups = [w.setup.remote(ckpt.ranks[rank] if ckpt is not None else None, self.rollbacks_before,
-                                     lighthouse)
+            setups = [w.setup.remote(ckpt.ranks[rank % saving.world_size] if ckpt is not None else None,
+                                     self.rollbacks_before, lighthouse)
                       for rank, w in enumerate(self.workers)]
             self._calls.get_all(joins, deadline, "join rank {rank} to the process group")
             self.start_marks.append(("rendezvous", time.monotonic()))

@@ -83,6 +83,18 @@ class JobSpec(_Section):
                 update={"dp_shard": n // self.parallelism.pp, "microbatches": None}),
         })
 
+    def saving_group(self) -> JobSpec:
+        """The layout that saves and resumes: the job itself, or with replica groups one group (its
+        ranks are the job's first ``dp_shard x pp``), so that a checkpoint is the same as that of a
+        job without replicas and loads into any ``dp_replicate``."""
+        par = self.parallelism
+        if par.dp_replicate == 1:
+            return self
+        return self.model_copy(update={
+            "resources": self.resources.model_copy(update={"num_workers": self.world_size // par.dp_replicate}),
+            "parallelism": par.model_copy(update={"dp_replicate": 1, "dp_shard": self.dp_shard_size}),
+        })
+
     @property
     def local_microbatches(self) -> int:
         """Micro-batches per optimizer step on one data-parallel rank (the pipeline's microbatches)."""
@@ -101,7 +113,6 @@ class JobSpec(_Section):
             problems = _pipeline_problems(self)
         problems += (_final_export_problems(self) + _eval_problems(self) + _keep_best_problems(self)
                      + _auto_interval_problems(self))
-        problems = problems or _replicas_not_trained(self)
         if problems:
             raise FieldProblems(problems)
         return self
@@ -147,14 +158,6 @@ def _replica_problems(spec: JobSpec) -> list[tuple[str, str]]:
     return out
 
 
-def _replicas_not_trained(spec: JobSpec) -> list[tuple[str, str]]:
-    """What replica groups do not do in a job yet (named last, alone: the other problems of a spec
-    are the ones to fix first)."""
-    r = spec.parallelism.dp_replicate
-    if r == 1 or not spec.checkpoint.enabled:
-        return []
-    return [("checkpoint.enabled", f"true with parallelism.dp_replicate={r}: replica groups do not save or resume "
-             "checkpoints yet (README: Replicas); set checkpoint.enabled=false, or dp_replicate=1")]
 
 
 def _batch_problems(spec: JobSpec) -> list[tuple[str, str]]:

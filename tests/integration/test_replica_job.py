@@ -1,5 +1,6 @@
 """Replica groups (``parallelism.dp_replicate``) in a real job on a local Ray: each group its own
-process group, the groups averaging gradients through torchft and stepping on its commit vote."""
+process group, the groups averaging gradients through torchft and stepping on its commit vote,
+the first group saving checkpoints that load into any layout."""
 
 from __future__ import annotations
 
@@ -11,24 +12,31 @@ from raytrain_ckpt.control.preflight import load_spec
 
 pytestmark = pytest.mark.integration
 
-pytest.importorskip("torchft")
-
 DEMO = "jobs/llama_debug_fsdp.yaml"
 SHORT = ["training.steps=6", "training.log_every_steps=1", "lr_scheduler.warmup_steps=2", "resources.num_workers=2",
-         "parallelism.dp_shard=-1", "resources.cpus_per_worker=1", "checkpoint.enabled=false",
-         "fault_tolerance.max_restarts=0"]
+         "parallelism.dp_shard=-1", "resources.cpus_per_worker=1", "fault_tolerance.max_restarts=0",
+         "checkpoint.interval_steps=3", "checkpoint.mode=sync"]
 
 
-def test_two_replica_groups_train_the_global_batch_and_end_identical(ray_cluster):
-    """dp_replicate=2 x dp_shard=1: both groups end with the same parameters and optimizer state,
-    and each trained its own share of every global batch: the losses (global means) are those of
-    the same job as one group sharded over both workers, step by step."""
-    replicated = run_job(load_spec(DEMO, [*SHORT, "parallelism.dp_replicate=2"]))
+def test_two_replica_groups_train_the_global_batch_save_and_resume_without_replicas(ray_cluster, tmp_path):
+    """dp_replicate=2 x dp_shard=1: both groups end with the same parameters and optimizer state;
+    each trained its own share of every global batch (the losses, global means, are those of the
+    same job as one group sharded over both workers, step by step); the first group's checkpoint
+    resumes at dp_replicate=1 on one worker with exactly the parameters and optimizer state the
+    replicas ended with."""
+    ckpt = [f"checkpoint.dir={tmp_path}"]
+    replicated = run_job(load_spec(DEMO, [*SHORT, *ckpt, "name=replicated", "parallelism.dp_replicate=2"]))
     assert replicated.state is JobState.SUCCEEDED, replicated.error
     assert [(r.rank, r.steps) for r in replicated.results] == [(0, 6), (1, 6)]
     assert replicated.results[0].fingerprint == replicated.results[1].fingerprint
-    sharded = run_job(load_spec(DEMO, SHORT))
+    assert replicated.checkpoints is not None and replicated.checkpoints["committed"][-1] == 6
+    sharded = run_job(load_spec(DEMO, [*SHORT, "checkpoint.enabled=false"]))
     assert sharded.state is JobState.SUCCEEDED, sharded.error
     assert sorted(replicated.losses) == sorted(sharded.losses) == list(range(1, 7))
     assert replicated.losses == pytest.approx(sharded.losses, rel=1e-4, abs=1e-5)
     assert replicated.losses[6] < replicated.losses[1]
+    alone = run_job(load_spec(DEMO, [*SHORT, *ckpt, "name=replicated", "resources.num_workers=1",
+                                     "checkpoint.resume=6"]))
+    assert alone.state is JobState.SUCCEEDED, alone.error
+    assert [(r.start_step, r.steps) for r in alone.results] == [(6, 6)]
+    assert alone.results[0].fingerprint == replicated.results[0].fingerprint

@@ -60,14 +60,15 @@ def test_replica_groups_resolve_the_shard_degree_and_split_the_batch(tmp_path):
     every replica's shards (dp_size), the model over one group's (memory per rank)."""
     from raytrain_ckpt.spec.memory import memory_estimate
 
-    data = _merge(BASE, {"resources": {"num_workers": 4}, "parallelism": {"dp_replicate": 2}})
-    with pytest.raises(SpecError) as info:  # a valid layout, refused only because replicas do not save yet
-        load_spec(_write(tmp_path, data))
-    assert [p.split(":")[0] for p in info.value.problems] == ["checkpoint.enabled"], info.value.problems
-    spec = load_spec(_write(tmp_path, _merge(data, {"checkpoint": {"enabled": False}})))
+    spec = load_spec(_write(tmp_path, _merge(BASE, {"resources": {"num_workers": 4},
+                                                    "parallelism": {"dp_replicate": 2}})))
     assert (spec.dp_shard_size, spec.dp_size, spec.local_microbatches) == (2, 4, 1)
-    one = load_spec(_write(tmp_path, _merge(BASE, {"checkpoint": {"enabled": False}})))
+    one = load_spec(_write(tmp_path, BASE))
     assert memory_estimate(spec).parameters == memory_estimate(one).parameters  # a group of 2 holds the model
+    # one group saves: its layout is that of the same job without replicas
+    saving = spec.saving_group()
+    assert (saving.world_size, saving.dp_size, saving.parallelism.dp_replicate) == (2, 2, 1)
+    assert saving.training == spec.training and one.saving_group() is one
     defaults = JobSpec(name="d")
     assert (defaults.parallelism.dp_replicate, defaults.fault_tolerance.heal_steps,
             defaults.fault_tolerance.min_replicas) == (1, 20, 1)
@@ -127,8 +128,6 @@ BAD = [
      "parallelism.dp_replicate: 2 with parallelism.pp=2: replica groups with a pipeline are not supported"),
     ("replicas_elastic", {"resources": {"num_workers": 2, "min_workers": 1}, "parallelism": {"dp_replicate": 2}},
      "resources.min_workers: 1 with parallelism.dp_replicate=2: an elastic shrink of a job with replica groups"),
-    ("replicas_with_checkpoints", {"parallelism": {"dp_replicate": 2}},
-     "checkpoint.enabled: true with parallelism.dp_replicate=2: replica groups do not save or resume checkpoints yet"),
     ("replicas_batch", {"resources": {"num_workers": 4}, "parallelism": {"dp_replicate": 2},
                         "training": {"global_batch_size": 12, "micro_batch_size": 2}},
      "training.global_batch_size: 12 is not divisible by micro_batch_size 2 x dp_replicate 2 x dp_shard 2; use a "
