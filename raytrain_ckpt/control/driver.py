@@ -78,8 +78,8 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
                         sub_id, spec.name)
         if (line := dashboard_line(spec.name)) is not None:
             logger.info("%s", line)
-        logger.info("job %s: %d workers, dp_shard %d, pp %d, spec %s", spec.name, spec.world_size, spec.dp_shard_size,
-                    spec.parallelism.pp, spec.spec_hash())
+        logger.info("job %s: %d workers, dp_replicate %d, dp_shard %d, pp %d, spec %s", spec.name, spec.world_size,
+                    spec.parallelism.dp_replicate, spec.dp_shard_size, spec.parallelism.pp, spec.spec_hash())
         logger.info("%s", protection_line(spec))
         if not spec.checkpoint.enabled:
             return _run_controller(spec)

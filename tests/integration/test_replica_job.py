@@ -18,7 +18,15 @@ SHORT = ["training.steps=6", "training.log_every_steps=1", "lr_scheduler.warmup_
          "checkpoint.interval_steps=3", "checkpoint.mode=sync"]
 
 
-def test_two_replica_groups_train_the_global_batch_save_and_resume_without_replicas(ray_cluster, tmp_path):
+@pytest.fixture(scope="module")
+def sharded(ray_cluster):
+    """The same job without replicas: one group sharding the global batch over two workers."""
+    result = run_job(load_spec(DEMO, [*SHORT, "checkpoint.enabled=false"]))
+    assert result.state is JobState.SUCCEEDED, result.error
+    return result
+
+
+def test_two_replica_groups_train_the_global_batch_save_and_resume_without_replicas(sharded, tmp_path):
     """dp_replicate=2 x dp_shard=1: both groups end with the same parameters and optimizer state;
     each trained its own share of every global batch (the losses, global means, are those of the
     same job as one group sharded over both workers, step by step); the first group's checkpoint
@@ -30,8 +38,6 @@ def test_two_replica_groups_train_the_global_batch_save_and_resume_without_repli
     assert [(r.rank, r.steps) for r in replicated.results] == [(0, 6), (1, 6)]
     assert replicated.results[0].fingerprint == replicated.results[1].fingerprint
     assert replicated.checkpoints is not None and replicated.checkpoints["committed"][-1] == 6
-    sharded = run_job(load_spec(DEMO, [*SHORT, "checkpoint.enabled=false"]))
-    assert sharded.state is JobState.SUCCEEDED, sharded.error
     assert sorted(replicated.losses) == sorted(sharded.losses) == list(range(1, 7))
     assert replicated.losses == pytest.approx(sharded.losses, rel=1e-4, abs=1e-5)
     assert replicated.losses[6] < replicated.losses[1]
@@ -40,3 +46,15 @@ def test_two_replica_groups_train_the_global_batch_save_and_resume_without_repli
     assert alone.state is JobState.SUCCEEDED, alone.error
     assert [(r.start_step, r.steps) for r in alone.results] == [(6, 6)]
     assert alone.results[0].fingerprint == replicated.results[0].fingerprint
+
+
+def test_replica_groups_of_two_shards_average_each_shard_with_its_peer(sharded):
+    """dp_replicate=2 x dp_shard=2 (FSDP2 inside each group): rank k of one group ends with the same
+    shard as rank k of the other, the shards differ, and the losses are those of the same global
+    batch on one group of two shards."""
+    four = [*SHORT, "checkpoint.enabled=false", "resources.num_workers=4", "resources.cpus_per_worker=0.5"]
+    replicated = run_job(load_spec(DEMO, [*four, "parallelism.dp_replicate=2"]))
+    assert replicated.state is JobState.SUCCEEDED, replicated.error
+    prints = [r.fingerprint for r in replicated.results]
+    assert prints[0] == prints[2] != prints[1] == prints[3]
+    assert replicated.losses == pytest.approx(sharded.losses, rel=1e-4, abs=1e-5)
