@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from raytrain_ckpt.common.faults import ENV_VAR
 from raytrain_ckpt.control.controller import JobState
 from raytrain_ckpt.control.driver import run_job
 from raytrain_ckpt.control.preflight import load_spec
@@ -26,21 +27,26 @@ def sharded(ray_cluster):
     return result
 
 
-def test_two_replica_groups_train_the_global_batch_save_and_resume_without_replicas(sharded, tmp_path):
-    """dp_replicate=2 x dp_shard=1: both groups end with the same parameters and optimizer state;
-    each trained its own share of every global batch (the losses, global means, are those of the
-    same job as one group sharded over both workers, step by step); the first group's checkpoint
+def test_two_replica_groups_train_the_global_batch_save_and_resume_without_replicas(sharded, tmp_path, monkeypatch):
+    """dp_replicate=2 x dp_shard=1, the second group's process killed at step 4: the whole job
+    restarts from the first group's checkpoint of step 3 (every group loads it); both groups end
+    with the same parameters and optimizer state; each trained its own share of every global batch
+    (the losses, global means, are those of the same job as one group sharded over both workers,
+    step by step); the first group's checkpoint
     resumes at dp_replicate=1 on one worker with exactly the parameters and optimizer state the
     replicas ended with."""
     ckpt = [f"checkpoint.dir={tmp_path}"]
-    replicated = run_job(load_spec(DEMO, [*SHORT, *ckpt, "name=replicated", "parallelism.dp_replicate=2"]))
+    monkeypatch.setenv(ENV_VAR, "exit@step:rank=1,step=4")  # the second group's process dies: the job restarts
+    replicated = run_job(load_spec(DEMO, [*SHORT, *ckpt, "name=replicated", "parallelism.dp_replicate=2",
+                                          "fault_tolerance.max_restarts=1"]))
+    monkeypatch.delenv(ENV_VAR)
     assert replicated.state is JobState.SUCCEEDED, replicated.error
-    assert [(r.rank, r.steps) for r in replicated.results] == [(0, 6), (1, 6)]
+    assert replicated.attempts == 2 and replicated.failures[0].rank == 1
+    assert [(r.rank, r.start_step, r.steps) for r in replicated.results] == [(0, 3, 6), (1, 3, 6)]
     assert replicated.results[0].fingerprint == replicated.results[1].fingerprint
     assert replicated.checkpoints is not None and replicated.checkpoints["committed"][-1] == 6
-    assert sorted(replicated.losses) == sorted(sharded.losses) == list(range(1, 7))
-    assert replicated.losses == pytest.approx(sharded.losses, rel=1e-4, abs=1e-5)
-    assert replicated.losses[6] < replicated.losses[1]
+    assert sorted(replicated.losses) == [4, 5, 6]  # the steps the restarted attempt trained
+    assert replicated.losses == pytest.approx({s: sharded.losses[s] for s in (4, 5, 6)}, rel=1e-4, abs=1e-5)
     alone = run_job(load_spec(DEMO, [*SHORT, *ckpt, "name=replicated", "resources.num_workers=1",
                                      "checkpoint.resume=6"]))
     assert alone.state is JobState.SUCCEEDED, alone.error
