@@ -78,8 +78,8 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
                         sub_id, spec.name)
         if (line := dashboard_line(spec.name)) is not None:
             logger.info("%s", line)
-        logger.info("job %s: %d workers, dp_shard %d, pp %d, spec %s", spec.name, spec.world_size, spec.dp_size,
-                    spec.parallelism.pp, spec.spec_hash())
+        logger.info("job %s: %d workers, dp_replicate %d, dp_shard %d, pp %d, spec %s", spec.name, spec.world_size,
+                    spec.parallelism.dp_replicate, spec.dp_shard_size, spec.parallelism.pp, spec.spec_hash())
         logger.info("%s", protection_line(spec))
         if not spec.checkpoint.enabled:
             return _run_controller(spec)
@@ -95,7 +95,8 @@ def run_job(spec: JobSpec, address: str | None = None) -> JobResult:
 def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = None) -> JobResult:
     pool = WorkerPool(spec, fault_env() or None)
     run_id = uuid.uuid4().hex  # this run's identity on the nodes (rank/progress.py): not the job's name
-    service = CheckpointService(spec, fault_env() or None) if spec.checkpoint.enabled else None
+    # (with replica groups one group saves: the service sees that group's layout)
+    service = CheckpointService(spec.saving_group(), fault_env() or None) if spec.checkpoint.enabled else None
     metrics = ControllerMetrics(spec.name, checkpointing=service is not None)
     _warn_restarts_without_checkpoints(spec)
 

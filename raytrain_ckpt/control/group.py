@@ -70,6 +70,7 @@ class RayWorkerGroup:
         self._retired: set[int] = set()
         """Ranks whose process is never kept for the next attempt (``retire``)."""
         self._calls = StartCalls(spec.fault_tolerance.start_timeout_s)
+        self._lighthouse: ray.actor.ActorHandle | None = None  # with replica groups: the quorum, killed with the group
 
     @property
     def replaced(self) -> list[str]:
@@ -96,15 +97,16 @@ class RayWorkerGroup:
         self.workers = self._assign_workers(survivors, deadline)
         self.nodes = bundle_nodes(self._pg)
         self.start_marks.append(("placement", time.monotonic()))
-        # rendezvous at rank 0's node; plan the resume point while the ranks join, then set up
-        # every rank concurrently
-        meet = self._calls.get(self.workers[0].address.remote(), deadline, "locate rank 0")
-        addr, port = meet.host, meet.port
-        joins = [w.join.remote(addr, port) for w in self.workers]
+        # rendezvous at rank 0's node (with replicas: each group at its first rank's); plan the
+        # resume point while the ranks join (the first group saves), then set up every rank concurrently
+        addr, port, joins = _join_groups(self.spec, self.workers, self._calls, deadline)
+        self._lighthouse, lighthouse = _start_lighthouse(self.spec, self.run_id, self.attempt)
         try:
-            ckpt = (self.checkpoints.plan_attempt(self.attempt, self.spec, bundle_nodes(self._pg))
+            saving = self.spec.saving_group()
+            ckpt = (self.checkpoints.plan_attempt(self.attempt, saving, bundle_nodes(self._pg)[:saving.world_size])
                     if self.checkpoints is not None else None)
-            setups = [w.setup.remote(ckpt.ranks[rank] if ckpt is not None else None, self.rollbacks_before)
+            setups = [w.setup.remote(ckpt.ranks[rank % saving.world_size] if ckpt is not None else None,
+                                     self.rollbacks_before, lighthouse)
                       for rank, w in enumerate(self.workers)]
             self._calls.get_all(joins, deadline, "join rank {rank} to the process group")
             self.start_marks.append(("rendezvous", time.monotonic()))
@@ -283,6 +285,33 @@ class RayWorkerGroup:
             remove_placement_group(self._pg)
         self.workers = []
         self._pg = None
+        if self._lighthouse is not None:
+            kill_actor(self._lighthouse)
+            self._lighthouse = None
+
+
+def _join_groups(spec: JobSpec, workers: list[ray.actor.ActorHandle], calls: StartCalls,
+                 deadline: float) -> tuple[str, int, list[ray.ObjectRef]]:
+    """Ask every rank to join its process group: the job's, at rank 0's store, or with replica
+    groups each group's own, at its first rank's. Returns rank 0's address and the join calls."""
+    size = spec.world_size // spec.parallelism.dp_replicate
+    meets = [calls.get(workers[g].address.remote(), deadline, f"locate rank {g}")
+             for g in range(0, spec.world_size, size)]
+    joins = [w.join.remote(meets[rank // size].host, meets[rank // size].port) for rank, w in enumerate(workers)]
+    return meets[0].host, meets[0].port, joins
+
+
+def _start_lighthouse(spec: JobSpec, run_id: str, attempt: int) -> tuple[ray.actor.ActorHandle | None, str | None]:
+    """With replica groups: the attempt's quorum server on the head node (``replicas/lighthouse.py``),
+    which waits for every group at each step, and its address; None, None without."""
+    from raytrain_ckpt.replicas.lighthouse import start_lighthouse
+
+    r = spec.parallelism.dp_replicate
+    if r == 1:
+        return None, None
+    actor, address = start_lighthouse(f"lighthouse-{run_id}-{attempt}", min_replicas=r)
+    logger.info("attempt %d: %d replica groups of %d ranks; quorum at %s", attempt, r, spec.world_size // r, address)
+    return actor, address
 
 
 def collect_runs(ended: dict[ray.ObjectRef, int], results: dict[int, WorkerResult], attempt: int) -> list[Failure]:

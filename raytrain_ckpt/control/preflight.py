@@ -12,6 +12,7 @@ driver runs (the head node), which sees the same shared ``checkpoint.dir`` as th
 from __future__ import annotations
 
 import errno
+import importlib.util
 import logging
 import os
 import stat
@@ -172,6 +173,9 @@ def environment_problems(spec: JobSpec) -> list[tuple[str, str]]:
         if not found:
             out.append((f"checkpoint.resume={resume}", RESUME_VALUES))
     out += _memory_problems(spec)
+    if spec.parallelism.dp_replicate > 1 and importlib.util.find_spec("torchft") is None:
+        out.append(("parallelism.dp_replicate", f"{spec.parallelism.dp_replicate} needs torchft, which is not "
+                    "installed; pip install -e \".[replicas]\" (or torchft), or set dp_replicate=1"))
     return out
 
 

@@ -57,6 +57,17 @@ class RankRendezvous:
     world_size: int
     timings: dict[str, float]
     _store: dist.TCPStore | None
+    _meet: tuple[str, int]
+
+    @property
+    def group_size(self) -> int:
+        """Ranks in this rank's process group: one replica group's (the world without replicas)."""
+        return self.world_size // self.spec.parallelism.dp_replicate
+
+    @property
+    def replica(self) -> int:
+        """This rank's replica group (ranks ``replica x group_size ..`` are its ranks 0 ..)."""
+        return self.rank // self.group_size
 
     def address(self) -> Rendezvous:
         """Host the attempt's rendezvous (rank 0): a store already listening on a free port of
@@ -69,7 +80,7 @@ class RankRendezvous:
         import ray
 
         self._store = None  # a previous start's store, if any: closed
-        self._store = dist.TCPStore(ray.util.get_node_ip_address(), 0, self.world_size, is_master=True,
+        self._store = dist.TCPStore(ray.util.get_node_ip_address(), 0, self.group_size, is_master=True,
                                     timeout=self._collective_timeout(), wait_for_workers=False)
         return Rendezvous(ray.util.get_node_ip_address(), self._store.port)
 
@@ -92,12 +103,13 @@ class RankRendezvous:
         t0 = time.monotonic()
         timeout = self._collective_timeout()
         store = self._store if self._store is not None else dist.TCPStore(
-            master_addr, master_port, self.world_size, is_master=False, timeout=timeout)
-        dist.init_process_group(
+            master_addr, master_port, self.group_size, is_master=False, timeout=timeout)
+        self._meet = (master_addr, master_port)  # with replicas, also where the group's torchft Manager meets
+        dist.init_process_group(  # with replicas: this replica group's ranks only, its own world
             backend="nccl" if self.spec.resources.use_gpu else "gloo",
             store=store,
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=self.rank % self.group_size,
+            world_size=self.group_size,
             timeout=timeout,
         )
         self.timings["pg_init_s"] = time.monotonic() - t0

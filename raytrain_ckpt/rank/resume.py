@@ -51,10 +51,12 @@ class RankCheckpoints:
         assert trainer is not None
         kept = None
         point = ckpt.resume
+        group = self.world_size // self.spec.parallelism.dp_replicate
+        saves = self.rank < group  # with replica groups the first one saves; the others only load, from storage
         if point is not None:
-            source = ckpt.source
+            source = ckpt.source if saves else None
             copy = source.copy if source is not None else None
-            done = restore(trainer, point.path, point.step, point.world_size == self.world_size, copy,
+            done = restore(trainer, point.path, point.step, saves and point.world_size == group, copy,
                            source.why if source is not None else "", self.attempt,
                            self.spec.checkpoint.verify_on_load,
                            lambda: ClientAsks(ckpt.actor, ckpt.writer).forget_copy(self.rank, point.step))
@@ -74,6 +76,10 @@ class RankCheckpoints:
             if self.rank == 0:
                 logger.info("%sresumed step %d from %s in %.2fs (%s)", self._prefix(), self.start_step,
                             "memory" if kept else point.path, done.seconds, done.why)
+        self._progress = Progress(self.rank, self.start_step, None, time.time(), "setup")
+        self._rollbacks = ()
+        if not saves:
+            return
         self.checkpoints = CheckpointClient(self.spec.checkpoint, self.rank, self.attempt, self.spec.training.steps,
                                             ckpt.actor, ckpt.writer, trainer.device,
                                             self.spec.fault_tolerance.prior_mtbf_s, ckpt.interval,
@@ -81,8 +87,6 @@ class RankCheckpoints:
         trainer.before_optimizer_step = self.checkpoints.before_optimizer_step
         if trainer.guard is not None and self.rank == 0:  # retention keeps the newest certified step
             trainer.guard.on_certified = self.checkpoints.asks.certify
-        self._progress = Progress(self.rank, self.start_step, None, time.time(), "setup")
-        self._rollbacks = ()
 
     def _roll_back(self, trip: Any) -> Any:
         """A guard trip: roll back inside this attempt (``raytrain_ckpt/rank/rollback.py``)."""
@@ -115,6 +119,8 @@ class RankCheckpoints:
         self._stop.set()
         if self.checkpoints is not None:
             self.checkpoints.close()  # waits for a running staging copy: nothing reads the state after it
+        if self.trainer is not None and self.trainer.replicas is not None:
+            self.trainer.replicas.close()
         if self.trainer is not None:
             from raytrain_ckpt.checkpoint.recovery.state import StateReserve, optimizer_tensors
             from raytrain_ckpt.parallel import release_mesh

@@ -122,21 +122,24 @@ class Trainer:
     """One rank's model, optimizer, data and step function."""
 
     def __init__(self, spec: JobSpec, device: torch.device, log_prefix: Callable[[], str] = lambda: "",
-                 restoring: bool = False) -> None:
+                 restoring: bool = False, replica: int = 0) -> None:
         """``restoring``: a checkpoint load follows and overwrites every parameter, so a model with
-        ``init_buffers()`` skips drawing initial values (see ``parallel/materialise.py``)."""
+        ``init_buffers()`` skips drawing initial values (see ``parallel/materialise.py``).
+        ``replica``: this rank's replica group (``parallelism.dp_replicate``); the default process
+        group is that group's own, and ``replicas`` (set by the worker) averages across groups."""
         if not dist.is_initialized():
             raise RuntimeError("Trainer needs an initialised default process group")
         self.spec = spec
         self.device = device
-        self.rank = dist.get_rank()
+        self.rank = replica * dist.get_world_size() + dist.get_rank()
+        """The job-wide rank (with replica groups the process group is one group's: its rank is local)."""
         self._log_prefix = log_prefix
         t = spec.training
         # build model: on the meta device when it defines init_weights (each rank then
         # allocates and initialises only its shards), else whole on CPU under the seed. Either
         # way the initial parameters do not depend on the layout.
         par = spec.parallelism
-        self.mesh = build_mesh(device.type, spec.dp_size, par.pp)
+        self.mesh = build_mesh(device.type, spec.dp_shard_size, par.pp)
         model, deferred = _build_model(spec)
         self.deferred_init = deferred
         """Whether the model was built on the meta device and only local shards initialised."""
@@ -161,7 +164,11 @@ class Trainer:
                                eval_fraction=d.eval_fraction, bos_id=d.bos_id, kwargs=dict(d.kwargs),
                                seq_len=t.seq_len, seed=t.seed, vocab_size=vocab_size)
         self.source: TokenSource = self.data.train
-        self.dp_rank = self.mesh.get_local_rank("dp_shard")
+        self.dp_rank = replica * spec.dp_shard_size + self.mesh.get_local_rank("dp_shard")
+        """This rank's share of every global batch: replica groups in order, shards within each."""
+        self.replicas: Any = None
+        """A ``replicas.sync.ReplicaSync`` with dp_replicate > 1 (set by the worker): the step's
+        quorum, the gradients averaged across replica groups and their commit vote."""
         self.state = TrainState()
         # Set by checkpointing: waits for an in-flight staging copy of the parameters.
         self.before_optimizer_step: Callable[[], None] = lambda: None
@@ -189,6 +196,8 @@ class Trainer:
         """Run one optimizer step on this rank's share of the global batch."""
         t = self.spec.training
         start = time.monotonic()
+        if self.replicas is not None:  # the quorum forms while forward and backward run
+            self.replicas.begin()
         batches = local_micro_batches(
             self.source, step=self.state.step, global_batch_size=t.global_batch_size,
             micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.spec.dp_size,
@@ -202,10 +211,17 @@ class Trainer:
             self._poison(local_loss)
         if self.guard is not None:  # raises GuardTrip on every rank before any optimizer step
             self.guard.check(self.state.step, local_loss)
+        if self.replicas is not None:  # each shard with the same shard of every other replica group
+            # (the loss rides in the same buffer: the group's all-reduce of it is then the global mean)
+            self.replicas.average([_local(p.grad) for part in self.model_parts for p in part.parameters()
+                                   if p.grad is not None] + [local_loss])
         if t.grad_clip is not None:
             self._clip(t.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.before_optimizer_step()
+        if self.replicas is not None and not self.replicas.commit():
+            raise RuntimeError(f"step {self.state.step + 1}: the replica groups' vote failed (a group left the "
+                               "quorum); the job restarts")
         for opt, sched in zip(self.optimizers, self.schedulers, strict=True):
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -243,8 +259,8 @@ class Trainer:
                 logits = self.model(inputs.to(self.device))
                 total += self.loss_fn(logits, targets.to(self.device)).detach().float() / len(batches)
         # As in _global_loss: with a pipeline only the last stage's ranks hold a loss, the others add 0.
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return total.item() / (self.spec.dp_size * ev.batches)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)  # (over this replica group's ranks: its share)
+        return total.item() / (self.spec.dp_shard_size * ev.batches)
 
     def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Gradient accumulation over micro batches; returns this rank's mean loss."""
@@ -280,8 +296,9 @@ class Trainer:
         # Reduce only on log steps: .item() syncs the device, which the other steps avoid.
         # With a pipeline only the last stage's ranks (one per dp shard) hold a loss; the
         # others add zero, so every rank gets the same mean and rank 0 can log it.
+        # With replica groups the local losses were averaged across groups with the gradients.
         dist.all_reduce(local_loss, op=dist.ReduceOp.SUM)
-        return local_loss.item() / self.spec.dp_size
+        return local_loss.item() / self.spec.dp_shard_size
 
     def log(self, report: StepReport) -> None:
         """Rank 0 logs progress on log steps."""

@@ -67,6 +67,27 @@ class WorkerFailure(RuntimeError):
         return (WorkerFailure, (self.rank, self.attempt, self.text, self.mismatch, self.guard))
 
 
+def _replica_sync(worker: TrainWorker, lighthouse: str | None) -> Any:
+    """None without replica groups (no ``lighthouse``); else ``worker``'s side of the replicate
+    dimension: its group's torchft Manager meets at the group's rendezvous store. Every group starts
+    from the same seeded parameters, so step 0 sends nothing (``init_sync=False``); a group behind
+    the others is not healed inside a job yet: its vote fails and the job restarts."""
+    from raytrain_ckpt.rank.rendezvous import collective_timeout_s
+    from raytrain_ckpt.replicas.sync import ReplicaSync
+
+    def load(state: dict[str, Any]) -> None:
+        raise RuntimeError("a replica group behind the others would be healed from a live peer, which a "
+                           "job does not do yet")
+
+    trainer = worker.trainer
+    assert trainer is not None
+    if lighthouse is None:
+        return None
+    return ReplicaSync(replica=worker.replica, rank=worker.rank % worker.group_size, ranks=worker.group_size,
+                       lighthouse=lighthouse, store=worker._meet, state=lambda: {"step": trainer.state.step},
+                       load=load, timeout_s=collective_timeout_s(worker.spec.fault_tolerance), init_sync=False)
+
+
 def _is_mismatch(exc: BaseException) -> bool:
     from raytrain_ckpt.checkpoint.errors import CheckpointMismatch
 
@@ -163,11 +184,13 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
             self._joined.set()
         raise WorkerFailure(self.rank, self.attempt, self._join_error)  # outside the except block: see setup()
 
-    def setup(self, ckpt: RankCheckpointPlan | None = None, rollbacks_before: int = 0) -> None:
+    def setup(self, ckpt: RankCheckpointPlan | None = None, rollbacks_before: int = 0,
+              lighthouse: str | None = None) -> None:
         """Once ``join()`` is done: build model, optimizer and data, and load the resume checkpoint
-        (``ckpt``: this rank's checkpoint plan; None: checkpointing is off). ``rollbacks_before``:
-        the guard's rollbacks in the job's earlier attempts (``training.guard.max_rollbacks`` is per job)."""
+        (``ckpt``: this rank's checkpoint plan; None: checkpointing is off). ``rollbacks_before``: the
+        guard's rollbacks in earlier attempts; ``lighthouse``: with replica groups, the quorum's address."""
         self._rollbacks_before = rollbacks_before
+        self._lighthouse = lighthouse
         try:
             if not self._joined.wait(self.spec.fault_tolerance.start_timeout_s):
                 raise TimeoutError("join() did not finish within fault_tolerance.start_timeout_s")
@@ -192,8 +215,9 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
 
         device = torch.device("cuda", 0) if self.spec.resources.use_gpu else torch.device("cpu")
         t0 = time.monotonic()
-        self.trainer = Trainer(self.spec, device, self._prefix, restoring)
+        self.trainer = Trainer(self.spec, device, self._prefix, restoring, self.replica)
         self.trainer.attempt = self.attempt
+        self.trainer.replicas = _replica_sync(self, self._lighthouse)
         self.timings["build_s"] = time.monotonic() - t0
         if restoring:  # the load creates the optimizer's state: from the spare's reserve, if any
             self.trainer.state_reserve = self._reserve

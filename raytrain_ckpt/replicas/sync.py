@@ -29,7 +29,10 @@ class ReplicaSync:
 
     def __init__(self, *, replica: int, rank: int, ranks: int, lighthouse: str, store: tuple[str, int],
                  state: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None],
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, init_sync: bool = True) -> None:
+        """``init_sync``: at step 0 replicas other than the first receive its state (torchft's
+        default); False when every replica starts from the same parameters anyway (the job's
+        seeded initialisation), so that nothing is sent."""
         from torchft import Manager, ProcessGroupGloo
 
         timeout = timedelta(seconds=timeout_s)
@@ -37,7 +40,8 @@ class ReplicaSync:
         self.manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, load_state_dict=load,
                                state_dict=state, replica_id=f"replica{replica}", store_addr=store[0],
                                store_port=store[1], rank=rank, world_size=ranks, lighthouse_addr=lighthouse,
-                               timeout=timeout, quorum_timeout=timedelta(seconds=2 * timeout_s))
+                               timeout=timeout, quorum_timeout=timedelta(seconds=2 * timeout_s),
+                               init_sync=init_sync)
 
     def begin(self) -> None:
         """Start this step's quorum (and a heal, when this replica is behind)."""

@@ -59,11 +59,17 @@ class JobSpec(_Section):
         return self.resources.num_workers
 
     @property
+    def dp_shard_size(self) -> int:
+        """FSDP2 shard degree within one replica group, after resolving -1."""
+        par = self.parallelism
+        if par.dp_shard == -1:
+            return self.world_size // (par.dp_replicate * par.pp)
+        return par.dp_shard
+
+    @property
     def dp_size(self) -> int:
-        """Data-parallel degree after resolving -1."""
-        if self.parallelism.dp_shard == -1:
-            return self.world_size // self.parallelism.pp
-        return self.parallelism.dp_shard
+        """Data-parallel degree: replica groups x shards, the ranks that split every global batch."""
+        return self.parallelism.dp_replicate * self.dp_shard_size
 
     def with_workers(self, n: int) -> JobSpec:
         """The same job on ``n`` workers (a multiple of pp): the elastic layout after a shrink.
@@ -75,6 +81,18 @@ class JobSpec(_Section):
             "resources": self.resources.model_copy(update={"num_workers": n}),
             "parallelism": self.parallelism.model_copy(
                 update={"dp_shard": n // self.parallelism.pp, "microbatches": None}),
+        })
+
+    def saving_group(self) -> JobSpec:
+        """The layout that saves and resumes: the job itself, or with replica groups one group (its
+        ranks are the job's first ``dp_shard x pp``), so that a checkpoint is the same as that of a
+        job without replicas and loads into any ``dp_replicate``."""
+        par = self.parallelism
+        if par.dp_replicate == 1:
+            return self
+        return self.model_copy(update={
+            "resources": self.resources.model_copy(update={"num_workers": self.world_size // par.dp_replicate}),
+            "parallelism": par.model_copy(update={"dp_replicate": 1, "dp_shard": self.dp_shard_size}),
         })
 
     @property
@@ -102,23 +120,53 @@ class JobSpec(_Section):
 
 def _layout_problems(spec: JobSpec) -> list[tuple[str, str]]:
     par, n = spec.parallelism, spec.world_size
+    out = _replica_problems(spec)
+    r = par.dp_replicate
     if par.dp_shard == -1:
-        if n % par.pp:
-            return [("resources.num_workers", f"{n} is not divisible by parallelism.pp={par.pp}; "
-                     f"use a multiple of {par.pp} workers, or another pp")]
-        return []
-    if par.dp_shard * par.pp != n:
-        return [("parallelism.dp_shard", f"dp_shard {par.dp_shard} x pp {par.pp} = {par.dp_shard * par.pp} "
-                 f"does not match resources.num_workers={n}; make the product equal, or set dp_shard=-1")]
-    return []
+        if n % (r * par.pp):
+            if r == 1:
+                return out + [("resources.num_workers", f"{n} is not divisible by parallelism.pp={par.pp}; "
+                               f"use a multiple of {par.pp} workers, or another pp")]
+            return out + [("resources.num_workers", f"{n} is not divisible by parallelism.dp_replicate {r} x pp "
+                           f"{par.pp} = {r * par.pp}; use a multiple of {r * par.pp} workers, or another dp_replicate")]
+        return out
+    if r * par.dp_shard * par.pp != n:
+        if r == 1:
+            return out + [("parallelism.dp_shard", f"dp_shard {par.dp_shard} x pp {par.pp} = {par.dp_shard * par.pp} "
+                           f"does not match resources.num_workers={n}; make the product equal, or set dp_shard=-1")]
+        return out + [("resources.num_workers", f"{n} does not equal dp_replicate {r} x dp_shard {par.dp_shard} x "
+                       f"pp {par.pp} = {r * par.dp_shard * par.pp}; set num_workers to {r * par.dp_shard * par.pp}, "
+                       "or parallelism.dp_shard=-1 to shard over the workers of each replica group")]
+    return out
+
+
+def _replica_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    """Replica fields that contradict each other, and what replica groups do not train with yet."""
+    par, ft, r = spec.parallelism, spec.fault_tolerance, spec.parallelism.dp_replicate
+    out: list[tuple[str, str]] = []
+    if ft.min_replicas > r:
+        out.append(("fault_tolerance.min_replicas", f"{ft.min_replicas} exceeds parallelism.dp_replicate={r}; set it "
+                    f"to at most {r}"))
+    if r == 1:
+        return out
+    if par.pp > 1:
+        out.append(("parallelism.dp_replicate", f"{r} with parallelism.pp={par.pp}: replica groups with a pipeline "
+                    "are not supported; use pp=1 with dp_replicate, or dp_replicate=1 with pp"))
+    if spec.resources.min_workers is not None:
+        out.append(("resources.min_workers", f"{spec.resources.min_workers} with parallelism.dp_replicate={r}: an "
+                    "elastic shrink of a job with replica groups is not supported; remove min_workers"))
+    return out
+
+
 
 
 def _batch_problems(spec: JobSpec) -> list[tuple[str, str]]:
-    t, dp = spec.training, spec.dp_size
+    t, dp, r = spec.training, spec.dp_size, spec.parallelism.dp_replicate
     out: list[tuple[str, str]] = []
     if dp >= 1 and t.global_batch_size % (t.micro_batch_size * dp):
+        ranks = f"dp {dp}" if r == 1 else f"dp_replicate {r} x dp_shard {spec.dp_shard_size}"
         out.append(("training.global_batch_size",
-                    f"{t.global_batch_size} is not divisible by micro_batch_size {t.micro_batch_size} x dp {dp}; "
+                    f"{t.global_batch_size} is not divisible by micro_batch_size {t.micro_batch_size} x {ranks}; "
                     f"use a multiple of {t.micro_batch_size * dp}"))
     return out
 

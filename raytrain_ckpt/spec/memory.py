@@ -3,7 +3,8 @@
 Approximate by design, meant to catch a layout that cannot fit, not to predict the peak:
 
 - parameters, gradients: fp32, sharded by FSDP2 over the data-parallel ranks and split by the
-  pipeline over its stages, so 1/world_size of the model each;
+  pipeline over its stages, so 1/(dp_shard x pp) of the model each (every replica group holds
+  a whole copy);
 - optimizer: AdamW two fp32 moments, SGD one with momentum, a user optimizer counted as AdamW;
 - staging: an async checkpoint copies the rank's parameters and optimizer state to host memory
   (pinned on GPU, shared memory on CPU) before writing it, into ``checkpoint.memory_copies``
@@ -75,7 +76,7 @@ def memory_estimate(spec: JobSpec) -> MemoryEstimate | None:
     cfg = describe_model(spec.model.name, spec.model.overrides)
     if cfg is None:
         return None
-    shard = cfg.num_params // spec.world_size
+    shard = cfg.num_params // (spec.world_size // spec.parallelism.dp_replicate)  # each replica group: a whole model
     optimizer = shard * _optimizer_bytes_per_param(spec)
     ckpt = spec.checkpoint
     staging = (shard * 4 + optimizer) * ckpt.memory_copies if ckpt.enabled and ckpt.mode == "async" else 0

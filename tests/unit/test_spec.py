@@ -55,6 +55,25 @@ def test_with_workers_shrinks_only_data_parallel():
     assert small.training.global_batch_size == 16 and small.local_microbatches == 8
 
 
+def test_replica_groups_resolve_the_shard_degree_and_split_the_batch(tmp_path):
+    """dp_shard=-1 shards over the workers of one replica group; the global batch is split over
+    every replica's shards (dp_size), the model over one group's (memory per rank)."""
+    from raytrain_ckpt.spec.memory import memory_estimate
+
+    spec = load_spec(_write(tmp_path, _merge(BASE, {"resources": {"num_workers": 4},
+                                                    "parallelism": {"dp_replicate": 2}})))
+    assert (spec.dp_shard_size, spec.dp_size, spec.local_microbatches) == (2, 4, 1)
+    one = load_spec(_write(tmp_path, BASE))
+    assert memory_estimate(spec).parameters == memory_estimate(one).parameters  # a group of 2 holds the model
+    # one group saves: its layout is that of the same job without replicas
+    saving = spec.saving_group()
+    assert (saving.world_size, saving.dp_size, saving.parallelism.dp_replicate) == (2, 2, 1)
+    assert saving.training == spec.training and one.saving_group() is one
+    defaults = JobSpec(name="d")
+    assert (defaults.parallelism.dp_replicate, defaults.fault_tolerance.heal_steps,
+            defaults.fault_tolerance.min_replicas) == (1, 20, 1)
+
+
 BAD = [
     ("typo_section", {"trainig": {"steps": 3}}, "trainig: unknown field; did you mean 'training'?"),
     ("typo_field", {"training": {"stpes": 3}}, "training.stpes: unknown field; did you mean 'steps'?"),
@@ -97,6 +116,26 @@ BAD = [
      "parallelism.dp_shard: dp_shard 2 x pp 2 = 4 does not match resources.num_workers=2"),
     ("pp_workers_not_divisible", {"resources": {"num_workers": 3}, "parallelism": {"pp": 2}},
      "resources.num_workers: 3 is not divisible by parallelism.pp=2"),
+    # replica groups: num_workers = dp_replicate x dp_shard x pp, named with the product and the fix
+    ("replicas_workers_mismatch", {"parallelism": {"dp_replicate": 2, "dp_shard": 2}},
+     "resources.num_workers: 2 does not equal dp_replicate 2 x dp_shard 2 x pp 1 = 4; set num_workers to 4"),
+    ("replicas_workers_not_divisible", {"resources": {"num_workers": 3}, "parallelism": {"dp_replicate": 2}},
+     "resources.num_workers: 3 is not divisible by parallelism.dp_replicate 2 x pp 1 = 2"),
+    ("replicas_zero", {"parallelism": {"dp_replicate": 0}},
+     "parallelism.dp_replicate=0: must be >= 1; set parallelism.dp_replicate to a value from 1 to 1024"),
+    ("replicas_with_pipeline", {"resources": {"num_workers": 4}, "parallelism": {"dp_replicate": 2, "pp": 2},
+                                "training": {"global_batch_size": 8, "micro_batch_size": 2}},
+     "parallelism.dp_replicate: 2 with parallelism.pp=2: replica groups with a pipeline are not supported"),
+    ("replicas_elastic", {"resources": {"num_workers": 2, "min_workers": 1}, "parallelism": {"dp_replicate": 2}},
+     "resources.min_workers: 1 with parallelism.dp_replicate=2: an elastic shrink of a job with replica groups"),
+    ("replicas_batch", {"resources": {"num_workers": 4}, "parallelism": {"dp_replicate": 2},
+                        "training": {"global_batch_size": 12, "micro_batch_size": 2}},
+     "training.global_batch_size: 12 is not divisible by micro_batch_size 2 x dp_replicate 2 x dp_shard 2; use a "
+     "multiple of 8"),
+    ("min_replicas_above_replicas", {"fault_tolerance": {"min_replicas": 2}},
+     "fault_tolerance.min_replicas: 2 exceeds parallelism.dp_replicate=1; set it to at most 1"),
+    ("heal_steps_zero", {"fault_tolerance": {"heal_steps": 0}},
+     "fault_tolerance.heal_steps=0: must be >= 1"),
     ("seq_len_over_context", {"training": {"seq_len": 4096}}, "training.seq_len: 4096 exceeds the model context 512"),
     ("gpu_without_use_gpu", {"resources": {"gpus_per_worker": 1}},
      "resources.gpus_per_worker: 1.0 GPUs requested but use_gpu is false"),
@@ -218,7 +257,7 @@ def test_bad_spec_names_the_field(tmp_path, patch, expected):
     assert any(p.startswith(expected) for p in info.value.problems), info.value.problems
 
 
-CLI_CASES = ["checkpoint_dir_ftp", "steps_bool", "lr_inf", "seed_past_int64", "resume_unicode_digit", "checkpoint_dir_dev_null",
+CLI_CASES = ["replicas_workers_mismatch", "checkpoint_dir_ftp", "steps_bool", "lr_inf", "seed_past_int64", "resume_unicode_digit", "checkpoint_dir_dev_null",
              "data_dev_zero", "model_too_large", "checkpoint_dir_null", "negative_steps", "keep_latest_k_negative",
              "checkpoint_dir_memory"]
 

@@ -9,13 +9,18 @@ from pydantic import Field, field_validator, model_validator
 
 from raytrain_ckpt.spec.sections.base import FieldProblems, MAX_SECONDS, MIN_SECONDS, _Section, _at_least
 
-__all__ = ["DEFAULT_JOIN_S", "DEFAULT_MTBF_S", "FaultToleranceSpec"]
+__all__ = ["DEFAULT_HEAL_STEPS", "DEFAULT_JOIN_S", "DEFAULT_MTBF_S", "FaultToleranceSpec"]
 
 
 DEFAULT_JOIN_S = 60.0
 """fault_tolerance.join_timeout_s when it is null (and start_timeout_s is at least twice as long)."""
 DEFAULT_MTBF_S = 86400.0
 """The prior of fault_tolerance.expected_mtbf_s when it is null: one failure a day."""
+DEFAULT_HEAL_STEPS = 20
+"""fault_tolerance.heal_steps by default. A replica's heal from a live peer measured 3-6 s, within
+10 s (``bench/replica_heal.py``, docs/ARCHITECTURE.md "Replicas heal from a live peer"): 20 steps
+cover it at a step of 0.5 s or longer. Too many steps idle only the healed replica (1/R of the
+job) and skip its samples; too few make every healthy replica wait, so the default errs long."""
 
 
 class FaultToleranceSpec(_Section):
@@ -58,6 +63,10 @@ class FaultToleranceSpec(_Section):
     """A node whose ranks crashed or hung twice within failure_window_s gets no rank for this long while the cluster has room elsewhere (the group is placed around it; without room it is used, logged); null: never."""
     straggler_margin: float | None = Field(0.25, gt=0, le=100)
     """A rank that begins its steps later than the first rank by more than this fraction of the step time (median over its last 8 steps) is reported as a straggler (log, status, JobResult.stragglers; the skew is the job_step_skew_seconds metric); null: not watched."""
+    heal_steps: int = Field(DEFAULT_HEAL_STEPS, ge=1, le=10**6)
+    """With parallelism.dp_replicate > 1, the heal rule (validated; not acted on yet: today a failed replica group restarts the whole job): a group that fails during step s is out of steps s+1 .. s+heal_steps, its samples of those steps skipped and recorded, and trains again from step s+heal_steps+1, healed from a live group; one healed early waits for that step, one not healed by then makes the others wait. Fixed by the fault, not the clock, so a replay skips the same samples. 20 covers the measured heal (under 10 s) at steps of 0.5 s or longer."""
+    min_replicas: int = Field(1, ge=1)
+    """With parallelism.dp_replicate > 1 (validated; not acted on yet, see heal_steps): the fewest healthy replica groups the job steps on with while a failed one heals; below it the whole job restarts (as with dp_replicate 1). At most dp_replicate."""
     replace_stragglers: bool = False
     """Replace a rank reported as a straggler (straggler_margin): every rank saves and commits the step in hand and stops, and the job restarts from it with a spare or a new process for that rank, the others kept (reuse_workers). Each rank once per job; counted in JobResult.failures as kind straggler, never against max_restarts. Needs checkpoint.enabled and straggler_margin."""
 

@@ -23,10 +23,12 @@ __all__ = ["GuardSpec", "LRSchedulerSpec", "OptimizerSpec", "ParallelismSpec", "
 
 
 class ParallelismSpec(_Section):
+    dp_replicate: int = Field(1, ge=1, le=1024)
+    """Replica groups (HSDP's replicate dimension): each group of dp_shard x pp workers is a process group of its own holding a whole copy of the model (FSDP2 over its shards) and trains its share of every global batch; the groups average gradients through torchft and step on its commit vote. world = dp_replicate x dp_shard x pp. The first group saves checkpoints, laid out as those of the same job without replicas (they load into any dp_replicate). Needs torchft; pp = 1 and no min_workers for now, and a failure of any group restarts the whole job (README, Replicas)."""
     dp_shard: int = -1
-    """FSDP2 data-parallel shard degree; -1 means every worker not used by other dimensions."""
+    """FSDP2 data-parallel shard degree within a replica group; -1 means every worker not used by other dimensions."""
     pp: int = Field(1, ge=1)
-    """Pipeline-parallel degree: the model is split into pp stages (x virtual_stages) across workers; world = pp x dp_shard."""
+    """Pipeline-parallel degree: the model is split into pp stages (x virtual_stages) across workers; world = dp_replicate x pp x dp_shard."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     """Pipeline schedule (pp > 1): gpipe (all forwards, then all backwards), 1f1b, or interleaved_1f1b (virtual_stages chunks per rank)."""
     virtual_stages: int = Field(1, ge=1)
