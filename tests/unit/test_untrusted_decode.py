@@ -236,3 +236,37 @@ def test_the_cache_folders_are_made_private_and_a_pass_is_remembered(tmp_path, m
     monkeypatch.setattr(scancache, "_SEEN", set())
     assert scancache.passed_before(scancache.digest(pickle.dumps({"a": 1}), repr(
         __import__("raytrain_ckpt.checkpoint.format.prescan", fromlist=["x"]).DEFAULT_BUDGET.scaled())))
+
+
+def test_steps_checked_together_get_the_verdicts_each_gets_alone(tmp_path):
+    """``ls`` / ``status`` / the registry send many ``.metadata`` checks to the reader process at
+    once (``verify_steps``): a file over the memory limit and one over the time limit, among intact
+    steps, are each refused naming their limit (the reader process they end is replaced for the
+    rest), a file that asks for code is refused, and every other step is valid, as one by one."""
+    from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+
+    root = tmp_path / "job"
+    hostile = {3: MEMO_BOMB, 5: _colliding_dict(30_000), 6: b"\x80\x04cposix\nsystem\n."}
+    for step in range(1, 9):
+        path = _dcp_step(root, step)
+        if step in hostile:
+            _replace_metadata(path, hostile[step])
+    layout = CheckpointLayout(root)
+    paths = [layout.step_dir(s) for s in range(1, 9)]
+    together = layout.verify_many(paths, "size")
+    needles = {3: "decoding it needed over", 5: "time limit", 6: "posix.system"}
+    for step, verdict in zip(range(1, 9), together):
+        if step in hostile:
+            assert isinstance(verdict, InvalidCheckpoint) and needles[step] in str(verdict), verdict
+            assert f"step-0000000{step}: .metadata" in str(verdict), verdict
+        else:
+            assert isinstance(verdict, Manifest) and verdict.step == step
+    scancache._SEEN.clear()
+    for path, verdict in zip(paths, together):
+        try:
+            alone: object = layout.verify(path, "size")
+        except InvalidCheckpoint as exc:
+            alone = exc
+        assert type(alone) is type(verdict) and str(alone) == str(verdict)
+    checked = layout.verify_many(paths, "checksum")  # with every chunk's header parsed too
+    assert [isinstance(v, Manifest) for v in checked] == [s not in hostile for s in range(1, 9)]
