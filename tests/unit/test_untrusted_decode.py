@@ -270,3 +270,24 @@ def test_steps_checked_together_get_the_verdicts_each_gets_alone(tmp_path):
         assert type(alone) is type(verdict) and str(alone) == str(verdict)
     checked = layout.verify_many(paths, "checksum")  # with every chunk's header parsed too
     assert [isinstance(v, Manifest) for v in checked] == [s not in hostile for s in range(1, 9)]
+
+
+def test_a_step_the_registry_checked_is_loaded_without_decoding_its_metadata_again(tmp_path, monkeypatch):
+    """The registry's check of a step (the resume plan), like ``ls``'s, decodes its ``.metadata``
+    in the reader process under the limits loading uses: loading that file next does not decode
+    it there again (its content is the key), and without that verdict it does."""
+    from raytrain_ckpt.checkpoint.format import sandbox
+    from raytrain_ckpt.checkpoint.format.metadata import read_metadata
+    from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+
+    step = _dcp_step(tmp_path / "job")
+    assert list(CheckpointLayout(tmp_path / "job").valid_steps("size")) == [3]
+    decoded: list[str] = []
+    real = sandbox.decode_in_sandbox
+    monkeypatch.setattr(sandbox, "decode_in_sandbox",
+                        lambda kind, data, where, *rest, **kw: decoded.append(where) or real(kind, data, where, *rest, **kw))
+    assert "model.0.weight" in read_metadata(step).state_dict_metadata
+    assert decoded == []
+    scancache._SEEN.clear()
+    read_metadata(step)
+    assert decoded == [str(step / ".metadata")]

@@ -77,7 +77,7 @@ def checked_pickle(f: BinaryIO, where: str) -> io.BytesIO:
     """All of ``f`` (bounded), once a check of it as DCP metadata passed in the reader process
     (``sandbox.py``), so that unpickling it here costs at most that process's limits."""
     data = read_bounded(f, where)
-    key = scancache.digest(data, f"metadata decode {DEFAULT_BUDGET.scaled()!r}")
+    key = _decode_key(data)
     if not scancache.passed_before(key):
         sandbox.decode_in_sandbox("metadata", data, where, {"decode_only": True})
         scancache.remember_pass(key)
@@ -184,7 +184,7 @@ def check_metadata_stream(f: BinaryIO, name: str, files: Collection[str] | Mappi
     if not chunks and scancache.passed_before(key):
         return None
     result = sandbox.decode_in_sandbox("metadata", data, name, _check_args(files, chunks))
-    scancache.remember_pass(key)
+    _remember_check(key, data)
     return result
 
 
@@ -196,6 +196,7 @@ class MetadataChecks:
 
     def __init__(self, items: list[tuple[bytes, str, Mapping[str, int] | None]], chunks: bool = False) -> None:
         self._answers: list[Any] = [None] * len(items)
+        self._data = [data for data, _, _ in items]
         self._todo: list[tuple[int, str]] = []
         jobs = []
         for i, (data, name, files) in enumerate(items):
@@ -212,10 +213,22 @@ class MetadataChecks:
         if self._batch is not None:
             for (i, key), answer in zip(self._todo, sandbox.collect_decodes(self._batch)):
                 if not isinstance(answer, Exception):
-                    scancache.remember_pass(key)
+                    _remember_check(key, self._data[i])
                 self._answers[i] = answer
             self._batch = None
         return self._answers
+
+
+def _remember_check(key: str, data: bytes) -> None:
+    """A passed check, and with it the decode loading asks for (``checked_pickle``): the check ran
+    the same pre-scan and decode under the same limits, so a resume after ``ls`` or the
+    registry's check does not decode the file in the reader process again."""
+    scancache.remember_pass(key)
+    scancache.remember_pass(_decode_key(data))
+
+
+def _decode_key(data: bytes) -> str:
+    return scancache.digest(data, f"metadata decode {DEFAULT_BUDGET.scaled()!r}")
 
 
 def _check_key(data: bytes, files: Collection[str] | Mapping[str, int] | None) -> str:
