@@ -208,22 +208,17 @@ class _Batch:
         self._writer: threading.Thread | None = None
 
     def send(self, proc: subprocess.Popen) -> None:
-        jobs = self._jobs[len(self.results):]
-        self._writer = threading.Thread(target=self._write, args=(proc, jobs), daemon=True,
+        parts = []
+        for data, where, args in self._jobs[len(self.results):]:
+            memory, cpu = self._limits.for_size(len(data))
+            request = json.dumps({"kind": self._kind, "where": where, "args": args, "memory": memory,
+                                  "cpu": cpu}).encode()
+            parts += [struct.pack("<IQ", len(request), len(data)), request, data]
+        # One write, made on a thread of its own (it blocks while the reader is behind, with the GIL
+        # released): this thread goes on, the reader never waits for this one to be scheduled.
+        self._writer = threading.Thread(target=_write, args=(proc, b"".join(parts)), daemon=True,
                                         name="raytrain-ckpt-reader-feed")
         self._writer.start()
-
-    def _write(self, proc: subprocess.Popen, jobs: list[tuple[bytes, str, dict[str, Any]]]) -> None:
-        try:
-            for data, where, args in jobs:
-                memory, cpu = self._limits.for_size(len(data))
-                request = json.dumps({"kind": self._kind, "where": where, "args": args, "memory": memory,
-                                      "cpu": cpu}).encode()
-                proc.stdin.write(struct.pack("<IQ", len(request), len(data)) + request)
-                proc.stdin.write(data)
-            proc.stdin.flush()
-        except (OSError, ValueError):
-            pass  # the process ended (a decode over its limits): ``receive`` says which and goes on
 
     def receive(self) -> None:
         """Read every answer (each an answer or the checkpoint error it stands for), restarting
@@ -259,6 +254,14 @@ class _Batch:
             self._writer.join()
             self._writer = None
         self._reader._stop()
+
+
+def _write(proc: subprocess.Popen, blob: bytes) -> None:
+    try:
+        proc.stdin.write(blob)
+        proc.stdin.flush()
+    except (OSError, ValueError):
+        pass  # the process ended (a decode over its limits): ``_Batch.receive`` says which and goes on
 
 
 def _read_exact(proc: subprocess.Popen, n: int, deadline: float) -> bytes:
