@@ -291,3 +291,26 @@ def test_a_step_the_registry_checked_is_loaded_without_decoding_its_metadata_aga
     scancache._SEEN.clear()
     read_metadata(step)
     assert decoded == [str(step / ".metadata")]
+
+
+def test_steps_holding_the_same_metadata_bytes_are_checked_once_together(tmp_path, monkeypatch):
+    """The saves of one plan often write byte-identical ``.metadata`` files: a group of them is
+    checked once in the reader process (as one by one, where the first pass is remembered), and
+    every step gets that verdict; a refused one is refused for each step holding it."""
+    from raytrain_ckpt.checkpoint.format import sandbox
+    from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+
+    root = tmp_path / "job"
+    first = _dcp_step(root, 1)
+    for step in (2, 3):
+        _replace_metadata(_dcp_step(root, step), (first / ".metadata").read_bytes())
+    for step in (4, 5):
+        _replace_metadata(_dcp_step(root, step), b"\x80\x04cposix\nsystem\n.")
+    sent: list[int] = []
+    real = sandbox.submit_decodes
+    monkeypatch.setattr(sandbox, "submit_decodes", lambda kind, jobs, *a: sent.append(len(jobs)) or real(kind, jobs, *a))
+    layout = CheckpointLayout(root)
+    verdicts = layout.verify_many([layout.step_dir(s) for s in range(1, 6)], "size")
+    assert sent == [2]
+    assert [isinstance(v, Manifest) and v.step for v in verdicts[:3]] == [1, 2, 3]
+    assert all(isinstance(v, InvalidCheckpoint) and "posix.system" in str(v) for v in verdicts[3:])

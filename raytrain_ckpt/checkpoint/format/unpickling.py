@@ -198,11 +198,17 @@ class MetadataChecks:
         self._answers: list[Any] = [None] * len(items)
         self._data = [data for data, _, _ in items]
         self._todo: list[tuple[int, str]] = []
+        self._same: list[tuple[int, int]] = []  # (file, an earlier file of the group with its key)
+        first: dict[str, int] = {}
         jobs = []
         for i, (data, name, files) in enumerate(items):
             key = _check_key(data, files)
             if not chunks and scancache.passed_before(key):
                 continue
+            if key in first:  # the steps of one plan often hold the same bytes: checked once
+                self._same.append((i, first[key]))
+                continue
+            first[key] = i
             self._todo.append((i, key))
             jobs.append((data, name, _check_args(files, chunks)))
         self._batch = sandbox.submit_decodes("metadata", jobs) if jobs else None
@@ -215,6 +221,8 @@ class MetadataChecks:
                 if not isinstance(answer, Exception):
                     _remember_check(key, self._data[i])
                 self._answers[i] = answer
+            for i, j in self._same:
+                self._answers[i] = self._answers[j]
             self._batch = None
         return self._answers
 
