@@ -21,7 +21,8 @@ from typing import Any
 from raytrain_ckpt.report import jobrecord
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 
-from raytrain_ckpt.checkpoint.format.manifest import MANIFEST
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
+from raytrain_ckpt.checkpoint.format.sandbox import start_reader
 from raytrain_ckpt.checkpoint.format.names import EntryKind, Location, parent_of, parse_entry, step_name
 from raytrain_ckpt.common.locations import is_uri
 from raytrain_ckpt.checkpoint.format.verify import Verify, step_problems
@@ -71,15 +72,17 @@ class StepRow:
 def scan(root: Location, level: Verify = "size", now: float | None = None) -> list[StepRow]:
     """Every step entry under a job's checkpoint root, with its status (file sizes, or also checksums, checked)."""
     layout, now = CheckpointLayout(root), now or time.time()
-    rows = []
     entries = layout.entries()
+    loadable = [path for entry, path in entries if entry.kind.is_loadable]
     bar = progress_bar(len(entries), "checksum", unit="dir") if level == "checksum" else None
+    verdicts = iter(layout.verify_many(loadable, level, bar.update if bar is not None else None))
+    rows = []
     for entry, path in entries:
-        if bar is not None:
-            bar.update(1)
         if entry.kind.is_loadable:
-            rows.append(_row(layout, path, entry.step, level, now))
+            rows.append(_row(layout, path, entry.step, next(verdicts), now))
         else:
+            if bar is not None:
+                bar.update(1)
             status, detail = _ASIDE[entry.kind]
             rows.append(StepRow(entry.step, entry.name, status, detail=detail))
     if bar is not None:
@@ -87,13 +90,11 @@ def scan(root: Location, level: Verify = "size", now: float | None = None) -> li
     return rows
 
 
-def _row(layout: CheckpointLayout, path: Location, step: int, level: Verify, now: float) -> StepRow:
+def _row(layout: CheckpointLayout, path: Location, step: int, m: Manifest | InvalidCheckpoint, now: float) -> StepRow:
     name = layout.storage.name(path)
-    try:
-        m = layout.verify(path, level)
-    except InvalidCheckpoint as exc:
+    if isinstance(m, InvalidCheckpoint):
         status = "torn" if not layout.storage.is_file(layout.storage.join(path, MANIFEST)) else "corrupt"
-        return StepRow(step, name, status, detail=str(exc))
+        return StepRow(step, name, status, detail=str(m))
     return StepRow(step, name, "valid", m.total_bytes, m.wall.get("total_s"), m.wall.get("stall_s"),
                    now - m.created_unix if m.created_unix else None, eval_loss=m.eval_loss)
 
@@ -135,6 +136,7 @@ def location(text: str) -> Location:
 
 def verify_step(path: Location, progress: Callable[[int], None] = lambda n: None) -> list[str]:
     """Every problem of a step directory against its manifest (sizes and checksums); [] means valid."""
+    start_reader()  # (its start overlaps the checksums read before the .metadata check)
     return step_problems(path, open_storage(path), progress)
 
 

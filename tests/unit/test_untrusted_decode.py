@@ -236,3 +236,81 @@ def test_the_cache_folders_are_made_private_and_a_pass_is_remembered(tmp_path, m
     monkeypatch.setattr(scancache, "_SEEN", set())
     assert scancache.passed_before(scancache.digest(pickle.dumps({"a": 1}), repr(
         __import__("raytrain_ckpt.checkpoint.format.prescan", fromlist=["x"]).DEFAULT_BUDGET.scaled())))
+
+
+def test_steps_checked_together_get_the_verdicts_each_gets_alone(tmp_path):
+    """``ls`` / ``status`` / the registry send many ``.metadata`` checks to the reader process at
+    once (``verify_steps``): a file over the memory limit and one over the time limit, among intact
+    steps, are each refused naming their limit (the reader process they end is replaced for the
+    rest), a file that asks for code is refused, and every other step is valid, as one by one."""
+    from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+
+    root = tmp_path / "job"
+    hostile = {3: MEMO_BOMB, 5: _colliding_dict(30_000), 6: b"\x80\x04cposix\nsystem\n."}
+    for step in range(1, 9):
+        path = _dcp_step(root, step)
+        if step in hostile:
+            _replace_metadata(path, hostile[step])
+    layout = CheckpointLayout(root)
+    paths = [layout.step_dir(s) for s in range(1, 9)]
+    together = layout.verify_many(paths, "size")
+    needles = {3: "decoding it needed over", 5: "time limit", 6: "posix.system"}
+    for step, verdict in zip(range(1, 9), together):
+        if step in hostile:
+            assert isinstance(verdict, InvalidCheckpoint) and needles[step] in str(verdict), verdict
+            assert f"step-0000000{step}: .metadata" in str(verdict), verdict
+        else:
+            assert isinstance(verdict, Manifest) and verdict.step == step
+    scancache._SEEN.clear()
+    for path, verdict in zip(paths, together):
+        try:
+            alone: object = layout.verify(path, "size")
+        except InvalidCheckpoint as exc:
+            alone = exc
+        assert type(alone) is type(verdict) and str(alone) == str(verdict)
+    checked = layout.verify_many(paths, "checksum")  # with every chunk's header parsed too
+    assert [isinstance(v, Manifest) for v in checked] == [s not in hostile for s in range(1, 9)]
+
+
+def test_a_step_the_registry_checked_is_loaded_without_decoding_its_metadata_again(tmp_path, monkeypatch):
+    """The registry's check of a step (the resume plan), like ``ls``'s, decodes its ``.metadata``
+    in the reader process under the limits loading uses: loading that file next does not decode
+    it there again (its content is the key), and without that verdict it does."""
+    from raytrain_ckpt.checkpoint.format import sandbox
+    from raytrain_ckpt.checkpoint.format.metadata import read_metadata
+    from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+
+    step = _dcp_step(tmp_path / "job")
+    assert list(CheckpointLayout(tmp_path / "job").valid_steps("size")) == [3]
+    decoded: list[str] = []
+    real = sandbox.decode_in_sandbox
+    monkeypatch.setattr(sandbox, "decode_in_sandbox",
+                        lambda kind, data, where, *rest, **kw: decoded.append(where) or real(kind, data, where, *rest, **kw))
+    assert "model.0.weight" in read_metadata(step).state_dict_metadata
+    assert decoded == []
+    scancache._SEEN.clear()
+    read_metadata(step)
+    assert decoded == [str(step / ".metadata")]
+
+
+def test_steps_holding_the_same_metadata_bytes_are_checked_once_together(tmp_path, monkeypatch):
+    """The saves of one plan often write byte-identical ``.metadata`` files: a group of them is
+    checked once in the reader process (as one by one, where the first pass is remembered), and
+    every step gets that verdict; a refused one is refused for each step holding it."""
+    from raytrain_ckpt.checkpoint.format import sandbox
+    from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+
+    root = tmp_path / "job"
+    first = _dcp_step(root, 1)
+    for step in (2, 3):
+        _replace_metadata(_dcp_step(root, step), (first / ".metadata").read_bytes())
+    for step in (4, 5):
+        _replace_metadata(_dcp_step(root, step), b"\x80\x04cposix\nsystem\n.")
+    sent: list[int] = []
+    real = sandbox.submit_decodes
+    monkeypatch.setattr(sandbox, "submit_decodes", lambda kind, jobs, *a: sent.append(len(jobs)) or real(kind, jobs, *a))
+    layout = CheckpointLayout(root)
+    verdicts = layout.verify_many([layout.step_dir(s) for s in range(1, 6)], "size")
+    assert sent == [2]
+    assert [isinstance(v, Manifest) and v.step for v in verdicts[:3]] == [1, 2, 3]
+    assert all(isinstance(v, InvalidCheckpoint) and "posix.system" in str(v) for v in verdicts[3:])

@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal
 import crc32c as _crc32c
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.format.names import check_file_name
 
 _MAX_INT64 = 2**63 - 1
 
@@ -78,13 +79,6 @@ class FileEntry(BaseModel):
             return "crc32c", self.crc32c
         assert self.crc32 is not None  # _has_checksum
         return "crc32", self.crc32
-
-
-def check_file_name(name: str) -> str:
-    """``name`` if it is a plain file name inside a step directory; raises ValueError otherwise."""
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
-        raise ValueError(f"file name {name!r} is not a plain name inside the step directory")
-    return name
 
 
 class KeepBestRecord(BaseModel):

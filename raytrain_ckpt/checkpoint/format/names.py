@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Entry", "EntryKind", "Location", "parent_of", "parse_entry", "step_name"]
+__all__ = ["Entry", "EntryKind", "Location", "check_file_name", "parent_of", "parse_entry", "step_name"]
 
 Location = Path | str
 """A path under a storage: a ``Path`` on POSIX storage, a URI string on an object store."""
@@ -86,3 +86,10 @@ def parse_entry(name: str) -> Entry | None:
     except ValueError:
         return None
     return Entry(step, kind, name) if kind is not EntryKind.COMMITTED else None
+
+
+def check_file_name(name: str) -> str:
+    """``name`` if it is a plain file name inside a step directory; raises ValueError otherwise."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
+        raise ValueError(f"file name {name!r} is not a plain name inside the step directory")
+    return name

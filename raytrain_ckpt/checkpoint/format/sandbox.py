@@ -41,7 +41,8 @@ from typing import Any
 
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, ReaderGone, UnsafeCheckpoint
 
-__all__ = ["DEFAULT_LIMITS", "LIMITS_ENV", "ReadLimits", "decode_in_sandbox"]
+__all__ = ["DEFAULT_LIMITS", "LIMITS_ENV", "ReadLimits", "collect_decodes", "decode_in_sandbox", "start_reader",
+           "submit_decodes"]
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +108,13 @@ class _Reader:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._owner = 0
+        self._pending: _Batch | None = None
 
     def call(self, kind: str, data: bytes, where: str, args: dict[str, Any], limits: ReadLimits) -> Any:
         memory, cpu = limits.for_size(len(data))
         request = json.dumps({"kind": kind, "where": where, "args": args, "memory": memory, "cpu": cpu}).encode()
         with self._lock:
+            self._settle()
             proc = self._running()
             try:
                 proc.stdin.write(struct.pack("<IQ", len(request), len(data)) + request)
@@ -123,7 +126,35 @@ class _Reader:
             if reply is None:
                 self._stop()
                 raise _died(proc, where, memory, cpu) from None
+            if reply.get("error") == "memory":
+                self._stop()  # it exits after this answer: the next decode must not find it still exiting
         return _answer(reply, where, memory)
+
+    def submit(self, kind: str, jobs: list[tuple[bytes, str, dict[str, Any]]], limits: ReadLimits) -> _Batch:
+        """Send ``jobs`` to the reader process without waiting for its answers (``_Batch.results``)."""
+        with self._lock:
+            self._settle()
+            batch = _Batch(self, kind, jobs, limits)
+            self._pending = batch
+            batch.send(self._running())
+            return batch
+
+    def collect(self, batch: _Batch) -> list[Any]:
+        with self._lock:
+            if self._pending is batch:
+                self._settle()
+            return batch.results
+
+    def _settle(self) -> None:
+        """The answers of the batch sent last, read before anything else is sent."""
+        batch, self._pending = self._pending, None
+        if batch is not None:
+            batch.receive()
+
+    def start(self) -> None:
+        """The reader process, started now (its start overlaps the caller's work)."""
+        with self._lock:
+            self._running()
 
     def _running(self) -> subprocess.Popen:
         if self._proc is not None and (self._owner != os.getpid() or self._proc.poll() is not None):
@@ -163,6 +194,74 @@ class _Reader:
                 stream.close()
             except OSError:
                 pass  # (a pipe to a dead child: nothing to flush)
+
+
+class _Batch:
+    """Decodes sent to the reader process back to back: each still under its own limits and
+    deadline (counted from the answer before it), without a round trip between them. A decode
+    that ends the process (a limit) is refused and the rest go to a fresh one."""
+
+    def __init__(self, reader: _Reader, kind: str, jobs: list[tuple[bytes, str, dict[str, Any]]],
+                 limits: ReadLimits) -> None:
+        self._reader, self._kind, self._jobs, self._limits = reader, kind, jobs, limits
+        self.results: list[Any] = []
+        self._writer: threading.Thread | None = None
+
+    def send(self, proc: subprocess.Popen) -> None:
+        parts = []
+        for data, where, args in self._jobs[len(self.results):]:
+            memory, cpu = self._limits.for_size(len(data))
+            request = json.dumps({"kind": self._kind, "where": where, "args": args, "memory": memory,
+                                  "cpu": cpu}).encode()
+            parts += [struct.pack("<IQ", len(request), len(data)), request, data]
+        # One write, made on a thread of its own (it blocks while the reader is behind, with the GIL
+        # released): this thread goes on, the reader never waits for this one to be scheduled.
+        self._writer = threading.Thread(target=_write, args=(proc, b"".join(parts)), daemon=True,
+                                        name="raytrain-ckpt-reader-feed")
+        self._writer.start()
+
+    def receive(self) -> None:
+        """Read every answer (each an answer or the checkpoint error it stands for), restarting
+        the reader process after a decode that ended it."""
+        while len(self.results) < len(self._jobs):
+            proc = self._reader._running()
+            if self._writer is None:
+                self.send(proc)
+            data, where, _ = self._jobs[len(self.results)]
+            memory, cpu = self._limits.for_size(len(data))
+            try:
+                reply = self._reader._reply(proc, cpu * _WALL_FACTOR + _WALL_SLACK_S)
+            except (OSError, ReaderGone):
+                reply = None
+            if reply is None or reply.get("error") == "memory":
+                self._end(proc)
+                self.results.append(_died(proc, where, memory, cpu) if reply is None else _over_memory(where, memory))
+                continue
+            try:
+                self.results.append(_answer(reply, where, memory))
+            except (InvalidCheckpoint, UnsafeCheckpoint) as exc:
+                self.results.append(exc)
+        if self._writer is not None:
+            self._writer.join()
+
+    def _end(self, proc: subprocess.Popen) -> None:
+        try:
+            proc.kill()
+        except OSError:
+            pass  # (it has exited already)
+        proc.wait()
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        self._reader._stop()
+
+
+def _write(proc: subprocess.Popen, blob: bytes) -> None:
+    try:
+        proc.stdin.write(blob)
+        proc.stdin.flush()
+    except (OSError, ValueError):
+        pass  # the process ended (a decode over its limits): ``_Batch.receive`` says which and goes on
 
 
 def _read_exact(proc: subprocess.Popen, n: int, deadline: float) -> bytes:
@@ -220,6 +319,25 @@ def decode_in_sandbox(kind: str, data: bytes, where: str, args: dict[str, Any] |
             limit of its decode (the message names the file and the limit).
     """
     return _READER.call(kind, data, where, args or {}, limits.scaled())
+
+
+def submit_decodes(kind: str, jobs: list[tuple[bytes, str, dict[str, Any]]],
+                   limits: ReadLimits = DEFAULT_LIMITS) -> _Batch:
+    """``decode_in_sandbox`` of every ``(data, where, args)`` of ``jobs``, sent now and answered by
+    ``collect_decodes`` (the caller works meanwhile): each answer is the result or the
+    ``InvalidCheckpoint`` / ``UnsafeCheckpoint`` the decode raised. Each decode keeps its own limits."""
+    return _READER.submit(kind, jobs, limits.scaled())
+
+
+def collect_decodes(batch: _Batch) -> list[Any]:
+    """The answers of a ``submit_decodes`` batch, in its order."""
+    return _READER.collect(batch)
+
+
+def start_reader() -> None:
+    """Start the reader process now, so that its start overlaps what the caller does before its
+    first decode (``ls``, ``status``, ``verify``)."""
+    _READER.start()
 
 
 def _limit_self(memory: int, cpu: float) -> None:

@@ -36,7 +36,7 @@ _SEEN: set[str] = set()
 _SEEN_MAX = 100_000
 
 
-_CHECKERS = ("prescan.py", "unpickling.py", "chunks.py", "manifest.py", "scancache.py")
+_CHECKERS = ("prescan.py", "unpickling.py", "chunks.py", "manifest.py", "names.py", "scancache.py")
 _checker: str | None = None
 
 

@@ -18,11 +18,11 @@ from typing import Any, BinaryIO
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
 
 from raytrain_ckpt.checkpoint.format.chunks import layout_problem, tensor_ranges
-from raytrain_ckpt.checkpoint.format.manifest import check_file_name
+from raytrain_ckpt.checkpoint.format.names import check_file_name
 from raytrain_ckpt.checkpoint.format import sandbox, scancache
 from raytrain_ckpt.checkpoint.format.prescan import DEFAULT_BUDGET, read_bounded, scan_pickle
 
-__all__ = ["ALLOWED_GLOBALS", "TORCH_DTYPES", "allowed_global", "check_data_files", "check_metadata_file",
+__all__ = ["ALLOWED_GLOBALS", "MetadataChecks", "TORCH_DTYPES", "allowed_global", "check_data_files", "check_metadata_file",
            "check_metadata_stream", "checked_pickle", "data_bytearray", "metadata_verdict", "refusal",
            "resolve_builtin", "unpickle"]
 
@@ -77,7 +77,7 @@ def checked_pickle(f: BinaryIO, where: str) -> io.BytesIO:
     """All of ``f`` (bounded), once a check of it as DCP metadata passed in the reader process
     (``sandbox.py``), so that unpickling it here costs at most that process's limits."""
     data = read_bounded(f, where)
-    key = scancache.digest(data, f"metadata decode {DEFAULT_BUDGET.scaled()!r}")
+    key = _decode_key(data)
     if not scancache.passed_before(key):
         sandbox.decode_in_sandbox("metadata", data, where, {"decode_only": True})
         scancache.remember_pass(key)
@@ -180,13 +180,71 @@ def check_metadata_stream(f: BinaryIO, name: str, files: Collection[str] | Mappi
     (``sandbox.py``), under the OS's memory and time limits; a pass is remembered by content.
     With ``chunks``: the byte ranges ``[file, offset, length]`` of its tensor chunks (never remembered)."""
     data = read_bounded(f, name)
-    key = scancache.digest(data, f"metadata check {DEFAULT_BUDGET.scaled()!r} {_files_key(files)}")
+    key = _check_key(data, files)
     if not chunks and scancache.passed_before(key):
         return None
-    args = {"files": files if isinstance(files, Mapping) or files is None else sorted(files), "chunks": chunks}
-    result = sandbox.decode_in_sandbox("metadata", data, name, args)
-    scancache.remember_pass(key)
+    result = sandbox.decode_in_sandbox("metadata", data, name, _check_args(files, chunks))
+    _remember_check(key, data)
     return result
+
+
+class MetadataChecks:
+    """``check_metadata_stream`` of many ``.metadata`` files (``(data, name, files)`` each), sent
+    to the reader process together: the caller works while it checks them (``ls`` of a root
+    verifies the next steps' other files meanwhile), and no round trip separates two checks.
+    Each check keeps its own limits; a pass is remembered by content as one checked alone."""
+
+    def __init__(self, items: list[tuple[bytes, str, Mapping[str, int] | None]], chunks: bool = False) -> None:
+        self._answers: list[Any] = [None] * len(items)
+        self._data = [data for data, _, _ in items]
+        self._todo: list[tuple[int, str]] = []
+        self._same: list[tuple[int, int]] = []  # (file, an earlier file of the group with its key)
+        first: dict[str, int] = {}
+        jobs = []
+        for i, (data, name, files) in enumerate(items):
+            key = _check_key(data, files)
+            if not chunks and scancache.passed_before(key):
+                continue
+            if key in first:  # the steps of one plan often hold the same bytes: checked once
+                self._same.append((i, first[key]))
+                continue
+            first[key] = i
+            self._todo.append((i, key))
+            jobs.append((data, name, _check_args(files, chunks)))
+        self._batch = sandbox.submit_decodes("metadata", jobs) if jobs else None
+
+    def results(self) -> list[Any]:
+        """Per file, in order: None (passed), its chunks' byte ranges (with ``chunks``), or the
+        ``InvalidCheckpoint`` / ``UnsafeCheckpoint`` refusing it."""
+        if self._batch is not None:
+            for (i, key), answer in zip(self._todo, sandbox.collect_decodes(self._batch)):
+                if not isinstance(answer, Exception):
+                    _remember_check(key, self._data[i])
+                self._answers[i] = answer
+            for i, j in self._same:
+                self._answers[i] = self._answers[j]
+            self._batch = None
+        return self._answers
+
+
+def _remember_check(key: str, data: bytes) -> None:
+    """A passed check, and with it the decode loading asks for (``checked_pickle``): the check ran
+    the same pre-scan and decode under the same limits, so a resume after ``ls`` or the
+    registry's check does not decode the file in the reader process again."""
+    scancache.remember_pass(key)
+    scancache.remember_pass(_decode_key(data))
+
+
+def _decode_key(data: bytes) -> str:
+    return scancache.digest(data, f"metadata decode {DEFAULT_BUDGET.scaled()!r}")
+
+
+def _check_key(data: bytes, files: Collection[str] | Mapping[str, int] | None) -> str:
+    return scancache.digest(data, f"metadata check {DEFAULT_BUDGET.scaled()!r} {_files_key(files)}")
+
+
+def _check_args(files: Collection[str] | Mapping[str, int] | None, chunks: bool) -> dict[str, Any]:
+    return {"files": files if isinstance(files, Mapping) or files is None else sorted(files), "chunks": chunks}
 
 
 def metadata_verdict(data: bytes, name: str, files: Collection[str] | Mapping[str, int] | None,

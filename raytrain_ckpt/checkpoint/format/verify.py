@@ -13,7 +13,7 @@ calls ``verify_step`` or ``step_problems`` here, with the storage the step lives
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Literal, Protocol
@@ -23,10 +23,11 @@ from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.manifest import Checksum, checksum_name, FileEntry, MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.names import Location, parse_entry
 from raytrain_ckpt.checkpoint.format.tensorblob import FileSlice, parse_chunk
-from raytrain_ckpt.checkpoint.format.unpickling import check_metadata_stream
+from raytrain_ckpt.checkpoint.format.prescan import read_bounded
+from raytrain_ckpt.checkpoint.format.unpickling import MetadataChecks, check_metadata_stream
 
 __all__ = ["MAX_MANIFEST_BYTES", "StepFiles", "Verify", "check_file", "read_manifest", "step_problems",
-           "verify_step"]
+           "verify_step", "verify_steps"]
 
 Verify = Literal["size", "checksum"]
 """How deep a step is verified: file sizes (cheap), or also every file's checksum (reads every byte)."""
@@ -93,6 +94,15 @@ def read_manifest(files: StepFiles, path: Location) -> Manifest:
 def _problems(files: StepFiles, path: Location, manifest: Manifest, level: Verify = "checksum",
               progress: Callable[[int], None] | None = None) -> Iterator[str]:
     """Every problem of a step directory against its manifest, lazily (stop at the first to fail fast)."""
+    intact = yield from _file_problems(files, path, manifest, level, progress)
+    if intact and ".metadata" in manifest.files:
+        yield from _metadata_problems(files, path, {n: e.size for n, e in manifest.files.items()}, level == "checksum")
+
+
+def _file_problems(files: StepFiles, path: Location, manifest: Manifest, level: Verify,
+                   progress: Callable[[int], None] | None = None) -> Generator[str, None, bool]:
+    """The problems of a step's name and files (all but what ``.metadata`` holds); returns
+    whether every listed file is intact."""
     name = files.name(path)
     entry = parse_entry(name)
     if entry is None or not entry.kind.is_loadable or entry.step != manifest.step:
@@ -101,19 +111,97 @@ def _problems(files: StepFiles, path: Location, manifest: Manifest, level: Verif
         yield "the manifest lists no .metadata"
     intact = True
     items = sorted(manifest.files.items())
+    if level != "checksum" or len(items) < 2:  # sizes (and one CRC of .metadata): no threads to start
+        checks: Iterator[str | None] = (check_file(files, files.join(path, n), e, level == "checksum" or
+                                                   n == ".metadata", progress) for n, e in items)
+        for problem in checks:
+            if problem is not None:
+                intact = False
+                yield problem
+        return intact
     # Files are checked on a few threads (CRC-32C releases the GIL), results in manifest order.
     pool = ThreadPoolExecutor(max_workers=min(_VERIFY_THREADS, len(items) or 1))
     try:
-        checks = pool.map(lambda item: check_file(files, files.join(path, item[0]), item[1],
-                                                  level == "checksum" or item[0] == ".metadata", progress), items)
+        checks = pool.map(lambda item: check_file(files, files.join(path, item[0]), item[1], True, progress), items)
         for problem in checks:
             if problem is not None:
                 intact = False
                 yield problem
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-    if intact and ".metadata" in manifest.files:
-        yield from _metadata_problems(files, path, {n: e.size for n, e in manifest.files.items()}, level == "checksum")
+    return intact
+
+
+def verify_steps(paths: list[Location], level: Verify, files: StepFiles,
+                 progress: Callable[[int], None] | None = None) -> list[Manifest | InvalidCheckpoint]:
+    """``verify_step`` of many step directories: per step its manifest, or the InvalidCheckpoint
+    naming its first problem. The ``.metadata`` checks go to the reader process in groups
+    (``unpickling.MetadataChecks``) while the next steps' files are checked here."""
+    out: list[Manifest | InvalidCheckpoint | None] = [None] * len(paths)
+    group: list[tuple[int, Manifest, bytes]] = []
+    sent: tuple[list[tuple[int, Manifest, bytes]], MetadataChecks] | None = None
+    size = 0
+    for i, path in enumerate(paths):
+        if progress is not None:
+            progress(1)
+        try:
+            manifest = read_manifest(files, path)
+        except InvalidCheckpoint as exc:
+            out[i] = exc
+            continue
+        checks = _file_problems(files, path, manifest, level)
+        problem = next(checks, None)
+        checks.close()
+        if problem is None:
+            data, problem = _metadata_bytes(files, path)
+        if problem is not None:
+            out[i] = InvalidCheckpoint(f"{path}: {problem}")
+            continue
+        group.append((i, manifest, data))
+        size += len(data)
+        if len(group) >= _GROUP_FILES or size >= _GROUP_BYTES:
+            _settle(sent, out, paths, files)
+            sent, group, size = (group, _send(group, paths, files, level)), [], 0
+    _settle(sent, out, paths, files)
+    if group:
+        _settle((group, _send(group, paths, files, level)), out, paths, files)
+    return out  # type: ignore[return-value]  (every entry is set above)
+
+
+_GROUP_FILES, _GROUP_BYTES = 32, 64 << 20
+"""The most ``.metadata`` files (and bytes of them) ``verify_steps`` sends to the reader process at once."""
+
+
+def _send(group: list[tuple[int, Manifest, bytes]], paths: list[Location], files: StepFiles,
+          level: Verify) -> MetadataChecks:
+    return MetadataChecks([(data, str(files.join(paths[i], ".metadata")), {n: e.size for n, e in m.files.items()})
+                           for i, m, data in group], chunks=level == "checksum")
+
+
+def _settle(sent: tuple[list[tuple[int, Manifest, bytes]], MetadataChecks] | None,
+            out: list[Manifest | InvalidCheckpoint | None], paths: list[Location], files: StepFiles) -> None:
+    if sent is None:
+        return
+    group, checks = sent
+    for (i, manifest, _), answer in zip(group, checks.results()):
+        path = paths[i]
+        if isinstance(answer, InvalidCheckpoint):
+            problem: str | None = str(answer).replace(f"{path}/", "", 1)
+        else:
+            problem = next(_chunk_problems(files, path, answer), None)
+        out[i] = manifest if problem is None else InvalidCheckpoint(f"{path}: {problem}")
+
+
+def _metadata_bytes(files: StepFiles, path: Location) -> tuple[bytes, str | None]:
+    """A step's ``.metadata`` (bounded), or the problem reading it."""
+    where = files.join(path, ".metadata")
+    try:
+        with files.open_read(where) as f:
+            return read_bounded(f, str(where)), None
+    except InvalidCheckpoint as exc:
+        return b"", str(exc).replace(f"{path}/", "", 1)
+    except OSError as exc:
+        return b"", f".metadata or a data file is unreadable ({exc})"
 
 
 def check_file(files: StepFiles, path: Location, want: FileEntry, checksum: bool,
@@ -148,9 +236,21 @@ def _metadata_problems(files: StepFiles, path: Location, listed: Mapping[str, in
     try:
         with files.open_read(where) as f:
             ranges = check_metadata_stream(f, str(where), listed, chunks=chunks)
-        by_file: dict[str, list[tuple[int, int]]] = {}
-        for name, offset, length in ranges or ():
-            by_file.setdefault(name, []).append((offset, length))
+    except InvalidCheckpoint as exc:
+        yield str(exc).replace(f"{path}/", "", 1)
+        return
+    except OSError as exc:
+        yield f".metadata or a data file is unreadable ({exc})"
+        return
+    yield from _chunk_problems(files, path, ranges)
+
+
+def _chunk_problems(files: StepFiles, path: Location, ranges: list | None) -> Iterator[str]:
+    """The problem of the first tensor chunk (``[file, offset, length]``) whose header loading would refuse."""
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for name, offset, length in ranges or ():
+        by_file.setdefault(name, []).append((offset, length))
+    try:
         for name, spans in sorted(by_file.items()):
             with files.open_read(files.join(path, name)) as f:
                 for offset, length in sorted(spans):

@@ -28,7 +28,7 @@ from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.format.names import Entry, EntryKind, Location, parse_entry, step_name
-from raytrain_ckpt.checkpoint.format.verify import Verify, read_manifest, verify_step
+from raytrain_ckpt.checkpoint.format.verify import Verify, read_manifest, verify_step, verify_steps
 from raytrain_ckpt.checkpoint.storage.backends import Storage, open_storage
 from raytrain_ckpt.checkpoint.storage.commit import commit_protocol
 
@@ -162,14 +162,21 @@ class CheckpointLayout:
         """Check a step directory against its manifest (``format.verify``); raises InvalidCheckpoint."""
         return verify_step(path, level, self.storage)
 
+    def verify_many(self, paths: list[Location], level: Verify = "checksum",
+                    progress: Callable[[int], None] | None = None) -> list[Manifest | InvalidCheckpoint]:
+        """``verify`` of many step directories (their ``.metadata`` checks sent to the reader
+        process together, ``format.verify.verify_steps``): a manifest or the error, per path."""
+        return verify_steps(paths, level, self.storage, progress)
+
     def valid_steps(self, level: Verify = "size") -> dict[int, Manifest]:
         """Steps whose directories verify; invalid ones are logged and skipped."""
+        steps = sorted(self.step_dirs().items())
         out = {}
-        for step, path in sorted(self.step_dirs().items()):
-            try:
-                out[step] = self.verify(path, level)
-            except InvalidCheckpoint as exc:
-                logger.warning("skipping checkpoint step %d: %s", step, exc)
+        for (step, _), verdict in zip(steps, self.verify_many([path for _, path in steps], level)):
+            if isinstance(verdict, InvalidCheckpoint):
+                logger.warning("skipping checkpoint step %d: %s", step, verdict)
+            else:
+                out[step] = verdict
         return out
 
     def describe(self, path: Location) -> dict[str, int]:
