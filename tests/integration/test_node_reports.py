@@ -9,6 +9,7 @@ The actor counts ranks, not calls: a node's report missing one rank leaves the s
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -75,6 +76,12 @@ def test_a_node_report_missing_one_rank_leaves_the_step_uncommitted(ray_cluster,
         status = ray.get(actor.status.remote())
         assert status.committed == [10]
         assert status.steps[10].wall["stall_s"] == pytest.approx(0.01 * WORLD)  # the stalls rode with the reports
+        # A stall of a step the node already reported (a save that waited for its commit) goes at once.
+        node_of[0].stall(10, 0, 5.0)
+        deadline = time.monotonic() + 3.0
+        while ray.get(actor.status.remote()).steps[10].wall["stall_s"] != 5.0:
+            assert time.monotonic() < deadline, "the late stall did not go at once"
+            time.sleep(0.1)
 
         # An entry's error is its own caller's: a hand-off of a step aborted meanwhile raises there.
         ray.get(actor.abort.remote(20, "a rank failed", 0))

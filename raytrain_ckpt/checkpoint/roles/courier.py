@@ -32,7 +32,8 @@ HAND_OFF_WINDOW_S = 0.05
 REPORT_WINDOW_S = 0.25
 """How long a report waits for the node's other ranks' (their writes end within about this of each other)."""
 STALL_WINDOW_S = 5.0
-"""How long a stall waits for a batch to ride with (the node's reports of the step follow it)."""
+"""How long a stall waits for a batch to ride with (the node's reports of the step follow it); one
+of a step this node already reported (a save that waited for its commit) goes at once."""
 
 _WINDOW = {"accepted": HAND_OFF_WINDOW_S, "report": REPORT_WINDOW_S, "stall": STALL_WINDOW_S}
 
@@ -65,6 +66,8 @@ class NodeCourier:
         self._cond = threading.Condition()
         self._queue: list[_Entry] = []
         self._ranks: dict[int, set[int]] = {}
+        self._reported: list[int] = []
+        """The steps whose reports this node sent lately."""
         self._thread: threading.Thread | None = None
         self.calls = 0
         """Batches sent (what the benchmarks and tests count)."""
@@ -114,7 +117,8 @@ class NodeCourier:
         """Whether the queue goes now: some kind of some step has every rank of the node, or the
         oldest entry's window is over."""
         now = time.monotonic()
-        if any(now >= e.since + self._windows[e.kind] for e in self._queue):
+        if any(now >= e.since + self._windows[e.kind] or (e.kind == "stall" and e.step in self._reported)
+               for e in self._queue):
             return True
         groups: dict[tuple[str, int, int], set[int]] = {}
         for e in self._queue:
@@ -140,6 +144,8 @@ class NodeCourier:
                           tuple((e.step, e.rank, e.attempt) for e in accepted),
                           tuple(e.payload for e in reports),
                           tuple((e.step, e.rank, e.payload) for e in entries if e.kind == "stall"))
+        with self._cond:
+            self._reported = sorted({*self._reported, *(e.step for e in reports)})[-8:]
         try:
             self.calls += 1
             answer = self._send(batch)
