@@ -98,7 +98,7 @@ class CheckpointWriter:
         # The node's ranks' hand-offs, reports and stalls go to the actor together (``courier.py``).
         self.courier = NodeCourier(lambda batch: ray.get(coordinator.node_report.remote(batch)),
                                    lambda: WriterRef(ray.get_runtime_context().current_actor, node_id),
-                                   coordinator.open_step.remote)
+                                   lambda step, attempt: coordinator.open_step.remote(step, attempt))
         prefix = buffer_prefix(job, root)
         self.buffers = WriterBuffers(shm_dir(), prefix, node_id, self._pool)
         self.metrics = WriterMetrics(job, node_id[:12])
@@ -149,9 +149,6 @@ class CheckpointWriter:
         told of the hand-off with the node's other ranks' (``courier.py``); without it (the actor
         was restarting, the step was aborted) the write starts after that.
         """
-        if not opened and req.tier != "ram":
-            opened = [self.courier.open_step(req.step, req.attempt)]
-        tmp = _opened(opened)
         key = (req.rank, req.step)
         with self.buffers.lock:
             held = self.buffers.held.get(req.buffer_path)
@@ -164,6 +161,7 @@ class CheckpointWriter:
         if req.tier == "ram":  # a preemption's RAM tier: recorded in memory, storage and the actor untouched
             self._jobs[key] = self._pool.submit(_hold_in_ram, self, req)
             return
+        tmp = _opened(opened or [self.courier.open_step(req.step, req.attempt)])
         if tmp is not None:
             self._start(req, tmp)
         try:
