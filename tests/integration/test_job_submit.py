@@ -354,7 +354,7 @@ def test_ray_job_stop_commits_the_step_in_hand_and_a_resubmit_resumes_there(head
     assert record["job_info"]["state"] == "STOPPED" and record["stopped"] == line and record["error"] is None, record
     shown = subprocess.run([sys.executable, "-m", "raytrain_ckpt", "status", str(root)], cwd=REPO, env=head.env,
                            capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0 and f"STOPPED" in shown.stdout and f"stopped by {line}" in shown.stdout, shown
+    assert shown.returncode == 0 and "STOPPED" in shown.stdout and f"stopped by {line}" in shown.stdout, shown
     _, again = submit(safe + 2)
     out = again.stdout + again.stderr
     assert again.returncode == 0 and "succeeded" in out, out[-4000:]

@@ -6,7 +6,6 @@ export inside the checkpoint root, a ``--watch`` period of centuries."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
