@@ -7,9 +7,8 @@ for N <= 64, timed from the caller) through two saves of one attempt, as the ran
 
 * the first save of the attempt: every rank's ``plan`` (the global plan and ``.metadata``,
   built once per layout), then, per node of ``--per-node`` ranks, the calls its writer makes
-  (``roles/courier.py``): one ``node_report`` with its ranks' hand-offs and one with their
-  reports and stalls (the last one commits), besides each rank's own ``open_step`` (the actor
-  knows a step is in flight from its ranks, even when a node's writer does not answer);
+  (``roles/courier.py``): one ``open_step``, one ``node_report`` with its ranks' hand-offs and
+  one with their reports and stalls (the last one commits);
 * a later save of the same attempt: the same calls without ``plan`` (the plan is cached); each
   rank's results equal the first save's, so the writers send them as a digest
   (``roles/repeats.py``) and the actor copies the first save's ``.metadata``;
@@ -104,7 +103,7 @@ async def _save(actor: CheckpointActor, n: int, step: int, attempt: int, central
     reports, spent = [], 0.0
     nodes = [list(range(a, min(a + PER_NODE, n))) for a in range(0, n, PER_NODE)]
     tmp = None
-    for _ in range(n):
+    for _ in nodes:
         calls.add("open_step", step, attempt)
         t0 = time.perf_counter()
         tmp = await actor.open_step(step, attempt)
@@ -350,11 +349,10 @@ def calls_row(n: int) -> dict[str, Any]:
         per_rank.add("record_stall", 20, r, 0.01)
     for a in range(0, n, PER_NODE):
         ranks = range(a, min(a + PER_NODE, n))
+        per_node.add("open_step", 20, 0)
         per_node.add("node_report", NodeBatch(None, tuple((20, r, 0) for r in ranks)))
         per_node.add("node_report", NodeBatch(None, (), tuple(report(r) for r in ranks),
                                               tuple((20, r, 0.01) for r in ranks)))
-    for r in range(n):
-        per_node.add("open_step", 20, 0)   # each rank's own, not the node's
     (c0, b0), (c1, b1) = per_rank.total(), per_node.total()
     return {"n": n, "rank_calls": c0, "rank_mb": b0 / 1e6, "node_calls": c1, "node_mb": b1 / 1e6}
 
@@ -381,7 +379,7 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
             plan_s = time.perf_counter() - t0
             for key, step in (("ray_first_save_s", 10), ("ray_save_s", 20)):
                 nodes = [list(range(a, min(a + PER_NODE, n))) for a in range(0, n, PER_NODE)]
-                tmp = ray.get([actor.open_step.remote(step, 0) for _ in range(n)])[0]
+                tmp = ray.get([actor.open_step.remote(step, 0) for _ in nodes])[0]
                 reports = []
                 for rank in range(n):
                     results = write_results(centrals[rank].plan, step)

@@ -47,8 +47,8 @@ def test_a_node_report_missing_one_rank_leaves_the_step_uncommitted(ray_cluster,
     try:
         ray.get(actor.configure.remote(GroupLayout(WORLD, WORLD, "h", None)))
         centrals = ray.get([actor.plan.remote(0, 10, r, local_plan(shape, r, WORLD), 60) for r in range(WORLD)])
-        couriers = [NodeCourier(lambda batch: ray.get(actor.node_report.remote(batch)), lambda: None)
-                    for _ in range(NODES)]
+        couriers = [NodeCourier(lambda batch: ray.get(actor.node_report.remote(batch)), lambda: None,
+                                actor.open_step.remote) for _ in range(NODES)]
         for node, courier in enumerate(couriers):
             for rank in range(node * PER_NODE, (node + 1) * PER_NODE):
                 courier.expect(0, rank)
@@ -56,7 +56,7 @@ def test_a_node_report_missing_one_rank_leaves_the_step_uncommitted(ray_cluster,
 
         with ThreadPoolExecutor(WORLD) as pool:  # each rank's hand-off and report on a thread of its own, as in the writer
             tmps = list(pool.map(lambda r: node_of[r].accepted(10, r, 0), range(WORLD)))
-            assert len(set(tmps)) == 1 and ray.get(actor.open_step.remote(10, 0)) == tmps[0]
+            assert len(set(tmps)) == 1 and ray.get(couriers[0].open_step(10, 0)) == tmps[0]
             assert [c.calls for c in couriers] == [1] * NODES  # one call per node for its ranks' hand-offs
             for r in range(WORLD):
                 node_of[r].stall(10, r, 0.01 * (r + 1))

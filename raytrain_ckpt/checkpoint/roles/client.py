@@ -224,8 +224,6 @@ class CheckpointClient:
         self._handed_off()  # counted in this save's stall
         if not self._previous_settled(step, final=final or step == self.total_steps):
             return
-        # Opened by the rank (not its node's writer, which may stop answering) while it plans and copies.
-        opened = self.actor.open_step.remote(step, self.attempt) if tier == "durable" else None
         tensors, objects = self._flatten(state)
         try:
             layout = self._ensure_layout(step, tensors, objects)
@@ -248,7 +246,7 @@ class CheckpointClient:
                                  payload, layout.plan, point or TrainingPoint(),
                                  stage_s=time.monotonic() - t0, token=token, tier=tier)  # the writer adds the copy's time
             try:
-                sent.append(self.writer.accept.remote(req, [opened] if opened is not None else []))  # nested: a failed call is the writer's to handle
+                sent.append(self.writer.accept.remote(req))  # the writer opens the step, once for its node
             except Exception as exc:  # surfaced by hand_off(): the copy goes on, the step is lost
                 sent.append(exc)
 

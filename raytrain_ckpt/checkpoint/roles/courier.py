@@ -2,7 +2,7 @@
 
 A save used to make four small calls per rank into the one CheckpointActor (the rank's
 ``open_step`` and ``record_stall``, the writer's ``accepted`` and ``report``): 16,384 at 4096
-ranks, all into one async actor. The rank's ``open_step`` stays its own. The node's writer takes every rank's hand-off, so it speaks for
+ranks, all into one async actor. The node's writer takes every rank's hand-off, so it speaks for
 them: ``NodeCourier`` queues each rank's hand-off, report and stall and sends what is queued as
 one ``NodeBatch`` (``CheckpointActor.node_report``) once every rank of the node the writer knows
 of has sent the same kind for the step, or once the oldest entry has waited its window. Each
@@ -53,14 +53,15 @@ class NodeCourier:
     """Batches one node's calls into the CheckpointActor; see the module docstring.
 
     ``send(batch)`` makes the call (a blocking Ray call in the writer); ``writer()`` is the
-    writer's ``WriterRef``. A rank still opens a step with its own call (``CheckpointClient.save``):
-    the actor then knows the step is in flight even when this writer stops answering. The ranks of the node, per attempt, are what ``expect`` was told
+    writer's ``WriterRef``; ``open_step(step, attempt)`` starts the actor's ``open_step`` (a Ray
+    call's reference). The ranks of the node, per attempt, are what ``expect`` was told
     (the writer tells it each rank whose staging buffer it allocates).
     """
 
     def __init__(self, send: Callable[[NodeBatch], NodeAnswer], writer: Callable[[], WriterRef | None],
-                 windows: dict[str, float] | None = None) -> None:
-        self._send, self._writer = send, writer
+                 open_step: Callable[[int, int], Any] | None = None, windows: dict[str, float] | None = None) -> None:
+        self._send, self._writer, self._open_step = send, writer, open_step
+        self._opening: dict[tuple[int, int], Any] = {}
         self._windows = {**_WINDOW, **(windows or {})}
         self._cond = threading.Condition()
         self._queue: list[_Entry] = []
@@ -78,6 +79,17 @@ class NodeCourier:
                 del self._ranks[old]
             self._ranks.setdefault(attempt, set()).add(rank)
             self._cond.notify_all()
+
+    def open_step(self, step: int, attempt: int) -> Any:
+        """The node's one call opening ``step`` (the first of its ranks' hand-offs makes it)."""
+        assert self._open_step is not None
+        with self._cond:
+            ref = self._opening.get((step, attempt))
+            if ref is None:
+                ref = self._opening[(step, attempt)] = self._open_step(step, attempt)
+                for old in sorted(self._opening)[:-4]:
+                    del self._opening[old]
+            return ref
 
     def accepted(self, step: int, rank: int, attempt: int) -> str:
         """Tell the actor this writer holds rank ``rank``'s hand-off of ``step``; its temporary directory."""

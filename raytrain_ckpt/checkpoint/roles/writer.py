@@ -97,7 +97,8 @@ class CheckpointWriter:
         node_id = ray.get_runtime_context().get_node_id()
         # The node's ranks' hand-offs, reports and stalls go to the actor together (``courier.py``).
         self.courier = NodeCourier(lambda batch: ray.get(coordinator.node_report.remote(batch)),
-                                   lambda: WriterRef(ray.get_runtime_context().current_actor, node_id))
+                                   lambda: WriterRef(ray.get_runtime_context().current_actor, node_id),
+                                   lambda step, attempt: coordinator.open_step.remote(step, attempt))
         prefix = buffer_prefix(job, root)
         self.buffers = WriterBuffers(shm_dir(), prefix, node_id, self._pool)
         self.metrics = WriterMetrics(job, node_id[:12])
@@ -143,11 +144,10 @@ class CheckpointWriter:
         longer depends on the trainer process. A trainer whose copy fails or that goes away before
         its copy is complete loses the step: the write stops and the step is aborted.
 
-        ``opened``: the trainer's call opening the step (``CheckpointActor.open_step``, made while
-        it planned and started its copy). With its reply, the step's temporary directory, the
-        write starts at once, while the actor is told of the hand-off with the node's other ranks'
-        (``courier.py``); without one (the call failed: the actor was restarting, the step was
-        aborted) it starts after that.
+        The step's temporary directory comes from the node's one ``open_step`` call for the step
+        (``opened``: a call the trainer made instead): the write starts at once while the actor is
+        told of the hand-off with the node's other ranks' (``courier.py``); without it (the actor
+        was restarting, the step was aborted) the write starts after that.
         """
         key = (req.rank, req.step)
         with self.buffers.lock:
@@ -161,7 +161,7 @@ class CheckpointWriter:
         if req.tier == "ram":  # a preemption's RAM tier: recorded in memory, storage and the actor untouched
             self._jobs[key] = self._pool.submit(_hold_in_ram, self, req)
             return
-        tmp = _opened(opened)
+        tmp = _opened(opened or [self.courier.open_step(req.step, req.attempt)])
         if tmp is not None:
             self._start(req, tmp)
         try:
