@@ -6,9 +6,8 @@ shard of the 8B or 70B model, computed from its shape, no tensor bytes) drive th
 for N <= 64, timed from the caller) through two saves of one attempt, as the ranks' and writers' calls would:
 
 * the first save of the attempt: every rank's ``plan`` (the global plan and ``.metadata``,
-  built once per layout), then, per node of ``--per-node`` ranks, the calls its writer makes
-  (``roles/courier.py``): one ``open_step``, one ``node_report`` with its ranks' hand-offs and
-  one with their reports and stalls (the last one commits);
+  built once per layout), then ``open_step``, ``accepted``, ``report`` (the last one commits)
+  and ``record_stall`` from every rank;
 * a later save of the same attempt: the same calls without ``plan`` (the plan is cached); each
   rank's results equal the first save's, so the writers send them as a digest
   (``roles/repeats.py``) and the actor copies the first save's ``.metadata``;
@@ -61,7 +60,7 @@ sys.path.insert(0, str(REPO))
 from bench.scale_ranks import MODELS, local_plan, template, write_results  # noqa: E402
 
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy  # noqa: E402
-from raytrain_ckpt.checkpoint.records import GroupLayout, NodeBatch, RankReport, TrainingPoint  # noqa: E402
+from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport, TrainingPoint  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.repeats import SentResults  # noqa: E402
 from raytrain_ckpt.control.preflight import load_spec  # noqa: E402
@@ -81,8 +80,6 @@ class _Calls:
     def __init__(self) -> None:
         self.count: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
-        self.report_bytes = 0
-        """Of ``bytes``, the ranks' reports."""
 
     def add(self, method: str, *args: Any) -> None:
         self.count[method] = self.count.get(method, 0) + 1
@@ -92,18 +89,13 @@ class _Calls:
         return sum(self.count.values()), sum(self.bytes.values())
 
 
-PER_NODE = 8
-"""Ranks per node (``--per-node``): each node's writer carries its ranks' calls into the actor."""
-
-
 async def _save(actor: CheckpointActor, n: int, step: int, attempt: int, centrals: list[Any],
                 calls: _Calls, sent: SentResults) -> float:
     """One save of every rank after planning: the actor's time in its methods, in seconds.
     ``sent``: what the writers delivered before (a rank's unchanged results go as a digest)."""
     reports, spent = [], 0.0
-    nodes = [list(range(a, min(a + PER_NODE, n))) for a in range(0, n, PER_NODE)]
     tmp = None
-    for _ in nodes:
+    for rank in range(n):
         calls.add("open_step", step, attempt)
         t0 = time.perf_counter()
         tmp = await actor.open_step(step, attempt)
@@ -117,22 +109,23 @@ async def _save(actor: CheckpointActor, n: int, step: int, attempt: int, central
             f.truncate(size)
         reports.append(sent.slim(RankReport(step, rank, attempt, centrals[rank].plan_id, results,
                                             {name: {"size": size, "crc32c": 0}}, TrainingPoint(samples_seen=step))))
-    for ranks in nodes:
-        batch = NodeBatch(None, tuple((step, r, attempt) for r in ranks))
-        calls.add("node_report", batch)
+    for rank in range(n):
+        calls.add("accepted", step, rank, attempt, None)
         t0 = time.perf_counter()
-        await actor.node_report(batch)
+        await actor.accepted(step, rank, attempt, None)
         spent += time.perf_counter() - t0
-    for ranks in nodes:
-        batch = NodeBatch(None, (), tuple(reports[r] for r in ranks), tuple((step, r, 0.01) for r in ranks))
-        calls.add("node_report", batch)
-        calls.report_bytes += len(pickle.dumps(batch.reports, protocol=5))
+    for rank in range(n):
+        calls.add("report", reports[rank])
         t0 = time.perf_counter()
-        answer = await actor.node_report(batch)
+        out = await actor.report(reports[rank])
         spent += time.perf_counter() - t0
-        for r in ranks:
-            sent.delivered(reports[r])
-    assert answer.reports[-1] == "committed", answer
+        sent.delivered(reports[rank])
+    assert out == "committed", out
+    for rank in range(n):
+        calls.add("record_stall", step, rank, 0.01)
+        t0 = time.perf_counter()
+        await actor.record_stall(step, rank, 0.01)
+        spent += time.perf_counter() - t0
     return spent
 
 
@@ -186,7 +179,7 @@ def one(model: str, n: int) -> dict[str, Any]:
         out["peak_mb"] = _rss_mb() - rss0
         out["first_calls"], out["first_mb"] = first.total()[0], first.total()[1] / 1e6
         out["calls"], out["mb"] = later.total()[0], later.total()[1] / 1e6
-        out["report_mb"] = later.report_bytes / 1e6
+        out["report_mb"] = later.bytes["report"] / 1e6
         out["changed_mb"] = changed.total()[1] / 1e6
         step_dir = actor.layout.step_dir(20)
         out["metadata_mb"] = os.path.getsize(os.path.join(step_dir, ".metadata")) / 1e6
@@ -314,47 +307,9 @@ def prefix_row(model: str, n: int) -> dict[str, Any]:
                 sizes, _ = _compute_local_shape_and_global_offset(tuple(value.shape), (n,), lambda d, r=r: r,
                                                                   (Shard(0),))
                 per_rank[r] += math.prod(sizes) * value.dtype.itemsize
-    from raytrain_ckpt.checkpoint.storage.dcp import key_spread
-
-    by_rank = [1 if b < PART_SIZE else 2 + -(-b // PART_SIZE) for b in per_rank]
-    requests = sum(by_rank) + 2
-    # Requests per key range of the step's prefix, by the first character where the keys differ:
-    # DCP's names (``__<rank>_0.distcp``: the rank's leading digit, after ``step-N/__``) and the
-    # spread names (``<2 hex>__<rank>_0.distcp``, ``storage/dcp.py``: the first hex digit, after
-    # ``step-N/``). ``.metadata`` and the manifest add one each (``.`` and ``m``).
-    flat: dict[str, int] = {".": 1, "m": 1}
-    spread: dict[str, int] = {".": 1, "m": 1}
-    for r, k in enumerate(by_rank):
-        flat[str(r)[0]] = flat.get(str(r)[0], 0) + k
-        spread[key_spread(r)[0]] = spread.get(key_spread(r)[0], 0) + k
+    requests = sum(1 if b < PART_SIZE else 2 + -(-b // PART_SIZE) for b in per_rank) + 2
     return {"model": model, "n": n, "bytes": sum(per_rank), "file_mb": max(per_rank) / 1e6, "requests": requests,
-            "prefix_s": requests / S3_PUTS_PER_PREFIX_S, "flat": flat, "spread": spread}
-
-
-def calls_row(n: int) -> dict[str, Any]:
-    """The calls into the actor and their pickled bytes for a later save of ``n`` ranks (the
-    plan cached, every rank's results unchanged, so its report goes as a digest, the way
-    ``_save`` sends them), per rank as the ranks and writers made them before the node's writer
-    carried them, and per node (``roles/courier.py``), without planning: the reports' sizes do
-    not depend on the model once the results go as a digest."""
-    def report(r: int) -> RankReport:
-        return RankReport(20, r, 0, "0.10", None, {f"__{r}_0.distcp": {"size": 1 << 30, "crc32c": 0}},
-                          TrainingPoint(samples_seen=20), digest="0" * 32)
-
-    per_rank, per_node = _Calls(), _Calls()
-    for r in range(n):
-        per_rank.add("open_step", 20, 0)
-        per_rank.add("accepted", 20, r, 0, None)
-        per_rank.add("report", report(r))
-        per_rank.add("record_stall", 20, r, 0.01)
-    for a in range(0, n, PER_NODE):
-        ranks = range(a, min(a + PER_NODE, n))
-        per_node.add("open_step", 20, 0)
-        per_node.add("node_report", NodeBatch(None, tuple((20, r, 0) for r in ranks)))
-        per_node.add("node_report", NodeBatch(None, (), tuple(report(r) for r in ranks),
-                                              tuple((20, r, 0.01) for r in ranks)))
-    (c0, b0), (c1, b1) = per_rank.total(), per_node.total()
-    return {"n": n, "rank_calls": c0, "rank_mb": b0 / 1e6, "node_calls": c1, "node_mb": b1 / 1e6}
+            "prefix_s": requests / S3_PUTS_PER_PREFIX_S}
 
 
 def ray_saves(model: str, n: int) -> dict[str, float]:
@@ -378,8 +333,7 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
             centrals = ray.get([actor.plan.remote(0, 10, r, plans[r], 600.0) for r in range(n)])
             plan_s = time.perf_counter() - t0
             for key, step in (("ray_first_save_s", 10), ("ray_save_s", 20)):
-                nodes = [list(range(a, min(a + PER_NODE, n))) for a in range(0, n, PER_NODE)]
-                tmp = ray.get([actor.open_step.remote(step, 0) for _ in nodes])[0]
+                tmp = ray.get([actor.open_step.remote(step, 0) for _ in range(n)])[0]
                 reports = []
                 for rank in range(n):
                     results = write_results(centrals[rank].plan, step)
@@ -391,11 +345,9 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
                                                     {name: {"size": size, "crc32c": 0}},
                                                     TrainingPoint(samples_seen=step))))
                 t0 = time.perf_counter()
-                ray.get([actor.node_report.remote(NodeBatch(None, tuple((step, r, 0) for r in rs))) for rs in nodes])
-                answers = ray.get([actor.node_report.remote(NodeBatch(None, (), tuple(reports[r] for r in rs),
-                                                                      tuple((step, r, 0.01) for r in rs)))
-                                   for rs in nodes])
-                outcomes = [o for a in answers for o in a.reports]
+                ray.get([actor.accepted.remote(step, r, 0, None) for r in range(n)])
+                outcomes = ray.get([actor.report.remote(rep) for rep in reports])
+                ray.get([actor.record_stall.remote(step, r, 0.01) for r in range(n)])
                 out[key] = time.perf_counter() - t0 + (plan_s if step == 10 else 0.0)
                 assert outcomes.count("committed") == 1, outcomes
                 for rep in reports:
@@ -505,7 +457,6 @@ def _table(rows: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    global PER_NODE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 512])
     ap.add_argument("--models", nargs="+", default=["8b", "70b"], choices=sorted(MODELS))
@@ -514,28 +465,16 @@ def main() -> None:
     ap.add_argument("--ray", action="store_true",
                     help=f"also the two saves through the actor as a Ray actor (N <= {RAY_MAX_N})")
     ap.add_argument("--prefixes", action="store_true",
-                    help="only the object-store write requests per save under the step's prefix, per model and N, "
-                         "and per first key character after it (DCP's names and the spread ones)")
+                    help="only the object-store write requests per save under the step's prefix, per model and N")
     ap.add_argument("--check-only", action="store_true",
                     help="only the first save's global-plan check (ours and DCP's) per model and N")
-    ap.add_argument("--per-node", type=int, default=PER_NODE,
-                    help=f"ranks per node, whose writer carries their calls into the actor (default {PER_NODE})")
-    ap.add_argument("--calls-only", action="store_true",
-                    help="only the calls and bytes into the actor of a later save, per rank and per node, per N")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    PER_NODE = args.per_node
     if args.one:
         row = one(args.one[0], int(args.one[1]))
         if args.ray and row["n"] <= RAY_MAX_N:
             row.update(ray_saves(args.one[0], row["n"]))
         print(json.dumps(row))
-        return
-    if args.calls_only:
-        for n in args.sizes:
-            r = calls_row(n)
-            print(f"N={n:>5}: a later save's calls into the actor {r['rank_calls']} ({r['rank_mb']:.2f} MB) made per "
-                  f"rank, {r['node_calls']} ({r['node_mb']:.2f} MB) carried per node of {PER_NODE}", flush=True)
         return
     if args.prefixes:
         for model in args.models:
@@ -544,13 +483,6 @@ def main() -> None:
                 print(f"{model} N={n:>5}: {r['bytes'] / 1e9:.0f} GB a save, files of {r['file_mb']:.0f} MB: "
                       f"{r['requests']} write requests under the step's prefix, {r['prefix_s']:.1f} s of one "
                       f"prefix's {S3_PUTS_PER_PREFIX_S}/s", flush=True)
-                for scheme in ("flat", "spread"):
-                    counts = dict(sorted(r[scheme].items(), key=lambda kv: -kv[1]))
-                    top = max(counts.values())
-                    where = "step-N/__" if scheme == "flat" else "step-N/"
-                    print(f"    {scheme:>6} names, requests per key range (first character after {where}; "
-                          f"{len(counts)} of them, the busiest {top}: {top / S3_PUTS_PER_PREFIX_S:.2f} s of "
-                          f"{S3_PUTS_PER_PREFIX_S}/s): " + ", ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
         return
     if args.check_only:
         for model in args.models:
@@ -570,8 +502,7 @@ def main() -> None:
     for model in args.models:
         for n in args.sizes:
             t0 = time.monotonic()
-            proc = subprocess.run([sys.executable, __file__, "--one", model, str(n), "--per-node", str(PER_NODE),
-                                   *(["--ray"] if args.ray else [])],
+            proc = subprocess.run([sys.executable, __file__, "--one", model, str(n), *(["--ray"] if args.ray else [])],
                                   capture_output=True, text=True,
                                   # Each N reads its steps as for the first time: the saves of one plan write
                                   # the same .metadata bytes in every run, which the scan cache under the

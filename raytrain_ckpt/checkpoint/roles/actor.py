@@ -23,8 +23,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
-from raytrain_ckpt.checkpoint.records import (ActorStatus, CentralPlan, FileSum, GroupLayout, JobNote, NodeAnswer, NodeBatch,
-                                              ProbesSeen, RankReport, ResumePoint, SaveCosts, WriterRef)
+from raytrain_ckpt.checkpoint.records import ActorStatus, CentralPlan, FileSum, GroupLayout, JobNote, ProbesSeen, RankReport, ResumePoint, SaveCosts, WriterRef
 from raytrain_ckpt.checkpoint.roles.board import StatusBoard
 from raytrain_ckpt.checkpoint.roles.coordinator import SaveCoordinator
 from raytrain_ckpt.checkpoint.roles.retainer import Retainer, out_of_space
@@ -154,27 +153,6 @@ class CheckpointActor:
             # The step is durable from here on: whatever retention does cannot make it an abort.
             await asyncio.to_thread(self.retainer.purge)
         return out
-
-    async def node_report(self, batch: NodeBatch) -> NodeAnswer:
-        """A node's writer speaking for its ranks in one call (``roles/courier.py``): their stalls,
-        then their hand-offs (``accepted``), then their reports (``report``), each as its own call
-        would be taken. A step commits once every rank of the group reported, however many calls
-        brought the reports; an entry's error is its answer, not the call's."""
-        for step, rank, seconds in batch.stalls:
-            self.board.record_stall(step, rank, seconds)
-        accepted: list[object] = []
-        for step, rank, attempt in batch.accepted:
-            try:
-                accepted.append(self.steps.accepted(step, rank, attempt, batch.writer))
-            except Exception as exc:  # noqa: BLE001 - that rank's answer (a step aborted meanwhile)
-                accepted.append(exc)
-        reports: list[object] = []
-        for report in batch.reports:
-            try:
-                reports.append(await self.report(report))
-            except Exception as exc:  # noqa: BLE001 - that rank's answer (its step aborted, the commit failed)
-                reports.append(exc)
-        return NodeAnswer(tuple(accepted), tuple(reports))
 
     async def settle(self, timeout_s: float) -> None:
         """See ``StepRegistry.settle``."""

@@ -224,6 +224,9 @@ class CheckpointClient:
         self._handed_off()  # counted in this save's stall
         if not self._previous_settled(step, final=final or step == self.total_steps):
             return
+        # The step's temporary directory, opened while this rank plans and starts its copy: the
+        # writer gets the reply, and its first write does not wait for a round trip of its own.
+        opened = self.actor.open_step.remote(step, self.attempt) if tier == "durable" else None
         tensors, objects = self._flatten(state)
         try:
             layout = self._ensure_layout(step, tensors, objects)
@@ -246,7 +249,7 @@ class CheckpointClient:
                                  payload, layout.plan, point or TrainingPoint(),
                                  stage_s=time.monotonic() - t0, token=token, tier=tier)  # the writer adds the copy's time
             try:
-                sent.append(self.writer.accept.remote(req))  # the writer opens the step, once for its node
+                sent.append(self.writer.accept.remote(req, [opened] if opened is not None else []))  # nested: a failed call is the writer's to handle
             except Exception as exc:  # surfaced by hand_off(): the copy goes on, the step is lost
                 sent.append(exc)
 
@@ -280,10 +283,9 @@ class CheckpointClient:
             self.interval.saved(self.stats.last_stall_s)
 
     def _report_stall(self, step: int) -> None:
-        """The actor keeps each step's stall in its manifest (``wall.stall_s``, max over ranks); the
-        writer carries it there with its node's next call (``roles/courier.py``)."""
+        """The actor keeps each step's stall in its manifest (``wall.stall_s``, max over ranks)."""
         self.stats.last_stall_s, self._stall_reported = self.stats.stall_s - self._stall_reported, self.stats.stall_s
-        self.writer.record_stall.remote(step, self.rank, self.stats.last_stall_s)
+        self.actor.record_stall.remote(step, self.rank, self.stats.last_stall_s)
 
     def _previous_settled(self, step: int, final: bool) -> bool:
         """Apply on_busy to a save still writing; returns False when this save is skipped (on every rank).

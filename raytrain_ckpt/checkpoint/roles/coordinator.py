@@ -26,7 +26,7 @@ from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, RankRepor
 from raytrain_ckpt.checkpoint.errors import StepAborted
 from raytrain_ckpt.checkpoint.roles.repeats import ResultsCache, copy_metadata, plan_storage_meta
 from raytrain_ckpt.checkpoint.roles.steps import InFlightStep, StepRegistry
-from raytrain_ckpt.checkpoint.storage.dcp import dcp_writer, spread_names
+from raytrain_ckpt.checkpoint.storage.dcp import dcp_writer
 from raytrain_ckpt.checkpoint.format.fingerprints import merge_shard_sums
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.format.planchecks import global_plan
@@ -75,8 +75,6 @@ class SaveCoordinator:
             # DCP's planner, its chunk check O(n log n) instead of pairwise (``planchecks.py``)
             central, metadata = global_plan([g.plans[r] for r in range(world)])
             g.central = FileSystemWriter(self.layout.root).prepare_global_plan(central)
-            if not self.layout.protocol.renames:  # an object store: keys spread over its ranges
-                g.central = spread_names(g.central)
             g.plan_id = f"{attempt}.{step}"
             self._metadata[g.plan_id] = metadata
             self.repeats.keep_only(g.plan_id)
