@@ -72,6 +72,8 @@ def _replica_sync(worker: TrainWorker, lighthouse: str | None) -> Any:
     dimension: its group's torchft Manager meets at the group's rendezvous store. Every group starts
     from the same seeded parameters, so step 0 sends nothing (``init_sync=False``); a group behind
     the others is not healed inside a job yet: its vote fails and the job restarts."""
+    if lighthouse is None:
+        return None
     from raytrain_ckpt.rank.rendezvous import collective_timeout_s
     from raytrain_ckpt.replicas.sync import ReplicaSync
 
@@ -81,8 +83,6 @@ def _replica_sync(worker: TrainWorker, lighthouse: str | None) -> Any:
 
     trainer = worker.trainer
     assert trainer is not None
-    if lighthouse is None:
-        return None
     return ReplicaSync(replica=worker.replica, rank=worker.rank % worker.group_size, ranks=worker.group_size,
                        lighthouse=lighthouse, store=worker._meet, state=lambda: {"step": trainer.state.step},
                        load=load, timeout_s=collective_timeout_s(worker.spec.fault_tolerance), init_sync=False)
