@@ -5,8 +5,9 @@ with torchft's ``Manager`` (gradients averaged through ``Manager.allreduce``, th
 its commit vote) and ``ProcessGroupGloo``; torchft's
 Lighthouse (the quorum) runs in its own Ray actor. Before step ``--kill-step`` replica 1's
 process is killed (``ray.kill``, a real SIGKILL of the actor's process) and a new actor takes its
-place at once: it joins the next quorum and receives the parameters and optimizer state from
-replica 0, peer to peer, while replica 0 keeps stepping.
+place at once: under the membership rule (``replicas/membership.py``, 5 heal steps here) replica 0
+steps alone from the step the failure was seen at, meets the new replica at the rejoin step, and
+the new one receives the parameters and optimizer state from replica 0 there, peer to peer.
 
 Printed, per repetition:
 * healthy pause: the longest step of replica 0 around the fault, against its median step time;
@@ -38,8 +39,10 @@ from raytrain_ckpt.replicas.lighthouse import start_lighthouse
 class Replica:
     """One replica group of one rank: the demo's model under torchft's Manager."""
 
-    def __init__(self, replica: int, lighthouse: str) -> None:
-        self.replica, self.lighthouse = replica, lighthouse
+    def __init__(self, replica: int, lighthouse: str, roster: str, replacement: bool = False,
+                 heal_steps: int = 5) -> None:
+        self.replica, self.lighthouse, self.roster = replica, lighthouse, roster
+        self.replacement, self.heal_steps = replacement, heal_steps
         self.steps = 1 << 62
         """The step to stop at (``finish_at``): until then a replica trains on, whatever its peers do."""
         self.log: list[tuple[int, float, int]] = []  # (step, time.time() after it, participants)
@@ -60,6 +63,7 @@ class Replica:
         from torch.distributed import TCPStore
 
         from raytrain_ckpt.models import build_model
+        from raytrain_ckpt.replicas.membership import Membership
         from raytrain_ckpt.replicas.sync import ReplicaSync
 
         torch.manual_seed(0)
@@ -70,22 +74,27 @@ class Replica:
         def load(state: dict[str, Any]) -> None:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optim"])
+            sync.healed(state["membership"], state["step"] + 1)
 
+        membership = Membership(2, self.heal_steps)
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         sync = ReplicaSync(replica=self.replica, rank=0, ranks=1, lighthouse=self.lighthouse,
-                           store=("127.0.0.1", store.port), load=load,
-                           state=lambda: {"model": model.state_dict(), "optim": opt.state_dict()}, timeout_s=10)
+                           store=("127.0.0.1", store.port), load=load, membership=membership, roster=self.roster,
+                           replacement=self.replacement, timeout_s=10,
+                           state=lambda: {"model": model.state_dict(), "optim": opt.state_dict(),
+                                          "membership": membership.state(), "step": sync.step})
         vocab = model.cfg.vocab_size
-        gen = torch.Generator().manual_seed(1000 + self.replica)
         while sync.step < self.steps:
+            step = sync.step + 1
+            gen = torch.Generator().manual_seed(1000 * step + self.replica)  # each step's data: a function of the step
             tokens = torch.randint(0, vocab, (4, 65), generator=gen)
-            sync.begin()
+            sync.begin(step)
             opt.zero_grad()
             logits = model(tokens[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
             sync.average([p.grad for p in model.parameters() if p.grad is not None])
-            if sync.commit():
+            if sync.commit(step):
                 opt.step()
             self.log.append((sync.step, time.time(), sync.participants()))
         self.sum = float(sum(p.detach().double().sum() for p in model.parameters()))
@@ -143,15 +152,16 @@ class HealRun:
 def one_run(steps: int, kill_step: int, heartbeat_ms: int) -> HealRun:
     """Two replicas; the second's process is killed once it passed ``kill_step`` and replaced by a
     new one; once that one steps in a quorum of two, both stop at ``steps`` (or 10 steps on)."""
-    lighthouse, address = start_lighthouse(f"replica-heal-{time.time_ns()}", heartbeat_ms=heartbeat_ms)
-    healthy, failing = Replica.remote(0, address), Replica.remote(1, address)
+    name = f"replica-heal-{time.time_ns()}"
+    lighthouse, address = start_lighthouse(name, heartbeat_ms=heartbeat_ms)
+    healthy, failing = Replica.remote(0, address, name), Replica.remote(1, address, name)
     actors = [healthy, failing, lighthouse]
     try:
         failed_log = _wait(failing, lambda log, done: bool(log) and log[-1][0] >= kill_step)
         pid = ray.get(failing.pid.remote())
         ray.kill(failing, no_restart=True)
         killed = time.time()
-        healer = Replica.remote(1, address)
+        healer = Replica.remote(1, address, name, replacement=True)
         actors.append(healer)
         joined = _wait(healer, lambda log, done: any(p == 2 for _, _, p in log))
         last = max(joined[-1][0], ray.get(healthy.progress.remote())[0][-1][0])
@@ -171,7 +181,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--kill-step", type=int, default=20)
-    parser.add_argument("--heartbeat-ms", type=int, nargs="+", default=[5000, 500],
+    parser.add_argument("--heartbeat-ms", type=int, nargs="+", default=[5000, 2000, 500],
                         help="the Lighthouse's heartbeat timeouts to compare (torchft's default is 5000)")
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -121,6 +121,12 @@ class WorkerResult:
     """The training guard's rollbacks in this attempt (``guard.RollbackRecord``), in order."""
     evicted_until: float | None = None
     """This rank's process got SIGTERM (a pod eviction) and stopped for it: the deadline it had."""
+    replicas: dict[str, Any] | None = None
+    """With replica groups (``rank/replicas.py``): ``skipped``, the (step, group) of every committed
+    step that did not train a group's share (its samples skipped, the membership rule); ``redone``,
+    steps redone because their quorum lost a group or was not the rule's; ``waited_s``, seconds
+    waited at rejoin steps for a replacement group; ``healed_at``, the step this rank's group was
+    healed at from a live group (None: it was not a replacement)."""
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,9 @@ class JobResult:
     """Every node put in quarantine (``fault_tolerance.quarantine_s``), one line each."""
     stragglers: list[str] = field(default_factory=list)
     """Every rank reported as a straggler (``fault_tolerance.straggler_margin``), one line each."""
+    heals: list[dict] = field(default_factory=list)
+    """Every replica group replaced while the others trained on (``parallelism.dp_replicate``):
+    replica, rank, kind, attempt, headline, at (time.time()). Its failure is in ``failures`` too."""
 
     @property
     def losses(self) -> dict[int, float]:
@@ -274,6 +277,9 @@ class Controller:
         elif act is Act.GIVE_UP:
             result.error = verdict.error
             self._set_state(JobState.FAILED, verdict.reason)
+        elif act is Act.HEAL:
+            assert verdict.failure is not None and verdict.replica is not None
+            self._heal(verdict.failure, verdict.replica)
         elif act is Act.FINISH:
             self.ledger.finished(self._clock())
             result.results = poll.results
@@ -297,6 +303,31 @@ class Controller:
             logger.error("attempt %d %s failure:\n%s", self.attempt, kind, failure.log_text())
         self.result.error = failure.full_text()
         self._set_state(JobState.RECOVERING if decision is Decision.RESTART else JobState.FAILED, why)
+
+    def _heal(self, failure: Failure, replica: int) -> None:
+        """One replica group failed alone: spend a restart on replacing it (``control/heal.py``)
+        while the others train on; a replacement that cannot start restarts the whole job."""
+        assert self.group is not None
+        self.result.failures.append(failure)
+        # a guard trip's state is discarded with its group: a live group's replaces it
+        decision, why = self._budget.decide("crash" if failure.kind == "rollback" else failure.kind, self._clock())
+        self.result.error = failure.full_text()
+        if decision is not Decision.RESTART:
+            logger.error("attempt %d %s failure in replica group %d:\n%s", self.attempt, failure.kind, replica,
+                         failure.log_text())
+            self._set_state(JobState.FAILED, why)
+            return
+        logger.error("attempt %d %s failure in replica group %d; replacing it (%s), the others train on:\n%s",
+                     self.attempt, failure.kind, replica, why, failure.log_text())
+        self.result.heals.append({"replica": replica, "rank": failure.rank, "kind": failure.kind,
+                                  "attempt": self.attempt, "headline": failure.headline, "at": time.time()})
+        try:
+            self.group.heal(replica)
+        except GroupStartError as exc:
+            self._last_failure = failure.kind
+            self._set_state(JobState.RECOVERING, f"replica group {replica}'s replacement did not start: {exc}")
+            return
+        self.result.events.append((time.time(), f"attempt {self.attempt}: replica group {replica} replaced"))
 
     def _release_group(self, keep_warm: bool = False) -> None:
         if self.group is not None:

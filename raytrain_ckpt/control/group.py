@@ -20,6 +20,7 @@ from raytrain_ckpt.control.placement import Placement, room_outside
 from raytrain_ckpt.common.events import Failure, Progress, RankPlace, WorkerResult, headline
 from raytrain_ckpt.control.hang_evidence import diagnose, diagnostics_root, locate
 from raytrain_ckpt.control.watch.hangs import Blame, keep_failures
+from raytrain_ckpt.control.heal import replace_replica
 from raytrain_ckpt.control.pollcalls import poll_progress
 from raytrain_ckpt.control.pool import WorkerPool, bundle_nodes, drain, kill_actor, new_worker
 from raytrain_ckpt.control.startcalls import StartCalls
@@ -70,7 +71,8 @@ class RayWorkerGroup:
         self._retired: set[int] = set()
         """Ranks whose process is never kept for the next attempt (``retire``)."""
         self._calls = StartCalls(spec.fault_tolerance.start_timeout_s)
-        self._lighthouse: ray.actor.ActorHandle | None = None  # with replica groups: the quorum, killed with the group
+        self._lighthouse, self._lighthouse_address = None, None  # with replica groups: the quorum, killed with the group
+        self.healing: set[int] = set()  # ranks of replacement replica groups that have not trained a step yet (``heal``)
 
     @property
     def replaced(self) -> list[str]:
@@ -100,7 +102,8 @@ class RayWorkerGroup:
         # rendezvous at rank 0's node (with replicas: each group at its first rank's); plan the
         # resume point while the ranks join (the first group saves), then set up every rank concurrently
         addr, port, joins = _join_groups(self.spec, self.workers, self._calls, deadline)
-        self._lighthouse, lighthouse = _start_lighthouse(self.spec, self.run_id, self.attempt)
+        self._lighthouse, lighthouse = self._lighthouse, self._lighthouse_address = _start_lighthouse(
+            self.spec, self.run_id, self.attempt)
         try:
             saving = self.spec.saving_group()
             ckpt = (self.checkpoints.plan_attempt(self.attempt, saving, bundle_nodes(self._pg)[:saving.world_size])
@@ -156,14 +159,7 @@ class RayWorkerGroup:
     def note_failure(self, failure: Failure) -> str | None:
         """A rank's crash or hang: count it against its node; the line to report when that puts
         the node in quarantine (``fault_tolerance.quarantine_s``), else None."""
-        rank = failure.rank
-        where = self._where[rank] if rank is not None and rank < len(self._where) else None
-        if self.quarantine is None or rank is None or where is None:
-            return None
-        line = self.quarantine.rank_failed(failure.kind, rank, where.node_id, time.monotonic())
-        if line is not None:
-            logger.warning("attempt %d: %s", self.attempt, line)
-        return line
+        return count_failure(self.quarantine, self._where, failure, self.attempt)
 
     def poll(self) -> GroupPoll:
         """Collect finished runs and failures, then read every rank's progress."""
@@ -172,13 +168,14 @@ class RayWorkerGroup:
         failures = collect_runs({ref: self._runs[ref] for ref in ready}, self._results, self.attempt)
         evidence = keep_failures(diagnostics_root(self.spec), self.attempt, failures) if failures else None
         progress = self._progress()
+        self.healing -= {r for r, p in progress.items() if p.phase in ("training", "done")}
         finished = len(self._results) == len(self.workers)
         self._maybe_start_spares(progress)
         return GroupPoll(
             results=[self._results[r] for r in sorted(self._results)],
             failures=failures,
             evidence=evidence,
-            min_step=min((p.step for p in progress.values()), default=0),
+            min_step=min((p.step for r, p in progress.items() if r not in self.healing), default=0),
             finished=finished,
             stall_s=max((p.stall_s for p in progress.values()), default=0.0),
             eval_s=max((p.eval_s for p in progress.values()), default=0.0),
@@ -190,6 +187,15 @@ class RayWorkerGroup:
             evictions={r: p.evicted_until for r, p in progress.items() if p.evicted_until is not None}
             | {r.rank: r.evicted_until for r in self._results.values() if r.evicted_until is not None},
         )
+
+    def heal(self, replica: int) -> None:
+        """Replace replica group ``replica`` while the others train on (``control/heal.py``)."""
+        size = self.spec.world_size // self.spec.parallelism.dp_replicate
+        ranks = set(range(replica * size, (replica + 1) * size))
+        self._runs = {ref: r for ref, r in self._runs.items() if r not in ranks}
+        self._results = {r: res for r, res in self._results.items() if r not in ranks}
+        self.healing |= ranks
+        self._runs |= replace_replica(self, replica, self._pg, self._calls, self._lighthouse, self._lighthouse_address)
 
     def rank_nodes(self) -> list[str]:
         """Node id of every rank, by rank (the placement group's bundles)."""
@@ -232,14 +238,9 @@ class RayWorkerGroup:
 
     def wait(self, timeout_s: float) -> None:
         """Until the ranks' runs have ended or ``timeout_s`` passes, returning early once a run has
-        ended and the others ended too: a crash is seen as soon as Ray reports it, not at the
-        next poll.
-
-        When a process dies, its peers' collectives fail at once, so their runs often end (with a
-        connection reset) before Ray reports the death. Returning at the first end would report
-        that echo as the failure; waiting for the other runs, within the same interval, lets the
-        poll see the crash itself, as a poll after the whole interval would have.
-        """
+        ended and the others ended too: a crash is seen as soon as Ray reports it, not at the next
+        poll. (A dead process's peers often end first, with a connection reset: waiting for the
+        other runs within the interval lets the poll see the crash itself, not that echo.)"""
         pending = self._pending_runs()
         if not pending:
             time.sleep(timeout_s)
@@ -290,6 +291,19 @@ class RayWorkerGroup:
             self._lighthouse = None
 
 
+def count_failure(quarantine: Quarantine | None, where: list[RankPlace | None], failure: Failure,
+                  attempt: int) -> str | None:
+    """``RayWorkerGroup.note_failure``: ``failure`` counted against its rank's node (``where``)."""
+    rank = failure.rank
+    place = where[rank] if rank is not None and rank < len(where) else None
+    if quarantine is None or rank is None or place is None:
+        return None
+    line = quarantine.rank_failed(failure.kind, rank, place.node_id, time.monotonic())
+    if line is not None:
+        logger.warning("attempt %d: %s", attempt, line)
+    return line
+
+
 def _join_groups(spec: JobSpec, workers: list[ray.actor.ActorHandle], calls: StartCalls,
                  deadline: float) -> tuple[str, int, list[ray.ObjectRef]]:
     """Ask every rank to join its process group: the job's, at rank 0's store, or with replica
@@ -302,14 +316,14 @@ def _join_groups(spec: JobSpec, workers: list[ray.actor.ActorHandle], calls: Sta
 
 
 def _start_lighthouse(spec: JobSpec, run_id: str, attempt: int) -> tuple[ray.actor.ActorHandle | None, str | None]:
-    """With replica groups: the attempt's quorum server on the head node (``replicas/lighthouse.py``),
-    which waits for every group at each step, and its address; None, None without."""
-    from raytrain_ckpt.replicas.lighthouse import start_lighthouse
+    """With replica groups: the attempt's quorum server on the head node (``replicas/lighthouse.py``)
+    and its address; None, None without."""
+    from raytrain_ckpt.replicas.lighthouse import lighthouse_name, start_lighthouse
 
     r = spec.parallelism.dp_replicate
     if r == 1:
         return None, None
-    actor, address = start_lighthouse(f"lighthouse-{run_id}-{attempt}", min_replicas=r)
+    actor, address = start_lighthouse(lighthouse_name(run_id, attempt), min_replicas=spec.fault_tolerance.min_replicas)
     logger.info("attempt %d: %d replica groups of %d ranks; quorum at %s", attempt, r, spec.world_size // r, address)
     return actor, address
 

@@ -192,12 +192,22 @@ class Trainer:
         """The LR schedule of ``model`` (see ``schedulers`` for every chunk's)."""
         return self.schedulers[0]
 
-    def train_step(self) -> StepReport:
-        """Run one optimizer step on this rank's share of the global batch."""
+    def _trained_samples(self) -> int:
+        """The samples of the global batch the step just committed trained: with replica groups,
+        those of the groups that took part (an absent group's share is skipped, and recorded)."""
+        batch = self.spec.training.global_batch_size
+        if self.replicas is None:
+            return batch
+        r = self.spec.parallelism.dp_replicate
+        return batch - batch // r * self.replicas.last_skipped
+
+    def train_step(self) -> StepReport | None:
+        """Run one optimizer step on this rank's share of the global batch. None: with replica
+        groups, the step was not applied (its quorum lost a group, or is not the rule's) and is redone."""
         t = self.spec.training
         start = time.monotonic()
         if self.replicas is not None:  # the quorum forms while forward and backward run
-            self.replicas.begin()
+            self.replicas.begin(self.state.step + 1)
         batches = local_micro_batches(
             self.source, step=self.state.step, global_batch_size=t.global_batch_size,
             micro_batch_size=t.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.spec.dp_size,
@@ -219,9 +229,10 @@ class Trainer:
             self._clip(t.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.before_optimizer_step()
-        if self.replicas is not None and not self.replicas.commit():
-            raise RuntimeError(f"step {self.state.step + 1}: the replica groups' vote failed (a group left the "
-                               "quorum); the job restarts")
+        if self.replicas is not None and not self.replicas.commit(self.state.step + 1):
+            for part in self.model_parts:  # a group failed in the step, or its quorum is not the rule's: redo it
+                part.zero_grad(set_to_none=True)
+            return None
         for opt, sched in zip(self.optimizers, self.schedulers, strict=True):
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -229,7 +240,7 @@ class Trainer:
         if self.guard is not None:
             self.guard.healthy(self.state.step)
         self.state.step += 1
-        tokens = t.global_batch_size * t.seq_len
+        tokens = self._trained_samples() * t.seq_len
         self.state.tokens_seen += tokens
         loss_value = self._global_loss(local_loss) if self._is_log_step() else None
         if loss_value is not None:

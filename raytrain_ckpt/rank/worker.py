@@ -67,25 +67,22 @@ class WorkerFailure(RuntimeError):
         return (WorkerFailure, (self.rank, self.attempt, self.text, self.mismatch, self.guard))
 
 
-def _replica_sync(worker: TrainWorker, lighthouse: str | None) -> Any:
+def _replica_sync(worker: TrainWorker, lighthouse: str | None, heal: bool) -> Any:
     """None without replica groups (no ``lighthouse``); else ``worker``'s side of the replicate
-    dimension: its group's torchft Manager meets at the group's rendezvous store. Every group starts
-    from the same seeded parameters, so step 0 sends nothing (``init_sync=False``); a group behind
-    the others is not healed inside a job yet: its vote fails and the job restarts."""
+    dimension (``rank/replicas.py``). Every group starts from the same seeded parameters or the same
+    checkpoint, so a start sends nothing; a replacement group (``heal``) is healed from a live one."""
     if lighthouse is None:
         return None
     from raytrain_ckpt.rank.rendezvous import collective_timeout_s
-    from raytrain_ckpt.replicas.sync import ReplicaSync
+    from raytrain_ckpt.rank.replicas import replica_sync
+    from raytrain_ckpt.replicas.lighthouse import lighthouse_name
 
-    def load(state: dict[str, Any]) -> None:
-        raise RuntimeError("a replica group behind the others would be healed from a live peer, which a "
-                           "job does not do yet")
-
-    trainer = worker.trainer
-    assert trainer is not None
-    return ReplicaSync(replica=worker.replica, rank=worker.rank % worker.group_size, ranks=worker.group_size,
-                       lighthouse=lighthouse, store=worker._meet, state=lambda: {"step": trainer.state.step},
-                       load=load, timeout_s=collective_timeout_s(worker.spec.fault_tolerance), init_sync=False)
+    assert worker.trainer is not None
+    ft = worker.spec.fault_tolerance
+    return replica_sync(worker.trainer, replica=worker.replica, rank=worker.rank % worker.group_size,
+                        ranks=worker.group_size, lighthouse=lighthouse, store=worker._meet,
+                        roster=lighthouse_name(worker.run_id, worker.attempt), replacement=heal,
+                        timeout_s=collective_timeout_s(ft), meet_timeout_s=2 * ft.start_timeout_s)
 
 
 def _is_mismatch(exc: BaseException) -> bool:
@@ -153,10 +150,8 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
 
     def warm(self) -> int:
         """Import what setup() needs, so a spare that takes over a rank starts training sooner.
-
-        Under a lock: a spare's own warm() may still be importing when assign() calls it from
-        the actor's other thread, and two threads importing at once can deadlock on module locks.
-        """
+        Under a lock: a spare's own warm() may still be importing when assign() calls it from the
+        actor's other thread, and two threads importing at once can deadlock on module locks."""
         pipelined = ("torch.distributed.pipelining",) if self.spec.parallelism.pp > 1 else ()
         with _IMPORT_LOCK:
             for name in _WARM_MODULES + pipelined:
@@ -169,11 +164,8 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
 
     def join(self, master_addr: str, master_port: int) -> None:
         """Join the attempt's process group (rendezvous at rank 0's ``master_addr:master_port``).
-
-        The driver plans the resume point while the ranks join, and hands it to ``setup()``,
-        which waits for this to finish: with two actor threads the two calls may start in
-        either order.
-        """
+        The driver plans the resume point while the ranks join and hands it to ``setup()``, which
+        waits for this to finish: with two actor threads the two calls may start in either order."""
         try:
             maybe_inject("join", self.rank, 0, self.attempt)
             self._join(master_addr, master_port)
@@ -185,12 +177,12 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
         raise WorkerFailure(self.rank, self.attempt, self._join_error)  # outside the except block: see setup()
 
     def setup(self, ckpt: RankCheckpointPlan | None = None, rollbacks_before: int = 0,
-              lighthouse: str | None = None) -> None:
+              lighthouse: str | None = None, heal: bool = False) -> None:
         """Once ``join()`` is done: build model, optimizer and data, and load the resume checkpoint
-        (``ckpt``: this rank's checkpoint plan; None: checkpointing is off). ``rollbacks_before``: the
-        guard's rollbacks in earlier attempts; ``lighthouse``: with replica groups, the quorum's address."""
-        self._rollbacks_before = rollbacks_before
-        self._lighthouse = lighthouse
+        (``ckpt``: this rank's plan; None: checkpointing is off, or ``heal``: this rank's replica group
+        replaces a failed one and receives a live group's state). ``rollbacks_before``: the guard's
+        rollbacks in earlier attempts; ``lighthouse``: with replica groups, the quorum's address."""
+        self._rollbacks_before, self._lighthouse, self._heal = rollbacks_before, lighthouse, heal
         try:
             if not self._joined.wait(self.spec.fault_tolerance.start_timeout_s):
                 raise TimeoutError("join() did not finish within fault_tolerance.start_timeout_s")
@@ -217,7 +209,7 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
         t0 = time.monotonic()
         self.trainer = Trainer(self.spec, device, self._prefix, restoring, self.replica)
         self.trainer.attempt = self.attempt
-        self.trainer.replicas = _replica_sync(self, self._lighthouse)
+        self.trainer.replicas = _replica_sync(self, self._lighthouse, self._heal)
         self.timings["build_s"] = time.monotonic() - t0
         if restoring:  # the load creates the optimizer's state: from the spare's reserve, if any
             self.trainer.state_reserve = self._reserve
@@ -269,6 +261,8 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
                 if self._roll_back(exc.trip) is None:
                     break  # rank 0 raised the job's report; this rank stops
                 continue
+            if report is None:
+                continue  # replica groups: the step was not applied; the same step again
             if report.eval_loss is not None:  # the step's report times the training part only
                 eval_s += max(0.0, time.monotonic() - t0 - report.step_time_s)
             due = ckpt is not None and ckpt.due(report.step)
@@ -319,7 +313,7 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
         return WorkerResult(self.rank, state.step, state.tokens_seen, dict(state.losses), trainer.fingerprint(),
                             self.start_step, stats, dict(self.timings), tuple(self.served), self.was_spare,
                             tuple(trainer.guard.rollbacks) if trainer.guard is not None else (),
-                            self._evicted_until)
+                            self._evicted_until, trainer.replicas.record() if trainer.replicas is not None else None)
 
     def _open_scalars(self) -> ScalarLogger | None:
         """Rank 0's TensorBoard run (``training.tensorboard_dir``); the points after the step this

@@ -28,8 +28,9 @@ def sharded(ray_cluster):
 
 
 def test_two_replica_groups_train_the_global_batch_save_and_resume_without_replicas(sharded, tmp_path, monkeypatch):
-    """dp_replicate=2 x dp_shard=1, the second group's process killed at step 4: the whole job
-    restarts from the first group's checkpoint of step 3 (every group loads it); both groups end
+    """dp_replicate=2 x dp_shard=1 with fault_tolerance.min_replicas=2 (the job does not step on
+    with one group), the second group's process killed at step 4: the whole job restarts from the
+    first group's checkpoint of step 3 (every group loads it), the fallback; both groups end
     with the same parameters and optimizer state; each trained its own share of every global batch
     (the losses, global means, are those of the same job as one group sharded over both workers,
     step by step); the first group's checkpoint
@@ -38,7 +39,7 @@ def test_two_replica_groups_train_the_global_batch_save_and_resume_without_repli
     ckpt = [f"checkpoint.dir={tmp_path}"]
     monkeypatch.setenv(ENV_VAR, "exit@step:rank=1,step=4")  # the second group's process dies: the job restarts
     replicated = run_job(load_spec(DEMO, [*SHORT, *ckpt, "name=replicated", "parallelism.dp_replicate=2",
-                                          "fault_tolerance.max_restarts=1"]))
+                                          "fault_tolerance.max_restarts=1", "fault_tolerance.min_replicas=2"]))
     monkeypatch.delenv(ENV_VAR)
     assert replicated.state is JobState.SUCCEEDED, replicated.error
     assert replicated.attempts == 2 and replicated.failures[0].rank == 1

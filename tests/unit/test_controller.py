@@ -504,3 +504,42 @@ def test_a_single_failure_logs_its_full_text(make, caplog):
     assert ctl.state is JobState.FAILED
     [logged] = [r.getMessage() for r in caplog.records if "failure:" in r.getMessage()]
     assert "Traceback (most recent call last)" in logged and "other rank" not in logged
+
+
+class HealingGroup(FakeWorkerGroup):
+    """A scripted group of replica groups: ``heal`` records the group it was asked to replace."""
+
+    def __init__(self, spec: JobSpec, attempt: int, start_error: str | None = None) -> None:
+        super().__init__(spec, attempt, start_error)
+        self.healing: set[int] = set()
+        self.healed: list[int] = []
+
+    def heal(self, replica: int) -> None:
+        self.healed.append(replica)
+        self.failures.clear()  # the failed group's runs are dropped with it
+
+
+def test_one_replica_groups_crash_replaces_that_group_and_the_job_trains_on_in_the_same_attempt():
+    FakeWorkerGroup.created = []
+    spec = JobSpec(name="t", resources={"num_workers": 2}, parallelism={"dp_replicate": 2, "dp_shard": 1},
+                   fault_tolerance={"max_restarts": 1, "poll_interval_s": 1.0})
+    clock = Clock()
+    ctl = Controller(spec, lambda s, a: HealingGroup(s, a), clock=clock, sleep=clock.sleep)
+    ctl.step()
+    group = FakeWorkerGroup.created[0]
+    group.kill(1)  # rank 1: replica group 1
+    ctl.step()
+    assert ctl.state is JobState.RUNNING and group.healed == [1] and ctl.attempt == 0
+    assert [(h["replica"], h["rank"], h["kind"]) for h in ctl.result.heals] == [(1, 1, "crash")]
+    assert [f.kind for f in ctl.result.failures] == ["crash"] and ctl.restarts == 1
+    assert ctl.summary()["replica_heals"] == 1
+    group.kill(1)  # the budget is spent: the next failure fails the job
+    ctl.step()
+    assert ctl.state is JobState.FAILED and group.healed == [1]
+    group.failures.clear()
+    group.kill(0)  # replica group 0 saves: never healed alone
+    ctl2 = Controller(spec, lambda s, a: HealingGroup(s, a), clock=clock, sleep=clock.sleep)
+    ctl2.step()
+    FakeWorkerGroup.created[-1].kill(0)
+    ctl2.step()
+    assert ctl2.state is JobState.RECOVERING and FakeWorkerGroup.created[-1].healed == []

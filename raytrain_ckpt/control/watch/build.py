@@ -5,7 +5,8 @@
 2. rollbacks: the training guard's, recorded as failures recovered from;
 3. stragglers: reported, and one asked to stop at a committed step (``replace_stragglers``);
 4. the preemption guard: a drain, an eviction, a stop signal or a grow settled (restart, stop);
-5. rank failures: a crash or an exception fails the attempt;
+5. rank failures: one replica group's failure replaces that group (``replicas``); any other crash or
+   exception fails the attempt;
 6. the straggler stop: the group stopped for a replacement restarts without that rank;
 7. the finish: every rank done;
 8. silence: a silent checkpoint writer or actor replaced, training on;
@@ -24,6 +25,7 @@ from raytrain_ckpt.control.watch import Watch
 from raytrain_ckpt.control.watch.goodput import GoodputLedger
 from raytrain_ckpt.control.watch.hangs import HangWatch
 from raytrain_ckpt.control.watch.outcomes import Finished, RankFailures
+from raytrain_ckpt.control.watch.replicas import ReplicaHeals
 from raytrain_ckpt.control.watch.rollbacks import RollbackWatch
 from raytrain_ckpt.control.watch.silence import SilenceWatch
 from raytrain_ckpt.control.watch.stragglers import StragglerStop, StragglerSwap, StragglerWatch
@@ -49,6 +51,7 @@ def watches_for(spec: Any, clock: Callable[[], float], ledger: GoodputLedger,
         RollbackWatch(),
         swap,
         preemption,
+        ReplicaHeals(spec) if spec.parallelism.dp_replicate > 1 else None,
         RankFailures(),
         StragglerStop(swap),
         Finished(),
