@@ -279,6 +279,8 @@ class JobNote:
     """Ranks reported as stragglers (``control/watch/stragglers.py``)."""
     stuck: str | None = None
     """A checkpoint writer or the actor not answering now, with the step (``control/watch/silence.py``)."""
+    replica_heals: int | None = None
+    """Replica groups replaced while the others trained on (``control/watch/replicas.py``; None: no replica groups)."""
 
 
 @dataclass(frozen=True)

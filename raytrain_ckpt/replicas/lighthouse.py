@@ -3,7 +3,9 @@
 Every replica's Manager asks it for the quorum of each step; a replica silent for longer than
 ``heartbeat_ms`` is left out of the next one. That timeout is what a healthy replica waits
 after a peer died (``bench/replica_heal.py``: about 2.7 s at torchft's default 5000 ms, 0.3 s at
-500 ms), so it is short by default here. ``JOIN_MS`` is how long a quorum that lost a member of
+500 ms). 2000 ms here: shorter than torchft's default, yet long enough that a healthy replica's
+heartbeat delayed on a loaded machine is not taken for a death (a healthy group left out of a
+quorum would break the membership rule, ``membership.py``). ``JOIN_MS`` is how long a quorum that lost a member of
 the previous one waits for it while it still heartbeats: long, so that only a group that is gone
 (its processes killed, its heartbeat stopped) is left out, never one that is merely slow.
 

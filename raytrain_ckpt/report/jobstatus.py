@@ -151,6 +151,8 @@ def status_line(info: Mapping[str, Any]) -> str | None:
         line += f"; straggler rank(s) {', '.join(map(str, info['stragglers']))}"
     if info.get("stuck"):
         line += f"; {info['stuck']}"
+    if info.get("replica_heals"):
+        line += f"; {info['replica_heals']} replica group(s) replaced while the others trained on"
     hang = info.get("last_hang")
     if hang:
         line += f"; last hang: {hang}"

@@ -21,20 +21,23 @@ JOB = [f"training.steps={STEPS}", "training.log_every_steps=1", "lr_scheduler.wa
        "checkpoint.enabled=false"]
 
 
-def _run(monkeypatch, name: str):
-    monkeypatch.setenv(ENV_VAR, f"exit@step:rank=3,step={FAIL_AT}")  # rank 1 of replica group 1, at step index 8
+def _run(monkeypatch, name: str, fault: str = "exit"):
+    monkeypatch.setenv(ENV_VAR, f"{fault}@step:rank=3,step={FAIL_AT}")  # rank 1 of replica group 1, at step index 8
     result = run_job(load_spec(DEMO, [*JOB, f"name={name}"]))
     monkeypatch.delenv(ENV_VAR)
     return result
 
 
-def test_a_crashed_replica_group_is_replaced_and_healed_while_the_other_trains_on(ray_cluster, monkeypatch):
-    first = _run(monkeypatch, "heal-a")
+@pytest.mark.parametrize("fault, kind", [("exit", "crash"), ("nan", "rollback")])
+def test_a_failed_replica_group_is_replaced_and_healed_while_the_other_trains_on(ray_cluster, monkeypatch, fault, kind):
+    """A crash (a real exit), or a NaN loss that trips the training guard in the second group (a
+    group that does not save has no rollback of its own: a live group's state replaces its own)."""
+    first = _run(monkeypatch, f"heal-{fault}", fault)
     assert first.state is JobState.SUCCEEDED, first.error
     # one attempt: the healthy group never went back to an earlier step
     assert first.attempts == 1
-    assert [f.kind for f in first.failures] == ["crash"] and first.failures[0].rank == 3
-    assert [(h["replica"], h["rank"]) for h in first.heals] == [(1, 3)]
+    assert [f.kind for f in first.failures] == [kind] and first.failures[0].rank == 3
+    assert [(h["replica"], h["rank"], h["kind"]) for h in first.heals] == [(1, 3, kind)]
     by_rank = {r.rank: r for r in first.results}
     assert sorted(by_rank) == [0, 1, 2, 3] and all(r.steps == STEPS for r in by_rank.values())
     # both groups end with the same shards, bit for bit (rank k of one group = rank k of the other)
@@ -47,13 +50,15 @@ def test_a_crashed_replica_group_is_replaced_and_healed_while_the_other_trains_o
     assert by_rank[2].replicas["healed_at"] == s + HEAL and by_rank[0].replicas["healed_at"] is None
     assert by_rank[2].replicas["skipped"] == by_rank[0].replicas["skipped"]
     # every sample accounted for: tokens seen are the trained ones, the skipped share named above
-    job = load_spec(DEMO, [*JOB, "name=heal-a"])
+    job = load_spec(DEMO, [*JOB, "name=heal-x"])
     t = job.training
     per_group = t.global_batch_size // 2
     assert by_rank[0].tokens_seen == (STEPS * t.global_batch_size - len(skipped) * per_group) * t.seq_len
     assert by_rank[2].tokens_seen == by_rank[0].tokens_seen
+    if fault != "exit":
+        return
     # the same fault again: the same membership, the same parameters, bit for bit
-    second = _run(monkeypatch, "heal-b")
+    second = _run(monkeypatch, "heal-again")
     assert second.state is JobState.SUCCEEDED, second.error
     assert [r.fingerprint for r in second.results] == [r.fingerprint for r in first.results]
     assert second.results[0].replicas["skipped"] == first.results[0].replicas["skipped"]

@@ -24,7 +24,7 @@ __all__ = ["GuardSpec", "LRSchedulerSpec", "OptimizerSpec", "ParallelismSpec", "
 
 class ParallelismSpec(_Section):
     dp_replicate: int = Field(1, ge=1, le=1024)
-    """Replica groups (HSDP's replicate dimension): each group of dp_shard x pp workers is a process group of its own holding a whole copy of the model (FSDP2 over its shards) and trains its share of every global batch; the groups average gradients through torchft and step on its commit vote. world = dp_replicate x dp_shard x pp. The first group saves checkpoints, laid out as those of the same job without replicas (they load into any dp_replicate). Needs torchft; pp = 1 and no min_workers for now, and a failure of any group restarts the whole job (README, Replicas)."""
+    """Replica groups (HSDP's replicate dimension): each group of dp_shard x pp workers is a process group of its own holding a whole copy of the model (FSDP2 over its shards) and trains its share of every global batch; the groups average gradients through torchft and step on its commit vote. world = dp_replicate x dp_shard x pp. The first group saves checkpoints, laid out as those of the same job without replicas (they load into any dp_replicate). A failure local to a group other than the first replaces that group only, healed from a live group while the others train on (fault_tolerance.heal_steps, min_replicas). Needs torchft; pp = 1 and no min_workers for now (README, Replicas)."""
     dp_shard: int = -1
     """FSDP2 data-parallel shard degree within a replica group; -1 means every worker not used by other dimensions."""
     pp: int = Field(1, ge=1)
