@@ -23,7 +23,8 @@ from raytrain_ckpt.control.policy import Decision, FailurePolicy, RestartBudget
 from raytrain_ckpt.control.watch import Act, Verdict, Watch
 from raytrain_ckpt.control.watch.build import watches_for
 from raytrain_ckpt.control.watch.goodput import GoodputLedger
-from raytrain_ckpt.control.watch.hangs import auto_text
+from raytrain_ckpt.control.watch.hangs import HangWatch, auto_text
+from raytrain_ckpt.control.watch.replicas import ReplicaHeals
 from raytrain_ckpt.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -277,9 +278,6 @@ class Controller:
         elif act is Act.GIVE_UP:
             result.error = verdict.error
             self._set_state(JobState.FAILED, verdict.reason)
-        elif act is Act.HEAL:
-            assert verdict.failure is not None and verdict.replica is not None
-            self._heal(verdict.failure, verdict.replica)
         elif act is Act.FINISH:
             self.ledger.finished(self._clock())
             result.results = poll.results
@@ -287,6 +285,11 @@ class Controller:
         return act is not Act.NOTE
 
     def _on_failure(self, failure: Failure) -> None:
+        heals = self.watch(ReplicaHeals)
+        replica = heals.local_replica(failure, self.group.healing) if heals and self.group is not None else None
+        if replica is not None:
+            self._heal(failure, replica)
+            return
         kind, now = failure.kind, self._clock()
         self.ledger.failed(kind, now)
         quarantined = self.group.note_failure(failure) if self.group is not None else None
@@ -328,6 +331,9 @@ class Controller:
             self._set_state(JobState.RECOVERING, f"replica group {replica}'s replacement did not start: {exc}")
             return
         self.result.events.append((time.time(), f"attempt {self.attempt}: replica group {replica} replaced"))
+        hang = self.watch(HangWatch)
+        if hang is not None:  # the healthy groups may have waited for the failed one: the step budget starts again
+            hang.waited(f"replica group {replica} replaced after a {failure.kind} on rank {failure.rank}")
 
     def _release_group(self, keep_warm: bool = False) -> None:
         if self.group is not None:

@@ -67,6 +67,8 @@ class WorkerGroup(Protocol):
     """(phase, clock time it ended) of the start: placement, rendezvous, load (the goodput ledger)."""
     nodes: list[str]
     """The nodes the group was placed on (empty: unknown)."""
+    healing: set[int]
+    """Ranks of replacement replica groups that have not trained a step yet (``heal``)."""
 
     @property
     def replaced(self) -> list[str]:

@@ -28,7 +28,7 @@ def _run(monkeypatch, name: str, fault: str = "exit"):
     return result
 
 
-@pytest.mark.parametrize("fault, kind", [("exit", "crash"), ("nan", "rollback")])
+@pytest.mark.parametrize("fault, kind", [("exit", "crash"), ("nan", "rollback"), ("hang", "hang")])
 def test_a_failed_replica_group_is_replaced_and_healed_while_the_other_trains_on(ray_cluster, monkeypatch, fault, kind):
     """A crash (a real exit), or a NaN loss that trips the training guard in the second group (a
     group that does not save has no rollback of its own: a live group's state replaces its own)."""

@@ -22,6 +22,7 @@ class GroupDefaults:
     start_marks: list[tuple[str, float]] = []
     nodes: list[str] = []
     replaced: list[str] = []
+    healing: set[int] = set()
 
     def rank_nodes(self) -> list[str]:
         return []
@@ -31,6 +32,9 @@ class GroupDefaults:
 
     def retire(self, rank: int) -> None:
         pass
+
+    def heal(self, replica: int) -> None:
+        raise GroupStartError("this group has no replica groups to replace")
 
     def note_failure(self, failure: Failure) -> str | None:
         return None

@@ -122,6 +122,9 @@ def test_the_culprit_rules_in_order():
     assert none.reason == "no single rank can be blamed: every rank at step 5, every rank waits in a collective"
     assert "stacks of rank 1 could not be read" in blame(2, {0: 5, 1: 5}, {0: waiting}).reason
     assert blame(2, {}, {}).ranks == ()
+    # replica groups: a rank waiting on another group (torchft's quorum or average) waits on its peers too
+    quorum = 'Thread 1 (idle): "MainThread"\n    Manager.wait_quorum (torchft/manager.py:627)\n'
+    assert blame(4, {r: 8 for r in range(4)}, {0: quorum, 1: quorum, 2: waiting, 3: busy}).ranks == (3,)
     # an actor's training thread is not its main thread: the one running TrainWorker._run is read
     actor = ('Thread 9 (idle): "MainThread"\n    Worker.main_loop (ray/_private/worker.py:1069)\n'
              'Thread 11 (idle): "Dummy-1"\n    maybe_inject (raytrain_ckpt/common/faults.py:151)\n'

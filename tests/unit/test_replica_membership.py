@@ -8,8 +8,6 @@ from types import SimpleNamespace
 import pytest
 
 from raytrain_ckpt.common.events import Failure
-from raytrain_ckpt.control.poll import GroupPoll
-from raytrain_ckpt.control.watch import Act
 from raytrain_ckpt.control.watch.replicas import ReplicaHeals
 from raytrain_ckpt.replicas.membership import Membership
 from raytrain_ckpt.replicas.roster import Roster
@@ -84,27 +82,26 @@ def _spec(replicas: int = 3, size: int = 2, min_replicas: int = 1):
                            fault_tolerance=SimpleNamespace(min_replicas=min_replicas))
 
 
-def _poll(*failures: tuple[str, int | None]) -> GroupPoll:
-    return GroupPoll(failures=[Failure(0, kind, rank, f"{kind} {rank}") for kind, rank in failures])
+def _failure(*failures: tuple[str, int | None]) -> Failure:
+    (kind, rank), *after = failures
+    return Failure(0, kind, rank, f"{kind} {rank}", after=tuple(Failure(0, k, r, f"{k} {r}") for k, r in after))
 
 
 @pytest.mark.parametrize("spec, failures, healing, replica", [
     (_spec(), [("crash", 3)], set(), 1),  # one rank of group 1
     (_spec(), [("crash", 4), ("exception", 5)], set(), 2),  # a crash and its echo in the same group
     (_spec(), [("rollback", 2)], set(), 1),  # a guard trip: the group's state is replaced by a live one
+    (_spec(), [("hang", 5)], set(), 2),  # a hang whose culprit is one rank
     (_spec(), [("crash", 1)], set(), None),  # group 0 saves: the whole job restarts
     (_spec(), [("crash", 2), ("crash", 4)], set(), None),  # two groups at once
-    (_spec(), [("hang", None)], set(), None),  # not one rank's
+    (_spec(), [("hang", None)], set(), None),  # no culprit
+    (_spec(), [("start", None)], set(), None),
+    (_spec(), [("mismatch", 3)], set(), None),  # not a failure a replacement changes
     (_spec(min_replicas=2), [("crash", 2)], {4, 5}, None),  # group 2 heals already: 1 healthy < 2
     (_spec(min_replicas=2), [("crash", 2)], set(), 1),
     (_spec(replicas=2, min_replicas=2), [("crash", 2)], set(), None),
 ])
 def test_which_failures_end_one_replica_group_only(spec, failures, healing, replica):
     watch = ReplicaHeals(spec)
-    verdict = watch.observe(_poll(*failures), SimpleNamespace(healing=healing), 0)
-    if replica is None:
-        assert verdict is None and watch.status() == {"replica_heals": 0}
-    else:
-        assert verdict is not None and verdict.act is Act.HEAL and verdict.replica == replica
-        assert verdict.failure is not None and verdict.failure.rank == failures[0][1]
-        assert watch.status() == {"replica_heals": 1}
+    assert watch.local_replica(_failure(*failures), healing) == replica
+    assert watch.status() == {"replica_heals": 0 if replica is None else 1}

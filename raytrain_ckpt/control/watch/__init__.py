@@ -41,9 +41,7 @@ class Act(enum.Enum):
     """The job fails without a restart (``error``: why; a budget of its own is spent)."""
     FINISH = "finish"
     """Every rank is done: the job succeeded."""
-    HEAL = "heal"
-    """One replica group failed alone (``failure``): it is replaced and healed from a live group
-    while the others train on (``replica``: the group); the restart budget is spent as for a restart."""
+
 
 
 @dataclass(frozen=True)
@@ -72,8 +70,7 @@ class Verdict:
     """GIVE_UP: ``JobResult.error``."""
     stopped_by: str | None = None
     """STOP: the signal."""
-    replica: int | None = None
-    """HEAL: the replica group to replace."""
+
 
 
 class Watch(Protocol):

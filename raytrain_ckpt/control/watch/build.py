@@ -5,8 +5,8 @@
 2. rollbacks: the training guard's, recorded as failures recovered from;
 3. stragglers: reported, and one asked to stop at a committed step (``replace_stragglers``);
 4. the preemption guard: a drain, an eviction, a stop signal or a grow settled (restart, stop);
-5. rank failures: one replica group's failure replaces that group (``replicas``); any other crash or
-   exception fails the attempt;
+5. rank failures: a crash or an exception fails the attempt (with replica groups the controller
+   asks ``ReplicaHeals`` first, of every failure: one group's is healed, the others train on);
 6. the straggler stop: the group stopped for a replacement restarts without that rank;
 7. the finish: every rank done;
 8. silence: a silent checkpoint writer or actor replaced, training on;

@@ -189,7 +189,9 @@ def dump_stacks(pid: int) -> str:
 _THREAD = re.compile(r"^Thread (0x[0-9A-Fa-f]+|\d+)")
 _RUN = re.compile(r"^(\w+\.)?_run \(.*worker\.py:\d+\)")
 """py-spy's line for ``TrainWorker._run`` (``TrainWorker._run (raytrain_ckpt/rank/worker.py:331)``)."""
-_COLLECTIVE = ("torch/distributed/", "torch\\distributed\\")
+_COLLECTIVE = ("torch/distributed/", "torch\\distributed\\", "torchft/", "torchft\\")
+"""Where a rank waits on its peers: torch.distributed, and torchft (replica groups: a quorum, the
+cross-group average, the commit vote)."""
 
 
 def training_thread(stacks: str) -> list[str]:

@@ -1,10 +1,11 @@
 """A failure local to one replica group ends that group only (``parallelism.dp_replicate``).
 
-When every failed rank of a poll belongs to one replica group, that group is not the saving
-group (the first), and at least ``fault_tolerance.min_replicas`` groups stay healthy, the verdict
-is ``HEAL``: the group is replaced while the others train on, and healed from a live one at its
-rejoin step (``control/heal.py``, ``replicas/``). Anything else is left to ``RankFailures``: the
-whole job restarts from its last checkpoint, the fallback, and the log says why. Pure: no Ray.
+When every rank a failure names (a crash, an exception, a guard report, a hang's culprit, and the
+failures after it) belongs to one replica group, that group is not the saving group (the first),
+and at least ``fault_tolerance.min_replicas`` groups stay healthy, the controller replaces that
+group while the others train on; it is healed from a live one at its rejoin step
+(``control/heal.py``, ``replicas/``). Anything else restarts the whole job from its last
+checkpoint, the fallback, and the log says why. Pure: no Ray.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from raytrain_ckpt.common.events import Failure
-from raytrain_ckpt.control.watch import Act, Verdict
+from raytrain_ckpt.control.watch import Verdict
 
 if TYPE_CHECKING:
     from raytrain_ckpt.control.poll import GroupPoll, WorkerGroup
@@ -22,12 +23,15 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ReplicaHeals"]
 
-LOCAL_KINDS = ("crash", "exception", "rollback")
-"""Failures a replica group's replacement recovers from (a guard trip's state is discarded with the group)."""
+LOCAL_KINDS = ("crash", "exception", "rollback", "hang")
+"""Failures a replica group's replacement recovers from (a guard trip's or a hang's state is
+discarded with the group)."""
 
 
 class ReplicaHeals:
-    """Which failures end one replica group only, and the heals so far (for ``status``)."""
+    """Which failures end one replica group only, and how many heals were asked for (``status``).
+    The controller asks ``local_replica`` about every failure that ends an attempt (a rank's crash,
+    exception or guard report, a hang with its culprit): a group to replace, or None."""
 
     def __init__(self, spec: Any) -> None:
         self.replicas = spec.parallelism.dp_replicate
@@ -40,14 +44,27 @@ class ReplicaHeals:
         pass
 
     def status(self) -> dict[str, Any]:
-        return {"replica_heals": self.heals} if self.replicas > 1 else {}
+        return {"replica_heals": self.heals}
 
-    def local_group(self, poll: GroupPoll, healing: set[int]) -> tuple[int | None, str]:
-        """The one replica group every failure of ``poll`` is in, when a replacement of it keeps
-        the job training; else None and why the whole job restarts instead."""
-        ranks = {f.rank for f in poll.failures}
-        if None in ranks or any(f.kind not in LOCAL_KINDS for f in poll.failures):
-            return None, "the failure is not one rank's"
+    def observe(self, poll: GroupPoll, group: WorkerGroup, attempt: int) -> Verdict | None:
+        return None  # failures reach it through the controller (``local_replica``), whichever watch saw them
+
+    def local_replica(self, failure: Failure, healing: set[int]) -> int | None:
+        """The replica group to replace for ``failure`` (with the failures after it, all in that
+        group), when the job can train on without it; else None, and the log says why the whole
+        job restarts."""
+        g, why = self._local(failure, healing)
+        if g is None:
+            logger.warning("attempt %d: replica groups: the whole job restarts (%s)", failure.attempt, why)
+            return None
+        self.heals += 1
+        return g
+
+    def _local(self, failure: Failure, healing: set[int]) -> tuple[int | None, str]:
+        failures = [failure, *failure.after]
+        ranks = {f.rank for f in failures}
+        if None in ranks or any(f.kind not in LOCAL_KINDS for f in failures):
+            return None, f"a {failure.kind} failure that is not one rank's"
         groups = {r // self.size for r in ranks if r is not None}
         if len(groups) != 1:
             return None, f"ranks of replica groups {sorted(groups)} failed together"
@@ -59,19 +76,3 @@ class ReplicaHeals:
             return None, (f"{self.replicas - len(down)} healthy replica group(s) would be left, below "
                           f"fault_tolerance.min_replicas={self.min_replicas}")
         return g, ""
-
-    def observe(self, poll: GroupPoll, group: WorkerGroup, attempt: int) -> Verdict | None:
-        if self.replicas == 1 or not poll.failures:
-            return None
-        g, why = self.local_group(poll, getattr(group, "healing", set()))
-        if g is None:
-            logger.warning("attempt %d: replica groups: the whole job restarts (%s)", attempt, why)
-            return None
-        first = poll.failures[0]
-        failure = Failure(attempt, first.kind, first.rank, first.headline, first.detail or str(first),
-                          tuple(poll.failures[1:]), poll.evidence)
-        self.heals += 1
-        line = (f"attempt {attempt}: replica group {g} failed ({first.kind} on rank {first.rank}); replacing it "
-                "while the other groups train on")
-        return Verdict(Act.HEAL, failure, events=(line,), reason=line, replica=g,
-                       diagnostics=(poll.evidence,) if poll.evidence is not None else ())
