@@ -28,6 +28,7 @@ class ControllerMetrics:
         self._tags = {"job": job}
         self._failures = 0
         self._restarts = 0
+        self._heals = 0
         self._preemptions = 0
         self._state = ""
         self._started = time.time()
@@ -66,9 +67,14 @@ class ControllerMetrics:
             left = p["time_left_s"]
             exported.record("job_preemption_notice_seconds", -1 if left is None else left, self._tags)
         self._preemptions = len(preemptions)
-        if ctrl.restarts > self._restarts and failures:
-            exported.record("job_restarts_total", ctrl.restarts - self._restarts, {**self._tags, "cause": failures[-1].kind})
-            self._restarts = ctrl.restarts
+        heals = ctrl.result.heals
+        for heal in heals[self._heals:]:
+            exported.record("job_replica_heals_total", 1, {**self._tags, "cause": heal["kind"]})
+        self._heals = len(heals)
+        restarts = ctrl.restarts - len(heals)  # a heal spends the restart budget; it is not a restart
+        if restarts > self._restarts and failures:
+            exported.record("job_restarts_total", restarts - self._restarts, {**self._tags, "cause": failures[-1].kind})
+            self._restarts = restarts
         self._ledger(ctrl)
         poll = ctrl.last_poll
         if poll is not None and not self.checkpointing:  # everything this attempt trained is at risk

@@ -133,6 +133,8 @@ METRICS: dict[str, MetricDef] = {m.name.removeprefix(PREFIX): m for m in (
     _m("job_failures_total", "counter", "Worker group failures, by cause (crash, exception, hang, start).",
        "cause"),
     _m("job_restarts_total", "counter", "Worker group restarts, by the cause of the failure.", "cause"),
+    _m("job_replica_heals_total", "counter", "Replica groups replaced and healed from a live group while the "
+       "others trained on (parallelism.dp_replicate), by the cause of the failure.", "cause"),
     _m("job_preemption_steps_lost_total", "counter", "Steps trained that no committed step held when a drained node "
        "(or a stop signal) stopped the group: trained again."),
     _m("job_preemption_notice_seconds", "gauge", "Seconds between the latest drain notice and its deadline (-1: no "

@@ -142,7 +142,7 @@ def test_the_packaged_dashboard_is_the_one_in_cluster():
     assert packaged_dashboard().read_bytes() == DASHBOARD.read_bytes()
 
 
-RARE_EVENT_COUNTERS = ("job_failures_total", "job_restarts_total", "job_preemption_steps_lost_total",
+RARE_EVENT_COUNTERS = ("job_failures_total", "job_restarts_total", "job_replica_heals_total", "job_preemption_steps_lost_total",
                        "train_rollbacks_total", "train_skipped_samples_total")
 
 
@@ -157,3 +157,31 @@ def test_rare_event_counters_are_not_read_with_increase():
         assert exprs, name
         for q in exprs:
             assert not re.search(r"\b(increase|rate|irate)\(", q), q
+
+
+def test_a_replica_groups_heal_is_counted_as_a_heal_not_a_restart(monkeypatch):
+    from raytrain_ckpt.observe import metrics
+    from raytrain_ckpt.control.controller import Controller, JobState
+    from raytrain_ckpt.control.metrics import ControllerMetrics
+    from raytrain_ckpt.spec import JobSpec
+    from tests.unit.test_controller import FakeWorkerGroup, HealingGroup
+
+    recorded: list[tuple[str, float, dict]] = []
+    monkeypatch.setattr(metrics, "record", lambda name, value, tags: recorded.append((name, value, dict(tags))))
+    FakeWorkerGroup.created = []
+    spec = JobSpec(name="obs", resources={"num_workers": 2}, parallelism={"dp_replicate": 2, "dp_shard": 1},
+                   fault_tolerance={"max_restarts": 2})
+    ctrl = Controller(spec, lambda s, a: HealingGroup(s, a), sleep=lambda s: None, observer=ControllerMetrics("obs"))
+    ctrl.step()
+    FakeWorkerGroup.created[-1].kill(1)
+    ctrl.step()  # replica group 1 replaced: the job trains on
+    assert ctrl.state is JobState.RUNNING
+    FakeWorkerGroup.created[-1].kill(0)
+    ctrl.step()  # replica group 0 saves: a whole-job restart
+    assert ctrl.state is JobState.RECOVERING
+
+    def values(name: str, **tags: str) -> list[float]:
+        return [v for n, v, t in recorded if n == name and tags.items() <= t.items()]
+
+    assert values("job_replica_heals_total", cause="crash") == [1]
+    assert values("job_restarts_total", cause="crash") == [1] and values("job_failures_total") == [1, 1]
