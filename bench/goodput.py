@@ -22,8 +22,13 @@ it move up by one. Its goodput is the non-redone step time (rank 0's step ends, 
 over ``fit()``'s wall time; lost time is the time after the first step that is neither that nor a
 save, per restart.
 
+The replicated row runs the same job as two replica groups of one worker (``dp_replicate: 2``,
+``heal_steps: 5``) with the trace's crashes and hangs moved onto the second group's rank in the first
+attempt (each is then healed inside the attempt; the slow rank is left out), and once without faults:
+its lost seconds per fault are the wall time the faults added, over the heals.
+
     PYTHONPATH=$PWD .venv/bin/python bench/goodput.py [--steps 40] [--seed 0] [--trace FILE] [--skip-fixed]
-        [--runs ours ray-train] [--ray-train-hang]
+        [--runs ours replicated ray-train] [--ray-train-hang]
 """
 
 from __future__ import annotations
@@ -168,7 +173,8 @@ def run_ray_train(tmp: Path, steps: int, trace: list[str]) -> dict:
     return ray_train_ledger(rows, started, ended)
 
 
-def report_ray_train(led: dict, trace: list[str], ours_per_fault: float | None) -> None:
+def report_ray_train(led: dict, trace: list[str], ours_per_fault: float | None,
+                     replicated_per_fault: float | None = None) -> None:
     print(f"\n== Ray Train TorchTrainer, trace {'; '.join(trace)}: {led['restarts']} restart(s), "
           f"{led['wall_s']:.1f} s wall, goodput {100 * led['goodput']:.1f}%")
     for cause, s in sorted(led["seconds"].items(), key=lambda kv: -kv[1]):
@@ -177,6 +183,9 @@ def report_ray_train(led: dict, trace: list[str], ours_per_fault: float | None) 
           f"detection, teardown, start, load, first step), {led['lost_per_fault_s']:.1f} s per fault")
     if ours_per_fault is not None and led["lost_per_fault_s"] > 0:
         print(f"lost per fault, raytrain_ckpt / Ray Train: {ours_per_fault / led['lost_per_fault_s']:.2f}x")
+    if replicated_per_fault is not None and led["lost_per_fault_s"] > 0:
+        print(f"lost per fault, raytrain_ckpt with replica groups / Ray Train: "
+              f"{replicated_per_fault / led['lost_per_fault_s']:.2f}x")
 
 
 def report(name: str, result, wall: float) -> float | None:
@@ -223,6 +232,38 @@ def run_ours(args: argparse.Namespace, trace: list[str]) -> float | None:
     return per_fault
 
 
+def replica_trace(trace: list[str]) -> list[str]:
+    """The trace's crashes and hangs on the second replica group's rank (1) of attempt 0, in order:
+    with replica groups each is healed inside the attempt (the first group, which saves, would
+    restart the whole job, as without replicas). A ``slow`` line is left out."""
+    return [" ".join([kind, "rank=1", *(a for a in args if a.startswith("step=")), "attempt=0"])
+            for kind, *args in (line.split() for line in trace) if kind != "slow"]
+
+
+def run_replicated(args: argparse.Namespace, trace: list[str]) -> float | None:
+    """The same job as two replica groups of one worker (``parallelism.dp_replicate: 2``,
+    ``heal_steps: 5``), without faults and under ``replica_trace``: the lost seconds per fault are
+    the wall time the faults added, over the heals that happened."""
+    extra = ("parallelism.dp_replicate=2", "parallelism.dp_shard=1", "fault_tolerance.heal_steps=5")
+    walls = []
+    for faults in ([], replica_trace(trace)):
+        with tempfile.TemporaryDirectory() as d:
+            result, wall = run(Path(d), args.steps, plan(faults), *extra)
+        walls.append(wall)
+        skipped = result.results[0].replicas["skipped"] if result.results and result.results[0].replicas else []
+        print(f"\n== replica groups (2 x 1 worker), {'fault trace: ' + '; '.join(faults) if faults else 'no faults'}: "
+              f"{result.state.value}, {result.attempts} attempt(s), {wall:.1f} s wall, {len(result.heals)} heal(s), "
+              f"{len(skipped)} group-step(s) skipped, redone steps {result.results[0].replicas['redone'] if skipped else 0}")
+        for h in result.heals:
+            print(f"  heal: replica {h['replica']} after a {h['kind']} on rank {h['rank']}")
+    heals = len(result.heals)
+    if not heals:
+        return None
+    per_fault = (walls[1] - walls[0]) / heals
+    print(f"  lost to {heals} fault(s): {walls[1] - walls[0]:.1f} s over the fault-free run, {per_fault:.1f} s per fault")
+    return per_fault
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
@@ -230,7 +271,8 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=None)
     ap.add_argument("--out-trace", type=Path, default=None)
     ap.add_argument("--skip-fixed", action="store_true", help="skip the 600 s fixed-timeout run (it takes ~10 min)")
-    ap.add_argument("--runs", nargs="+", choices=("ours", "ray-train"), default=["ours", "ray-train"])
+    ap.add_argument("--runs", nargs="+", choices=("ours", "replicated", "ray-train"),
+                    default=["ours", "replicated", "ray-train"])
     ap.add_argument("--ray-train-hang", action="store_true",
                     help="keep the hang in Ray Train's trace (its detection by default takes 30 minutes)")
     args = ap.parse_args()
@@ -242,10 +284,11 @@ def main() -> None:
     ray.init(log_to_driver=False)
     try:
         per_fault = run_ours(args, trace) if "ours" in args.runs else None
+        replicated = run_replicated(args, trace) if "replicated" in args.runs else None
         if "ray-train" in args.runs and raytrain_peer.available():
             rt_trace = trace if args.ray_train_hang else without_hangs(trace)
             with tempfile.TemporaryDirectory() as d:
-                report_ray_train(run_ray_train(Path(d), args.steps, rt_trace), rt_trace, per_fault)
+                report_ray_train(run_ray_train(Path(d), args.steps, rt_trace), rt_trace, per_fault, replicated)
             if not args.ray_train_hang and len(rt_trace) < len(trace):
                 print("Ray Train's hang detection, not run: TorchConfig.timeout_s = 1800 s by default "
                       "(the gloo process group's timeout), 3x the 600 s fixed timeout")

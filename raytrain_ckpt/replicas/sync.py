@@ -74,31 +74,43 @@ class ReplicaSync:
         self.waited_s = 0.0
         """Seconds this rank waited at rejoin steps for a replacement to be ready (the goodput ledger)."""
         self.redone = 0
+        """Steps redone because their quorum was not the rule's."""
         self.last_skipped = 0
         """How many groups' shares the last committed step skipped."""
-        """Steps redone because their quorum was not the rule's."""
         self._pg = _recording_pg(timeout, ranks)
-        self.manager = Manager(pg=self._pg, min_replica_size=1, load_state_dict=load, state_dict=state,
-                               replica_id=f"replica{replica}", store_addr=store[0], store_port=store[1], rank=rank,
-                               world_size=ranks, lighthouse_addr=lighthouse, timeout=timeout,
-                               quorum_timeout=timedelta(seconds=meet_timeout_s), init_sync=False)
+
+        def manager() -> Any:
+            return Manager(pg=self._pg, min_replica_size=1, load_state_dict=load, state_dict=state,
+                           replica_id=f"replica{replica}", store_addr=store[0], store_port=store[1], rank=rank,
+                           world_size=ranks, lighthouse_addr=lighthouse, timeout=timeout,
+                           quorum_timeout=timedelta(seconds=meet_timeout_s), init_sync=False)
+
+        # A replacement's Manager (and its heartbeat to the Lighthouse) starts only at its rejoin step:
+        # a heartbeating group that has not joined holds back every quorum that is not the previous
+        # one's members (torchft's majority rule), such as the healthy groups' first one after the failure.
+        self._manager = manager
+        self.manager: Any = None if replacement else manager()
 
     def begin(self, step: int) -> None:
         """Start step ``step``'s quorum (1-based), after meeting a replacement that rejoins at it."""
-        if self._healing:
-            self._wait_for_rejoin()
+        if self.manager is None:
+            self._rejoin()
+            return
         for g in self.membership.rejoining(step):
             self._meet(g, step)
         self.manager.start_quorum()
 
-    def _wait_for_rejoin(self) -> None:
-        """A replacement: wait until the healthy groups wait for this group, then say it is ready."""
+    def _rejoin(self) -> None:
+        """A replacement: wait until the healthy groups wait for this group, start its Manager, ask
+        for the quorum (torchft heals it there), and say it is ready."""
         deadline = time.monotonic() + self._meet_timeout_s
         while ray.get(self._roster.rejoin_step.remote(self.replica)) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replica group {self.replica}: no healthy group reached its rejoin step "
                                    f"within {self._meet_timeout_s:.0f} s")
             time.sleep(TICK_MS / 1000)
+        self.manager = self._manager()
+        self.manager.start_quorum()
         ray.get(self._roster.ready.remote(self.replica, self.rank))
 
     def _meet(self, group: int, step: int) -> None:
@@ -159,7 +171,7 @@ class ReplicaSync:
     @property
     def step(self) -> int:
         """The replicas' step count (committed steps; a healed replica takes its peer's)."""
-        return self.manager.current_step()
+        return self.manager.current_step() if self.manager is not None else 0
 
     def record(self) -> dict[str, Any]:
         """This rank's replicate-dimension record for its result (``WorkerResult.replicas``)."""
@@ -171,4 +183,5 @@ class ReplicaSync:
         return self.manager.num_participants()
 
     def close(self) -> None:
-        self.manager.shutdown(wait=False)
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
