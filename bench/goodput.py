@@ -255,7 +255,8 @@ def run_replicated(args: argparse.Namespace, trace: list[str]) -> float | None:
               f"{result.state.value}, {result.attempts} attempt(s), {wall:.1f} s wall, {len(result.heals)} heal(s), "
               f"{len(skipped)} group-step(s) skipped, redone steps {result.results[0].replicas['redone'] if skipped else 0}")
         for h in result.heals:
-            print(f"  heal: replica {h['replica']} after a {h['kind']} on rank {h['rank']}")
+            print(f"  heal: replica {h['replica']} after a {h['kind']} on rank {h['rank']}, back in the quorum "
+                  f"{h.get('healed_s', float('nan')):.1f} s after its detection (heal_steps 5 included)")
     heals = len(result.heals)
     if not heals:
         return None

@@ -84,7 +84,8 @@ class JobResult:
     """Every rank reported as a straggler (``fault_tolerance.straggler_margin``), one line each."""
     heals: list[dict] = field(default_factory=list)
     """Every replica group replaced while the others trained on (``parallelism.dp_replicate``):
-    replica, rank, kind, attempt, headline, at (time.time()). Its failure is in ``failures`` too."""
+    replica, rank, kind, attempt, headline, at (time.time()), healed_s (the failure's detection ->
+    its replacement trained a step with the others). Its failure is in ``failures`` too."""
 
     @property
     def losses(self) -> dict[int, float]:
@@ -128,6 +129,8 @@ class Controller:
         """Where the wall time went: the controller marks each attempt's start and end on it."""
         self.watches: list[Watch] = watches_for(spec, clock, self.ledger, preemption)
         """Every watch over the polls, each owning its state, in priority order (``watches_for``)."""
+        heals = self.watch(ReplicaHeals)
+        self.result.heals = heals.records if heals is not None else []
 
     def watch(self, kind: type[W]) -> W | None:
         """The job's watch of type ``kind`` (None: the job has none), for what it measured."""
@@ -322,8 +325,6 @@ class Controller:
             return
         logger.error("attempt %d %s failure in replica group %d; replacing it (%s), the others train on:\n%s",
                      self.attempt, failure.kind, replica, why, failure.log_text())
-        self.result.heals.append({"replica": replica, "rank": failure.rank, "kind": failure.kind,
-                                  "attempt": self.attempt, "headline": failure.headline, "at": time.time()})
         try:
             self.group.heal(replica)
         except GroupStartError as exc:

@@ -11,6 +11,7 @@ checkpoint, the fallback, and the log says why. Pure: no Ray.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from raytrain_ckpt.common.events import Failure
@@ -37,8 +38,13 @@ class ReplicaHeals:
         self.replicas = spec.parallelism.dp_replicate
         self.size = spec.world_size // self.replicas
         self.min_replicas = spec.fault_tolerance.min_replicas
-        self.heals = 0
-        """Replacements asked for so far."""
+        self.records: list[dict[str, Any]] = []
+        """Every replacement asked for (``JobResult.heals``): replica, rank, kind, attempt, headline,
+        at (time.time()), and healed_s once its ranks trained a step (failure -> back in the quorum)."""
+
+    @property
+    def heals(self) -> int:
+        return len(self.records)
 
     def new_attempt(self) -> None:
         pass
@@ -47,7 +53,15 @@ class ReplicaHeals:
         return {"replica_heals": self.heals}
 
     def observe(self, poll: GroupPoll, group: WorkerGroup, attempt: int) -> Verdict | None:
-        return None  # failures reach it through the controller (``local_replica``), whichever watch saw them
+        """Times each heal: done once none of its group's ranks is still healing (failures reach
+        this watch through the controller, ``local_replica``, whichever watch saw them)."""
+        healing = {r // self.size for r in getattr(group, "healing", ())}
+        for record in self.records:
+            if "healed_s" not in record and record["attempt"] == attempt and record["replica"] not in healing:
+                record["healed_s"] = round(time.time() - record["at"], 3)
+                logger.info("attempt %d: replica group %d healed %.1f s after its %s", attempt, record["replica"],
+                            record["healed_s"], record["kind"])
+        return None
 
     def local_replica(self, failure: Failure, healing: set[int]) -> int | None:
         """The replica group to replace for ``failure`` (with the failures after it, all in that
@@ -57,7 +71,8 @@ class ReplicaHeals:
         if g is None:
             logger.warning("attempt %d: replica groups: the whole job restarts (%s)", failure.attempt, why)
             return None
-        self.heals += 1
+        self.records.append({"replica": g, "rank": failure.rank, "kind": failure.kind, "attempt": failure.attempt,
+                             "headline": failure.headline, "at": time.time()})
         return g
 
     def _local(self, failure: Failure, healing: set[int]) -> tuple[int | None, str]:
