@@ -281,6 +281,8 @@ class JobNote:
     """A checkpoint writer or the actor not answering now, with the step (``control/watch/silence.py``)."""
     replica_heals: int | None = None
     """Replica groups replaced while the others trained on (``control/watch/replicas.py``; None: no replica groups)."""
+    replicas_healing: list[int] | None = None
+    """The replica groups being replaced or healed now (not yet back in the quorum)."""
 
 
 @dataclass(frozen=True)

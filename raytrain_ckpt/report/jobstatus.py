@@ -153,6 +153,8 @@ def status_line(info: Mapping[str, Any]) -> str | None:
         line += f"; {info['stuck']}"
     if info.get("replica_heals"):
         line += f"; {info['replica_heals']} replica group(s) replaced while the others trained on"
+    if info.get("replicas_healing"):
+        line += f"; healing now: replica group(s) {', '.join(map(str, info['replicas_healing']))}"
     hang = info.get("last_hang")
     if hang:
         line += f"; last hang: {hang}"

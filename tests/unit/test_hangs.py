@@ -187,6 +187,10 @@ def test_the_status_line():
             "stragglers": [1], "last_hang": "rank 1: stuck in f (x.py:1): ..."}
     assert status_line(info) == ("hang timeout 31s (10 x p99 step time 3.12 s, at least 30 s); goodput so far 91.2%; "
                                  "straggler rank(s) 1; last hang: rank 1: stuck in f (x.py:1): ...")
+    replicas = {**info, "stragglers": None, "last_hang": None, "replica_heals": 2, "replicas_healing": [1]}
+    assert status_line(replicas) == ("hang timeout 31s (10 x p99 step time 3.12 s, at least 30 s); goodput so far "
+                                     "91.2%; 2 replica group(s) replaced while the others trained on; healing now: "
+                                     "replica group(s) 1")
 
 
 def test_a_driver_that_polls_seldom_learns_the_pace_from_the_ranks_own_step_times():

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from raytrain_ckpt.common.events import Failure
+from raytrain_ckpt.control.poll import GroupPoll
 from raytrain_ckpt.control.watch.replicas import ReplicaHeals
 from raytrain_ckpt.replicas.membership import Membership
 from raytrain_ckpt.replicas.roster import Roster
@@ -104,4 +105,13 @@ def _failure(*failures: tuple[str, int | None]) -> Failure:
 def test_which_failures_end_one_replica_group_only(spec, failures, healing, replica):
     watch = ReplicaHeals(spec)
     assert watch.local_replica(_failure(*failures), healing) == replica
-    assert watch.status() == {"replica_heals": 0 if replica is None else 1}
+    assert watch.status() == {"replica_heals": 0 if replica is None else 1, "replicas_healing": []}
+
+
+def test_a_heal_is_timed_once_its_group_trains_again_and_status_names_the_groups_healing():
+    watch = ReplicaHeals(_spec())
+    assert watch.local_replica(_failure(("crash", 3)), set()) == 1
+    watch.observe(GroupPoll(), SimpleNamespace(healing={2, 3}), 0)
+    assert watch.status() == {"replica_heals": 1, "replicas_healing": [1]} and "healed_s" not in watch.records[0]
+    watch.observe(GroupPoll(), SimpleNamespace(healing=set()), 0)
+    assert watch.status()["replicas_healing"] == [] and watch.records[0]["healed_s"] >= 0

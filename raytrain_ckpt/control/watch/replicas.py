@@ -38,6 +38,8 @@ class ReplicaHeals:
         self.replicas = spec.parallelism.dp_replicate
         self.size = spec.world_size // self.replicas
         self.min_replicas = spec.fault_tolerance.min_replicas
+        self._healing: set[int] = set()
+        """The replica groups being replaced or healed, as of the latest poll."""
         self.records: list[dict[str, Any]] = []
         """Every replacement asked for (``JobResult.heals``): replica, rank, kind, attempt, headline,
         at (time.time()), and healed_s once its ranks trained a step (failure -> back in the quorum)."""
@@ -50,12 +52,12 @@ class ReplicaHeals:
         pass
 
     def status(self) -> dict[str, Any]:
-        return {"replica_heals": self.heals}
+        return {"replica_heals": self.heals, "replicas_healing": sorted(self._healing)}
 
     def observe(self, poll: GroupPoll, group: WorkerGroup, attempt: int) -> Verdict | None:
         """Times each heal: done once none of its group's ranks is still healing (failures reach
         this watch through the controller, ``local_replica``, whichever watch saw them)."""
-        healing = {r // self.size for r in getattr(group, "healing", ())}
+        healing = self._healing = {r // self.size for r in getattr(group, "healing", ())}
         for record in self.records:
             if "healed_s" not in record and record["attempt"] == attempt and record["replica"] not in healing:
                 record["healed_s"] = round(time.time() - record["at"], 3)
