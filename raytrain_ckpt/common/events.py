@@ -126,7 +126,8 @@ class WorkerResult:
     step that did not train a group's share (its samples skipped, the membership rule); ``redone``,
     steps redone because their quorum lost a group or was not the rule's; ``waited_s``, seconds
     waited at rejoin steps for a replacement group; ``healed_at``, the step this rank's group was
-    healed at from a live group (None: it was not a replacement)."""
+    healed at from a live group (None: it was not a replacement); ``skipped_samples``, for each
+    skipped (step, group) the global sample indices its share held (step, group, first, end)."""
 
 
 @dataclass(frozen=True)

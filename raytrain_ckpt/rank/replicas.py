@@ -18,7 +18,7 @@ import torch
 if TYPE_CHECKING:
     from raytrain_ckpt.rank.trainer import Trainer
 
-__all__ = ["heal_state", "load_heal_state", "replica_sync"]
+__all__ = ["heal_state", "load_heal_state", "replica_record", "replica_sync"]
 
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -89,3 +89,19 @@ def replica_sync(trainer: Trainer, *, replica: int, rank: int, ranks: int, light
                        meet_timeout_s=meet_timeout_s)
     box.append(sync)
     return sync
+
+
+def replica_record(trainer: Trainer) -> dict[str, Any]:
+    """This rank's replicate-dimension record for its result (``WorkerResult.replicas``), with the
+    samples each skipped share held: ``skipped_samples``, one (step, group, first, end) per skipped
+    (step, group), the global sample indices ``first .. end - 1`` that were not trained."""
+    from raytrain_ckpt.data.sampler import local_sample_range
+
+    spec, record = trainer.spec, trainer.replicas.record()
+    t, shard = spec.training, spec.dp_shard_size
+    rows = []
+    for step, group in record["skipped"]:
+        first = local_sample_range(step=step - 1, global_batch_size=t.global_batch_size, dp_rank=group * shard,
+                                   dp_size=spec.dp_size, start_index=trainer.skips.offset(step - 1)).start
+        rows.append((step, group, first, first + t.global_batch_size // spec.parallelism.dp_replicate))
+    return {**record, "skipped_samples": rows}

@@ -31,6 +31,7 @@ from raytrain_ckpt.common.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.common.logs import rename_log_prefix, setup_logging
 from raytrain_ckpt.rank.answers import SPARE_RANK, TIERS, RankAnswers
 from raytrain_ckpt.rank.progress import ProgressFile, PublishedProgress
+from raytrain_ckpt.rank.replicas import replica_record
 from raytrain_ckpt.rank.rendezvous import RankRendezvous
 from raytrain_ckpt.rank.resume import RankCheckpoints
 from raytrain_ckpt.rank.metrics import TrainerMetrics
@@ -313,7 +314,7 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
         return WorkerResult(self.rank, state.step, state.tokens_seen, dict(state.losses), trainer.fingerprint(),
                             self.start_step, stats, dict(self.timings), tuple(self.served), self.was_spare,
                             tuple(trainer.guard.rollbacks) if trainer.guard is not None else (),
-                            self._evicted_until, trainer.replicas.record() if trainer.replicas is not None else None)
+                            self._evicted_until, replica_record(trainer) if trainer.replicas is not None else None)
 
     def _open_scalars(self) -> ScalarLogger | None:
         """Rank 0's TensorBoard run (``training.tensorboard_dir``); the points after the step this

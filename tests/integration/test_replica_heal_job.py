@@ -56,6 +56,9 @@ def test_a_failed_replica_group_is_replaced_and_healed_while_the_other_trains_on
     per_group = t.global_batch_size // 2
     assert by_rank[0].tokens_seen == (STEPS * t.global_batch_size - len(skipped) * per_group) * t.seq_len
     assert by_rank[2].tokens_seen == by_rank[0].tokens_seen
+    # the samples each skipped share held: the second half of every skipped step's global batch
+    assert by_rank[0].replicas["skipped_samples"] == [(step, 1, (step - 1) * t.global_batch_size + per_group,
+                                                      step * t.global_batch_size) for step, _ in skipped]
     if fault != "exit":
         return
     # the same fault again: the same membership, the same parameters, bit for bit
