@@ -253,7 +253,8 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
         phase = "done"
         scalars = self._open_scalars()
         measured = False  # the attempt's first step is a warm-up: its time does not teach the hang timeout
-        while trainer.state.step < self.spec.training.steps and not self._stop.is_set():
+        alone = ckpt is None and trainer.replicas is not None  # a group that does not save stops at a notice at once
+        while trainer.state.step < self.spec.training.steps and not self._stop.is_set() and not (alone and self._notice.is_set()):
             maybe_inject("step", self.rank, trainer.state.step, self.attempt)
             t0, began = time.monotonic(), time.time()
             try:
@@ -304,6 +305,8 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
                 break
         if scalars is not None:
             scalars.close()
+        if trainer.replicas is not None:  # its heartbeat stops: the groups still stepping form quorums without it
+            trainer.replicas.close()
         stats = None
         if ckpt is not None:
             self._progress = Progress(self.rank, self._progress.step, loss, self._progress.last_step_at, "saving")

@@ -183,5 +183,7 @@ class ReplicaSync:
         return self.manager.num_participants()
 
     def close(self) -> None:
+        """Stop this rank's Manager (and, on the group's first rank, its heartbeat to the Lighthouse)."""
         if self.manager is not None:
             self.manager.shutdown(wait=False)
+            self.manager = None

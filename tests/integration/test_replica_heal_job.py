@@ -66,3 +66,56 @@ def test_a_failed_replica_group_is_replaced_and_healed_while_the_other_trains_on
     assert second.state is JobState.SUCCEEDED, second.error
     assert [r.fingerprint for r in second.results] == [r.fingerprint for r in first.results]
     assert second.results[0].replicas["skipped"] == first.results[0].replicas["skipped"]
+
+
+def test_a_stop_signal_stops_every_replica_group_at_the_saved_step_and_a_rerun_resumes_there(tmp_path):
+    """SIGTERM to the driver of a replicated job (the path a drain notice takes too): the first group
+    saves the step in hand and stops, the second stops at once without holding the first back (its
+    Manager's heartbeat ends with it), the job ends STOPPED with the step committed, and a rerun
+    resumes there in every group."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", ENV_VAR)}
+    env.update(PYTHONPATH=str(repo), RAY_AUTH_MODE="disabled", RAY_TMPDIR=tempfile.mkdtemp(prefix="rtc-", dir="/tmp"),
+               XDG_STATE_HOME=str(tmp_path / "state"))
+
+    def cli(steps: int) -> subprocess.Popen:
+        sets = [*JOB, "checkpoint.enabled=true", f"checkpoint.dir={tmp_path}", "checkpoint.interval_steps=5",
+                f"training.steps={steps}", "fault_tolerance.poll_interval_s=0.2", "name=replica-stop"]
+        args = [sys.executable, "-m", "raytrain_ckpt", "run", DEMO, "--address", "local"]
+        for s in sets:
+            args += ["--set", s]
+        return subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    root = tmp_path / "replica-stop"
+    proc = cli(400)
+    try:
+        deadline = time.monotonic() + 300
+        while not (root / "step-00000005").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert (root / "step-00000005").exists(), proc.communicate(timeout=60)[1][-3000:]
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        stopped_s = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    m = re.search(r"stopped: job replica-stop: SIGTERM: step (\d+) is committed and safe", err)
+    assert m, err[-3000:]
+    safe = int(m.group(1))
+    assert (root / f"step-{safe:08d}" / "manifest.json").exists()
+    assert "did not stop before the deadline" not in err and stopped_s < 25, (stopped_s, err[-3000:])
+    rerun = cli(safe + 3)
+    out, err = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, err[-3000:]
+    assert f"resumed at step {safe}" in out + err
