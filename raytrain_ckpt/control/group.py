@@ -169,8 +169,14 @@ class RayWorkerGroup:
         evidence = keep_failures(diagnostics_root(self.spec), self.attempt, failures) if failures else None
         progress = self._progress()
         self.healing -= {r for r, p in progress.items() if p.phase in ("training", "done")}
-        finished = len(self._results) == len(self.workers)
-        self._maybe_start_spares(progress)
+        # every other rank finished before a replacement's rejoin step (past the last step): it is not needed
+        finished = bool(self._results) and set(self._results) | self.healing == set(range(len(self.workers)))
+        for rank in self.healing if finished else ():
+            kill_actor(self.workers[rank])
+        # spares start once every rank finished a step: a spare importing torch while the group sets
+        # up or loads would take CPU from the very restart it is meant to speed up
+        if not self._spares_started and self.pool is not None and self._pg is not None:
+            self._spares_started = self.pool.replenish_once_trained(self._pg, progress, len(self.workers))
         return GroupPoll(
             results=[self._results[r] for r in sorted(self._results)],
             failures=failures,
@@ -190,8 +196,7 @@ class RayWorkerGroup:
 
     def heal(self, replica: int) -> None:
         """Replace replica group ``replica`` while the others train on (``control/heal.py``)."""
-        size = self.spec.world_size // self.spec.parallelism.dp_replicate
-        ranks = set(range(replica * size, (replica + 1) * size))
+        ranks = {r for r in range(self.spec.world_size) if r // (self.spec.world_size // self.spec.parallelism.dp_replicate) == replica}
         self._runs = {ref: r for ref, r in self._runs.items() if r not in ranks}
         self._results = {r: res for r, res in self._results.items() if r not in ranks}
         self.healing |= ranks
@@ -249,12 +254,6 @@ class RayWorkerGroup:
         ended, rest = ray.wait(pending, num_returns=1, timeout=timeout_s)
         if ended and rest:
             ray.wait(rest, num_returns=len(rest), timeout=max(0.0, deadline - time.monotonic()))
-
-    def _maybe_start_spares(self, progress: dict[int, Progress]) -> None:
-        """Start spares once every rank finished a step: a spare importing torch while the group
-        sets up or loads would take CPU from the very restart it is meant to speed up."""
-        if not self._spares_started and self.pool is not None and self._pg is not None:
-            self._spares_started = self.pool.replenish_once_trained(self._pg, progress, len(self.workers))
 
     def _progress(self) -> dict[int, Progress]:
         out = {r.rank: Progress(r.rank, r.steps, None, time.time(), "done") for r in self._results.values()}

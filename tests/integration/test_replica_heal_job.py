@@ -119,3 +119,16 @@ def test_a_stop_signal_stops_every_replica_group_at_the_saved_step_and_a_rerun_r
     out, err = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, err[-3000:]
     assert f"resumed at step {safe}" in out + err
+
+
+def test_a_group_failing_too_close_to_the_end_to_rejoin_is_not_waited_for(ray_cluster, monkeypatch):
+    """The second group fails at step 21 of 24 with heal_steps 6: its rejoin step is past the last
+    step, so the first group finishes alone and the job succeeds without the replacement."""
+    monkeypatch.setenv(ENV_VAR, "exit@step:rank=3,step=20")
+    result = run_job(load_spec(DEMO, [*JOB, "name=heal-late"]))
+    monkeypatch.delenv(ENV_VAR)
+    assert result.state is JobState.SUCCEEDED, result.error
+    assert result.attempts == 1 and [(h["replica"], h["rank"]) for h in result.heals] == [(1, 3)]
+    assert "healed_s" not in result.heals[0]
+    assert [(r.rank, r.steps) for r in result.results] == [(0, STEPS), (1, STEPS)]
+    assert result.results[0].replicas["skipped"] == [(step, 1) for step in range(21, STEPS + 1)]
