@@ -20,6 +20,7 @@ from raytrain_ckpt.control.placement import Placement, room_outside
 from raytrain_ckpt.common.events import Failure, Progress, RankPlace, WorkerResult, headline
 from raytrain_ckpt.control.hang_evidence import diagnose, diagnostics_root, locate
 from raytrain_ckpt.control.watch.hangs import Blame, keep_failures
+from raytrain_ckpt.control.group_checkpoints import GroupCheckpointing
 from raytrain_ckpt.control.heal import replace_replica
 from raytrain_ckpt.control.pollcalls import poll_progress
 from raytrain_ckpt.control.pool import WorkerPool, bundle_nodes, drain, kill_actor, new_worker
@@ -40,7 +41,7 @@ def guard_failure(attempt: int, reporter: int, cause: WorkerFailure) -> Failure:
     return Failure(attempt, "rollback", rank, headline(cause.guard), cause.guard)
 
 
-class RayWorkerGroup:
+class RayWorkerGroup(GroupCheckpointing):
     """``num_workers`` TrainWorker actors in one placement group."""
 
     def __init__(self, spec: JobSpec, attempt: int, checkpoints: CheckpointService | None = None,
@@ -73,12 +74,7 @@ class RayWorkerGroup:
         self._calls = StartCalls(spec.fault_tolerance.start_timeout_s)
         self._lighthouse, self._lighthouse_address = None, None  # with replica groups: the quorum, killed with the group
         self.healing: set[int] = set()  # ranks of replacement replica groups that have not trained a step yet (``heal``)
-
-    @property
-    def replaced(self) -> list[str]:
-        """The checkpoint writers and actor this attempt's start replaced because they did not
-        answer (``CheckpointService.plan_attempt``), one line each."""
-        return self.checkpoints.replaced.get(self.attempt, []) if self.checkpoints is not None else []
+        self._moved, self._own_pgs = {}, []  # replica groups moved off a draining node: their ranks' nodes, their bundles
 
     def start(self) -> None:
         """Reserve bundles, create the actors, rendezvous, and start ``run()`` on every rank."""
@@ -194,17 +190,21 @@ class RayWorkerGroup:
             | {r.rank: r.evicted_until for r in self._results.values() if r.evicted_until is not None},
         )
 
-    def heal(self, replica: int) -> None:
-        """Replace replica group ``replica`` while the others train on (``control/heal.py``)."""
+    def heal(self, replica: int, off_node: bool = False) -> None:
+        """Replace replica group ``replica`` while the others train on (``control/heal.py``);
+        ``off_node``: its node drains, the replacement is placed elsewhere."""
         ranks = {r for r in range(self.spec.world_size) if r // (self.spec.world_size // self.spec.parallelism.dp_replicate) == replica}
         self._runs = {ref: r for ref, r in self._runs.items() if r not in ranks}
         self._results = {r: res for r, res in self._results.items() if r not in ranks}
         self.healing |= ranks
-        self._runs |= replace_replica(self, replica, self._pg, self._calls, self._lighthouse, self._lighthouse_address)
+        new = replace_replica(self, replica, self._pg, self._calls, self._lighthouse, self._lighthouse_address, off_node)
+        self._runs |= new.runs
+        self._moved |= new.nodes
+        self._own_pgs += [new.pg] if new.pg is not None else []
 
     def rank_nodes(self) -> list[str]:
-        """Node id of every rank, by rank (the placement group's bundles)."""
-        return bundle_nodes(self._pg) if self._pg is not None else []
+        """Node id of every rank, by rank (the placement group's bundles; a replica group moved off a draining node: its own)."""
+        return [self._moved.get(r, n) for r, n in enumerate(bundle_nodes(self._pg))] if self._pg is not None else []
 
     def preempt(self, deadline_unix: float | None, tier: str = "durable") -> None:
         """A drain notice: every rank saves the step in hand (in ``tier``) at the next step boundary and stops."""
@@ -215,22 +215,6 @@ class RayWorkerGroup:
         """The next attempt gets a spare or a new process for ``rank`` (a straggler), even when the
         others are kept."""
         self._retired.add(rank)
-
-    def checkpointing_silences(self) -> dict[str, float]:
-        """How long each checkpoint writer and the actor has left its ping unanswered (``control/watch/silence.py``)."""
-        return self.checkpoints.fleet.silences(time.monotonic()) if self.checkpoints is not None else {}
-
-    def save_in_flight(self) -> int | None:
-        """The oldest step the CheckpointActor has in flight (the save a silent writer holds up), as
-        its bulletin last said (None: none or unknown)."""
-        from raytrain_ckpt.checkpoint.roles.bulletin import oldest_in_flight
-
-        return oldest_in_flight(self.spec.name) if self.checkpoints is not None else None
-
-    def replace_silent_checkpointing(self, stalled: dict[str, float] | None = None) -> list[str]:
-        """Kill and restart the checkpoint writers and actor that do not answer a ping now, and the
-        writers of ``stalled`` writes still unmoved past their budget; one line each."""
-        return self.checkpoints.fleet.replace_silent(stalled=stalled) if self.checkpoints is not None else []
 
     def diagnose(self) -> Blame:
         """Before the hung group is torn down: every rank's stacks and step, kept under the job
@@ -285,6 +269,8 @@ class RayWorkerGroup:
             remove_placement_group(self._pg)
         self.workers = []
         self._pg = None
+        for pg in self._own_pgs:
+            remove_placement_group(pg)
         if self._lighthouse is not None:
             kill_actor(self._lighthouse)
             self._lighthouse = None

@@ -2,7 +2,8 @@
 
 The failed group's processes are killed (their heartbeat to the Lighthouse stops, so the healthy
 groups' next quorum forms without them), and new ones take their ranks: an idle spare on the
-rank's node first, else a new process in the rank's bundle. They rendezvous as a group of their
+rank's node first, else a new process in the rank's bundle; a group leaving a draining node gets
+a placement group of its own, elsewhere (Ray places nothing on a draining node). They rendezvous as a group of their
 own at their first rank's store, are set up without loading any checkpoint, and start ``run()``:
 their first step waits for the healthy groups at the rejoin step and receives a live group's
 state there (``replicas/sync.py``, ``rank/replicas.py``). Storage is never read.
@@ -12,23 +13,50 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
 
-from raytrain_ckpt.control.pool import kill_actor, new_worker
+from raytrain_ckpt.control.poll import GroupStartError
+from raytrain_ckpt.control.pool import bundle_nodes, kill_actor, new_worker
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["replace_replica"]
+__all__ = ["Replacement", "replace_replica"]
 
 
-def replace_replica(group: Any, replica: int, pg: Any, calls: Any, lighthouse: Any,
-                    address: str | None) -> dict[ray.ObjectRef, int]:
+@dataclass
+class Replacement:
+    """A replica group's replacement: its ranks' ``run()`` refs (ref -> rank), and, when it was
+    placed off a draining node, its own placement group and the node of each of its ranks."""
+
+    runs: dict[ray.ObjectRef, int]
+    pg: Any = None
+    nodes: dict[int, str] = field(default_factory=dict)
+
+
+def _off_node(spec: Any, size: int, deadline: float) -> Any:
+    """A placement group of ``size`` rank bundles for a group leaving a draining node (Ray places
+    no bundle on a draining node). Raises ``GroupStartError`` when it cannot be placed in time."""
+    res = spec.resources
+    bundle = {"CPU": res.cpus_per_worker, **({"GPU": res.gpus} if res.gpus else {})}
+    pg = placement_group([bundle] * size, strategy=res.placement_strategy)
+    if not pg.wait(timeout_seconds=max(0.1, deadline - time.monotonic())):
+        remove_placement_group(pg)
+        raise GroupStartError(f"no room for {size} x {bundle} off the draining node within "
+                              "fault_tolerance.start_timeout_s")
+    return pg
+
+
+def replace_replica(group: Any, replica: int, pg: Any, calls: Any, lighthouse: Any, address: str | None,
+                    off_node: bool = False) -> Replacement:
     """Kill replica group ``replica`` of ``group`` (a ``RayWorkerGroup``: its placement group
     ``pg``, its ``StartCalls``, its Lighthouse actor and that actor's ``address``) and start the
-    replacement; returns the new ranks' ``run()`` refs (ref -> rank). Raises ``GroupStartError``
-    when the replacement cannot join or set up within ``fault_tolerance.start_timeout_s``."""
+    replacement, in the group's bundles or, ``off_node`` (its node drains), in a placement group
+    of its own. Raises ``GroupStartError`` when the replacement cannot be placed, join or set up
+    within ``fault_tolerance.start_timeout_s``."""
     spec = group.spec
     size = spec.world_size // spec.parallelism.dp_replicate
     ranks = list(range(replica * size, (replica + 1) * size))
@@ -36,10 +64,14 @@ def replace_replica(group: Any, replica: int, pg: Any, calls: Any, lighthouse: A
     ray.get(lighthouse.replacing.remote(replica))  # an earlier replacement's ranks are not ready any more
     for rank in ranks:
         kill_actor(group.workers[rank])
+    own = _off_node(spec, size, deadline) if off_node else None
     nodes = group.rank_nodes()
     spec_json = spec.model_dump_json()
     fresh: list[Any] = []
-    for rank in ranks:
+    for i, rank in enumerate(ranks):
+        if own is not None:
+            fresh.append(new_worker(spec, own, rank, group.attempt, group.run_id, bundle=i))
+            continue
         spare = group.pool.spare_for(nodes[rank]) if group.pool is not None and nodes else None
         if spare is not None:
             try:
@@ -58,6 +90,7 @@ def replace_replica(group: Any, replica: int, pg: Any, calls: Any, lighthouse: A
     calls.get_all(setups, deadline, f"set up replica {replica}'s rank {{rank}}")
     for rank, w in zip(ranks, fresh, strict=True):
         group.workers[rank] = w
-    logger.warning("attempt %d: replica group %d (ranks %d-%d) replaced; it rejoins from a live group",
-                   group.attempt, replica, ranks[0], ranks[-1])
-    return {w.run.remote(): rank for rank, w in zip(ranks, fresh, strict=True)}
+    logger.warning("attempt %d: replica group %d (ranks %d-%d) replaced%s; it rejoins from a live group",
+                   group.attempt, replica, ranks[0], ranks[-1], " off its draining node" if own is not None else "")
+    placed = dict(zip(ranks, bundle_nodes(own), strict=True)) if own is not None else {}
+    return Replacement({w.run.remote(): rank for rank, w in zip(ranks, fresh, strict=True)}, own, placed)

@@ -88,8 +88,9 @@ class WorkerGroup(Protocol):
         """Release the ranks; safe to call twice. ``keep_warm``: keep what can serve the next
         attempt (placement group, processes that reset cleanly), kill the rest."""
 
-    def heal(self, replica: int) -> None:
-        """Replace replica group ``replica`` while the others train on; raises GroupStartError."""
+    def heal(self, replica: int, off_node: bool = False) -> None:
+        """Replace replica group ``replica`` while the others train on (``off_node``: elsewhere
+        than its draining node); raises GroupStartError."""
 
     def rank_nodes(self) -> list[str]:
         """Node id of every rank, by rank."""

@@ -38,7 +38,7 @@ __all__ = ["WorkerPool", "bundle_nodes", "drain", "kill_actor", "new_worker"]
 def bundle_nodes(pg: PlacementGroup) -> list[str]:
     """Node id of every bundle, by bundle index."""
     table = placement_group_table(pg)["bundles_to_node_id"]
-    return [table[i] for i in range(len(table))]
+    return [table.get(i, "") for i in range(len(pg.bundle_specs))]  # "": a bundle whose node is gone, not placed again yet
 
 
 def _alive_nodes() -> set[str]:
@@ -185,10 +185,11 @@ def _ended_alive(ref: ray.ObjectRef) -> bool:
     return True
 
 
-def new_worker(spec: JobSpec, pg: PlacementGroup, rank: int, attempt: int, run_id: str) -> ray.actor.ActorHandle:
-    """A new TrainWorker process for ``rank`` of ``attempt`` in bundle ``rank`` of ``pg``."""
+def new_worker(spec: JobSpec, pg: PlacementGroup, rank: int, attempt: int, run_id: str,
+               bundle: int | None = None) -> ray.actor.ActorHandle:
+    """A new TrainWorker process for ``rank`` of ``attempt`` in bundle ``bundle`` (default: ``rank``) of ``pg``."""
     res = spec.resources
-    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank if bundle is None else bundle)
     # A fault plan set on the driver reaches every worker (see raytrain_ckpt.common.faults).
     return ray.remote(TrainWorker).options(
         num_cpus=res.cpus_per_worker, num_gpus=res.gpus, max_concurrency=2, scheduling_strategy=strategy,

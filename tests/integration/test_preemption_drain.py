@@ -51,6 +51,26 @@ def test_drain_of_a_rank_node_resumes_at_the_notice_bit_identical(reference_20_r
     assert all(v == ref.losses[int(k)] for k, v in run["losses"].items())
 
 
+def test_drain_of_a_replica_groups_node_moves_that_group_while_the_other_trains_on(reference_20_run, tmp_path):
+    """dp_replicate 2 of one rank each, the second group's node drained (25 s notice) and a
+    replacement node added: no save, no restart; that group alone is replaced on the new node and
+    healed from the first, which never stops; both end with the same parameters."""
+    out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "replicas"], capture_output=True, text=True,
+                         timeout=600, cwd=REPO)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    r = json.loads(lines[-1])
+    run = r["drained"]
+    assert r["victim"] in r["draining_seen"]
+    assert run["state"] == "SUCCEEDED", run
+    assert run["attempts"] == 1 and run["preemptions"] == [] and run["kinds"] == [], run
+    assert [(h["replica"], h["rank"], h["kind"]) for h in run["heals"]] == [(1, 1, "drain")]
+    assert run["heals"][0]["healed_s"] > 0
+    assert run["steps"] == [20, 20] and run["fingerprints"][0] == run["fingerprints"][1]
+    skipped = run["replicas"][0]["skipped"]
+    assert skipped and all(g == 1 for _, g in skipped) and run["replicas"][1]["healed_at"] == skipped[-1][0]
+
+
 def test_a_deadline_too_short_for_a_durable_save_resumes_from_ram_on_a_surviving_node(reference_20_run, tmp_path):
     """12 s notice after a durable save that took 15 s (step 5's write slowed): the RAM tier. The
     step in hand is pushed from the draining node to the surviving one, storage is left as it was,

@@ -44,14 +44,17 @@ def watches_for(spec: Any, clock: Callable[[], float], ledger: GoodputLedger,
     ft = spec.fault_tolerance
     swap = StragglerSwap(spec, StragglerWatch(ft.straggler_margin))
     hang = HangWatch(spec, clock)
+    heals = ReplicaHeals(spec) if spec.parallelism.dp_replicate > 1 else None
     if preemption is not None:
         preemption.limit = ft.max_preemptions
+        if heals is not None:  # a drained node's replica groups move off it while the others train on
+            preemption.move_replicas = lambda group, node, ranks: heals.move_off(group, node, ranks, getattr(group, "attempt", 0))
     watches: list[Watch | None] = [
         ledger,
         RollbackWatch(),
         swap,
         preemption,
-        ReplicaHeals(spec) if spec.parallelism.dp_replicate > 1 else None,
+        heals,
         RankFailures(),
         StragglerStop(swap),
         Finished(),

@@ -183,12 +183,9 @@ class PreemptionGuard:
         self.total_steps = total_steps
         self._latest = latest_committed
         self._cost = save_cost
-        self._draining = draining
-        self._clock = clock
-        self._service_node = service_node
-        self._ram_cost, self._keep_in_ram = ram_cost, keep_in_ram
-        self._move_service = move_service
-        self._move_after_stop = False
+        self._draining, self._clock = draining, clock
+        self._service_node, self._ram_cost, self._keep_in_ram = service_node, ram_cost, keep_in_ram
+        self._move_service, self._move_after_stop = move_service, False
         self._retire_writer = retire_writer
         self._full_size, self._grow_check_s, self._room = full_size, grow_check_s, room
         self._grow_checked = clock()
@@ -201,8 +198,9 @@ class PreemptionGuard:
         """Preemptions acted on (a grow or a stop is none)."""
         self.limit: int | None = None
         """``fault_tolerance.max_preemptions`` (None: no bound); ``watches_for`` sets it from the spec."""
-        self._ignored: set[str] = set()
-        self._reached = 0
+        # with replica groups (set by ``watches_for``): move a draining node's groups off it; False: they cannot be
+        self.move_replicas: Callable[[WorkerGroup, str, tuple[int, ...]], bool] = lambda group, node, ranks: False
+        self._ignored, self._reached = set[str](), 0
         self.stop_request: tuple[str, float] | None = None
         """(signal name, deadline unix) once the driver was told to stop (``request_stop``)."""
 
@@ -289,6 +287,9 @@ class PreemptionGuard:
                 if node not in self._ignored:
                     self._ignored.add(node)
                     self._leave(node, hosts_actor=node == service)
+                continue
+            if node not in self._ignored and self.move_replicas(group, node, ranks):
+                self._ignored.add(node)  # its replica groups moved off it: training goes on
                 continue
             if node == service and node not in self._ignored:
                 self._ignored.add(node)

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from raytrain_ckpt.common.events import Failure
+from raytrain_ckpt.control.poll import GroupStartError
 from raytrain_ckpt.control.watch import Verdict
 
 if TYPE_CHECKING:
@@ -64,6 +65,28 @@ class ReplicaHeals:
                 logger.info("attempt %d: replica group %d healed %.1f s after its %s", attempt, record["replica"],
                             record["healed_s"], record["kind"])
         return None
+
+    def move_off(self, group: WorkerGroup, node: str, ranks: tuple[int, ...], attempt: int) -> bool:
+        """``node`` drains, holding ``ranks``: when they are all of groups that do not save and
+        enough groups stay healthy, each of those groups is replaced off the node now (``heal``),
+        its state from a live group, and True; else False (the whole job saves the step in hand
+        and restarts off the node). A replacement that cannot be placed in time: False too."""
+        groups = sorted({r // self.size for r in ranks})
+        down = {r // self.size for r in getattr(group, "healing", ())} | set(groups)
+        if 0 in groups or self.replicas - len(down) < self.min_replicas:
+            return False
+        for g in groups:
+            logger.warning("attempt %d: node %s drains with replica group %d; replacing that group elsewhere while "
+                           "the others train on", attempt, node, g)
+            self.records.append({"replica": g, "rank": min(r for r in ranks if r // self.size == g), "kind": "drain",
+                                 "attempt": attempt, "headline": f"node {node} drains", "at": time.time()})
+            try:
+                group.heal(g, off_node=True)
+            except GroupStartError as exc:
+                logger.warning("attempt %d: replica group %d could not be placed off node %s (%s); the whole job saves "
+                               "and restarts off it", attempt, g, node, exc)
+                return False
+        return True
 
     def local_replica(self, failure: Failure, healing: set[int]) -> int | None:
         """The replica group to replace for ``failure`` (with the failures after it, all in that
