@@ -81,20 +81,25 @@ class Placement:
         return selector
 
     def probe_failed_nodes(self, pg: PlacementGroup, survivors: dict[int, ray.actor.ActorHandle]) -> None:
-        """Before a node whose ranks failed before gets a rank: a short health probe (``control/watch/health.py``).
+        """Before a node whose ranks failed before gets a rank: a short health probe (``control/watch/health.py``;
+        in a kept rank's process on a CPU node that has one, ``survivors``: no new process on the restart's path).
         A node that fails it is quarantined and this start fails, so the next is placed around it."""
         q = self.quarantine
-        nodes = [n for n in bundle_nodes(pg) if n in q.failures] if q is not None else []
-        if q is None or not nodes or q.quarantine_s is None:
+        if q is None or q.quarantine_s is None:
+            return
+        where = bundle_nodes(pg)
+        nodes = [n for n in where if n in q.failures]
+        if not nodes:
             return
         from raytrain_ckpt.checkpoint.storage.backends import job_root
         from raytrain_ckpt.checkpoint.storage.probe import local_root
         from raytrain_ckpt.control.watch.health import plan_probes, probe_nodes
 
         ck = self.spec.checkpoint
-        plans = plan_probes(nodes, bundle_nodes(pg), set(survivors), self.spec.resources.gpus)
+        plans = plan_probes(nodes, where, set(survivors), self.spec.resources.gpus)
+        kept = {where[rank]: actor for rank, actor in sorted(survivors.items())}  # a CPU node's checks run there
         problems = probe_nodes(plans, local_root(str(job_root(ck.dir, self.spec.name))) if ck.enabled else None,
-                               pg)
+                               pg, kept)
         if not problems:
             logger.info("attempt %d: node(s) %s passed the health probe", self.attempt,
                         ", ".join(n[:12] for n in nodes))

@@ -68,6 +68,14 @@ class RankAnswers:
 
         return RankPlace(os.getpid(), ray.get_runtime_context().get_node_id())
 
+    def node_problem(self, root: str | None) -> str | None:
+        """The node health probe's checks, run in this kept process after its reset, before the
+        next attempt gives the node ranks again (``control/watch/health.py``: a new process for
+        them would cost a Ray worker's start on the restart's path). None: healthy."""
+        from raytrain_ckpt.checkpoint.datapath.buffers import node_problem, shm_dir
+
+        return node_problem(shm_dir(), root)
+
     def nccl_trace(self) -> bytes | str:
         """This rank's NCCL flight recorder or why none (``rank/nccl_trace.py``), while ``run()`` is stuck."""
         return rank_trace()

@@ -44,7 +44,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["SPARE_RANK", "TrainWorker", "WorkerFailure"]
 
 _WARM_MODULES = ("raytrain_ckpt.rank.trainer", "raytrain_ckpt.checkpoint.roles.client", "raytrain_ckpt.checkpoint.recovery.state",
-                 "torch.distributed.checkpoint", "torch.distributed.fsdp")
+                 "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch._dynamo")
+"""What a rank's setup() imports, imported ahead (``warm``). ``torch._dynamo`` is not imported by any
+of the others: torch imports it at the first call of a function it keeps out of compilation (the
+meta-device init of the model's first layer calls one), 0.3-0.5 s that a spare would otherwise
+spend in its build, between the crash and the first step after it."""
 _IMPORT_LOCK = threading.Lock()
 
 

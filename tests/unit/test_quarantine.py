@@ -44,3 +44,36 @@ def test_the_health_probe_names_a_full_staging_file_system_and_an_unwritable_roo
     ro = tmp_path / "file-not-dir"
     ro.write_text("x")
     assert node_problem(tmp_path, str(ro), min_free=1).startswith(f"the checkpoint root {ro} cannot be written")
+
+
+def test_a_kept_process_runs_its_nodes_probe_and_one_that_died_leaves_the_node_to_a_new_process(ray_cluster, tmp_path):
+    """On a CPU node that still holds a kept rank, the health probe's checks run in that process (no
+    new Ray worker on the restart's path), and its answer is the node's; a kept process that died
+    after its reset is no verdict on its node: the probe's task checks it instead."""
+    import ray
+
+    from raytrain_ckpt.control.watch.health import ProbePlan, probe_nodes
+
+    @ray.remote(num_cpus=0)
+    class Kept:
+        def __init__(self, problem: str | None) -> None:
+            self.problem = problem
+
+        def node_problem(self, root: str | None) -> str | None:
+            return self.problem
+
+    node = ray.get_runtime_context().get_node_id()
+    plans = [ProbePlan(node, None, 0.0)]
+    sick, dead = Kept.remote("the staging file system /dev/shm has 1 MiB free, under 64 MiB"), Kept.remote(None)
+    ray.get(dead.__ray_ready__.remote())
+    ray.kill(dead, no_restart=True)
+    unwritable = tmp_path / "file-not-dir"
+    unwritable.write_text("x")
+    try:
+        assert probe_nodes(plans, None, kept={node: sick}) == {node: ray.get(sick.node_problem.remote(None))}
+        # the task ran the checks (the dead process could not): the root it cannot write is named
+        problem = probe_nodes(plans, str(unwritable), kept={node: dead})[node]
+        assert problem.startswith(f"the checkpoint root {unwritable} cannot be written"), problem
+        assert probe_nodes(plans, str(tmp_path), kept={node: dead}) == {}
+    finally:
+        ray.kill(sick, no_restart=True)

@@ -35,14 +35,15 @@ import logging
 import os
 import stat
 import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from raytrain_ckpt.checkpoint.errors import StagingFileError, StagingNoSpace
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUFFER_GLOB", "SHM_DIR_ENV", "BufferLease", "Orphan", "OwnedBuffer", "is_leased", "no_space_line",
-           "open_buffer", "shm_dir", "sweep_orphans"]
+__all__ = ["BUFFER_GLOB", "MIN_SHM_FREE", "SHM_DIR_ENV", "BufferLease", "Orphan", "OwnedBuffer", "is_leased",
+           "no_space_line", "node_problem", "open_buffer", "shm_dir", "sweep_orphans"]
 
 SHM_DIR_ENV = "RAYTRAIN_CKPT_SHM_DIR"
 """Environment variable naming another directory for staging buffers (read by each writer's process)."""
@@ -59,6 +60,32 @@ def shm_dir() -> Path:
     if os.environ.get(SHM_DIR_ENV):
         return Path(os.environ[SHM_DIR_ENV])
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+MIN_SHM_FREE = 64 * 2**20
+"""The least free space on the staging file system a node must have to get a rank (64 MiB)."""
+
+
+def node_problem(shm: Path, root: str | None, min_free: int = MIN_SHM_FREE) -> str | None:
+    """What is wrong with this node for a rank (None: healthy): the staging file system ``shm``
+    short of ``min_free`` bytes, or the local checkpoint ``root`` not writable. The node health
+    probe's checks (``control/watch/health.py``): here, where both the probe's task and a kept
+    rank's process (``TrainWorker.node_problem``) can run them."""
+    try:
+        st = os.statvfs(shm)
+    except OSError as exc:
+        return f"the staging file system {shm} cannot be read: {exc}"
+    free = st.f_bavail * st.f_frsize
+    if free < min_free:
+        return f"the staging file system {shm} has {free / 2**20:.0f} MiB free, under {min_free / 2**20:.0f} MiB"
+    if root is not None:
+        probe = Path(root) / f".health-{uuid.uuid4().hex[:12]}"
+        try:
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as exc:
+            return f"the checkpoint root {root} cannot be written: {exc}"
+    return None
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,23 @@
 """A short health probe of a node before it gets a rank again after one of its ranks failed.
 
-A zero-CPU Ray task pinned to the node checks that a process there starts and answers (within
-``PROBE_TIMEOUT_S``), that the staging file system (``/dev/shm``) has room for the ranks' staging
-buffers, and that the checkpoint root (a local one) can be written. A node that fails the probe is
-quarantined at once (``control/watch/quarantine.py``) and the attempt's start fails, so the next one is placed
-around it.
+It checks that a process there answers (within ``PROBE_TIMEOUT_S``), that the staging file system
+(``/dev/shm``) has room for the ranks' staging buffers, and that the checkpoint root (a local one)
+can be written (``checkpoint/datapath/buffers.node_problem``). A zero-CPU Ray task pinned to the
+node runs the checks, so a process there also has to start; but on a CPU job's node that still
+holds a kept rank (its process left the failed step and reset), that process runs them
+(``TrainWorker.node_problem``). A new Ray worker only for the probe cost 0.3-0.7 s on every
+restart after a crash, on the restart's path, while the kept process already shows that the
+node runs ours; a rank there that does need a new process gets one or fails the start
+(``fault_tolerance.start_timeout_s``). A kept process that cannot answer (it died after its reset)
+is no verdict on its node: the task probes that node instead. A node that fails the probe is
+quarantined at once (``control/watch/quarantine.py``) and the attempt's start fails, so the next
+one is placed around it.
 
-On a GPU job (``resources.gpus > 0``) the probe also runs a ``GPU_CHECK_N`` square matmul of ones
-on each device it sees and synchronizes (the result must be ``GPU_CHECK_N`` everywhere), within
-``GPU_CHECK_TIMEOUT_S``. It gets its device the way a rank does: it runs in a free bundle of the
-job's own placement group on that node (``plan_probes``), asking that bundle's GPUs. The probe runs
+On a GPU job (``resources.gpus > 0``) the probe is always the task, and it also runs a
+``GPU_CHECK_N`` square matmul of ones on each device it sees and synchronizes (the result must
+be ``GPU_CHECK_N`` everywhere), within ``GPU_CHECK_TIMEOUT_S``. It gets its device the way a
+rank does: it runs in a free bundle of the job's own placement group on that node
+(``plan_probes``), asking that bundle's GPUs. The probe runs
 after the bundles are reserved and before the ranks are created, so a free bundle's GPUs wait for
 it; a task asking GPUs outside the group would wait behind the group's own reservation on a full
 node, and a zero-GPU task sees no device (Ray hides them). When every bundle on the node holds a
@@ -24,21 +32,19 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from raytrain_ckpt.checkpoint.datapath.buffers import MIN_SHM_FREE, node_problem, shm_dir
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MIN_SHM_FREE", "ProbePlan", "gpu_problem", "node_problem", "plan_probes", "probe_nodes"]
 
 PROBE_TIMEOUT_S = 20.0
-MIN_SHM_FREE = 64 * 2**20
-"""The least free space on the staging file system a node must have to get a rank (64 MiB)."""
 GPU_CHECK_TIMEOUT_S = 10.0
 """How long the matmul and synchronize on every device may take (CUDA's start included)."""
 GPU_CHECK_N = 256
@@ -69,26 +75,6 @@ def plan_probes(nodes: list[str], bundle_nodes: list[str], busy: set[int], gpus:
         free = [i for i, n in enumerate(bundle_nodes) if n == node and i not in busy] if gpus > 0 else []
         plans.append(ProbePlan(node, free[0] if free else None, gpus))
     return plans
-
-
-def node_problem(shm: Path, root: str | None, min_free: int = MIN_SHM_FREE) -> str | None:
-    """What is wrong with this node for a rank (None: healthy): the staging file system ``shm``
-    short of ``min_free`` bytes, or the local checkpoint ``root`` not writable."""
-    try:
-        st = os.statvfs(shm)
-    except OSError as exc:
-        return f"the staging file system {shm} cannot be read: {exc}"
-    free = st.f_bavail * st.f_frsize
-    if free < min_free:
-        return f"the staging file system {shm} has {free / 2**20:.0f} MiB free, under {min_free / 2**20:.0f} MiB"
-    if root is not None:
-        probe = Path(root) / f".health-{uuid.uuid4().hex[:12]}"
-        try:
-            probe.write_bytes(b"ok")
-            probe.unlink()
-        except OSError as exc:
-            return f"the checkpoint root {root} cannot be written: {exc}"
-    return None
 
 
 def gpu_problem(timeout_s: float = GPU_CHECK_TIMEOUT_S, n: int = GPU_CHECK_N) -> str | None:
@@ -123,8 +109,6 @@ def gpu_problem(timeout_s: float = GPU_CHECK_TIMEOUT_S, n: int = GPU_CHECK_N) ->
 
 
 def _check_node(root: str | None, gpu: bool) -> str | None:
-    from raytrain_ckpt.checkpoint.datapath.buffers import shm_dir
-
     return node_problem(shm_dir(), root) or (gpu_problem() if gpu else None)
 
 
@@ -140,7 +124,9 @@ def _probe_gpu(root: str | None) -> str | None:
     return _check_node(root, True)
 
 
-def _submit(plan: ProbePlan, root: str | None, pg: Any) -> ray.ObjectRef:
+def _submit(plan: ProbePlan, root: str | None, pg: Any, kept: Any = None) -> ray.ObjectRef:
+    if kept is not None and plan.gpus == 0:
+        return kept.node_problem.remote(root)
     if not plan.checks_gpu or pg is None:
         strategy = NodeAffinitySchedulingStrategy(plan.node, soft=False)
         return _probe.options(scheduling_strategy=strategy).remote(root)
@@ -148,23 +134,44 @@ def _submit(plan: ProbePlan, root: str | None, pg: Any) -> ray.ObjectRef:
     return _probe_gpu.options(num_gpus=plan.gpus, scheduling_strategy=strategy).remote(root)
 
 
-def probe_nodes(plans: list[ProbePlan], root: str | None, pg: Any = None) -> dict[str, str]:
+def probe_nodes(plans: list[ProbePlan], root: str | None, pg: Any = None,
+                kept: dict[str, Any] | None = None) -> dict[str, str]:
     """Probe each node (concurrently) as ``plans`` say (GPU checks run in ``pg``'s bundles);
-    returns node id -> problem for those that failed."""
-    refs = {}
+    returns node id -> problem for those that failed. ``kept``: by node, a kept rank's process
+    there, which runs a CPU node's checks instead of a new task (see the module docstring)."""
+    kept = kept or {}
+    asked: dict[ray.ObjectRef, tuple[ProbePlan, bool]] = {}
     for plan in plans:
         if plan.gpus > 0 and not plan.checks_gpu:
             logger.info("node %s: its GPU is not checked (every bundle there holds a kept rank)", plan.node[:12])
-        refs[_submit(plan, root, pg)] = plan.node
-    ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
+        by_kept = plan.gpus == 0 and plan.node in kept
+        asked[_submit(plan, root, pg, kept.get(plan.node) if by_kept else None)] = (plan, by_kept)
+    problems, unable = _answers(asked)
+    if unable:  # a kept process that died after its reset says nothing of its node: a new process probes it
+        logger.info("node(s) %s: the kept process could not run the health probe; a new one does",
+                    ", ".join(p.node[:12] for p in unable))
+        problems |= _answers({_submit(p, root, pg): (p, False) for p in unable})[0]
+    return problems
+
+
+def _answers(asked: dict[ray.ObjectRef, tuple[ProbePlan, bool]]) -> tuple[dict[str, str], list[ProbePlan]]:
+    """The problems of the probes ``asked`` (ref -> plan, whether a kept process runs it), and the
+    plans whose kept process raised instead of answering."""
+    ready, late = ray.wait(list(asked), num_returns=len(asked), timeout=PROBE_TIMEOUT_S)
     for ref in late:  # a stuck probe must not keep its bundle's GPU from the rank
-        ray.cancel(ref, force=True)
-    problems = {refs[r]: f"the probe did not answer within {PROBE_TIMEOUT_S:g}s" for r in late}
+        if not asked[ref][1]:  # (a kept process that does not answer is killed with the failed start)
+            ray.cancel(ref, force=True)
+    problems = {asked[r][0].node: f"the probe did not answer within {PROBE_TIMEOUT_S:g}s" for r in late}
+    unable = []
     for ref in ready:
+        plan, by_kept = asked[ref]
         try:
             problem = ray.get(ref)
         except Exception as exc:  # noqa: BLE001 - a probe that cannot run there is the node's problem
+            if by_kept:
+                unable.append(plan)
+                continue
             problem = f"the probe failed: {type(exc).__name__}: {exc}"
         if problem is not None:
-            problems[refs[ref]] = problem
-    return problems
+            problems[plan.node] = problem
+    return problems, unable
