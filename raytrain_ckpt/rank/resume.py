@@ -110,6 +110,15 @@ class RankCheckpoints:
         self._reserve = reserve
         return nbytes
 
+    def _close_scalars(self) -> None:
+        """Close rank 0's loggers of this attempt (``_open_scalars``), once: their background
+        threads send what they still hold (``observe/loggers.py``). A failed attempt's run() never
+        got to close them; a kept process that opened the next attempt's loggers first would read
+        the runs' floors without those points and log the replayed steps twice."""
+        scalars, self._scalars = getattr(self, "_scalars", None), None
+        if scalars is not None:
+            scalars.close()
+
     def reset(self) -> None:
         """Leave the finished or failed attempt: stop staging, drop the trainer, destroy the process group.
 
@@ -117,6 +126,7 @@ class RankCheckpoints:
         in a collective with it fails at once instead of waiting for the collective timeout.
         """
         self._stop.set()
+        self._close_scalars()  # a failed attempt's logged points reach the run before the next attempt reads its floor
         if self.checkpoints is not None:
             self.checkpoints.close()  # waits for a running staging copy: nothing reads the state after it
         if self.trainer is not None and self.trainer.replicas is not None:

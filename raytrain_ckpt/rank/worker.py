@@ -307,8 +307,7 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
                                    "fault_tolerance.stop_grace_s left", self._prefix(), report.step,
                                    self._evicted_until - time.time())
                 break
-        if scalars is not None:
-            scalars.close()
+        self._close_scalars()
         if trainer.replicas is not None:  # its heartbeat stops: the groups still stepping form quorums without it
             trainer.replicas.close()
         stats = None
@@ -333,7 +332,8 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
         from raytrain_ckpt.checkpoint.storage.backends import job_root
 
         root = str(job_root(self.spec.checkpoint.dir, self.spec.name))
-        return open_job_loggers(self.spec, "train", self.trainer.state.step, root)
+        self._scalars = open_job_loggers(self.spec, "train", self.trainer.state.step, root)  # closed by _close_scalars
+        return self._scalars
 
     def __repr__(self) -> str:
         # Shown in the Ray dashboard's actor list and as the log prefix. Ray evaluates it once,
