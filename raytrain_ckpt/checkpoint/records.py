@@ -32,6 +32,9 @@ class TrainingPoint:
     """The newest step the training guard certified when this step was saved (None: none yet)."""
     skipped_samples: tuple[tuple[int, int, int], ...] = ()
     """The sample windows the job skips, ``(from step, lo, hi)`` (``data/skips.py``)."""
+    replica_skips: tuple[tuple[int, int, int, int], ...] = ()
+    """Every replica group's share a step trained without, up to this step, ``(step, group, lo,
+    hi)``: step ``step`` did not train the global samples ``[lo, hi)`` (``replicas/membership.py``)."""
 
 
 @dataclass(frozen=True)

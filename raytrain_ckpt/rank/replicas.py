@@ -18,7 +18,7 @@ import torch
 if TYPE_CHECKING:
     from raytrain_ckpt.rank.trainer import Trainer
 
-__all__ = ["heal_state", "load_heal_state", "replica_record", "replica_sync"]
+__all__ = ["heal_state", "load_heal_state", "replica_record", "replica_skips", "replica_sync"]
 
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -105,3 +105,12 @@ def replica_record(trainer: Trainer) -> dict[str, Any]:
                                    dp_size=spec.dp_size, start_index=trainer.skips.offset(step - 1)).start
         rows.append((step, group, first, first + t.global_batch_size // spec.parallelism.dp_replicate))
     return {**record, "skipped_samples": rows}
+
+
+def replica_skips(trainer: Trainer, through: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Every share the job skipped up to step ``through`` (those before this attempt, from its
+    resume's manifest, and this attempt's), (step, group, lo, hi): what a manifest records."""
+    rows = set(trainer.replica_skips_before)
+    if trainer.replicas is not None:
+        rows.update(r for r in replica_record(trainer)["skipped_samples"] if r[0] <= through)
+    return tuple(sorted(rows))

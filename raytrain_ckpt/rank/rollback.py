@@ -140,6 +140,8 @@ def adopt_manifest(trainer: Any, guard: LossGuard | None, path: str) -> None:
                       path if is_uri(path) else Path(path))
     rows = {tuple(row) for row in [*trainer.spec.data.skip_samples, *(m.skipped_samples or [])]}
     trainer.skips = SampleSkips.from_lists(trainer.spec.training.global_batch_size, sorted(rows))
+    # the replica groups' shares skipped before: every later manifest names them too
+    trainer.replica_skips_before = tuple(tuple(row) for row in m.replica_skips or ())
     if guard is not None:
         guard.last_certified = m.certified_step
         guard.saved_step(m.step)

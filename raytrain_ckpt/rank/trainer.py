@@ -174,6 +174,8 @@ class Trainer:
         self.before_optimizer_step: Callable[[], None] = lambda: None
         self.skips = SampleSkips.from_lists(t.global_batch_size, d.skip_samples)
         """Sample windows this job skips (rollbacks, ``data/skips.py``): where each step's samples start."""
+        self.replica_skips_before: tuple[tuple[int, int, int, int], ...] = ()
+        """Replica shares skipped before this attempt, (step, group, lo, hi), from the resume's manifest."""
         self.attempt = 0
         """The attempt this trainer belongs to (set by the worker; fault injection reads it)."""
         self.guard: Any = None

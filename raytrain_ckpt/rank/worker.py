@@ -24,14 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raytrain_ckpt.checkpoint.records import RankCheckpointPlan
+from raytrain_ckpt.checkpoint.records import RankCheckpointPlan, TrainingPoint
 from raytrain_ckpt.common.events import Progress, WorkerResult
 from raytrain_ckpt.rank.eviction import on_sigterm
 from raytrain_ckpt.common.faults import adopt_fault_env, maybe_inject
 from raytrain_ckpt.common.logs import rename_log_prefix, setup_logging
 from raytrain_ckpt.rank.answers import SPARE_RANK, TIERS, RankAnswers
 from raytrain_ckpt.rank.progress import ProgressFile, PublishedProgress
-from raytrain_ckpt.rank.replicas import replica_record
+from raytrain_ckpt.rank.replicas import replica_record, replica_skips
 from raytrain_ckpt.rank.rendezvous import RankRendezvous
 from raytrain_ckpt.rank.resume import RankCheckpoints
 from raytrain_ckpt.rank.metrics import TrainerMetrics
@@ -88,6 +88,15 @@ def _replica_sync(worker: TrainWorker, lighthouse: str | None, heal: bool) -> An
                         ranks=worker.group_size, lighthouse=lighthouse, store=worker._meet,
                         roster=lighthouse_name(worker.run_id, worker.attempt), replacement=heal,
                         timeout_s=collective_timeout_s(ft), meet_timeout_s=2 * ft.start_timeout_s)
+
+
+def _point(trainer: Any, report: Any) -> TrainingPoint:
+    """What the trainers know at ``report``'s step, for its manifest."""
+    guard = trainer.guard
+    return TrainingPoint(report.step * trainer.spec.training.global_batch_size, trainer.state.tokens_seen,
+                         report.loss, report.eval_loss, guard.certified() if guard else None,
+                         tuple(tuple(w) for w in trainer.skips.as_lists()),
+                         replica_skips(trainer, report.step))
 
 
 def _is_mismatch(exc: BaseException) -> bool:
@@ -245,7 +254,6 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
 
     def _run(self) -> WorkerResult:
         from raytrain_ckpt.checkpoint.recovery.state import app_state
-        from raytrain_ckpt.checkpoint.records import TrainingPoint
         from raytrain_ckpt.rank.guard import GuardTrip
 
         trainer = self.trainer
@@ -277,10 +285,7 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
             level = ckpt.max_rank(1 + TIERS.index(self._notice_tier) if self._notice.is_set() else 0) if watch else 0
             preempted, tier = level > 0, TIERS[max(0, level - 1)]
             if due or preempted:
-                guard = trainer.guard
-                point = TrainingPoint(report.step * self.spec.training.global_batch_size, trainer.state.tokens_seen,
-                                      report.loss, report.eval_loss, guard.certified() if guard else None,
-                                      tuple(tuple(w) for w in trainer.skips.as_lists()))
+                guard, point = trainer.guard, _point(trainer, report)
                 self._progress = Progress(self.rank, self._progress.step, loss, self._progress.last_step_at, "saving")
                 ckpt.save(report.step, app_state(trainer), point, final=preempted, tier=tier)
                 if guard is not None:

@@ -121,14 +121,37 @@ def test_a_stop_signal_stops_every_replica_group_at_the_saved_step_and_a_rerun_r
     assert f"resumed at step {safe}" in out + err
 
 
-def test_a_group_failing_too_close_to_the_end_to_rejoin_is_not_waited_for(ray_cluster, monkeypatch):
+def test_a_group_failing_too_close_to_the_end_to_rejoin_is_not_waited_for(ray_cluster, monkeypatch, tmp_path):
     """The second group fails at step 21 of 24 with heal_steps 6: its rejoin step is past the last
-    step, so the first group finishes alone and the job succeeds without the replacement."""
+    step, so the first group finishes alone and the job succeeds without the replacement. The
+    manifests name the skipped shares: none at step 20, steps 21-24's at step 24, and a resume
+    (into one group of two ranks) carries them on to its own manifests."""
+    import json
+
+    ckpt = ["checkpoint.enabled=true", f"checkpoint.dir={tmp_path}", "checkpoint.interval_steps=4",
+            "checkpoint.keep_latest_k=10", "name=heal-late"]
     monkeypatch.setenv(ENV_VAR, "exit@step:rank=3,step=20")
-    result = run_job(load_spec(DEMO, [*JOB, "name=heal-late"]))
+    result = run_job(load_spec(DEMO, [*JOB, *ckpt]))
     monkeypatch.delenv(ENV_VAR)
     assert result.state is JobState.SUCCEEDED, result.error
     assert result.attempts == 1 and [(h["replica"], h["rank"]) for h in result.heals] == [(1, 3)]
     assert "healed_s" not in result.heals[0]
     assert [(r.rank, r.steps) for r in result.results] == [(0, STEPS), (1, STEPS)]
     assert result.results[0].replicas["skipped"] == [(step, 1) for step in range(21, STEPS + 1)]
+    rows = [list(r) for r in result.results[0].replicas["skipped_samples"]]
+    t = load_spec(DEMO, [*JOB, *ckpt]).training
+    assert rows == [[step, 1, (step - 1) * t.global_batch_size + t.global_batch_size // 2, step * t.global_batch_size]
+                    for step in range(21, STEPS + 1)]
+
+    def manifest(step: int) -> dict:
+        return json.loads((tmp_path / "heal-late" / f"step-{step:08d}" / "manifest.json").read_text())
+
+    assert "replica_skips" not in manifest(20)
+    last = manifest(STEPS)
+    assert last["replica_skips"] == rows
+    # every sample accounted for: the trained ones in tokens_seen, the skipped ones named
+    assert last["tokens_seen"] == (last["samples_seen"] - sum(hi - lo for _, _, lo, hi in rows)) * t.seq_len
+    resumed = run_job(load_spec(DEMO, [*JOB, *ckpt, f"training.steps={STEPS + 4}", "parallelism.dp_replicate=1",
+                                       "resources.num_workers=2"]))
+    assert resumed.state is JobState.SUCCEEDED, resumed.error
+    assert manifest(STEPS + 4)["replica_skips"] == rows

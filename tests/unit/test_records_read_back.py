@@ -33,6 +33,21 @@ def test_a_valid_skip_window_is_kept():
     assert Manifest.from_json(_manifest([[4, 16, 5000]])).skipped_samples == [[4, 16, 5000]]
 
 
+@pytest.mark.parametrize("share", [[0, 1, 0, 8], [3, 1, 8, 8], [3, 1, 9, 8], [3, -1, 0, 8], [3, 1, 0],
+                                   [3, 1, 0, 10**30]])
+def test_a_replica_skip_outside_the_rules_is_refused(share):
+    text = json.dumps({"step": 3, "world_size": 2, "dp_size": 2, "spec_hash": "h", "files": {},
+                       "replica_skips": [share]})
+    with pytest.raises(InvalidCheckpoint, match="replica_skips"):
+        Manifest.from_json(text)
+
+
+def test_a_valid_replica_skip_is_kept():
+    text = json.dumps({"step": 3, "world_size": 2, "dp_size": 2, "spec_hash": "h", "files": {},
+                       "replica_skips": [[2, 1, 8, 16]]})
+    assert Manifest.from_json(text).replica_skips == [[2, 1, 8, 16]]
+
+
 @pytest.mark.parametrize("content", [b"[" * 200_000 + b"]" * 200_000,
                                      json.dumps({"committed": "x", "job_info": {"state": 3}}).encode(),
                                      json.dumps({"job_info": [1]}).encode(),

@@ -130,6 +130,11 @@ class Manifest(BaseModel):
     skipped_samples: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=3, max_length=3)]] | None = None
     """Global sample windows the job skips after rollbacks, ``[from step, lo, hi]``: the samples
     ``[lo, hi)`` are never read from that step on; a resume keeps skipping them. None: none."""
+    replica_skips: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=4, max_length=4)]] | None = None
+    """With replica groups (``parallelism.dp_replicate``), each share a step up to this one trained
+    without, ``[step, group, lo, hi]``: step ``step`` did not train the global samples ``[lo, hi)``
+    (the group was out under the heal rule). With ``tokens_seen`` every sample is accounted for;
+    a resume carries them on. None: none."""
 
     @field_validator("loss", "eval_loss", mode="before")
     @classmethod
@@ -147,6 +152,15 @@ class Manifest(BaseModel):
             if max(step, lo, hi) > _MAX_INT64 or lo >= hi:
                 raise ValueError(f"skip window [{step}, {lo}, {hi}]: needs 0 <= lo < hi <= 2**63-1 "
                                  "(a window of the samples [lo, hi) from that step on)")
+        return value
+
+    @field_validator("replica_skips")
+    @classmethod
+    def _shares(cls, value: list[list[int]] | None) -> list[list[int]] | None:
+        for step, group, lo, hi in value or ():
+            if max(step, group, lo, hi) > _MAX_INT64 or lo >= hi or step < 1:
+                raise ValueError(f"replica skip [{step}, {group}, {lo}, {hi}]: needs step >= 1 and "
+                                 "0 <= lo < hi <= 2**63-1 (the samples [lo, hi) step `step` did not train)")
         return value
 
     @field_validator("files")

@@ -160,4 +160,5 @@ class SaveCoordinator:
                         model=g.model, eval_loss=point.eval_loss, loss=point.loss,
                         keep_best=best.record() if (best := self.retention.keep_best) else None,
                         certified_step=point.certified_step,
-                        skipped_samples=[list(w) for w in point.skipped_samples] or None)
+                        skipped_samples=[list(w) for w in point.skipped_samples] or None,
+                        replica_skips=[list(w) for w in point.replica_skips] or None)
