@@ -257,6 +257,9 @@ def run_replicated(args: argparse.Namespace, trace: list[str]) -> float | None:
         for h in result.heals:
             print(f"  heal: replica {h['replica']} after a {h['kind']} on rank {h['rank']}, back in the quorum "
                   f"{h.get('healed_s', float('nan')):.1f} s after its detection (heal_steps 5 included)")
+        if result.goodput:
+            print(f"  ledger: {result.goodput['seconds'].get('degraded', 0.0):.1f} s trained with fewer replica groups "
+                  f"(their share), goodput {100 * result.goodput['goodput']:.1f}%")
     heals = len(result.heals)
     if not heals:
         return None

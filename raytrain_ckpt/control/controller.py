@@ -125,7 +125,8 @@ class Controller:
         self._observer = observer
         self.last_poll: GroupPoll | None = None
         """The latest poll of the running group (read by the observer)."""
-        self.ledger = GoodputLedger(self._started, clock)
+        r = spec.parallelism.dp_replicate
+        self.ledger = GoodputLedger(self._started, clock, r, spec.world_size // r)
         """Where the wall time went: the controller marks each attempt's start and end on it."""
         self.watches: list[Watch] = watches_for(spec, clock, self.ledger, preemption)
         """Every watch over the polls, each owning its state, in priority order (``watches_for``)."""
@@ -315,6 +316,7 @@ class Controller:
         while the others train on; a replacement that cannot start restarts the whole job."""
         assert self.group is not None
         self.result.failures.append(failure)
+        self.ledger.replaced()
         # a guard trip's state is discarded with its group: a live group's replaces it
         decision, why = self._budget.decide("crash" if failure.kind == "rollback" else failure.kind, self._clock())
         self.result.error = failure.full_text()

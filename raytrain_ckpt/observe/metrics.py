@@ -140,7 +140,7 @@ METRICS: dict[str, MetricDef] = {m.name.removeprefix(PREFIX): m for m in (
     _m("job_preemption_notice_seconds", "gauge", "Seconds between the latest drain notice and its deadline (-1: no "
        "deadline)."),
     _m("job_wall_seconds_total", "counter", "Seconds of the job's wall time, by the cause they went to (goodput "
-       "ledger: training, checkpoint_stall, eval, redone, first_step, placement, rendezvous, load, detection, "
+       "ledger: training, checkpoint_stall, eval, redone, degraded, first_step, placement, rendezvous, load, detection, "
        "teardown, waiting).", "cause"),
     _m("job_goodput_ratio", "gauge", "Training seconds / wall seconds of the job so far."),
     _m("job_hang_timeout_seconds", "gauge", "The hang timeout in force (learned from the step times when "

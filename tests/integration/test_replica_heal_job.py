@@ -39,6 +39,8 @@ def test_a_failed_replica_group_is_replaced_and_healed_while_the_other_trains_on
     assert [f.kind for f in first.failures] == [kind] and first.failures[0].rank == 3
     assert [(h["replica"], h["rank"], h["kind"]) for h in first.heals] == [(1, 3, kind)]
     assert first.heals[0]["healed_s"] > 0  # the failure's detection -> the replacement trained a step
+    # the goodput ledger: the time group 0 trained alone, half of it the share group 1 did not train
+    assert 0 < first.goodput["seconds"]["degraded"] < first.goodput["seconds"]["training"]
     by_rank = {r.rank: r for r in first.results}
     assert sorted(by_rank) == [0, 1, 2, 3] and all(r.steps == STEPS for r in by_rank.values())
     # both groups end with the same shards, bit for bit (rank k of one group = rank k of the other)

@@ -66,3 +66,30 @@ def test_a_failed_start_is_placement_up_to_its_last_mark():
     led.start_marks([], 5.0)
     led.failed("start", 5.0)
     assert led.seconds["placement"] == 5.0 and led.timelines[0].ended_by == "start"
+
+
+def test_time_trained_while_replica_groups_are_out_is_their_share_degraded():
+    """Two replica groups of two ranks: while one is out (ranks 2 and 3 healing), half of each
+    stretch's training is the share it did not train; once back, all of it is training again."""
+    from types import SimpleNamespace
+
+    clock = SimpleNamespace(now=0.0)
+    led = GoodputLedger(0.0, lambda: clock.now, replicas=2, group_size=2)
+    led.attempt(0, 0.0)
+    led.start_marks([("placement", 1.0)], 1.0)
+
+    def poll(step: int, at: float, healing: tuple[int, ...] = ()) -> None:
+        clock.now = at
+        led.observe(SimpleNamespace(min_step=step, stall_s=0.0, eval_s=0.0), SimpleNamespace(healing=healing), 0)
+
+    poll(0, 1.0)
+    poll(1, 2.0)                         # first step
+    poll(5, 6.0)                         # 4 s trained by both groups
+    led.replaced()                       # group 1 fails alone
+    poll(9, 10.0, healing=(2, 3))        # 4 s trained by group 0 alone: half degraded
+    poll(13, 14.0)                       # back: training again
+    led.finished(14.0)
+    s = led.seconds
+    assert sum(s.values()) == pytest.approx(led.wall_s)
+    assert s["degraded"] == pytest.approx(2.0) and s["training"] == pytest.approx(4.0 + 2.0 + 4.0)
+    assert "2.0 s lost to 1 failure(s): 2.0 s with fewer replica groups" in led.end_line()

@@ -9,6 +9,8 @@ now goes to exactly one cause, so the causes add up to the wall time by construc
 - first step: from the group running until the slowest rank's first step of the attempt.
 - training: the slowest rank's steps, less the parts below.
 - redone: steps that an earlier attempt had already finished (lost to a restart).
+- degraded: with replica groups, the share of training time the groups out under the heal rule
+  did not train (a stretch trained while k of R groups were out: k/R of it; the rest is training).
 - checkpoint stall: the time a rank spent waiting on a save (the largest of the ranks'), and
   after the last step the wait for the final commit.
 - eval: evaluation steps (the largest of the ranks').
@@ -32,8 +34,11 @@ if TYPE_CHECKING:
 
 __all__ = ["CAUSES", "GoodputLedger"]
 
-CAUSES = ("training", "checkpoint_stall", "eval", "redone", "first_step", "placement", "rendezvous", "load",
+CAUSES = ("training", "checkpoint_stall", "eval", "redone", "degraded", "first_step", "placement", "rendezvous", "load",
           "detection", "teardown", "waiting")
+
+
+_NAMES = {"degraded": "with fewer replica groups"}
 
 
 @dataclass
@@ -50,8 +55,12 @@ class GoodputLedger:
     """Accounts wall time to causes as the controller reports what happened. A ``Watch`` too (the
     first one): each poll's progress (``observe``), never a verdict; ``clock``: the controller's."""
 
-    def __init__(self, now: float, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, now: float, clock: Callable[[], float] | None = None, replicas: int = 1,
+                 group_size: int = 1) -> None:
         self._clock = clock
+        self._replicas, self._group_size = replicas, group_size
+        self._out = 0
+        """Replica groups out (replaced or healing) as of the latest poll."""
         self.started_at = now
         self._mark = now
         self.seconds: dict[str, float] = dict.fromkeys(CAUSES, 0.0)
@@ -82,6 +91,7 @@ class GoodputLedger:
     def observe(self, poll: GroupPoll, group: WorkerGroup, attempt: int) -> Verdict | None:
         """The poll's progress (``progress``) at the clock's time; nothing for the controller to do."""
         assert self._clock is not None, "a ledger that observes polls needs the controller's clock"
+        self._out = len({r // self._group_size for r in getattr(group, "healing", ())})
         self.progress(poll.min_step, self._clock(), poll.stall_s, poll.eval_s)
         return None
 
@@ -122,8 +132,10 @@ class GoodputLedger:
             redone = rest * max(0, min(step, self._high) - self._base) / n
             self._book("checkpoint_stall", stall)
             self._book("eval", ev)
+            degraded = (rest - redone) * min(self._out, self._replicas) / self._replicas
             self._book("redone", redone)
-            self._book("training", rest - redone)
+            self._book("degraded", degraded)
+            self._book("training", rest - redone - degraded)
         self._busy = (stall_s, eval_s)
         self._base = step
         self._high = max(self._high, step)
@@ -134,6 +146,10 @@ class GoodputLedger:
         self._add("detection", now)
         if self.timelines:
             self.timelines[-1].ended_by = kind
+
+    def replaced(self) -> None:
+        """A failure ended one replica group only: the others train on (its cost: ``degraded``)."""
+        self.failures += 1
 
     def torn_down(self, now: float) -> None:
         self._add("teardown", now)
@@ -168,15 +184,15 @@ class GoodputLedger:
     def line_of(ledger: dict[str, Any], failures: int) -> str:
         """The end line of a ledger in its ``to_dict`` form (``JobResult.goodput``)."""
         s = ledger["seconds"]
-        lost = [(k, s[k]) for k in ("redone", "detection", "teardown", "waiting", "placement", "rendezvous",
-                                     "load", "first_step") if s[k] >= 0.05]
+        lost = [(k, s[k]) for k in ("redone", "degraded", "detection", "teardown", "waiting", "placement",
+                                     "rendezvous", "load", "first_step") if s.get(k, 0.0) >= 0.05]
         other = [(k, s[k]) for k in ("checkpoint_stall", "eval") if s[k] >= 0.05]
         line = f"goodput {100 * ledger['goodput']:.1f}% of {ledger['wall_s']:.1f} s"
         if failures:
-            restart = sum(v for k, v in lost if k in ("redone", "detection", "teardown", "waiting"))
+            restart = sum(v for k, v in lost if k in ("redone", "degraded", "detection", "teardown", "waiting"))
             line += f"; {restart:.1f} s lost to {failures} failure(s)"
         if lost or other:
-            line += ": " + ", ".join(f"{v:.1f} s {k.replace('_', ' ')}" for k, v in lost + other)
+            line += ": " + ", ".join(f"{v:.1f} s {_NAMES.get(k, k.replace('_', ' '))}" for k, v in lost + other)
         return line
 
     def timeline_lines(self) -> list[str]:
