@@ -95,6 +95,8 @@ class RayWorkerGroup(GroupCheckpointing):
         self.workers = self._assign_workers(survivors, deadline)
         self.nodes = bundle_nodes(self._pg)
         self.start_marks.append(("placement", time.monotonic()))
+        if self.pool is not None and not self._spares_started:  # on idle cores: ready before the first step
+            self._spares_started = self.pool.replenish(self._pg, early=True)
         # rendezvous at rank 0's node (with replicas: each group at its first rank's); plan the
         # resume point while the ranks join (the first group saves), then set up every rank concurrently
         addr, port, joins = _join_groups(self.spec, self.workers, self._calls, deadline)
@@ -169,8 +171,8 @@ class RayWorkerGroup(GroupCheckpointing):
         finished = bool(self._results) and set(self._results) | self.healing == set(range(len(self.workers)))
         for rank in self.healing if finished else ():
             kill_actor(self.workers[rank])
-        # spares start once every rank finished a step: a spare importing torch while the group sets
-        # up or loads would take CPU from the very restart it is meant to speed up
+        # without idle cores, spares start once every rank finished a step: a spare importing torch
+        # while the group sets up or loads would take CPU from the very restart it is meant to speed up
         if not self._spares_started and self.pool is not None and self._pg is not None:
             self._spares_started = self.pool.replenish_once_trained(self._pg, progress, len(self.workers))
         return GroupPoll(

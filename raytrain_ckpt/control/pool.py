@@ -8,7 +8,9 @@ healthy once they have left the failed step, and a spare process started ahead o
 failed group's ``shutdown(keep_warm=True)`` and the next group's ``start()``; whatever it
 cannot vouch for is killed and the next group starts from nothing, as before.
 
-Spares hold no Ray resources while idle (``num_cpus=0``, pinned to a node): when one takes
+Spares start with the group when every node of its bundles has a core the bundles do not take;
+otherwise once every rank trained a step (a spare importing torch while the group sets up or loads
+would take CPU from the very start it is meant to speed up). Spares hold no Ray resources while idle (``num_cpus=0``, pinned to a node): when one takes
 over a dead rank it runs on the CPU share that the dead rank's bundle still reserves. They are
 CPU-only; on GPU a replacement is started inside the bundle so Ray assigns it the GPU.
 """
@@ -92,6 +94,16 @@ class WorkerPool:
         spares = self._spares.get(node_id) or []
         return spares.pop() if spares else None
 
+    @staticmethod
+    def idle_cores(pg: PlacementGroup) -> bool:
+        """Whether every node of ``pg``'s bundles has a core its bundles do not take: spares there
+        can start with the group (their torch import then takes no CPU the ranks' start needs)."""
+        taken: dict[str, float] = {}
+        for node, spec in zip(bundle_nodes(pg), pg.bundle_specs):
+            taken[node] = taken.get(node, 0.0) + float(spec.get("CPU", 0.0))
+        cores = {n["NodeID"]: float(n.get("Resources", {}).get("CPU", 0.0)) for n in ray.nodes() if n.get("Alive")}
+        return all(node in cores and cores[node] - used >= 1.0 for node, used in taken.items())
+
     def replenish_once_trained(self, pg: PlacementGroup, progress: dict[int, Any], ranks: int) -> bool:
         """``replenish`` once each of the group's ``ranks`` finished a step (its ``progress``);
         whether it did."""
@@ -101,13 +113,16 @@ class WorkerPool:
             return True
         return False
 
-    def replenish(self, pg: PlacementGroup) -> None:
+    def replenish(self, pg: PlacementGroup, early: bool = False) -> bool:
         """Start spares (without waiting) until the job has ``fault_tolerance.spare_workers`` of them,
-        spread over the nodes of ``pg``'s bundles."""
+        spread over the nodes of ``pg``'s bundles; ``early``: only if every node has idle cores
+        (``idle_cores``). Whether it started them (False: the job has none, or not yet)."""
         ft = self.spec.fault_tolerance
         want = ft.spare_workers
         if want == 0 or not ft.reuse_workers or ft.max_restarts == 0 or self.spec.resources.use_gpu:
-            return
+            return False
+        if early and not self.idle_cores(pg):
+            return False
         nodes = list(dict.fromkeys(bundle_nodes(pg)))
         have = sum(len(v) for v in self._spares.values())
         reserve = spare_reserve_bytes(self.spec)  # memory each spare touches ahead for a takeover
@@ -125,6 +140,7 @@ class WorkerPool:
             logger.info("%d spare worker(s) starting%s", want - have,
                         f", each with {reserve / 2**30:.2f} GiB touched ahead for a rank's optimizer state"
                         if reserve else "")
+        return True
 
     def close(self) -> None:
         """Kill everything kept (the job is over)."""

@@ -89,6 +89,17 @@ def test_killed_rank_resumes_bit_exact(reference, tmp_path, monkeypatch, fault, 
         assert (r.served, r.was_spare) == (((1,), True) if r.rank == dead else ((0, 1), False)), r
 
 
+def test_a_rank_killed_in_the_first_step_is_replaced_by_a_spare_started_with_the_group(ray_cluster, tmp_path,
+                                                                                        monkeypatch):
+    """The local Ray has cores the ranks' bundles do not take: the spare starts with the group,
+    before any step, so a rank that dies in the very first step is replaced by it (a spare that
+    waited for every rank to train a step would not exist yet)."""
+    monkeypatch.setenv(ENV_VAR, "exit@step:rank=1,step=0")
+    result = _ok(run_job(_spec(tmp_path, "training.steps=3", "fault_tolerance.max_restarts=1")))
+    assert result.attempts == 2 and [f.kind for f in result.failures] == ["crash"]
+    assert [(r.rank, r.served, r.was_spare) for r in result.results] == [(0, (0, 1), False), (1, (1,), True)]
+
+
 def test_hung_rank_is_detected_in_time_and_the_job_resumes_bit_exact(reference, tmp_path, monkeypatch):
     """The default hang timeout (auto, learned from the step times): rank 1 hangs after step 12 and
     is found within 60 s, named, with its stacks kept; the restarted attempt then loses a process
