@@ -290,7 +290,8 @@ class Controller:
 
     def _on_failure(self, failure: Failure) -> None:
         heals = self.watch(ReplicaHeals)
-        replica = heals.local_replica(failure, self.group.healing) if heals and self.group is not None else None
+        step = self.last_poll.min_step if self.last_poll is not None else 0
+        replica = heals.local_replica(failure, self.group.healing, step) if heals and self.group is not None else None
         if replica is not None:
             self._heal(failure, replica)
             return

@@ -6,7 +6,10 @@ rank's node first, else a new process in the rank's bundle; a group leaving a dr
 a placement group of its own, elsewhere (Ray places nothing on a draining node). They rendezvous as a group of their
 own at their first rank's store, are set up without loading any checkpoint, and start ``run()``:
 their first step waits for the healthy groups at the rejoin step and receives a live group's
-state there (``replicas/sync.py``, ``rank/replicas.py``). Storage is never read.
+state there (``replicas/sync.py``, ``rank/replicas.py``). Storage is never read. The first group
+saves the checkpoints: before its replacement is set up, its saves in flight commit or are
+aborted (``CheckpointService.heal_plans``), and the replacement saves from its rejoin step on; no
+step is saved while it is out.
 """
 
 from __future__ import annotations
@@ -83,14 +86,19 @@ def replace_replica(group: Any, replica: int, pg: Any, calls: Any, lighthouse: A
                 logger.warning("replica %d: spare for rank %d unusable (%s); starting a new process", replica, rank, exc)
                 kill_actor(spare)
         fresh.append(new_worker(spec, pg, rank, group.attempt, group.run_id))
+    # the saving group: its saves in flight settle, and its replacement saves on from its rejoin step
+    plans = (group.checkpoints.heal_plans([nodes[r] for r in ranks])
+             if replica == 0 and group.checkpoints is not None else [None] * size)
     meet = calls.get(fresh[0].address.remote(), deadline, f"locate rank {ranks[0]}")
     joins = [w.join.remote(meet.host, meet.port) for w in fresh]
-    setups = [w.setup.remote(None, group.rollbacks_before, address, True) for w in fresh]
+    setups = [w.setup.remote(plan, group.rollbacks_before, address, True) for w, plan in zip(fresh, plans, strict=True)]
     calls.get_all(joins, deadline, f"join replica {replica}'s rank {{rank}} to its process group")
     calls.get_all(setups, deadline, f"set up replica {replica}'s rank {{rank}}")
     for rank, w in zip(ranks, fresh, strict=True):
         group.workers[rank] = w
-    logger.warning("attempt %d: replica group %d (ranks %d-%d) replaced%s; it rejoins from a live group",
-                   group.attempt, replica, ranks[0], ranks[-1], " off its draining node" if own is not None else "")
+    logger.warning("attempt %d: replica group %d (ranks %d-%d) replaced%s; it rejoins from a live group%s",
+                   group.attempt, replica, ranks[0], ranks[-1], " off its draining node" if own is not None else "",
+                   " and saves the checkpoints again from there (none is saved until then)"
+                   if plans[0] is not None else "")
     placed = dict(zip(ranks, bundle_nodes(own), strict=True)) if own is not None else {}
     return Replacement({w.run.remote(): rank for rank, w in zip(ranks, fresh, strict=True)}, own, placed)

@@ -43,7 +43,9 @@ __all__ = ["RollbackInterrupted", "adopt_manifest", "roll_back"]
 def roll_back(trainer: Any, ckpt: Any | None, guard: LossGuard, trip: Trip, holder: str) -> RollbackRecord | None:
     """Roll every rank back to the newest certified step after ``trip``; returns the record, or
     None on a rank other than 0 when the job ends (rank 0 raises ``GuardFailed`` with the report)."""
-    if trainer.replicas is not None and ckpt is None:  # a replica group that does not save: no rollback of its own
+    # replica groups: a group's trip ends that group, which is replaced and healed from a live one
+    # (the saving group too: a rollback of its own would leave the others on another timeline)
+    if trainer.replicas is not None:
         raise GuardFailed(f"{trip.metric} at step {trip.step + 1} on rank {trip.rank}: replica group "
                           f"{trainer.replicas.replica} ends here; it is replaced and healed from a live group", trip.rank)
     t0 = time.monotonic()

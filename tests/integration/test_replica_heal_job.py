@@ -70,6 +70,42 @@ def test_a_failed_replica_group_is_replaced_and_healed_while_the_other_trains_on
     assert second.results[0].replicas["skipped"] == first.results[0].replicas["skipped"]
 
 
+def test_the_saving_group_failing_alone_is_healed_and_its_replacement_saves_on(ray_cluster, monkeypatch, tmp_path):
+    """Rank 1 (of the first group, the one that saves) exits at step 9 of 24, a checkpoint every 4
+    steps: the second group trains on alone, no step is saved while the first is out (steps
+    9-15), its replacement is healed at step 15 from the second group and saves steps 16, 20 and
+    24; the manifests name the first group's skipped shares and the last one resumes."""
+    import json
+
+    ckpt = ["checkpoint.enabled=true", f"checkpoint.dir={tmp_path}", "checkpoint.interval_steps=4",
+            "checkpoint.keep_latest_k=10", "name=heal-first"]
+    monkeypatch.setenv(ENV_VAR, f"exit@step:rank=1,step={FAIL_AT}")
+    result = run_job(load_spec(DEMO, [*JOB, *ckpt]))
+    monkeypatch.delenv(ENV_VAR)
+    assert result.state is JobState.SUCCEEDED, result.error
+    assert result.attempts == 1 and [(h["replica"], h["rank"], h["kind"]) for h in result.heals] == [(0, 1, "crash")]
+    by_rank = {r.rank: r for r in result.results}
+    assert sorted(by_rank) == [0, 1, 2, 3] and all(r.steps == STEPS for r in by_rank.values())
+    assert by_rank[0].fingerprint == by_rank[2].fingerprint and by_rank[1].fingerprint == by_rank[3].fingerprint
+    s = FAIL_AT + 1
+    assert by_rank[2].replicas["skipped"] == [(step, 0) for step in range(s, s + HEAL + 1)]
+    assert by_rank[0].replicas["healed_at"] == s + HEAL
+    committed = result.checkpoints["committed"]
+    assert {4, 16, 20, 24} <= set(committed) and 12 not in committed, committed
+    t = load_spec(DEMO, [*JOB, *ckpt]).training
+    per_group = t.global_batch_size // 2
+    rows = [[step, 0, (step - 1) * t.global_batch_size, (step - 1) * t.global_batch_size + per_group]
+            for step in range(s, s + HEAL + 1)]
+    last = json.loads((tmp_path / "heal-first" / f"step-{STEPS:08d}" / "manifest.json").read_text())
+    assert last["replica_skips"] == rows
+    assert last["tokens_seen"] == by_rank[0].tokens_seen == (STEPS * t.global_batch_size - len(rows) * per_group) * t.seq_len
+    # the replacement saved the healed state: loaded into one group, it is the job's last state bit for bit
+    resumed = run_job(load_spec(DEMO, [*JOB, *ckpt, "parallelism.dp_replicate=1", "resources.num_workers=2"]))
+    assert resumed.state is JobState.SUCCEEDED, resumed.error
+    assert [(r.start_step, r.fingerprint) for r in resumed.results] == [(STEPS, by_rank[0].fingerprint),
+                                                                         (STEPS, by_rank[1].fingerprint)]
+
+
 def test_a_stop_signal_stops_every_replica_group_at_the_saved_step_and_a_rerun_resumes_there(tmp_path):
     """SIGTERM to the driver of a replicated job (the path a drain notice takes too): the first group
     saves the step in hand and stops, the second stops at once without holding the first back (its

@@ -541,9 +541,16 @@ def test_one_replica_groups_crash_replaces_that_group_and_the_job_trains_on_in_t
     ctl.step()
     assert ctl.state is JobState.FAILED and group.healed == [1]
     group.failures.clear()
-    group.kill(0)  # replica group 0 saves: never healed alone
+    # replica group 0 saves: healed alone too, far enough from the last step (its replacement saves on)
     ctl2 = Controller(spec, lambda s, a: HealingGroup(s, a), clock=clock, sleep=clock.sleep)
     ctl2.step()
     FakeWorkerGroup.created[-1].kill(0)
     ctl2.step()
-    assert ctl2.state is JobState.RECOVERING and FakeWorkerGroup.created[-1].healed == []
+    assert ctl2.state is JobState.RUNNING and FakeWorkerGroup.created[-1].healed == [0]
+    # ... but not when its replacement would rejoin too close to the end to save the last step
+    near = spec.model_copy(update={"training": spec.training.model_copy(update={"steps": 4})})
+    ctl3 = Controller(near, lambda s, a: HealingGroup(s, a), clock=clock, sleep=clock.sleep)
+    ctl3.step()
+    FakeWorkerGroup.created[-1].kill(0)
+    ctl3.step()
+    assert ctl3.state is JobState.RECOVERING and FakeWorkerGroup.created[-1].healed == []

@@ -78,9 +78,10 @@ def test_the_roster_meets_healthy_groups_and_a_replacement_at_the_rejoin_step():
     assert r.healing() == {} and not r.is_ready(1, 2)
 
 
-def _spec(replicas: int = 3, size: int = 2, min_replicas: int = 1):
+def _spec(replicas: int = 3, size: int = 2, min_replicas: int = 1, checkpoint: bool = True):
     return SimpleNamespace(parallelism=SimpleNamespace(dp_replicate=replicas), world_size=replicas * size,
-                           fault_tolerance=SimpleNamespace(min_replicas=min_replicas))
+                           fault_tolerance=SimpleNamespace(min_replicas=min_replicas, heal_steps=5),
+                           training=SimpleNamespace(steps=30), checkpoint=SimpleNamespace(enabled=checkpoint))
 
 
 def _failure(*failures: tuple[str, int | None]) -> Failure:
@@ -88,23 +89,27 @@ def _failure(*failures: tuple[str, int | None]) -> Failure:
     return Failure(0, kind, rank, f"{kind} {rank}", after=tuple(Failure(0, k, r, f"{k} {r}") for k, r in after))
 
 
-@pytest.mark.parametrize("spec, failures, healing, replica", [
-    (_spec(), [("crash", 3)], set(), 1),  # one rank of group 1
-    (_spec(), [("crash", 4), ("exception", 5)], set(), 2),  # a crash and its echo in the same group
-    (_spec(), [("rollback", 2)], set(), 1),  # a guard trip: the group's state is replaced by a live one
-    (_spec(), [("hang", 5)], set(), 2),  # a hang whose culprit is one rank
-    (_spec(), [("crash", 1)], set(), None),  # group 0 saves: the whole job restarts
-    (_spec(), [("crash", 2), ("crash", 4)], set(), None),  # two groups at once
-    (_spec(), [("hang", None)], set(), None),  # no culprit
-    (_spec(), [("start", None)], set(), None),
-    (_spec(), [("mismatch", 3)], set(), None),  # not a failure a replacement changes
-    (_spec(min_replicas=2), [("crash", 2)], {4, 5}, None),  # group 2 heals already: 1 healthy < 2
-    (_spec(min_replicas=2), [("crash", 2)], set(), 1),
-    (_spec(replicas=2, min_replicas=2), [("crash", 2)], set(), None),
+@pytest.mark.parametrize("spec, failures, healing, step, replica", [
+    (_spec(), [("crash", 3)], set(), 0, 1),  # one rank of group 1
+    (_spec(), [("crash", 4), ("exception", 5)], set(), 0, 2),  # a crash and its echo in the same group
+    (_spec(), [("rollback", 2)], set(), 0, 1),  # a guard trip: the group's state is replaced by a live one
+    (_spec(), [("hang", 5)], set(), 0, 2),  # a hang whose culprit is one rank
+    (_spec(), [("crash", 1)], set(), 10, 0),  # group 0 saves: its replacement saves from its rejoin step (16)
+    (_spec(), [("crash", 1)], set(), 22, 0),  # ... which is before the last step, to save it
+    (_spec(), [("crash", 1)], set(), 23, None),  # too close to the end to save it: the whole job restarts
+    (_spec(checkpoint=False), [("crash", 1)], set(), 29, 0),  # nothing to save: as any other group
+    (_spec(), [("crash", 3)], set(), 29, 1),  # a group that does not save is not waited for
+    (_spec(), [("crash", 2), ("crash", 4)], set(), 0, None),  # two groups at once
+    (_spec(), [("hang", None)], set(), 0, None),  # no culprit
+    (_spec(), [("start", None)], set(), 0, None),
+    (_spec(), [("mismatch", 3)], set(), 0, None),  # not a failure a replacement changes
+    (_spec(min_replicas=2), [("crash", 2)], {4, 5}, 0, None),  # group 2 heals already: 1 healthy < 2
+    (_spec(min_replicas=2), [("crash", 2)], set(), 0, 1),
+    (_spec(replicas=2, min_replicas=2), [("crash", 2)], set(), 0, None),
 ])
-def test_which_failures_end_one_replica_group_only(spec, failures, healing, replica):
+def test_which_failures_end_one_replica_group_only(spec, failures, healing, step, replica):
     watch = ReplicaHeals(spec)
-    assert watch.local_replica(_failure(*failures), healing) == replica
+    assert watch.local_replica(_failure(*failures), healing, step) == replica
     assert watch.status() == {"replica_heals": 0 if replica is None else 1, "replicas_healing": []}
 
 

@@ -100,6 +100,12 @@ class CheckpointService:
                                sources[rank] if sources else None, history, plan_s)
             for rank in range(spec.world_size)))
 
+    def heal_plans(self, nodes: list[str]) -> tuple[RankCheckpointPlan, ...]:
+        """The saving group's replacement's plans (on ``nodes``): the saves in flight settle first."""
+        self._ask("settle", self.spec.checkpoint.settle_timeout_s)
+        history = self.interval_history()
+        return tuple(RankCheckpointPlan(self.actor, self.writer_for(n), None, None, history) for n in nodes)
+
     def resume_plan(self, attempt: int, spec: JobSpec,
                     nodes: list[str]) -> tuple[ResumePoint | None, list[RankSource] | None]:
         """The step this attempt resumes from, and where each rank loads it from.

@@ -1,8 +1,9 @@
 """A failure local to one replica group ends that group only (``parallelism.dp_replicate``).
 
 When every rank a failure names (a crash, an exception, a guard report, a hang's culprit, and the
-failures after it) belongs to one replica group, that group is not the saving group (the first),
-and at least ``fault_tolerance.min_replicas`` groups stay healthy, the controller replaces that
+failures after it) belongs to one replica group, at least ``fault_tolerance.min_replicas`` groups
+stay healthy, and (for the first group, which saves the checkpoints) its replacement rejoins
+before the last step, the controller replaces that
 group while the others train on; it is healed from a live one at its rejoin step
 (``control/heal.py``, ``replicas/``). Anything else restarts the whole job from its last
 checkpoint, the fallback, and the log says why. Pure: no Ray.
@@ -39,6 +40,9 @@ class ReplicaHeals:
         self.replicas = spec.parallelism.dp_replicate
         self.size = spec.world_size // self.replicas
         self.min_replicas = spec.fault_tolerance.min_replicas
+        self._saves_until = spec.training.steps - spec.fault_tolerance.heal_steps - 3 if spec.checkpoint.enabled else None
+        """With checkpointing: the last step at which the saving group may fail and still rejoin
+        before the last step (to save it); None: no group saves."""
         self._healing: set[int] = set()
         """The replica groups being replaced or healed, as of the latest poll."""
         self.records: list[dict[str, Any]] = []
@@ -88,11 +92,11 @@ class ReplicaHeals:
                 return False
         return True
 
-    def local_replica(self, failure: Failure, healing: set[int]) -> int | None:
+    def local_replica(self, failure: Failure, healing: set[int], step: int = 0) -> int | None:
         """The replica group to replace for ``failure`` (with the failures after it, all in that
-        group), when the job can train on without it; else None, and the log says why the whole
-        job restarts."""
-        g, why = self._local(failure, healing)
+        group; ``step``: the slowest rank's), when the job can train on without it; else None,
+        and the log says why the whole job restarts."""
+        g, why = self._local(failure, healing, step)
         if g is None:
             logger.warning("attempt %d: replica groups: the whole job restarts (%s)", failure.attempt, why)
             return None
@@ -100,7 +104,7 @@ class ReplicaHeals:
                              "headline": failure.headline, "at": time.time()})
         return g
 
-    def _local(self, failure: Failure, healing: set[int]) -> tuple[int | None, str]:
+    def _local(self, failure: Failure, healing: set[int], step: int) -> tuple[int | None, str]:
         failures = [failure, *failure.after]
         ranks = {f.rank for f in failures}
         if None in ranks or any(f.kind not in LOCAL_KINDS for f in failures):
@@ -109,8 +113,9 @@ class ReplicaHeals:
         if len(groups) != 1:
             return None, f"ranks of replica groups {sorted(groups)} failed together"
         g = groups.pop()
-        if g == 0:
-            return None, "replica group 0 saves the checkpoints"
+        if g == 0 and self._saves_until is not None and step > self._saves_until:
+            return None, ("replica group 0 saves the checkpoints and would rejoin too close to the last step to "
+                          "save it")
         down = {r // self.size for r in healing} | {g}
         if self.replicas - len(down) < self.min_replicas:
             return None, (f"{self.replicas - len(down)} healthy replica group(s) would be left, below "
