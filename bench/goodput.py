@@ -378,11 +378,12 @@ def _torchft_loop(config: dict) -> None:
     manager.shutdown()
 
 
-def torchft_ledger(rows: dict[int, list[tuple[int, int, float]]]) -> dict:
-    """The ranks' ``(attempt, step, time)`` rows as the row's figures: the healthy replica's (rank 0)
-    longest pause between committed steps and its median step, and per replacement of rank 1 the
-    seconds from the fault (its predecessor's last row) to its start and to its first committed step
-    (None: it was not in a quorum before the steps were done), with that step."""
+def torchft_ledger(rows: dict[int, list[tuple[int, int, float]]], ended: float) -> dict:
+    """The ranks' ``(attempt, step, time)`` rows and ``fit()``'s end (``time.time()``) as the row's
+    figures: the healthy replica's (rank 0) longest pause between committed steps, its median step and
+    the seconds from its last step to the end, and per replacement of rank 1 the seconds from the fault
+    (its predecessor's last row) to its start and to its first committed step (None: it was not in a
+    quorum before the steps were done), with that step."""
     steps0 = sorted(t for _, s, t in rows[0] if s > 0)
     gaps = sorted(b - a for a, b in zip(steps0, steps0[1:]))
     by_attempt: dict[int, list[tuple[int, float]]] = {}
@@ -396,7 +397,7 @@ def torchft_ledger(rows: dict[int, list[tuple[int, int, float]]]) -> dict:
         heals.append({"started_s": started - fault, "healed_s": None if first is None else first[1] - fault,
                       "step": None if first is None else first[0]})
     return {"longest_pause_s": gaps[-1] if gaps else 0.0, "median_step_s": gaps[len(gaps) // 2] if gaps else 0.0,
-            "heals": heals}
+            "tail_s": ended - steps0[-1], "heals": heals}
 
 
 def run_ray_train_torchft(tmp: Path, steps: int, trace: list[str]) -> dict:
@@ -414,21 +415,22 @@ def run_ray_train_torchft(tmp: Path, steps: int, trace: list[str]) -> dict:
                   "quorum_tick_ms": TICK_MS}
     trainer = raytrain_peer.torch_trainer(_torchft_loop, config, tmp, "goodput-torchft", FailureConfig(max_failures=5),
                                           TorchftConfig(lighthouse_kwargs=lighthouse, backend="gloo"))
-    t0 = time.monotonic()
+    started = time.time()
     result = trainer.fit()
-    wall = time.monotonic() - t0
+    ended = time.time()
     if result.error is not None:
         raise RowFailed(f"Ray Train torchft row failed: {str(result.error).strip().splitlines()[0]}")
     rows = {rank: [(int(a), int(s), float(t)) for a, s, t in
                    (line.split() for line in (tmp / f"tft-log-{rank}").read_text().splitlines())] for rank in (0, 1)}
-    return {"wall_s": wall, **torchft_ledger(rows)}
+    return {"wall_s": ended - started, **torchft_ledger(rows, ended)}
 
 
 def report_torchft(led: dict, trace: list[str]) -> None:
     print(f"\n== Ray Train TorchTrainer + TorchftConfig (2 workers, a replica group each), "
           f"{'fault trace: ' + '; '.join(trace) if trace else 'no faults'}: {led['wall_s']:.1f} s wall, "
           f"{len(led['heals'])} replacement(s); the healthy replica's longest pause between steps "
-          f"{led['longest_pause_s']:.2f} s (median step {led['median_step_s']:.2f} s)")
+          f"{led['longest_pause_s']:.2f} s (median step {led['median_step_s']:.2f} s), its last step -> fit() "
+          f"returned {led['tail_s']:.1f} s")
     for n, h in enumerate(led["heals"], 1):
         back = (f"in a quorum at step {h['step']} {h['healed_s']:.1f} s after the fault" if h["healed_s"] is not None
                 else "not in a quorum before the steps were done")
@@ -473,9 +475,13 @@ def compare_torchft(args: argparse.Namespace, trace: list[str], replicated: floa
     except RowFailed as exc:
         print(exc)
         return
-    if replicated is not None and per_fault:
-        print(f"lost per fault, raytrain_ckpt with replica groups / Ray Train with TorchftConfig: "
-              f"{replicated / per_fault:.2f}x")
+    if replicated is None or per_fault is None:
+        return
+    if replicated <= 0 or per_fault <= 0:
+        print("lost per fault, raytrain_ckpt with replica groups / Ray Train with TorchftConfig: not compared, a "
+              "faulted run was not slower than its fault-free run (the difference is below this machine's noise)")
+        return
+    print(f"lost per fault, raytrain_ckpt with replica groups / Ray Train with TorchftConfig: {replicated / per_fault:.2f}x")
 
 
 def main() -> None:
