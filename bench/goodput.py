@@ -352,7 +352,7 @@ def _torchft_loop(config: dict) -> None:
     the first one up trains alone and the other's first quorum times out, as Ray Train's torchft example
     does on a loaded 2-core machine); a worker that starts after the steps are done ends at once (its
     quorum would hold no live peer to heal from, and it would train the job again alone)."""
-    from ray import train
+    from ray.train.collective import barrier
 
     from raytrain_ckpt.common import faults
 
@@ -363,7 +363,7 @@ def _torchft_loop(config: dict) -> None:
     manager = _torchft_manager(trainer, rank)
     trainer.replicas = TorchftReplicas(manager, trainer.spec.parallelism.dp_replicate)
     if attempt == 0:
-        train.collective.barrier()
+        barrier()
     done = tmp / "tft-done"
     with (tmp / f"tft-log-{rank}").open("a") as log:
         log.write(f"{attempt} -1 {time.time()!r}\n")
@@ -422,6 +422,10 @@ def run_ray_train_torchft(tmp: Path, steps: int, trace: list[str]) -> dict:
         raise RowFailed(f"Ray Train torchft row failed: {str(result.error).strip().splitlines()[0]}")
     rows = {rank: [(int(a), int(s), float(t)) for a, s, t in
                    (line.split() for line in (tmp / f"tft-log-{rank}").read_text().splitlines())] for rank in (0, 1)}
+    restarts = len({a for a, _, _ in rows[0]}) - 1
+    if restarts:
+        raise RowFailed(f"Ray Train torchft row not valid: the healthy worker (rank 0) was restarted {restarts} "
+                        "time(s), by an error outside the trace (its Ray worker logs say which)")
     return {"wall_s": ended - started, **torchft_ledger(rows, ended)}
 
 
