@@ -27,20 +27,20 @@ The replicated row runs the same job as two replica groups of one worker (``dp_r
 attempt (each is then healed inside the attempt; the slow rank is left out), and once without faults:
 its lost seconds per fault are the wall time the faults added, over the heals.
 
-The torchft row (``--runs ray-train-torchft``, about a minute) runs the same replicated job under Ray
-Train's own torchft integration: ``TorchTrainer`` with ``TorchftConfig`` (gloo; its Lighthouse with
-our Lighthouse's heartbeat, join and tick settings, ``min_replicas`` 1) and
-``FailureConfig(max_failures=5)``, 2 workers each a replica group of one rank, the same ``Trainer``
-(``bench/raytrain_peer.py``) stepping through a torchft ``Manager`` as torchft's optimizer and DDP
-wrappers do (quorum, gradient all-reduce, commit vote) with a ``PGTransport`` heal, as Ray Train's
-torchft example does. Ray Train replaces a crashed worker alone; torchft heals it from the live one.
-Its trace is the replicated row's crashes on rank 1, the n-th in that rank's n-th start
-(``torchft_trace``); the hang is left out (Ray Train never replaces a hung worker: its actor lives and
-its Manager keeps heartbeating, so ``fit()`` would not return). Once without faults and once with
-them: the wall time, the healthy replica's longest pause between steps, per replacement the seconds
-from the fault to its start and to its first step in a quorum (not observed when the steps were done
-first), lost seconds per fault (the wall time added, over the replacements), and our replicated
-row's lost per fault over this row's.
+The torchft row (``--runs ray-train-torchft``, about a minute, in the default set) runs the same
+replicated job under Ray Train's own torchft integration: ``TorchTrainer`` with ``TorchftConfig``
+(gloo; its Lighthouse with our Lighthouse's heartbeat, join and tick settings, ``min_replicas`` 1)
+and ``FailureConfig(max_failures=5)``, 2 workers each a replica group of one rank, the same
+``Trainer`` (``bench/raytrain_peer.py``) stepping through a torchft ``Manager`` as torchft's
+optimizer and DDP wrappers do (quorum, gradient all-reduce, commit vote) with a ``PGTransport``
+heal, as Ray Train's torchft example does. Ray Train replaces a crashed worker alone; torchft heals
+it from the live one. Its trace is the replicated row's crashes on rank 1, the n-th in that rank's
+n-th start (``torchft_trace``); the hang is left out, not run (a hung worker's actor lives and its
+Manager keeps heartbeating, so Ray Train does not replace it and the healthy worker's quorums wait
+on it). Once without faults and once with them: the wall time, the healthy replica's longest pause
+between steps, per replacement the seconds from the fault to its start and to its first step in a
+quorum (not observed when the steps were done first), lost seconds per fault (the wall time added,
+over the replacements), and our replicated row's lost per fault over this row's.
 
     PYTHONPATH=$PWD .venv/bin/python bench/goodput.py [--steps 40] [--seed 0] [--trace FILE] [--skip-fixed]
         [--runs ours replicated ray-train-torchft ray-train] [--ray-train-hang]
@@ -292,7 +292,7 @@ def torchft_trace(trace: list[str]) -> list[str]:
     """The replicated row's crashes (``replica_trace``), the n-th on rank 1's n-th start: Ray Train
     puts a new worker in a crashed one's place, and the attempt is counted per rank. Hangs are left
     out: a hung worker's actor is alive and its torchft Manager heartbeats from its own thread, so
-    Ray Train never replaces it and ``fit()`` would not return."""
+    Ray Train does not replace it and the healthy worker's quorums wait on it."""
     crashes = [line for line in replica_trace(trace) if line.startswith("crash")]
     return [line.replace("attempt=0", f"attempt={n}") for n, line in enumerate(crashes)]
 
@@ -485,7 +485,8 @@ def compare_torchft(args: argparse.Namespace, trace: list[str], replicated: floa
         print("lost per fault, raytrain_ckpt with replica groups / Ray Train with TorchftConfig: not compared, a "
               "faulted run was not slower than its fault-free run (the difference is below this machine's noise)")
         return
-    print(f"lost per fault, raytrain_ckpt with replica groups / Ray Train with TorchftConfig: {replicated / per_fault:.2f}x")
+    print(f"lost per fault, raytrain_ckpt with replica groups / Ray Train with TorchftConfig: "
+          f"{replicated / per_fault:.2f}x")
 
 
 def main() -> None:
