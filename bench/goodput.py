@@ -27,8 +27,23 @@ The replicated row runs the same job as two replica groups of one worker (``dp_r
 attempt (each is then healed inside the attempt; the slow rank is left out), and once without faults:
 its lost seconds per fault are the wall time the faults added, over the heals.
 
+The torchft row (``--runs ray-train-torchft``, about a minute, in the default set) runs the same
+replicated job under Ray Train's own torchft integration: ``TorchTrainer`` with ``TorchftConfig``
+(gloo; its Lighthouse with our Lighthouse's heartbeat, join and tick settings, ``min_replicas`` 1)
+and ``FailureConfig(max_failures=5)``, 2 workers each a replica group of one rank, the same
+``Trainer`` (``bench/raytrain_peer.py``) stepping through a torchft ``Manager`` as torchft's
+optimizer and DDP wrappers do (quorum, gradient all-reduce, commit vote) with a ``PGTransport``
+heal, as Ray Train's torchft example does. Ray Train replaces a crashed worker alone; torchft heals
+it from the live one. Its trace is the replicated row's crashes on rank 1, the n-th in that rank's
+n-th start (``torchft_trace``); the hang is left out, not run (a hung worker's actor lives and its
+Manager keeps heartbeating, so Ray Train does not replace it and the healthy worker's quorums wait
+on it). Once without faults and once with them: the wall time, the healthy replica's longest pause
+between steps, per replacement the seconds from the fault to its start and to its first step in a
+quorum (not observed when the steps were done first), lost seconds per fault (the wall time added,
+over the replacements), and our replicated row's lost per fault over this row's.
+
     PYTHONPATH=$PWD .venv/bin/python bench/goodput.py [--steps 40] [--seed 0] [--trace FILE] [--skip-fixed]
-        [--runs ours replicated ray-train] [--ray-train-hang]
+        [--runs ours replicated ray-train-torchft ray-train] [--ray-train-hang]
 """
 
 from __future__ import annotations
@@ -48,6 +63,8 @@ from raytrain_ckpt.common.faults import ENV_VAR, STAMP_VAR
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "jobs" / "llama_debug_fsdp.yaml"
 KINDS = {"crash": "exit", "hang": "hang", "slow": "slow"}
+REPLICAS = ("parallelism.dp_replicate=2", "parallelism.dp_shard=1")
+"""Two replica groups of one worker: the replicated row and the Ray Train torchft row."""
 
 
 def draw_trace(seed: int, steps: int) -> list[str]:
@@ -244,11 +261,10 @@ def run_replicated(args: argparse.Namespace, trace: list[str]) -> float | None:
     """The same job as two replica groups of one worker (``parallelism.dp_replicate: 2``,
     ``heal_steps: 5``), without faults and under ``replica_trace``: the lost seconds per fault are
     the wall time the faults added, over the heals that happened."""
-    extra = ("parallelism.dp_replicate=2", "parallelism.dp_shard=1", "fault_tolerance.heal_steps=5")
     walls = []
     for faults in ([], replica_trace(trace)):
         with tempfile.TemporaryDirectory() as d:
-            result, wall = run(Path(d), args.steps, plan(faults), *extra)
+            result, wall = run(Path(d), args.steps, plan(faults), *REPLICAS, "fault_tolerance.heal_steps=5")
         walls.append(wall)
         skipped = result.results[0].replicas["skipped"] if result.results and result.results[0].replicas else []
         print(f"\n== replica groups (2 x 1 worker), {'fault trace: ' + '; '.join(faults) if faults else 'no faults'}: "
@@ -268,6 +284,211 @@ def run_replicated(args: argparse.Namespace, trace: list[str]) -> float | None:
     return per_fault
 
 
+class RowFailed(RuntimeError):
+    """A row that could not run, with why in one line."""
+
+
+def torchft_trace(trace: list[str]) -> list[str]:
+    """The replicated row's crashes (``replica_trace``), the n-th on rank 1's n-th start: Ray Train
+    puts a new worker in a crashed one's place, and the attempt is counted per rank. Hangs are left
+    out: a hung worker's actor is alive and its torchft Manager heartbeats from its own thread, so
+    Ray Train does not replace it and the healthy worker's quorums wait on it."""
+    crashes = [line for line in replica_trace(trace) if line.startswith("crash")]
+    return [line.replace("attempt=0", f"attempt={n}") for n, line in enumerate(crashes)]
+
+
+class TorchftReplicas:
+    """The ``Trainer``'s replicas hook over a plain torchft ``Manager``, called as torchft's
+    ``Optimizer`` and ``DistributedDataParallel`` wrappers call it: the quorum at the step's start,
+    the gradients averaged across it, the step applied on the commit vote (a failed one is redone)."""
+
+    def __init__(self, manager, groups: int) -> None:
+        self.manager, self.groups, self.last_skipped = manager, groups, 0
+
+    def begin(self, step: int) -> None:
+        self.manager.start_quorum()
+
+    def average(self, grads: list) -> None:
+        import torch
+
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def commit(self, step: int) -> bool:
+        ok = self.manager.should_commit()
+        if ok:
+            self.last_skipped = self.groups - self.manager.num_participants()
+        return ok
+
+
+def _torchft_manager(trainer, rank: int):
+    """This worker's torchft ``Manager``, as Ray Train's torchft example builds it (gloo, a
+    ``PGTransport`` for the heal, ``min_replica_size`` 1); a replacement receives the trainer's
+    local state as the package's heals send it (``rank/replicas.py``; torchft keeps no membership record)."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    from raytrain_ckpt.rank.replicas import heal_state, load_heal_state
+
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
+    no_record = SimpleNamespace(state=dict)
+    return Manager(pg=pg, min_replica_size=1, load_state_dict=lambda state: load_heal_state(trainer, state),
+                   state_dict=lambda: heal_state(trainer, no_record), world_size=1, rank=0,
+                   replica_id=f"goodput_{rank}", timeout=timedelta(seconds=60),
+                   checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=30), device=torch.device("cpu")))
+
+
+def _torchft_loop(config: dict) -> None:
+    """A worker of the torchft row: ``(attempt, step, time)`` rows to ``tft-log-RANK``, step -1 when
+    its Manager is up, then each committed step. The first start waits for both workers' Managers (else
+    the first one up trains alone and the other's first quorum times out, as Ray Train's torchft example
+    does on a loaded 2-core machine); a worker that starts after the steps are done ends at once (its
+    quorum would hold no live peer to heal from, and it would train the job again alone)."""
+    from ray.train.collective import barrier
+
+    from raytrain_ckpt.common import faults
+
+    trainer, rank, _ = raytrain_peer.start(config)
+    tmp, steps = Path(config["tmp"]), trainer.spec.training.steps
+    attempt = _next_attempt(tmp, rank)
+    os.environ[faults.ENV_VAR] = config["faults"]
+    manager = _torchft_manager(trainer, rank)
+    trainer.replicas = TorchftReplicas(manager, trainer.spec.parallelism.dp_replicate)
+    if attempt == 0:
+        barrier()
+    done = tmp / "tft-done"
+    with (tmp / f"tft-log-{rank}").open("a") as log:
+        log.write(f"{attempt} -1 {time.time()!r}\n")
+        log.flush()
+        while trainer.state.step < steps and not done.exists():
+            faults.maybe_inject("step", rank, trainer.state.step, attempt)
+            if trainer.train_step() is not None:
+                log.write(f"{attempt} {trainer.state.step} {time.time()!r}\n")
+                log.flush()
+    if trainer.state.step >= steps:
+        done.touch()
+    manager.shutdown()
+
+
+def torchft_ledger(rows: dict[int, list[tuple[int, int, float]]], ended: float) -> dict:
+    """The ranks' ``(attempt, step, time)`` rows and ``fit()``'s end (``time.time()``) as the row's
+    figures: the healthy replica's (rank 0) longest pause between committed steps, its median step and
+    the seconds from its last step to the end, and per replacement of rank 1 the seconds from the fault
+    (its predecessor's last row) to its start and to its first committed step (None: it was not in a
+    quorum before the steps were done), with that step."""
+    steps0 = sorted(t for _, s, t in rows[0] if s > 0)
+    gaps = sorted(b - a for a, b in zip(steps0, steps0[1:]))
+    by_attempt: dict[int, list[tuple[int, float]]] = {}
+    for attempt, step, t in sorted(rows.get(1, []), key=lambda r: r[2]):
+        by_attempt.setdefault(attempt, []).append((step, t))
+    heals = []
+    for attempt in sorted(by_attempt)[1:]:
+        fault = by_attempt[attempt - 1][-1][1]
+        started = next(t for s, t in by_attempt[attempt] if s < 0)
+        first = next(((s, t) for s, t in by_attempt[attempt] if s > 0), None)
+        heals.append({"started_s": started - fault, "healed_s": None if first is None else first[1] - fault,
+                      "step": None if first is None else first[0]})
+    return {"longest_pause_s": gaps[-1] if gaps else 0.0, "median_step_s": gaps[len(gaps) // 2] if gaps else 0.0,
+            "tail_s": ended - steps0[-1], "heals": heals}
+
+
+def run_ray_train_torchft(tmp: Path, steps: int, trace: list[str]) -> dict:
+    """One ``fit()`` of the torchft row under ``trace``: its wall time and ``torchft_ledger``."""
+    from ray.train import FailureConfig
+    from ray.train.v2.torch.torchft_config import TorchftConfig
+
+    from raytrain_ckpt.control.preflight import load_spec
+    from raytrain_ckpt.replicas.lighthouse import HEARTBEAT_MS, JOIN_MS, TICK_MS
+
+    spec = load_spec(SPEC, [f"training.steps={steps}", f"checkpoint.dir={tmp / 'unused'}",
+                            "training.log_every_steps=100", *REPLICAS])
+    config = {"spec": spec.model_dump_json(), "tmp": str(tmp), "faults": plan(trace)}
+    lighthouse = {"min_replicas": 1, "heartbeat_timeout_ms": HEARTBEAT_MS, "join_timeout_ms": JOIN_MS,
+                  "quorum_tick_ms": TICK_MS}
+    trainer = raytrain_peer.torch_trainer(_torchft_loop, config, tmp, "goodput-torchft", FailureConfig(max_failures=5),
+                                          TorchftConfig(lighthouse_kwargs=lighthouse, backend="gloo"))
+    started = time.time()
+    result = trainer.fit()
+    ended = time.time()
+    if result.error is not None:
+        raise RowFailed(f"Ray Train torchft row failed: {str(result.error).strip().splitlines()[0]}")
+    rows = {rank: [(int(a), int(s), float(t)) for a, s, t in
+                   (line.split() for line in (tmp / f"tft-log-{rank}").read_text().splitlines())] for rank in (0, 1)}
+    restarts = len({a for a, _, _ in rows[0]}) - 1
+    if restarts:
+        raise RowFailed(f"Ray Train torchft row not valid: the healthy worker (rank 0) was restarted {restarts} "
+                        "time(s), by an error outside the trace (its Ray worker logs say which)")
+    return {"wall_s": ended - started, **torchft_ledger(rows, ended)}
+
+
+def report_torchft(led: dict, trace: list[str]) -> None:
+    print(f"\n== Ray Train TorchTrainer + TorchftConfig (2 workers, a replica group each), "
+          f"{'fault trace: ' + '; '.join(trace) if trace else 'no faults'}: {led['wall_s']:.1f} s wall, "
+          f"{len(led['heals'])} replacement(s); the healthy replica's longest pause between steps "
+          f"{led['longest_pause_s']:.2f} s (median step {led['median_step_s']:.2f} s), its last step -> fit() "
+          f"returned {led['tail_s']:.1f} s")
+    for n, h in enumerate(led["heals"], 1):
+        back = (f"in a quorum at step {h['step']} {h['healed_s']:.1f} s after the fault" if h["healed_s"] is not None
+                else "not in a quorum before the steps were done")
+        print(f"  replacement {n}: started {h['started_s']:.1f} s after the fault, {back}")
+
+
+def run_torchft(args: argparse.Namespace, trace: list[str]) -> float | None:
+    """Ray Train's torchft integration on the same job, without faults and under ``torchft_trace``:
+    lost seconds per fault are the wall time the crashes added, over the replacements."""
+    walls, faults = [], torchft_trace(trace)
+    for t in ([], faults):
+        with tempfile.TemporaryDirectory() as d:
+            led = run_ray_train_torchft(Path(d), args.steps, t)
+        report_torchft(led, t)
+        walls.append(led["wall_s"])
+    if not led["heals"]:
+        return None
+    per_fault = (walls[1] - walls[0]) / len(led["heals"])
+    print(f"  lost to {len(led['heals'])} fault(s): {walls[1] - walls[0]:.1f} s over the fault-free run, "
+          f"{per_fault:.1f} s per fault")
+    return per_fault
+
+
+def torchft_problem() -> str | None:
+    """Why the torchft row cannot run here (one line), or None."""
+    try:
+        from ray.train.v2.torch.torchft_config import TorchftConfig  # noqa: F401
+        import torchft  # noqa: F401
+    except ImportError as exc:
+        return f"Ray Train torchft row not run: {exc}"
+    return None
+
+
+def compare_torchft(args: argparse.Namespace, trace: list[str], replicated: float | None) -> None:
+    """The torchft row, and our replicated row's lost seconds per fault over its."""
+    problem = torchft_problem()
+    if problem is not None:
+        print(problem)
+        return
+    try:
+        per_fault = run_torchft(args, trace)
+    except RowFailed as exc:
+        print(exc)
+        return
+    if replicated is None or per_fault is None:
+        return
+    if replicated <= 0 or per_fault <= 0:
+        print("lost per fault, raytrain_ckpt with replica groups / Ray Train with TorchftConfig: not compared, a "
+              "faulted run was not slower than its fault-free run (the difference is below this machine's noise)")
+        return
+    print(f"lost per fault, raytrain_ckpt with replica groups / Ray Train with TorchftConfig: "
+          f"{replicated / per_fault:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
@@ -275,8 +496,8 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=None)
     ap.add_argument("--out-trace", type=Path, default=None)
     ap.add_argument("--skip-fixed", action="store_true", help="skip the 600 s fixed-timeout run (it takes ~10 min)")
-    ap.add_argument("--runs", nargs="+", choices=("ours", "replicated", "ray-train"),
-                    default=["ours", "replicated", "ray-train"])
+    ap.add_argument("--runs", nargs="+", choices=("ours", "replicated", "ray-train-torchft", "ray-train"),
+                    default=["ours", "replicated", "ray-train-torchft", "ray-train"])
     ap.add_argument("--ray-train-hang", action="store_true",
                     help="keep the hang in Ray Train's trace (its detection by default takes 30 minutes)")
     args = ap.parse_args()
@@ -289,6 +510,8 @@ def main() -> None:
     try:
         per_fault = run_ours(args, trace) if "ours" in args.runs else None
         replicated = run_replicated(args, trace) if "replicated" in args.runs else None
+        if "ray-train-torchft" in args.runs:
+            compare_torchft(args, trace, replicated)
         if "ray-train" in args.runs and raytrain_peer.available():
             rt_trace = trace if args.ray_train_hang else without_hangs(trace)
             with tempfile.TemporaryDirectory() as d:

@@ -31,7 +31,8 @@ def available() -> bool:
 
 def start(config: dict) -> tuple[Any, int, int | None]:
     """In a Ray Train worker: the ``Trainer`` of ``config["spec"]``, this worker's rank, and the step
-    it resumed from (None on a fresh start)."""
+    it resumed from (None on a fresh start). With ``parallelism.dp_replicate`` > 1 each worker is
+    a replica group of its own (Ray Train's ``TorchftConfig``), the group of its rank."""
     import torch
     from ray import train
 
@@ -40,12 +41,14 @@ def start(config: dict) -> tuple[Any, int, int | None]:
     from raytrain_ckpt.rank.trainer import Trainer
 
     torch.set_num_threads(1)
-    trainer = Trainer(JobSpec.model_validate_json(config["spec"]), torch.device("cpu"))
+    spec = JobSpec.model_validate_json(config["spec"])
+    rank = train.get_context().get_world_rank()
+    trainer = Trainer(spec, torch.device("cpu"), replica=rank if spec.parallelism.dp_replicate > 1 else 0)
     resumed = train.get_checkpoint()
     if resumed is not None:
         with resumed.as_directory() as d:
             load_app_state(trainer, d, same_world_size=True)
-    return trainer, train.get_context().get_world_rank(), None if resumed is None else trainer.state.step
+    return trainer, rank, None if resumed is None else trainer.state.step
 
 
 def save(trainer: Any, tmp: Path, rank: int, metrics: dict) -> float:
@@ -62,8 +65,10 @@ def save(trainer: Any, tmp: Path, rank: int, metrics: dict) -> float:
     return time.monotonic() - t0
 
 
-def torch_trainer(loop: Callable[[dict], None], config: dict, tmp: Path, name: str, failure_config: Any) -> Any:
-    """A ``TorchTrainer`` running ``loop`` on 2 one-CPU workers, its storage under ``tmp``."""
+def torch_trainer(loop: Callable[[dict], None], config: dict, tmp: Path, name: str, failure_config: Any,
+                  torch_config: Any = None) -> Any:
+    """A ``TorchTrainer`` running ``loop`` on 2 one-CPU workers, its storage under ``tmp``
+    (``torch_config``: Ray Train's default ``TorchConfig`` when None)."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -71,6 +76,6 @@ def torch_trainer(loop: Callable[[dict], None], config: dict, tmp: Path, name: s
     # workers' import path holds the repository, not bench/.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     return TorchTrainer(
-        loop, train_loop_config=config,
+        loop, train_loop_config=config, torch_config=torch_config,
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(storage_path=str(tmp / "storage"), name=name, failure_config=failure_config))
