@@ -95,7 +95,9 @@ class RayWorkerGroup(GroupCheckpointing):
         self.workers = self._assign_workers(survivors, deadline)
         self.nodes = bundle_nodes(self._pg)
         self.start_marks.append(("placement", time.monotonic()))
-        if self.pool is not None and not self._spares_started:  # on idle cores: ready before the first step
+        # a first start on idle cores: spares ready before the first step (a restart's replenish
+        # waits for its first step: a spare's start would slow the very restart it serves)
+        if self.pool is not None and self.attempt == 0:
             self._spares_started = self.pool.replenish(self._pg, early=True)
         # rendezvous at rank 0's node (with replicas: each group at its first rank's); plan the
         # resume point while the ranks join (the first group saves), then set up every rank concurrently

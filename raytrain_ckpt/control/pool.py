@@ -8,8 +8,8 @@ healthy once they have left the failed step, and a spare process started ahead o
 failed group's ``shutdown(keep_warm=True)`` and the next group's ``start()``; whatever it
 cannot vouch for is killed and the next group starts from nothing, as before.
 
-Spares start with the group when every node of its bundles has a core the bundles do not take;
-otherwise once every rank trained a step (a spare importing torch while the group sets up or loads
+Spares start with the job's first group when every node of its bundles has a core the bundles do
+not take; otherwise, and after a restart, once every rank trained a step (a spare importing torch while the group sets up or loads
 would take CPU from the very start it is meant to speed up). Spares hold no Ray resources while idle (``num_cpus=0``, pinned to a node): when one takes
 over a dead rank it runs on the CPU share that the dead rank's bundle still reserves. They are
 CPU-only; on GPU a replacement is started inside the bundle so Ray assigns it the GPU.
