@@ -87,7 +87,7 @@ def replace_replica(group: Any, replica: int, pg: Any, calls: Any, lighthouse: A
                 kill_actor(spare)
         fresh.append(new_worker(spec, pg, rank, group.attempt, group.run_id))
     # the saving group: its saves in flight settle, and its replacement saves on from its rejoin step
-    plans = (group.checkpoints.heal_plans([nodes[r] for r in ranks])
+    plans = (group.checkpoints.heal_plans(bundle_nodes(own) if own is not None else [nodes[r] for r in ranks])
              if replica == 0 and group.checkpoints is not None else [None] * size)
     meet = calls.get(fresh[0].address.remote(), deadline, f"locate rank {ranks[0]}")
     joins = [w.join.remote(meet.host, meet.port) for w in fresh]

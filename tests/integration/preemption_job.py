@@ -13,6 +13,7 @@ The drained node is removed at its deadline. Prints one JSON line.
                                          checkpoint writer, the CheckpointActor if Ray put it there) is drained
     preemption_job.py CKPT_DIR replicas  two replica groups of one rank (dp_replicate 2); the second
                                          group's node is drained and a replacement node joins
+    preemption_job.py CKPT_DIR replicas0 the same, the first group's node (the group that saves)
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def main(ckpt_dir: str, mode: str) -> None:
     ray.init(address=cluster.address, log_to_driver=False)
     extra = ("resources.min_workers=1", "fault_tolerance.placement_timeout_s=3", "fault_tolerance.grow_check_s=1",
              "training.steps=60") if mode == "shrink" else ("checkpoint.interval_steps=5",) if mode == "ram" else \
-        ("parallelism.dp_replicate=2", "parallelism.dp_shard=1", "fault_tolerance.heal_steps=3") if mode == "replicas" else ()
+        ("parallelism.dp_replicate=2", "parallelism.dp_shard=1", "fault_tolerance.heal_steps=3") if mode.startswith("replicas") else ()
     spec = _spec(Path(ckpt_dir), *extra)
     deadline_s = RAM_DEADLINE_S if mode == "ram" else DEADLINE_S
     if mode == "ram":
@@ -190,16 +191,16 @@ def main(ckpt_dir: str, mode: str) -> None:
     while not _ready_to_drain(spec.name, mode) and job.is_alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     victim = nodes[1]  # SPREAD: one rank on each node
-    if mode == "replicas":  # the node of rank 1, the second replica group
+    if mode.startswith("replicas"):  # the node of rank 1 (the second replica group), or of rank 0 (the first)
         [table] = [pg["bundles_to_node_id"] for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"]
-        [victim] = [n for n in nodes if n.node_id == table[1]]
+        [victim] = [n for n in nodes if n.node_id == table[0 if mode == "replicas0" else 1]]
     out: dict = {"victim": victim.node_id, "actor_node": actor_node(ray.get_actor(actor_name(spec.name),
                                                                                 namespace=NAMESPACE))}
     out["committed_before"] = _committed(Path(ckpt_dir))
     _drain(cluster, victim.node_id, deadline_s)
     drained_at = time.time()
     out["draining_seen"] = sorted(ray._private.state.state.get_draining_nodes())
-    if mode in ("replace", "ram", "replicas"):
+    if mode in ("replace", "ram", "replicas", "replicas0"):
         cluster.add_node(num_cpus=1)
     else:  # no replacement: the job shrinks to min_workers; a node joins once it trains there
         while job.is_alive():

@@ -51,11 +51,14 @@ def test_drain_of_a_rank_node_resumes_at_the_notice_bit_identical(reference_20_r
     assert all(v == ref.losses[int(k)] for k, v in run["losses"].items())
 
 
-def test_drain_of_a_replica_groups_node_moves_that_group_while_the_other_trains_on(reference_20_run, tmp_path):
-    """dp_replicate 2 of one rank each, the second group's node drained (25 s notice) and a
-    replacement node added: no save, no restart; that group alone is replaced on the new node and
-    healed from the first, which never stops; both end with the same parameters."""
-    out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "replicas"], capture_output=True, text=True,
+@pytest.mark.parametrize("mode, group", [("replicas", 1), ("replicas0", 0)])
+def test_drain_of_a_replica_groups_node_moves_that_group_while_the_other_trains_on(reference_20_run, tmp_path,
+                                                                                   mode, group):
+    """dp_replicate 2 of one rank each, one group's node drained (25 s notice) and a replacement
+    node added: no preemption save, no restart; that group alone is replaced on the new node and
+    healed from the other, which never stops; both end with the same parameters. The first group
+    (the one that saves) too: its replacement saves the last step from the new node."""
+    out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), mode], capture_output=True, text=True,
                          timeout=600, cwd=REPO)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert out.returncode == 0 and lines, out.stderr[-3000:]
@@ -64,11 +67,12 @@ def test_drain_of_a_replica_groups_node_moves_that_group_while_the_other_trains_
     assert r["victim"] in r["draining_seen"]
     assert run["state"] == "SUCCEEDED", run
     assert run["attempts"] == 1 and run["preemptions"] == [] and run["kinds"] == [], run
-    assert [(h["replica"], h["rank"], h["kind"]) for h in run["heals"]] == [(1, 1, "drain")]
+    assert [(h["replica"], h["rank"], h["kind"]) for h in run["heals"]] == [(group, group, "drain")]
     assert run["heals"][0]["healed_s"] > 0
     assert run["steps"] == [20, 20] and run["fingerprints"][0] == run["fingerprints"][1]
-    skipped = run["replicas"][0]["skipped"]
-    assert skipped and all(g == 1 for _, g in skipped) and run["replicas"][1]["healed_at"] == skipped[-1][0]
+    skipped = run["replicas"][1 - group]["skipped"]
+    assert skipped and all(g == group for _, g in skipped) and run["replicas"][group]["healed_at"] == skipped[-1][0]
+    assert run["committed"] == [20] and "step-00000020" in r["committed_after"]  # the final save, after the move
 
 
 def test_a_deadline_too_short_for_a_durable_save_resumes_from_ram_on_a_surviving_node(reference_20_run, tmp_path):

@@ -176,8 +176,9 @@ def test_a_replica_groups_heal_is_counted_as_a_heal_not_a_restart(monkeypatch):
     FakeWorkerGroup.created[-1].kill(1)
     ctrl.step()  # replica group 1 replaced: the job trains on
     assert ctrl.state is JobState.RUNNING
+    FakeWorkerGroup.created[-1].kill(1)
     FakeWorkerGroup.created[-1].kill(0)
-    ctrl.step()  # replica group 0 saves: a whole-job restart
+    ctrl.step()  # ranks of both groups together: a whole-job restart
     assert ctrl.state is JobState.RECOVERING
 
     def values(name: str, **tags: str) -> list[float]:

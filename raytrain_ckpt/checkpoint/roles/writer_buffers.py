@@ -73,7 +73,9 @@ class WriterBuffers:
             path = self._held_for(rank, attempt, copy) or self._reusable(rank, attempt, busy)
             if path is None:
                 suffix = f"-c{copy}" if copy else ""
-                path = str(self.directory / f"rtc-{self.prefix}-a{attempt}-rank{rank}{suffix}.buf")
+                # the node in the name: a rank whose group moved to another node's writer in the same
+                # attempt (a replica group's heal) meets no file of its old writer where nodes share /dev/shm
+                path = str(self.directory / f"rtc-{self.prefix}-{self.node_id[:8]}-a{attempt}-rank{rank}{suffix}.buf")
                 self.held[path] = _Held(allocate_buffer(Path(path), nbytes), rank, attempt, copy)
                 if copy:  # not staged into before the next save: allocate and map its memory meanwhile
                     self._pool.submit(self._reserve, path, self.held[path].buffer, nbytes)

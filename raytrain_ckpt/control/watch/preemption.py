@@ -199,7 +199,7 @@ class PreemptionGuard:
         self.limit: int | None = None
         """``fault_tolerance.max_preemptions`` (None: no bound); ``watches_for`` sets it from the spec."""
         # with replica groups (set by ``watches_for``): move a draining node's groups off it; False: they cannot be
-        self.move_replicas: Callable[[WorkerGroup, str, tuple[int, ...]], bool] = lambda group, node, ranks: False
+        self.move_replicas: Callable[[WorkerGroup, str, tuple[int, ...], int], bool] = lambda group, node, ranks, step: False
         self._ignored, self._reached = set[str](), 0
         self.stop_request: tuple[str, float] | None = None
         """(signal name, deadline unix) once the driver was told to stop (``request_stop``)."""
@@ -288,7 +288,7 @@ class PreemptionGuard:
                     self._ignored.add(node)
                     self._leave(node, hosts_actor=node == service)
                 continue
-            if node not in self._ignored and self.move_replicas(group, node, ranks):
+            if node not in self._ignored and self.move_replicas(group, node, ranks, poll.min_step):
                 self._ignored.add(node)  # its replica groups moved off it: training goes on
                 continue
             if node == service and node not in self._ignored:

@@ -70,14 +70,17 @@ class ReplicaHeals:
                             record["healed_s"], record["kind"])
         return None
 
-    def move_off(self, group: WorkerGroup, node: str, ranks: tuple[int, ...], attempt: int) -> bool:
-        """``node`` drains, holding ``ranks``: when they are all of groups that do not save and
-        enough groups stay healthy, each of those groups is replaced off the node now (``heal``),
-        its state from a live group, and True; else False (the whole job saves the step in hand
-        and restarts off the node). A replacement that cannot be placed in time: False too."""
+    def move_off(self, group: WorkerGroup, node: str, ranks: tuple[int, ...], attempt: int, step: int = 0) -> bool:
+        """``node`` drains, holding ``ranks`` (the slowest rank at ``step``): when enough groups
+        stay healthy (and the saving group, if it is one of them, can rejoin in time to save the
+        last step), each of those groups is replaced off the node now (``heal``), its state from a
+        live group, and True; else False (the whole job saves the step in hand and restarts off
+        the node). A replacement that cannot be placed in time: False too."""
         groups = sorted({r // self.size for r in ranks})
         down = {r // self.size for r in getattr(group, "healing", ())} | set(groups)
-        if 0 in groups or self.replicas - len(down) < self.min_replicas:
+        if self.replicas - len(down) < self.min_replicas:
+            return False
+        if 0 in groups and self._saves_until is not None and step > self._saves_until:
             return False
         for g in groups:
             logger.warning("attempt %d: node %s drains with replica group %d; replacing that group elsewhere while "
