@@ -106,6 +106,52 @@ def test_the_saving_group_failing_alone_is_healed_and_its_replacement_saves_on(r
                                                                          (STEPS, by_rank[1].fingerprint)]
 
 
+def test_an_evicted_rank_moves_its_replica_group_while_the_other_trains_on(ray_cluster, monkeypatch, tmp_path):
+    """A pod eviction in a replicated job: a real SIGTERM to the process of rank 3 (the second
+    group) mid-run. That group alone is replaced and healed from the first: no preemption save,
+    no restart, and both groups end with the same shards."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    from raytrain_ckpt.rank.progress import _dir
+
+    spec = load_spec(DEMO, [*JOB, "training.steps=40", "fault_tolerance.poll_interval_s=0.2", "name=heal-evict",
+                            "checkpoint.enabled=true", "checkpoint.interval_steps=50", f"checkpoint.dir={tmp_path}"])
+    # rank 0 pauses 1 s after steps 6-9: the signal comes mid-run whatever the machine's speed
+    monkeypatch.setenv(ENV_VAR, ";".join(f"slow@step:rank=0,step={s},seconds=1" for s in (6, 7, 8, 9)))
+    box: dict = {}
+    job = threading.Thread(target=lambda: box.setdefault("result", run_job(spec)))
+    job.start()
+    victim, deadline = None, time.monotonic() + 240
+    while victim is None and job.is_alive() and time.monotonic() < deadline:
+        mine = {p.pid for p in psutil.Process().children(recursive=True)}  # this session's Ray: this process's
+        for f in _dir().glob("*.rank3.json") if _dir().exists() else ():
+            try:
+                record = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if record["step"] >= 6 and record["pid"] in mine:
+                victim = record["pid"]
+        time.sleep(0.1)
+    assert victim is not None, "rank 3 never reached step 6"
+    os.kill(victim, signal.SIGTERM)
+    job.join(timeout=300)
+    monkeypatch.delenv(ENV_VAR)
+    r = box["result"]
+    assert r.state is JobState.SUCCEEDED, r.error
+    assert r.attempts == 1 and r.preemptions == [] and r.failures == []
+    assert [(h["replica"], h["rank"], h["kind"]) for h in r.heals] == [(1, 3, "eviction")]
+    by_rank = {x.rank: x for x in r.results}
+    assert all(x.steps == 40 for x in by_rank.values())
+    assert by_rank[0].fingerprint == by_rank[2].fingerprint and by_rank[1].fingerprint == by_rank[3].fingerprint
+    assert by_rank[2].replicas["healed_at"] is not None and all(g == 1 for _, g in by_rank[0].replicas["skipped"])
+
+
 def test_a_stop_signal_stops_every_replica_group_at_the_saved_step_and_a_rerun_resumes_there(tmp_path):
     """SIGTERM to the driver of a replicated job (the path a drain notice takes too): the first group
     saves the step in hand and stops, the second stops at once without holding the first back (its

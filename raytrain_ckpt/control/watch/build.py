@@ -48,8 +48,8 @@ def watches_for(spec: Any, clock: Callable[[], float], ledger: GoodputLedger,
     if preemption is not None:
         preemption.limit = ft.max_preemptions
         if heals is not None:  # a drained node's replica groups move off it while the others train on
-            preemption.move_replicas = lambda group, node, ranks, step: heals.move_off(group, node, ranks,
-                                                                                      getattr(group, "attempt", 0), step)
+            preemption.move_replicas = lambda group, node, ranks, step, kind="drain": heals.move_off(
+                group, node, ranks, getattr(group, "attempt", 0), step, kind)
     watches: list[Watch | None] = [
         ledger,
         RollbackWatch(),

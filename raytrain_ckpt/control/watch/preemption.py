@@ -185,10 +185,8 @@ class PreemptionGuard:
         self._cost = save_cost
         self._draining, self._clock = draining, clock
         self._service_node, self._ram_cost, self._keep_in_ram = service_node, ram_cost, keep_in_ram
-        self._move_service, self._move_after_stop = move_service, False
-        self._retire_writer = retire_writer
-        self._full_size, self._grow_check_s, self._room = full_size, grow_check_s, room
-        self._grow_checked = clock()
+        self._move_service, self._move_after_stop, self._retire_writer = move_service, False, retire_writer
+        self._full_size, self._grow_check_s, self._room, self._grow_checked = full_size, grow_check_s, room, clock()
         self.outcome = "preemption"
         """What the stop of the group was for: "preemption", "stop" (a signal) or "grow"."""
         self.notice: DrainNotice | None = None
@@ -199,22 +197,20 @@ class PreemptionGuard:
         self.limit: int | None = None
         """``fault_tolerance.max_preemptions`` (None: no bound); ``watches_for`` sets it from the spec."""
         # with replica groups (set by ``watches_for``): move a draining node's groups off it; False: they cannot be
-        self.move_replicas: Callable[[WorkerGroup, str, tuple[int, ...], int], bool] = lambda group, node, ranks, step: False
+        self.move_replicas: Callable[..., bool] = lambda group, node, ranks, step, kind="drain": False
         self._ignored, self._reached = set[str](), 0
         self.stop_request: tuple[str, float] | None = None
         """(signal name, deadline unix) once the driver was told to stop (``request_stop``)."""
 
     def request_stop(self, why: str, grace_s: float) -> None:
-        """The driver was told to stop (SIGTERM from `ray job stop` or a pod eviction, Ctrl-C):
-        the ranks save and commit the step in hand within ``grace_s`` and the job ends there."""
+        """Told to stop (`ray job stop`, Ctrl-C): the step in hand is committed within ``grace_s``, the job ends."""
         self.stop_request = (why, self._clock() + grace_s)
 
     def status(self) -> dict[str, Any]:
         return {}  # the summary's "preemption" is the latest preemption failure of the job's result
 
     def new_attempt(self) -> None:
-        self.notice = None
-        self._reached = 0
+        self.notice, self._reached = None, 0
         self.outcome = "preemption"
         self._grow_checked = self._clock()
 
@@ -323,10 +319,13 @@ class PreemptionGuard:
     def _evicted(self, group: WorkerGroup, poll: GroupPoll) -> None:
         """Ranks whose process got SIGTERM: a drain notice of their node with their deadline (the
         ranks agreed on the step already; ``preempt`` reaches any that did not yet see it)."""
-        ranks = tuple(sorted(poll.evictions))
-        deadline = min(poll.evictions.values())
+        healing = getattr(group, "healing", set())  # a replica group moved already: its old processes' signal
+        ranks = tuple(sorted(r for r in poll.evictions if r not in healing))
         nodes = group.rank_nodes()
-        node = nodes[ranks[0]] if ranks[0] < len(nodes) else "unknown"
+        node = nodes[ranks[0]] if ranks and ranks[0] < len(nodes) else "unknown"
+        if not ranks or self.move_replicas(group, node, ranks, poll.min_step, "eviction"):
+            return  # replica groups: the evicted ranks' groups are replaced elsewhere while the others train on
+        deadline = min(poll.evictions[r] for r in ranks)
         now = self._clock()
         plan = plan_save(deadline - now, self._cost())
         self.notice = DrainNotice(node, deadline, ranks, now, poll.min_step, plan, cause="sigterm")

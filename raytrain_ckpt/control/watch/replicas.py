@@ -70,8 +70,10 @@ class ReplicaHeals:
                             record["healed_s"], record["kind"])
         return None
 
-    def move_off(self, group: WorkerGroup, node: str, ranks: tuple[int, ...], attempt: int, step: int = 0) -> bool:
-        """``node`` drains, holding ``ranks`` (the slowest rank at ``step``): when enough groups
+    def move_off(self, group: WorkerGroup, node: str, ranks: tuple[int, ...], attempt: int, step: int = 0,
+                 kind: str = "drain") -> bool:
+        """``node`` drains (``kind``; "eviction": the processes of ``ranks`` got SIGTERM), holding
+        ``ranks`` (the slowest rank at ``step``): when enough groups
         stay healthy (and the saving group, if it is one of them, can rejoin in time to save the
         last step), each of those groups is replaced off the node now (``heal``), its state from a
         live group, and True; else False (the whole job saves the step in hand and restarts off
@@ -82,11 +84,12 @@ class ReplicaHeals:
             return False
         if 0 in groups and self._saves_until is not None and step > self._saves_until:
             return False
+        what = f"node {node} drains" if kind == "drain" else f"rank(s) {', '.join(map(str, ranks))} got SIGTERM"
         for g in groups:
-            logger.warning("attempt %d: node %s drains with replica group %d; replacing that group elsewhere while "
-                           "the others train on", attempt, node, g)
-            self.records.append({"replica": g, "rank": min(r for r in ranks if r // self.size == g), "kind": "drain",
-                                 "attempt": attempt, "headline": f"node {node} drains", "at": time.time()})
+            logger.warning("attempt %d: %s, of replica group %d; replacing that group elsewhere while the others "
+                           "train on", attempt, what, g)
+            self.records.append({"replica": g, "rank": min(r for r in ranks if r // self.size == g), "kind": kind,
+                                 "attempt": attempt, "headline": what, "at": time.time()})
             try:
                 group.heal(g, off_node=True)
             except GroupStartError as exc:
