@@ -303,7 +303,8 @@ class Controller:
             self.result.events.append((time.time(), quarantined))
         self._last_failure = kind
         self.result.failures.append(failure)
-        decision, why = self._budget.decide(kind, now)
+        # with replica groups a guard trip ends its group (no rollback of its own): restarted as a crash
+        decision, why = self._budget.decide("crash" if kind == "rollback" and heals is not None else kind, now)
         self.result.events.append((time.time(), f"attempt {self.attempt} {kind} detected"))
         if kind == "mismatch":  # a user's mistake: its message, without the ranks' tracebacks
             logger.error("attempt %d: the resume checkpoint does not fit this job: %s", self.attempt, failure.headline)

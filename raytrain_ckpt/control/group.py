@@ -196,14 +196,17 @@ class RayWorkerGroup(GroupCheckpointing):
 
     def heal(self, replica: int, off_node: bool = False) -> None:
         """Replace replica group ``replica`` while the others train on (``control/heal.py``);
-        ``off_node``: its node drains, the replacement is placed elsewhere."""
+        ``off_node``: its node drains, the replacement is placed elsewhere (so is a group moved before:
+        its bundles are on the node it left)."""
         ranks = {r for r in range(self.spec.world_size) if r // (self.spec.world_size // self.spec.parallelism.dp_replicate) == replica}
+        off_node = off_node or bool(ranks & set(self._moved))
         self._runs = {ref: r for ref, r in self._runs.items() if r not in ranks}
         self._results = {r: res for r, res in self._results.items() if r not in ranks}
         self.healing |= ranks
         new = replace_replica(self, replica, self._pg, self._calls, self._lighthouse, self._lighthouse_address, off_node)
         self._runs |= new.runs
         self._moved |= new.nodes
+        self._where = [new.places.get(r, w) for r, w in enumerate(self._where)]  # a hang reads the new processes' stacks
         self._own_pgs += [new.pg] if new.pg is not None else []
 
     def rank_nodes(self) -> list[str]:

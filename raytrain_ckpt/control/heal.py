@@ -22,6 +22,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from raytrain_ckpt.control.hang_evidence import locate
 from raytrain_ckpt.control.poll import GroupStartError
 from raytrain_ckpt.control.pool import bundle_nodes, kill_actor, new_worker
 
@@ -38,6 +39,8 @@ class Replacement:
     runs: dict[ray.ObjectRef, int]
     pg: Any = None
     nodes: dict[int, str] = field(default_factory=dict)
+    places: dict[int, Any] = field(default_factory=dict)
+    """Rank -> ``RankPlace`` (pid, node) of each new process that said where it runs."""
 
 
 def _off_node(spec: Any, size: int, deadline: float) -> Any:
@@ -53,6 +56,22 @@ def _off_node(spec: Any, size: int, deadline: float) -> Any:
     return pg
 
 
+def _saving_plans(group: Any, old: list[Any], places: list[Any], nodes: list[str]) -> tuple[list[Any], float]:
+    """The saving group's replacement's checkpoint plans, each naming the writer of the node its
+    process landed on (``places``; ``nodes``: the bundles' nodes, where a process could not say),
+    once the failed group's processes are gone and its saves in flight settled
+    (``CheckpointService.heal_plans``); and the deadline for the rest of the start (the settle
+    may take ``checkpoint.settle_timeout_s``)."""
+    spec = group.spec
+    ray.wait([w.where.remote() for w in old], num_returns=len(old), timeout=5.0)  # a killed actor's calls fail once it is gone
+    try:
+        plans = list(group.checkpoints.heal_plans([p.node_id if p is not None else n for p, n in zip(places, nodes,
+                                                                                                     strict=True)]))
+    except Exception as exc:  # noqa: BLE001 - the actor, a writer or the storage probe: the whole job restarts
+        raise GroupStartError(f"the saving replica group's checkpoint plans: {exc}") from None
+    return plans, time.monotonic() + spec.fault_tolerance.start_timeout_s
+
+
 def replace_replica(group: Any, replica: int, pg: Any, calls: Any, lighthouse: Any, address: str | None,
                     off_node: bool = False) -> Replacement:
     """Kill replica group ``replica`` of ``group`` (a ``RayWorkerGroup``: its placement group
@@ -65,9 +84,10 @@ def replace_replica(group: Any, replica: int, pg: Any, calls: Any, lighthouse: A
     ranks = list(range(replica * size, (replica + 1) * size))
     deadline = time.monotonic() + spec.fault_tolerance.start_timeout_s
     ray.get(lighthouse.replacing.remote(replica))  # an earlier replacement's ranks are not ready any more
-    for rank in ranks:
-        kill_actor(group.workers[rank])
-    own = _off_node(spec, size, deadline) if off_node else None
+    own = _off_node(spec, size, deadline) if off_node else None  # before the kill: a drain's fallback still saves
+    old = [group.workers[rank] for rank in ranks]
+    for w in old:
+        kill_actor(w)
     nodes = group.rank_nodes()
     spec_json = spec.model_dump_json()
     fresh: list[Any] = []
@@ -86,9 +106,10 @@ def replace_replica(group: Any, replica: int, pg: Any, calls: Any, lighthouse: A
                 logger.warning("replica %d: spare for rank %d unusable (%s); starting a new process", replica, rank, exc)
                 kill_actor(spare)
         fresh.append(new_worker(spec, pg, rank, group.attempt, group.run_id))
-    # the saving group: its saves in flight settle, and its replacement saves on from its rejoin step
-    plans = (group.checkpoints.heal_plans(bundle_nodes(own) if own is not None else [nodes[r] for r in ranks])
-             if replica == 0 and group.checkpoints is not None else [None] * size)
+    places = locate(fresh, max(0.1, deadline - time.monotonic()))  # where the new processes run (hang stacks, writers)
+    plans: list[Any] = [None] * size
+    if replica == 0 and group.checkpoints is not None:
+        plans, deadline = _saving_plans(group, old, places, [nodes[r] if nodes else "" for r in ranks])
     meet = calls.get(fresh[0].address.remote(), deadline, f"locate rank {ranks[0]}")
     joins = [w.join.remote(meet.host, meet.port) for w in fresh]
     setups = [w.setup.remote(plan, group.rollbacks_before, address, True) for w, plan in zip(fresh, plans, strict=True)]
@@ -101,4 +122,5 @@ def replace_replica(group: Any, replica: int, pg: Any, calls: Any, lighthouse: A
                    " and saves the checkpoints again from there (none is saved until then)"
                    if plans[0] is not None else "")
     placed = dict(zip(ranks, bundle_nodes(own), strict=True)) if own is not None else {}
-    return Replacement({w.run.remote(): rank for rank, w in zip(ranks, fresh, strict=True)}, own, placed)
+    return Replacement({w.run.remote(): rank for rank, w in zip(ranks, fresh, strict=True)}, own, placed,
+                       {r: p for r, p in zip(ranks, places, strict=True) if p is not None})

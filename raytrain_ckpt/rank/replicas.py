@@ -41,6 +41,11 @@ def heal_state(trainer: Trainer, membership: Any) -> dict[str, Any]:
         "schedules": [s.state_dict() for s in trainer.schedulers],
         "train": dataclasses.asdict(trainer.state),
         "membership": membership.state(),
+        # what a resume adopted from its manifest: the sample windows, the shares skipped before
+        # this attempt, the certified step (a replacement loads no checkpoint: it gets them here)
+        "skips": trainer.skips.as_lists(),
+        "replica_skips_before": [list(r) for r in trainer.replica_skips_before],
+        "certified": trainer.guard.last_certified if trainer.guard is not None else None,
     }
 
 
@@ -64,6 +69,10 @@ def load_heal_state(trainer: Trainer, state: dict[str, Any]) -> int:
         sched.load_state_dict(s)
     train = state["train"]
     trainer.state = type(trainer.state)(**train)
+    trainer.skips = type(trainer.skips).from_lists(trainer.spec.training.global_batch_size, state["skips"])
+    trainer.replica_skips_before = tuple(tuple(int(x) for x in r) for r in state["replica_skips_before"])
+    if trainer.guard is not None and state["certified"] is not None:
+        trainer.guard.last_certified = state["certified"]
     return int(train["step"])
 
 

@@ -263,7 +263,7 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
         ft = self.spec.fault_tolerance
         watch = ckpt is not None and (ft.watch_drains or ft.replace_stragglers)  # both stop via preempt()
         phase = "done"
-        scalars = self._open_scalars()
+        scalars = None if self._heal else self._open_scalars()  # a replacement's: once it is healed (below)
         measured = False  # the attempt's first step is a warm-up: its time does not teach the hang timeout
         alone = ckpt is None and trainer.replicas is not None  # a group that does not save stops at a notice at once
         while trainer.state.step < self.spec.training.steps and not self._stop.is_set() and not (alone and self._notice.is_set()):
@@ -293,6 +293,8 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
             elif ckpt is not None:
                 ckpt.prepare(lambda: app_state(trainer))  # the first save's buffers, while training goes on
             trainer.log(report)
+            if scalars is None and self._heal:  # from the healed step on: the run's points before it are kept
+                scalars = self._open_scalars(report.step - 1)
             if scalars is not None:
                 log_step(scalars, report)
             self.metrics.after_step(report, ckpt)
@@ -327,17 +329,18 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
                             tuple(trainer.guard.rollbacks) if trainer.guard is not None else (),
                             self._evicted_until, replica_record(trainer) if trainer.replicas is not None else None)
 
-    def _open_scalars(self) -> ScalarLogger | None:
+    def _open_scalars(self, start: int | None = None) -> ScalarLogger | None:
         """Rank 0's TensorBoard run (``training.tensorboard_dir``); the points after the step this
-        attempt resumed from are replaced (observe/scalars.py). An attempt that fails leaves its file
-        flushed up to ``FLUSH_S`` before."""
+        attempt resumed from (``start``: after that step) are replaced (observe/scalars.py). An
+        attempt that fails leaves its file flushed up to ``FLUSH_S`` before."""
         if self.rank != 0:
             return None
         assert self.trainer is not None
         from raytrain_ckpt.checkpoint.storage.backends import job_root
 
         root = str(job_root(self.spec.checkpoint.dir, self.spec.name))
-        self._scalars = open_job_loggers(self.spec, "train", self.trainer.state.step, root)  # closed by _close_scalars
+        self._scalars = open_job_loggers(self.spec, "train", self.trainer.state.step if start is None else start,
+                                         root)  # closed by _close_scalars
         return self._scalars
 
     def __repr__(self) -> str:

@@ -547,10 +547,16 @@ def test_one_replica_groups_crash_replaces_that_group_and_the_job_trains_on_in_t
     FakeWorkerGroup.created[-1].kill(0)
     ctl2.step()
     assert ctl2.state is JobState.RUNNING and FakeWorkerGroup.created[-1].healed == [0]
-    # ... but not when its replacement would rejoin too close to the end to save the last step
-    near = spec.model_copy(update={"training": spec.training.model_copy(update={"steps": 4})})
-    ctl3 = Controller(near, lambda s, a: HealingGroup(s, a), clock=clock, sleep=clock.sleep)
-    ctl3.step()
-    FakeWorkerGroup.created[-1].kill(0)
-    ctl3.step()
-    assert ctl3.state is JobState.RECOVERING and FakeWorkerGroup.created[-1].healed == []
+    # ... but not when its replacement would rejoin too close to the end to save the last step: 30
+    # steps, heal_steps 5, the slowest rank at step 22 heals (its group rejoins by 29), at 23 not
+    near = spec.model_copy(update={"training": spec.training.model_copy(update={"steps": 30}),
+                                   "fault_tolerance": spec.fault_tolerance.model_copy(update={"heal_steps": 5,
+                                                                                               "max_restarts": 2})})
+    for at, healed, state in ((22, [0], JobState.RUNNING), (23, [], JobState.RECOVERING)):
+        ctl3 = Controller(near, lambda s, a: HealingGroup(s, a), clock=clock, sleep=clock.sleep)
+        ctl3.step()
+        FakeWorkerGroup.created[-1].advance(at)
+        ctl3.step()
+        FakeWorkerGroup.created[-1].kill(0)
+        ctl3.step()
+        assert ctl3.state is state and FakeWorkerGroup.created[-1].healed == healed, at

@@ -120,3 +120,33 @@ def test_a_heal_is_timed_once_its_group_trains_again_and_status_names_the_groups
     assert watch.status() == {"replica_heals": 1, "replicas_healing": [1]} and "healed_s" not in watch.records[0]
     watch.observe(GroupPoll(), SimpleNamespace(healing=set()), 0)
     assert watch.status()["replicas_healing"] == [] and watch.records[0]["healed_s"] >= 0
+
+
+class _Moves(SimpleNamespace):
+    """A worker group whose ``heal`` records the groups moved off a node."""
+
+    def heal(self, replica: int, off_node: bool = False) -> None:
+        self.moved.append((replica, off_node))
+
+
+@pytest.mark.parametrize("ranks, healing, step, moved", [
+    ((2, 3), set(), 0, [(1, True)]),        # a node of the second group's ranks
+    ((0,), set(), 10, [(0, True)]),         # the first (saving) group's node, early enough
+    ((0,), set(), 23, []),                  # ... too close to the end: the whole job saves and restarts
+    ((0, 2), set(), 0, [(0, True), (1, True)]),  # ranks of two groups on the node: both move (three groups)
+    ((2,), {4, 5}, 0, [(1, True)]),         # another group heals already: one healthy left, min_replicas 1
+])
+def test_a_drain_or_eviction_moves_the_groups_of_the_nodes_ranks(ranks, healing, step, moved):
+    watch = ReplicaHeals(_spec())
+    group = _Moves(healing=healing, moved=[])
+    assert watch.move_off(group, "n1", ranks, 0, step, "eviction") is bool(moved)
+    assert group.moved == moved
+    assert [(h["replica"], h["kind"]) for h in watch.records] == [(g, "eviction") for g, _ in moved]
+
+
+def test_a_poll_no_live_rank_answered_does_not_reopen_the_saving_groups_window():
+    """The rule uses the highest step a poll saw: a later poll reading 0 (no answer) does not let
+    the saving group fail near the end into a heal."""
+    watch = ReplicaHeals(_spec())
+    watch.observe(GroupPoll(min_step=24), SimpleNamespace(healing=set()), 0)
+    assert watch.local_replica(_failure(("crash", 1)), set(), 0) is None

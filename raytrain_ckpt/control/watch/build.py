@@ -36,6 +36,17 @@ if TYPE_CHECKING:
 __all__ = ["watches_for"]
 
 
+def _mover(heals: ReplicaHeals, hang: HangWatch) -> Callable[..., bool]:
+    """The guard's ``move_replicas``: ``ReplicaHeals.move_off``; a move restarts the hang watch's
+    step budget (the healthy groups may wait for the moved group's quorum meanwhile)."""
+    def move(group: Any, node: str, ranks: tuple[int, ...], step: int, kind: str = "drain") -> bool:
+        moved = heals.move_off(group, node, ranks, getattr(group, "attempt", 0), step, kind)
+        if moved:
+            hang.waited(f"replica group(s) of rank(s) {', '.join(map(str, ranks))} moved off node {node} ({kind})")
+        return moved
+    return move
+
+
 def watches_for(spec: Any, clock: Callable[[], float], ledger: GoodputLedger,
                 preemption: PreemptionGuard | None = None) -> list[Watch]:
     """Every watch of a job of ``spec``, in priority order. ``ledger``: the controller's goodput
@@ -48,8 +59,7 @@ def watches_for(spec: Any, clock: Callable[[], float], ledger: GoodputLedger,
     if preemption is not None:
         preemption.limit = ft.max_preemptions
         if heals is not None:  # a drained node's replica groups move off it while the others train on
-            preemption.move_replicas = lambda group, node, ranks, step, kind="drain": heals.move_off(
-                group, node, ranks, getattr(group, "attempt", 0), step, kind)
+            preemption.move_replicas = _mover(heals, hang)
     watches: list[Watch | None] = [
         ledger,
         RollbackWatch(),

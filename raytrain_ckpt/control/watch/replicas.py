@@ -43,6 +43,8 @@ class ReplicaHeals:
         self._saves_until = spec.training.steps - spec.fault_tolerance.heal_steps - 3 if spec.checkpoint.enabled else None
         """With checkpointing: the last step at which the saving group may fail and still rejoin
         before the last step (to save it); None: no group saves."""
+        self._high = 0
+        """The highest slowest-rank step a poll saw (a poll no live rank answered reads 0)."""
         self._healing: set[int] = set()
         """The replica groups being replaced or healed, as of the latest poll."""
         self.records: list[dict[str, Any]] = []
@@ -63,6 +65,7 @@ class ReplicaHeals:
         """Times each heal: done once none of its group's ranks is still healing (failures reach
         this watch through the controller, ``local_replica``, whichever watch saw them)."""
         healing = self._healing = {r // self.size for r in getattr(group, "healing", ())}
+        self._high = max(self._high, poll.min_step)
         for record in self.records:
             if "healed_s" not in record and record["attempt"] == attempt and record["replica"] not in healing:
                 record["healed_s"] = round(time.time() - record["at"], 3)
@@ -82,7 +85,7 @@ class ReplicaHeals:
         down = {r // self.size for r in getattr(group, "healing", ())} | set(groups)
         if self.replicas - len(down) < self.min_replicas:
             return False
-        if 0 in groups and self._saves_until is not None and step > self._saves_until:
+        if 0 in groups and self._saves_until is not None and max(step, self._high) > self._saves_until:
             return False
         what = f"node {node} drains" if kind == "drain" else f"rank(s) {', '.join(map(str, ranks))} got SIGTERM"
         for g in groups:
@@ -119,7 +122,7 @@ class ReplicaHeals:
         if len(groups) != 1:
             return None, f"ranks of replica groups {sorted(groups)} failed together"
         g = groups.pop()
-        if g == 0 and self._saves_until is not None and step > self._saves_until:
+        if g == 0 and self._saves_until is not None and max(step, self._high) > self._saves_until:
             return None, ("replica group 0 saves the checkpoints and would rejoin too close to the last step to "
                           "save it")
         down = {r // self.size for r in healing} | {g}
