@@ -309,14 +309,9 @@ class TorchftReplicas:
         self.manager.start_quorum()
 
     def average(self, grads: list) -> None:
-        import torch
+        from raytrain_ckpt.replicas.sync import average_flat
 
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.manager.allreduce(flat).wait()
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        average_flat(self.manager, grads)
 
     def commit(self, step: int) -> bool:
         ok = self.manager.should_commit()

@@ -29,9 +29,19 @@ import torch
 from raytrain_ckpt.replicas.lighthouse import TICK_MS
 from raytrain_ckpt.replicas.membership import Membership
 
-__all__ = ["ReplicaSync"]
+__all__ = ["ReplicaSync", "average_flat"]
 
 logger = logging.getLogger(__name__)
+
+
+def average_flat(manager: Any, grads: Sequence[torch.Tensor]) -> None:
+    """Average ``grads`` in place through torchft ``manager``'s allreduce, in one flat buffer."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    manager.allreduce(flat).wait()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _recording_pg(timeout: timedelta, group_size: int) -> Any:
@@ -128,14 +138,8 @@ class ReplicaSync:
     def average(self, grads: Sequence[torch.Tensor]) -> None:
         """Average ``grads`` in place across the replicas of this step's quorum, in one flat buffer.
         A failed peer does not raise here: it fails the vote (``commit``)."""
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.manager.allreduce(flat).wait()
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        if grads:
+            average_flat(self.manager, grads)
 
     def commit(self, step: int) -> bool:
         """Whether step ``step`` is applied: its quorum is the rule's and this group's ranks voted for
