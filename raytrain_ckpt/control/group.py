@@ -168,9 +168,12 @@ class RayWorkerGroup(GroupCheckpointing):
         failures = collect_runs({ref: self._runs[ref] for ref in ready}, self._results, self.attempt)
         evidence = keep_failures(diagnostics_root(self.spec), self.attempt, failures) if failures else None
         progress = self._progress()
-        self.healing -= {r for r, p in progress.items() if p.phase in ("training", "done")}
-        # every other rank finished before a replacement's rejoin step (past the last step): it is not needed
-        finished = bool(self._results) and set(self._results) | self.healing == set(range(len(self.workers)))
+        self.healing -= {r for r, p in progress.items() if p.phase in ("training", "saving", "done")}
+        # every other rank finished before a replacement's rejoin step (past the last step): it is not
+        # needed; the saving group's always is (it rejoins in time to save the last step, ``ReplicaHeals``)
+        saving = self.spec.world_size // self.spec.parallelism.dp_replicate if self.checkpoints is not None else 0
+        finished = (bool(self._results) and not any(r < saving for r in self.healing)
+                    and set(self._results) | self.healing == set(range(len(self.workers))))
         for rank in self.healing if finished else ():
             kill_actor(self.workers[rank])
         # without idle cores, spares start once every rank finished a step: a spare importing torch

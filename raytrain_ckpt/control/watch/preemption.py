@@ -285,8 +285,7 @@ class PreemptionGuard:
                     self._leave(node, hosts_actor=node == service)
                 continue
             if node not in self._ignored and self.move_replicas(group, node, ranks, poll.min_step):
-                self._ignored.add(node)  # its replica groups moved off it: training goes on, the node has no rank
-                self._leave(node, hosts_actor=node == service)
+                self._ignored.add(node)  # its replica groups moved off it: training goes on
                 continue
             if node == service and node not in self._ignored:
                 self._ignored.add(node)
