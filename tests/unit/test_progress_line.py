@@ -31,7 +31,16 @@ def test_on_a_terminal_the_line_is_redrawn_in_place():
         for i, step in enumerate((1, 2, 3, 4)):
             line.update(step, 0, "RUNNING", now=10.0 + i)  # one poll a second: each one redrawn
         line.close()
-    out = os.read(master, 65536).decode()
+    chunks = []  # a pty hands the output over in pieces under load: read it all
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the terminal's other end is closed and everything was read
+            break
+        if not data:
+            break
+        chunks.append(data)
+    out = b"".join(chunks).decode()
     os.close(master)
     frames = [f for f in out.split("\r") if f]
     assert len(frames) == 5 and all(f.endswith("\x1b[K") for f in frames)  # each clears what it did not cover
