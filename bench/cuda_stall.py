@@ -153,6 +153,8 @@ def _run(mode: str, rep: int, state: dict, out: Path, step, ours: _Ours) -> dict
             w0 = time.perf_counter()
             ours.staging.wait()          # right before the optimizer would mutate the state
             wait_s += time.perf_counter() - w0
+    if mode == "raytrain_ckpt":
+        ours.staging.finish()            # the copy thread is joined before the next repetition starts one
     return {"stall": stall + wait_s, "durable": time.perf_counter() - t0, "steps": steps}
 
 

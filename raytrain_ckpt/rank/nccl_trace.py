@@ -51,8 +51,10 @@ def dump_trace(backend: str | None) -> bytes | str:
     import torch
 
     c10d = torch._C._distributed_c10d
-    # torch 2.7+ names it _dump_fr_trace; older 2.x _dump_nccl_trace (the same pickled dict)
-    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    # _dump_nccl_trace is NCCL's own recorder (the one its process groups write to); newer torch
+    # also has _dump_fr_trace, the recorder of the other backends, which holds no NCCL entry
+    # (seen on torch 2.11: an empty dump after an NCCL all_reduce). The same pickled dict.
+    dump = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace", None)
     if dump is None:
         return f"no flight recorder: torch {torch.__version__} has no dump function"
     try:

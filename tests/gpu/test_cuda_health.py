@@ -37,11 +37,14 @@ def test_the_probe_task_gets_the_bundles_gpu_and_passes(ray_cluster):
         assert probe_nodes(plans, None, pg) == {}
         # the bundle's GPU is free again for the rank: a task asking it in the bundle runs
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
-        holder = ray.remote(num_gpus=1, num_cpus=0)(_device_count)
+
+        def device_count() -> int:  # defined here, so Ray ships it by value (no test module on workers)
+            import torch
+
+            return torch.cuda.device_count()
+
+        holder = ray.remote(num_gpus=1, num_cpus=0)(device_count)
         assert ray.get(holder.options(scheduling_strategy=strategy).remote(), timeout=60) == 1
     finally:
         remove_placement_group(pg)
 
-
-def _device_count() -> int:
-    return torch.cuda.device_count()

@@ -44,6 +44,6 @@ def test_killed_cuda_worker_resumes_bit_exact(ray_cluster, tmp_path, monkeypatch
     assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference.results]
     assert result.losses == {s: v for s, v in reference.losses.items() if s > 10}
     # the CUDA run's checkpoints are ordinary, intact DCP steps
-    layout = CheckpointLayout(tmp_path / "run")
+    layout = CheckpointLayout(tmp_path / "run" / "llama-debug-fsdp")  # <checkpoint.dir>/<job name>
     assert {10, 15, 20} <= set(result.checkpoints["committed"])
     assert layout.verify(layout.step_dir(20), "checksum").step == 20
