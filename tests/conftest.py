@@ -14,12 +14,34 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+FILE_SECONDS = REPO / "tests" / "file_seconds.json"
+"""Each test file's measured serial time (``scripts/file_seconds.py`` writes it from a
+``--durations=0`` log); it orders the files, longest first."""
+
+
+def _file_seconds() -> dict[str, float]:
+    import json
+
+    try:
+        return {str(k): float(v) for k, v in json.loads(FILE_SECONDS.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 def pytest_collection_modifyitems(items):
     """A test on the session's Ray is an integration test wherever it lives, so the fast tier
-    (``-m "not integration"``) never starts Ray."""
+    (``-m "not integration"``) never starts Ray.
+
+    Files run longest first (a stable sort: the tests of a file keep their order). On
+    ``pytest-xdist`` workers with ``--dist loadfile --no-loadscope-reorder`` (``scripts/test.sh``)
+    each idle worker takes the next file of this order, so the long files start at once and the
+    short ones fill the end (a file not yet measured counts as the median file)."""
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.integration)
+    seconds = _file_seconds()
+    median = sorted(seconds.values())[len(seconds) // 2] if seconds else 0.0
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], median))
 
 
 _SESSION_SHM: list[Path] = []
