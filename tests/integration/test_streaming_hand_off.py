@@ -101,8 +101,15 @@ def test_a_copy_that_never_completes_aborts_its_step_and_keeps_the_committed_one
     with _job(tmp_path, "handoff") as (service, writer, trainer):
         ray.get(trainer.save.remote(5))                                   # committed before the fault
 
+        # The hand-off to the writer is a call the copy thread sends as it begins; a process that
+        # exits a few milliseconds later may take it down unsent (then no writer holds the step,
+        # and a restart's settle aborts it). This test is about a writer that holds the step, so
+        # the exit waits 3 s after the hand-off (``slow`` goes on to the next fault at the point).
+        faults = f"{kind}@staging:rank=0,step=10"
+        if kind == "exit":
+            faults = f"slow@staging:rank=0,step=10,seconds=3;{faults}"
         with pytest.raises(ray.exceptions.RayError):
-            ray.get(trainer.save.remote(10, f"{kind}@staging:rank=0,step=10"), timeout=120)
+            ray.get(trainer.save.remote(10, faults), timeout=120)
         # No restart and no settle: only the writer can give step 10 up, and it must, at once.
         with pytest.raises(StepAborted, match=why):
             ray.get(service.actor.wait_committed.remote(10, 30))
