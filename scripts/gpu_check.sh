@@ -29,7 +29,7 @@ nvidia-smi -L; python3 -c "import torch, ray, raytrain_ckpt; print('torch', torc
 echo "== tests/gpu"
 timeout 270 python3 -m pytest tests/gpu -s -p no:cacheprovider --durations=0 2>&1 | tee "$OUT/gpu_tests.log" | tail -60
 echo "== bench/cuda_stall.py"
-timeout 80 python3 bench/cuda_stall.py --gib 2 --reps 1 --dir /tmp/rtc-bench 2>&1 | tee "$OUT/cuda_stall.log" | tail -15
+timeout 150 python3 bench/cuda_stall.py --gib 4 --reps 2 --dir /tmp/rtc-bench 2>&1 | tee "$OUT/cuda_stall.log" | tail -15
 echo "== the demo job on CUDA through the CLI, rank 0 killed after step 30"
 RAYTRAIN_CKPT_FAULTS="exit@step:rank=0,step=30" timeout 90 python3 -m raytrain_ckpt run jobs/llama_debug_fsdp.yaml --address local \
   --set resources.use_gpu=true --set resources.num_workers=1 --set parallelism.dp_shard=1 \
