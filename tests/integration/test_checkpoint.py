@@ -56,7 +56,8 @@ def died_after_ten(ray_cluster, tmp_path_factory) -> Path:
     """The job root of a 20-step run that died at step 11, not restarted: step 10 is its last commit."""
     ckpt_dir = tmp_path_factory.mktemp("died")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ENV_VAR, "exit@step:rank=0,step=11")
+        # 3 s before the exit: the save of step 10 is in flight a step after it (commits under load can take a step)
+        mp.setenv(ENV_VAR, "slow@step:rank=0,step=11;exit@step:rank=0,step=11")
         assert run_job(_spec(ckpt_dir, "training.steps=20")).state is JobState.FAILED
     return ckpt_dir / "llama-debug-fsdp"
 
@@ -293,16 +294,19 @@ def test_a_run_whose_saves_did_not_commit_fails(ray_cluster, tmp_path, monkeypat
 def test_resuming_an_older_step_starts_a_new_timeline(reference, tmp_path, monkeypatch):
     root = tmp_path / "llama-debug-fsdp"
     keep2 = "checkpoint.keep_latest_k=2"
-    # the reference's step 5 (a 20-step run that dies after it) ...
-    monkeypatch.setenv(ENV_VAR, "exit@step:rank=0,step=6")
+    # the reference's step 5 (a 20-step run that dies after it; 3 s after, so that the save of step 5,
+    # still in flight a step later on a loaded machine, commits first) ...
+    monkeypatch.setenv(ENV_VAR, "slow@step:rank=0,step=6;exit@step:rank=0,step=6")
     assert run_job(_spec(tmp_path, "training.steps=20", keep2)).state is JobState.FAILED
+    assert sorted(CheckpointLayout(root).step_dirs()) == [5]
     # ... and an abandoned run from it on other data, so that its step 10 differs from the reference's
-    monkeypatch.setenv(ENV_VAR, "exit@step:rank=0,step=11")
+    monkeypatch.setenv(ENV_VAR, "slow@step:rank=0,step=11;exit@step:rank=0,step=11")
     assert run_job(_spec(tmp_path, "training.steps=20", keep2, "training.seed=1")).state is JobState.FAILED
     assert sorted(CheckpointLayout(root).step_dirs()) == [5, 10]
     # Its first attempt dies while loading step 5: the restart starts at 5 again (step 10 of the run
     # it leaves is still in place until a start succeeded), then dies after the new step 10 commits
-    monkeypatch.setenv(ENV_VAR, "exit@setup:rank=1,step=0,attempt=0;exit@step:rank=1,step=12,attempt=1")
+    monkeypatch.setenv(ENV_VAR, "exit@setup:rank=1,step=0,attempt=0;"
+                       "slow@step:rank=1,step=12,attempt=1;exit@step:rank=1,step=12,attempt=1")
     result = _ok(run_job(_spec(tmp_path, "training.steps=20", keep2, "checkpoint.resume=5",
                                "fault_tolerance.max_restarts=2")))
     assert result.attempts == 3

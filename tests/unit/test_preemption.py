@@ -212,6 +212,38 @@ def test_a_stop_request_saves_the_step_in_hand_and_ends_the_job():
     assert not ctl.result.failures and ctl.preemptions == 0      # a stop is no failure: nothing spent
 
 
+class ReplicatedGroup(DrainedGroup):
+    """Two replica groups of two ranks (0-1 saves, 2-3 replicates); the second group trains one
+    step past the first before it sees the stop."""
+
+    def poll(self) -> GroupPoll:
+        stopped = self.preempted is not False
+        results = [WorkerResult(r, self.step + (r >= 2), 0, {}, "x") for r in range(4)] if stopped else []
+        return GroupPoll(results=results, min_step=self.step, finished=stopped, evictions={})
+
+
+@pytest.mark.parametrize("saving_ranks, stopped", [
+    (2, "SIGTERM: step 33 is committed and safe (1 steps after it lost)"),
+    (None, "SIGTERM: the save did not complete: resuming at committed step 33, 1 steps lost"),
+])
+def test_a_stop_of_replica_groups_is_judged_by_the_saving_group(saving_ranks, stopped):
+    """The step saved is the saving group's: a replica group one step ahead of it when the stop
+    came loses that step, and the save stands (None: every rank counts, as without replicas)."""
+    DrainedGroup.created = []
+    committed = [20]
+    spec = JobSpec(name="t", fault_tolerance={"max_restarts": 0})
+    guard = PreemptionGuard(spec.training.steps, lambda: max(committed), lambda: 1.0, draining=dict,
+                            clock=lambda: 1000.0, saving_ranks=saving_ranks)
+    ctl = Controller(spec, ReplicatedGroup, sleep=lambda s: None, preemption=guard)
+    ctl.step()
+    DrainedGroup.created[0].step = 33
+    guard.request_stop("SIGTERM", 30.0)
+    ctl.step()
+    committed.append(33)
+    ctl.step()
+    assert ctl.state is JobState.STOPPED and ctl.result.stopped == stopped
+
+
 def test_the_first_signal_asks_for_a_stop_the_second_stops_now_and_says_so(caplog):
     guard = PreemptionGuard(10, lambda: None, draining=dict)
     seen: list[int] = []

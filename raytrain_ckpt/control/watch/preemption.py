@@ -168,7 +168,7 @@ class PreemptionGuard:
                  room: Callable[[set[str]], int] = lambda draining: 0,
                  ram_cost: Callable[[set[str]], float | None] = lambda draining: None,
                  keep_in_ram: Callable[[str, int, float | None], str | None] = lambda node, step, by: "no RAM tier",
-                 retire_writer: Callable[[str], bool] = lambda node: False) -> None:
+                 retire_writer: Callable[[str], bool] = lambda node: False, saving_ranks: int | None = None) -> None:
         """``ram_cost``: the RAM tier's estimated cost with these nodes draining (None: no RAM
         tier); ``keep_in_ram(node, step, deadline)``: after a RAM-tier save, push the copies of
         ``step`` held on draining ``node`` to nodes that are not draining and hold the step as the
@@ -179,7 +179,10 @@ class PreemptionGuard:
         ``grow_check_s`` (None: never) for ``room`` (how many more ranks fit on nodes that are not
         draining) and grows back at the next step boundary when the missing ranks fit.
         ``retire_writer``: stop the checkpoint writer of a draining node that hosts no rank (False:
-        none there), so that no later restart or close waits on it once the node is gone."""
+        none there), so that no later restart or close waits on it once the node is gone.
+        ``saving_ranks``: with replica groups, the ranks of the group that saves (the first
+        ``saving_ranks``; None: every rank): the step saved is theirs. Another group may train a
+        step past it before it sees the stop; that step is lost, not the save."""
         self.total_steps = total_steps
         self._latest = latest_committed
         self._cost = save_cost
@@ -199,6 +202,7 @@ class PreemptionGuard:
         # with replica groups (set by ``watches_for``): move a draining node's groups off it; False: they cannot be
         self.move_replicas: Callable[..., bool] = lambda group, node, ranks, step, kind="drain": False
         self._ignored, self._reached = set[str](), 0
+        self._saving_ranks = saving_ranks
         self.stop_request: tuple[str, float] | None = None
         """(signal name, deadline unix) once the driver was told to stop (``request_stop``)."""
 
@@ -355,7 +359,8 @@ class PreemptionGuard:
         notice = self.notice
         assert notice is not None
         latest = self._latest() or 0
-        saved = max((r.steps for r in poll.results), default=None) if poll.finished and not poll.failures else None
+        saving = [r for r in poll.results if self._saving_ranks is None or r.rank < self._saving_ranks]
+        saved = max((r.steps for r in saving), default=None) if poll.finished and not poll.failures else None
         how, lost = self._outcome(notice, saved, latest)  # a RAM-tier copy leaves the node first: the deadline
         if self._move_after_stop:  # the group stopped: the CheckpointActor leaves the node with it
             self._move_after_stop = False
