@@ -68,11 +68,12 @@ def _copy(root: Path, ckpt_dir: Path) -> Path:
 
 
 @pytest.mark.parametrize(("fault", "resumed_at", "dead"), [
-    ("exit@step:rank=1,step=12", 10, 1),      # between checkpoints: steps 11-12 are replayed
-    ("exit@step:rank=0,step=17", 15, 0),
+    # a 3 s pause before a fault at a step boundary: the save before it commits first on a loaded machine
+    ("slow@step:rank=1,step=12;exit@step:rank=1,step=12", 10, 1),  # between checkpoints: 11-12 are replayed
+    ("slow@step:rank=0,step=17;exit@step:rank=0,step=17", 15, 0),
     ("exit@staged:rank=0,step=10", 10, 0),    # the trainer dies right after handing step 10 off
     ("exit@staging:rank=0,step=10", 5, 0),    # ... or halfway through staging it: step 10 never commits
-    ("raise@step:rank=1,step=12", 10, None),  # an exception: no process died
+    ("slow@step:rank=1,step=12;raise@step:rank=1,step=12", 10, None),  # an exception: no process died
 ])
 def test_killed_rank_resumes_bit_exact(reference, tmp_path, monkeypatch, fault, resumed_at, dead):
     monkeypatch.setenv(ENV_VAR, fault)
@@ -161,7 +162,7 @@ def test_a_step_whose_writer_died_is_aborted_at_once_on_restart(ray_cluster, ref
                                "fault_tolerance.poll_interval_s=0.1", "checkpoint.settle_timeout_s=120")))
     detected = next(t for t, what in result.events if what.startswith("attempt 0 ") and what.endswith(" detected"))
     restarted = next(t for t, what in result.events if what == "attempt 1 running")
-    assert restarted - detected < 30, result.events
+    assert restarted - detected < 60, result.events   # well under settle_timeout_s (120) with the restart's process starts
     assert {5, 10, 15, 20} <= set(result.checkpoints["committed"])   # 10 saved again by the restart
     assert all(r.start_step == 5 for r in result.results)               # attempt 0's step 10 never committed
     assert [r.fingerprint for r in result.results] == [r.fingerprint for r in reference.results]

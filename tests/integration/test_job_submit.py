@@ -311,8 +311,9 @@ def test_ray_job_stop_commits_the_step_in_hand_and_a_resubmit_resumes_there(head
     project = _project_copy(tmp_path / "project")
     (project / "job.yaml").write_text("name: stop-resume\nmodel: {name: debug}\n")
     results = tmp_path / "results"
-    # a save every 5 steps; rank 0 pauses 3 s after steps 6, 7 and 8: the stop comes mid-run
-    faults = ";".join(f"slow@step:rank=0,step={s}" for s in (6, 7, 8))
+    # a save every 5 steps; rank 0 pauses 3 s after each of steps 6 to 9 (12 s in all: two CLI starts on a
+    # loaded machine fit in it): the stop comes mid-run, before the interval save of step 10
+    faults = ";".join(f"slow@step:rank=0,step={s}" for s in (6, 7, 8, 9))
     env_json = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}})
 
     def submit(steps: int, *flags: str, faults: str = "") -> tuple[str, subprocess.CompletedProcess]:

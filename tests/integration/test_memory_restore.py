@@ -46,7 +46,7 @@ def _same_as_reference(result: JobResult, reference: JobResult, resumed_at: int)
 
 
 @pytest.mark.parametrize(("fault", "resumed_at"), [
-    ("exit@step:rank=1,step=12", 10),                                  # after the commit of step 10
+    ("slow@step:rank=1,step=12;exit@step:rank=1,step=12", 10),         # after the commit of step 10
     ("exit@staging:rank=0,step=15", 10),                               # halfway through staging 15
     ("slow@persist:rank=1,step=15;exit@staged:rank=1,step=15", 15),    # while 15 is being written
 ])
@@ -63,7 +63,7 @@ def test_restart_loads_from_memory_bit_exact(reference, tmp_path, monkeypatch, c
     # a bit of rank 0's copy flips after it was recorded: its checksum no longer matches
     ("exit@staging:rank=0,step=15;corrupt@restore:rank=0,step=10,attempt=1", (), None),
     # rank 1 is handed its writer's copy of step 5 for a restart from step 10
-    ("exit@step:rank=1,step=12;stale@restore:rank=1,step=10,attempt=1", (),
+    ("slow@step:rank=1,step=12;exit@step:rank=1,step=12;stale@restore:rank=1,step=10,attempt=1", (),
      "rank 1: stale copy: it holds step 5, the resume step is 10"),
     # one buffer per rank: staging step 15 went over the copy of step 10
     ("exit@staging:rank=0,step=15", ("checkpoint.memory_copies=1",), "checkpoint.memory_copies=1"),
@@ -89,7 +89,7 @@ def test_a_refused_copy_never_loads_a_damaged_storage_step(reference, tmp_path, 
     monkeypatch.setenv(ENV_VAR, "hang@step:rank=1,step=12;corrupt@restore:rank=0,step=10,attempt=1")
     box: dict[str, JobResult] = {}
     job = threading.Thread(target=lambda: box.setdefault("r", run_job(load_spec(DEMO, [
-        *BASE, f"checkpoint.dir={tmp_path}", "fault_tolerance.max_restarts=2", "fault_tolerance.hang_timeout_s=4",
+        *BASE, f"checkpoint.dir={tmp_path}", "fault_tolerance.max_restarts=2", "fault_tolerance.hang_timeout_s=8",
         "fault_tolerance.poll_interval_s=0.2"]))))
     with caplog.at_level(logging.INFO):
         job.start()

@@ -47,7 +47,7 @@ def reference(reference_20) -> JobResult:
 
 def test_killed_worker_resumes_from_s3_bit_exact(reference, s3_endpoint, s3_bucket, monkeypatch, tmp_path,
                                                  cli_stderr, capsys):
-    monkeypatch.setenv(ENV_VAR, "exit@step:rank=1,step=12")
+    monkeypatch.setenv(ENV_VAR, "slow@step:rank=1,step=12;exit@step:rank=1,step=12")  # 3 s: step 10 commits first
     root = f"{s3_bucket}/runs"
     result = _ok(run_job(_spec(root, s3_endpoint.options, "training.steps=20", "fault_tolerance.max_restarts=1",
                                "checkpoint.keep_latest_k=2")))

@@ -108,7 +108,8 @@ def _export(root: Path, selector: str, out: Path, capsys) -> int:
 
 def test_killed_rank_resumes_exactly(reference, corpus, tmp_path, monkeypatch):
     ref, ref_root = reference
-    monkeypatch.setenv(ENV_VAR, "exit@step:rank=1,step=5")
+    # 3 s before the exit: the save of step 4 can still be in flight a step later on a loaded machine
+    monkeypatch.setenv(ENV_VAR, "slow@step:rank=1,step=5;exit@step:rank=1,step=5")
     result = _ok(run_job(_spec(corpus, tmp_path, "checkpoint.keep_latest_k=null", "fault_tolerance.max_restarts=1")))
     assert result.attempts == 2 and all(r.start_step == 4 for r in result.results)
     assert [r.fingerprint for r in result.results] == [r.fingerprint for r in ref.results]

@@ -180,12 +180,9 @@ class PreemptionGuard:
         draining) and grows back at the next step boundary when the missing ranks fit.
         ``retire_writer``: stop the checkpoint writer of a draining node that hosts no rank (False:
         none there), so that no later restart or close waits on it once the node is gone.
-        ``saving_ranks``: with replica groups, the ranks of the group that saves (the first
-        ``saving_ranks``; None: every rank): the step saved is theirs. Another group may train a
-        step past it before it sees the stop; that step is lost, not the save."""
-        self.total_steps = total_steps
-        self._latest = latest_committed
-        self._cost = save_cost
+        ``saving_ranks``: with replica groups, the saving group's ranks (the first ones; None: all).
+        The step saved is theirs; a step another group trained past it is lost, not the save."""
+        self.total_steps, self._latest, self._cost = total_steps, latest_committed, save_cost
         self._draining, self._clock = draining, clock
         self._service_node, self._ram_cost, self._keep_in_ram = service_node, ram_cost, keep_in_ram
         self._move_service, self._move_after_stop, self._retire_writer = move_service, False, retire_writer
@@ -201,8 +198,7 @@ class PreemptionGuard:
         """``fault_tolerance.max_preemptions`` (None: no bound); ``watches_for`` sets it from the spec."""
         # with replica groups (set by ``watches_for``): move a draining node's groups off it; False: they cannot be
         self.move_replicas: Callable[..., bool] = lambda group, node, ranks, step, kind="drain": False
-        self._ignored, self._reached = set[str](), 0
-        self._saving_ranks = saving_ranks
+        self._ignored, self._reached, self._saving_ranks = set[str](), 0, saving_ranks
         self.stop_request: tuple[str, float] | None = None
         """(signal name, deadline unix) once the driver was told to stop (``request_stop``)."""
 
@@ -359,8 +355,8 @@ class PreemptionGuard:
         notice = self.notice
         assert notice is not None
         latest = self._latest() or 0
-        saving = [r for r in poll.results if self._saving_ranks is None or r.rank < self._saving_ranks]
-        saved = max((r.steps for r in saving), default=None) if poll.finished and not poll.failures else None
+        saved = max((r.steps for r in poll.results if self._saving_ranks is None or r.rank < self._saving_ranks),
+                    default=None) if poll.finished and not poll.failures else None
         how, lost = self._outcome(notice, saved, latest)  # a RAM-tier copy leaves the node first: the deadline
         if self._move_after_stop:  # the group stopped: the CheckpointActor leaves the node with it
             self._move_after_stop = False
