@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import io
 import os
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -65,7 +66,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, backend: str = "gloo", timeo
         for _ in range(world):
             rank, status, value = queue.get(timeout=timeout_s)
             if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                raise RuntimeError(_failures(queue, world - len(out) - 1, {rank: value}))
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
@@ -73,3 +74,24 @@ def run_ranks(fn: Callable, world: int, *args: Any, backend: str = "gloo", timeo
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world)]
+
+
+def _failures(queue: Any, pending: int, errors: dict[int, str], wait_s: float = 15.0) -> str:
+    """Every rank's error, not only the first to arrive: a rank that raises closes its process
+    group before it reports, so its peers' "connection reset" can reach the queue first. The
+    errors that name no lost peer (the likely cause) come first."""
+    import queue as queues
+
+    deadline = time.monotonic() + wait_s
+    while pending > 0 and time.monotonic() < deadline:
+        try:
+            rank, status, value = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queues.Empty:
+            break
+        pending -= 1
+        if status == "error":
+            errors[rank] = value
+    peer_lost = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+    order = sorted(errors, key=lambda r: (any(p in errors[r] for p in peer_lost), r))
+    silent = f"\n({pending} rank(s) sent nothing: died without a Python error?)" if pending else ""
+    return "\n".join(f"rank {r} failed:\n{errors[r]}" for r in order) + silent
