@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import io
 import os
+import queue as queues
 import time
 import traceback
 from collections.abc import Callable
@@ -80,8 +81,6 @@ def _failures(queue: Any, pending: int, errors: dict[int, str], wait_s: float = 
     """Every rank's error, not only the first to arrive: a rank that raises closes its process
     group before it reports, so its peers' "connection reset" can reach the queue first. The
     errors that name no lost peer (the likely cause) come first."""
-    import queue as queues
-
     deadline = time.monotonic() + wait_s
     while pending > 0 and time.monotonic() < deadline:
         try:

@@ -58,7 +58,7 @@ def preemption_guard(spec: Any, service: Any) -> PreemptionGuard | None:
                            service_node=lambda: actor_node(service.actor), move_service=move_service,
                            full_size=spec.world_size, grow_check_s=grow, room=lambda skip: room_for(bundle, skip),
                            ram_cost=ram_cost, keep_in_ram=service.keep_in_ram, retire_writer=service.fleet.retire,
-                           saving_ranks=spec.saving_group().world_size if spec.parallelism.dp_replicate > 1 else None)
+                           saving_ranks=spec.saving_group().world_size)
 
 
 def room_for(bundle: dict[str, float], draining: set[str]) -> int:
