@@ -78,7 +78,8 @@ def _results(central: SavePlan, byte_len: int, base: int = 0, bytes_first: bool 
         if item.type == WriteItemType.BYTE_IO:
             length = byte_len
         else:
-            length = 900 + item.tensor_data.properties.dtype.itemsize * int(torch.Size(item.tensor_data.chunk.sizes).numel())
+            data = item.tensor_data
+            length = 900 + data.properties.dtype.itemsize * int(torch.Size(data.chunk.sizes).numel())
         out.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
         offset += length
     return pickle.loads(pickle.dumps(out, protocol=5))
@@ -163,7 +164,8 @@ def test_metadata_files_splice_only_when_byte_items_alone_moved(fsdp_layouts: di
 META_P = StorageMeta(checkpoint_id=None, save_id="plan-p")
 
 
-def _write_step(directory: Path, central: list[SavePlan], planners: list[DefaultSavePlanner]) -> list[list[WriteResult]]:
+def _write_step(directory: Path, central: list[SavePlan],
+                planners: list[DefaultSavePlanner]) -> list[list[WriteResult]]:
     """Each rank's file as a writer laying byte items after its tensors writes it (DCP's
     format: a ``torch.save`` per tensor chunk, the raw bytes of each byte item)."""
     results = []

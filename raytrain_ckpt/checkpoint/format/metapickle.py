@@ -26,13 +26,15 @@ other byte, memo number and reference is unchanged. Re-encoding follows CPython'
 checks the result byte for byte against a full ``build`` of the same results.
 
 The pieces are the same bytes one ``Pickler.dump(metadata, protocol=2)`` of the same objects would
-write, save for the glue's omitted memo numbers and the storage dict's order; the file loads as
-DCP's own does (``FileSystemReader.read_metadata``, ``metadata.SafeUnpickler``).
+write, save for the glue's omitted memo numbers, the storage dict's order and the state's order
+(the storage dict first); the file loads as DCP's own does (``FileSystemReader.read_metadata``,
+``metadata.SafeUnpickler``).
 """
 
 from __future__ import annotations
 
 import bisect
+import gc
 import io
 import pickle
 import pickletools
@@ -140,11 +142,27 @@ def _storage_entries(metadata: Metadata, results: list[list[Any]]) -> tuple[list
 def build(metadata: Metadata, results: list[list[Any]], version: str | None,
           storage_meta: StorageMeta | None) -> MetadataPickle:
     """``.metadata`` of ``metadata`` (the global plan's) finished with every rank's write results,
-    as DCP's ``finish`` would set ``storage_data``, ``version`` and ``storage_meta``."""
+    as DCP's ``finish`` would set ``storage_data``, ``version`` and ``storage_meta``; with the
+    cyclic collector paused (as ``planchecks.global_plan``): the pickler's memo keeps a few new
+    objects per entry alive, none of them cyclic, and each full collection would walk every live
+    object of the process."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _build(metadata, results, version, storage_meta)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _build(metadata: Metadata, results: list[list[Any]], version: str | None,
+           storage_meta: StorageMeta | None) -> MetadataPickle:
     tensors, byte_items = _storage_entries(metadata, results)
     count = len(tensors) + len(byte_items)
-    state = dict(vars(metadata))
-    state.update(storage_data=None, version=version, storage_meta=storage_meta)
+    # The storage entries first: the C pickler sizes each dump's buffer by the largest dump so far,
+    # so the tensor entries of the plan (one large piece) go last, after the many small pieces.
+    state = {"storage_data": None, **vars(metadata)}
+    state.update(version=version, storage_meta=storage_meta)
     p = _Pieces()
     out = io.BytesIO()
     out.write(b"\x80\x02" + p.piece(Metadata) + _NEWOBJ_NO_ARGS + _EMPTY_DICT + _MARK)
