@@ -12,7 +12,12 @@ for N <= 64, timed from the caller) through two saves of one attempt, as the ran
   rank's results equal the first save's, so the writers send them as a digest
   (``roles/repeats.py``) and the actor copies the first save's ``.metadata``;
 * a third save whose byte items are each a byte longer (a counter that gained a digit): every
-  rank's results differ, so they are sent in full and ``.metadata`` is built again.
+  rank's results differ, so they are sent in full and ``.metadata`` is built again (the byte
+  items lie among the tensors, so every tensor after one moves);
+* two more saves whose byte items lie after every tensor (``write_results(bytes_last=True)``):
+  the first moves the tensors (built in full: the ``bytes-last build`` columns), the second's
+  byte items are again a byte longer and no tensor moves, so ``.metadata`` is spliced from the
+  last one (``roles/metadatafile.py``: the ``spliced`` columns).
 
 The writers' files exist as sparse files of the sizes the reports name, so the commit checks,
 ``ls``/``status`` and the resume plan's verification see a real step directory. Printed per N:
@@ -90,7 +95,7 @@ class _Calls:
 
 
 async def _save(actor: CheckpointActor, n: int, step: int, attempt: int, centrals: list[Any],
-                calls: _Calls, sent: SentResults) -> float:
+                calls: _Calls, sent: SentResults, bytes_last: bool = False) -> float:
     """One save of every rank after planning: the actor's time in its methods, in seconds.
     ``sent``: what the writers delivered before (a rank's unchanged results go as a digest)."""
     reports, spent = [], 0.0
@@ -173,6 +178,14 @@ def one(model: str, n: int) -> dict[str, Any]:
             # Step 100: every byte item is a byte longer, so every rank's results differ: a full rebuild.
             out["changed_save_s"] = await _save(actor, n, 100, 0, centrals, changed, sent)
             out["changed_commit_s"] = actor.committed[100].wall["commit_s"]
+            # Byte items after the tensors: step 200 moves every tensor (built in full), step 1000's
+            # byte items are a byte longer again and no tensor moves: spliced.
+            out["last_build_save_s"] = await _save(actor, n, 200, 0, centrals, _Calls(), sent, True)
+            out["last_build_commit_s"] = actor.committed[200].wall["commit_s"]
+            spliced = actor.coordinator.files.spliced
+            out["spliced_save_s"] = await _save(actor, n, 1000, 0, centrals, _Calls(), sent, True)
+            out["spliced_commit_s"] = actor.committed[1000].wall["commit_s"]
+            assert actor.coordinator.files.spliced == spliced + 1, "step 1000 was not spliced"
 
         asyncio.run(saves())
         out["metadata_reused"] = actor.coordinator.repeats.reused
@@ -181,18 +194,18 @@ def one(model: str, n: int) -> dict[str, Any]:
         out["calls"], out["mb"] = later.total()[0], later.total()[1] / 1e6
         out["report_mb"] = later.bytes["report"] / 1e6
         out["changed_mb"] = changed.total()[1] / 1e6
-        step_dir = actor.layout.step_dir(20)
+        step_dir = actor.layout.step_dir(1000)
         out["metadata_mb"] = os.path.getsize(os.path.join(step_dir, ".metadata")) / 1e6
         t0 = time.perf_counter()
         point = asyncio.run(actor.acquire("bench", "latest", "size"))
         out["resume_s"] = time.perf_counter() - t0
-        assert point is not None and point.step == 100, point
+        assert point is not None and point.step == 1000, point
         from raytrain_ckpt.report.inventory import status_report
 
         t0 = time.perf_counter()
         text, data = status_report(root, "size")
         out["ls_status_s"] = time.perf_counter() - t0
-        assert [r["step"] for r in data["steps"] if r["status"] == "valid"] == [20, 100], data["steps"]
+        assert [r["step"] for r in data["steps"] if r["status"] == "valid"] == [200, 1000], data["steps"]
         # Again: each step's .metadata check passed above and is remembered by content
         # (format/scancache.py), so only the sizes and the checksum of .metadata are read.
         t0 = time.perf_counter()
@@ -419,7 +432,11 @@ COLUMNS = [("plan_s", "plan+metadata s", "{:.3f}"), ("global_plan_s", "global pl
            ("metadata_mb", ".metadata MB", "{:.2f}"), ("first_commit_s", "1st commit s", "{:.3f}"),
            ("first_save_s", "1st save s", "{:.3f}"), ("commit_s", "commit s", "{:.3f}"),
            ("save_s", "save s", "{:.3f}"), ("changed_commit_s", "changed commit s", "{:.3f}"),
-           ("changed_save_s", "changed save s", "{:.3f}"), ("calls", "calls/save", "{:d}"),
+           ("changed_save_s", "changed save s", "{:.3f}"),
+           ("last_build_commit_s", "bytes-last build commit s", "{:.3f}"),
+           ("last_build_save_s", "bytes-last build save s", "{:.3f}"),
+           ("spliced_commit_s", "spliced commit s", "{:.3f}"), ("spliced_save_s", "spliced save s", "{:.3f}"),
+           ("calls", "calls/save", "{:d}"),
            ("mb", "MB in/save", "{:.1f}"), ("changed_mb", "MB in changed", "{:.1f}"),
            ("first_mb", "MB in 1st", "{:.1f}"), ("peak_mb", "peak MB", "{:.0f}"),
            ("resume_s", "resume plan s", "{:.3f}"), ("ls_status_s", "ls/status s", "{:.3f}"),

@@ -118,14 +118,18 @@ def local_plan(t: RankTemplate, rank: int, world: int) -> SavePlan:
     return planner.create_local_plan()
 
 
-def write_results(central: SavePlan, step: int = 0) -> list[WriteResult]:
+def write_results(central: SavePlan, step: int = 0, bytes_last: bool = False) -> list[WriteResult]:
     """What a writer reports for a rank's central plan: one ``WriteResult`` per item, laid out
-    one after another in one file as ``datapath.filewrite`` lays them (sizes from the shapes;
-    ``step`` sets the byte items' lengths as a pickled counter would: one byte longer for each
-    digit, so the results of steps 10 and 20 are equal and those of step 100 differ)."""
+    one after another in one file in the plan's order (sizes from the shapes; ``step`` sets the
+    byte items' lengths as a pickled counter would: one byte longer for each digit, so the results
+    of steps 10 and 20 are equal and those of step 100 differ). ``bytes_last``: the byte items after
+    every tensor, so that a byte item of a new length moves no tensor."""
     name = f"{central.storage_data.prefix}0.distcp"
     out, offset = [], 0
-    for item in central.items:
+    items = central.items
+    if bytes_last:
+        items = sorted(items, key=lambda i: i.type == WriteItemType.BYTE_IO)
+    for item in items:
         if item.type == WriteItemType.BYTE_IO:
             length = 64 + len(str(step))
         else:

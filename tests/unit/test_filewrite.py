@@ -1,5 +1,6 @@
-"""The one-pass local writer produces plain DCP: the same files, offsets and lengths as DCP's
-FileSystemWriter for the same plan (large tensors' items start later, their bytes at
+"""The one-pass local writer produces plain DCP: the same files, items and lengths as DCP's
+FileSystemWriter for the same plan, each file's items at the offsets DCP's would have with its
+byte items moved after its tensors (large tensors' items start later, their bytes at
 block-aligned offsets written in place with O_DIRECT), loaded by dcp.load and format_utils,
 with a CRC-32C that is the checksum of every byte on disk."""
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer
@@ -60,9 +62,14 @@ def test_same_results_as_dcp_loadable_and_checksummed(tmp_path: Path, threads: i
                                                               **objects})).wait()
     finally:
         owned.remove()
-    key = lambda r: (r.index.fqn, r.index.offset, r.index.index)  # noqa: E731
-    assert sorted(((key(r), r.size_in_bytes, r.storage_data) for r in written.results), key=str) == \
-        sorted(((key(r), r.size_in_bytes, r.storage_data) for r in expected), key=str)
+    byte_keys = {_key(i) for i in plan.items if i.type == WriteItemType.BYTE_IO}
+    assert sorted(((_key(r), r.size_in_bytes, r.storage_data) for r in written.results), key=str) == \
+        sorted(((_key(r), r.size_in_bytes, r.storage_data) for r in _bytes_after_tensors(expected, byte_keys)),
+               key=str)
+    assert byte_keys and all(r.storage_data.offset > t.storage_data.offset  # byte items lie after the tensors
+                             for r in written.results if _key(r) in byte_keys
+                             for t in written.results if _key(t) not in byte_keys
+                             and t.storage_data.relative_path == r.storage_data.relative_path)
     assert sorted(written.files) == sorted(p.name for p in theirs.iterdir())
     for name, entry in written.files.items():
         assert entry == {"size": (ours / name).stat().st_size, "crc32c": checksum_file(ours / name)}
@@ -79,6 +86,27 @@ def test_same_results_as_dcp_loadable_and_checksummed(tmp_path: Path, threads: i
     dcp_to_torch_save(ours, tmp_path / "whole.pt")
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)
     assert torch.equal(whole["model"]["w"], state["model"]["w"])
+
+
+def _bytes_after_tensors(results: list, byte_keys: set) -> list:
+    """DCP's results with each file's byte items (``byte_keys``) moved after its tensors, every
+    item's length kept: the offsets our writer records for the same items."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    out = []
+    for name in sorted({r.storage_data.relative_path for r in results}):
+        mine = sorted((r for r in results if r.storage_data.relative_path == name), key=lambda r: r.storage_data.offset)
+        offset = 0
+        for r in sorted(mine, key=lambda r: _key(r) in byte_keys):  # stable: plan order within each kind
+            out.append(WriteResult(index=r.index, size_in_bytes=r.size_in_bytes,
+                                   storage_data=_StorageInfo(name, offset, r.storage_data.length)))
+            offset += r.storage_data.length
+    return out
+
+
+def _key(r) -> tuple:
+    return (r.index.fqn, r.index.offset, r.index.index)
 
 
 def test_slot_views_for_writing_own_exactly_their_bytes(tmp_path: Path) -> None:

@@ -20,11 +20,12 @@ wrote from the caller's memory lies and the file's CRC around it (``RankFiles.sp
 staging buffer's own CRC-32C follows from them (``crc.region_crc``) without reading the buffer
 again.
 
-The files are plain DCP: the same names, the same items in the same order in the same files,
-each item the bytes ``FileSystemWriter`` writes for it, and a ``WriteResult``/``_StorageInfo``
-(offset, length) for each, read by ``dcp.load`` and ``format_utils``. Two differences in the
-bytes: an item of a large tensor may start up to 4095 bytes later (zeros before it, which no
-reader reads: DCP reads each item at its recorded offset), and the zip records carry no CRC-32
+The files are plain DCP: the same names, the same items in the same files, each item the bytes
+``FileSystemWriter`` writes for it, and a ``WriteResult``/``_StorageInfo`` (offset, length) for
+each, read by ``dcp.load`` and ``format_utils``. Three differences in the layout, none of which a
+reader sees (DCP reads each item at its recorded offset): a file's byte items come after its
+tensors (DCP writes them first; see ``_write_file``), an item of a large tensor may start up to
+4095 bytes later (zeros before it), and the zip records carry no CRC-32
 (``torch.serialization.set_crc32_options(False)``, a format ``torch.load`` reads); the
 manifest's CRC-32C over every byte of every file is what proves a file intact, and it is
 verified before anything is loaded.
@@ -301,7 +302,7 @@ def write_files(plan: SavePlan, resolve: Resolve, threads: int, open_file: OpenF
 local file, an object upload).
 
     Splits the items into ``threads`` files exactly as ``FileSystemWriter(thread_count=threads)``
-    does, so file names, offsets and lengths are the ones DCP records. ``resolve`` maps a write
+    does, so file names, items and lengths are the ones DCP records. ``resolve`` maps a write
     item to its data (``SavePlanner.resolve_data``). ``progress``: advanced as bytes are handed on.
     """
     prefix = plan.storage_data.prefix
@@ -325,13 +326,17 @@ local file, an object upload).
 
 def _write_file(open_file: OpenFile, name: str, items: list[WriteItem], resolve: Resolve,
                 progress: WriteProgress | None = None) -> RankFiles:
-    """One DCP file: byte items first, then tensors, in plan order (``_write_files_from_queue``'s order)."""
+    """One DCP file: tensors first, then byte items, each in plan order. DCP's
+    ``_write_files_from_queue`` puts the byte items first; after the tensors, a byte item whose
+    pickled length changed between saves (a counter that gained a digit) moves no tensor item, so
+    the coordinator splices its entries into the last ``.metadata`` (``roles/metadatafile.py``)
+    instead of building it again. Readers find every item by its recorded offset either way."""
     out = RankFiles()
     cpu0 = time.thread_time()
     with _zip_crc_off(), open_file(name, out.phases) as sink:
         sink.progress = progress
-        ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO]
-                   + [i for i in items if i.type != WriteItemType.BYTE_IO])
+        ordered = ([i for i in items if i.type != WriteItemType.BYTE_IO]
+                   + [i for i in items if i.type == WriteItemType.BYTE_IO])
         for item in ordered:
             out.results.append(_write_item(sink, name, item, resolve, out.sums))
     out.files[name] = {"size": sink.position, "crc32c": sink.crc}

@@ -4,14 +4,14 @@ It gathers each rank's local save plan and builds the global plan (cached per la
 layout that does not change is planned once per attempt), then, once every rank's writer
 reported, finishes ``.metadata`` from their write results and commits the step with its
 manifest. A later save of a layout whose ranks' results did not change reuses the last
-``.metadata`` instead (``repeats.py``). Which steps are in flight, and their phases, is the step
+``.metadata`` instead (``repeats.py``); one where only byte items moved splices it
+(``metadatafile.py``). Which steps are in flight, and their phases, is the step
 registry's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
 from collections.abc import Callable
@@ -24,9 +24,9 @@ from torch.distributed.checkpoint.planner import SavePlan
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, RankReport
 from raytrain_ckpt.checkpoint.errors import StepAborted
-from raytrain_ckpt.checkpoint.roles.repeats import ResultsCache, copy_metadata, plan_storage_meta
+from raytrain_ckpt.checkpoint.roles.metadatafile import MetadataFiles
+from raytrain_ckpt.checkpoint.roles.repeats import ResultsCache, copy_metadata
 from raytrain_ckpt.checkpoint.roles.steps import InFlightStep, StepRegistry
-from raytrain_ckpt.checkpoint.storage.dcp import dcp_writer
 from raytrain_ckpt.checkpoint.format.fingerprints import merge_shard_sums
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.format.planchecks import global_plan
@@ -59,6 +59,7 @@ class SaveCoordinator:
         self._gathers: dict[tuple[int, int], _Gather] = {}
         self._metadata: dict[str, Metadata] = {}
         self.repeats = ResultsCache()
+        self.files = MetadataFiles()
 
     def planning(self) -> list[int]:
         """Steps whose ranks' plans are still being gathered."""
@@ -135,7 +136,7 @@ class SaveCoordinator:
 
     def _metadata_file(self, p: InFlightStep, reports: list[RankReport]) -> dict[str, int]:
         """Write the step's ``.metadata`` (copied from the last committed one of the plan when every
-        rank's results are the same) and return its manifest entry."""
+        rank's results are the same, spliced when only byte items moved) and return its manifest entry."""
         plan_id = reports[0].plan_id
         path = self.layout.storage.join(p.tmp, ".metadata")
         last = self.repeats.reusable(plan_id, reports)
@@ -143,12 +144,9 @@ class SaveCoordinator:
             self.repeats.reused += 1
             return dict(last.entry)
         self.repeats.rebuilt += 1
-        writer = dcp_writer(p.tmp, self.storage_options)
-        writer.set_up_storage_writer(True, rank=0)
-        writer.storage_meta = lambda: plan_storage_meta(plan_id)  # the same for every save of the plan
-        # A shallow copy: ``finish`` only sets the copy's storage data, version and storage meta; the
-        # cached plan's tensor entries (every rank's chunks: O(ranks x tensors)) are shared, not copied.
-        writer.finish(copy.copy(self._metadata[plan_id]), [r.results for r in reports])
+        # The cached plan's metadata is read, not changed: its tensor entries (every rank's chunks:
+        # O(ranks x tensors)) are pickled from where they are.
+        self.layout.storage.write_bytes(path, self.files.make(plan_id, self._metadata[plan_id], reports))
         return self.layout.describe(path)
 
     def _manifest(self, step: int, files: dict[str, dict[str, int]], wall: dict[str, float],

@@ -21,7 +21,8 @@ for the newest plan only.
 
 The commit protocol does not change: a step commits only when every rank's report is in; a
 report sent by digest that the coordinator cannot resolve aborts the step (the writer then
-sends the results in full next time); any changed digest rebuilds ``.metadata`` in full.
+sends the results in full next time); any changed digest makes ``.metadata`` again
+(``metadatafile.py``: spliced from the last one when only byte items moved, else built in full).
 """
 
 from __future__ import annotations
