@@ -230,9 +230,9 @@ def test_a_drain_of_a_node_without_ranks_keeps_training_and_every_committed_step
     if r["actor_node"] == r["victim"]:
         assert r["actor_node_after"] not in (None, r["victim"]), r
     assert run["state"] == "SUCCEEDED" and run["failures"] == [] and run["attempts"] == 1, run
-    assert r["committed_before"] and set(r["committed_before"]) <= set(run["committed"])
-    assert run["committed"] == [5, 10, 15, 20]                     # no save lost to the drain
-    assert run["fingerprints"] == [x.fingerprint for x in ref.results]
+    assert r["committed_before"] and set(r["committed_before"]) <= set(run["committed"]), r
+    assert run["committed"] == [5, 10, 15, 20], r                  # no save lost to the drain
+    assert run["fingerprints"] == [x.fingerprint for x in ref.results], r
 
 
 def test_shrink_to_min_workers_then_grow_back_at_the_next_save_with_the_data_position_exact(tmp_path):

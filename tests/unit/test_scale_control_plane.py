@@ -26,7 +26,7 @@ from raytrain_ckpt.checkpoint.format.metadata import read_metadata
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport, StepPhase
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
-from raytrain_ckpt.checkpoint.roles.repeats import SentResults
+from raytrain_ckpt.checkpoint.roles.repeats import RESEND, SentResults
 from raytrain_ckpt.models.config import PRESETS
 from raytrain_ckpt.control.preflight import load_spec
 
@@ -174,17 +174,95 @@ def test_changed_results_or_a_new_plan_rebuild_the_metadata(tmp_path: Path, plan
     assert read_metadata(actor.layout.step_dir(110)).storage_data == new.storage_data
 
 
-def test_a_digest_the_actor_does_not_hold_aborts_the_step(tmp_path: Path, plans: list) -> None:
+def test_a_digest_the_actor_does_not_hold_is_sent_again_in_full(tmp_path: Path, plans: list) -> None:
     actor = CheckpointActor(str(tmp_path), RetentionPolicy(None))
     asyncio.run(actor.configure(GroupLayout(N, N, "h", None)))
 
     async def scenario() -> None:
         centrals = await asyncio.gather(*(actor.plan(0, 10, r, plans[r], 30) for r in range(N)))
         await actor.open_step(10, 0)
-        # A report by digest with no earlier full report (as from a writer that outlived an actor's state).
-        with pytest.raises(StepAborted, match="sent by digest"):
-            await actor.report(RankReport(10, 3, 0, centrals[3].plan_id, None, {}, digest="0" * 32))
-        assert actor.steps.phase_of(10) is StepPhase.ABORTED
+        # A report by digest with no earlier full report (as from a writer that outlived an actor's
+        # state): answered RESEND, the step still in flight, nothing recorded for the rank.
+        assert await actor.report(RankReport(10, 3, 0, centrals[3].plan_id, None, {}, digest="0" * 32)) == RESEND
+        assert actor.steps.phase_of(10) is not StepPhase.ABORTED and 10 not in actor.steps.failed
+        assert 3 not in actor.steps.in_flight(10).reports
 
     asyncio.run(scenario())
-    assert "sent by digest" in actor.steps.failed[10]
+
+
+def _report_all(actor: CheckpointActor, step: int, centrals: list, sent: SentResults, answers: list[str]) -> None:
+    """Every rank hands ``step`` off and its writer reports through ``sent.send``, as a writer
+    does (from its own thread, the actor's loop serving); ``answers`` gets each call's answer."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+
+        def call(report: RankReport) -> str:
+            out = asyncio.run_coroutine_threadsafe(actor.report(report), loop).result()
+            answers.append(out)
+            return out
+
+        tmp = await actor.open_step(step, 0)
+        for rank in range(N):
+            await actor.accepted(step, rank, 0, None)
+        for rank in range(N):
+            results = write_results(centrals[rank].plan, step)
+            name = results[0].storage_data.relative_path
+            size = results[-1].storage_data.offset + results[-1].storage_data.length
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.truncate(size)
+            report = RankReport(step, rank, 0, centrals[rank].plan_id, results, {name: {"size": size, "crc32c": 0}})
+            await asyncio.to_thread(sent.send, report, call)
+
+    asyncio.run(scenario())
+
+
+def test_a_save_in_flight_through_a_restart_of_the_actor_commits(tmp_path: Path, plans: list) -> None:
+    """The ranks plan once and keep their plan; the CheckpointActor restarts (a drain of its node
+    moves it) between two saves. The restarted actor reads the plan back from the newest committed
+    step of it, takes every writer's report again in full, and commits the step."""
+    first = CheckpointActor(str(tmp_path), RetentionPolicy(None))
+    asyncio.run(first.configure(GroupLayout(N, N, "h", None)))
+    sent, answers = SentResults(), []
+
+    async def planned() -> list:
+        return await asyncio.gather(*(first.plan(0, 10, r, plans[r], 30) for r in range(N)))
+
+    centrals = asyncio.run(planned())
+    _report_all(first, 10, centrals, sent, answers)
+    assert sorted(first.committed) == [10] and answers.count("committed") == 1
+    # Restarted: a new actor on the same root, as Ray restarts it (nothing of the first one's memory).
+    again = CheckpointActor(str(tmp_path), RetentionPolicy(None))
+    assert again.coordinator._metadata == {}
+    answers.clear()
+    _report_all(again, 20, centrals, sent, answers)  # the writers hold digests the new actor never saw
+    assert sorted(again.committed) == [10, 20], again.steps.failed
+    assert answers.count(RESEND) == N and answers.count("committed") == 1
+    # The step is what a full build of its reports makes: every rank's items, as DCP reads them.
+    old, new = read_metadata(again.layout.step_dir(10)), read_metadata(again.layout.step_dir(20))
+    assert new.storage_data == old.storage_data and len(new.storage_data) == len({i.index for p in plans for i in p.items})
+    assert new.state_dict_metadata == old.state_dict_metadata
+    # Later saves of the plan go back to digests and a copied .metadata.
+    answers.clear()
+    _report_all(again, 30, centrals, sent, answers)
+    assert RESEND not in answers and again.coordinator.repeats.reused == 1
+
+
+def test_a_restarted_actor_aborts_a_plan_no_committed_step_has(tmp_path: Path, plans: list) -> None:
+    first = CheckpointActor(str(tmp_path), RetentionPolicy(None))
+    asyncio.run(first.configure(GroupLayout(N, N, "h", None)))
+
+    async def planned() -> list:
+        return await asyncio.gather(*(first.plan(0, 10, r, plans[r], 30) for r in range(N)))
+
+    centrals = asyncio.run(planned())
+    again = CheckpointActor(str(tmp_path), RetentionPolicy(None))   # restarted before step 10 committed
+
+    async def report() -> None:
+        await again.open_step(10, 0)
+        results = write_results(centrals[0].plan, 10)
+        with pytest.raises(StepAborted, match="unknown"):
+            await again.report(RankReport(10, 0, 0, centrals[0].plan_id, results, {}))
+
+    asyncio.run(report())
+    assert again.steps.failed[10] == "plan unknown after a checkpoint actor restart"

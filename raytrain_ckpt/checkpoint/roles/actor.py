@@ -19,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import ray
 from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
@@ -43,6 +44,13 @@ __all__ = ["GROUP_FILE", "CheckpointActor"]
 
 GROUP_FILE = ".group.json"
 """The layout of the group last configured, under the job's root (not a step: nothing scans it)."""
+
+RESTART_RETRIES = 3
+"""How many restarts of this actor a call of a save in flight outlives (``open_step``, ``accepted``,
+``record_stall``: each does the same again when it runs twice). The actor is created with
+``max_task_retries=0``, so any other call made while it restarts (a drain of its node moves it)
+fails, and a save whose calls failed is aborted; these run on the restarted actor instead, which
+reads back the plan the ranks save with (``SaveCoordinator._plan_back``), so that save commits."""
 
 
 class CheckpointActor:
@@ -137,10 +145,12 @@ class CheckpointActor:
         """See ``SaveCoordinator.plan``."""
         return await self.coordinator.plan(attempt, step, rank, local_plan, timeout_s)
 
+    @ray.method(max_task_retries=RESTART_RETRIES)
     async def open_step(self, step: int, attempt: int) -> str:
         """The temporary directory every rank of ``step`` writes into (created on first call)."""
         return self.steps.open_step(step, attempt)
 
+    @ray.method(max_task_retries=RESTART_RETRIES)
     async def accepted(self, step: int, rank: int, attempt: int, writer: WriterRef | None = None) -> str:
         """A writer (``writer``: its handle and node id) took over rank ``rank``'s staged data of
         ``step``; returns the temporary directory."""
@@ -221,6 +231,7 @@ class CheckpointActor:
         the work at risk."""
         return self.board.snapshot()
 
+    @ray.method(max_task_retries=RESTART_RETRIES)
     async def record_stall(self, step: int, rank: int, seconds: float) -> None:
         """A rank's training thread was blocked ``seconds`` by the save of ``step``."""
         self.board.record_stall(step, rank, seconds)

@@ -25,7 +25,7 @@ from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, RankReport
 from raytrain_ckpt.checkpoint.errors import StepAborted
 from raytrain_ckpt.checkpoint.roles.metadatafile import MetadataFiles
-from raytrain_ckpt.checkpoint.roles.repeats import ResultsCache, copy_metadata
+from raytrain_ckpt.checkpoint.roles.repeats import RESEND, ResultsCache, committed_plan, copy_metadata
 from raytrain_ckpt.checkpoint.roles.steps import InFlightStep, StepRegistry
 from raytrain_ckpt.checkpoint.format.fingerprints import merge_shard_sums
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
@@ -95,15 +95,13 @@ class SaveCoordinator:
         ``committed``, else ``pending``."""
         step = report.step
         self.steps.in_flight(step)
-        if report.plan_id not in self._metadata:
+        if report.plan_id not in self._metadata and not await asyncio.to_thread(self._plan_back, report.plan_id):
             await self.steps.abort(step, "plan unknown after a checkpoint actor restart")
             raise StepAborted(f"step {step}: plan {report.plan_id} unknown; the next save plans again")
-        try:
-            report = self.repeats.resolve(report)
-        except StepAborted as exc:
-            await self.steps.abort(step, str(exc), report.attempt)
-            raise
-        p = self.steps.reported(report)
+        resolved = self.repeats.resolve(report)
+        if resolved is None:  # sent by digest, and this actor restarted since: the writer sends it again
+            return RESEND
+        p = self.steps.reported(resolved)
         if len(p.reports) < self._group().world_size:
             return "pending"
         try:
@@ -112,6 +110,17 @@ class SaveCoordinator:
             await self.steps.abort(step, f"commit failed: {exc}")
             raise
         return "committed"
+
+    def _plan_back(self, plan_id: str) -> bool:
+        """After a restart of this actor: the plan ``plan_id`` the ranks still save with, read back
+        from its newest committed step (``repeats.committed_plan``). False when there is none."""
+        metadata = committed_plan(self.layout.storage, self.layout.step_dir, dict(self.steps.committed), plan_id)
+        if metadata is None:
+            return False
+        if plan_id not in self._metadata:
+            self._metadata[plan_id] = metadata
+            logger.info("plan %s read back from its newest committed step: its saves in flight commit", plan_id)
+        return True
 
     def _commit(self, step: int, p: InFlightStep) -> None:
         t0 = time.monotonic()

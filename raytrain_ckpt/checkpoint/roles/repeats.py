@@ -20,9 +20,16 @@ flight held before, so the peak memory is the same; the memory between saves is 
 for the newest plan only.
 
 The commit protocol does not change: a step commits only when every rank's report is in; a
-report sent by digest that the coordinator cannot resolve aborts the step (the writer then
-sends the results in full next time); any changed digest makes ``.metadata`` again
-(``metadatafile.py``: spliced from the last one when only byte items moved, else built in full).
+report sent by digest that the coordinator cannot resolve (it restarted since) is answered
+``RESEND`` and the writer sends the same report again with its results, the step still in
+flight; any changed digest makes ``.metadata`` again (``metadatafile.py``: spliced from the
+last one when only byte items moved, else built in full).
+
+A restarted coordinator has lost its plans too, while the ranks keep using theirs: a report of a
+plan it does not know is resolved from the newest committed step of that plan
+(``committed_plan``: each ``.metadata`` records its plan in ``storage_meta``, and every save of
+a plan shares its tensor and byte entries' descriptions), so a save in flight through a
+restart of the CheckpointActor (a drain of its node) still commits.
 """
 
 from __future__ import annotations
@@ -35,16 +42,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from raytrain_ckpt.checkpoint.errors import StepAborted
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, StepAborted
+from raytrain_ckpt.checkpoint.format.manifest import Manifest
+from raytrain_ckpt.checkpoint.format.metadata import load_metadata
 from raytrain_ckpt.checkpoint.format.names import Location
+from raytrain_ckpt.checkpoint.format.verify import check_file
 from raytrain_ckpt.checkpoint.records import RankReport
 from raytrain_ckpt.common.locations import is_uri
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ResultsCache", "SentResults", "copy_metadata", "plan_storage_meta", "results_digest"]
+__all__ = ["RESEND", "ResultsCache", "SentResults", "committed_plan", "copy_metadata", "plan_storage_meta",
+           "results_digest"]
+
+RESEND = "resend"
+"""The coordinator's answer to a report sent by digest whose results it does not hold (it
+restarted since the writer last delivered them): the writer sends the report again in full."""
 
 
 def results_digest(results: list[Any]) -> str:
@@ -85,14 +100,22 @@ class SentResults:
 
     def send(self, report: RankReport, call: Callable[[RankReport], Any]) -> Any:
         """``call(report)`` with the report slimmed (``slim``), remembering what the coordinator
-        holds when it answers and forgetting it when it does not."""
-        report = self.slim(report)
+        holds when it answers and forgetting it when it does not; sent again with its results
+        when the coordinator answers ``RESEND``."""
+        slim = self.slim(report)
         try:
-            out = call(report)
+            out = call(slim)
+            if out == RESEND and slim.results is None:
+                logger.info("step %d rank %d: the checkpoint actor no longer holds this rank's results "
+                            "(it restarted): sending them again", report.step, report.rank)
+                slim = replace(slim, results=report.results)
+                out = call(slim)
+            if out == RESEND:
+                raise StepAborted(f"step {report.step}: rank {report.rank}'s report was refused with its results")
         except BaseException:
             self.lost(report.rank)
             raise
-        self.delivered(report)
+        self.delivered(slim)
         return out
 
 
@@ -122,18 +145,16 @@ class ResultsCache:
             for old in [p for p in table if p != plan_id]:
                 del table[old]
 
-    def resolve(self, report: RankReport) -> RankReport:
+    def resolve(self, report: RankReport) -> RankReport | None:
         """Record ``report``'s results, or fill them in from the last ones its rank sent for the
-        plan; raises StepAborted when a report sent by digest does not match them."""
+        plan; None when a report sent by digest does not match them (the writer sends them again)."""
         ranks = self.results.setdefault(report.plan_id, {})
         if report.results is not None:
             ranks[report.rank] = (report.digest or results_digest(report.results), report.results)
             return report if report.digest else replace(report, digest=ranks[report.rank][0])
         held = ranks.get(report.rank)
         if held is None or held[0] != report.digest:
-            raise StepAborted(f"step {report.step}: rank {report.rank}'s results were sent by digest "
-                              f"{report.digest}, which the checkpoint actor does not hold; the next save "
-                              "sends them in full")
+            return None
         return replace(report, results=held[1])
 
     def reusable(self, plan_id: str, reports: list[RankReport]) -> _Built | None:
@@ -164,3 +185,31 @@ def copy_metadata(storage: Any, src: Location, dst: Location) -> bool:
     except Exception as exc:  # noqa: BLE001 - whatever failed, the caller builds the file in full instead
         logger.info("could not reuse %s for %s (%s): building it", src, dst, exc)
         return False
+
+
+def committed_plan(storage: Any, step_dir: Callable[[int], Location], committed: dict[int, Manifest],
+                   plan_id: str) -> Metadata | None:
+    """The global plan ``plan_id`` (``f"{attempt}.{first step}"``) as its newest committed step's
+    ``.metadata`` describes it (its tensors' and byte items' entries and the planner's data, no
+    storage entries), read back after a restart of the coordinator; None when no committed step
+    of the plan is intact. Only that one file is read: checked against its manifest entry (size
+    and checksum), then unpickled by the safe reader, so this costs what a resume's read of it costs."""
+    try:
+        first = int(plan_id.split(".")[1])
+    except (IndexError, ValueError):
+        return None
+    want = plan_storage_meta(plan_id).save_id
+    for step in sorted((s for s in committed if s >= first), reverse=True):
+        entry = committed[step].files.get(".metadata")
+        path = storage.join(step_dir(step), ".metadata")
+        if entry is None or check_file(storage, path, entry, checksum=True) is not None:
+            continue
+        try:
+            with storage.open_read(path) as f:
+                metadata = load_metadata(f, str(path))
+        except (InvalidCheckpoint, OSError) as exc:
+            logger.info("plan %s: step %d's .metadata is not readable (%s)", plan_id, step, exc)
+            continue
+        if metadata.storage_meta is not None and metadata.storage_meta.save_id == want:
+            return Metadata(state_dict_metadata=metadata.state_dict_metadata, planner_data=metadata.planner_data)
+    return None
