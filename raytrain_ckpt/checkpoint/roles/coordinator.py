@@ -60,6 +60,8 @@ class SaveCoordinator:
         self._metadata: dict[str, Metadata] = {}
         self.repeats = ResultsCache()
         self.files = MetadataFiles()
+        self._reading_plan = asyncio.Lock()
+        self._not_on_storage: set[str] = set()
 
     def planning(self) -> list[int]:
         """Steps whose ranks' plans are still being gathered."""
@@ -95,7 +97,7 @@ class SaveCoordinator:
         ``committed``, else ``pending``."""
         step = report.step
         self.steps.in_flight(step)
-        if report.plan_id not in self._metadata and not await asyncio.to_thread(self._plan_back, report.plan_id):
+        if not await self._known_plan(report.plan_id):
             await self.steps.abort(step, "plan unknown after a checkpoint actor restart")
             raise StepAborted(f"step {step}: plan {report.plan_id} unknown; the next save plans again")
         resolved = self.repeats.resolve(report)
@@ -110,6 +112,19 @@ class SaveCoordinator:
             await self.steps.abort(step, f"commit failed: {exc}")
             raise
         return "committed"
+
+    async def _known_plan(self, plan_id: str) -> bool:
+        """Whether ``plan_id`` is known, read back from storage if need be (one read at a time:
+        every rank's report of the first save after a restart asks at once, and the read is O(items))."""
+        if plan_id in self._metadata:
+            return True
+        async with self._reading_plan:
+            if plan_id in self._metadata:
+                return True
+            if plan_id in self._not_on_storage or not await asyncio.to_thread(self._plan_back, plan_id):
+                self._not_on_storage.add(plan_id)  # the other ranks' reports do not read again
+                return False
+            return True
 
     def _plan_back(self, plan_id: str) -> bool:
         """After a restart of this actor: the plan ``plan_id`` the ranks still save with, read back
