@@ -57,18 +57,24 @@ async def _hand_off(actor: CheckpointActor, step: int, centrals: list, skip: set
     for rank in range(N):
         if rank in skip:
             continue
-        results = write_results(centrals[rank].plan, step)
-        name = results[0].storage_data.relative_path
-        size = results[-1].storage_data.offset + results[-1].storage_data.length
-        with open(os.path.join(tmp, name), "wb") as f:
-            f.truncate(size)
-        report = RankReport(step, rank, attempt, centrals[rank].plan_id, results, {name: {"size": size, "crc32c": 0}})
+        report = _written(tmp, centrals[rank], rank, step, attempt)
         if sent is not None:
             report = sent.slim(report)
         outcomes.append(await actor.report(report))
         if sent is not None:
             sent.delivered(report)
     return tmp, outcomes
+
+
+def _written(tmp: str, central, rank: int, step: int, attempt: int = 0) -> RankReport:
+    """Rank ``rank``'s file of ``step`` in ``tmp`` (sparse, of the size its results name) and the
+    report its writer sends for it."""
+    results = write_results(central.plan, step)
+    name = results[0].storage_data.relative_path
+    size = results[-1].storage_data.offset + results[-1].storage_data.length
+    with open(os.path.join(tmp, name), "wb") as f:
+        f.truncate(size)
+    return RankReport(step, rank, attempt, central.plan_id, results, {name: {"size": size, "crc32c": 0}})
 
 
 def test_one_missing_report_of_many_ranks_still_aborts_the_step(tmp_path: Path, plans: list) -> None:
@@ -206,13 +212,7 @@ def _report_all(actor: CheckpointActor, step: int, centrals: list, sent: SentRes
         for rank in range(N):
             await actor.accepted(step, rank, 0, None)
         for rank in range(N):
-            results = write_results(centrals[rank].plan, step)
-            name = results[0].storage_data.relative_path
-            size = results[-1].storage_data.offset + results[-1].storage_data.length
-            with open(os.path.join(tmp, name), "wb") as f:
-                f.truncate(size)
-            report = RankReport(step, rank, 0, centrals[rank].plan_id, results, {name: {"size": size, "crc32c": 0}})
-            await asyncio.to_thread(sent.send, report, call)
+            await asyncio.to_thread(sent.send, _written(tmp, centrals[rank], rank, step), call)
 
     asyncio.run(scenario())
 
