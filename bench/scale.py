@@ -107,7 +107,7 @@ async def _save(actor: CheckpointActor, n: int, step: int, attempt: int, central
         spent += time.perf_counter() - t0
     assert tmp is not None
     for rank in range(n):
-        results = write_results(centrals[rank].plan, step)
+        results = write_results(centrals[rank].plan, step, bytes_last)
         name = results[0].storage_data.relative_path
         size = results[-1].storage_data.offset + results[-1].storage_data.length
         with open(os.path.join(tmp, name), "wb") as f:  # sparse: the writer's file, without its bytes
