@@ -34,7 +34,6 @@ write, save for the glue's omitted memo numbers, the storage dict's order and th
 from __future__ import annotations
 
 import bisect
-import gc
 import io
 import pickle
 import pickletools
@@ -42,6 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
+
+from raytrain_ckpt.common.gcpause import collector_paused
 
 __all__ = ["Entry", "MetadataPickle", "build", "splice"]
 
@@ -146,13 +147,8 @@ def build(metadata: Metadata, results: list[list[Any]], version: str | None,
     cyclic collector paused (as ``planchecks.global_plan``): the pickler's memo keeps a few new
     objects per entry alive, none of them cyclic, and each full collection would walk every live
     object of the process."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         return _build(metadata, results, version, storage_meta)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _build(metadata: Metadata, results: list[list[Any]], version: str | None,

@@ -18,7 +18,6 @@ and, per rank, its item count, byte positions and tensor digest.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import pickle
 from dataclasses import dataclass
@@ -83,17 +82,8 @@ class MetadataFiles:
 
     def make(self, plan_id: str, metadata: Metadata, reports: list[RankReport]) -> bytes:
         """The ``.metadata`` bytes of ``reports`` (every rank's, in rank order) under the plan
-        ``plan_id`` whose global plan built ``metadata``: spliced when only byte items moved. The
-        cyclic collector is paused meanwhile (see ``metapickle.build``)."""
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return self._make(plan_id, metadata, reports)
-        finally:
-            if enabled:
-                gc.enable()
-
-    def _make(self, plan_id: str, metadata: Metadata, reports: list[RankReport]) -> bytes:
+        ``plan_id`` whose global plan built ``metadata``: spliced when only byte items moved (a
+        full build pauses the cyclic collector: ``metapickle.build``)."""
         file = self._spliced(plan_id, reports)
         if file is not None:
             self.spliced += 1
