@@ -44,7 +44,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, StepAborted
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.format.metadata import load_metadata
 from raytrain_ckpt.checkpoint.format.names import Location
@@ -105,13 +105,11 @@ class SentResults:
         slim = self.slim(report)
         try:
             out = call(slim)
-            if out == RESEND and slim.results is None:
+            if out == RESEND:  # only ever the answer to a report sent by digest
                 logger.info("step %d rank %d: the checkpoint actor no longer holds this rank's results "
                             "(it restarted): sending them again", report.step, report.rank)
                 slim = replace(slim, results=report.results)
                 out = call(slim)
-            if out == RESEND:
-                raise StepAborted(f"step {report.step}: rank {report.rank}'s report was refused with its results")
         except BaseException:
             self.lost(report.rank)
             raise
