@@ -17,7 +17,10 @@ for N <= 64, timed from the caller) through two saves of one attempt, as the ran
 * two more saves whose byte items lie after every tensor (``write_results(bytes_last=True)``):
   the first moves the tensors (built in full: the ``bytes-last build`` columns), the second's
   byte items are again a byte longer and no tensor moves, so ``.metadata`` is spliced from the
-  last one (``roles/metadatafile.py``: the ``spliced`` columns).
+  last one (``roles/metadatafile.py``: the ``spliced`` columns). The writers send the digest of
+  each rank's tensor results with its report, made where the results are (``writer digest ms``:
+  the longest one rank's took; not the actor's time), so the coordinator reads no rank's results
+  to decide the splice.
 
 The writers' files exist as sparse files of the sizes the reports name, so the commit checks,
 ``ls``/``status`` and the resume plan's verification see a real step directory. Printed per N:
@@ -67,7 +70,7 @@ from bench.scale_ranks import MODELS, local_plan, template, write_results  # noq
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy  # noqa: E402
 from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport, TrainingPoint  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor  # noqa: E402
-from raytrain_ckpt.checkpoint.roles.repeats import SentResults  # noqa: E402
+from raytrain_ckpt.checkpoint.roles.repeats import SentResults, byte_keys  # noqa: E402
 from raytrain_ckpt.control.preflight import load_spec  # noqa: E402
 
 
@@ -94,6 +97,10 @@ class _Calls:
         return sum(self.count.values()), sum(self.bytes.values())
 
 
+WRITER_S: dict[int, float] = {}
+"""step -> the longest time one rank's report took its writer to digest (``SentResults.slim``)."""
+
+
 async def _save(actor: CheckpointActor, n: int, step: int, attempt: int, centrals: list[Any],
                 calls: _Calls, sent: SentResults, bytes_last: bool = False) -> float:
     """One save of every rank after planning: the actor's time in its methods, in seconds.
@@ -112,8 +119,11 @@ async def _save(actor: CheckpointActor, n: int, step: int, attempt: int, central
         size = results[-1].storage_data.offset + results[-1].storage_data.length
         with open(os.path.join(tmp, name), "wb") as f:  # sparse: the writer's file, without its bytes
             f.truncate(size)
+        t0 = time.perf_counter()  # the writer's digests (each writer does its ranks'), not the actor's time
         reports.append(sent.slim(RankReport(step, rank, attempt, centrals[rank].plan_id, results,
-                                            {name: {"size": size, "crc32c": 0}}, TrainingPoint(samples_seen=step))))
+                                            {name: {"size": size, "crc32c": 0}}, TrainingPoint(samples_seen=step)),
+                                 byte_keys(centrals[rank].plan)))
+        WRITER_S[step] = max(WRITER_S.get(step, 0.0), time.perf_counter() - t0)
     for rank in range(n):
         calls.add("accepted", step, rank, attempt, None)
         t0 = time.perf_counter()
@@ -185,6 +195,7 @@ def one(model: str, n: int) -> dict[str, Any]:
             spliced = actor.coordinator.files.spliced
             out["spliced_save_s"] = await _save(actor, n, 1000, 0, centrals, _Calls(), sent, True)
             out["spliced_commit_s"] = actor.committed[1000].wall["commit_s"]
+            out["writer_digest_ms"] = WRITER_S[1000] * 1e3
             assert actor.coordinator.files.spliced == spliced + 1, "step 1000 was not spliced"
 
         asyncio.run(saves())
@@ -356,7 +367,7 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
                         f.truncate(size)
                     reports.append(sent.slim(Report(step, rank, 0, centrals[rank].plan_id, results,
                                                     {name: {"size": size, "crc32c": 0}},
-                                                    TrainingPoint(samples_seen=step))))
+                                                    TrainingPoint(samples_seen=step)), byte_keys(centrals[rank].plan)))
                 t0 = time.perf_counter()
                 ray.get([actor.accepted.remote(step, r, 0, None) for r in range(n)])
                 outcomes = ray.get([actor.report.remote(rep) for rep in reports])
@@ -436,6 +447,7 @@ COLUMNS = [("plan_s", "plan+metadata s", "{:.3f}"), ("global_plan_s", "global pl
            ("last_build_commit_s", "bytes-last build commit s", "{:.3f}"),
            ("last_build_save_s", "bytes-last build save s", "{:.3f}"),
            ("spliced_commit_s", "spliced commit s", "{:.3f}"), ("spliced_save_s", "spliced save s", "{:.3f}"),
+           ("writer_digest_ms", "writer digest ms", "{:.1f}"),
            ("calls", "calls/save", "{:d}"),
            ("mb", "MB in/save", "{:.1f}"), ("changed_mb", "MB in changed", "{:.1f}"),
            ("first_mb", "MB in 1st", "{:.1f}"), ("peak_mb", "peak MB", "{:.0f}"),

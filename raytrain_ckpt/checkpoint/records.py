@@ -70,7 +70,12 @@ class RankReport:
     """fqn -> ``format.fingerprints.ShardSums`` of each floating-point tensor the rank wrote,
     summed by its writer off the training path; merged into the manifest's ``tensors``."""
     digest: str = ""
-    """``roles.repeats.results_digest`` of ``results`` ("": not computed; the coordinator computes it)."""
+    """``roles.repeats.results_digests`` of ``results`` ("": not computed; the coordinator computes it)."""
+    tensor_digest: str = ""
+    """The digest of ``results`` with the byte items (at ``byte_at``) left out: what tells the
+    coordinator that only byte items moved (``roles/metadatafile.py``) ("": not computed)."""
+    byte_at: tuple[int, ...] | None = None
+    """Positions of the byte items among ``results`` (None: not sent)."""
 
 
 __all__ += ["STALLED"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,11 +27,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from bench.scale_ranks import local_plan, template
 from raytrain_ckpt.checkpoint.datapath.localfile import write_rank_files
 from raytrain_ckpt.checkpoint.format.metadata import SafeFileSystemReader
-from raytrain_ckpt.checkpoint.format.metapickle import build, splice
+from raytrain_ckpt.checkpoint.format.metapickle import _ints, build, splice
 from raytrain_ckpt.checkpoint.format.planchecks import global_plan
 from raytrain_ckpt.checkpoint.records import RankReport
 from raytrain_ckpt.checkpoint.roles.metadatafile import MetadataFiles
-from raytrain_ckpt.checkpoint.roles.repeats import results_digest
+from raytrain_ckpt.checkpoint.roles import metadatafile
+from raytrain_ckpt.checkpoint.roles.repeats import SentResults, byte_keys, results_digest
 from raytrain_ckpt.control.preflight import load_spec
 from raytrain_ckpt.models.config import PRESETS
 
@@ -117,6 +120,24 @@ def test_a_spliced_file_is_byte_equal_to_a_full_build(fsdp_layouts: dict, before
         assert again is not None and again.data == first.data
 
 
+def test_the_walk_of_a_byte_items_value_finds_the_ints_pickletools_finds(fsdp_layouts: dict) -> None:
+    # The splice finds a value's offset and length by its own walk of the opcodes: at every int
+    # opcode size, on every layout, the same positions and values as pickletools' full walk.
+    int_ops = {"BININT", "BININT1", "BININT2", "LONG1"}
+    walked = 0
+    for _, length, base in LENGTHS:
+        for central, metadata in _layouts(fsdp_layouts):
+            file = build(metadata, [_results(c, length, base) for c in central], CURRENT_DCP_VERSION, META)
+            for entry in file.entries.values():
+                want = [(pos, arg) for op, arg, pos in pickletools.genops(entry.code + b".") if op.name in int_ops]
+                assert _ints(entry.code) == want == [(want[0][0], entry.info.offset), (want[1][0], entry.info.length)]
+                walked += 1
+    assert walked > 100
+    # an opcode it does not know, or a length running past the end: no positions (built in full)
+    assert _ints(b"h\x00I12\n") is None and _ints(b"X\xff\x00\x00\x00ab") is None and _ints(b"c\nmod") is None
+    assert _ints(b"J\xff\xff\xff\xff\x8a\x05\x14\x1a\x99\xbe\x1c") == [(0, -1), (5, 123456789012)]
+
+
 def test_a_full_build_loads_as_the_metadata_dcp_would_write(fsdp_layouts: dict) -> None:
     for central, metadata in _layouts(fsdp_layouts):
         results = [_results(c, 77) for c in central]
@@ -163,6 +184,50 @@ def test_metadata_files_splice_only_when_byte_items_alone_moved(fsdp_layouts: di
 
 
 META_P = StorageMeta(checkpoint_id=None, save_id="plan-p")
+
+
+def _sent(central: list[SavePlan], results: list[list[WriteResult]]) -> list[RankReport]:
+    """Reports as the writers send them: each with its byte items' positions and the digest of
+    its tensor results (``SentResults.slim`` given the plan's byte items)."""
+    return [SentResults().slim(RankReport(1, r, 0, "p", res), byte_keys(c))
+            for r, (c, res) in enumerate(zip(central, results))]
+
+
+def test_a_splice_takes_the_writers_digest_of_its_tensor_results(fsdp_layouts: dict, monkeypatch) -> None:
+    # The coordinator compares the digest each writer sent: it pickles no rank's results itself.
+    central, metadata = fsdp_layouts[4]
+    files = MetadataFiles()
+    base = [_results(c, 70) for c in central]
+    files.make("p", metadata, _sent(central, base))
+    computed = []
+    real = metadatafile.tensor_digest
+    monkeypatch.setattr(metadatafile, "tensor_digest", lambda *a: computed.append(a) or real(*a))
+    new = [_results(c, 71) for c in central]
+    assert files.make("p", metadata, _sent(central, new)) == build(metadata, new, CURRENT_DCP_VERSION, META_P).data
+    assert (files.built, files.spliced, computed) == (1, 1, [])
+    # A tensor that moved where the cheap test does not look (not right after a byte item): only
+    # the writer's digest tells, and the file is built in full.
+    moved = [list(res) for res in new]
+    at = next(i for i, w in enumerate(moved[1]) if w.index not in files._last.file.entries
+              and i + 1 < len(moved[1]) and moved[1][i + 1].index not in files._last.file.entries and i > 0
+              and moved[1][i - 1].index not in files._last.file.entries)
+    wr = moved[1][at]
+    moved[1][at] = WriteResult(wr.index, wr.size_in_bytes, _StorageInfo(wr.storage_data.relative_path,
+                                                                         wr.storage_data.offset, wr.storage_data.length + 1))
+    assert files.make("p", metadata, _sent(central, moved)) == build(metadata, moved, CURRENT_DCP_VERSION, META_P).data
+    assert (files.built, files.spliced, computed) == (2, 1, [])
+    # A report whose byte items lie elsewhere than the coordinator recorded: built in full.
+    again = [_results(c, 72) for c in central]
+    reports = _sent(central, again)
+    reports[3] = replace(reports[3], byte_at=reports[3].byte_at[1:])
+    assert files.make("p", metadata, reports) == build(metadata, again, CURRENT_DCP_VERSION, META_P).data
+    assert (files.built, files.spliced, len(computed)) == (3, 1, 1)  # its digest made here
+    # Reports without the writer's digest (none of ours): each changed rank's is computed here,
+    # the same digest the writers send, and the file is spliced.
+    for results in (new, again):
+        assert files.make("p", metadata, _reports(central, results)) == build(metadata, results,
+                                                                                CURRENT_DCP_VERSION, META_P).data
+    assert (files.built, files.spliced, len(computed)) == (3, 3, 9)
 
 
 def _write_step(directory: Path, central: list[SavePlan],

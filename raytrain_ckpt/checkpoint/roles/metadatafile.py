@@ -8,9 +8,15 @@ at the last full build), the first tensor item after each run of byte items has 
 and a digest of all its tensor items' results equals the one recorded then. If so, only byte items
 moved (a pickled counter or RNG state of a new length, in a file whose tensors it does not
 precede), and the new file is the last one with those items' offsets and lengths re-encoded
-(``metapickle.splice``): O(changed items) encoding, plus the digest of the changed ranks' tensor
-results (C speed, no pickling of the metadata) and the write of the file. Anything else (a new
-shape, a moved tensor chunk, a byte item in another file, a rank more or less) builds in full.
+(``metapickle.splice``). Anything else (a new shape, a moved tensor chunk, a byte item in
+another file, a rank more or less) builds in full.
+
+The digest of a rank's tensor results is made by its writer, which pickles the results anyway
+for the digest of the whole report (``repeats.SentResults``), and sent with the positions of the
+byte items; the coordinator takes it when those positions are the ones it recorded, and computes
+it itself only for a report without them. So a spliced save costs the coordinator O(changed byte
+items) (their re-encoding, found by a walk of each value's few opcodes) and the write of the file,
+not O(changed ranks x their items).
 
 Held between saves, for the newest plan only: the last file's bytes (the size of ``.metadata``)
 and, per rank, its item count, byte positions and tensor digest.
@@ -18,8 +24,6 @@ and, per rank, its item count, byte positions and tensor digest.
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from raytrain_ckpt.checkpoint.format.metapickle import MetadataPickle, build, splice
 from raytrain_ckpt.checkpoint.records import RankReport
-from raytrain_ckpt.checkpoint.roles.repeats import plan_storage_meta
+from raytrain_ckpt.checkpoint.roles.repeats import plan_storage_meta, tensor_digest
 
 __all__ = ["MetadataFiles"]
 
@@ -42,24 +46,23 @@ class _RankShape:
     after: tuple[tuple[int, Any], ...]
     """(position, storage) of the tensor item right after each run of byte items: a cheap first test."""
     tensors: str
-    """Digest of every other item's result."""
+    """Digest of every other item's result (``repeats.tensor_digest``)."""
 
 
-def _tensor_digest(results: list[Any], byte_at: tuple[int, ...]) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    start = 0
-    for i in (*byte_at, len(results)):
-        if i > start:
-            h.update(pickle.dumps(results[start:i], protocol=5))
-        start = i + 1
-    return h.hexdigest()
-
-
-def _shape(results: list[Any], byte_keys: dict[MetadataIndex, Any]) -> _RankShape:
+def _shape(report: RankReport, byte_keys: dict[MetadataIndex, Any]) -> _RankShape:
+    results = report.results
     byte_at = tuple(i for i, wr in enumerate(results) if wr.index in byte_keys)
     after = tuple((i + 1, results[i + 1].storage_data) for i in byte_at
                   if i + 1 < len(results) and i + 1 not in byte_at)
-    return _RankShape(len(results), byte_at, after, _tensor_digest(results, byte_at))
+    return _RankShape(len(results), byte_at, after, _tensors(report, byte_at))
+
+
+def _tensors(report: RankReport, byte_at: tuple[int, ...]) -> str:
+    """The digest of the report's tensor results: the writer's, when it names the same byte items
+    (O(1) here), else computed (O(the rank's items))."""
+    if report.tensor_digest and report.byte_at == byte_at:
+        return report.tensor_digest
+    return tensor_digest(report.results, byte_at)
 
 
 @dataclass
@@ -99,7 +102,7 @@ class MetadataFiles:
     def _shapes(file: MetadataPickle, reports: list[RankReport]) -> dict[int, _RankShape]:
         if file.count != sum(len(r.results) for r in reports):
             return {}  # a key written by two ranks (DCP's dedup makes none): the last one wins, build in full
-        return {r.rank: _shape(r.results, file.entries) for r in reports}
+        return {r.rank: _shape(r, file.entries) for r in reports}
 
     def _spliced(self, plan_id: str, reports: list[RankReport]) -> MetadataPickle | None:
         last = self._last
@@ -109,18 +112,21 @@ class MetadataFiles:
         for r in reports:
             if r.digest == last.digests.get(r.rank):
                 continue
-            moved = _byte_moves(last.shapes[r.rank], r.results, last.file)
+            moved = _byte_moves(last.shapes[r.rank], r, last.file)
             if moved is None:
                 return None
             changed.update(moved)
         return splice(last.file, changed)
 
 
-def _byte_moves(shape: _RankShape, results: list[Any], file: MetadataPickle) -> dict[MetadataIndex, Any] | None:
+def _byte_moves(shape: _RankShape, report: RankReport, file: MetadataPickle) -> dict[MetadataIndex, Any] | None:
     """The byte items of one rank whose storage differs from ``file``'s, or None when anything
     but byte items changed."""
+    results = report.results
     if results is None or len(results) != shape.count:
         return None
+    if report.byte_at is not None and report.byte_at != shape.byte_at:
+        return None  # the writer's byte items lie elsewhere among its results
     if any(results[i].storage_data != info for i, info in shape.after):
         return None  # a tensor moved (the usual case: a byte item written before it changed length)
     moved = {}
@@ -131,6 +137,6 @@ def _byte_moves(shape: _RankShape, results: list[Any], file: MetadataPickle) -> 
             return None
         if wr.storage_data != entry.info:
             moved[wr.index] = wr.storage_data
-    if _tensor_digest(results, shape.byte_at) != shape.tensors:
+    if _tensors(report, shape.byte_at) != shape.tensors:
         return None
     return moved

@@ -42,7 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
@@ -54,8 +55,8 @@ from raytrain_ckpt.common.locations import is_uri
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RESEND", "ResultsCache", "SentResults", "committed_plan", "copy_metadata", "plan_storage_meta",
-           "results_digest"]
+__all__ = ["RESEND", "ResultsCache", "SentResults", "byte_keys", "committed_plan", "copy_metadata",
+           "plan_storage_meta", "results_digest", "results_digests", "tensor_digest"]
 
 RESEND = "resend"
 """The coordinator's answer to a report sent by digest whose results it does not hold (it
@@ -64,7 +65,31 @@ restarted since the writer last delivered them): the writer sends the report aga
 
 def results_digest(results: list[Any]) -> str:
     """A digest of a rank's ``WriteResult``s: equal digests, equal results (and ``.metadata`` entries)."""
-    return hashlib.blake2b(pickle.dumps(results, protocol=5), digest_size=16).hexdigest()
+    return results_digests(results, ())[0]
+
+
+def tensor_digest(results: list[Any], byte_at: tuple[int, ...]) -> str:
+    """A digest of ``results`` with the items at ``byte_at`` (its byte items) left out, their
+    places kept: equal digests, the same tensor results at the same positions."""
+    masked = list(results)
+    for i in byte_at:
+        masked[i] = None
+    return hashlib.blake2b(pickle.dumps(masked, protocol=5), digest_size=16).hexdigest()
+
+
+def results_digests(results: list[Any], byte_at: tuple[int, ...]) -> tuple[str, str]:
+    """(digest of every result, ``tensor_digest``): the first covers the second and the byte
+    items' results, so ``results`` are pickled about once for both."""
+    tensors = tensor_digest(results, byte_at)
+    whole = hashlib.blake2b(tensors.encode(), digest_size=16)
+    whole.update(pickle.dumps([results[i] for i in byte_at], protocol=5))
+    return whole.hexdigest(), tensors
+
+
+def byte_keys(plan: SavePlan) -> frozenset[MetadataIndex]:
+    """The indexes of ``plan``'s byte items (DCP's ``BYTE_IO`` write items: the same items its
+    global plan describes as ``BytesStorageMetadata``, which ``.metadata`` records apart)."""
+    return frozenset(item.index for item in plan.items if item.type == WriteItemType.BYTE_IO)
 
 
 def plan_storage_meta(plan_id: str) -> StorageMeta:
@@ -83,12 +108,18 @@ class SentResults:
         self._sent: dict[int, tuple[str, str]] = {}
         """rank -> (plan id, digest) of the results the coordinator last accepted from this writer."""
 
-    def slim(self, report: RankReport) -> RankReport:
-        """``report`` with its digest set, and without its results when the coordinator holds them."""
-        digest = results_digest(report.results)
+    def slim(self, report: RankReport, byte_items: frozenset[MetadataIndex] = frozenset()) -> RankReport:
+        """``report`` with its digests set, and without its results when the coordinator holds
+        them. ``byte_items``: the plan's byte items (``byte_keys``), whose positions and the
+        digest of every other result go with the report, so that the coordinator can tell a save
+        where only byte items moved without reading every result (``roles/metadatafile.py``)."""
+        byte_at = tuple(i for i, wr in enumerate(report.results) if wr.index in byte_items) if byte_items else ()
+        digest, tensors = results_digests(report.results, byte_at)
+        slim = replace(report, digest=digest, tensor_digest=tensors if byte_items else "",
+                       byte_at=byte_at if byte_items else None)
         if self._sent.get(report.rank) == (report.plan_id, digest):
-            return replace(report, results=None, digest=digest)
-        return replace(report, digest=digest)
+            return replace(slim, results=None)
+        return slim
 
     def delivered(self, report: RankReport) -> None:
         """The coordinator answered ``report`` (committed or pending): it holds its results."""
@@ -98,11 +129,12 @@ class SentResults:
         """A report of ``rank`` was not answered normally: send its results in full next time."""
         self._sent.pop(rank, None)
 
-    def send(self, report: RankReport, call: Callable[[RankReport], Any]) -> Any:
+    def send(self, report: RankReport, call: Callable[[RankReport], Any],
+             byte_items: frozenset[MetadataIndex] = frozenset()) -> Any:
         """``call(report)`` with the report slimmed (``slim``), remembering what the coordinator
         holds when it answers and forgetting it when it does not; sent again with its results
         when the coordinator answers ``RESEND``."""
-        slim = self.slim(report)
+        slim = self.slim(report, byte_items)
         try:
             out = call(slim)
             if out == RESEND:  # only ever the answer to a report sent by digest

@@ -36,7 +36,7 @@ from raytrain_ckpt.checkpoint.records import CommittedCopy, NodeProbe, PersistRe
 from raytrain_ckpt.checkpoint.datapath.sink import ShardSink, pick_sink
 from raytrain_ckpt.checkpoint.datapath.staging import StagedPlanner
 from raytrain_ckpt.checkpoint.format.fingerprints import shard_sums
-from raytrain_ckpt.checkpoint.roles.repeats import SentResults
+from raytrain_ckpt.checkpoint.roles.repeats import SentResults, byte_keys
 from raytrain_ckpt.checkpoint.roles.replication import Replication
 from raytrain_ckpt.checkpoint.roles.writer_buffers import Mapped, WriterBuffers
 from raytrain_ckpt.checkpoint.storage.posix import replace_file
@@ -255,7 +255,7 @@ class CheckpointWriter:
         t_report = time.monotonic()
         out = self._sent.send(RankReport(req.step, req.rank, req.attempt, req.plan_id, written.results,
                                          written.files, req.point, timings, sums),
-                              lambda report: ray.get(self.coordinator.report.remote(report)))
+                              lambda report: ray.get(self.coordinator.report.remote(report)), byte_keys(req.plan))
         self._last_phases[req.rank] = {**phases, "report_s": time.monotonic() - t_report}
         return out
 
