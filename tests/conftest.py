@@ -14,6 +14,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def ray_tmpdir(prefix: str = "rtc-") -> str:
+    """A private ``RAY_TMPDIR`` (or other directory) for a cluster of a test's own: short, under
+    /tmp (Ray's socket paths have a length limit), removed when the process that made it exits."""
+    import atexit
+
+    path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 FILE_SECONDS = REPO / "tests" / "file_seconds.json"
 """Each test file's measured serial time (``scripts/file_seconds.py`` writes it from a
 ``--durations=0`` log); it orders the files, longest first."""

@@ -7,15 +7,17 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # tests.conftest, and this checkout's package
 os.environ["PYTHONPATH"] = str(REPO)  # inherited by the cluster's processes (see driver._init_ray)
 # A private session root and no auth: this cluster must not touch any other Ray on the machine.
-os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rtc-", dir="/tmp")
+from tests.conftest import ray_tmpdir  # noqa: E402
+
+os.environ["RAY_TMPDIR"] = ray_tmpdir()  # removed when this run exits
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ.pop("RAY_ADDRESS", None)
 

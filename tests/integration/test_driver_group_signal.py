@@ -10,14 +10,13 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from raytrain_ckpt.common.faults import ENV_VAR
-from tests.conftest import REFERENCE_20
+from tests.conftest import REFERENCE_20, ray_tmpdir
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +31,7 @@ def _start(tmp_path: Path, shm: Path) -> subprocess.Popen:
     for s in sets:
         args += ["--set", s]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(PYTHONPATH=str(REPO), RAY_AUTH_MODE="disabled", RAY_TMPDIR=tempfile.mkdtemp(prefix="rtc-", dir="/tmp"),
+    env.update(PYTHONPATH=str(REPO), RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmpdir(),
                RAYTRAIN_CKPT_SHM_DIR=str(shm), **{ENV_VAR: ";".join(f"slow@step:rank=0,step={s}" for s in (6, 7, 8))})
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL, start_new_session=True)

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_ckpt.common.faults import ENV_VAR
-from tests.conftest import REFERENCE_20
+from tests.conftest import REFERENCE_20, ray_tmpdir
 
 pytestmark = pytest.mark.integration
 
@@ -105,13 +104,13 @@ def test_a_deadline_too_short_for_a_durable_save_resumes_from_ram_on_a_surviving
     assert f"step-{saved:08d}" not in r["committed_after"] and saved not in run["committed"]
 
 
-_STATE_HOME = tempfile.mkdtemp(prefix="rtc-state-", dir="/tmp")
+_STATE_HOME = ray_tmpdir("rtc-state-")
 """This module's drivers write their job records here, not in the user's ~/.local/state."""
 
 
 def _cli_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(PYTHONPATH=str(REPO), RAY_AUTH_MODE="disabled", RAY_TMPDIR=tempfile.mkdtemp(prefix="rtc-", dir="/tmp"),
+    env.update(PYTHONPATH=str(REPO), RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmpdir(),
                XDG_STATE_HOME=_STATE_HOME)
     return env
 

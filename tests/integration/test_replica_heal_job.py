@@ -10,6 +10,7 @@ from raytrain_ckpt.common.faults import ENV_VAR
 from raytrain_ckpt.control.controller import JobState
 from raytrain_ckpt.control.driver import run_job
 from raytrain_ckpt.control.preflight import load_spec
+from tests.conftest import ray_tmpdir
 
 pytestmark = pytest.mark.integration
 
@@ -162,13 +163,12 @@ def test_a_stop_signal_stops_every_replica_group_at_the_saved_step_and_a_rerun_r
     import signal
     import subprocess
     import sys
-    import tempfile
     import time
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", ENV_VAR)}
-    env.update(PYTHONPATH=str(repo), RAY_AUTH_MODE="disabled", RAY_TMPDIR=tempfile.mkdtemp(prefix="rtc-", dir="/tmp"),
+    env.update(PYTHONPATH=str(repo), RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmpdir(),
                XDG_STATE_HOME=str(tmp_path / "state"))
 
     def cli(steps: int) -> subprocess.Popen:

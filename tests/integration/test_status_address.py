@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_ckpt.common.faults import ENV_VAR
+from tests.conftest import ray_tmpdir
 
 pytestmark = pytest.mark.integration
 
@@ -28,8 +29,7 @@ def _env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
     (tmp / "home").mkdir(exist_ok=True)
-    ray_tmp = Path(f"/tmp/rtc-sa-{os.getpid()}")  # short: Ray's socket paths have a length limit
-    return env | {"HOME": str(tmp / "home"), "XDG_STATE_HOME": str(tmp / "state"), "RAY_TMPDIR": str(ray_tmp),
+    return env | {"HOME": str(tmp / "home"), "XDG_STATE_HOME": str(tmp / "state"), "RAY_TMPDIR": ray_tmpdir("rtc-sa-"),
                   "PYTHONPATH": str(REPO)}
 
 
