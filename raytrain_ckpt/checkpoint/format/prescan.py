@@ -37,6 +37,7 @@ from typing import BinaryIO
 
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format import sandbox, scancache
+from raytrain_ckpt.common.gcpause import collector_paused
 
 __all__ = ["BUDGET_ENV", "DEFAULT_BUDGET", "PickleBudget", "check_pickle", "check_torch_save", "read_bounded",
            "scan_pickle", "stored_member", "torch_save_pickle"]
@@ -148,7 +149,8 @@ def scan_pickle(data: bytes, where: str, budget: PickleBudget = DEFAULT_BUDGET) 
         raise InvalidCheckpoint(f"{where} is over {budget.max_bytes} bytes, more than a pickle read from a "
                                 f"checkpoint may be (raise it with {BUDGET_ENV}=<factor>)")
     try:
-        _run(data, budget)
+        with collector_paused():  # the stack of sizes holds an object or two per opcode, none in a cycle
+            _run(data, budget)
     except InvalidCheckpoint as exc:
         raise InvalidCheckpoint(f"{where} would {exc}; refused before loading it (a checkpoint is data; raise "
                                 f"the limits with {BUDGET_ENV}=<factor> if this file is genuine)") from None

@@ -21,6 +21,7 @@ from raytrain_ckpt.checkpoint.format.chunks import layout_problem, tensor_ranges
 from raytrain_ckpt.checkpoint.format.names import check_file_name
 from raytrain_ckpt.checkpoint.format import sandbox, scancache
 from raytrain_ckpt.checkpoint.format.prescan import DEFAULT_BUDGET, read_bounded, scan_pickle
+from raytrain_ckpt.common.gcpause import collector_paused
 
 __all__ = ["ALLOWED_GLOBALS", "MetadataChecks", "TORCH_DTYPES", "allowed_global", "check_data_files", "check_metadata_file",
            "check_metadata_stream", "checked_pickle", "data_bytearray", "metadata_verdict", "refusal",
@@ -161,7 +162,8 @@ def unpickle(unpickler: pickle.Unpickler, where: str) -> Any:
         InvalidCheckpoint: Any other failure: the file is damaged.
     """
     try:
-        return unpickler.load()
+        with collector_paused():  # an object or more per opcode, each full collection walking them all
+            return unpickler.load()
     except UnsafeCheckpoint as exc:
         raise UnsafeCheckpoint(f"{where} {exc}") from None
     except MemoryError:
