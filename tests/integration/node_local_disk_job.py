@@ -20,18 +20,19 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # tests.conftest, this checkout's package and bench/, whichever the venv installed
+from tests.conftest import ray_tmpdir  # noqa: E402
+
 # A private session root and no auth: this cluster must not touch any other Ray on the machine.
-os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rtc-", dir="/tmp")
+os.environ["RAY_TMPDIR"] = ray_tmpdir()  # removed when this run exits
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "3"
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 os.environ.pop("RAY_ADDRESS", None)
-sys.path.insert(0, str(REPO))  # this checkout's package and bench/, whichever the venv installed
 
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402

@@ -16,15 +16,17 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 os.environ["PYTHONPATH"] = str(REPO)  # inherited by the cluster's processes (see driver._init_ray)
+sys.path.insert(0, str(REPO))  # tests.conftest, this checkout's package and bench/, whichever the venv installed
+from tests.conftest import ray_tmpdir  # noqa: E402
+
 # A private session root and no auth: this cluster must not touch any other Ray on the machine.
-os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rtc-", dir="/tmp")
+os.environ["RAY_TMPDIR"] = ray_tmpdir()  # removed when this run exits
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ.pop("RAY_ADDRESS", None)
 
