@@ -39,8 +39,12 @@ from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format import sandbox, scancache
 from raytrain_ckpt.common.gcpause import collector_paused
 
-__all__ = ["BUDGET_ENV", "DEFAULT_BUDGET", "PickleBudget", "check_pickle", "check_torch_save", "read_bounded",
-           "scan_pickle", "stored_member", "torch_save_pickle"]
+__all__ = ["BUDGET_ENV", "ATOM", "DEFAULT_BUDGET", "FRAME", "PROTO", "SYNC_EVERY", "PickleBudget", "check_pickle", "check_torch_save", "read_bounded",
+           "opcode_at", "scan_pickle", "stored_member", "torch_save_pickle"]
+
+ZIP_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error, NotImplementedError)
+"""What ``zipfile`` raises on a damaged archive (``NotImplementedError``: a record claiming a zip
+version or a compression it does not read)."""
 
 BUDGET_ENV = "RAYTRAIN_CKPT_PICKLE_BUDGET"
 """A factor (e.g. ``4``) that multiplies every ``PickleBudget`` limit but the depth."""
@@ -69,6 +73,9 @@ class PickleBudget:
 
 
 DEFAULT_BUDGET = PickleBudget()
+
+SYNC_EVERY = 64
+"""The scan notes where every 64th opcode starts (a power of two)."""
 
 # Opcode classes (by the opcode's byte value), the frequent ones first.
 _MEMOIZE, _ATOM_LEN1, _ATOM_FIXED, _GET1, _MARK, _TUPLE_N, _EMPTY_MUT, _EMPTY_TUPLE, _SETITEMS, _BUILD, \
@@ -142,15 +149,19 @@ def check_pickle(data: bytes, where: str, budget: PickleBudget = DEFAULT_BUDGET)
     scancache.remember_pass(key)
 
 
-def scan_pickle(data: bytes, where: str, budget: PickleBudget = DEFAULT_BUDGET) -> None:
-    """``check_pickle`` without remembering: what the reader process (``sandbox.py``) runs first."""
+def scan_pickle(data: bytes, where: str, budget: PickleBudget = DEFAULT_BUDGET,
+                sync: list[int] | None = None) -> tuple[int, int]:
+    """``check_pickle`` without remembering: what the reader process (``sandbox.py``) runs first.
+    Returns where its STOP opcode ends (bytes after it are never read) and how many opcodes ran;
+    ``sync``, if given, gets the start of every ``SYNC_EVERY``-th opcode (``scandiff.py`` walks
+    the opcodes from there)."""
     budget = budget.scaled()
     if len(data) > budget.max_bytes:
         raise InvalidCheckpoint(f"{where} is over {budget.max_bytes} bytes, more than a pickle read from a "
                                 f"checkpoint may be (raise it with {BUDGET_ENV}=<factor>)")
     try:
         with collector_paused():  # the stack of sizes holds an object or two per opcode, none in a cycle
-            _run(data, budget)
+            return _run(data, budget) if sync is None else _run(data, budget, sync)
     except InvalidCheckpoint as exc:
         raise InvalidCheckpoint(f"{where} would {exc}; refused before loading it (a checkpoint is data; raise "
                                 f"the limits with {BUDGET_ENV}=<factor> if this file is genuine)") from None
@@ -196,8 +207,51 @@ def _line_end(data: bytes, pos: int) -> int:
     return nl + 1
 
 
-def _run(data: bytes, budget: PickleBudget) -> None:  # noqa: C901 - one opcode loop, kept flat for speed
-    kind_of, arg_of = _KIND, _ARG
+_ATOMS = frozenset({_ATOM_LEN1, _ATOM_FIXED, _ATOM_LEN4, _ATOM_LEN8, _ATOM_LINE})
+"""Opcodes that push one atom and do nothing else: the scan treats any two of them alike."""
+ATOM, FRAME, PROTO = 1, 2, 3
+_ONE_LINE = frozenset({_GET_LINE, _PUT_LINE})
+_TWO_LINES = frozenset({_INST})
+
+
+def opcode_at(data: bytes, start: int) -> tuple[int, int]:
+    """(its effect, where it ends) of the opcode at ``start``, reading its argument as ``_run``
+    does; IndexError or ValueError where its argument runs past ``data``. Two opcodes of the same
+    nonzero effect move the scan's state alike whatever their arguments: ``ATOM`` (one atom pushed),
+    ``FRAME`` (nothing but the count of opcodes: its argument is skipped, its bytes run as
+    opcodes), ``PROTO`` (likewise, at the start); 0 for any other."""
+    op = data[start]
+    kind, pos = _KIND[op], start + 1
+    if kind == _ATOM_LEN1:
+        end = pos + 1 + data[pos]
+    elif kind == _ATOM_FIXED or kind == _SKIP:
+        end = pos + _ARG[op]
+    elif kind == _ATOM_LEN4 or kind == _ATOM_LEN8:
+        width = 4 if kind == _ATOM_LEN4 else 8
+        if pos + width > len(data):
+            raise IndexError("a length past the end")
+        end = pos + width + int.from_bytes(data[pos:pos + width], "little")
+    elif kind == _ATOM_LINE or kind in _ONE_LINE or kind in _TWO_LINES:
+        end = _line_end(data, pos)
+        if op == 0x63 or kind in _TWO_LINES:  # GLOBAL, INST: module and name
+            end = _line_end(data, end)
+    elif kind == _GET1 or kind == _PUT1:
+        end = pos + 1
+    elif kind == _GET4 or kind == _PUT4:
+        end = pos + 4
+    elif kind == _BAD:
+        raise ValueError(f"an unknown opcode {op:#x}")
+    else:
+        end = pos
+    if end > len(data):
+        raise IndexError("an argument past the end")
+    return ATOM if kind in _ATOMS else FRAME if op == 0x95 else PROTO if op == 0x80 else 0, end
+
+
+def _run(data: bytes, budget: PickleBudget, sync: list[int] | None = None) -> tuple[int, int]:  # noqa: C901
+    kind_of, arg_of = _KIND, _ARG  # (one opcode loop, kept flat for speed)
+    note = ([] if sync is None else sync).append
+    every = SYNC_EVERY - 1
     end = len(data)
     pos = 0
     ops = 0
@@ -213,6 +267,8 @@ def _run(data: bytes, budget: PickleBudget) -> None:  # noqa: C901 - one opcode 
         op = data[pos]
         pos += 1
         ops += 1
+        if not ops & every:
+            note(pos - 1)
         kind = kind_of[op]
         if kind == _MEMOIZE:
             memo[len(memo)] = stack[-1]
@@ -337,7 +393,7 @@ def _run(data: bytes, budget: PickleBudget) -> None:  # noqa: C901 - one opcode 
                 raise ValueError("a pickle that does not end with one object")
             if ops > budget.max_opcodes:
                 raise _Refused(f"run over {budget.max_opcodes} opcodes")
-            return
+            return pos, ops
         else:
             raise ValueError(f"an unknown opcode {op:#x}")
 
@@ -365,7 +421,7 @@ def torch_save_pickle(f: BinaryIO, where: str, budget: PickleBudget = DEFAULT_BU
     try:
         try:
             archive = zipfile.ZipFile(f)
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        except ZIP_ERRORS as exc:
             raise InvalidCheckpoint(f"{where} is not a torch.save file of the zip format ({exc}); the older "
                                     "format is not read") from None
         with archive:
@@ -380,7 +436,7 @@ def torch_save_pickle(f: BinaryIO, where: str, budget: PickleBudget = DEFAULT_BU
                                         f"from a checkpoint may be (raise it with {BUDGET_ENV}=<factor>)")
             try:
                 return info.filename, stored_member(archive, info)
-            except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+            except ZIP_ERRORS as exc:
                 raise InvalidCheckpoint(f"{where}: its pickle is unreadable ({exc})") from None
     finally:
         f.seek(start)

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
-from raytrain_ckpt.checkpoint.format.prescan import scan_pickle
 from raytrain_ckpt.checkpoint.format.sandbox import _limit_self, _unlimit_self
+from raytrain_ckpt.checkpoint.format.scandiff import PassedScans
 from raytrain_ckpt.checkpoint.format.unpickling import metadata_verdict, unpickle
 from raytrain_ckpt.common.gcpause import collector_paused
 
@@ -56,14 +56,20 @@ class _DataUnpickler(pickle.Unpickler):
         return None
 
 
+PASSED = PassedScans()
+"""The pickles this process's pre-scan passed last: an ``ls`` sends the same ``.metadata`` but for
+a few values, step after step, and a pickle that differs from one of them only in its atoms is not
+scanned again (``scandiff.py``); its decode and checks run in full."""
+
+
 def _data_pickle(data: bytes, where: str, args: dict[str, Any]) -> None:
-    scan_pickle(data, where)
+    PASSED.scan(data, where)
     unpickle(_DataUnpickler(io.BytesIO(data)), where)
 
 
 def _metadata(data: bytes, where: str, args: dict[str, Any]) -> Any:
     return metadata_verdict(data, where, args.get("files"), chunks=bool(args.get("chunks")),
-                            decode_only=bool(args.get("decode_only")))
+                            decode_only=bool(args.get("decode_only")), passed=PASSED)
 
 
 KINDS: dict[str, Callable[[bytes, str, dict[str, Any]], Any]] = {"metadata": _metadata, "pickle": _data_pickle}

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, TensorHeaderRefused
-from raytrain_ckpt.checkpoint.format.prescan import stored_member
+from raytrain_ckpt.checkpoint.format.prescan import ZIP_ERRORS, stored_member
 
-__all__ = ["MAX_HEADER", "ChunkHeader", "FileSlice", "load_chunk", "parse_chunk", "parse_tensor_pickle"]
+__all__ = ["CHUNK_PARSES", "MAX_HEADER", "ChunkHeader", "ChunkParses", "FileSlice", "load_chunk", "parse_chunk", "parse_tensor_pickle"]
 
 MAX_HEADER = 64 << 10
 """Largest ``data.pkl`` of one tensor chunk (a 64-dimensional tensor's is about 1 KiB)."""
@@ -232,7 +232,7 @@ def _open(f: BinaryIO, where: str) -> tuple[zipfile.ZipFile, ChunkHeader, zipfil
     try:
         archive = zipfile.ZipFile(f)
         infos = {i.filename: i for i in archive.infolist()}
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+    except ZIP_ERRORS as exc:
         raise InvalidCheckpoint(f"{where} is not a torch.save blob ({exc})") from None
     pickles = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pickles) != 1 or len(infos) > 16:
@@ -243,7 +243,7 @@ def _open(f: BinaryIO, where: str) -> tuple[zipfile.ZipFile, ChunkHeader, zipfil
         order = infos.get(prefix + "byteorder")
         if order is not None and stored_member(archive, order) != b"little":
             raise InvalidCheckpoint(f"{where} holds big-endian bytes, which this project never writes")
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+    except ZIP_ERRORS as exc:
         raise InvalidCheckpoint(f"{where} is not a torch.save blob ({exc})") from None
     record = infos.get(f"{prefix}data/{header.key}")
     if record is None or record.file_size != header.nbytes or _span(header) > header.nbytes:
@@ -254,10 +254,57 @@ def _open(f: BinaryIO, where: str) -> tuple[zipfile.ZipFile, ChunkHeader, zipfil
 
 def parse_chunk(f: BinaryIO, where: str) -> ChunkHeader:
     """The header of the tensor chunk blob ``f`` (seekable, starting at the blob), checked against
-    its storage record; torch-free. Raises InvalidCheckpoint naming ``where``."""
+    its storage record; torch-free. Raises InvalidCheckpoint naming ``where``. A ``FileSlice``
+    whose blob reads as one parsed before is not parsed again (``ChunkParses``)."""
+    if isinstance(f, FileSlice):
+        return CHUNK_PARSES.parse(f, where)
     archive, header, _ = _open(f, where)
     archive.close()
     return header
+
+
+class ChunkParses:
+    """Headers that parsed, each under the bytes its parse read (positions and contents) and the
+    blob's length: the parse is a function of exactly those, since where it reads next depends
+    only on what it read before. A blob is first read at the places a parse of a blob of its
+    length read; if every byte there is the same, its parse would make the same reads, get the
+    same bytes and return the same header, so that header is its own. The chunks of one layout
+    (every rank's shard of a tensor, every step of a job) differ only in the tensor bytes, which
+    the parse never reads: ``verify --checksum`` of a root parses each layout once, not each chunk.
+    Bounded: ``entries`` headers, traces of at most ``max_trace`` bytes, ``shapes`` read patterns
+    a length. Refusals are not kept (a refused blob is parsed each time)."""
+
+    def __init__(self, entries: int = 4096, max_trace: int = 4096, shapes: int = 4) -> None:
+        self.entries, self.max_trace, self.shapes = entries, max_trace, shapes
+        self.full_parses = 0
+        self._headers: dict[tuple, ChunkHeader] = {}
+        self._patterns: dict[int, list[tuple[tuple[int, int], ...]]] = {}
+
+    def parse(self, f: FileSlice, where: str) -> ChunkHeader:
+        """``parse_chunk(f, where)``."""
+        n = f.length
+        for pattern in tuple(self._patterns.get(n, ())):  # (threads of one verify may add to it)
+            header = self._headers.get((n, pattern, f.read_at(pattern)))
+            if header is not None:
+                return header
+        self.full_parses += 1
+        trace: list[tuple[int, bytes]] = []
+        archive, header, _ = _open(f.traced(trace), where)
+        archive.close()
+        if sum(len(data) for _, data in trace) <= self.max_trace:
+            pattern = tuple((pos, len(data)) for pos, data in trace)
+            if len(self._headers) >= self.entries:
+                self._headers.clear()
+            self._headers[(n, pattern, tuple(data for _, data in trace))] = header
+            known = self._patterns.setdefault(n, [])
+            if pattern not in known:
+                known.insert(0, pattern)
+                del known[self.shapes:]
+        return header
+
+
+CHUNK_PARSES = ChunkParses()
+"""This process's parsed chunk headers (``verify``, ``ls --checksum``)."""
 
 
 def load_chunk(f: BinaryIO, where: str) -> Any:
@@ -268,7 +315,7 @@ def load_chunk(f: BinaryIO, where: str) -> Any:
     with archive:
         try:
             raw = stored_member(archive, record)
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+        except ZIP_ERRORS as exc:
             raise InvalidCheckpoint(f"{where}: its storage record is unreadable ({exc})") from None
     dtype = getattr(torch, header.dtype)
     if not raw:
@@ -281,9 +328,26 @@ def load_chunk(f: BinaryIO, where: str) -> Any:
 class FileSlice(io.RawIOBase):
     """Bytes ``offset .. offset + length`` of the seekable binary stream ``f``, as a seekable stream."""
 
-    def __init__(self, f: BinaryIO, offset: int, length: int) -> None:
+    def __init__(self, f: BinaryIO, offset: int, length: int, trace: list[tuple[int, bytes]] | None = None) -> None:
         super().__init__()
         self._f, self._start, self._len, self._pos = f, offset, length, 0
+        self._trace = trace
+
+    @property
+    def length(self) -> int:
+        return self._len
+
+    def traced(self, trace: list[tuple[int, bytes]]) -> FileSlice:
+        """The same bytes, each read noted in ``trace`` as (position, bytes read)."""
+        return FileSlice(self._f, self._start, self._len, trace)
+
+    def read_at(self, pattern: tuple[tuple[int, int], ...]) -> tuple[bytes, ...]:
+        """The bytes at each (position, count) of ``pattern``, as a read of that count there returns them."""
+        out = []
+        for pos, n in pattern:
+            self.seek(pos)
+            out.append(self.read(n))
+        return tuple(out)
 
     def readable(self) -> bool:
         return True
@@ -306,5 +370,7 @@ class FileSlice(io.RawIOBase):
         self._f.seek(self._start + self._pos)
         data = self._f.read(n)
         buffer[:len(data)] = data
+        if self._trace is not None:
+            self._trace.append((self._pos, data))
         self._pos += len(data)
         return len(data)

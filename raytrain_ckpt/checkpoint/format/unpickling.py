@@ -21,6 +21,7 @@ from raytrain_ckpt.checkpoint.format.chunks import layout_problem, tensor_ranges
 from raytrain_ckpt.checkpoint.format.names import check_file_name
 from raytrain_ckpt.checkpoint.format import sandbox, scancache
 from raytrain_ckpt.checkpoint.format.prescan import DEFAULT_BUDGET, read_bounded, scan_pickle
+from raytrain_ckpt.checkpoint.format.scandiff import PassedScans
 from raytrain_ckpt.common.gcpause import collector_paused
 
 __all__ = ["ALLOWED_GLOBALS", "MetadataChecks", "TORCH_DTYPES", "allowed_global", "check_data_files", "check_metadata_file",
@@ -135,8 +136,20 @@ class _CheckingUnpickler(pickle.Unpickler):
         if (module, name) == ("torch", "Size"):
             return _size
         if module.partition(".")[0] == "torch":
-            return type(f"{module}.{name}", (_StandIn,), {})
+            return _stand_in(module, name)
         return resolve_builtin(module, name, super().find_class)
+
+
+_STAND_INS: dict[tuple[str, str], type] = {}
+
+
+def _stand_in(module: str, name: str) -> type:
+    """The stand-in class for the allowed torch name ``module.name``, made once per process (a
+    class is 10-20 us to make, and a ``.metadata`` names about ten)."""
+    cls = _STAND_INS.get((module, name))
+    if cls is None:
+        cls = _STAND_INS[(module, name)] = type(f"{module}.{name}", (_StandIn,), {})
+    return cls
 
 
 def check_metadata_file(path: Path) -> None:
@@ -250,11 +263,15 @@ def _check_args(files: Collection[str] | Mapping[str, int] | None, chunks: bool)
 
 
 def metadata_verdict(data: bytes, name: str, files: Collection[str] | Mapping[str, int] | None,
-                     chunks: bool = False, decode_only: bool = False) -> list | None:
+                     chunks: bool = False, decode_only: bool = False, passed: PassedScans | None = None) -> list | None:
     """The torch-free check of the ``.metadata`` bytes ``data`` (what the reader process runs);
     with ``chunks``, the byte ranges of its tensor chunks; with ``decode_only``, only the decode
-    (what loading then repeats, judging the objects it built itself)."""
-    scan_pickle(data, name)
+    (what loading then repeats, judging the objects it built itself). ``passed``: the pickles this
+    process scanned before, which spare the pre-scan of one that differs only in atoms."""
+    if passed is None:
+        scan_pickle(data, name)
+    else:
+        passed.scan(data, name)
     top = unpickle(_CheckingUnpickler(io.BytesIO(data)), name)
     if decode_only:
         return None

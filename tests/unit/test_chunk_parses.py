@@ -1,0 +1,98 @@
+"""A tensor chunk whose blob reads as one parsed before gets that parse's header without a parse
+(``tensorblob.ChunkParses``), and any other blob is parsed: differential against the parse alone."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import pytest
+import torch
+
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.format.tensorblob import ChunkParses, FileSlice, parse_chunk
+
+
+def _blob(tensor: torch.Tensor) -> bytes:
+    """A chunk as the writer saves it: ``torch.save`` without the zip records' CRC-32
+    (``checkpoint/datapath/filewrite.py``; with it, the central directory holds a CRC of the tensor
+    bytes and every chunk of other values reads as a new blob: parsed, as before)."""
+    buf = io.BytesIO()
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(tensor, buf)
+    finally:
+        torch.serialization.set_crc32_options(crc)
+    return buf.getvalue()
+
+
+def _verdict(parse, data: bytes):
+    try:
+        return parse(FileSlice(io.BytesIO(data), 0, len(data)))
+    except InvalidCheckpoint as exc:
+        return str(exc)
+
+
+def test_the_chunks_of_one_layout_are_parsed_once_and_get_their_own_header():
+    blobs = [_blob(torch.randn(64, 32)) for _ in range(20)] + [_blob(torch.randn(8, 4).t()) for _ in range(5)]
+    data = b"".join(blobs)
+    parses = ChunkParses()
+    f, at = io.BytesIO(data), 0
+    for blob in blobs:
+        header = parses.parse(FileSlice(f, at, len(blob)), "c")
+        assert header == parse_chunk(io.BytesIO(blob), "c")  # (a BytesIO: parsed, never remembered)
+        at += len(blob)
+    assert parses.full_parses == 2
+
+
+def _mutate(data: bytes, rng: random.Random) -> bytes:
+    out = bytearray(data)
+    for _ in range(rng.randrange(1, 4)):
+        at = rng.randrange(len(out))
+        what = rng.random()
+        if what < 0.6:
+            out[at] = rng.randrange(256)
+        elif what < 0.75:
+            out[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 8)))
+        elif what < 0.9:
+            del out[at:at + rng.randrange(1, 8)]
+        else:
+            del out[at:]
+    return bytes(out)
+
+
+@pytest.mark.parametrize("shape", [(64, 16), (3, 50, 7)])
+def test_a_remembered_parse_is_the_parses_own_verdict_on_mutated_blobs(shape):
+    rng = random.Random(str(shape))
+    original = _blob(torch.randn(*shape))
+    primed = ChunkParses()
+    _verdict(lambda f: primed.parse(f, "c"), original)
+    carried = refused = 0
+    for case in range(600):
+        derived = _mutate(original, rng)
+        parses = ChunkParses()
+        parses._headers, parses._patterns = dict(primed._headers), {n: list(p) for n, p in primed._patterns.items()}
+        got = _verdict(lambda f: parses.parse(f, "c"), derived)
+        want = _verdict(lambda f: ChunkParses(entries=0, max_trace=-1).parse(f, "c"), derived)
+        assert got == want, (case, derived)
+        carried += parses.full_parses == 0
+        refused += isinstance(want, str)
+    # both kinds in numbers: blobs changed only in their tensor bytes, blobs the parse refused
+    assert carried > 100 and refused > 50, (carried, refused)
+
+
+def test_a_remembered_parse_is_bounded():
+    parses = ChunkParses(entries=8, shapes=2)
+    for n in range(1, 30):
+        blob = _blob(torch.zeros(n))
+        parses.parse(FileSlice(io.BytesIO(blob), 0, len(blob)), "c")
+    assert len(parses._headers) <= 8 and all(len(p) <= 2 for p in parses._patterns.values())
+
+
+def test_a_record_of_a_zip_version_zipfile_does_not_read_is_refused_not_raised():
+    blob = bytearray(_blob(torch.zeros(4)))
+    at = blob.index(b"PK\x01\x02")  # the first central directory record: "version needed" at +6
+    blob[at + 6:at + 8] = b"\xff\x00"
+    with pytest.raises(InvalidCheckpoint, match="not a torch.save blob"):
+        parse_chunk(io.BytesIO(bytes(blob)), "c")
