@@ -331,18 +331,20 @@ def test_crafted_metadata_is_refused_by_export(crafted, capsys) -> None:
 
 class _BuiltByCall:
     """Pickles as a call of DCP's ``Metadata`` with its fields as arguments (the real class
-    applies them; DCP itself never writes this form)."""
+    applies them; DCP itself never writes this form). ``clear``: a state follows that sets
+    ``_called_with`` false (the check's own note that arguments were given)."""
 
-    def __init__(self, md: object) -> None:
-        self.md = md
+    def __init__(self, md: object, clear: bool = False) -> None:
+        self.md, self.clear = md, clear
 
     def __reduce__(self) -> tuple:
         import dataclasses
 
-        return type(self.md), tuple(getattr(self.md, f.name) for f in dataclasses.fields(self.md))
+        args = tuple(getattr(self.md, f.name) for f in dataclasses.fields(self.md))
+        return (type(self.md), args, {"_called_with": False}) if self.clear else (type(self.md), args)
 
 
-def _point_data_at(step_dir: Path, target: str, by_call: bool = False) -> str:
+def _point_data_at(step_dir: Path, target: str, by_call: bool = False, clear: bool = False) -> str:
     """Rewrite ``.metadata`` (with real DCP classes only) so that one shard's data is read from
     ``target``; the shard leaves the step and the manifest, which records the new ``.metadata``.
     ``by_call``: the Metadata is rebuilt by a call with arguments. Returns the shard's name."""
@@ -352,14 +354,14 @@ def _point_data_at(step_dir: Path, target: str, by_call: bool = False) -> str:
     for info in md.storage_data.values():
         if info.relative_path == shard:
             info.relative_path = target
-    (step_dir / ".metadata").write_bytes(pickle.dumps(_BuiltByCall(md) if by_call else md))
+    (step_dir / ".metadata").write_bytes(pickle.dumps(_BuiltByCall(md, clear) if by_call else md))
     files = json.loads((step_dir / MANIFEST).read_text())["files"]
     files.pop(shard)
     _rewrite_manifest(step_dir, files={**files, ".metadata": describe_file(step_dir / ".metadata")})
     return shard
 
 
-@pytest.mark.parametrize("where", ["outside", "unlisted", "unlisted-by-call"])
+@pytest.mark.parametrize("where", ["outside", "unlisted", "unlisted-by-call", "unlisted-by-call-cleared"])
 def test_metadata_that_points_at_unchecked_bytes_is_refused(tmp_path: Path, capsys, where: str) -> None:
     # Every byte a load reads must be a file of the manifest (checksummed): a .metadata that makes
     # DCP read a file outside the step, or one inside it the manifest does not list, is invalid;
@@ -373,10 +375,12 @@ def test_metadata_that_points_at_unchecked_bytes_is_refused(tmp_path: Path, caps
         shard = _point_data_at(bad, "../../elsewhere/moved.distcp")
         os.rename(bad / shard, outside / "moved.distcp")
     else:
-        shard = _point_data_at(bad, "planted.distcp", by_call=where == "unlisted-by-call")
+        shard = _point_data_at(bad, "planted.distcp", by_call=where.startswith("unlisted-by-call"),
+                               clear=where.endswith("cleared"))
         os.rename(bad / shard, bad / "planted.distcp")
     needle = {"outside": "not a plain name", "unlisted": "does not list",
-              "unlisted-by-call": "calling it with arguments"}[where]
+              "unlisted-by-call": "calling it with arguments",
+              "unlisted-by-call-cleared": "calling it with arguments"}[where]
     with pytest.raises(InvalidCheckpoint, match=needle):
         CheckpointLayout(root).verify(bad, "checksum")
     assert main(["verify", str(bad)]) == 1

@@ -114,7 +114,9 @@ class _StandIn:
         if isinstance(state, tuple) and len(state) == 2:
             state = {**(state[0] or {}), **(state[1] or {})}
         if isinstance(state, dict):
-            self.__dict__.update({k: v for k, v in state.items() if isinstance(k, str) and not k.startswith("__")})
+            # (never ``_called_with``: a state could otherwise clear the note that arguments were given)
+            self.__dict__.update({k: v for k, v in state.items()
+                                  if isinstance(k, str) and not k.startswith("__") and k != "_called_with"})
         elif isinstance(state, tuple):
             self.__dict__["_state"] = state  # TensorProperties' state: (dtype, layout, ...)
 
