@@ -111,7 +111,7 @@ def _opcodes(data: bytes) -> list:
     return [(op.name, pos, end) for (op, _, pos), end in zip(found, ends)]
 
 
-@pytest.mark.parametrize("protocol,tensors,cases", [(2, 12, 500), (4, 12, 500), (4, 220, 60)],
+@pytest.mark.parametrize("protocol,tensors,cases", [(2, 12, 400), (4, 12, 400), (4, 220, 40)],
                          ids=["protocol2-small", "protocol4-small", "protocol4-framed"])
 def test_a_passed_scan_carried_over_is_the_full_scans_verdict_on_derived_files(protocol, tensors, cases):
     rng = random.Random(f"{protocol}-{tensors}")
