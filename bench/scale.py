@@ -181,8 +181,11 @@ def one(model: str, n: int) -> dict[str, Any]:
         asyncio.run(actor.configure(GroupLayout(n, n, "scale", {"name": model})))
         first, later, changed, sent = _Calls(), _Calls(), _Calls(), SentResults()
 
+        kept: dict[str, Any] = {}
+
         async def saves() -> None:
             centrals, out["plan_s"] = await _plan(actor, n, 10, 0, plans, first)
+            kept["centrals"] = centrals
             out["first_save_s"] = out["plan_s"] + await _save(actor, n, 10, 0, centrals, first, sent)
             out["first_commit_s"] = actor.committed[10].wall["commit_s"]
             out["save_s"] = await _save(actor, n, 20, 0, centrals, later, sent)
@@ -230,7 +233,7 @@ def one(model: str, n: int) -> dict[str, Any]:
         # A later restart with the actor still up: its reader process holds the pre-scan of step
         # 1000's .metadata, and step 10000's (byte items a byte longer again) differs from it only
         # in atoms, so only its decode and checks run (format/scandiff.py).
-        asyncio.run(_save(actor, n, 10000, 0, centrals, _Calls(), sent, True))
+        asyncio.run(_save(actor, n, 10000, 0, kept["centrals"], _Calls(), sent, True))
         t0 = time.perf_counter()
         point = asyncio.run(actor.acquire("bench", "latest", "size"))
         out["resume_next_s"] = time.perf_counter() - t0
