@@ -239,7 +239,8 @@ def _metadata_bench(reps: int) -> None:
               f"(+{(check_on / check_off - 1) * 100:.0f}%); read again (its scan remembered): {warm * 1e3:.1f} ms "
               f"(+{(warm / check_off - 1) * 100:.0f}%)")
         print(f"  the next save's .metadata (its save id and path, 50 chunks' offsets changed), checked after "
-              f"this one: {check_next * 1e3:.1f} ms (+{(check_next / check_off - 1) * 100:.0f}%; its pre-scan carried over)")
+              f"this one: {check_next * 1e3:.1f} ms (+{(check_next / check_off - 1) * 100:.0f}%; "
+              "its pre-scan carried over)")
         print(f"  loading's unpickle: {load_off * 1e3:.1f} ms -> {load_on * 1e3:.1f} ms "
               f"(+{(load_on / load_off - 1) * 100:.0f}%; the layout check runs in the reader, "
               f"+{layout / load_off * 100:.0f}% more)")

@@ -145,7 +145,8 @@ def test_the_saves_of_one_job_are_scanned_once():
 
 def test_a_nest_in_place_of_an_atom_is_refused_as_the_full_scan_refuses_it():
     original = pickle.dumps(_metadata(12), protocol=2)
-    name, start, end = next(op for op in _opcodes(original) if op[0] in ("SHORT_BINUNICODE", "BINUNICODE") and op[1] > 200)
+    strings = ("SHORT_BINUNICODE", "BINUNICODE")
+    name, start, end = next(op for op in _opcodes(original) if op[0] in strings and op[1] > 200)
     hostile = original[:start] + _shared_nest(60) + original[end:]
     scans = PassedScans()
     scans.scan(original, "f")

@@ -39,8 +39,9 @@ from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format import sandbox, scancache
 from raytrain_ckpt.common.gcpause import collector_paused
 
-__all__ = ["BUDGET_ENV", "ATOM", "DEFAULT_BUDGET", "FRAME", "PROTO", "SYNC_EVERY", "PickleBudget", "check_pickle", "check_torch_save", "read_bounded",
-           "opcode_at", "scan_pickle", "stored_member", "torch_save_pickle"]
+__all__ = ["ATOM", "BUDGET_ENV", "DEFAULT_BUDGET", "FRAME", "PROTO", "SYNC_EVERY", "ZIP_ERRORS", "PickleBudget",
+           "check_pickle", "check_torch_save", "opcode_at", "read_bounded", "scan_pickle", "stored_member",
+           "torch_save_pickle"]
 
 ZIP_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error, NotImplementedError)
 """What ``zipfile`` raises on a damaged archive (``NotImplementedError``: a record claiming a zip

@@ -31,7 +31,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from raytrain_ckpt.checkpoint.format.prescan import DEFAULT_BUDGET, FRAME, SYNC_EVERY, PickleBudget, opcode_at, scan_pickle
+from raytrain_ckpt.checkpoint.format.prescan import (DEFAULT_BUDGET, FRAME, SYNC_EVERY, PickleBudget, opcode_at,
+                                                     scan_pickle)
 
 __all__ = ["PassedScans"]
 

@@ -27,7 +27,8 @@ from typing import Any, BinaryIO
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, TensorHeaderRefused
 from raytrain_ckpt.checkpoint.format.prescan import ZIP_ERRORS, stored_member
 
-__all__ = ["CHUNK_PARSES", "MAX_HEADER", "ChunkHeader", "ChunkParses", "FileSlice", "load_chunk", "parse_chunk", "parse_tensor_pickle"]
+__all__ = ["CHUNK_PARSES", "MAX_HEADER", "ChunkHeader", "ChunkParses", "FileSlice", "load_chunk", "parse_chunk",
+           "parse_tensor_pickle"]
 
 MAX_HEADER = 64 << 10
 """Largest ``data.pkl`` of one tensor chunk (a 64-dimensional tensor's is about 1 KiB)."""
