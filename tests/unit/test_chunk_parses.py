@@ -96,3 +96,16 @@ def test_a_record_of_a_zip_version_zipfile_does_not_read_is_refused_not_raised()
     blob[at + 6:at + 8] = b"\xff\x00"
     with pytest.raises(InvalidCheckpoint, match="not a torch.save blob"):
         parse_chunk(io.BytesIO(bytes(blob)), "c")
+
+
+def test_a_parse_that_read_short_is_not_kept():
+    """A file shorter than its slice (a manifest whose sizes lie) reads short: kept, its trace would
+    match a complete blob whose own parse reads other bytes (its real end record) and refuses."""
+    short = _blob(torch.arange(6.0))
+    n = len(short) + 64
+    complete = short + b"PK\x05\x06" + b"\xff" * 60
+    parses = ChunkParses()
+    parses.parse(FileSlice(io.BytesIO(short), 0, n), "short")
+    with pytest.raises(InvalidCheckpoint, match="not a torch.save blob"):
+        parses.parse(FileSlice(io.BytesIO(complete), 0, n), "complete")
+    assert parses.full_parses == 2

@@ -60,7 +60,7 @@ def _verdict(scan, data: bytes) -> str | None:
 
 def _atom(rng: random.Random) -> bytes:
     """One atom opcode with its argument, of a random kind and length."""
-    kind = rng.randrange(8)
+    kind = rng.randrange(12)
     if kind == 0:
         return b"K" + bytes([rng.randrange(256)])
     if kind == 1:
@@ -77,7 +77,15 @@ def _atom(rng: random.Random) -> bytes:
     if kind == 6:
         n = rng.randrange(0, 12)
         return b"\x8a" + bytes([n]) + bytes(rng.randrange(256) for _ in range(n))
-    return b"X" + struct.pack("<I", 3) + b"abc"
+    if kind == 7:
+        return b"X" + struct.pack("<I", 3) + b"abc"
+    if kind == 8:
+        return b"I" + str(rng.randrange(-99999, 99999)).encode() + b"\n"  # a line atom
+    if kind == 9:
+        return b"ctorch\nSize\n"  # a global's name: an atom to the scan
+    if kind == 10:
+        return b"\x8d" + struct.pack("<Q", 2) + b"ab"  # an 8-byte length
+    return b"\x97"  # NEXT_BUFFER
 
 
 def _derive(data: bytes, ops: list, rng: random.Random) -> bytes:
@@ -189,3 +197,15 @@ def test_frames_a_file_adds_count_against_the_opcode_budget():
         scans.scan(two_more, "f", budget)
     with pytest.raises(InvalidCheckpoint, match=f"run over {ops + 1} opcodes"):
         scan_pickle(two_more, "f", budget)
+
+
+def test_a_raised_budget_is_applied_once(monkeypatch):
+    from raytrain_ckpt.checkpoint.format.prescan import BUDGET_ENV
+
+    monkeypatch.setenv(BUDGET_ENV, "2")
+    many = b"\x80\x02(" + b"N" * 300 + b"t."  # 302 opcodes: over 2 x 100, under 4 x 100
+    with pytest.raises(InvalidCheckpoint, match="run over 200 opcodes"):
+        PassedScans().scan(many, "f", PickleBudget(max_opcodes=100))
+    nest = b"\x80\x02N" + b"".join(b"\x94h" + bytes([i]) + b"\x86" for i in range(26)) + b"."
+    with pytest.raises(InvalidCheckpoint, match="over 100000000 nodes"):  # 2^27 nodes: over 2 x 50 M
+        PassedScans().scan(nest, "f")

@@ -66,16 +66,16 @@ class PassedScans:
 
     def scan(self, data: bytes, where: str, budget: PickleBudget = DEFAULT_BUDGET) -> None:
         """``prescan.scan_pickle(data, where, budget)``: the same verdict, the same message."""
-        budget = budget.scaled()
+        scaled = budget.scaled()  # (what the scan holds the file to; ``scan_pickle`` scales ``budget`` itself)
         for i, ref in enumerate(self._passed):
-            if ref.budget == budget and len(data) <= budget.max_bytes and same_scan(ref, data):
+            if ref.budget == scaled and len(data) <= scaled.max_bytes and same_scan(ref, data):
                 self._passed.insert(0, self._passed.pop(i))
                 return
         self.full_scans += 1
         sync: list[int] = []
         stop_end, ops = scan_pickle(data, where, budget, sync)
         if len(data) <= self.max_bytes:
-            self._passed.insert(0, _Passed(bytes(data), sync, stop_end, ops, budget))
+            self._passed.insert(0, _Passed(bytes(data), sync, stop_end, ops, scaled))
             del self._passed[self.keep:]
 
 

@@ -273,7 +273,8 @@ class ChunkParses:
     (every rank's shard of a tensor, every step of a job) differ only in the tensor bytes, which
     the parse never reads: ``verify --checksum`` of a root parses each layout once, not each chunk.
     Bounded: ``entries`` headers, traces of at most ``max_trace`` bytes, ``shapes`` read patterns
-    a length. Refusals are not kept (a refused blob is parsed each time)."""
+    a length. Refusals are not kept (a refused blob is parsed each time), nor a parse any of whose
+    reads got less than it asked for (a file shorter than its slice)."""
 
     def __init__(self, entries: int = 4096, max_trace: int = 4096, shapes: int = 4) -> None:
         self.entries, self.max_trace, self.shapes = entries, max_trace, shapes
@@ -289,14 +290,17 @@ class ChunkParses:
             if header is not None:
                 return header
         self.full_parses += 1
-        trace: list[tuple[int, bytes]] = []
+        trace: list[tuple[int, int, bytes]] = []
         archive, header, _ = _open(f.traced(trace), where)
         archive.close()
-        if sum(len(data) for _, data in trace) <= self.max_trace:
-            pattern = tuple((pos, len(data)) for pos, data in trace)
+        # kept only if every read got all it asked for: a file shorter than its slice (a step whose
+        # manifest's sizes lie) reads short, and a blob that agrees at those reads would parse other bytes
+        if all(len(data) == asked for _, asked, data in trace) and sum(n for _, n, _ in trace) <= self.max_trace:
+            pattern = tuple((pos, asked) for pos, asked, _ in trace)
             if len(self._headers) >= self.entries:
                 self._headers.clear()
-            self._headers[(n, pattern, tuple(data for _, data in trace))] = header
+                self._patterns.clear()
+            self._headers[(n, pattern, tuple(data for _, _, data in trace))] = header
             known = self._patterns.setdefault(n, [])
             if pattern not in known:
                 known.insert(0, pattern)
@@ -329,7 +333,8 @@ def load_chunk(f: BinaryIO, where: str) -> Any:
 class FileSlice(io.RawIOBase):
     """Bytes ``offset .. offset + length`` of the seekable binary stream ``f``, as a seekable stream."""
 
-    def __init__(self, f: BinaryIO, offset: int, length: int, trace: list[tuple[int, bytes]] | None = None) -> None:
+    def __init__(self, f: BinaryIO, offset: int, length: int,
+                 trace: list[tuple[int, int, bytes]] | None = None) -> None:
         super().__init__()
         self._f, self._start, self._len, self._pos = f, offset, length, 0
         self._trace = trace
@@ -338,8 +343,8 @@ class FileSlice(io.RawIOBase):
     def length(self) -> int:
         return self._len
 
-    def traced(self, trace: list[tuple[int, bytes]]) -> FileSlice:
-        """The same bytes, each read noted in ``trace`` as (position, bytes read)."""
+    def traced(self, trace: list[tuple[int, int, bytes]]) -> FileSlice:
+        """The same bytes, each read noted in ``trace`` as (position, bytes asked for, bytes read)."""
         return FileSlice(self._f, self._start, self._len, trace)
 
     def read_at(self, pattern: tuple[tuple[int, int], ...]) -> tuple[bytes, ...]:
@@ -372,6 +377,6 @@ class FileSlice(io.RawIOBase):
         data = self._f.read(n)
         buffer[:len(data)] = data
         if self._trace is not None:
-            self._trace.append((self._pos, data))
+            self._trace.append((self._pos, n, data))
         self._pos += len(data)
         return len(data)
