@@ -68,8 +68,8 @@ def _data_pickle(data: bytes, where: str, args: dict[str, Any]) -> None:
 
 
 def _metadata(data: bytes, where: str, args: dict[str, Any]) -> Any:
-    return metadata_verdict(data, where, args.get("files"), chunks=bool(args.get("chunks")),
-                            decode_only=bool(args.get("decode_only")), passed=PASSED)
+    return metadata_verdict(data, where, args.get("files"), PASSED, chunks=bool(args.get("chunks")),
+                            decode_only=bool(args.get("decode_only")))
 
 
 KINDS: dict[str, Callable[[bytes, str, dict[str, Any]], Any]] = {"metadata": _metadata, "pickle": _data_pickle}

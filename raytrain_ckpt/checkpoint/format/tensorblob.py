@@ -295,7 +295,7 @@ class ChunkParses:
         archive.close()
         # kept only if every read got all it asked for: a file shorter than its slice (a step whose
         # manifest's sizes lie) reads short, and a blob that agrees at those reads would parse other bytes
-        if all(len(data) == asked for _, asked, data in trace) and sum(n for _, n, _ in trace) <= self.max_trace:
+        if all(len(data) == asked for _, asked, data in trace) and sum(a for _, a, _ in trace) <= self.max_trace:
             pattern = tuple((pos, asked) for pos, asked, _ in trace)
             if len(self._headers) >= self.entries:
                 self._headers.clear()

@@ -20,7 +20,7 @@ from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
 from raytrain_ckpt.checkpoint.format.chunks import layout_problem, tensor_ranges
 from raytrain_ckpt.checkpoint.format.names import check_file_name
 from raytrain_ckpt.checkpoint.format import sandbox, scancache
-from raytrain_ckpt.checkpoint.format.prescan import DEFAULT_BUDGET, read_bounded, scan_pickle
+from raytrain_ckpt.checkpoint.format.prescan import DEFAULT_BUDGET, read_bounded
 from raytrain_ckpt.checkpoint.format.scandiff import PassedScans
 from raytrain_ckpt.common.gcpause import collector_paused
 
@@ -265,15 +265,12 @@ def _check_args(files: Collection[str] | Mapping[str, int] | None, chunks: bool)
 
 
 def metadata_verdict(data: bytes, name: str, files: Collection[str] | Mapping[str, int] | None,
-                     chunks: bool = False, decode_only: bool = False, passed: PassedScans | None = None) -> list | None:
+                     passed: PassedScans, chunks: bool = False, decode_only: bool = False) -> list | None:
     """The torch-free check of the ``.metadata`` bytes ``data`` (what the reader process runs);
     with ``chunks``, the byte ranges of its tensor chunks; with ``decode_only``, only the decode
     (what loading then repeats, judging the objects it built itself). ``passed``: the pickles this
     process scanned before, which spare the pre-scan of one that differs only in atoms."""
-    if passed is None:
-        scan_pickle(data, name)
-    else:
-        passed.scan(data, name)
+    passed.scan(data, name)
     top = unpickle(_CheckingUnpickler(io.BytesIO(data)), name)
     if decode_only:
         return None
