@@ -28,10 +28,12 @@ the plan's build time (and, each in a forked child stopped at ``SCALE_DCP_CAP_S`
 coordinator's planner alone and DCP's ``DefaultSavePlanner.create_global_plan`` on the same local
 plans: the peer column), the ``.metadata`` size, the commit time, the coordinator's work per save
 (the sum of its methods' time for the second save), the calls and pickled bytes into the actor
-per save, the process's peak memory growth during the coordinator's work, the resume plan
-(``acquire``: verify the newest step to sizes and lease it) and ``ls``/``status`` on the root,
-each again, and the resume plan after one more save by the same actor (its reader process keeps
-the last pre-scans: a restart while the actor lives);
+per save, the process's peak memory growth during the coordinator's work, the time the actor's
+check of the newest commit took (``roles/resumecheck.py``, off the save path), the resume plan
+(``acquire``: verify the newest step to sizes and lease it) once that check is done (a restart
+while the actor lives), the resume plan and ``ls``/``status`` on the root in a process that has
+checked nothing (``cold``: a fresh actor on another machine, a new command), each again, and the
+check and the resume plan after one more save that wrote a new ``.metadata``;
 then each figure's growth exponent (the slope of log(figure) over log(N) between the two
 largest N), where 1.0 is linear.
 
@@ -212,12 +214,24 @@ def one(model: str, n: int) -> dict[str, Any]:
         out["changed_mb"] = changed.total()[1] / 1e6
         step_dir = actor.layout.step_dir(1000)
         out["metadata_mb"] = os.path.getsize(os.path.join(step_dir, ".metadata")) / 1e6
+        # The actor checks each committed step's .metadata as a resume plan would, off the save
+        # path (roles/resumecheck.py): a restart while the actor lives then finds the verdict.
+        assert actor.resume_check.wait(600) and actor.resume_check.passed[-1] == 1000, actor.resume_check.passed
+        out["resume_check_s"] = actor.resume_check.took_s
         t0 = time.perf_counter()
         point = asyncio.run(actor.acquire("bench", "latest", "size"))
         out["resume_s"] = time.perf_counter() - t0
         assert point is not None and point.step == 1000, point
         from raytrain_ckpt.report.inventory import status_report
 
+        # A process that has checked nothing (the scan cache's disk part is off): a fresh actor on
+        # another machine, and ls/status from a new command.
+        _cold()
+        t0 = time.perf_counter()
+        point = asyncio.run(actor.acquire("bench", "latest", "size"))
+        out["resume_cold_s"] = time.perf_counter() - t0
+        assert point is not None and point.step == 1000, point
+        _cold()
         t0 = time.perf_counter()
         text, data = status_report(root, "size")
         out["ls_status_s"] = time.perf_counter() - t0
@@ -230,15 +244,26 @@ def one(model: str, n: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         status_report(root, "size")
         out["ls_status_again_s"] = time.perf_counter() - t0
-        # A later restart with the actor still up: its reader process holds the pre-scan of step
-        # 1000's .metadata, and step 10000's (byte items a byte longer again) differs from it only
-        # in atoms, so only its decode and checks run (format/scandiff.py).
+        # One more save, its byte items a byte longer again (a new .metadata): a restart once its
+        # check is done, and the check's own time after the commit.
         asyncio.run(_save(actor, n, 10000, 0, kept["centrals"], _Calls(), sent, True))
+        assert actor.resume_check.wait(600) and actor.resume_check.passed[-1] == 10000, actor.resume_check.passed
+        out["resume_next_check_s"] = actor.resume_check.took_s
         t0 = time.perf_counter()
         point = asyncio.run(actor.acquire("bench", "latest", "size"))
         out["resume_next_s"] = time.perf_counter() - t0
         assert point is not None and point.step == 10000, point
     return out
+
+
+def _cold() -> None:
+    """Forget every verdict of this process: its remembered passes and its reader process (with
+    the pre-scans it carries over, ``format/scandiff.py``), as a new process starts."""
+    from raytrain_ckpt.checkpoint.format import sandbox, scancache
+
+    scancache._SEEN.clear()
+    with sandbox._READER._lock:
+        sandbox._READER._stop()
 
 
 DCP_CAP_S = float(os.environ.get("SCALE_DCP_CAP_S", "300"))
@@ -464,9 +489,10 @@ COLUMNS = [("plan_s", "plan+metadata s", "{:.3f}"), ("global_plan_s", "global pl
            ("calls", "calls/save", "{:d}"),
            ("mb", "MB in/save", "{:.1f}"), ("changed_mb", "MB in changed", "{:.1f}"),
            ("first_mb", "MB in 1st", "{:.1f}"), ("peak_mb", "peak MB", "{:.0f}"),
-           ("resume_s", "resume plan s", "{:.3f}"), ("ls_status_s", "ls/status s", "{:.3f}"),
+           ("resume_check_s", "check after commit s", "{:.3f}"), ("resume_s", "resume plan s", "{:.3f}"),
+           ("resume_cold_s", "resume plan cold s", "{:.3f}"), ("ls_status_s", "ls/status cold s", "{:.3f}"),
            ("resume_again_s", "resume again s", "{:.3f}"), ("ls_status_again_s", "ls/status again s", "{:.3f}"),
-           ("resume_next_s", "resume after next save s", "{:.3f}"),
+           ("resume_next_check_s", "next check s", "{:.3f}"), ("resume_next_s", "resume after next save s", "{:.3f}"),
            ("plans_mb", "RSS w/ plans MB", "{:.0f}"),
            ("poll_s", "poll s", "{:.3f}"), ("ray_first_save_s", "Ray actor 1st save s", "{:.3f}"),
            ("ray_save_s", "Ray actor save s", "{:.3f}")]

@@ -26,8 +26,8 @@ from raytrain_ckpt.checkpoint.format.tensorblob import FileSlice, parse_chunk
 from raytrain_ckpt.checkpoint.format.prescan import read_bounded
 from raytrain_ckpt.checkpoint.format.unpickling import MetadataChecks, check_metadata_stream
 
-__all__ = ["MAX_MANIFEST_BYTES", "StepFiles", "Verify", "check_file", "read_manifest", "step_problems",
-           "verify_step", "verify_steps"]
+__all__ = ["MAX_MANIFEST_BYTES", "StepFiles", "Verify", "check_file", "metadata_problem", "read_manifest",
+           "step_problems", "verify_step", "verify_steps"]
 
 Verify = Literal["size", "checksum"]
 """How deep a step is verified: file sizes (cheap), or also every file's checksum (reads every byte)."""
@@ -71,6 +71,13 @@ def step_problems(path: Location, files: StepFiles, progress: Callable[[int], No
     except InvalidCheckpoint as exc:
         return [str(exc)]
     return list(_problems(files, path, manifest, level, progress))
+
+
+def metadata_problem(files: StepFiles, path: Location, manifest: Manifest) -> str | None:
+    """The problem loading would find in a step's ``.metadata`` against ``manifest``'s file sizes
+    (the check ``verify_step`` ends with at the ``size`` level, whose pass is remembered by content),
+    or None. Not the files' sizes or checksums: the caller knows them."""
+    return next(_metadata_problems(files, path, {n: e.size for n, e in manifest.files.items()}, False), None)
 
 
 def read_manifest(files: StepFiles, path: Location) -> Manifest:

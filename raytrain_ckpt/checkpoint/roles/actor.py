@@ -27,6 +27,7 @@ from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.records import ActorStatus, CentralPlan, FileSum, GroupLayout, JobNote, ProbesSeen, RankReport, ResumePoint, SaveCosts, WriterRef
 from raytrain_ckpt.checkpoint.roles.board import StatusBoard
 from raytrain_ckpt.checkpoint.roles.coordinator import SaveCoordinator
+from raytrain_ckpt.checkpoint.roles.resumecheck import ResumeCheck
 from raytrain_ckpt.checkpoint.roles.retainer import Retainer, out_of_space
 from raytrain_ckpt.checkpoint.roles.steps import StepRegistry
 from raytrain_ckpt.checkpoint.roles.timeline import ResumeTimeline
@@ -52,6 +53,10 @@ RESTART_RETRIES = 3
 fails, and a save whose calls failed is aborted; these run on the restarted actor instead, which
 reads back the plan the ranks save with (``SaveCoordinator._plan_back``), so that save commits."""
 
+RESUME_CHECK_WAIT_S = 60.0
+"""How long a resume plan waits for the check of the newest commit still running (``ResumeCheck``)
+before it checks the step itself."""
+
 
 class CheckpointActor:
     """Async Ray actor; see the module docstring. Methods are called by writers, trainers and the driver."""
@@ -71,6 +76,7 @@ class CheckpointActor:
         self.steps = StepRegistry(self.layout, self.metrics, group, lambda *moved: self.board.progress(*moved))
         self.retainer = Retainer(self.layout, retention, self.steps, self.metrics, leftover_grace_s)
         self.timeline = ResumeTimeline(self.layout, options, self.steps, self.retainer)
+        self.resume_check = ResumeCheck(self.layout, self.steps.committed)
         self.coordinator = SaveCoordinator(self.layout, options, self.steps, retention, self.metrics, group,
                                            lambda step: self.board.stall(step))
         self.board = StatusBoard(self.layout.name, str(self.layout.root), self.steps, self.retainer, self.metrics,
@@ -162,6 +168,7 @@ class CheckpointActor:
         if out == "committed":
             # The step is durable from here on: whatever retention does cannot make it an abort.
             await asyncio.to_thread(self.retainer.purge)
+            self.resume_check.committed(report.step)
         return out
 
     async def settle(self, timeout_s: float) -> None:
@@ -199,10 +206,12 @@ class CheckpointActor:
 
     async def acquire(self, holder: str, resume: str, verify: Verify) -> ResumePoint | None:
         """See ``ResumeTimeline.acquire``."""
+        await asyncio.to_thread(self.resume_check.wait, RESUME_CHECK_WAIT_S)
         return await self.timeline.acquire(holder, resume, verify)
 
     async def begin(self, holder: str, resume: str, verify: Verify) -> ResumePoint | None:
         """See ``ResumeTimeline.begin``."""
+        await asyncio.to_thread(self.resume_check.wait, RESUME_CHECK_WAIT_S)
         return await self.timeline.begin(holder, resume, verify)
 
     async def start_timeline(self, step: int | None, path: str | None, resume: str) -> None:

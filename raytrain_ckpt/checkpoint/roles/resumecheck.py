@@ -1,0 +1,106 @@
+"""Each committed step checked as a restart's resume plan checks it, right after its commit.
+
+A restart's resume plan (``ResumeTimeline.acquire``) verifies the newest step before the ranks
+load it: the sizes of its files, then its ``.metadata`` in the reader process (the pre-scan, the
+restricted decode, the chunk layout against the manifest's sizes). That last part is O(items):
+8.5 s at 64 ranks of 70B on a cold reader. Its pass is remembered by content
+(``format/scancache.py``: in this process, and in the user's cache directory of this node), so this
+class runs the same check on a thread of the CheckpointActor as soon as a step commits, while
+training goes on. The commit and the trainers never wait for it; a restart that comes after it
+reads only the sizes and the SHA-256 of ``.metadata``. A restart that comes while it runs waits for
+it rather than doing it a second time beside it (``wait``).
+
+A save whose ``.metadata`` and file sizes are the last passed step's (what most saves are: the
+coordinator copies the last ``.metadata`` when the ranks' results repeat, ``repeats.py``) is not
+read again: its key in the cache is the one that passed.
+
+A step the check refuses is said at once, as a warning naming the step and the reason, rather
+than first when a restart skips it and loses the steps since the one before: its files are intact,
+but a restart would not resume from it (say, a ``.metadata`` past the reader's budget, which
+``RAYTRAIN_CKPT_PICKLE_BUDGET`` raises). Only the newest step is checked: a commit while a check
+runs replaces the step waiting for one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+
+from raytrain_ckpt.checkpoint.format.manifest import Manifest
+from raytrain_ckpt.checkpoint.format.verify import metadata_problem
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ResumeCheck"]
+
+
+class ResumeCheck:
+    """Checks the newest committed step's ``.metadata`` off the save path (see the module docstring)."""
+
+    def __init__(self, layout: CheckpointLayout, committed: Mapping[int, Manifest]) -> None:
+        self.layout, self._committed = layout, committed
+        self._lock = threading.Lock()
+        self._next: int | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._last_pass: tuple | None = None
+        self.passed: list[int] = []
+        """The steps whose check passed, oldest first (the last 16)."""
+        self.refused: dict[int, str] = {}
+        """Committed steps a restart would not resume from, and why (the last 16)."""
+        self.took_s: float | None = None
+        """Seconds the last check took (``bench/scale.py``)."""
+
+    def committed(self, step: int) -> None:
+        """``step`` was just committed: check it on this object's thread (started if idle)."""
+        with self._lock:
+            self._next = step
+            if not self._idle.is_set():
+                return  # the running thread takes it next
+            self._idle.clear()
+        threading.Thread(target=self._run, name="resume-check", daemon=True).start()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until no check runs (at most ``timeout_s``); whether none does."""
+        return self._idle.wait(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                step, self._next = self._next, None
+                if step is None:
+                    self._idle.set()
+                    return
+            t0 = time.perf_counter()
+            try:
+                self._check(step)
+                self.took_s = time.perf_counter() - t0
+            except Exception as exc:  # noqa: BLE001 - a warm-up only: the restart checks in full anyway
+                logger.debug("resume check of step %d did not run: %s", step, exc)
+
+    def _check(self, step: int) -> None:
+        manifest = self._committed.get(step)
+        if manifest is None or ".metadata" not in manifest.files:
+            return  # deleted by retention or moved aside meanwhile
+        entry = manifest.files[".metadata"]
+        key = (entry.size, entry.checksum, tuple(sorted((n, e.size) for n, e in manifest.files.items())))
+        if key == self._last_pass:
+            self._keep(self.passed, step)
+            return
+        problem = metadata_problem(self.layout.storage, self.layout.step_dir(step), manifest)
+        if problem is None:
+            self._last_pass = key
+            self._keep(self.passed, step)
+        elif step in self._committed:  # (not a file retention removed while it was read)
+            self.refused[step] = problem
+            while len(self.refused) > 16:
+                del self.refused[min(self.refused)]
+            logger.warning("step %d is committed, but a restart would not resume from it: %s", step, problem)
+
+    @staticmethod
+    def _keep(steps: list[int], step: int) -> None:
+        steps.append(step)
+        del steps[:-16]

@@ -1,0 +1,126 @@
+"""A committed step is checked as a restart's resume plan checks it, right after the commit
+(``roles/resumecheck.py``): real saves through the CheckpointActor, real DCP files, the real reader
+process. The resume plan that follows decodes nothing, and a step the check refuses is said at the
+commit, with the reason the resume plan then gives for skipping it.
+
+The scan cache's disk part is off and its memory emptied in each test, so the only verdict a resume
+plan can find is one this process made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from raytrain_ckpt.checkpoint.format import sandbox, scancache
+from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
+from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport
+from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
+
+
+@pytest.fixture
+def decodes(monkeypatch) -> list[str]:
+    """The names of the files the reader process is asked to decode from now on (the real
+    decode still runs); no verdict of an earlier test or command is found."""
+    monkeypatch.setenv(scancache.CACHE_ENV, "0")
+    scancache._SEEN.clear()
+    asked: list[str] = []
+    real = sandbox.decode_in_sandbox
+
+    def counted(kind, data, where, *args, **kwargs):
+        asked.append(where)
+        return real(kind, data, where, *args, **kwargs)
+
+    monkeypatch.setattr(sandbox, "decode_in_sandbox", counted)
+    return asked
+
+
+def _actor(root: Path) -> CheckpointActor:
+    actor = CheckpointActor(str(root), RetentionPolicy(None))
+    asyncio.run(actor.configure(GroupLayout(world_size=1, dp_size=1, spec_hash="h")))
+    return actor
+
+
+def _save(actor: CheckpointActor, step: int, cut: int = 0, plans: dict | None = None) -> str:
+    """One real save of a single-rank group; ``cut`` bytes are lost from the end of its data file
+    before the writer reports it (the manifest then records the shorter file: every file is
+    intact by its checksum, but the tensor chunks run past the end). With ``plans``, the plan made
+    for an earlier save is kept there and saved with again, as a trainer does."""
+
+    async def save() -> str:
+        state = {"w": torch.arange(4096.0) + step, "step": step}
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state, is_coordinator=True)
+        local = planner.create_local_plan()
+        central = (plans or {}).get("central") or await actor.plan(0, step, 0, local, timeout_s=5)
+        if plans is not None:
+            plans["central"] = central
+        plan = planner.finish_plan(central.plan)
+        tmp = Path(await actor.accepted(step, 0, 0))
+        writer = FileSystemWriter(tmp, sync_files=False)
+        writer.set_up_storage_writer(False, rank=0)
+        results = writer.write_data(plan, planner).wait()
+        for p in tmp.glob("*.distcp"):
+            os.truncate(p, p.stat().st_size - cut)
+        files = {p.name: {"size": p.stat().st_size, "crc32": zlib.crc32(p.read_bytes())} for p in tmp.iterdir()}
+        return await actor.report(RankReport(step, 0, 0, central.plan_id, results, files))
+
+    return asyncio.run(save())
+
+
+def test_the_resume_plan_after_a_commit_decodes_nothing(tmp_path: Path, decodes: list[str]) -> None:
+    actor = _actor(tmp_path)
+    assert _save(actor, 5) == "committed"
+    assert actor.resume_check.wait(60)
+    assert actor.resume_check.passed == [5] and not actor.resume_check.refused
+    assert decodes == [str(actor.layout.step_dir(5) / ".metadata")]  # the check, once
+    point = asyncio.run(actor.acquire("attempt-1", "latest", "size"))
+    assert point is not None and point.step == 5
+    assert len(decodes) == 1  # the resume plan found the check's verdict
+    # What the verdict saved: the same resume plan where no check ran (a new process) decodes.
+    scancache._SEEN.clear()
+    assert asyncio.run(actor.acquire("attempt-2", "latest", "size")).step == 5
+    assert len(decodes) == 2
+
+
+def test_a_step_a_restart_would_not_resume_from_is_said_at_its_commit(tmp_path: Path, decodes: list[str],
+                                                                      caplog) -> None:
+    actor = _actor(tmp_path)
+    assert _save(actor, 5) == "committed"
+    assert actor.resume_check.wait(60)
+    with caplog.at_level(logging.WARNING):
+        assert _save(actor, 6, cut=100) == "committed"
+        assert actor.resume_check.wait(60)
+    reason = actor.resume_check.refused[6]
+    assert "past the end of __0_0.distcp" in reason, reason
+    assert "step 6 is committed" in caplog.text and "would not resume from it" in caplog.text
+    assert reason in caplog.text
+    assert 6 in actor.committed  # said, not deleted: retention alone removes committed steps
+    # The resume plan agrees: it skips step 6 for the same reason and resumes from step 5.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        point = asyncio.run(actor.acquire("attempt-1", "latest", "size"))
+    assert point is not None and point.step == 5
+    assert "not resuming from step 6" in caplog.text and reason in caplog.text
+
+
+def test_a_save_with_the_last_steps_metadata_is_not_decoded_again(tmp_path: Path, decodes: list[str]) -> None:
+    actor, plans = _actor(tmp_path), {}
+    assert _save(actor, 5, plans=plans) == "committed"
+    assert actor.resume_check.wait(60)
+    # Step 6 holds the same results (the same byte items: a one-digit step), so the coordinator
+    # copies step 5's .metadata; it is checked by its manifest entry, not decoded again.
+    assert _save(actor, 6, plans=plans) == "committed"
+    assert actor.resume_check.wait(60)
+    assert actor.coordinator.repeats.reused == 1
+    assert actor.resume_check.passed == [5, 6] and len(decodes) == 1
+    assert asyncio.run(actor.acquire("attempt-1", "latest", "size")).step == 6
+    assert len(decodes) == 1
