@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from raytrain_ckpt.checkpoint.format import sandbox, scancache
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport
+from raytrain_ckpt.checkpoint.roles import resumecheck
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
 
 
@@ -124,3 +125,41 @@ def test_a_save_with_the_last_steps_metadata_is_not_decoded_again(tmp_path: Path
     assert actor.resume_check.passed == [5, 6] and len(decodes) == 1
     assert asyncio.run(actor.acquire("attempt-1", "latest", "size")).step == 6
     assert len(decodes) == 1
+
+
+def test_a_thread_that_cannot_start_leaves_the_check_ready_for_the_next_commit(tmp_path: Path, decodes: list[str],
+                                                                                 monkeypatch, caplog) -> None:
+    actor = _actor(tmp_path)
+    with monkeypatch.context() as m:
+        # The commit's own work runs on the event loop's executor threads: only the check's start fails.
+        def refuse(self):
+            raise RuntimeError("can't start new thread")
+
+        m.setattr(resumecheck.threading.Thread, "start", refuse)
+        with caplog.at_level(logging.WARNING):
+            actor.resume_check.committed(5)
+    assert "step 5 is not checked ahead of a restart" in caplog.text
+    assert actor.resume_check.wait(0)  # idle again: a restart does not wait for a check that never ran
+    assert _save(actor, 6) == "committed"
+    assert actor.resume_check.wait(60) and actor.resume_check.passed == [6]
+
+
+def test_a_step_retention_takes_away_while_it_is_checked_is_not_called_unresumable(tmp_path: Path,
+                                                                                    decodes: list[str],
+                                                                                    caplog) -> None:
+    actor = _actor(tmp_path)
+    assert _save(actor, 5) == "committed"
+    assert actor.resume_check.wait(60)
+    # Retention renames a step out of its place first and forgets it after: the check reads in between.
+    step = actor.layout.step_dir(5)
+    os.rename(step, tmp_path / ".tmp-deleting")
+    with caplog.at_level(logging.WARNING):
+        actor.resume_check._last_pass = None
+        actor.resume_check._check(5)
+    assert 5 not in actor.resume_check.refused and "would not resume" not in caplog.text
+    # The same read of a step still in its place is a refusal (the check is not simply silenced).
+    os.rename(tmp_path / ".tmp-deleting", step)
+    (step / ".metadata").unlink()
+    with caplog.at_level(logging.WARNING):
+        actor.resume_check._check(5)
+    assert "unreadable" in actor.resume_check.refused[5] and "step 5 is committed" in caplog.text

@@ -41,8 +41,8 @@ from typing import Any
 
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, ReaderGone, UnsafeCheckpoint
 
-__all__ = ["DEFAULT_LIMITS", "LIMITS_ENV", "ReadLimits", "collect_decodes", "decode_in_sandbox", "start_reader",
-           "submit_decodes"]
+__all__ = ["DEFAULT_LIMITS", "LIMITS_ENV", "ReadLimits", "collect_decodes", "decode_deadline_s", "decode_in_sandbox",
+           "start_reader", "submit_decodes"]
 
 log = logging.getLogger(__name__)
 
@@ -332,6 +332,11 @@ def submit_decodes(kind: str, jobs: list[tuple[bytes, str, dict[str, Any]]],
 def collect_decodes(batch: _Batch) -> list[Any]:
     """The answers of a ``submit_decodes`` batch, in its order."""
     return _READER.collect(batch)
+
+
+def decode_deadline_s(n_bytes: int, limits: ReadLimits = DEFAULT_LIMITS) -> float:
+    """The longest a decode of ``n_bytes`` may take on the wall clock before its reader is killed."""
+    return limits.scaled().for_size(n_bytes)[1] * _WALL_FACTOR + _WALL_SLACK_S
 
 
 def start_reader() -> None:

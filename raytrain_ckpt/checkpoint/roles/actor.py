@@ -53,11 +53,6 @@ RESTART_RETRIES = 3
 fails, and a save whose calls failed is aborted; these run on the restarted actor instead, which
 reads back the plan the ranks save with (``SaveCoordinator._plan_back``), so that save commits."""
 
-RESUME_CHECK_WAIT_S = 60.0
-"""How long a resume plan waits for the check of the newest commit still running (``ResumeCheck``)
-before it checks the step itself."""
-
-
 class CheckpointActor:
     """Async Ray actor; see the module docstring. Methods are called by writers, trainers and the driver."""
 
@@ -166,9 +161,9 @@ class CheckpointActor:
         """A writer finished a rank of a step; commits when all ranks are in, then applies retention."""
         out = await self.coordinator.report(report)
         if out == "committed":
+            self.resume_check.committed(report.step)  # before an acquire can come, so it waits for the check
             # The step is durable from here on: whatever retention does cannot make it an abort.
             await asyncio.to_thread(self.retainer.purge)
-            self.resume_check.committed(report.step)
         return out
 
     async def settle(self, timeout_s: float) -> None:
@@ -206,12 +201,14 @@ class CheckpointActor:
 
     async def acquire(self, holder: str, resume: str, verify: Verify) -> ResumePoint | None:
         """See ``ResumeTimeline.acquire``."""
-        await asyncio.to_thread(self.resume_check.wait, RESUME_CHECK_WAIT_S)
+        if verify == "size":  # (a checksum one parses every chunk itself: never remembered)
+            await asyncio.to_thread(self.resume_check.wait)
         return await self.timeline.acquire(holder, resume, verify)
 
     async def begin(self, holder: str, resume: str, verify: Verify) -> ResumePoint | None:
         """See ``ResumeTimeline.begin``."""
-        await asyncio.to_thread(self.resume_check.wait, RESUME_CHECK_WAIT_S)
+        if verify == "size":  # (a checksum one parses every chunk itself: never remembered)
+            await asyncio.to_thread(self.resume_check.wait)
         return await self.timeline.begin(holder, resume, verify)
 
     async def start_timeline(self, step: int | None, path: str | None, resume: str) -> None:

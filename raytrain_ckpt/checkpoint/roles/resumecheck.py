@@ -7,12 +7,15 @@ restricted decode, the chunk layout against the manifest's sizes). That last par
 (``format/scancache.py``: in this process, and in the user's cache directory of this node), so this
 class runs the same check on a thread of the CheckpointActor as soon as a step commits, while
 training goes on. The commit and the trainers never wait for it; a restart that comes after it
-reads only the sizes and the SHA-256 of ``.metadata``. A restart that comes while it runs waits for
-it rather than doing it a second time beside it (``wait``).
+reads only the sizes, and the CRC-32C and SHA-256 of ``.metadata``. A restart that comes while it
+runs waits for it rather than doing it a second time beside it (``wait``, for as long as the
+reader process may take over that file, plus a minute to read it).
 
-A save whose ``.metadata`` and file sizes are the last passed step's (what most saves are: the
-coordinator copies the last ``.metadata`` when the ranks' results repeat, ``repeats.py``) is not
-read again: its key in the cache is the one that passed.
+A save whose ``.metadata`` (by its manifest entry: size and CRC-32C, as this actor wrote it) and
+file sizes are the last passed step's (what most saves are: the coordinator copies the last
+``.metadata`` when the ranks' results repeat, ``repeats.py``) is not read again: the pass of those
+bytes is already remembered. Only a restart that asks for sizes waits (a ``checksum`` one parses
+every chunk itself, which is never remembered).
 
 A step the check refuses is said at once, as a warning naming the step and the reason, rather
 than first when a restart skips it and loses the steps since the one before: its files are intact,
@@ -28,13 +31,18 @@ import threading
 import time
 from collections.abc import Mapping
 
-from raytrain_ckpt.checkpoint.format.manifest import Manifest
+from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
+from raytrain_ckpt.checkpoint.format.sandbox import decode_deadline_s
 from raytrain_ckpt.checkpoint.format.verify import metadata_problem
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ResumeCheck"]
+__all__ = ["READ_ALLOWANCE_S", "ResumeCheck"]
+
+READ_ALLOWANCE_S = 60.0
+"""What a restart waiting for the check allows for reading ``.metadata``, beside its decode's own
+deadline (``sandbox.decode_deadline_s``)."""
 
 
 class ResumeCheck:
@@ -47,6 +55,7 @@ class ResumeCheck:
         self._idle = threading.Event()
         self._idle.set()
         self._last_pass: tuple | None = None
+        self._bound_s = READ_ALLOWANCE_S
         self.passed: list[int] = []
         """The steps whose check passed, oldest first (the last 16)."""
         self.refused: dict[int, str] = {}
@@ -56,16 +65,26 @@ class ResumeCheck:
 
     def committed(self, step: int) -> None:
         """``step`` was just committed: check it on this object's thread (started if idle)."""
+        manifest = self._committed.get(step)
+        if manifest is not None and ".metadata" in manifest.files:
+            self._bound_s = READ_ALLOWANCE_S + decode_deadline_s(manifest.files[".metadata"].size)
         with self._lock:
             self._next = step
             if not self._idle.is_set():
                 return  # the running thread takes it next
             self._idle.clear()
-        threading.Thread(target=self._run, name="resume-check", daemon=True).start()
+        try:
+            threading.Thread(target=self._run, name="resume-check", daemon=True).start()
+        except RuntimeError as exc:  # no thread to be had (the process's limit, its shutdown)
+            with self._lock:
+                self._next = None
+                self._idle.set()
+            logger.warning("step %d is not checked ahead of a restart (%s); a restart checks it itself", step, exc)
 
-    def wait(self, timeout_s: float) -> bool:
-        """Block until no check runs (at most ``timeout_s``); whether none does."""
-        return self._idle.wait(timeout_s)
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until no check runs, at most ``timeout_s`` (default: as long as the running check
+        may take); whether none does."""
+        return self._idle.wait(self._bound_s if timeout_s is None else timeout_s)
 
     def _run(self) -> None:
         while True:
@@ -79,7 +98,8 @@ class ResumeCheck:
                 self._check(step)
                 self.took_s = time.perf_counter() - t0
             except Exception as exc:  # noqa: BLE001 - a warm-up only: the restart checks in full anyway
-                logger.debug("resume check of step %d did not run: %s", step, exc)
+                logger.warning("the check of step %d ahead of a restart failed (%s: %s); a restart checks it itself",
+                               step, type(exc).__name__, exc)
 
     def _check(self, step: int) -> None:
         manifest = self._committed.get(step)
@@ -90,11 +110,14 @@ class ResumeCheck:
         if key == self._last_pass:
             self._keep(self.passed, step)
             return
-        problem = metadata_problem(self.layout.storage, self.layout.step_dir(step), manifest)
+        path = self.layout.step_dir(step)
+        problem = metadata_problem(self.layout.storage, path, manifest)
         if problem is None:
             self._last_pass = key
             self._keep(self.passed, step)
-        elif step in self._committed:  # (not a file retention removed while it was read)
+        elif step in self._committed and self.layout.storage.is_file(self.layout.storage.join(path, MANIFEST)):
+            # (retention and a new timeline take the manifest out of the step's place before they
+            # forget the step: a file they removed while it was read is not the step's problem)
             self.refused[step] = problem
             while len(self.refused) > 16:
                 del self.refused[min(self.refused)]
