@@ -53,6 +53,7 @@ RESTART_RETRIES = 3
 fails, and a save whose calls failed is aborted; these run on the restarted actor instead, which
 reads back the plan the ranks save with (``SaveCoordinator._plan_back``), so that save commits."""
 
+
 class CheckpointActor:
     """Async Ray actor; see the module docstring. Methods are called by writers, trainers and the driver."""
 
@@ -201,15 +202,19 @@ class CheckpointActor:
 
     async def acquire(self, holder: str, resume: str, verify: Verify) -> ResumePoint | None:
         """See ``ResumeTimeline.acquire``."""
-        if verify == "size":  # (a checksum one parses every chunk itself: never remembered)
-            await asyncio.to_thread(self.resume_check.wait)
+        await self._checked_ahead(verify)
         return await self.timeline.acquire(holder, resume, verify)
 
     async def begin(self, holder: str, resume: str, verify: Verify) -> ResumePoint | None:
         """See ``ResumeTimeline.begin``."""
-        if verify == "size":  # (a checksum one parses every chunk itself: never remembered)
-            await asyncio.to_thread(self.resume_check.wait)
+        await self._checked_ahead(verify)
         return await self.timeline.begin(holder, resume, verify)
+
+    async def _checked_ahead(self, verify: Verify) -> None:
+        """Let a check of the newest commit still running finish first (``ResumeCheck``): the resume
+        plan then finds its verdict. Not for a checksum one, which parses every chunk itself."""
+        if verify == "size":
+            await asyncio.to_thread(self.resume_check.wait)
 
     async def start_timeline(self, step: int | None, path: str | None, resume: str) -> None:
         """See ``ResumeTimeline.start_timeline``."""
