@@ -43,7 +43,11 @@ def _in_thread(spec) -> tuple[threading.Thread, dict[str, JobResult]]:
     return thread, out
 
 
-def test_a_writer_stopped_mid_run_is_named_replaced_and_the_job_finishes(ray_cluster, reference_20, tmp_path: Path):
+def test_a_writer_stopped_mid_run_is_named_replaced_and_the_job_finishes(ray_cluster, reference_20, tmp_path: Path,
+                                                                          monkeypatch):
+    # rank 0 pauses 1.5 s after steps 6-9: the writer is stopped after step 5's commit and before step 10's save
+    # is handed to it however busy the machine is (the steps alone leave well under a second for it)
+    monkeypatch.setenv(ENV_VAR, ";".join(f"slow@step:rank=0,step={s},seconds=1.5" for s in (6, 7, 8, 9)))
     spec = load_spec(DEMO, [*BASE, f"checkpoint.dir={tmp_path}"])
     thread, out = _in_thread(spec)
     node = ray.get_runtime_context().get_node_id()
