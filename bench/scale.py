@@ -261,7 +261,7 @@ def _cold() -> None:
     the pre-scans it carries over, ``format/scandiff.py``), as a new process starts."""
     from raytrain_ckpt.checkpoint.format import sandbox, scancache
 
-    scancache._SEEN.clear()
+    scancache.forget()
     with sandbox._READER._lock:
         sandbox._READER._stop()
 

@@ -32,7 +32,7 @@ def decodes(monkeypatch) -> list[str]:
     """The names of the files the reader process is asked to decode from now on (the real
     decode still runs); no verdict of an earlier test or command is found."""
     monkeypatch.setenv(scancache.CACHE_ENV, "0")
-    scancache._SEEN.clear()
+    scancache.forget()
     asked: list[str] = []
     real = sandbox.decode_in_sandbox
 
@@ -87,7 +87,7 @@ def test_the_resume_plan_after_a_commit_decodes_nothing(tmp_path: Path, decodes:
     assert point is not None and point.step == 5
     assert len(decodes) == 1  # the resume plan found the check's verdict
     # What the verdict saved: the same resume plan where no check ran (a new process) decodes.
-    scancache._SEEN.clear()
+    scancache.forget()
     assert asyncio.run(actor.acquire("attempt-2", "latest", "size")).step == 5
     assert len(decodes) == 2
 

@@ -189,32 +189,35 @@ def test_overlapping_chunks_of_equal_volume_are_named_in_any_dimension():
 
 
 def _plant_verdict(cache: Path, key: str, how: str) -> None:
-    """A verdict for ``key`` under ``cache/raytrain_ckpt/scanned`` that is not this user's own."""
+    """A verdict for ``key`` in a log under ``cache/raytrain_ckpt/scanned`` that is not this user's own."""
     import os
 
     base = cache / "raytrain_ckpt" / "scanned"
     if how == "symlinked":
         elsewhere = cache / "planted"
-        (elsewhere / key[:2]).mkdir(parents=True)
-        (elsewhere / key[:2] / key).touch()
+        elsewhere.mkdir(parents=True)
+        (elsewhere / scancache.LOG).write_text(f"{key}\n")
         base.parent.mkdir(parents=True)
         base.symlink_to(elsewhere)
         return
-    (base / key[:2]).mkdir(parents=True)
+    base.mkdir(parents=True)
     os.chmod(cache / "raytrain_ckpt", 0o700)
     os.chmod(base, 0o700)
-    os.chmod(base / key[:2], 0o700)
-    (base / key[:2] / key).touch()
+    (base / scancache.LOG).write_text(f"{key}\n")
+    os.chmod(base / scancache.LOG, 0o600)
     if how == "world-writable":
         os.chmod(base, 0o777)
     elif how == "foreign-owned":
-        os.chown(base / key[:2] / key, 12345, 12345)
+        os.chown(base / scancache.LOG, 12345, 12345)
+    elif how == "group-writable-log":
+        os.chmod(base / scancache.LOG, 0o620)
     elif how == "linked-verdict":
-        (base / key[:2] / key).unlink()
-        (base / key[:2] / key).symlink_to(cache / "anything")
+        (cache / "anything").write_text(f"{key}\n")
+        (base / scancache.LOG).unlink()
+        (base / scancache.LOG).symlink_to(cache / "anything")
 
 
-@pytest.mark.parametrize("how", ["world-writable", "symlinked", "foreign-owned", "linked-verdict"])
+@pytest.mark.parametrize("how", ["world-writable", "symlinked", "foreign-owned", "group-writable-log", "linked-verdict"])
 def test_a_verdict_that_is_not_ours_is_ignored(tmp_path, monkeypatch, how):
     import os
 
@@ -230,6 +233,56 @@ def test_a_verdict_that_is_not_ours_is_ignored(tmp_path, monkeypatch, how):
         check_pickle(nest, "x")
 
 
+def test_a_verdict_of_ours_is_taken(tmp_path, monkeypatch):
+    """The control of the test above: the same planted verdict, in a log that is this user's own,
+    spares the scan (so each refusal above is the ownership check's)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(scancache.CACHE_ENV)
+    scancache.forget()
+    nest = b"\x80\x02" + _shared_nest(40) + b"."
+    from raytrain_ckpt.checkpoint.format.prescan import DEFAULT_BUDGET
+
+    _plant_verdict(tmp_path / "cache", scancache.digest(nest, repr(DEFAULT_BUDGET.scaled())), "ours")
+    check_pickle(nest, "x")
+
+
+def test_the_verdict_log_is_read_from_where_this_process_stopped(tmp_path, monkeypatch):
+    """Verdicts other commands append are found on this process's next miss; a line still being
+    written, or one that is not a key, is not taken; a new log in the old one's place is read
+    from its start."""
+    import hashlib
+    import os
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(scancache.CACHE_ENV)
+    scancache.forget()
+    keys = [hashlib.sha256(bytes([i])).hexdigest() for i in range(6)]
+    scancache.remember_passes(keys[:2])
+    log = tmp_path / "cache" / "raytrain_ckpt" / "scanned" / scancache.LOG
+    assert log.read_text() == f"{keys[0]}\n{keys[1]}\n"
+    scancache.forget()                                     # a later command: only the log remembers
+    assert scancache.passed_before(keys[0]) and scancache.passed_before(keys[1])
+    assert not scancache.passed_before(keys[2])
+    with open(log, "a") as f:                              # another command appends, one line torn
+        f.write(f"{keys[2]}\nnot-a-key\n{keys[3][:30]}")
+    assert scancache.passed_before(keys[2])
+    assert not scancache.passed_before(keys[3])
+    with open(log, "a") as f:
+        f.write(f"{keys[3][30:]}\n")
+    assert scancache.passed_before(keys[3])
+    assert not scancache.passed_before("not-a-key")
+    monkeypatch.setattr(scancache, "LOG_MAX_BYTES", log.stat().st_size)
+    scancache.remember_pass(keys[4])                       # full: a new log begins with it
+    assert log.read_text() == f"{keys[4]}\n"
+    scancache.forget()
+    assert scancache.passed_before(keys[4]) and not scancache.passed_before(keys[0])
+    fresh = log.with_name("another-command.new")           # a new log put in place by another command,
+    fresh.write_text(f"{keys[5]}\n")                      # as long as the one this process read
+    os.chmod(fresh, 0o600)
+    os.replace(fresh, log)
+    assert scancache.passed_before(keys[5])
+
+
 def test_the_cache_folders_are_made_private_and_a_pass_is_remembered(tmp_path, monkeypatch):
     import os
     import stat
@@ -239,8 +292,8 @@ def test_the_cache_folders_are_made_private_and_a_pass_is_remembered(tmp_path, m
     os.umask(0o022)
     check_pickle(pickle.dumps({"a": 1}), "x")
     made = [tmp_path / "cache", tmp_path / "cache" / "raytrain_ckpt", tmp_path / "cache" / "raytrain_ckpt" / "scanned"]
-    made += [p for p in made[-1].iterdir()]
     assert [stat.S_IMODE(p.stat().st_mode) for p in made] == [0o700] * len(made)
+    assert [(p.name, stat.S_IMODE(p.stat().st_mode)) for p in made[-1].iterdir()] == [(scancache.LOG, 0o600)]
     monkeypatch.setattr(scancache, "_SEEN", set())
     assert scancache.passed_before(scancache.digest(pickle.dumps({"a": 1}), repr(
         __import__("raytrain_ckpt.checkpoint.format.prescan", fromlist=["x"]).DEFAULT_BUDGET.scaled())))
@@ -269,7 +322,7 @@ def test_steps_checked_together_get_the_verdicts_each_gets_alone(tmp_path):
             assert f"step-0000000{step}: .metadata" in str(verdict), verdict
         else:
             assert isinstance(verdict, Manifest) and verdict.step == step
-    scancache._SEEN.clear()
+    scancache.forget()
     for path, verdict in zip(paths, together):
         try:
             alone: object = layout.verify(path, "size")
@@ -296,7 +349,7 @@ def test_a_step_the_registry_checked_is_loaded_without_decoding_its_metadata_aga
                         lambda kind, data, where, *rest, **kw: decoded.append(where) or real(kind, data, where, *rest, **kw))
     assert "model.0.weight" in read_metadata(step).state_dict_metadata
     assert decoded == []
-    scancache._SEEN.clear()
+    scancache.forget()
     read_metadata(step)
     assert decoded == [str(step / ".metadata")]
 

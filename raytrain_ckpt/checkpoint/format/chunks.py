@@ -38,13 +38,23 @@ _ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2"
 
 
 def _dims(value: Any) -> tuple[int, ...] | None:
-    try:
-        dims = tuple(value)
-    except TypeError:
+    # (loops, not all() over a generator: this runs for every chunk of every .metadata read)
+    if type(value) is tuple:
+        dims = value
+    else:
+        try:
+            dims = tuple(value)
+        except TypeError:
+            return None
+    if len(dims) > 64:
         return None
-    if len(dims) > 64 or not all(type(d) is int and 0 <= d < 1 << 62 for d in dims):
-        return None
+    for d in dims:
+        if type(d) is not int or d < 0 or d >= _DIM_LIMIT:
+            return None
     return dims
+
+
+_DIM_LIMIT = 1 << 62
 
 
 def _itemsize(properties: Any) -> int | None:
@@ -101,8 +111,9 @@ def _tensor_problem(fqn: str, md: Any, chunks: Any, storage: dict, file_sizes: M
         offsets, sizes = _dims(getattr(chunk, "offsets", None)), _dims(getattr(chunk, "sizes", None))
         if offsets is None or sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
             return f"has a chunk without offsets and sizes of its {len(size)} dimensions"
-        if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
-            return f"has a chunk at {list(offsets)} of {list(sizes)} outside its size {list(size)}"
+        for o, s, d in zip(offsets, sizes, size):
+            if o + s > d:
+                return f"has a chunk at {list(offsets)} of {list(sizes)} outside its size {list(size)}"
         n = math.prod(sizes)
         covered += n
         if n:
@@ -124,7 +135,8 @@ def _tensor_problem(fqn: str, md: Any, chunks: Any, storage: dict, file_sizes: M
 def _bytes_problem(info: Any, need: int, file_sizes: Mapping[str, int] | None) -> str | None:
     if info is None:
         return "no data entry says where its bytes are"
-    path, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
+    path, offset = getattr(info, "relative_path", None), getattr(info, "offset", None)
+    length = getattr(info, "length", None)
     if not isinstance(path, str) or type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
         return "its data entry has no valid file, offset and length"
     if length < need:

@@ -4,17 +4,21 @@ The pre-scan (``prescan.py``) runs in Python at several times the cost of the pa
 and ``ls``, ``verify``, ``status --watch`` and a resume read the same ``.metadata`` files again and
 again. Its verdict depends only on the pickle's bytes and the budget, so a scan that passed is
 remembered under the SHA-256 of both (hashing runs at C speed, about 1 ms a megabyte): in this
-process, and between commands as an empty file named by that digest under
-``$XDG_CACHE_HOME/raytrain_ckpt/scanned/`` (else ``~/.cache/...``). Only passes are kept: a refused
-pickle is scanned again, so its message names its limit each time. A changed byte is another
-digest. The directory is trusted only when it is the user's own: each of ``raytrain_ckpt/``,
-``scanned/`` and the digest's folder is created ``0700`` (parents too, where this creates them) and
-checked with ``lstat`` before use (a real directory, owned by this uid, writable by no one else);
-a verdict file is opened ``O_NOFOLLOW`` and must be a regular file of this uid. Anything else is
-ignored (said at debug level) and the scan runs. The key also covers the checking code (a new version scans again) and, for a
-``.metadata``, the step's file names and sizes it was checked against; a ``.metadata`` whose whole
-check passed is then not even unpickled again. ``RAYTRAIN_CKPT_SCAN_CACHE=0`` leaves the directory alone (the in-process part
-stays); any error writing or reading it only means the scan runs.
+process, and between commands as a line of ``$XDG_CACHE_HOME/raytrain_ckpt/scanned/verdicts``
+(else ``~/.cache/...``), a log each command appends its passes to in one write and reads from
+where it last stopped. One file, not a file per verdict: a first ``ls`` of 1,000 steps created
+2,000 files, which took longer than the checks they remembered. Past ``LOG_MAX_BYTES`` a new log
+replaces it (a verdict lost only means a scan). Only passes are kept: a refused pickle is
+scanned again, so its message names its limit each time. A changed byte is another digest. The
+directory is trusted only when it is the user's own: ``raytrain_ckpt/`` and ``scanned/`` are
+created ``0700`` (parents too, where this creates them) and checked with ``lstat`` before each
+use (a real directory, owned by this uid, writable by no one else); the log is opened
+``O_NOFOLLOW`` and must be a regular file of this uid that no one else may write. Anything else is
+ignored (said at debug level) and the scan runs. The key also covers the checking code (a new
+version scans again) and, for a ``.metadata``, the step's file names and sizes it was checked
+against; a ``.metadata`` whose whole check passed is then not even unpickled again.
+``RAYTRAIN_CKPT_SCAN_CACHE=0`` leaves the directory alone (the in-process part stays); any error
+writing or reading it only means the scan runs.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import stat
 from pathlib import Path
 
-__all__ = ["CACHE_ENV", "passed_before", "remember_pass"]
+__all__ = ["CACHE_ENV", "forget", "passed_before", "remember_pass", "remember_passes"]
 
 CACHE_ENV = "RAYTRAIN_CKPT_SCAN_CACHE"
 """``0`` keeps the scan verdicts in memory only, not under the user's cache directory."""
@@ -34,6 +39,15 @@ log = logging.getLogger(__name__)
 
 _SEEN: set[str] = set()
 _SEEN_MAX = 100_000
+
+LOG = "verdicts"
+"""The log of passed keys in the cache directory: one 64-digit hex key a line, appended."""
+LOG_MAX_BYTES = 8 << 20
+"""Past this size (about 129,000 verdicts) the next append puts a new log in its place."""
+_LOG_SLACK = 1 << 20
+_KEY = re.compile(r"[0-9a-f]{64}")
+_READ: dict[str, tuple[tuple[int, int] | None, int, set[str] | None]] = {}
+"""Per log path: the file (device, inode) and how far this process has read it, into which set."""
 
 
 _CHECKERS = ("prescan.py", "unpickling.py", "chunks.py", "manifest.py", "names.py", "scancache.py")
@@ -83,56 +97,98 @@ def _ours(path: Path) -> bool:
     return True
 
 
-def _trusted(where: Path, key: str) -> Path | None:
-    """The key's folder when the cache and it are this user's own, else None (said at debug level)."""
-    if not (_ours(where.parent) and _ours(where) and _ours(where / key[:2])):
-        return None
-    return where / key[:2]
-
-
-def _verdict_is_ours(folder: Path, key: str) -> bool:
-    try:
-        fd = os.open(folder / key, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False  # missing, or a link (O_NOFOLLOW): no verdict
-    try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        log.debug("scan verdict %s ignored: not a file of this user, or writable by others", folder / key)
-        return False
-    return True
-
-
 def passed_before(key: str) -> bool:
     """Whether a pickle with this key passed its scan before (here, or in an earlier command whose
     verdict lies in a cache directory that only this user can write)."""
     if key in _SEEN:
         return True
     where = _directory()
-    folder = _trusted(where, key) if where is not None else None
-    found = folder is not None and _verdict_is_ours(folder, key)
-    if found:
-        _remember_here(key)
-    return found
+    if where is None or not (_ours(where.parent) and _ours(where)):
+        return False
+    _read_log(where / LOG)
+    return key in _SEEN
 
 
 def remember_pass(key: str) -> None:
     """Record that the pickle with this key passed its scan."""
-    _remember_here(key)
+    remember_passes([key])
+
+
+def remember_passes(keys: list[str]) -> None:
+    """Record that the pickles with these keys passed their scans: one append to the log."""
+    for key in keys:
+        _remember_here(key)
     where = _directory()
-    if where is None:
+    if where is None or not keys:
         return
     try:
-        _make_private(where / key[:2])
-        folder = _trusted(where, key)
-        if folder is None:
+        _make_private(where)
+        if not (_ours(where.parent) and _ours(where)):
             return
-        fd = os.open(folder / key, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-        os.close(fd)
+        fd = os.open(where / LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        try:
+            st = os.fstat(fd)
+            if not _file_is_ours(st):
+                log.debug("scan verdicts %s not kept: not a file of this user, or writable by others", where / LOG)
+                return
+            lines = "".join(f"{key}\n" for key in keys if _KEY.fullmatch(key)).encode()
+            if st.st_size < LOG_MAX_BYTES:
+                os.write(fd, lines)
+                return
+        finally:
+            os.close(fd)
+        # full: a new log in its place (a new inode: readers start it from its beginning; a verdict
+        # lost only means a scan)
+        fresh = where / f"{LOG}.{os.getpid()}.new"
+        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        try:
+            os.write(fd, lines)
+        finally:
+            os.close(fd)
+        os.replace(fresh, where / LOG)
     except OSError:
         pass  # a verdict not kept only means the scan runs again next time
+
+
+def forget() -> None:
+    """Forget what this process remembers (the cache directory keeps its verdicts): as a new
+    command starts."""
+    _SEEN.clear()
+    _READ.clear()
+
+
+def _file_is_ours(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def _read_log(path: Path) -> None:
+    """Take into ``_SEEN`` the verdicts other commands appended to the log since this process last
+    read it (all of it the first time, or when it was begun again)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return  # missing, or a link (O_NOFOLLOW): no verdicts
+    try:
+        st = os.fstat(fd)
+        if not _file_is_ours(st):
+            log.debug("scan verdicts %s ignored: not a file of this user, or writable by others", path)
+            return
+        where = str(path)
+        ino, offset, seen = _READ.get(where, (None, 0, None))
+        if ino != (st.st_dev, st.st_ino) or seen is not _SEEN or st.st_size < offset:
+            offset = 0  # another file, a log begun again, or this process's verdicts forgotten
+        if st.st_size == offset:
+            return
+        os.lseek(fd, offset, os.SEEK_SET)
+        data = os.read(fd, min(st.st_size, LOG_MAX_BYTES + _LOG_SLACK) - offset)
+    finally:
+        os.close(fd)
+    whole = data.rfind(b"\n") + 1  # a line still being appended is read next time
+    for line in data[:whole].split(b"\n"):
+        key = line.decode("ascii", "replace")
+        if _KEY.fullmatch(key):
+            _remember_here(key)
+    _READ[where] = ((st.st_dev, st.st_ino), offset + whole, _SEEN)
 
 
 def _make_private(path: Path) -> None:
@@ -152,5 +208,5 @@ def _make_private(path: Path) -> None:
 
 def _remember_here(key: str) -> None:
     if len(_SEEN) >= _SEEN_MAX:
-        _SEEN.clear()
+        forget()
     _SEEN.add(key)

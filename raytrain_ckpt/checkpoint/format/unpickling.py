@@ -115,8 +115,10 @@ class _StandIn:
             state = {**(state[0] or {}), **(state[1] or {})}
         if isinstance(state, dict):
             # (never ``_called_with``: a state could otherwise clear the note that arguments were given)
-            self.__dict__.update({k: v for k, v in state.items()
-                                  if isinstance(k, str) and not k.startswith("__") and k != "_called_with"})
+            fields = self.__dict__
+            for k, v in state.items():
+                if isinstance(k, str) and k[:2] != "__" and k != "_called_with":
+                    fields[k] = v
         elif isinstance(state, tuple):
             self.__dict__["_state"] = state  # TensorProperties' state: (dtype, layout, ...)
 
@@ -124,8 +126,9 @@ class _StandIn:
 def _size(dims: Any = ()) -> tuple[int, ...]:
     """``torch.Size`` as the check reads it: the tuple of ints the real one is (it refuses the rest too)."""
     dims = tuple(dims)
-    if not all(type(d) is int for d in dims):
-        raise TypeError("torch.Size() takes an iterable of ints")
+    for d in dims:  # (a loop, not all() over a generator: once per tensor and chunk of a .metadata)
+        if type(d) is not int:
+            raise TypeError("torch.Size() takes an iterable of ints")
     return dims
 
 
@@ -234,10 +237,12 @@ class MetadataChecks:
         """Per file, in order: None (passed), its chunks' byte ranges (with ``chunks``), or the
         ``InvalidCheckpoint`` / ``UnsafeCheckpoint`` refusing it."""
         if self._batch is not None:
+            passed = []
             for (i, key), answer in zip(self._todo, sandbox.collect_decodes(self._batch)):
                 if not isinstance(answer, Exception):
-                    _remember_check(key, self._data[i])
+                    passed += [key, _decode_key(self._data[i])]
                 self._answers[i] = answer
+            scancache.remember_passes(passed)
             for i, j in self._same:
                 self._answers[i] = self._answers[j]
             self._batch = None
@@ -248,8 +253,7 @@ def _remember_check(key: str, data: bytes) -> None:
     """A passed check, and with it the decode loading asks for (``checked_pickle``): the check ran
     the same pre-scan and decode under the same limits, so a resume after ``ls`` or the
     registry's check does not decode the file in the reader process again."""
-    scancache.remember_pass(key)
-    scancache.remember_pass(_decode_key(data))
+    scancache.remember_passes([key, _decode_key(data)])
 
 
 def _decode_key(data: bytes) -> str:
