@@ -333,6 +333,68 @@ def test_steps_checked_together_get_the_verdicts_each_gets_alone(tmp_path):
     assert [isinstance(v, Manifest) for v in checked] == [s not in hostile for s in range(1, 9)]
 
 
+def test_a_long_root_is_checked_on_two_reader_processes_with_the_verdicts_each_gets_alone(tmp_path, monkeypatch):
+    """``ls`` of a root of more steps than one group keeps two groups in flight, each on a reader
+    process of its own: hostile files in either (one ending its reader while the other reader
+    works) are refused naming their limit, every other step is valid, as one by one."""
+    from raytrain_ckpt.checkpoint.format import sandbox
+    from raytrain_ckpt.checkpoint.format.verify import _GROUP_FILES
+    from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    n = 2 * _GROUP_FILES + 16
+    hostile = {3: MEMO_BOMB, _GROUP_FILES + 8: _colliding_dict(30_000), _GROUP_FILES + 9: b"\x80\x04cposix\nsystem\n.",
+               2 * _GROUP_FILES + 6: MEMO_BOMB + b"\n"}
+    root = tmp_path / "job"
+    for step in range(1, n + 1):
+        path = _dcp_step(root, step)
+        if step in hostile:
+            _replace_metadata(path, hostile[step])
+    used: list[str] = []
+    for name in ("_READER", "_SECOND"):
+        reader = getattr(sandbox, name)
+        monkeypatch.setattr(reader, "submit", lambda *a, _r=reader.submit, _n=name: used.append(_n) or _r(*a))
+    layout = CheckpointLayout(root)
+    paths = [layout.step_dir(s) for s in range(1, n + 1)]
+    together = layout.verify_many(paths, "size")
+    assert used == ["_READER", "_SECOND", "_READER"], used
+    needles = {3: "decoding it needed over", _GROUP_FILES + 8: "time limit", _GROUP_FILES + 9: "posix.system",
+               2 * _GROUP_FILES + 6: "decoding it needed over"}
+    for step, verdict in zip(range(1, n + 1), together):
+        if step in hostile:
+            assert isinstance(verdict, InvalidCheckpoint) and needles[step] in str(verdict), (step, verdict)
+        else:
+            assert isinstance(verdict, Manifest) and verdict.step == step, (step, str(verdict))
+    scancache.forget()
+    for path, verdict in zip(paths, together):
+        try:
+            alone: object = layout.verify(path, "size")
+        except InvalidCheckpoint as exc:
+            alone = exc
+        assert type(alone) is type(verdict) and str(alone) == str(verdict)
+
+
+def test_a_batch_whose_reader_exited_before_it_was_read_keeps_the_answers_in_its_pipe(tmp_path):
+    """A batch the reader answered in full while the caller was busy, its last decode over the
+    memory limit (the reader exits after saying so): the answers before it are read from the
+    exited process's pipe, not taken for a time limit of a fresh process that never got them."""
+    import time
+
+    from raytrain_ckpt.checkpoint.format import sandbox
+
+    good = (_dcp_step(tmp_path / "job") / ".metadata").read_bytes()
+    jobs = [(good + bytes(i), f"m{i}", {"decode_only": True}) for i in range(3)] + [(MEMO_BOMB, "bomb", {})]
+    batch = sandbox.submit_decodes("metadata", jobs)
+    proc = batch.reader._proc
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is not None                         # it answered all four and exited
+    answers = sandbox.collect_decodes(batch)
+    assert answers[:3] == [None, None, None], answers
+    assert isinstance(answers[3], InvalidCheckpoint) and "needed over" in str(answers[3]), answers[3]
+
+
 def test_a_step_the_registry_checked_is_loaded_without_decoding_its_metadata_again(tmp_path, monkeypatch):
     """The registry's check of a step (the resume plan), like ``ls``'s, decodes its ``.metadata``
     in the reader process under the limits loading uses: loading that file next does not decode

@@ -139,6 +139,10 @@ class _Reader:
             batch.send(self._running())
             return batch
 
+    def busy(self) -> bool:
+        """A batch of this reader is still unanswered (read before this reader sends more)."""
+        return self._pending is not None
+
     def collect(self, batch: _Batch) -> list[Any]:
         with self._lock:
             if self._pending is batch:
@@ -203,11 +207,14 @@ class _Batch:
 
     def __init__(self, reader: _Reader, kind: str, jobs: list[tuple[bytes, str, dict[str, Any]]],
                  limits: ReadLimits) -> None:
-        self._reader, self._kind, self._jobs, self._limits = reader, kind, jobs, limits
+        self.reader = self._reader = reader
+        self._kind, self._jobs, self._limits = kind, jobs, limits
         self.results: list[Any] = []
         self._writer: threading.Thread | None = None
+        self._proc: subprocess.Popen | None = None
 
     def send(self, proc: subprocess.Popen) -> None:
+        self._proc = proc
         parts = []
         for data, where, args in self._jobs[len(self.results):]:
             memory, cpu = self._limits.for_size(len(data))
@@ -224,9 +231,11 @@ class _Batch:
         """Read every answer (each an answer or the checkpoint error it stands for), restarting
         the reader process after a decode that ended it."""
         while len(self.results) < len(self._jobs):
-            proc = self._reader._running()
-            if self._writer is None:
-                self.send(proc)
+            # the process the jobs went to, even when it has exited since: its answers up to the
+            # decode that ended it are still in its pipe (only after that one is a new one started)
+            if self._writer is None or self._proc is None:
+                self.send(self._reader._running())
+            proc = self._proc
             data, where, _ = self._jobs[len(self.results)]
             memory, cpu = self._limits.for_size(len(data))
             try:
@@ -253,7 +262,14 @@ class _Batch:
         if self._writer is not None:
             self._writer.join()
             self._writer = None
-        self._reader._stop()
+        if self._reader._proc is proc:
+            self._reader._stop()
+        else:  # (already replaced: its pipes are this batch's to close)
+            for stream in (proc.stdin, proc.stdout):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
 
 
 def _write(proc: subprocess.Popen, blob: bytes) -> None:
@@ -306,6 +322,10 @@ def _answer(reply: dict, where: str, memory: int) -> Any:
 
 
 _READER = _Reader()
+_SECOND = _Reader()
+"""A second reader process, for a second batch in flight (``submit_decodes``): ``ls`` of a long
+root checks two groups of ``.metadata`` at once while this process checks the next steps' files.
+Each of the two keeps the limits of one decode."""
 
 
 def decode_in_sandbox(kind: str, data: bytes, where: str, args: dict[str, Any] | None = None,
@@ -325,13 +345,20 @@ def submit_decodes(kind: str, jobs: list[tuple[bytes, str, dict[str, Any]]],
                    limits: ReadLimits = DEFAULT_LIMITS) -> _Batch:
     """``decode_in_sandbox`` of every ``(data, where, args)`` of ``jobs``, sent now and answered by
     ``collect_decodes`` (the caller works meanwhile): each answer is the result or the
-    ``InvalidCheckpoint`` / ``UnsafeCheckpoint`` the decode raised. Each decode keeps its own limits."""
-    return _READER.submit(kind, jobs, limits.scaled())
+    ``InvalidCheckpoint`` / ``UnsafeCheckpoint`` the decode raised. Each decode keeps its own limits.
+
+    A batch goes to the reader process with no batch in flight: with one still in flight on the
+    first, a second batch goes to a second process (on a machine of more than one CPU), so two
+    run at once; with both busy, the first's batch is answered before this one is sent."""
+    reader = _READER
+    if _READER.busy() and (os.cpu_count() or 1) > 1 and not _SECOND.busy():
+        reader = _SECOND
+    return reader.submit(kind, jobs, limits.scaled())
 
 
 def collect_decodes(batch: _Batch) -> list[Any]:
     """The answers of a ``submit_decodes`` batch, in its order."""
-    return _READER.collect(batch)
+    return batch.reader.collect(batch)
 
 
 def decode_deadline_s(n_bytes: int, limits: ReadLimits = DEFAULT_LIMITS) -> float:

@@ -13,6 +13,7 @@ calls ``verify_step`` or ``step_problems`` here, with the storage the step lives
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -142,11 +143,12 @@ def _file_problems(files: StepFiles, path: Location, manifest: Manifest, level: 
 def verify_steps(paths: list[Location], level: Verify, files: StepFiles,
                  progress: Callable[[int], None] | None = None) -> list[Manifest | InvalidCheckpoint]:
     """``verify_step`` of many step directories: per step its manifest, or the InvalidCheckpoint
-    naming its first problem. The ``.metadata`` checks go to the reader process in groups
-    (``unpickling.MetadataChecks``) while the next steps' files are checked here."""
+    naming its first problem. The ``.metadata`` checks go to the reader processes in groups
+    (``unpickling.MetadataChecks``), two groups at a time, while the next steps' files are checked
+    here."""
     out: list[Manifest | InvalidCheckpoint | None] = [None] * len(paths)
     group: list[tuple[int, Manifest, bytes]] = []
-    sent: tuple[list[tuple[int, Manifest, bytes]], MetadataChecks] | None = None
+    sent: deque[tuple[list[tuple[int, Manifest, bytes]], MetadataChecks]] = deque()
     size = 0
     for i, path in enumerate(paths):
         if progress is not None:
@@ -167,16 +169,22 @@ def verify_steps(paths: list[Location], level: Verify, files: StepFiles,
         group.append((i, manifest, data))
         size += len(data)
         if len(group) >= _GROUP_FILES or size >= _GROUP_BYTES:
-            _settle(sent, out, paths, files)
-            sent, group, size = (group, _send(group, paths, files, level)), [], 0
-    _settle(sent, out, paths, files)
+            if len(sent) >= _IN_FLIGHT:
+                _settle(sent.popleft(), out, paths, files)
+            sent.append((group, _send(group, paths, files, level)))
+            group, size = [], 0
     if group:
-        _settle((group, _send(group, paths, files, level)), out, paths, files)
+        sent.append((group, _send(group, paths, files, level)))
+    while sent:
+        _settle(sent.popleft(), out, paths, files)
     return out  # type: ignore[return-value]  (every entry is set above)
 
 
 _GROUP_FILES, _GROUP_BYTES = 32, 64 << 20
 """The most ``.metadata`` files (and bytes of them) ``verify_steps`` sends to the reader process at once."""
+_IN_FLIGHT = 2
+"""Groups sent and not yet answered: two reader processes check two groups at once
+(``sandbox.submit_decodes``)."""
 
 
 def _send(group: list[tuple[int, Manifest, bytes]], paths: list[Location], files: StepFiles,
@@ -185,10 +193,8 @@ def _send(group: list[tuple[int, Manifest, bytes]], paths: list[Location], files
                            for i, m, data in group], chunks=level == "checksum")
 
 
-def _settle(sent: tuple[list[tuple[int, Manifest, bytes]], MetadataChecks] | None,
+def _settle(sent: tuple[list[tuple[int, Manifest, bytes]], MetadataChecks],
             out: list[Manifest | InvalidCheckpoint | None], paths: list[Location], files: StepFiles) -> None:
-    if sent is None:
-        return
     group, checks = sent
     for (i, manifest, _), answer in zip(group, checks.results()):
         path = paths[i]
