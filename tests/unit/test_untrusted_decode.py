@@ -299,6 +299,17 @@ def test_the_cache_folders_are_made_private_and_a_pass_is_remembered(tmp_path, m
         __import__("raytrain_ckpt.checkpoint.format.prescan", fromlist=["x"]).DEFAULT_BUDGET.scaled())))
 
 
+def _same_as_one_by_one(layout, paths, together) -> None:
+    """Each verdict of ``verify_many`` is the one ``verify`` gives that step alone, remembering nothing."""
+    scancache.forget()
+    for path, verdict in zip(paths, together):
+        try:
+            alone: object = layout.verify(path, "size")
+        except InvalidCheckpoint as exc:
+            alone = exc
+        assert type(alone) is type(verdict) and str(alone) == str(verdict)
+
+
 def test_steps_checked_together_get_the_verdicts_each_gets_alone(tmp_path):
     """``ls`` / ``status`` / the registry send many ``.metadata`` checks to the reader process at
     once (``verify_steps``): a file over the memory limit and one over the time limit, among intact
@@ -322,13 +333,7 @@ def test_steps_checked_together_get_the_verdicts_each_gets_alone(tmp_path):
             assert f"step-0000000{step}: .metadata" in str(verdict), verdict
         else:
             assert isinstance(verdict, Manifest) and verdict.step == step
-    scancache.forget()
-    for path, verdict in zip(paths, together):
-        try:
-            alone: object = layout.verify(path, "size")
-        except InvalidCheckpoint as exc:
-            alone = exc
-        assert type(alone) is type(verdict) and str(alone) == str(verdict)
+    _same_as_one_by_one(layout, paths, together)
     checked = layout.verify_many(paths, "checksum")  # with every chunk's header parsed too
     assert [isinstance(v, Manifest) for v in checked] == [s not in hostile for s in range(1, 9)]
 
@@ -365,13 +370,7 @@ def test_a_long_root_is_checked_on_two_reader_processes_with_the_verdicts_each_g
             assert isinstance(verdict, InvalidCheckpoint) and needles[step] in str(verdict), (step, verdict)
         else:
             assert isinstance(verdict, Manifest) and verdict.step == step, (step, str(verdict))
-    scancache.forget()
-    for path, verdict in zip(paths, together):
-        try:
-            alone: object = layout.verify(path, "size")
-        except InvalidCheckpoint as exc:
-            alone = exc
-        assert type(alone) is type(verdict) and str(alone) == str(verdict)
+    _same_as_one_by_one(layout, paths, together)
 
 
 def test_a_batch_whose_reader_exited_before_it_was_read_keeps_the_answers_in_its_pipe(tmp_path):
