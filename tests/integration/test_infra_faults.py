@@ -62,6 +62,11 @@ def test_a_writer_stopped_mid_run_is_named_replaced_and_the_job_finishes(ray_clu
             if status is not None and 5 in status.committed:
                 break
             time.sleep(0.2)
+        # The commit comes before the writer's answer to the last rank's hand-off: stopped in
+        # between, the writer would hold that answer (the rank then waits for it at step 10, and
+        # step 10 goes to the replacement writer). Its answer takes milliseconds; the pauses above
+        # leave seconds before step 10.
+        time.sleep(1.5)
         writer = ray.get_actor(writer_name(spec.name, node), NAMESPACE)
         stopped = _pid(writer)
         os.kill(stopped, signal.SIGSTOP)                       # the node's writer stops after step 5 committed

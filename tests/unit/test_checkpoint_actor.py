@@ -236,6 +236,27 @@ def test_a_hand_off_after_the_save_was_aborted_is_refused(tmp_path: Path, opened
     asyncio.run(scenario())
 
 
+def test_a_late_abort_of_a_committed_step_keeps_it_and_counts_no_failed_save(tmp_path: Path) -> None:
+    """A rank whose writer stopped right after the commit (its answer to the rank lost) aborts the
+    step when the writer is replaced: the step stays committed and on disk, and no failed save is
+    reported for it; an abort of a step still in flight is recorded as before."""
+    actor = _single_rank_actor(tmp_path, k=None)
+    layout = CheckpointLayout(tmp_path)
+
+    async def scenario() -> None:
+        await _save(actor, 5)
+        await actor.abort(5, "rank 0: The actor is temporarily unavailable: the actor was restarted", attempt=0)
+        status = (await actor.status()).to_dict()
+        assert status["committed"] == [5] and layout.step_dir(5).is_dir()
+        assert status["failed"] == {} and status["failed_saves"]["total"] == 0, status
+        await actor.accepted(10, 0, 0)
+        await actor.abort(10, "rank 0: disk full", attempt=0)
+        status = (await actor.status()).to_dict()
+        assert status["failed_saves"]["total"] == 1 and status["failed_saves"]["last_step"] == 10, status
+
+    asyncio.run(scenario())
+
+
 def test_a_leftover_unchanged_for_the_grace_period_is_removed_after_a_commit(tmp_path: Path) -> None:
     from raytrain_ckpt.checkpoint.storage.layout import LeftoverWatch
 

@@ -179,7 +179,13 @@ class StepRegistry:
 
     async def abort(self, step: int, reason: str, attempt: int | None = None) -> None:
         """Give up on an in-flight step (of ``attempt``, when the caller knows it): remove its
-        temporary directory, remember why."""
+        temporary directory, remember why. A committed step is not undone, nor counted as a failed
+        save: a rank whose writer's answer was lost after the commit (the writer stopped or
+        replaced right then) gives up on a save that is already durable."""
+        if step in self.committed:
+            logger.info("checkpoint step %d is committed; a late failure of a rank's hand-off ignored: %s",
+                        step, reason)
+            return
         p = self.pending.pop(step, None)
         for a in {attempt, p.attempt if p is not None else None} - {None}:
             self._aborted.add((step, a))
