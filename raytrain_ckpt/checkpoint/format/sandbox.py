@@ -207,7 +207,7 @@ class _Batch:
 
     def __init__(self, reader: _Reader, kind: str, jobs: list[tuple[bytes, str, dict[str, Any]]],
                  limits: ReadLimits) -> None:
-        self.reader = self._reader = reader
+        self.reader = reader
         self._kind, self._jobs, self._limits = kind, jobs, limits
         self.results: list[Any] = []
         self._writer: threading.Thread | None = None
@@ -234,12 +234,12 @@ class _Batch:
             # the process the jobs went to, even when it has exited since: its answers up to the
             # decode that ended it are still in its pipe (only after that one is a new one started)
             if self._writer is None or self._proc is None:
-                self.send(self._reader._running())
+                self.send(self.reader._running())
             proc = self._proc
             data, where, _ = self._jobs[len(self.results)]
             memory, cpu = self._limits.for_size(len(data))
             try:
-                reply = self._reader._reply(proc, cpu * _WALL_FACTOR + _WALL_SLACK_S)
+                reply = self.reader._reply(proc, cpu * _WALL_FACTOR + _WALL_SLACK_S)
             except (OSError, ReaderGone):
                 reply = None
             if reply is None or reply.get("error") == "memory":
@@ -262,14 +262,7 @@ class _Batch:
         if self._writer is not None:
             self._writer.join()
             self._writer = None
-        if self._reader._proc is proc:
-            self._reader._stop()
-        else:  # (already replaced: its pipes are this batch's to close)
-            for stream in (proc.stdin, proc.stdout):
-                try:
-                    stream.close()
-                except OSError:
-                    pass
+        self.reader._stop()
 
 
 def _write(proc: subprocess.Popen, blob: bytes) -> None:
