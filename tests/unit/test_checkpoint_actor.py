@@ -257,6 +257,44 @@ def test_a_late_abort_of_a_committed_step_keeps_it_and_counts_no_failed_save(tmp
     asyncio.run(scenario())
 
 
+def test_an_abort_while_the_commit_runs_waits_for_it_and_keeps_the_committed_step(tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    """A rank's writer dies while the actor commits the step that writer's report completed (the
+    rank then gives up on it): the abort must not remove the directory being committed nor count
+    the step failed; the commit decides. The directory is renamed, then the commit is held while
+    the abort arrives."""
+    actor = _single_rank_actor(tmp_path, k=None)
+    layout = CheckpointLayout(tmp_path)
+    renamed, release = threading.Event(), threading.Event()
+    real = CheckpointLayout.commit
+
+    def held_commit(self, tmp, manifest):
+        final = real(self, tmp, manifest)
+        renamed.set()
+        release.wait(30)
+        return final
+
+    monkeypatch.setattr(CheckpointLayout, "commit", held_commit)
+
+    async def scenario() -> tuple[str, dict]:
+        save = asyncio.create_task(_save(actor, 5))
+        while not renamed.is_set():
+            await asyncio.sleep(0.01)
+        abort = asyncio.create_task(actor.abort(5, "rank 0: The actor died unexpectedly", attempt=0))
+        await asyncio.sleep(0.2)
+        assert not abort.done()                             # it waits for the commit's outcome
+        release.set()
+        outcome = await save
+        await abort
+        return outcome, (await actor.status()).to_dict()
+
+    outcome, status = asyncio.run(scenario())
+    assert outcome == "committed"
+    assert status["committed"] == [5] and status["failed"] == {} and status["failed_saves"]["total"] == 0, status
+    assert sorted(p.name for p in layout.step_dir(5).iterdir()) == [".metadata", "__0_0.distcp", "manifest.json"]
+    assert sorted(layout.valid_steps("checksum")) == [5]
+
+
 def test_a_leftover_unchanged_for_the_grace_period_is_removed_after_a_commit(tmp_path: Path) -> None:
     from raytrain_ckpt.checkpoint.storage.layout import LeftoverWatch
 

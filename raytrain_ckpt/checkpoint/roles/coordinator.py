@@ -106,11 +106,17 @@ class SaveCoordinator:
         p = self.steps.reported(resolved)
         if len(p.reports) < self._group().world_size:
             return "pending"
+        if p.committing:  # a report sent again (a retried call) while the commit it completed runs
+            await self.steps.wait_committed(step, None)
+            return "committed"
+        p.committing = True
         try:
-            await asyncio.to_thread(self._commit, step, p)
+            manifest = await asyncio.to_thread(self._commit, step, p)
         except Exception as exc:
+            p.committing = False
             await self.steps.abort(step, f"commit failed: {exc}")
             raise
+        self.steps.commit_done(step, manifest)  # on the event loop's thread: it wakes the step's waiters
         return "committed"
 
     async def _known_plan(self, plan_id: str) -> bool:
@@ -137,7 +143,8 @@ class SaveCoordinator:
             logger.info("plan %s read back from its newest committed step: its saves in flight commit", plan_id)
         return True
 
-    def _commit(self, step: int, p: InFlightStep) -> None:
+    def _commit(self, step: int, p: InFlightStep) -> Manifest:
+        """Write ``.metadata`` and the manifest and make the step durable (on a thread); its manifest."""
         t0 = time.monotonic()
         reports = [p.reports[r] for r in sorted(p.reports)]
         files: dict[str, dict[str, int]] = {}
@@ -152,11 +159,14 @@ class SaveCoordinator:
         manifest = manifest.model_copy(update={"tensors": merge_shard_sums([r.tensors for r in reports]) or None})
         maybe_inject("commit", 0, step, p.attempt)
         final = self.layout.commit(p.tmp, manifest)
-        self.repeats.record(reports[0].plan_id, reports, self.layout.storage.join(final, ".metadata"),
-                            files[".metadata"])
-        self.steps.commit_done(step, manifest)
+        try:  # the step is durable now: nothing after this may call it failed
+            self.repeats.record(reports[0].plan_id, reports, self.layout.storage.join(final, ".metadata"),
+                                files[".metadata"])
+        except Exception as exc:  # noqa: BLE001 - only the next save's reuse of this .metadata is lost
+            logger.warning("step %d committed, but its .metadata will not be reused by the next save: %s", step, exc)
         logger.info("committed step %d: %.1f MB, stage %.3fs persist %.3fs commit %.3fs", step,
                     manifest.total_bytes / 1e6, wall["stage_s"], wall["persist_s"], wall["commit_s"])
+        return manifest
 
     def _metadata_file(self, p: InFlightStep, reports: list[RankReport]) -> dict[str, int]:
         """Write the step's ``.metadata`` (copied from the last committed one of the plan when every

@@ -79,6 +79,9 @@ class InFlightStep:
     reports: dict[int, RankReport] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None
+    committing: bool = False
+    """Every rank reported and the commit runs (its thread renames the directory and writes the
+    manifest): an abort now waits for its outcome rather than removing what it commits."""
 
 
 class StepRegistry:
@@ -170,10 +173,11 @@ class StepRegistry:
 
     def commit_done(self, step: int, manifest: Manifest) -> None:
         """``step`` is committed: its manifest is registered, its waiters wake."""
-        p = self.pending.pop(step)
+        p = self.pending.pop(step, None)
         self.committed[step] = manifest
         self.saves.committed()
-        p.done.set()
+        if p is not None:
+            p.done.set()
         self.metrics.committed(manifest)
         self._on_change()
 
@@ -182,10 +186,20 @@ class StepRegistry:
         temporary directory, remember why. A committed step is not undone, nor counted as a failed
         save: a rank whose writer's answer was lost after the commit (the writer stopped or
         replaced right then) gives up on a save that is already durable."""
+        p = self.pending.get(step)
+        if p is not None and p.committing:
+            # Its commit runs on a thread: removing the directory now would race the rename (a
+            # committed step missing files, or on an object store a manifest with no data), and
+            # the step would be counted failed while it lands. Its outcome decides.
+            logger.info("checkpoint step %d is being committed; a rank's failure waits for the commit: %s",
+                        step, reason)
+            await p.done.wait()
         if step in self.committed:
             logger.info("checkpoint step %d is committed; a late failure of a rank's hand-off ignored: %s",
                         step, reason)
             return
+        if p is not None and p.committing:
+            return  # the commit failed: the coordinator aborted the step itself, with that failure as its reason
         p = self.pending.pop(step, None)
         for a in {attempt, p.attempt if p is not None else None} - {None}:
             self._aborted.add((step, a))
@@ -201,7 +215,7 @@ class StepRegistry:
             self._on_change()
         logger.warning("checkpoint step %d aborted: %s", step, reason)
 
-    async def wait_committed(self, step: int, timeout_s: float) -> None:
+    async def wait_committed(self, step: int, timeout_s: float | None) -> None:
         """Block until ``step`` is committed; raises StepAborted or TimeoutError."""
         if step in self.committed:
             return
