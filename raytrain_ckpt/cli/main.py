@@ -118,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             # they check .metadata in the reader process: its start (~60 ms) overlaps the imports below
             from raytrain_ckpt.checkpoint.format.sandbox import start_reader
 
-            start_reader()
+            try:
+                start_reader()
+            except OSError:
+                pass  # no process to be had now (EAGAIN, ENOMEM): the first decode starts it, or says why
         args = _parser().parse_args(argv)
         _file_uris_as_paths(args)
         return _dispatch(args)

@@ -114,3 +114,22 @@ def test_import_into_a_committed_step_is_refused(tmp_path, capsys):
     assert main(["import", str(tmp_path / "w.pt"), "--to", str(step)]) == 2
     assert "inside the step directory" in capsys.readouterr().err
     assert sorted(p.name for p in step.iterdir()) == before
+
+
+def test_ls_of_a_root_with_nothing_to_decode_needs_no_reader_process(tmp_path, capsys, monkeypatch):
+    """``ls`` starts its reader process early, ahead of its imports; where the system refuses a
+    process then (``EAGAIN`` on a loaded login node) that start is only skipped: ``ls`` of a root
+    with no step to decode answers, with no traceback."""
+    import errno
+
+    from raytrain_ckpt.checkpoint.format import sandbox
+
+    def no_process(*args, **kwargs):
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    with sandbox._READER._lock:
+        sandbox._READER._stop()
+    monkeypatch.setattr(sandbox.subprocess, "Popen", no_process)
+    (tmp_path / "job").mkdir()
+    assert main(["ls", str(tmp_path / "job")]) == 0
+    assert "Traceback" not in capsys.readouterr().err

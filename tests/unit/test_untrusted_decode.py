@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, UnsafeCheckpoint
 from raytrain_ckpt.checkpoint.format import scancache
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest, describe_file
 from raytrain_ckpt.checkpoint.format.metadata import load_metadata
@@ -283,6 +283,31 @@ def test_the_verdict_log_is_read_from_where_this_process_stopped(tmp_path, monke
     assert scancache.passed_before(keys[5])
 
 
+def test_a_full_verdict_log_is_read_whole_by_a_later_command(tmp_path, monkeypatch):
+    """A log near its size limit holds more verdicts than a process used to keep: a later command
+    read part of it, forgot it half way and never read that part again (every such file was
+    scanned again); now it finds every one, and a process that holds its own keys reads the log
+    again from its start rather than drop what it read."""
+    import hashlib
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(scancache.CACHE_ENV)
+    scancache.forget()
+    keys = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(scancache.LOG_MAX_BYTES // 65)]
+    scancache.remember_passes(keys)
+    scancache.forget()                                     # a later command
+    assert all(scancache.passed_before(k) for k in keys[:1000] + keys[-1000:])
+    monkeypatch.setattr(scancache, "_SEEN_MAX", len(keys) + 10)
+    scancache.forget()
+    assert scancache.passed_before(keys[0])                # the whole log read
+    mine = [hashlib.sha256(f"own {i}".encode()).hexdigest() for i in range(20)]
+    scancache._SEEN.update(mine)                          # this process's own verdicts fill it up
+    with open(tmp_path / "cache" / "raytrain_ckpt" / "scanned" / scancache.LOG, "a") as f:
+        f.write(f"{hashlib.sha256(b'appended').hexdigest()}\n")
+    assert scancache.passed_before(hashlib.sha256(b"appended").hexdigest())
+    assert all(scancache.passed_before(k) for k in keys[:1000])
+
+
 def test_the_cache_folders_are_made_private_and_a_pass_is_remembered(tmp_path, monkeypatch):
     import os
     import stat
@@ -392,6 +417,61 @@ def test_a_batch_whose_reader_exited_before_it_was_read_keeps_the_answers_in_its
     answers = sandbox.collect_decodes(batch)
     assert answers[:3] == [None, None, None], answers
     assert isinstance(answers[3], InvalidCheckpoint) and "needed over" in str(answers[3]), answers[3]
+
+
+def _exited(proc) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is not None
+
+
+def test_starting_the_reader_under_an_unread_batch_keeps_its_answers(tmp_path):
+    """``start_reader`` (``ls``, ``verify``, another thread's command) while a batch's reader has
+    answered and exited: the batch's answers are still read from its pipe, none lost."""
+    from raytrain_ckpt.checkpoint.format import sandbox
+
+    good = (_dcp_step(tmp_path / "job") / ".metadata").read_bytes()
+    jobs = [(good + bytes(i), f"m{i}", {"decode_only": True}) for i in range(3)] + [(MEMO_BOMB, "bomb", {})]
+    batch = sandbox.submit_decodes("metadata", jobs)
+    _exited(batch.reader._proc)
+    sandbox.start_reader()
+    answers = sandbox.collect_decodes(batch)
+    assert answers[:3] == [None, None, None], answers
+    assert isinstance(answers[3], InvalidCheckpoint) and "needed over" in str(answers[3]), answers[3]
+
+
+def test_files_a_failed_reader_never_answered_are_refused_not_passed(tmp_path, monkeypatch):
+    """The system refuses a new reader process (``EAGAIN``) while a group is being read, after a
+    bomb ended the first: the files after it were never checked, so each is refused, naming why
+    (a missing answer once read as a pass: a ``.metadata`` asking for ``posix.system`` was valid)."""
+    import errno
+    import subprocess
+
+    from raytrain_ckpt.checkpoint.format import sandbox
+    from raytrain_ckpt.checkpoint.format.unpickling import MetadataChecks
+
+    monkeypatch.setenv(scancache.CACHE_ENV, "0")
+    scancache.forget()
+    unsafe = b"\x80\x04cposix\nsystem\n."
+    checks = MetadataChecks([(MEMO_BOMB, "s1/.metadata", None), (unsafe, "s2/.metadata", None)])
+    _exited(checks._batch.reader._proc)
+
+    def no_process(*args, **kwargs):
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    real = subprocess.Popen
+    monkeypatch.setattr(sandbox.subprocess, "Popen", no_process)
+    answers = checks.results()
+    monkeypatch.setattr(sandbox.subprocess, "Popen", real)
+    assert isinstance(answers[0], InvalidCheckpoint) and "needed over" in str(answers[0]), answers
+    assert isinstance(answers[1], InvalidCheckpoint), answers
+    assert "s2/.metadata: not checked, the reader process failed" in str(answers[1]), answers[1]
+    sandbox.decode_in_sandbox("pickle", pickle.dumps([1, 2]), "after")  # a fresh reader serves on
+    with pytest.raises((UnsafeCheckpoint, InvalidCheckpoint), match="posix.system"):
+        sandbox.decode_in_sandbox("metadata", unsafe, "again")
 
 
 def test_a_step_the_registry_checked_is_loaded_without_decoding_its_metadata_again(tmp_path, monkeypatch):

@@ -156,9 +156,11 @@ class _Reader:
             batch.receive()
 
     def start(self) -> None:
-        """The reader process, started now (its start overlaps the caller's work)."""
+        """The reader process, started now (its start overlaps the caller's work); nothing to do
+        while a batch is unanswered (its process is in use, or has answers to be read from it)."""
         with self._lock:
-            self._running()
+            if self._pending is None:
+                self._running()
 
     def _running(self) -> subprocess.Popen:
         if self._proc is not None and (self._owner != os.getpid() or self._proc.poll() is not None):
@@ -229,7 +231,22 @@ class _Batch:
 
     def receive(self) -> None:
         """Read every answer (each an answer or the checkpoint error it stands for), restarting
-        the reader process after a decode that ended it."""
+        the reader process after a decode that ended it. When the reader cannot be read or started
+        again (the system refuses a process: ``EAGAIN``), every decode still unanswered is refused,
+        never left out: a missing answer must not read as a pass."""
+        try:
+            self._receive()
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the unanswered files were not checked
+            self.reader._stop()  # its later answers must not be taken for another batch's
+            if self._writer is not None:
+                self._writer.join()
+            unanswered = self._jobs[len(self.results):]
+            log.warning("reader process failed, %d decodes refused unchecked: %s", len(unanswered), exc)
+            for _, where, _ in unanswered:
+                self.results.append(InvalidCheckpoint(
+                    f"{where}: not checked, the reader process failed ({type(exc).__name__}: {exc}); refused"))
+
+    def _receive(self) -> None:
         while len(self.results) < len(self._jobs):
             # the process the jobs went to, even when it has exited since: its answers up to the
             # decode that ended it are still in its pipe (only after that one is a new one started)
@@ -240,7 +257,7 @@ class _Batch:
             memory, cpu = self._limits.for_size(len(data))
             try:
                 reply = self.reader._reply(proc, cpu * _WALL_FACTOR + _WALL_SLACK_S)
-            except (OSError, ReaderGone):
+            except (OSError, ValueError, ReaderGone):  # (ValueError: its pipe was closed here)
                 reply = None
             if reply is None or reply.get("error") == "memory":
                 self._end(proc)

@@ -38,7 +38,9 @@ CACHE_ENV = "RAYTRAIN_CKPT_SCAN_CACHE"
 log = logging.getLogger(__name__)
 
 _SEEN: set[str] = set()
-_SEEN_MAX = 100_000
+_SEEN_MAX = 1 << 18
+"""Keys this process holds at most (about 30 MB): more than a full log holds (``LOG_MAX_BYTES``
+plus the slack read past it, 65 bytes a line), so reading the log never drops what it read."""
 
 LOG = "verdicts"
 """The log of passed keys in the cache directory: one 64-digit hex key a line, appended."""
@@ -184,10 +186,14 @@ def _read_log(path: Path) -> None:
     finally:
         os.close(fd)
     whole = data.rfind(b"\n") + 1  # a line still being appended is read next time
-    for line in data[:whole].split(b"\n"):
-        key = line.decode("ascii", "replace")
-        if _KEY.fullmatch(key):
-            _remember_here(key)
+    keys = [key for line in data[:whole].split(b"\n") if _KEY.fullmatch(key := line.decode("ascii", "replace"))]
+    if len(_SEEN) + len(keys) > _SEEN_MAX:
+        if offset:  # keep the log's verdicts rather than this process's: read it again from its start
+            forget()
+            _read_log(path)
+            return
+        forget()
+    _SEEN.update(keys)
     _READ[where] = ((st.st_dev, st.st_ino), offset + whole, _SEEN)
 
 

@@ -217,6 +217,7 @@ class MetadataChecks:
     def __init__(self, items: list[tuple[bytes, str, Mapping[str, int] | None]], chunks: bool = False) -> None:
         self._answers: list[Any] = [None] * len(items)
         self._data = [data for data, _, _ in items]
+        self._names = [name for _, name, _ in items]
         self._todo: list[tuple[int, str]] = []
         self._same: list[tuple[int, int]] = []  # (file, an earlier file of the group with its key)
         first: dict[str, int] = {}
@@ -238,7 +239,12 @@ class MetadataChecks:
         ``InvalidCheckpoint`` / ``UnsafeCheckpoint`` refusing it."""
         if self._batch is not None:
             passed = []
-            for (i, key), answer in zip(self._todo, sandbox.collect_decodes(self._batch)):
+            answers = sandbox.collect_decodes(self._batch)
+            if len(answers) != len(self._todo):  # never a pass for a file its reader did not answer
+                answers = answers[:len(self._todo)] + [
+                    InvalidCheckpoint(f"{self._names[i]}: not checked (no answer from the reader process); refused")
+                    for i, _ in self._todo[len(answers):]]
+            for (i, key), answer in zip(self._todo, answers):
                 if not isinstance(answer, Exception):
                     passed += [key, _decode_key(self._data[i])]
                 self._answers[i] = answer
