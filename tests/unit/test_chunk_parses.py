@@ -109,3 +109,24 @@ def test_a_parse_that_read_short_is_not_kept():
     with pytest.raises(InvalidCheckpoint, match="not a torch.save blob"):
         parses.parse(FileSlice(io.BytesIO(complete), 0, n), "complete")
     assert parses.full_parses == 2
+
+
+def test_reads_at_a_pattern_are_the_bytes_each_read_alone_returns():
+    """``FileSlice.read_at`` reads neighbouring reads as one span and cuts each out: the same
+    bytes as one read each, for reads near and far apart (past the span gap), overlapping, at the
+    slice's end and past it, and in a file shorter than its slice (a manifest's sizes that lie)."""
+    import random
+
+    rng = random.Random(5)
+    data = bytes(rng.randrange(256) for _ in range(300_000))
+    for offset, length, cut in ((0, len(data), len(data)), (1000, 250_000, len(data)), (5000, 250_000, 120_000)):
+        f = io.BytesIO(data[:cut])
+        for _ in range(200):
+            pattern = tuple((rng.choice([rng.randrange(length + 50), rng.randrange(64), length - rng.randrange(100)]),
+                             rng.choice([0, 1, 4, 30, 22, 46, 70_000])) for _ in range(rng.randrange(1, 10)))
+            alone = []
+            for pos, n in pattern:
+                s = FileSlice(f, offset, length)
+                s.seek(pos)
+                alone.append(s.read(n))
+            assert FileSlice(f, offset, length).read_at(pattern) == tuple(alone), pattern

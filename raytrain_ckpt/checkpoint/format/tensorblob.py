@@ -18,6 +18,7 @@ checks every chunk's header with it); ``load_chunk`` builds the tensor.
 
 from __future__ import annotations
 
+import functools
 import io
 import struct
 import zipfile
@@ -330,6 +331,28 @@ def load_chunk(f: BinaryIO, where: str) -> Any:
     return flat.as_strided(header.size, header.stride, header.offset)
 
 
+_SPAN_GAP = 64 << 10
+"""``FileSlice.read_at`` reads two reads at most this far apart as one span."""
+
+
+@functools.lru_cache(maxsize=256)
+def _read_plan(pattern: tuple[tuple[int, int], ...], length: int) -> tuple[tuple, tuple]:
+    """For ``FileSlice.read_at`` of ``pattern`` in a slice of ``length`` bytes: the spans to read
+    (start, end) and, per read of the pattern, (its span, where it starts and ends in the span's
+    bytes). Each read is first clamped to the slice as ``readinto`` clamps it."""
+    reads = sorted((max(0, pos), max(0, min(n, length - max(0, pos))), k) for k, (pos, n) in enumerate(pattern))
+    spans: list[tuple[int, int]] = []
+    cuts: list[tuple[int, int, int]] = [(0, 0, 0)] * len(pattern)
+    for pos, n, k in reads:
+        if not spans or pos > spans[-1][1] + _SPAN_GAP:
+            spans.append((pos, pos + n))
+        else:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], pos + n))
+        first = spans[-1][0]
+        cuts[k] = (len(spans) - 1, pos - first, pos - first + n)
+    return tuple(spans), tuple(cuts)
+
+
 class FileSlice(io.RawIOBase):
     """Bytes ``offset .. offset + length`` of the seekable binary stream ``f``, as a seekable stream."""
 
@@ -348,12 +371,17 @@ class FileSlice(io.RawIOBase):
         return FileSlice(self._f, self._start, self._len, trace)
 
     def read_at(self, pattern: tuple[tuple[int, int], ...]) -> tuple[bytes, ...]:
-        """The bytes at each (position, count) of ``pattern``, as a read of that count there returns them."""
-        out = []
-        for pos, n in pattern:
-            self.seek(pos)
-            out.append(self.read(n))
-        return tuple(out)
+        """The bytes at each (position, count) of ``pattern``, as a read of that count there returns
+        them. Reads that lie near one another (a blob's local headers, its central directory) are
+        one read of the span they cover, each cut out of it: the same bytes (a span that reaches
+        past the file's end ends where the file does, as each read would), a few calls in place of
+        one per read."""
+        spans, cuts = _read_plan(pattern, self._len)
+        read = []
+        for first, last in spans:
+            self._f.seek(self._start + first)
+            read.append(self._f.read(last - first))
+        return tuple(read[span][a:b] for span, a, b in cuts)
 
     def readable(self) -> bool:
         return True
