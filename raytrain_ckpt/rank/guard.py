@@ -138,6 +138,12 @@ class LossGuard:
         if step not in self.saved:
             self.saved.append(step)
 
+    def lost_step(self, step: int) -> None:
+        """The save of ``step`` failed after it began (its write, its hand-off): it is not a step
+        to certify, nor to roll back to."""
+        if step in self.saved:
+            self.saved.remove(step)
+
     def certified(self) -> int | None:
         """The newest saved step that ``certify_after_steps`` healthy steps followed, or the one a
         resumed manifest recorded."""

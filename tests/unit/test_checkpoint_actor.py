@@ -406,6 +406,24 @@ def test_a_newer_certified_step_frees_the_one_kept_beside_keep_latest_k_at_once(
     asyncio.run(scenario())
 
 
+def test_a_step_certified_that_never_committed_leaves_the_certified_step_before_it_kept(tmp_path: Path) -> None:
+    """The guard certifies each step it saved once healthy steps followed; a save lost after it
+    began (its write failed) never commits. Told that step, retention must still keep the newest
+    certified step that did commit: it is what a rollback loads."""
+    actor = _single_rank_actor(tmp_path, k=1)
+
+    async def scenario() -> None:
+        await _save(actor, 10)
+        await actor.certify(10)
+        await actor.accepted(20, 0, 0)
+        await actor.abort(20, "rank 0: step 20 not written: [Errno 5] Input/output error")
+        await actor.certify(20)                          # the guard's view: it does not know 20 was lost
+        await _save(actor, 30)
+        assert sorted(actor.steps.committed) == [10, 30], actor.steps.committed
+
+    asyncio.run(scenario())
+
+
 def test_a_save_out_of_space_runs_retention_again(tmp_path: Path) -> None:
     actor = _single_rank_actor(tmp_path, k=1)
     layout = CheckpointLayout(tmp_path)
@@ -415,6 +433,7 @@ def test_a_save_out_of_space_runs_retention_again(tmp_path: Path) -> None:
         await actor.certify(2)
         await _save(actor, 6)
         actor.retainer.certified = 6      # certified without a pass of retention since (a failed pass, say)
+        actor.retainer.told_certified.append(6)
         await actor.abort(8, "rank 0: step 8 not written: write failed: [Errno 5] Input/output error")
         assert layout.step_dir(2).exists()               # another failure: nothing to free
         await actor.abort(8, "rank 0: step 8 not written: [Errno 28] No space left on device")

@@ -50,6 +50,19 @@ def test_a_step_is_certified_after_n_healthy_steps_and_a_rollback_forgets_the_st
     assert g.certified() == 8
 
 
+def test_a_save_lost_after_it_began_is_never_certified():
+    """The save of step 4 began, then its write failed (the checkpoint client calls ``lost_step``):
+    step 4 is neither certified nor a rollback target; step 2 stays the certified step."""
+    g = _guard(certify_after_steps=3)
+    g.saved_step(2)
+    g.saved_step(4)
+    g.lost_step(4)
+    g.lost_step(5)  # a step never saved: nothing to forget
+    for step in range(10):
+        g.healthy(step)
+    assert g.certified_steps() == [2] and g.saved == [2]
+
+
 def _facts(certified, rollbacks=(), max_rollbacks=3, metric="non-finite loss", earlier=0) -> RollbackFacts:
     return RollbackFacts(Trip(20, 1, metric), certified, tuple(rollbacks), max_rollbacks, earlier)
 

@@ -166,6 +166,9 @@ class CheckpointClient:
         self._inflight_tier = "durable"  # the tier of the save in _inflight
         self._replan = False
         self._last_save_at = time.monotonic()
+        self.on_lost: Callable[[int], None] | None = None
+        """Called with a step this rank's save of it was lost (aborted) after ``save`` returned
+        (the training guard forgets it: a step never committed is never certified)."""
         self._ahead = _AheadOfFirstSave(writer, rank, attempt, cfg.memory_copies)
 
     def prepare(self, state: Callable[[], dict[str, Any]]) -> None:
@@ -213,17 +216,19 @@ class CheckpointClient:
         return self._layout.staging.finish() if self._layout is not None else 0.0
 
     def save(self, step: int, state: dict[str, Any], point: TrainingPoint | None = None, final: bool = False,
-             tier: str = "durable") -> None:
+             tier: str = "durable") -> bool:
         """Save ``state`` (a DCP state dict of live tensors, e.g. ``app_state(trainer)``) as ``step``.
 
         Collective: every rank calls it for the same steps. ``point`` (samples and tokens seen,
         losses) goes into the manifest. ``final``: never skipped (the last step, or a drain's).
         ``tier="ram"``: a drain's RAM tier, held by the writer in memory only (``roles/ramtier.py``).
+        Returns False when the save did not go on (skipped, ``on_busy: skip``, or lost before its
+        copy began); True says only that it is on its way: a later failure calls ``on_lost``.
         """
         t0 = time.monotonic()
         self._handed_off()  # counted in this save's stall
         if not self._previous_settled(step, final=final or step == self.total_steps):
-            return
+            return False
         # The step's temporary directory, opened while this rank plans and starts its copy: the
         # writer gets the reply, and its first write does not wait for a round trip of its own.
         opened = self.actor.open_step.remote(step, self.attempt) if tier == "durable" else None
@@ -233,7 +238,7 @@ class CheckpointClient:
         except (RayError, StepAborted, StagingFileError) as exc:  # writer or actor gone, buffer still leased:
             # lose this save, not the run
             self._aborted(step, exc)
-            return
+            return False
         payload = pickle.dumps(objects)
         layout.active = next_buffer([b.step for b in layout.buffers])
         buf = layout.buffers[layout.active]
@@ -281,6 +286,7 @@ class CheckpointClient:
             self._report_stall(step)
         if self.interval is not None:
             self.interval.saved(self.stats.last_stall_s)
+        return True
 
     def _report_stall(self, step: int) -> None:
         """The actor keeps each step's stall in its manifest (``wall.stall_s``, max over ranks)."""
@@ -317,6 +323,8 @@ class CheckpointClient:
             for b in self._layout.buffers:
                 b.step = None if b.step == step else b.step
         self.stats.aborted += 1
+        if self.on_lost is not None:
+            self.on_lost(step)
         why = cause_text(exc)  # the writer's own error, not Ray's wrapper around it
         logger.warning("checkpoint step %d aborted, training continues: %s", step, why)
         self.actor.abort.remote(step, f"rank {self.rank}: {why}", self.attempt)

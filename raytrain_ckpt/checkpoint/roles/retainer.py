@@ -45,6 +45,9 @@ class Retainer:
         """Retention deletes that failed (logged); the commits they followed stand."""
         self.certified: int | None = None
         """The newest step the training guard reported certified (``CheckpointActor.certify``)."""
+        self.told_certified: list[int] = []
+        """Every step it reported (the newest 64): a step it called certified that never committed
+        (its save lost after it began) must not take the protection from the one before it."""
         self._one_pass = threading.Lock()
         self.leftovers = LeftoverWatch(leftover_grace_s)
         """Uncommitted entries (an aborted step a slow writer kept uploading into), judged by our clock."""
@@ -96,7 +99,7 @@ class Retainer:
         trainers reported it since (``certify``), whichever is newer."""
         committed = self.steps.committed
         recorded = newest_certified({s: m.certified_step for s, m in committed.items()})
-        told = self.certified if self.certified in committed else None
+        told = max((s for s in self.told_certified if s in committed), default=None)
         return max((s for s in (recorded, told) if s is not None), default=None)
 
     def _remove_stale_leftovers(self) -> None:
