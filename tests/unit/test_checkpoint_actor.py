@@ -424,6 +424,45 @@ def test_a_step_certified_that_never_committed_leaves_the_certified_step_before_
     asyncio.run(scenario())
 
 
+def test_a_late_failure_or_report_of_an_earlier_attempts_save_does_not_touch_the_next_attempts(tmp_path: Path) -> None:
+    """Attempt 1's save of step 20 was aborted (settle) while its writer still wrote; attempt 2
+    saves step 20 again. Attempt 1's late abort leaves attempt 2's save alone, and its late report
+    is refused: a step committed from it would hold attempt 1's checksums over attempt 2's files."""
+    actor = _single_rank_actor(tmp_path, k=None)
+
+    async def scenario() -> None:
+        await actor.accepted(20, 0, 1)
+        await actor.abort(20, "the writer holding ranks [0] died or failed before they reported", attempt=1)
+        await actor.accepted(20, 0, 2)
+        await actor.abort(20, "rank 0: the trainer went away (attempt 1)", attempt=1)
+        assert actor.steps.pending[20].attempt == 2 and actor.steps.pending[20].error is None
+        with pytest.raises(StepAborted, match="attempt 1's save"):
+            await actor.report(RankReport(20, 0, 1, "1.20", [], {}))
+        assert 20 in actor.steps.pending and 20 not in actor.steps.committed
+
+    asyncio.run(scenario())
+
+
+def test_a_new_timeline_forgets_what_was_certified_after_its_head(tmp_path: Path) -> None:
+    """The guard certified 20; a rollback goes to 10 and the steps after it leave the timeline. The
+    new timeline's own step 20 is not certified: retention keeps 10, the head, not the new 20."""
+    actor = _single_rank_actor(tmp_path, k=2)
+
+    async def scenario() -> None:
+        for step in (10, 20):
+            await _save(actor, step)
+        await actor.certify(10)
+        await actor.certify(20)
+        point = await actor.acquire("rollback", "10", "size")
+        await actor.start_timeline(point.step, point.path, "10")
+        await actor.release("rollback")                   # loaded: only its certification keeps 10 now
+        for step in (20, 30, 40):
+            await _save(actor, step)
+        assert sorted(actor.steps.committed) == [10, 30, 40], sorted(actor.steps.committed)
+
+    asyncio.run(scenario())
+
+
 def test_a_save_out_of_space_runs_retention_again(tmp_path: Path) -> None:
     actor = _single_rank_actor(tmp_path, k=1)
     layout = CheckpointLayout(tmp_path)

@@ -96,7 +96,7 @@ class SaveCoordinator:
         """A writer finished rank ``report.rank`` of its step; commits when all ranks are in:
         ``committed``, else ``pending``."""
         step = report.step
-        self.steps.in_flight(step)
+        self.steps.in_flight(step, report.attempt)
         if not await self._known_plan(report.plan_id):
             await self.steps.abort(step, "plan unknown after a checkpoint actor restart")
             raise StepAborted(f"step {step}: plan {report.plan_id} unknown; the next save plans again")

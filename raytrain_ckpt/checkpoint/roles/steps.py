@@ -157,16 +157,23 @@ class StepRegistry:
         self._on_change(step, rank)
         return tmp
 
-    def in_flight(self, step: int) -> InFlightStep:
-        """``step`` in flight; raises StepAborted when it is not (aborted, or not known since a restart)."""
+    def in_flight(self, step: int, attempt: int | None = None) -> InFlightStep:
+        """``step`` in flight (of ``attempt``, when given); raises StepAborted when it is not
+        (aborted, not known since a restart, or saved now by another attempt: a write that outlived
+        its attempt's abort, whose files are not the ones this attempt's ranks wrote)."""
         p = self.pending.get(step)
         if p is None or p.error is not None:
             raise StepAborted(f"step {step} is not in flight (aborted or the checkpoint actor restarted)")
+        if attempt is not None and attempt != p.attempt:
+            raise StepAborted(f"step {step}: a report of attempt {attempt}'s save, but attempt {p.attempt} is "
+                              "saving it now (the earlier save was aborted)")
         return p
 
     def reported(self, report: RankReport) -> InFlightStep:
-        """Record a rank's report; the step in flight it belongs to."""
-        p = self.in_flight(report.step)
+        """Record a rank's report; the step in flight it belongs to. A report of another attempt's
+        save of the step (a write that outlived its attempt's abort) is refused: its files are not
+        the ones this attempt's ranks wrote."""
+        p = self.in_flight(report.step, report.attempt)
         p.reports[report.rank] = report
         self._on_change(report.step, report.rank)
         return p
@@ -187,6 +194,12 @@ class StepRegistry:
         save: a rank whose writer's answer was lost after the commit (the writer stopped or
         replaced right then) gives up on a save that is already durable."""
         p = self.pending.get(step)
+        if p is not None and attempt is not None and attempt != p.attempt:
+            # a failure of an earlier attempt's save of this step (aborted already): not this save's
+            self._aborted.add((step, attempt))
+            logger.info("checkpoint step %d of attempt %d: a late failure of attempt %d's save of it ignored: %s",
+                        step, p.attempt, attempt, reason)
+            return
         if p is not None and p.committing:
             # Its commit runs on a thread: removing the directory now would race the rename (a
             # committed step missing files, or on an object store a manifest with no data), and

@@ -119,6 +119,11 @@ class ResumeTimeline:
 
     def _abandon_after(self, head: int, resume: str) -> None:
         self._set_damaged_aside(head)
+        # what the guard certified after the head was on the old timeline: a step of that number
+        # the new timeline commits is not certified, and must not take the head's protection
+        r = self.retainer
+        r.told_certified = [s for s in r.told_certified if s <= head]
+        r.certified = max(r.told_certified, default=None)
         committed = self.steps.committed
         newer = [s for s in sorted(committed) if s > head]
         if not newer:
