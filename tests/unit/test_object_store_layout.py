@@ -375,3 +375,32 @@ def test_an_exporter_that_cannot_put_a_lease_exports_without_one(s3_endpoint, tm
     assert "exporting without one" in caplog.text
     back = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
     assert torch.equal(back["norm.weight"], weights["norm.weight"])
+
+
+@pytest.mark.parametrize("error", [OSError(13, "AccessDenied on this request"), OSError(5, "InternalError")])
+def test_a_failed_lookup_of_a_manifest_never_deletes_its_committed_step(error, monkeypatch) -> None:
+    """A start removes ``step-N/`` prefixes without a manifest (saves that never committed). A
+    request for a committed step's manifest that fails (a 500 past its retries, a denied HEAD) is
+    no answer: the step is kept, and found committed once the store answers again."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from raytrain_ckpt.checkpoint.storage import retries
+
+    layout = CheckpointLayout(f"memory://ckpt-{uuid.uuid4().hex[:8]}/runs/job")
+    _commit(layout, 1)
+    _commit(layout, 2)
+    _write_shards(layout, 3)                                 # a save that never committed
+    real = MemoryFileSystem.info
+
+    def failing(self, path, **kw):
+        if str(path).endswith(f"step-00000001/{MANIFEST}"):
+            raise error
+        return real(self, path, **kw)
+
+    monkeypatch.setattr(MemoryFileSystem, "info", failing)
+    monkeypatch.setattr(retries, "BACKOFF_S", 0.001)
+    monkeypatch.setattr(retry_transient, "__defaults__", (None, retries.RETRIES, 0.001, retries.is_transient))
+    removed = layout.remove_leftover_tmp()
+    monkeypatch.undo()
+    assert [layout.storage.name(p) for p in removed] == ["step-00000003"]
+    assert sorted(layout.valid_steps("checksum")) == [1, 2]

@@ -177,6 +177,9 @@ class ManifestLastCommit(CommitProtocol):
         if self.is_committed(final):
             move_aside(final)
         elif self.storage.is_dir(final):
+            if not self._surely_uncommitted(final):  # never written into: it may be a committed step
+                raise OSError(f"{final}: could not tell whether it holds a committed step; this save of step "
+                              f"{step} is not written (the next save asks again)")
             logger.warning("removing uncommitted leftover %s before writing step %d", final, step)
             self.storage.remove_tree(final)
         return final
@@ -188,7 +191,18 @@ class ManifestLastCommit(CommitProtocol):
                     committed: Collection[int]) -> list[tuple[Entry, Location]]:
         return super().uncommitted(entries, committed) + [
             (e, path) for e, path in entries
-            if e.kind.is_loadable and e.step not in committed and not self.is_committed(path)]
+            if e.kind.is_loadable and e.step not in committed and not self.is_committed(path)
+            and self._surely_uncommitted(path)]
+
+    def _surely_uncommitted(self, final: Location) -> bool:
+        """``step-N/`` has no manifest, by an answer of the store, not by a failed request: a
+        prefix is deleted as a leftover only then (a committed step is never deleted for a 503)."""
+        absent = getattr(self.storage, "surely_absent", None)
+        try:
+            return absent is None or absent(self.storage.join(final, MANIFEST))
+        except Exception as exc:  # noqa: BLE001 - unknown: kept (a later start or save looks again)
+            logger.warning("%s kept: could not tell whether it is committed (%s)", final, exc)
+            return False
 
     def commit(self, tmp: Location, final: Location, manifest: Manifest, move_aside: MoveAside) -> Location:
         assert str(tmp) == str(final), (tmp, final)  # new_tmp hands out step-N itself

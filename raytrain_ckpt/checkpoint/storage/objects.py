@@ -150,6 +150,17 @@ class ObjectStorage:
             return None
         return int(info["size"]) if info.get("type") == "file" else None
 
+    def surely_absent(self, path: Location) -> bool:
+        """Whether the object ``path`` is known not to exist: the store answered "not found"
+        (transient errors retried). Any other error raises: what decides a deletion must not take
+        a failed request (a 500, a 503 past its retries) for an answer."""
+        try:
+            retry_transient(lambda: self.fs.info(str(path), refresh=True) if self.scheme in ("s3", "s3a")
+                            else self.fs.info(str(path)), f"look up {path}")
+        except FileNotFoundError:
+            return True
+        return False
+
     def read_bytes(self, path: Location) -> bytes:
         return self.fs.cat_file(str(path))
 
