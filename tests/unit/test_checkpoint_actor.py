@@ -463,6 +463,31 @@ def test_a_new_timeline_forgets_what_was_certified_after_its_head(tmp_path: Path
     asyncio.run(scenario())
 
 
+def test_a_read_that_fails_once_does_not_drop_the_newest_step_from_the_resume_plan(tmp_path: Path, monkeypatch) -> None:
+    """The resume plan's read of the newest step's ``.metadata`` fails once (an NFS ``EIO``): it is
+    read again, and the run resumes from that step rather than skipping it (and the steps since)."""
+    from raytrain_ckpt.checkpoint.roles import timeline
+
+    actor = _single_rank_actor(tmp_path, k=None)
+    for step in (10, 20):
+        asyncio.run(_save(actor, step))
+    fresh = CheckpointActor(str(tmp_path), RetentionPolicy(None))   # a restart: nothing checked yet
+    asyncio.run(fresh.configure(GroupLayout(world_size=1, dp_size=1, spec_hash="h")))
+    storage, failed = fresh.layout.storage, []
+    real = storage.open_read
+
+    def flaky(path):
+        if str(path).endswith("step-00000020/.metadata") and not failed:
+            failed.append(path)
+            raise OSError(5, "Input/output error")
+        return real(path)
+
+    monkeypatch.setattr(storage, "open_read", flaky)
+    monkeypatch.setattr(timeline, "UNREADABLE_RETRY_S", 0.01, raising=False)
+    point = asyncio.run(fresh.acquire("restart", "latest", "checksum"))
+    assert failed and point is not None and point.step == 20
+
+
 def test_a_save_out_of_space_runs_retention_again(tmp_path: Path) -> None:
     actor = _single_rank_actor(tmp_path, k=1)
     layout = CheckpointLayout(tmp_path)

@@ -28,6 +28,9 @@ from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 
 logger = logging.getLogger(__name__)
 
+UNREADABLE_RETRY_S = 1.0
+"""How long the resume plan waits before reading again a step whose read failed."""
+
 __all__ = ["ResumeTimeline"]
 
 
@@ -65,7 +68,7 @@ class ResumeTimeline:
                                         f"{self.layout.root} (have {sorted(committed)})")
         for step in candidates:
             try:
-                point = await asyncio.to_thread(self._point, self.layout.step_dir(step), verify)
+                point = await self._verified(self.layout.step_dir(step), verify)
             except InvalidCheckpoint as exc:
                 committed.pop(step, None)
                 if resume.isdigit():  # the step asked for, not "the newest that verifies": no fallback
@@ -161,6 +164,18 @@ class ResumeTimeline:
                                       "not intact, skipped on resume" + (f"; the run continues from step {head}"
                                                                          if head >= 0 else ""))
         self._skipped.clear()
+
+    async def _verified(self, path: Path | str, verify: Verify) -> ResumePoint:
+        """``_point``, asked once more after a read that failed (an NFS ``EIO``/``ESTALE``, a 5xx):
+        that says nothing of the step, and a step skipped for it would leave the timeline."""
+        try:
+            return await asyncio.to_thread(self._point, path, verify)
+        except InvalidCheckpoint as exc:
+            if "unreadable" not in str(exc):
+                raise
+            logger.warning("reading %s failed (%s); reading it again in %gs", path, exc, UNREADABLE_RETRY_S)
+        await asyncio.sleep(UNREADABLE_RETRY_S)
+        return await asyncio.to_thread(self._point, path, verify)
 
     def _point(self, path: Path | str, verify: Verify) -> ResumePoint:
         """Verify a step, which may live on another storage than this root (``checkpoint.resume``)."""
