@@ -51,6 +51,14 @@ class UnsafeCheckpoint(InvalidCheckpoint):
     """A checkpoint file that asks for code to be run when read; refused, never executed."""
 
 
+__all__ += ["BadEnvironment"]
+
+
+class BadEnvironment(ValueError):
+    """An environment variable this project reads holds a value it refuses (named, with the range).
+    Never an ``InvalidCheckpoint``: a typo in a limit is not a verdict on any checkpoint."""
+
+
 __all__ += ["RootInUse"]
 
 

@@ -114,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout, sys.stderr = _Masked(out, secrets), _Masked(err, secrets)
     try:
         words = sys.argv[1:] if argv is None else [str(a) for a in argv]
+        if words and words[0] not in ("-h", "--help"):
+            from raytrain_ckpt.checkpoint.format.prescan import read_limits_problem
+
+            if (problem := read_limits_problem()) is not None:  # before anything reads a checkpoint
+                print(f"error: {problem}", file=sys.stderr)
+                return ExitCode.USAGE
         if words and words[0] in ("ls", "status", "verify"):
             # they check .metadata in the reader process: its start (~60 ms) overlaps the imports below
             from raytrain_ckpt.checkpoint.format.sandbox import start_reader

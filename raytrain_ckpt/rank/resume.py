@@ -85,6 +85,8 @@ class RankCheckpoints:
                                             self.spec.fault_tolerance.prior_mtbf_s, ckpt.interval,
                                             kept_copy=(kept, self.start_step) if kept else None)
         trainer.before_optimizer_step = self.checkpoints.before_optimizer_step
+        if trainer.guard is not None:  # a save lost after it began certifies nothing
+            self.checkpoints.on_lost = trainer.guard.lost_step
         if trainer.guard is not None and self.rank == 0:  # retention keeps the newest certified step
             trainer.guard.on_certified = self.checkpoints.asks.certify
 

@@ -259,8 +259,6 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
         trainer = self.trainer
         assert trainer is not None, "setup() must succeed before run()"
         ckpt = self.checkpoints
-        if ckpt is not None and trainer.guard is not None:
-            ckpt.on_lost = trainer.guard.lost_step  # a save lost after it began certifies nothing
         loss, eval_s = None, 0.0
         ft = self.spec.fault_tolerance
         watch = ckpt is not None and (ft.watch_drains or ft.replace_stragglers)  # both stop via preempt()
@@ -286,8 +284,7 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
             # collective agrees on both: 0 no notice, else 1 + the tier's index in TIERS)
             level = ckpt.max_rank(1 + TIERS.index(self._notice_tier) if self._notice.is_set() else 0) if watch else 0
             preempted, tier = level > 0, TIERS[max(0, level - 1)]
-            went_on = False
-            if due or preempted:
+            if went_on := due or preempted:  # (then whether the save went on)
                 guard, point = trainer.guard, _point(trainer, report)
                 self._progress = Progress(self.rank, self._progress.step, loss, self._progress.last_step_at, "saving")
                 went_on = ckpt.save(report.step, app_state(trainer), point, final=preempted, tier=tier)
@@ -310,7 +307,7 @@ class TrainWorker(PublishedProgress, RankRendezvous, RankCheckpoints, RankAnswer
             self.timings.setdefault("first_step_at", self._progress.last_step_at)
             if preempted:
                 phase = "preempted"  # the step is saved: commit it and stop (the driver restarts off the node)
-                how = "its save on its way" if went_on else "its save did not go on (see the warning above)"
+                how = "its save on its way" if went_on else "its save did not go on (the warning above)"
                 if self.rank == 0:
                     logger.warning("%sdrain notice: stopping at step %d, %s", self._prefix(), report.step, how)
                 if self._evicted_until is not None:

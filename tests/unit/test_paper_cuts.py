@@ -133,3 +133,29 @@ def test_ls_of_a_root_with_nothing_to_decode_needs_no_reader_process(tmp_path, c
     (tmp_path / "job").mkdir()
     assert main(["ls", str(tmp_path / "job")]) == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "value"), [("RAYTRAIN_CKPT_READ_LIMITS", "abc"), ("RAYTRAIN_CKPT_PICKLE_BUDGET", "-1"),
+                                             ("RAYTRAIN_CKPT_READ_LIMITS", "nan")])
+def test_a_mistyped_read_limit_is_a_usage_error_not_a_corrupt_checkpoint(tmp_path, capsys, monkeypatch, name, value):
+    """A typo in a read limit's factor made every step read as corrupt (``verify``, ``ls``), and a
+    resume moved them all aside as invalid. It is a usage error before anything is read, naming
+    the variable and its range; a resume plan that meets it refuses to start, moving nothing."""
+    import asyncio
+
+    from raytrain_ckpt.checkpoint.errors import BadEnvironment
+    from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
+    from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
+
+    step = _step(tmp_path / "job")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv(name, value)
+    for command in (["verify", str(step)], ["ls", str(tmp_path / "job")], ["status", str(tmp_path / "job")]):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert f"error: {name}=" in err and "use a factor from" in err and "Traceback" not in err, err
+    with pytest.raises(BadEnvironment, match=name):  # a job's actor does not start: nothing is judged
+        CheckpointActor(str(tmp_path / "job"), RetentionPolicy(None))
+    assert sorted(p.name for p in (tmp_path / "job").iterdir() if p.name.startswith("step-")) == [step.name]
+    monkeypatch.delenv(name)
+    assert main(["verify", str(step)]) == 0

@@ -35,11 +35,11 @@ import zipfile
 from dataclasses import dataclass, replace
 from typing import BinaryIO
 
-from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.errors import BadEnvironment, InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format import sandbox, scancache
 from raytrain_ckpt.common.gcpause import collector_paused
 
-__all__ = ["ATOM", "BUDGET_ENV", "DEFAULT_BUDGET", "FRAME", "PROTO", "SYNC_EVERY", "ZIP_ERRORS", "PickleBudget",
+__all__ = ["ATOM", "BUDGET_ENV", "read_limits_problem", "DEFAULT_BUDGET", "FRAME", "PROTO", "SYNC_EVERY", "ZIP_ERRORS", "PickleBudget",
            "check_pickle", "check_torch_save", "opcode_at", "read_bounded", "scan_pickle", "stored_member",
            "torch_save_pickle"]
 
@@ -74,6 +74,18 @@ class PickleBudget:
 
 
 DEFAULT_BUDGET = PickleBudget()
+
+
+def read_limits_problem() -> str | None:
+    """What is wrong with ``$RAYTRAIN_CKPT_PICKLE_BUDGET`` or ``$RAYTRAIN_CKPT_READ_LIMITS`` (None:
+    both unset or in range): checked before a command reads a checkpoint or a job starts, so a
+    typo there is a usage error, not every step refused as invalid (and moved aside by a resume)."""
+    try:
+        DEFAULT_BUDGET.scaled()
+        sandbox.DEFAULT_LIMITS.scaled()
+    except BadEnvironment as exc:
+        return str(exc)
+    return None
 
 SYNC_EVERY = 64
 """The scan notes where every 64th opcode starts (a power of two)."""

@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, ReaderGone, UnsafeCheckpoint
+from raytrain_ckpt.checkpoint.errors import BadEnvironment, InvalidCheckpoint, ReaderGone, UnsafeCheckpoint
 
 __all__ = ["DEFAULT_LIMITS", "LIMITS_ENV", "ReadLimits", "collect_decodes", "decode_deadline_s", "decode_in_sandbox",
            "start_reader", "submit_decodes"]
@@ -61,7 +61,7 @@ def env_factor(name: str, low: float, high: float) -> float | None:
     except ValueError:
         factor = 0.0
     if not low <= factor <= high:
-        raise InvalidCheckpoint(f"{name}={raw[:40]!r}: use a factor from {low:.15g} to {high:.15g}")
+        raise BadEnvironment(f"{name}={raw[:40]!r}: use a factor from {low:.15g} to {high:.15g}, or unset it")
     return factor
 
 

@@ -109,6 +109,13 @@ def _local_tensors(state: dict[str, Any], coordinator: bool = False) -> tuple[di
     return tensors, planner
 
 
+def _flat_state(state: dict[str, Any], coordinator: bool) -> tuple[dict[str, torch.Tensor], DefaultSavePlanner,
+                                                                  dict[str, Any]]:
+    """The flat state's tensors by name, the planner that flattened it, and its other objects."""
+    tensors, planner = _local_tensors(state, coordinator)
+    return tensors, planner, {fqn: v for fqn, v in planner.state_dict.items() if not isinstance(v, torch.Tensor)}
+
+
 class _AheadOfFirstSave:
     """The first save's staging buffers, made ready while training goes on.
 
@@ -166,9 +173,7 @@ class CheckpointClient:
         self._inflight_tier = "durable"  # the tier of the save in _inflight
         self._replan = False
         self._last_save_at = time.monotonic()
-        self.on_lost: Callable[[int], None] | None = None
-        """Called with a step this rank's save of it was lost (aborted) after ``save`` returned
-        (the training guard forgets it: a step never committed is never certified)."""
+        self.on_lost: Callable[[int], None] | None = None  # told each step whose save was lost (the guard's)
         self._ahead = _AheadOfFirstSave(writer, rank, attempt, cfg.memory_copies)
 
     def prepare(self, state: Callable[[], dict[str, Any]]) -> None:
@@ -222,8 +227,7 @@ class CheckpointClient:
         Collective: every rank calls it for the same steps. ``point`` (samples and tokens seen,
         losses) goes into the manifest. ``final``: never skipped (the last step, or a drain's).
         ``tier="ram"``: a drain's RAM tier, held by the writer in memory only (``roles/ramtier.py``).
-        Returns False when the save did not go on (skipped, ``on_busy: skip``, or lost before its
-        copy began); True says only that it is on its way: a later failure calls ``on_lost``.
+        False: the save did not go on (skipped, or lost before its copy); a later loss calls ``on_lost``.
         """
         t0 = time.monotonic()
         self._handed_off()  # counted in this save's stall
@@ -232,7 +236,7 @@ class CheckpointClient:
         # The step's temporary directory, opened while this rank plans and starts its copy: the
         # writer gets the reply, and its first write does not wait for a round trip of its own.
         opened = self.actor.open_step.remote(step, self.attempt) if tier == "durable" else None
-        tensors, objects = self._flatten(state)
+        tensors, self._planner, objects = _flat_state(state, self.rank == 0)
         try:
             layout = self._ensure_layout(step, tensors, objects)
         except (RayError, StepAborted, StagingFileError) as exc:  # writer or actor gone, buffer still leased:
@@ -329,11 +333,6 @@ class CheckpointClient:
         logger.warning("checkpoint step %d aborted, training continues: %s", step, why)
         self.actor.abort.remote(step, f"rank {self.rank}: {why}", self.attempt)
         self._replan = True  # a restarted actor or writer lost the plan and the buffer: set up again
-
-    def _flatten(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        tensors, self._planner = _local_tensors(state, self.rank == 0)
-        objects = {fqn: v for fqn, v in self._planner.state_dict.items() if not isinstance(v, torch.Tensor)}
-        return tensors, objects
 
     def _ensure_layout(self, step: int, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> _Layout:
         """Reuse the cached plan and buffer unless some rank's layout changed (then all plan again)."""
