@@ -91,6 +91,23 @@ def _controller(drains: dict, committed: list[int], **ft) -> Controller:
     return Controller(spec, DrainedGroup, sleep=lambda s: None, preemption=guard)
 
 
+def test_a_drain_whose_save_did_not_commit_records_no_saved_step():
+    """The ranks stopped at step 57, but its save never committed: the record says no step was
+    saved (``saved_step`` None) and 7 steps lost, as the headline does."""
+    drains: dict = {}
+    ctl = _controller(drains, [50])
+    ctl.step()
+    group = DrainedGroup.created[0]
+    group.step = 57
+    drains["B"] = 1025.0
+    ctl.step()
+    ctl.step()                                             # stopped; 57 not committed
+    [failure] = ctl.result.failures
+    assert "the save did not complete: resuming at committed step 50, 7 steps lost" in failure.headline
+    [record] = ctl.result.preemptions
+    assert record["saved_step"] is None and record["steps_lost"] == 7, record
+
+
 def test_a_drained_rank_node_restarts_without_spending_a_restart():
     drains: dict = {}
     committed: list[int] = [50]

@@ -53,7 +53,8 @@ def watches_for(spec: Any, clock: Callable[[], float], ledger: GoodputLedger,
     ledger (it also marks the attempts' starts and ends on it); ``preemption``: the driver's guard
     over drains and stop signals (None: nothing is checkpointed, none is acted on)."""
     ft = spec.fault_tolerance
-    swap = StragglerSwap(spec, StragglerWatch(ft.straggler_margin))
+    swap = StragglerSwap(spec, StragglerWatch(ft.straggler_margin),
+                         preemption.latest_committed if preemption is not None else None)
     hang = HangWatch(spec, clock)
     heals = ReplicaHeals(spec) if spec.parallelism.dp_replicate > 1 else None
     if preemption is not None:

@@ -182,7 +182,7 @@ class PreemptionGuard:
         none there), so that no later restart or close waits on it once the node is gone.
         ``saving_ranks``: with replica groups, the saving group's ranks (the first ones; None: all).
         The step saved is theirs; a step another group trained past it is lost, not the save."""
-        self.total_steps, self._latest, self._cost = total_steps, latest_committed, save_cost
+        self.total_steps, self.latest_committed, self._cost = total_steps, latest_committed, save_cost
         self._draining, self._clock = draining, clock
         self._service_node, self._ram_cost, self._keep_in_ram = service_node, ram_cost, keep_in_ram
         self._move_service, self._move_after_stop, self._retire_writer = move_service, False, retire_writer
@@ -354,17 +354,17 @@ class PreemptionGuard:
     def _failure(self, poll: GroupPoll, attempt: int, stopped: bool) -> Failure:
         notice = self.notice
         assert notice is not None
-        latest = self._latest() or 0
+        latest = self.latest_committed() or 0
         saved = max((r.steps for r in poll.results if self._saving_ranks is None or r.rank < self._saving_ranks),
                     default=None) if poll.finished and not poll.failures else None
-        how, lost = self._outcome(notice, saved, latest)  # a RAM-tier copy leaves the node first: the deadline
+        how, lost, kept = self._outcome(notice, saved, latest)  # a RAM-tier copy leaves the node first: the deadline
         if self._move_after_stop:  # the group stopped: the CheckpointActor leaves the node with it
             self._move_after_stop = False
             logger.warning("preemption: restarting the CheckpointActor off draining node %s", notice.node)
             self._move_service()
         tier = notice.plan.tier
         record = PreemptionRecord(attempt, notice.node, notice.deadline_unix, notice.time_left(notice.seen_unix),
-                                  tier, saved, lost, notice.cause)
+                                  tier, kept, lost, notice.cause)  # kept: None when the save did not complete
         self.records.append(record)
         if not stopped:
             how = f"the group did not stop before the deadline; {how}"
@@ -384,16 +384,16 @@ class PreemptionGuard:
         logger.warning("preemption: %s", text)
         return Failure(attempt, "preemption", notice.ranks[0], text, text)
 
-    def _outcome(self, notice: DrainNotice, saved: int | None, latest: int) -> tuple[str, int]:
+    def _outcome(self, notice: DrainNotice, saved: int | None, latest: int) -> tuple[str, int, int | None]:
         """What became of the save (``saved``: the step the ranks stopped at, None: they did not
-        finish), and the steps lost."""
+        finish), the steps lost, and the step saved (None when the save did not complete)."""
         if notice.plan.tier == "ram":
             return self._kept_in_ram(notice, saved, latest)
-        lost = max(0, self._reached - latest)
-        return (f"step {saved} saved, {lost} steps lost" if saved is not None and saved == latest
-                else f"the save did not complete: resuming at committed step {latest}, {lost} steps lost"), lost
+        lost, ok = max(0, self._reached - latest), saved is not None and saved == latest
+        return (f"step {saved} saved, {lost} steps lost" if ok else
+                f"the save did not complete: resuming at committed step {latest}, {lost} steps lost"), lost, saved if ok else None
 
-    def _kept_in_ram(self, notice: DrainNotice, saved: int | None, latest: int) -> tuple[str, int]:
+    def _kept_in_ram(self, notice: DrainNotice, saved: int | None, latest: int) -> tuple[str, int, int | None]:
         """After a RAM-tier save: hold ``saved`` off the draining node; what happened and the steps lost."""
         why = "the save did not complete" if saved is None else self._keep_in_ram(notice.node, saved,
                                                                                   notice.deadline_unix)
@@ -401,9 +401,9 @@ class PreemptionGuard:
             assert saved is not None
             lost = max(0, self._reached - saved)
             return (f"step {saved} held in RAM on nodes not draining (not committed to storage; its latest "
-                    f"committed step {latest} is untouched), {lost} steps lost"), lost
+                    f"committed step {latest} is untouched), {lost} steps lost"), lost, saved
         lost = max(0, self._reached - latest)
-        return f"the RAM copy was not kept ({why}): resuming at committed step {latest}, {lost} steps lost", lost
+        return f"the RAM copy was not kept ({why}): resuming at committed step {latest}, {lost} steps lost", lost, None
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
@@ -89,7 +89,9 @@ class StragglerSwap:
     drain); the restart then gives that rank a spare or a new process. Each rank once per job
     (the watch reports a rank once)."""
 
-    def __init__(self, spec: Any, watch: StragglerWatch) -> None:
+    def __init__(self, spec: Any, watch: StragglerWatch, latest: Callable[[], int | None] | None = None) -> None:
+        self._latest = latest
+        """The newest committed step (the driver's checkpoint service), to say whether the stop's save committed."""
         self.on = spec.fault_tolerance.replace_stragglers and spec.checkpoint.enabled
         self.steps = spec.training.steps
         self.watch = watch
@@ -133,8 +135,15 @@ class StragglerSwap:
         """The straggler's replacement, as the failure the restart is for."""
         assert self.rank is not None
         step = min(r.steps for r in poll.results)
-        text = (f"rank {self.rank} replaced at committed step {step} (fault_tolerance.replace_stragglers): "
-                f"{self.watch.reported[self.rank]}")
+        latest = self._latest() if self._latest is not None else None
+        if latest == step:
+            where = f"at committed step {step}"
+        elif self._latest is None:
+            where = f"after step {step}"
+        else:  # its save did not commit: the restart resumes from the step before
+            where = (f"after step {step}, whose save did not commit (resuming at "
+                     f"{f'committed step {latest}' if latest is not None else 'the start'})")
+        text = f"rank {self.rank} replaced {where} (fault_tolerance.replace_stragglers): {self.watch.reported[self.rank]}"
         return Failure(attempt, "straggler", self.rank, headline(text), text)
 
 
