@@ -71,12 +71,21 @@ def _step_dir(text: str) -> Path:
 def _read(path: Path, only: str | None = None) -> dict[str, TensorStats]:
     from raytrain_ckpt.checkpoint.format.fingerprints import step_stats  # torch: only for these commands
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         return step_stats(path, only)
     except KeyError:
         raise _Usage(f"--tensor {only}: no such tensor in {path}; raytrain-ckpt stats {path} lists them") from None
-    except (InvalidCheckpoint, OSError) as exc:
-        raise _Usage(f"{path}: unreadable ({exc}); check it with raytrain-ckpt verify {path}") from None
+    except (InvalidCheckpoint, OSError, CheckpointException) as exc:  # (DCP wraps a refused chunk in the last)
+        raise _Usage(f"{path}: unreadable ({_cause(exc)}); check it with raytrain-ckpt verify {path}") from None
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The first rank's error inside DCP's ``CheckpointException`` (it only names the ranks), else ``exc``."""
+    failures = getattr(exc, "failures", None)
+    first = next(iter(failures.values()), None) if isinstance(failures, dict) else None
+    return first[0] if isinstance(first, tuple) and first and isinstance(first[0], BaseException) else exc
 
 
 def _stats(path: Path, only: str | None, as_json: bool) -> int:
@@ -91,12 +100,14 @@ def _stats(path: Path, only: str | None, as_json: bool) -> int:
 
 
 def _diff(a: Path, b: Path, as_json: bool) -> int:
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from raytrain_ckpt.checkpoint.format.fingerprints import diff_step_dirs
 
     try:
         diffs = diff_step_dirs(a, b)
-    except (InvalidCheckpoint, OSError) as exc:
-        raise _Usage(f"{a} or {b}: unreadable ({exc}); check them with raytrain-ckpt verify") from None
+    except (InvalidCheckpoint, OSError, CheckpointException) as exc:
+        raise _Usage(f"{a} or {b}: unreadable ({_cause(exc)}); check them with raytrain-ckpt verify") from None
     if as_json:
         print(json.dumps([{"tensor": d.name, "a": d.a.as_dict() if d.a else None, "b": d.b.as_dict() if d.b else None,
                            "delta_norm": d.delta_norm} for d in diffs], indent=1))

@@ -109,3 +109,17 @@ def test_bisect_judges_a_step_by_its_manifest_fingerprints_when_it_has_them(tmp_
         (path / MANIFEST).write_text(m.model_copy(update={"tensors": recorded}).to_json())
     assert main(["bisect", str(tmp_path), "--check", "finite"]) == 1  # ...the manifests say step 4 is not
     assert capsys.readouterr().out.startswith("first non-finite step: 4 (model.w (nan 1, inf 0))")
+
+
+def test_stats_diff_and_bisect_of_a_damaged_shard_say_so_in_one_line(tmp_path, capsys):
+    """A shard whose first bytes were overwritten (a crash mid-write, a bad disk): the chunk is
+    refused, DCP wraps that refusal in its own exception, and each command says which step is
+    unreadable and what to run, with no traceback."""
+    good = _write_step(tmp_path / "job", 1, poisoned=False)
+    bad = _write_step(tmp_path / "job", 2, poisoned=False)
+    shard = next(bad.glob("*.distcp"))
+    shard.write_bytes(b"A" * 400 + shard.read_bytes()[400:])
+    for command in (["stats", str(bad)], ["diff", str(good), str(bad)], ["bisect", str(tmp_path / "job"), "--check", "finite"]):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert "unreadable" in err and "raytrain-ckpt verify" in err and "Traceback" not in err, (command, err)
