@@ -496,8 +496,7 @@ def test_a_save_out_of_space_runs_retention_again(tmp_path: Path) -> None:
         await _save(actor, 2)
         await actor.certify(2)
         await _save(actor, 6)
-        actor.retainer.certified = 6      # certified without a pass of retention since (a failed pass, say)
-        actor.retainer.told_certified.append(6)
+        actor.retainer.told_certified.append(6)  # certified without a pass of retention since (a failed pass, say)
         await actor.abort(8, "rank 0: step 8 not written: write failed: [Errno 5] Input/output error")
         assert layout.step_dir(2).exists()               # another failure: nothing to free
         await actor.abort(8, "rank 0: step 8 not written: [Errno 28] No space left on device")

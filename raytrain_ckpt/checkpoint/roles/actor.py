@@ -262,13 +262,12 @@ class CheckpointActor:
     async def certify(self, step: int) -> None:
         """The training guard certified ``step`` (healthy steps followed it): retention keeps the
         newest certified step from now on, before a later manifest records it."""
-        before = self.retainer.certified
-        self.retainer.certified = max(step, before if before is not None else -1)
         told = self.retainer.told_certified
+        newer = step > max(told, default=-1)
         if step not in told:
             told.append(step)
             del told[:-64]
-        if self.retainer.certified != before:
+        if newer:
             # the step kept beside keep_latest_k for the guard moved: the one it replaces is free
             # now, not only after the next commit (a root sized for the retention would fill first)
             await asyncio.to_thread(self.retainer.purge)

@@ -43,11 +43,10 @@ class Retainer:
         """Exporters' leases, judged live by our own clock (see leases.py)."""
         self.purge_errors = 0
         """Retention deletes that failed (logged); the commits they followed stand."""
-        self.certified: int | None = None
-        """The newest step the training guard reported certified (``CheckpointActor.certify``)."""
         self.told_certified: list[int] = []
-        """Every step it reported (the newest 64): a step it called certified that never committed
-        (its save lost after it began) must not take the protection from the one before it."""
+        """Every step the training guard reported certified (``CheckpointActor.certify``; the newest
+        64): one it called certified that never committed (its save lost after it began) must not
+        take the protection from the one before it."""
         self._one_pass = threading.Lock()
         self.leftovers = LeftoverWatch(leftover_grace_s)
         """Uncommitted entries (an aborted step a slow writer kept uploading into), judged by our clock."""

@@ -211,9 +211,7 @@ class StepRegistry:
             logger.info("checkpoint step %d is committed; a late failure of a rank's hand-off ignored: %s",
                         step, reason)
             return
-        if p is not None and p.committing:
-            return  # the commit failed: the coordinator aborted the step itself, with that failure as its reason
-        p = self.pending.pop(step, None)
+        p = self.pending.pop(step, None)  # (after a failed commit: popped already by the coordinator's abort)
         for a in {attempt, p.attempt if p is not None else None} - {None}:
             self._aborted.add((step, a))
         if step not in self.failed:  # the first reason is the cause; later ranks only see the step gone

@@ -124,9 +124,7 @@ class ResumeTimeline:
         self._set_damaged_aside(head)
         # what the guard certified after the head was on the old timeline: a step of that number
         # the new timeline commits is not certified, and must not take the head's protection
-        r = self.retainer
-        r.told_certified = [s for s in r.told_certified if s <= head]
-        r.certified = max(r.told_certified, default=None)
+        self.retainer.told_certified = [s for s in self.retainer.told_certified if s <= head]
         committed = self.steps.committed
         newer = [s for s in sorted(committed) if s > head]
         if not newer:

@@ -143,9 +143,13 @@ class ObjectStorage:
     def is_file(self, path: Location) -> bool:
         return self.size(path) is not None
 
+    def _info(self, path: Location) -> dict[str, Any]:
+        """The store's answer on the object ``path`` (never a cached one on S3)."""
+        return self.fs.info(str(path), refresh=True) if self.scheme in ("s3", "s3a") else self.fs.info(str(path))
+
     def size(self, path: Location) -> int | None:
         try:
-            info = self.fs.info(str(path), refresh=True) if self.scheme in ("s3", "s3a") else self.fs.info(str(path))
+            info = self._info(path)
         except (FileNotFoundError, OSError):
             return None
         return int(info["size"]) if info.get("type") == "file" else None
@@ -155,8 +159,7 @@ class ObjectStorage:
         (transient errors retried). Any other error raises: what decides a deletion must not take
         a failed request (a 500, a 503 past its retries) for an answer."""
         try:
-            retry_transient(lambda: self.fs.info(str(path), refresh=True) if self.scheme in ("s3", "s3a")
-                            else self.fs.info(str(path)), f"look up {path}")
+            retry_transient(lambda: self._info(path), f"look up {path}")
         except FileNotFoundError:
             return True
         return False
