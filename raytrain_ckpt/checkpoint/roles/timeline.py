@@ -121,6 +121,10 @@ class ResumeTimeline:
         return self.layout.protocol.same_path(a, b)
 
     def _abandon_after(self, head: int, resume: str) -> None:
+        with self.retainer.one_pass():  # a retention pass on another thread forgets steps too
+            self._abandon_after_locked(head, resume)
+
+    def _abandon_after_locked(self, head: int, resume: str) -> None:
         self._set_damaged_aside(head)
         # what the guard certified after the head was on the old timeline: a step of that number
         # the new timeline commits is not certified, and must not take the head's protection
@@ -134,7 +138,7 @@ class ResumeTimeline:
             tag = uuid.uuid4().hex[:8]
             moved = [self.layout.storage.name(self.layout.abandon(s, tag)) for s in newer]
         for s in newer:
-            del committed[s]
+            committed.pop(s, None)
         logger.warning("checkpoint.resume=%s starts a new timeline%s: %d newer committed step(s) moved aside, "
                        "kept and never loaded: %s", resume, f" at step {head}" if head >= 0 else "", len(moved),
                        ", ".join(moved))
