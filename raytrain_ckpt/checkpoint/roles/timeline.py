@@ -159,8 +159,13 @@ class ResumeTimeline:
         They are off the new timeline too. Left as ``step-N``, a rebuilt registry (sizes only)
         would count a step whose damage only its checksum shows, and this timeline's retention
         would delete it.
+
+        A skipped step that is committed again (a save of its number since: ``acquire`` took the
+        damaged one out of the registry, only a commit puts the number back) is not the damaged
+        one: it is left to the timeline's moves like any committed step.
         """
-        for step in sorted(s for s in self._skipped if s > head):
+        committed = self.steps.committed
+        for step in sorted(s for s in self._skipped if s > head and s not in committed):
             if self.layout.is_committed_name(step):
                 self.layout.set_aside(self.layout.step_dir(step), EntryKind.INVALID,
                                       "not intact, skipped on resume" + (f"; the run continues from step {head}"
