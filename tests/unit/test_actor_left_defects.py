@@ -208,7 +208,7 @@ def test_a_retention_pass_racing_a_new_timeline_neither_fails_nor_counts_an_erro
 
     passes = threading.Thread(target=retention)
     passes.start()
-    deadline = time.monotonic() + 3.0
+    deadline = time.monotonic() + 2.0
     try:
         rounds = 0
         while time.monotonic() < deadline and not errors:
