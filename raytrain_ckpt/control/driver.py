@@ -96,7 +96,7 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
     pool = WorkerPool(spec, fault_env() or None)
     run_id = uuid.uuid4().hex  # this run's identity on the nodes (rank/progress.py): not the job's name
     # (with replica groups one group saves: the service sees that group's layout)
-    service = CheckpointService(spec.saving_group(), fault_env() or None) if spec.checkpoint.enabled else None
+    service = CheckpointService(spec.saving_group(), fault_env() or None, run_id) if spec.checkpoint.enabled else None
     metrics = ControllerMetrics(spec.name, checkpointing=service is not None)
     _warn_restarts_without_checkpoints(spec)
 

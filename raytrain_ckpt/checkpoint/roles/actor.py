@@ -6,7 +6,8 @@ each step; ``StepRegistry`` knows every step and its ``StepPhase``; ``ResumeTime
 where an attempt starts and moves aside what a new timeline leaves behind; ``Retainer`` runs
 retention after each commit, off the training path, honouring leases; ``StatusBoard`` reports.
 All of its state that matters survives a restart because it is rebuilt from the checkpoint
-directory (and the group's layout from ``.group.json``).
+directory (the group's layout from ``.group.json``, the run's failed saves from
+``.failed-saves.json``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from raytrain_ckpt.checkpoint.roles.board import StatusBoard
 from raytrain_ckpt.checkpoint.roles.coordinator import SaveCoordinator
 from raytrain_ckpt.checkpoint.roles.resumecheck import ResumeCheck
 from raytrain_ckpt.checkpoint.roles.retainer import Retainer, out_of_space
-from raytrain_ckpt.checkpoint.roles.steps import StepRegistry
+from raytrain_ckpt.checkpoint.roles.steps import FailedSavesFile, StepRegistry
 from raytrain_ckpt.checkpoint.roles.timeline import ResumeTimeline
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.format.verify import Verify
@@ -58,7 +59,10 @@ class CheckpointActor:
     """Async Ray actor; see the module docstring. Methods are called by writers, trainers and the driver."""
 
     def __init__(self, root: str, retention: RetentionPolicy, storage_options: dict[str, Any] | None = None,
-                 leftover_grace_s: float = LEFTOVER_GRACE_S, fault_env: dict[str, str] | None = None) -> None:
+                 leftover_grace_s: float = LEFTOVER_GRACE_S, fault_env: dict[str, str] | None = None,
+                 run_id: str | None = None) -> None:
+        """``run_id``: the driver's run; an actor Ray restarts gets the same one and carries over the
+        run's failed saves (``FailedSavesFile``). None: they are kept in memory only."""
         setup_logging()
         adopt_fault_env(fault_env)  # an argument, not a runtime_env: see TrainWorker.__init__
         self.layout = CheckpointLayout(root, options=storage_options)
@@ -69,7 +73,9 @@ class CheckpointActor:
         self.layout.remove_leftover_tmp()
         self.metrics = CheckpointMetrics(self.layout.name)
         group = lambda: self.group  # noqa: E731 - members read the layout configure() set last
-        self.steps = StepRegistry(self.layout, self.metrics, group, lambda *moved: self.board.progress(*moved))
+        failures = FailedSavesFile(self.layout, run_id) if run_id else None
+        self.steps = StepRegistry(self.layout, self.metrics, group, lambda *moved: self.board.progress(*moved),
+                                  failures)
         self.retainer = Retainer(self.layout, retention, self.steps, self.metrics, leftover_grace_s)
         self.timeline = ResumeTimeline(self.layout, options, self.steps, self.retainer)
         self.resume_check = ResumeCheck(self.layout, self.steps.committed)
@@ -77,7 +83,7 @@ class CheckpointActor:
                                            lambda step: self.board.stall(step))
         self.board = StatusBoard(self.layout.name, str(self.layout.root), self.steps, self.retainer, self.metrics,
                                  group, self.coordinator.planning)
-        self.metrics.start(self.committed)
+        self.metrics.start(self.committed, self.steps.saves.consecutive)
         logger.info("checkpoint actor for %s: %d committed step(s) %s", root, len(self.committed),
                     sorted(self.committed)[-5:])
 

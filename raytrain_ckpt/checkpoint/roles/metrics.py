@@ -57,14 +57,15 @@ class CheckpointMetrics:
         self.committed_step = -1
         self._ranks: set[int] = set()
 
-    def start(self, committed: dict[int, Manifest]) -> None:
-        """Publish what storage holds when the actor (re)starts."""
+    def start(self, committed: dict[int, Manifest], failed_in_a_row: int = 0) -> None:
+        """Publish what storage holds when the actor (re)starts; ``failed_in_a_row``: the failed
+        saves since the last commit that an earlier actor of the run recorded."""
         if committed:
             newest = committed[max(committed)]
             self.committed_step, self.commit_unix = newest.step, newest.created_unix
         exported.record("checkpoint_committed_step", self.committed_step, self._tags)
         exported.record("checkpoint_last_commit_timestamp_seconds", self.commit_unix, self._tags)
-        exported.record("checkpoint_consecutive_failed_saves", 0, self._tags)
+        exported.record("checkpoint_consecutive_failed_saves", failed_in_a_row, self._tags)
         self.progress(InFlight(), 0)
 
     def progress(self, inflight: InFlight, world_size: int) -> None:

@@ -48,6 +48,8 @@ class Retainer:
         64): one it called certified that never committed (its save lost after it began) must not
         take the protection from the one before it."""
         self._one_pass = threading.Lock()
+        """Held by a retention pass and by a new timeline's moves (``one_pass``): each forgets steps
+        from the registry on a thread of its own."""
         self.leftovers = LeftoverWatch(leftover_grace_s)
         """Uncommitted entries (an aborted step a slow writer kept uploading into), judged by our clock."""
 
@@ -55,6 +57,15 @@ class Retainer:
     def purge_lock(self) -> Iterator[None]:
         """The lease lock of a POSIX root; nothing on an object store (``delete`` re-checks there)."""
         with purge_lock(self.layout.root):
+            yield
+
+    @contextlib.contextmanager
+    def one_pass(self) -> Iterator[None]:
+        """One pass over the committed steps at a time: a retention pass, or the moves of a new
+        timeline (``ResumeTimeline.start_timeline``). Each decides from the registry and the
+        storage and then forgets steps; interleaved, one forgot a step the other was still
+        forgetting (a KeyError that failed the new timeline)."""
+        with self._one_pass:
             yield
 
     def file_leased_steps(self) -> set[int]:
@@ -70,15 +81,15 @@ class Retainer:
         """Apply retention (after a commit, a newer certified step, a save out of space). Never
         raises: the commit it follows is durable; an error is logged and counted, and the next
         pass tries again. One pass at a time (they run on threads of the actor)."""
-        with self._one_pass:
+        with self.one_pass():
             self._purge()
 
     def _purge(self) -> None:
         committed = self.steps.committed
         try:
-            self._drop_missing()
             # Under the lease lock: an exporter outside the job either sees its step gone or we see its lease file.
             with self.purge_lock():
+                self._drop_missing()
                 leased = [*self.leases.values(), *self.file_leased_steps()]
                 doomed = self.retention.to_delete(committed, leased, self.steps.pending,
                                                   {s: m.metrics() for s, m in committed.items()},
@@ -123,7 +134,7 @@ class Retainer:
             self.purge_errors += 1
             logger.error("retention could not delete step %d (%d failure(s) so far): %s", step, self.purge_errors, exc)
             return False
-        del self.steps.committed[step]
+        self.steps.committed.pop(step, None)
         return True
 
     def _drop_missing(self) -> None:
@@ -132,4 +143,4 @@ class Retainer:
             if not self.layout.is_committed_name(step):
                 logger.warning("checkpoint step %d vanished from %s (removed by hand?); dropped from the registry",
                                step, self.layout.root)
-                del self.steps.committed[step]
+                self.steps.committed.pop(step, None)

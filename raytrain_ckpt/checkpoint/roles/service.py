@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -49,8 +50,9 @@ def _retention(cfg: CheckpointSpec) -> RetentionPolicy:
 class CheckpointService:
     """Job-scoped: lives as long as the driver, across every attempt of the worker group."""
 
-    def __init__(self, spec: JobSpec, fault_env: dict[str, str] | None = None) -> None:
+    def __init__(self, spec: JobSpec, fault_env: dict[str, str] | None = None, run_id: str | None = None) -> None:
         self.spec = spec
+        self.run_id = run_id or uuid.uuid4().hex  # the actor's restarts report this run's failed saves, no other's
         self.started_unix = time.time()
         cfg = spec.checkpoint
         self.root = job_root(cfg.dir, spec.name)
@@ -58,7 +60,7 @@ class CheckpointService:
         env = dict(fault_env or {})
         self.actor = ray.remote(CheckpointActor).options(
             name=actor_name(spec.name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1, max_task_retries=0,
-        ).remote(str(self.root), _retention(cfg), cfg.storage_options, cfg.leftover_grace_s, env)
+        ).remote(str(self.root), _retention(cfg), cfg.storage_options, cfg.leftover_grace_s, env, self.run_id)
         self.fleet = WriterFleet(spec, str(self.root), self.actor, env)
         self.sources = CopySources(spec, self.fleet, self._ask)
         self.ram = RamTier(self.fleet.writers)

@@ -3,13 +3,19 @@
 A step is committed (its manifest), in flight (an ``InFlightStep``: which ranks handed off,
 which reported) or aborted (why). ``phase_of`` and ``inflight`` derive the ``StepPhase``
 from those facts, the one place that does: ``status``, the metrics and the CLI read it.
+The run's failed saves outlive the actor in ``FAILED_FILE`` (``FailedSavesFile``), written only
+when a save fails and read back by a restarted actor of the same run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import math
+import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +29,7 @@ from raytrain_ckpt.checkpoint.errors import StepAborted
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InFlightStep", "SaveFailures", "StepRegistry", "inflight_phase"]
+__all__ = ["FAILED_FILE", "FailedSavesFile", "InFlightStep", "SaveFailures", "StepRegistry", "inflight_phase"]
 
 SETTLE_CHECK_S = 0.5
 """How often ``settle`` asks the writers of a step in flight whether they still hold its hand-offs."""
@@ -65,6 +71,114 @@ class SaveFailures:
         return FailedSaves(self.total, self.consecutive, self.last_step, self.last_error)
 
 
+FAILED_FILE = ".failed-saves.json"
+"""The run's failed saves, under the job's root beside ``.group.json`` (not a step: nothing scans
+it): written when a save fails, read when an actor of the same run starts (Ray restarted it, or
+the driver moved it off a draining node), so that the job's end still sees them."""
+MAX_FAILED_BYTES = 64 << 10
+"""The most of ``FAILED_FILE`` a starting actor reads; a larger file is ignored (logged)."""
+FAILED_KEPT, REASON_CHARS = 32, 1000
+"""The newest failed steps the file names, and how much of each reason it keeps."""
+_STEP_KEY = re.compile(r"[0-9]{1,12}")
+
+
+def _count(value: object) -> int:
+    if type(value) is not int or not 0 <= value < 1 << 53:
+        raise ValueError(f"not a count: {str(value)[:40]}")
+    return value
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError("not a text")
+    return value[:REASON_CHARS]
+
+
+def _refuse(name: str) -> None:
+    raise ValueError(f"{name} is not a number")
+
+
+class FailedSavesFile:
+    """The failed saves of run ``run_id`` on storage (``FAILED_FILE``). A file another run wrote is
+    not this run's: ignored. Read as JSON (never unpickled), at most ``MAX_FAILED_BYTES``; a damaged
+    file is logged and ignored. Written only when a save fails, off the event loop, the newest last."""
+
+    def __init__(self, layout: CheckpointLayout, run_id: str) -> None:
+        self.layout, self.run_id = layout, run_id
+        self.path = layout.storage.join(layout.root, FAILED_FILE)
+        self._lock, self._asked, self._written = threading.Lock(), 0, 0
+
+    def record(self, saves: SaveFailures, failed: dict[int, str], newest_commit_unix: float | None) -> bytes:
+        """``newest_commit_unix``: the newest committed step's ``created_unix`` when the save failed
+        (a newer one when the file is read: a commit came since, the failures are not in a row)."""
+        kept = list(failed.items())[-FAILED_KEPT:]  # in the order they failed
+        if newest_commit_unix is not None and not math.isfinite(newest_commit_unix):
+            newest_commit_unix = None
+        return json.dumps({"version": 1, "run": self.run_id, "total": saves.total, "consecutive": saves.consecutive,
+                           "last_step": saves.last_step, "last_error": (saves.last_error or "")[:REASON_CHARS],
+                           "failed": {str(s): why[:REASON_CHARS] for s, why in kept},
+                           "newest_commit_unix": newest_commit_unix}, allow_nan=False).encode()
+
+    async def write(self, data: bytes) -> None:
+        """Replace the file with ``data``; never raises (a save that failed stays failed; the
+        storage that failed it may fail this too), says so in the log."""
+        self._asked += 1
+        await asyncio.to_thread(self._write, self._asked, data)
+
+    def _write(self, asked: int, data: bytes) -> None:
+        with self._lock:
+            if asked < self._written:  # a newer record is on storage already
+                return
+            try:
+                self.layout.protocol.replace_small_file(self.path, data)
+            except Exception as exc:  # noqa: BLE001 - see write
+                logger.warning("could not record the failed saves in %s (%s): an actor restarted before the next "
+                               "failure is recorded would not report them", self.path, exc)
+                return
+            self._written = asked
+
+    def read(self, committed: dict[int, Manifest]) -> tuple[SaveFailures, dict[int, str]] | None:
+        """The failed saves this run's earlier actors recorded, as of ``committed`` (the steps on
+        storage now); None when there are none (no file, another run's, or damaged: logged)."""
+        storage = self.layout.storage
+        try:
+            if not storage.is_file(self.path):
+                return None
+            size = storage.size(self.path)
+            if size is not None and size > MAX_FAILED_BYTES:
+                raise ValueError(f"{size} bytes, over the {MAX_FAILED_BYTES} it may be")
+            with storage.open_read(self.path) as f:
+                data = f.read(MAX_FAILED_BYTES + 1)
+            if len(data) > MAX_FAILED_BYTES:
+                raise ValueError(f"over the {MAX_FAILED_BYTES} bytes it may be")
+            value = json.loads(data.decode("utf-8"), parse_constant=_refuse)
+            if not isinstance(value, dict) or value.get("version") != 1:
+                raise ValueError("not a record of failed saves")
+            if value.get("run") != self.run_id:
+                logger.info("%s holds another run's failed saves; not this run's", self.path)
+                return None
+            return self._parsed(value, committed)
+        except (OSError, ValueError, TypeError, KeyError, RecursionError) as exc:
+            logger.warning("ignoring %s: %s", self.path, str(exc)[:200] or type(exc).__name__)
+            return None
+
+    def _parsed(self, value: dict, committed: dict[int, Manifest]) -> tuple[SaveFailures, dict[int, str]]:
+        failed = value["failed"]
+        if not isinstance(failed, dict) or len(failed) > FAILED_KEPT or \
+                not all(isinstance(k, str) and _STEP_KEY.fullmatch(k) for k in failed):
+            raise ValueError("its failed steps are not step numbers")
+        last = value["last_step"]
+        newest = value["newest_commit_unix"]
+        if newest is not None and (type(newest) not in (int, float) or not math.isfinite(newest)):
+            raise ValueError("newest_commit_unix is not a time")
+        saves = SaveFailures(_count(value["total"]), _count(value["consecutive"]),
+                             None if last is None else _count(last), _text(value["last_error"]) or None)
+        if any(newest is None or m.created_unix > newest for m in committed.values()):
+            saves.committed()  # a commit came after the newest failure
+        steps = {int(k): _text(why) for k, why in failed.items()}
+        return saves, {s: why for s, why in steps.items() if s not in committed}
+
+
 @dataclass
 class InFlightStep:
     """A step being saved: its temporary directory and what its ranks did so far."""
@@ -88,9 +202,10 @@ class StepRegistry:
     """Committed, in-flight and aborted steps; opens, aborts and settles steps in flight."""
 
     def __init__(self, layout: CheckpointLayout, metrics: CheckpointMetrics, group: Callable[[], GroupLayout],
-                 on_change: Callable[..., None]) -> None:
+                 on_change: Callable[..., None], failures: FailedSavesFile | None = None) -> None:
         """``on_change(step, rank)``: rank ``rank`` of ``step`` moved on (handed off, reported);
-        ``on_change()``: anything else changed (a step opened, committed, aborted)."""
+        ``on_change()``: anything else changed (a step opened, committed, aborted). ``failures``:
+        where the run's failed saves are kept across this actor's restarts (None: in memory only)."""
         self.layout, self.metrics, self._group, self._on_change = layout, metrics, group, on_change
         self.committed: dict[int, Manifest] = layout.valid_steps("size")
         self.pending: dict[int, InFlightStep] = {}
@@ -98,6 +213,13 @@ class StepRegistry:
         self._aborted: set[tuple[int, int]] = set()
         """(step, attempt) of every aborted save: a late hand-off of the same save cannot reopen it."""
         self.saves = SaveFailures()
+        self._failures = failures
+        carried = failures.read(self.committed) if failures is not None else None
+        if carried is not None:
+            self.saves, self.failed = carried
+            logger.warning("checkpoint actor restarted: %d failed save(s) of this run so far, %d since the last "
+                           "commit (newest: step %s: %s)", self.saves.total, self.saves.consecutive,
+                           self.saves.last_step, self.saves.last_error)
 
     @property
     def world_size(self) -> int:
@@ -214,7 +336,8 @@ class StepRegistry:
         p = self.pending.pop(step, None)  # (after a failed commit: popped already by the coordinator's abort)
         for a in {attempt, p.attempt if p is not None else None} - {None}:
             self._aborted.add((step, a))
-        if step not in self.failed:  # the first reason is the cause; later ranks only see the step gone
+        counted = step not in self.failed
+        if counted:  # the first reason is the cause; later ranks only see the step gone
             self.failed[step] = reason
             self.saves.failed(step, reason)
             self.metrics.save_failed(self.saves.consecutive)
@@ -225,6 +348,9 @@ class StepRegistry:
             self.metrics.aborted()
             self._on_change()
         logger.warning("checkpoint step %d aborted: %s", step, reason)
+        if counted and self._failures is not None:  # for an actor of this run started after this one
+            newest = max((m.created_unix for m in list(self.committed.values())), default=None)
+            await self._failures.write(self._failures.record(self.saves, self.failed, newest))
 
     async def wait_committed(self, step: int, timeout_s: float | None) -> None:
         """Block until ``step`` is committed; raises StepAborted or TimeoutError."""

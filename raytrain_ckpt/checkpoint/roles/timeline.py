@@ -121,6 +121,10 @@ class ResumeTimeline:
         return self.layout.protocol.same_path(a, b)
 
     def _abandon_after(self, head: int, resume: str) -> None:
+        with self.retainer.one_pass():  # a retention pass on another thread forgets steps too
+            self._abandon_after_locked(head, resume)
+
+    def _abandon_after_locked(self, head: int, resume: str) -> None:
         self._set_damaged_aside(head)
         # what the guard certified after the head was on the old timeline: a step of that number
         # the new timeline commits is not certified, and must not take the head's protection
@@ -134,7 +138,7 @@ class ResumeTimeline:
             tag = uuid.uuid4().hex[:8]
             moved = [self.layout.storage.name(self.layout.abandon(s, tag)) for s in newer]
         for s in newer:
-            del committed[s]
+            committed.pop(s, None)
         logger.warning("checkpoint.resume=%s starts a new timeline%s: %d newer committed step(s) moved aside, "
                        "kept and never loaded: %s", resume, f" at step {head}" if head >= 0 else "", len(moved),
                        ", ".join(moved))
@@ -155,8 +159,13 @@ class ResumeTimeline:
         They are off the new timeline too. Left as ``step-N``, a rebuilt registry (sizes only)
         would count a step whose damage only its checksum shows, and this timeline's retention
         would delete it.
+
+        A skipped step that is committed again (a save of its number since: ``acquire`` took the
+        damaged one out of the registry, only a commit puts the number back) is not the damaged
+        one: it is left to the timeline's moves like any committed step.
         """
-        for step in sorted(s for s in self._skipped if s > head):
+        committed = self.steps.committed
+        for step in sorted(s for s in self._skipped if s > head and s not in committed):
             if self.layout.is_committed_name(step):
                 self.layout.set_aside(self.layout.step_dir(step), EntryKind.INVALID,
                                       "not intact, skipped on resume" + (f"; the run continues from step {head}"
