@@ -197,3 +197,19 @@ def test_a_step_directory_given_instead_of_the_job_root_says_so(paths, command):
     note = (f"note: {paths['step']} is one step's directory, not a job's checkpoint root; check it with: "
             f"raytrain-ckpt verify {paths['step']}, or list its job with: raytrain-ckpt ls {paths['ckpt']}")
     assert note in (proc.stdout + proc.stderr).splitlines()
+
+
+# --- a scheme no store here speaks, and paths the user cannot read --------------------------------
+
+
+@pytest.mark.parametrize("argv", [["ls", "ftp://host/x"], ["status", "ftp://host/x"],
+                                  ["verify", "ftp://host/x/step-00000001"], ["ls", "http://host/x"]],
+                         ids=["ls", "status", "verify", "ls_http"])
+def test_an_unsupported_scheme_is_one_line_and_nothing_else(argv):
+    """fsspec made an FTPFileSystem without its host, whose __del__ printed a traceback first."""
+    proc = _cli(*argv)
+    scheme = argv[1].split("://")[0]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [f"error: {argv[1]}: unknown storage scheme {scheme}://; the supported ones "
+                                        "are local paths, s3://bucket/prefix and gs://bucket/prefix"]
+
