@@ -159,3 +159,15 @@ def test_a_mistyped_read_limit_is_a_usage_error_not_a_corrupt_checkpoint(tmp_pat
     assert sorted(p.name for p in (tmp_path / "job").iterdir() if p.name.startswith("step-")) == [step.name]
     monkeypatch.delenv(name)
     assert main(["verify", str(step)]) == 0
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/tokens", "gs://bucket/tokens"])
+def test_prepare_data_into_an_object_store_uri_is_refused_and_writes_nothing(tmp_path, monkeypatch, capsys, uri):
+    """``--out s3://bucket/x`` made a local folder named ``s3:``: nothing here writes to a store."""
+    (tmp_path / "a.txt").write_text("hello world, hello tokens\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare-data", "a.txt", "--out", uri, "--vocab-size", "300", "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: --out {uri}: must be a local directory"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
