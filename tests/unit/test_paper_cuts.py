@@ -171,3 +171,19 @@ def test_prepare_data_into_an_object_store_uri_is_refused_and_writes_nothing(tmp
     assert err.count("\n") == 1 and err.startswith(f"error: --out {uri}: must be a local directory"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
 
+
+def test_clean_buffers_with_an_empty_dir_sweeps_nothing(tmp_path, monkeypatch, capsys):
+    """``--dir ''`` (an unset variable in a script) swept the default directory."""
+    orphan = tmp_path / "rtc-job-a0-rank0.buf"
+    code = ("import os, sys\nfrom pathlib import Path\nfrom raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer\n"
+            "OwnedBuffer.create(Path(sys.argv[1]), 4096)\nos._exit(0)")  # its owner dies: an orphan
+    made = subprocess.run([sys.executable, "-c", code, str(orphan)], cwd=REPO, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert made.returncode == 0 and orphan.exists()
+    monkeypatch.setenv("RAYTRAIN_CKPT_SHM_DIR", str(tmp_path))  # the default directory holds it
+    for argv in (["--dir", ""], ["--dir="], ["--dir", " "]):
+        assert main(["clean-buffers", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: clean-buffers --dir") and "empty" in err, err
+    assert orphan.exists()
+    assert main(["clean-buffers", "--dry-run"]) == 0 and f"would remove {orphan}" in capsys.readouterr().out
