@@ -57,18 +57,21 @@ def _verdict_lines(path: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print each hang's culprit and files; exit 0 (none is fine), 2 when the root is not a directory."""
+    """Print each hang's culprit and files; exit 0 (none is fine), 2 when the root is not a directory
+    or cannot be read."""
     root = Path(args.root)
     if not root.is_dir():
         print(f"error: diagnostics {root}: not a directory; give a job root, <checkpoint.dir>/<name>",
               file=sys.stderr)
         return 2
-    entries = []
-    for folder in folders(root):
-        lines = _verdict_lines(folder / "verdict.txt")
-        failed = [line for line in _verdict_lines(folder / FAILURE_FILE) if line.startswith("attempt ")]
-        entries.append({"folder": str(folder), "verdict": lines, "failures": failed,
-                        "files": sorted(str(p) for p in folder.iterdir() if p.is_file())})
+    try:
+        entries = _entries(root)
+    except OSError as exc:  # a root or folder that cannot be read (no permission): one line, not a traceback
+        from raytrain_ckpt.cli import os_error_exit
+
+        code, line = os_error_exit(exc, root)
+        print(f"error: diagnostics {line}", file=sys.stderr)
+        return code
     if args.json:
         print(json.dumps(entries, indent=2))
         return 0
@@ -82,3 +85,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"{sum(bool(e['verdict']) for e in entries)} hang(s) with diagnostics under {root}"
           + (f"; {failed} attempt(s) with every failed rank's text ({FAILURE_FILE})" if failed else ""))
     return 0
+
+
+def _entries(root: Path) -> list[dict[str, Any]]:
+    """Each attempt folder's verdict, failed ranks' headlines and files."""
+    entries = []
+    for folder in folders(root):
+        lines = _verdict_lines(folder / "verdict.txt")
+        failed = [line for line in _verdict_lines(folder / FAILURE_FILE) if line.startswith("attempt ")]
+        entries.append({"folder": str(folder), "verdict": lines, "failures": failed,
+                        "files": sorted(str(p) for p in folder.iterdir() if p.is_file())})
+    return entries

@@ -8,7 +8,8 @@ that went non-finite stays so (every later step is computed from it); a step who
 records per-tensor fingerprints (its writers summed them) is judged from them without reading
 a tensor. Tensors are read one at a
 time from the DCP files (``checkpoint/format/fingerprints.py``). Exit codes: 0 fine (``bisect``:
-every step finite), 1 ``bisect`` found a non-finite step, 2 a user mistake.
+every step finite), 1 ``bisect`` found a non-finite step, 2 a user mistake (also a path that
+cannot be read for want of permission).
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def run(args: argparse.Namespace) -> int:
     except _Usage as exc:
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.USAGE
+    except OSError as exc:  # a step or root that cannot be read (no permission): one line, not a traceback
+        from raytrain_ckpt.cli import os_error_exit
+
+        given = [getattr(args, name, None) for name in ("step_dir", "step_a", "step_b", "dir")]
+        code, line = os_error_exit(exc, *given)
+        print(f"error: {args.command}: {line}", file=sys.stderr)
+        return code
 
 
 def _step_dir(text: str) -> Path:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from raytrain_ckpt.checkpoint.errors import USAGE_ERRORS, ExitCode
+from raytrain_ckpt.cli import os_error_exit
 from raytrain_ckpt.common.locations import mask_uri, uri_secrets
 from raytrain_ckpt.common.logs import setup_logging
 
@@ -392,9 +393,10 @@ def _conversion_os_error(args: argparse.Namespace, exc: OSError) -> int:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         print(f"error: {args.command}: {exc.strerror} writing {out}; nothing was written there; free space "
               f"or pass another {flag}", file=sys.stderr)
-    else:
-        print(f"error: {args.command}: {exc.filename or out}: {exc.strerror or exc}", file=sys.stderr)
-    return ExitCode.FAILED
+        return ExitCode.FAILED
+    code, line = os_error_exit(exc, args.file if args.command == "import" else args.ckpt, out, shown=out)
+    print(f"error: {args.command}: {line}", file=sys.stderr)
+    return code
 
 
 _PATH_ARGS = ("ckpt", "out", "file", "to", "dir", "step_dir")

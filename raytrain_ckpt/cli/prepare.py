@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES, input_files, open_regular
+from raytrain_ckpt.common.locations import is_uri
 from raytrain_ckpt.common.logs import setup_logging
 from raytrain_ckpt.checkpoint.errors import ExitCode
 from raytrain_ckpt.cli.prepare_input import PrepareError, _batches, _jsonl_documents, _parquet_documents
@@ -345,7 +346,7 @@ def _save_tokenizer(out: Path, data: bytes, kept: bytes | None, trained: int | N
 
 # --- the run -------------------------------------------------------------------------------------
 
-def prepare_data(inputs: list[Path], out: Path, *, tokenizer: Path | None = None, vocab_size: int | None = None,
+def prepare_data(inputs: list[Path], out: Path | str, *, tokenizer: Path | None = None, vocab_size: int | None = None,
                  field: str = "text", column: str = "text", workers: int = 1, progress: bool = True) -> dict[str, Any]:
     """Tokenize ``inputs`` into shards under ``out``; returns the metadata written to ``meta.json``.
 
@@ -354,8 +355,11 @@ def prepare_data(inputs: list[Path], out: Path, *, tokenizer: Path | None = None
             else, a missing or malformed tokenizer, missing inputs, or an input that cannot be read
             (a JSONL line that is not UTF-8 or JSON or lacks the field, a file that is not Parquet).
     """
+    if is_uri(out):  # as a Path, s3://b/x would be a local folder named "s3:"; nothing writes to a store here
+        raise PrepareError(f"--out {out}: must be a local directory (data.path reads token shards from a local or "
+                           "shared file system, not an object store); give a path such as data/tokens")
     _check_flags(tokenizer, vocab_size, workers)
-    out = _expand(out, "--out")
+    out = _expand(Path(out), "--out")
     tokenizer = None if tokenizer is None else _expand(tokenizer, "--tokenizer")
     inputs = [_expand(p, "input") for p in inputs]
     _check_out(out)
@@ -469,7 +473,7 @@ def add_parser(sub: Any) -> None:
     """Add ``prepare-data`` to the CLI's subparsers."""
     p = sub.add_parser("prepare-data", help="tokenize text / JSONL / Parquet files into shards for data.source=tokens")
     p.add_argument("inputs", nargs="+", type=Path, help="files or directories (.txt .md ... .jsonl .parquet)")
-    p.add_argument("--out", type=Path, required=True, help="output directory: data.path of the job")
+    p.add_argument("--out", required=True, help="output directory (local): data.path of the job")
     p.add_argument("--tokenizer", type=Path, help="a Hugging Face tokenizer.json to use")
     p.add_argument("--vocab-size", type=int, help="without --tokenizer: train a byte-level BPE of this size")
     p.add_argument("--field", default="text", help="JSONL: the field holding the text (default: text)")

@@ -13,7 +13,6 @@ The command line over ``report/inventory.py`` (the API half, which imports nothi
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import math
 import sys
@@ -30,6 +29,7 @@ from raytrain_ckpt.checkpoint.storage.backends import open_storage
 from raytrain_ckpt.checkpoint.storage.objects import object_store_problem
 from raytrain_ckpt.report.inventory import StepRow, UsageError, format_cell, job_roots_hint, location, progress_bar, root_dir, scan, status_report, verify_step
 from raytrain_ckpt.checkpoint.errors import ExitCode
+from raytrain_ckpt.cli import os_error_exit
 
 __all__ = ["add_parsers", "run", "strict_json"]
 
@@ -108,9 +108,10 @@ def run(args: argparse.Namespace, refreshes: int | None = None) -> int:
     except (UsageError, StorageUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.USAGE
-    except OSError as exc:  # a path that cannot be read (permissions, a vanished mount): one line, not a traceback
-        print(f"error: {args.command}: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
-        return ExitCode.USAGE if exc.errno == errno.ENAMETOOLONG else ExitCode.FAILED  # (a name no file system takes: a typo)
+    except OSError as exc:  # a path that cannot be read: one line, not a traceback; exit 2 when it is the user's to fix
+        code, line = os_error_exit(exc, args.step_dir if args.command == "verify" else args.dir)
+        print(f"error: {args.command}: {line}", file=sys.stderr)
+        return code
 
 
 def _check_reachable(target: str | None) -> None:

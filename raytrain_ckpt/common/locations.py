@@ -10,7 +10,11 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["home_problem", "is_uri", "mask_uri", "uri_secrets"]
+__all__ = ["STORE_SCHEMES", "home_problem", "is_uri", "mask_uri", "uri_secrets"]
+
+STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "memory")
+"""The URI schemes a checkpoint, an export or a command's path may name (memory:// only where one
+process is all there is); any other scheme is refused by name, before any filesystem is made."""
 
 
 def is_uri(root: str | os.PathLike) -> bool:

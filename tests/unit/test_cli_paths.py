@@ -197,3 +197,88 @@ def test_a_step_directory_given_instead_of_the_job_root_says_so(paths, command):
     note = (f"note: {paths['step']} is one step's directory, not a job's checkpoint root; check it with: "
             f"raytrain-ckpt verify {paths['step']}, or list its job with: raytrain-ckpt ls {paths['ckpt']}")
     assert note in (proc.stdout + proc.stderr).splitlines()
+
+
+# --- a scheme no store here speaks, and paths the user cannot read --------------------------------
+
+
+@pytest.mark.parametrize("argv", [["ls", "ftp://host/x"], ["status", "ftp://host/x"],
+                                  ["verify", "ftp://host/x/step-00000001"], ["ls", "http://host/x"]],
+                         ids=["ls", "status", "verify", "ls_http"])
+def test_an_unsupported_scheme_is_one_line_and_nothing_else(argv):
+    """fsspec made an FTPFileSystem without its host, whose __del__ printed a traceback first."""
+    proc = _cli(*argv)
+    scheme = argv[1].split("://")[0]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [f"error: {argv[1]}: unknown storage scheme {scheme}://; the supported ones "
+                                        "are local paths, s3://bucket/prefix and gs://bucket/prefix"]
+
+
+def _no_dac_override() -> list[str]:
+    """The prefix that runs a command without the power to read what its mode forbids: none for
+    a user, ``setpriv`` without CAP_DAC_OVERRIDE for root (skips where that cannot be had)."""
+    if os.geteuid() != 0:
+        return []
+    prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("root, and no setpriv to drop CAP_DAC_OVERRIDE")
+    if probe.returncode:
+        pytest.skip(f"root, and setpriv cannot drop CAP_DAC_OVERRIDE here: {probe.stderr!r}")
+    return prefix
+
+
+@pytest.fixture
+def locked(paths, tmp_path):
+    """A job root whose step directory has mode 000, and a directory of mode 000."""
+    root, closed = tmp_path / "job", tmp_path / "closed"
+    root.mkdir()
+    subprocess.run(["cp", "-r", str(paths["step"]), str(root)], check=True)
+    (closed / "step-00000000").mkdir(parents=True)
+    for d in (root / "step-00000000", closed):
+        d.chmod(0)
+    yield {"root": root, "step": root / "step-00000000", "closed": closed, "good": paths["step"], "tmp": tmp_path}
+    for d in (root / "step-00000000", closed):
+        d.chmod(0o755)
+
+
+UNREADABLE = [
+    ("ls", ["ls", "{root}"]),
+    ("ls_closed", ["ls", "{closed}"]),
+    ("status", ["status", "{root}"]),
+    ("verify", ["verify", "{step}"]),
+    ("stats", ["stats", "{step}"]),
+    ("diff", ["diff", "{step}", "{good}"]),
+    ("bisect", ["bisect", "{root}", "--check", "finite"]),
+    ("bisect_closed", ["bisect", "{closed}", "--check", "finite"]),
+    ("export", ["export", "{root}", "--format", "torch", "--out", "{tmp}/out"]),
+    ("diagnostics", ["diagnostics", "{closed}"]),
+    ("clean_buffers", ["clean-buffers", "--dry-run", "--dir", "{closed}"]),
+]
+
+
+@pytest.mark.parametrize("argv", [c[1] for c in UNREADABLE], ids=[c[0] for c in UNREADABLE])
+def test_a_path_without_read_permission_is_a_usage_error(locked, argv):
+    """Exit 2 and one line naming the path and the fix, for every command (some said exit 1, some
+    printed a traceback, clean-buffers swept the directory as if it were empty)."""
+    args = [a.format(**locked) for a in argv]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([*_no_dac_override(), sys.executable, "-m", "raytrain_ckpt", *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=300, env=env)
+    line = _assert_one_error_line(proc, 2)
+    assert "Permission denied; fix its permissions or pass a path you can read" in line, line
+    assert not (locked["tmp"] / "out").exists()
+
+
+def test_verify_of_a_damaged_step_still_exits_1(paths, tmp_path):
+    """Unreadable paths are user mistakes; a step whose bytes changed is still verify's verdict, exit 1."""
+    step = tmp_path / "job" / "step-00000000"
+    step.parent.mkdir()
+    subprocess.run(["cp", "-r", str(paths["step"]), str(step)], check=True)
+    shard = next(step.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    proc = _cli("verify", step)
+    assert proc.returncode == 1 and "CORRUPT" in proc.stdout and "Traceback" not in proc.stderr, proc.stderr[-3000:]

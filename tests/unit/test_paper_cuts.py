@@ -159,3 +159,31 @@ def test_a_mistyped_read_limit_is_a_usage_error_not_a_corrupt_checkpoint(tmp_pat
     assert sorted(p.name for p in (tmp_path / "job").iterdir() if p.name.startswith("step-")) == [step.name]
     monkeypatch.delenv(name)
     assert main(["verify", str(step)]) == 0
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/tokens", "gs://bucket/tokens"])
+def test_prepare_data_into_an_object_store_uri_is_refused_and_writes_nothing(tmp_path, monkeypatch, capsys, uri):
+    """``--out s3://bucket/x`` made a local folder named ``s3:``: nothing here writes to a store."""
+    (tmp_path / "a.txt").write_text("hello world, hello tokens\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare-data", "a.txt", "--out", uri, "--vocab-size", "300", "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: --out {uri}: must be a local directory"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
+def test_clean_buffers_with_an_empty_dir_sweeps_nothing(tmp_path, monkeypatch, capsys):
+    """``--dir ''`` (an unset variable in a script) swept the default directory."""
+    orphan = tmp_path / "rtc-job-a0-rank0.buf"
+    code = ("import os, sys\nfrom pathlib import Path\nfrom raytrain_ckpt.checkpoint.datapath.buffers import OwnedBuffer\n"
+            "OwnedBuffer.create(Path(sys.argv[1]), 4096)\nos._exit(0)")  # its owner dies: an orphan
+    made = subprocess.run([sys.executable, "-c", code, str(orphan)], cwd=REPO, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert made.returncode == 0 and orphan.exists()
+    monkeypatch.setenv("RAYTRAIN_CKPT_SHM_DIR", str(tmp_path))  # the default directory holds it
+    for argv in (["--dir", ""], ["--dir="], ["--dir", " "]):
+        assert main(["clean-buffers", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: clean-buffers --dir") and "empty" in err, err
+    assert orphan.exists()
+    assert main(["clean-buffers", "--dry-run"]) == 0 and f"would remove {orphan}" in capsys.readouterr().out

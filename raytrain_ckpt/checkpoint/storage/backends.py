@@ -4,9 +4,9 @@
 
 - a path or ``file://...``: ``PosixStorage`` (``posix.py``): rename is atomic, files and
   directories are fsynced.
-- ``s3://``, ``gs://`` and ``memory://`` (the schemes a job spec accepts; the commands read
-  any fsspec protocol): ``ObjectStorage`` (``objects.py``): no rename, no directories, but a
-  PUT is atomic and durable once it returns.
+- ``s3://``, ``gs://`` and ``memory://`` (``STORE_SCHEMES``: the schemes a job spec accepts
+  and the commands read; any other is refused by name): ``ObjectStorage`` (``objects.py``): no
+  rename, no directories, but a PUT is atomic and durable once it returns.
 
 This module only moves bytes. What a valid step is belongs to ``format``; the order of writes
 that commits one (rename, or manifest last) to ``commit.py``, chosen from the same spelling.

@@ -22,6 +22,7 @@ from raytrain_ckpt.checkpoint.errors import StorageUnavailable
 from raytrain_ckpt.checkpoint.format.manifest import _ALGORITHMS, Checksum
 from raytrain_ckpt.checkpoint.format.names import Location
 from raytrain_ckpt.checkpoint.storage.retries import retry_transient
+from raytrain_ckpt.common.locations import STORE_SCHEMES
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,13 @@ def object_filesystem(uri: str, options: dict[str, Any]) -> Any:
 
 
 def _filesystem(uri: str, options: dict[str, Any]) -> Any:
-    """The fsspec filesystem of ``uri``; raises StorageUnavailable naming the extra to install."""
+    """The fsspec filesystem of ``uri``; raises StorageUnavailable naming the extra to install, or
+    the scheme when it is none of ``STORE_SCHEMES`` (fsspec's others, ftp:// or http://, are not
+    stores a checkpoint lives on, and some print a traceback when made without their host)."""
     scheme = uri.split("://", 1)[0]
+    if scheme not in STORE_SCHEMES:
+        raise StorageUnavailable(f"{uri}: unknown storage scheme {scheme}://; the supported ones are local paths, "
+                                 "s3://bucket/prefix and gs://bucket/prefix")
     try:
         import fsspec
 

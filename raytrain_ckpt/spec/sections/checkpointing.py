@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from raytrain_ckpt.common.locations import is_uri
+from raytrain_ckpt.common.locations import STORE_SCHEMES, is_uri
 from raytrain_ckpt.spec.sections.base import (
     FieldProblems,
     MAX_SECONDS,
@@ -29,7 +29,7 @@ from raytrain_ckpt.spec.sections.base import (
 __all__ = ["CheckpointSpec", "DEFAULT_RESULTS", "FinalExportSpec", "KeepBestSpec", "RESULTS_ENV", "ReplicationSpec", "results_dir"]
 
 
-_STORES = ("s3", "s3a", "gs", "gcs", "memory")
+_STORES = STORE_SCHEMES
 """URI schemes a checkpoint or export may name (memory:// only where one process is all there is)."""
 _MANGLED_URI = re.compile(r"^(s3a?|gs|gcs|file):/?(?!/)", re.IGNORECASE)
 _ENV_VAR = re.compile(r"\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")
