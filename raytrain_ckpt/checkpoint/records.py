@@ -188,6 +188,10 @@ class ResumePoint:
     path: str
     world_size: int
     samples_seen: int
+    metadata_key: str | None = None
+    """The decode key of the step's ``.metadata`` whose check the plan saw pass
+    (``unpickling.vouching``): a rank loading the step takes that decode as done
+    (``unpickling.vouch_for``) rather than decode it in a reader process of its own."""
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,10 @@ class RankCheckpoints:
         group = self.world_size // self.spec.parallelism.dp_replicate
         saves = self.rank < group  # with replica groups the first one saves; the others only load, from storage
         if point is not None:
+            if point.metadata_key:  # the plan checked this step's .metadata: not decoded again here
+                from raytrain_ckpt.checkpoint.format.unpickling import vouch_for
+
+                vouch_for([point.metadata_key])
             source = ckpt.source if saves else None
             copy = source.copy if source is not None else None
             done = restore(trainer, point.path, point.step, saves and point.world_size == group, copy,

@@ -57,13 +57,16 @@ def roll_back(trainer: Any, ckpt: Any | None, guard: LossGuard, trip: Trip, hold
                                               guard.earlier))
     if not why and ckpt is None:
         why = "checkpointing is off (checkpoint.enabled=false): there is no committed step to return to"
-    step, path = (None, None) if why else _lease_certified(trainer, ckpt, guard, holder, trip)
+    step, path, key = (None, None, None) if why else _lease_certified(trainer, ckpt, guard, holder, trip)
     if not why and step is None:
         why = "no certified step could be loaded (none verifies any more)"
     if why:
         return _fail(trainer, trip, why, tripped, guard)
+    from raytrain_ckpt.checkpoint.format.unpickling import vouch_for
     from raytrain_ckpt.checkpoint.recovery.state import load_app_state
 
+    if key:  # the lease's check of this step's .metadata passed: no rank decodes it again
+        vouch_for([key])
     for opt in trainer.optimizers:  # the tripped step's gradients: never applied
         opt.zero_grad(set_to_none=True)
     load_app_state(trainer, path, same_world_size=True)
@@ -84,10 +87,11 @@ def roll_back(trainer: Any, ckpt: Any | None, guard: LossGuard, trip: Trip, hold
 
 
 def _lease_certified(trainer: Any, ckpt: Any, guard: LossGuard, holder: str,
-                     trip: Trip) -> tuple[int | None, str | None]:
-    """Rank 0 leases the newest certified step that verifies; every rank gets ``(step, path)``."""
+                     trip: Trip) -> tuple[int | None, str | None, str | None]:
+    """Rank 0 leases the newest certified step that verifies; every rank gets ``(step, path,
+    the decode key of its .metadata that the lease's check passed)``."""
     ckpt.wait_committed()  # the in-flight save settles first: its step may be the certified one
-    found: list[Any] = [None, None]
+    found: list[Any] = [None, None, None]
     if trainer.rank == 0:
         from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 
@@ -100,10 +104,10 @@ def _lease_certified(trainer: Any, ckpt: Any, guard: LossGuard, holder: str,
                 logger.warning("certified step %d cannot be loaded (%s); trying an older one", step, exc)
                 continue
             if point is not None:
-                found = [point.step, point.path]
+                found = [point.step, point.path, point.metadata_key]
                 break
     dist.broadcast_object_list(found, src=0)
-    return found[0], found[1]
+    return found[0], found[1], found[2]
 
 
 class RollbackInterrupted(RuntimeError):

@@ -30,7 +30,7 @@ import re
 import stat
 from pathlib import Path
 
-__all__ = ["CACHE_ENV", "forget", "passed_before", "remember_pass", "remember_passes"]
+__all__ = ["CACHE_ENV", "forget", "passed_before", "remember_in_process", "remember_pass", "remember_passes"]
 
 CACHE_ENV = "RAYTRAIN_CKPT_SCAN_CACHE"
 """``0`` keeps the scan verdicts in memory only, not under the user's cache directory."""
@@ -150,6 +150,14 @@ def remember_passes(keys: list[str]) -> None:
         os.replace(fresh, where / LOG)
     except OSError:
         pass  # a verdict not kept only means the scan runs again next time
+
+
+def remember_in_process(keys: list[str]) -> None:
+    """Record passes that a trusted party of this job vouched for, in this process only (never in
+    the cache directory: that holds only what a process of this user checked itself)."""
+    for key in keys:
+        if _KEY.fullmatch(key):
+            _remember_here(key)
 
 
 def forget() -> None:

@@ -9,9 +9,11 @@ import. Loading itself still goes through ``SafeUnpickler``, which builds the re
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
-from collections.abc import Collection, Mapping
+import threading
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -24,7 +26,7 @@ from raytrain_ckpt.checkpoint.format.prescan import DEFAULT_BUDGET, read_bounded
 from raytrain_ckpt.checkpoint.format.scandiff import PassedScans
 from raytrain_ckpt.common.gcpause import collector_paused
 
-__all__ = ["ALLOWED_GLOBALS", "MetadataChecks", "TORCH_DTYPES", "allowed_global", "check_data_files", "check_metadata_file",
+__all__ = ["ALLOWED_GLOBALS", "MetadataChecks", "metadata_decode_key", "vouch_for", "vouching", "TORCH_DTYPES", "allowed_global", "check_data_files", "check_metadata_file",
            "check_metadata_stream", "checked_pickle", "data_bytearray", "metadata_verdict", "refusal",
            "resolve_builtin", "unpickle"]
 
@@ -73,6 +75,41 @@ and paths are built from items the pickle holds, which the pre-scan has counted)
 def resolve_builtin(module: str, name: str, find: Any) -> Any:
     """``find(module, name)``, the builtin replaced by its size-free version where it has one."""
     return _SIZE_FREE.get((module, name)) or find(module, name)
+
+
+_VOUCH = threading.local()
+
+
+@contextlib.contextmanager
+def vouching() -> Iterator[list[str]]:
+    """The decode keys (``metadata_decode_key``) of every ``.metadata`` whose check passed on this
+    thread inside the block: what a resume plan that verified a step can vouch for to the ranks
+    that load it (``vouch_for``)."""
+    keys: list[str] = []
+    outer, _VOUCH.keys = getattr(_VOUCH, "keys", None), keys
+    try:
+        yield keys
+    finally:
+        _VOUCH.keys = outer
+
+
+def _vouchable(data: bytes, key: str | None = None) -> None:
+    keys = getattr(_VOUCH, "keys", None)
+    if keys is not None:
+        keys.append(key or _decode_key(data))
+
+
+def vouch_for(keys: Iterable[str]) -> None:
+    """Take the ``.metadata`` decodes of ``keys`` as passed, in this process only: a rank loading a
+    step its job's resume plan verified (``ResumePoint.metadata_key``, over the trusted channel
+    that named the step). The bytes the rank reads are hashed as ever: a file changed since the
+    plan checked it has another key and is decoded in the reader process first."""
+    scancache.remember_in_process([k for k in keys if isinstance(k, str)])
+
+
+def metadata_decode_key(data: bytes) -> str:
+    """The key a passed check of ``.metadata`` bytes ``data`` remembers for loading's decode."""
+    return _decode_key(data)
 
 
 def checked_pickle(f: BinaryIO, where: str) -> io.BytesIO:
@@ -202,6 +239,7 @@ def check_metadata_stream(f: BinaryIO, name: str, files: Collection[str] | Mappi
     data = read_bounded(f, name)
     key = _check_key(data, files)
     if not chunks and scancache.passed_before(key):
+        _vouchable(data)
         return None
     result = sandbox.decode_in_sandbox("metadata", data, name, _check_args(files, chunks))
     _remember_check(key, data)
@@ -259,7 +297,9 @@ def _remember_check(key: str, data: bytes) -> None:
     """A passed check, and with it the decode loading asks for (``checked_pickle``): the check ran
     the same pre-scan and decode under the same limits, so a resume after ``ls`` or the
     registry's check does not decode the file in the reader process again."""
-    scancache.remember_passes([key, _decode_key(data)])
+    decode = _decode_key(data)
+    scancache.remember_passes([key, decode])
+    _vouchable(data, decode)
 
 
 def _decode_key(data: bytes) -> str:

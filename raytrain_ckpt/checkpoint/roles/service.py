@@ -155,7 +155,7 @@ class CheckpointService:
             return None
         # the durable step's path: where a rank that refuses its copy at load time falls back to
         point = ResumePoint(held.step, durable.path if durable is not None else "", held.world_size,
-                            held.step * spec.training.global_batch_size)
+                            held.step * spec.training.global_batch_size, getattr(durable, "metadata_key", None))
         sources = self.sources.recovery_sources(attempt, spec, point, nodes, memory_only=True)
         if sources is not None and sources[0].source == "memory":
             logger.warning("attempt %d: resuming from step %d held in RAM (a preemption's RAM tier; not on storage)",

@@ -21,6 +21,7 @@ from raytrain_ckpt.checkpoint.roles.steps import StepRegistry
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.names import EntryKind
 from raytrain_ckpt.common.locations import is_uri
+from raytrain_ckpt.checkpoint.format.unpickling import vouching
 from raytrain_ckpt.checkpoint.format.verify import Verify, verify_step
 from raytrain_ckpt.checkpoint.storage.backends import open_storage
 from raytrain_ckpt.checkpoint.storage.commit import protocol_for
@@ -188,5 +189,6 @@ class ResumeTimeline:
         """Verify a step, which may live on another storage than this root (``checkpoint.resume``)."""
         same = protocol_for(path) is type(self.layout.protocol)
         storage = self.layout.storage if same else open_storage(path, self.storage_options if is_uri(path) else None)
-        m = verify_step(path, verify, storage)
-        return ResumePoint(m.step, str(path), m.world_size, m.samples_seen)
+        with vouching() as keys:
+            m = verify_step(path, verify, storage)
+        return ResumePoint(m.step, str(path), m.world_size, m.samples_seen, keys[-1] if keys else None)
