@@ -224,14 +224,12 @@ class Controller:
         try:
             self.group.start()
         except GroupStartError as exc:
-            self._note_replaced()
+            self.result.events += _replaced(self.attempt, self.group)
             self.ledger.start_marks(self.group.start_marks, self._clock())
-            if exc.mismatch is not None:
-                self._on_failure(Failure(self.attempt, "mismatch", None, headline(exc.mismatch), str(exc)))
-            else:
-                self._on_failure(Failure(self.attempt, "start", None, headline(str(exc)), str(exc)))
+            kind, text = ("mismatch", exc.mismatch) if exc.mismatch is not None else ("start", str(exc))
+            self._on_failure(Failure(self.attempt, kind, None, headline(text), str(exc)))
             return
-        self._note_replaced()
+        self.result.events += _replaced(self.attempt, self.group)
         running = self._clock()
         for watch in self.watches:
             watch.new_attempt()
@@ -240,12 +238,6 @@ class Controller:
             self.result.events.append((time.time(), f"attempt {self.attempt} placed on {','.join(self.group.nodes)}"))
         self.result.events.append((time.time(), f"attempt {self.attempt} running"))
         self._set_state(JobState.RUNNING, f"{self.spec.world_size} workers started")
-
-    def _note_replaced(self) -> None:
-        """Into the result's events: the checkpoint writers or actor the start replaced for not
-        answering (a stopped process; the previous failure may have been theirs, not the ranks')."""
-        assert self.group is not None
-        self.result.events += [(time.time(), f"attempt {self.attempt}: {note}") for note in self.group.replaced]
 
     def _watch_group(self) -> None:
         """One poll, asked of every watch in priority order until a verdict ends it; none did:
@@ -345,3 +337,8 @@ class Controller:
             self.group.shutdown(keep_warm=keep_warm)
             self.group = None
 
+
+def _replaced(attempt: int, group: WorkerGroup) -> list[tuple[float, str]]:
+    """For the result's events: the checkpoint writers or actor the start replaced for not answering
+    (a stopped process; the previous failure may have been theirs, not the ranks')."""
+    return [(time.time(), f"attempt {attempt}: {note}") for note in group.replaced]
