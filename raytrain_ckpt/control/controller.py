@@ -175,7 +175,10 @@ class Controller:
             self.attempt += 1
             self._set_state(JobState.STARTING, f"attempt {self.attempt}")
         if self._observer is not None:  # metrics: called after every transition or poll
+            state = self.state
             self._observer(self)
+            if self.state is not state:  # the observer ended the job (``stop``): it sees that end too
+                self._observer(self)
 
     def summary(self) -> dict[str, Any]:
         """The job at a glance, for ``raytrain-ckpt status --job``: state, attempt, restarts,
@@ -194,6 +197,8 @@ class Controller:
         (its final checkpoint did not commit): the result says why, the exit code is 1."""
         assert self.state is JobState.SUCCEEDED, self.state
         self._fail_job(kind, message, f"{kind} rejected", f"finished, but {message}")
+        if self._observer is not None:  # after run(): the metrics and the job's note say FAILED too
+            self._observer(self)
 
     def stop(self, kind: FailureKind, message: str) -> None:
         """Fail a job that has not ended, from outside its group (another run took its checkpoint
