@@ -86,6 +86,9 @@ class JobResult:
     """Every replica group replaced while the others trained on (``parallelism.dp_replicate``):
     replica, rank, kind, attempt, headline, at (time.time()), healed_s (the failure's detection ->
     its replacement trained a step with the others). Its failure is in ``failures`` too."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    """Whole-group restarts spent on ``fault_tolerance.max_restarts``, by the failure's kind: a heal
+    is not one (unless its replacement did not start), a preemption's or a straggler's spends none."""
 
     @property
     def losses(self) -> dict[int, float]:
@@ -302,6 +305,8 @@ class Controller:
         self.result.failures.append(failure)
         # with replica groups a guard trip ends its group (no rollback of its own): restarted as a crash
         decision, why = self._budget.decide("crash" if kind == "rollback" and heals is not None else kind, now)
+        if decision is Decision.RESTART:
+            _count(self.result.restarts, kind)
         self.result.events.append((time.time(), f"attempt {self.attempt} {kind} detected"))
         if kind == "mismatch":  # a user's mistake: its message, without the ranks' tracebacks
             logger.error("attempt %d: the resume checkpoint does not fit this job: %s", self.attempt, failure.headline)
@@ -328,8 +333,9 @@ class Controller:
                      self.attempt, failure.kind, replica, why, failure.log_text())
         try:
             self.group.heal(replica)
-        except GroupStartError as exc:
+        except GroupStartError as exc:  # the restart it spent restarts the whole job
             self._last_failure = failure.kind
+            _count(self.result.restarts, failure.kind)
             self._set_state(JobState.RECOVERING, f"replica group {replica}'s replacement did not start: {exc}")
             return
         self.result.events.append((time.time(), f"attempt {self.attempt}: replica group {replica} replaced"))
@@ -341,6 +347,10 @@ class Controller:
         if self.group is not None:
             self.group.shutdown(keep_warm=keep_warm)
             self.group = None
+
+
+def _count(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
 
 
 def _replaced(attempt: int, group: WorkerGroup) -> list[tuple[float, str]]:

@@ -246,3 +246,65 @@ def test_a_job_its_observer_stops_reads_failed_in_the_metrics(monkeypatch):
     assert values("job_state", state="FAILED")[-1] == 1 and values("job_state", state="RUNNING")[-1] == 0
     assert values("job_failures_total", cause="checkpoint") == [1]
 
+
+class _HealFails:
+    """A replica group whose replacement cannot start: the restart the heal spent restarts the job."""
+
+    def heal(self, replica: int) -> None:
+        from raytrain_ckpt.control.poll import GroupStartError
+
+        raise GroupStartError("no bundle for the replacement")
+
+
+def test_a_heal_whose_replacement_did_not_start_is_counted_as_the_restart_it_became(monkeypatch):
+    from raytrain_ckpt.control.controller import Controller, JobState
+    from raytrain_ckpt.control.metrics import ControllerMetrics
+    from raytrain_ckpt.spec import JobSpec
+    from tests.unit.test_controller import FakeWorkerGroup, HealingGroup
+
+    class Group(_HealFails, HealingGroup):
+        pass
+
+    _, values = _recorded(monkeypatch)
+    FakeWorkerGroup.created = []
+    spec = JobSpec(name="obs", resources={"num_workers": 2}, parallelism={"dp_replicate": 2, "dp_shard": 1},
+                   fault_tolerance={"max_restarts": 2})
+    ctrl = Controller(spec, Group, sleep=lambda s: None, observer=ControllerMetrics("obs"))
+    ctrl.step()
+    FakeWorkerGroup.created[-1].kill(1)
+    ctrl.step()  # replica group 1's replacement does not start: the whole job restarts
+    assert ctrl.state is JobState.RECOVERING and ctrl.restarts == 1 and len(ctrl.result.heals) == 1
+    assert values("job_restarts_total", cause="crash") == [1]
+    assert ctrl.result.restarts == {"crash": 1}
+
+
+def test_a_drains_heal_spends_no_restart_and_takes_none_from_the_count(monkeypatch):
+    """A replica group moved off a draining node spends no restart; the crash restart after it is
+    counted, and the counter never goes back."""
+    from raytrain_ckpt.control.controller import Controller, JobState
+    from raytrain_ckpt.control.metrics import ControllerMetrics
+    from raytrain_ckpt.control.watch.replicas import ReplicaHeals
+    from raytrain_ckpt.spec import JobSpec
+    from tests.unit.test_controller import FakeWorkerGroup, HealingGroup
+
+    class Group(HealingGroup):
+        def heal(self, replica: int, off_node: bool = False) -> None:
+            super().heal(replica)
+
+    _, values = _recorded(monkeypatch)
+    FakeWorkerGroup.created = []
+    spec = JobSpec(name="obs", resources={"num_workers": 2}, parallelism={"dp_replicate": 2, "dp_shard": 1},
+                   fault_tolerance={"max_restarts": 2})
+    ctrl = Controller(spec, Group, sleep=lambda s: None, observer=ControllerMetrics("obs"))
+    ctrl.step()
+    group = FakeWorkerGroup.created[-1]
+    heals = ctrl.watch(ReplicaHeals)
+    assert heals is not None and heals.move_off(group, "n1", (1,), 0, 0, "drain")
+    assert group.healed == [1] and ctrl.restarts == 0
+    group.kill(0)
+    group.kill(1)
+    ctrl.step()  # ranks of both groups: a whole-job restart
+    assert ctrl.state is JobState.RECOVERING and ctrl.restarts == 1 and len(ctrl.result.heals) == 1
+    assert values("job_restarts_total", cause="crash") == [1]
+    assert ctrl.result.restarts == {"crash": 1}
+    assert all(v > 0 for v in values("job_restarts_total"))
