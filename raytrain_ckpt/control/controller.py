@@ -86,6 +86,9 @@ class JobResult:
     """Every replica group replaced while the others trained on (``parallelism.dp_replicate``):
     replica, rank, kind, attempt, headline, at (time.time()), healed_s (the failure's detection ->
     its replacement trained a step with the others). Its failure is in ``failures`` too."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    """Whole-group restarts spent on ``fault_tolerance.max_restarts``, by the failure's kind: a heal
+    is not one (unless its replacement did not start), a preemption's or a straggler's spends none."""
 
     @property
     def losses(self) -> dict[int, float]:
@@ -175,7 +178,10 @@ class Controller:
             self.attempt += 1
             self._set_state(JobState.STARTING, f"attempt {self.attempt}")
         if self._observer is not None:  # metrics: called after every transition or poll
+            state = self.state
             self._observer(self)
+            if self.state is not state:  # the observer ended the job (``stop``): it sees that end too
+                self._observer(self)
 
     def summary(self) -> dict[str, Any]:
         """The job at a glance, for ``raytrain-ckpt status --job``: state, attempt, restarts,
@@ -194,6 +200,8 @@ class Controller:
         (its final checkpoint did not commit): the result says why, the exit code is 1."""
         assert self.state is JobState.SUCCEEDED, self.state
         self._fail_job(kind, message, f"{kind} rejected", f"finished, but {message}")
+        if self._observer is not None:  # after run(): the metrics and the job's note say FAILED too
+            self._observer(self)
 
     def stop(self, kind: FailureKind, message: str) -> None:
         """Fail a job that has not ended, from outside its group (another run took its checkpoint
@@ -224,14 +232,12 @@ class Controller:
         try:
             self.group.start()
         except GroupStartError as exc:
-            self._note_replaced()
+            self.result.events += _replaced(self.attempt, self.group)
             self.ledger.start_marks(self.group.start_marks, self._clock())
-            if exc.mismatch is not None:
-                self._on_failure(Failure(self.attempt, "mismatch", None, headline(exc.mismatch), str(exc)))
-            else:
-                self._on_failure(Failure(self.attempt, "start", None, headline(str(exc)), str(exc)))
+            kind, text = ("mismatch", exc.mismatch) if exc.mismatch is not None else ("start", str(exc))
+            self._on_failure(Failure(self.attempt, kind, None, headline(text), str(exc)))
             return
-        self._note_replaced()
+        self.result.events += _replaced(self.attempt, self.group)
         running = self._clock()
         for watch in self.watches:
             watch.new_attempt()
@@ -240,12 +246,6 @@ class Controller:
             self.result.events.append((time.time(), f"attempt {self.attempt} placed on {','.join(self.group.nodes)}"))
         self.result.events.append((time.time(), f"attempt {self.attempt} running"))
         self._set_state(JobState.RUNNING, f"{self.spec.world_size} workers started")
-
-    def _note_replaced(self) -> None:
-        """Into the result's events: the checkpoint writers or actor the start replaced for not
-        answering (a stopped process; the previous failure may have been theirs, not the ranks')."""
-        assert self.group is not None
-        self.result.events += [(time.time(), f"attempt {self.attempt}: {note}") for note in self.group.replaced]
 
     def _watch_group(self) -> None:
         """One poll, asked of every watch in priority order until a verdict ends it; none did:
@@ -305,6 +305,8 @@ class Controller:
         self.result.failures.append(failure)
         # with replica groups a guard trip ends its group (no rollback of its own): restarted as a crash
         decision, why = self._budget.decide("crash" if kind == "rollback" and heals is not None else kind, now)
+        if decision is Decision.RESTART:
+            _count(self.result.restarts, kind)
         self.result.events.append((time.time(), f"attempt {self.attempt} {kind} detected"))
         if kind == "mismatch":  # a user's mistake: its message, without the ranks' tracebacks
             logger.error("attempt %d: the resume checkpoint does not fit this job: %s", self.attempt, failure.headline)
@@ -331,8 +333,9 @@ class Controller:
                      self.attempt, failure.kind, replica, why, failure.log_text())
         try:
             self.group.heal(replica)
-        except GroupStartError as exc:
+        except GroupStartError as exc:  # the restart it spent restarts the whole job
             self._last_failure = failure.kind
+            _count(self.result.restarts, failure.kind)
             self._set_state(JobState.RECOVERING, f"replica group {replica}'s replacement did not start: {exc}")
             return
         self.result.events.append((time.time(), f"attempt {self.attempt}: replica group {replica} replaced"))
@@ -345,3 +348,12 @@ class Controller:
             self.group.shutdown(keep_warm=keep_warm)
             self.group = None
 
+
+def _count(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
+
+
+def _replaced(attempt: int, group: WorkerGroup) -> list[tuple[float, str]]:
+    """For the result's events: the checkpoint writers or actor the start replaced for not answering
+    (a stopped process; the previous failure may have been theirs, not the ranks')."""
+    return [(time.time(), f"attempt {attempt}: {note}") for note in group.replaced]

@@ -130,14 +130,7 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         with stop_signals(guard, spec.fault_tolerance.stop_grace_s):
             result = controller.run()
         if service is not None:
-            status = service.status()
-            result.checkpoints = status.to_dict()
-            finished = result.state is JobState.SUCCEEDED
-            problem = service.unsaved(result.results, status) if finished else None
-            result.checkpoints["save_error"] = problem
-            if problem is not None:
-                controller.reject("checkpoint", problem)
-            _warn_failed_saves(result.checkpoints)
+            _end_checkpoints(controller, service, lambda: _settle(service))
         if service is not None and spec.checkpoint.final_export is not None and result.state.value == "SUCCEEDED":
             from raytrain_ckpt.checkpoint.interchange.export import final_export
 
@@ -157,6 +150,32 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         if service is not None:
             _record_end(spec, service, record, result, interrupted)
             service.shutdown(settle=not interrupted)
+
+
+def _end_checkpoints(controller: Controller, service: CheckpointService, settle: Callable[[], None]) -> None:
+    """The job's checkpoints as the run leaves them, into ``JobResult.checkpoints``: the saves still
+    in flight settle first (each commits or is aborted, ``settle``), so the steps listed and the
+    end check are what the shutdown leaves; a finished job whose checkpoints are not what it asked
+    for is rejected (``Controller.reject``: FAILED in the result, the metrics and the job's note)."""
+    settle()
+    result = controller.result
+    status = service.status()
+    result.checkpoints = status.to_dict()
+    problem = service.unsaved(result.results, status) if result.state is JobState.SUCCEEDED else None
+    result.checkpoints["save_error"] = problem
+    if problem is not None:
+        controller.reject("checkpoint", problem)
+    _warn_failed_saves(result.checkpoints)
+
+
+def _settle(service: CheckpointService) -> None:
+    """Let the saves in flight commit or abort (bounded by ``checkpoint.settle_timeout_s``); the
+    shutdown's own settle then finds nothing left to wait for."""
+    timeout = service.spec.checkpoint.settle_timeout_s
+    try:
+        ray.get(service.actor.settle.remote(timeout), timeout=timeout + 30)
+    except Exception as exc:  # noqa: BLE001 - the actor is gone or stuck: the status says what is left
+        logger.warning("could not settle in-flight checkpoints: %s", exc)
 
 
 def _progress_line(spec: JobSpec) -> ProgressLine:

@@ -27,7 +27,7 @@ class ControllerMetrics:
         self.checkpointing = checkpointing
         self._tags = {"job": job}
         self._failures = 0
-        self._restarts = 0
+        self._restarts: dict[str, int] = {}
         self._heals = 0
         self._preemptions = 0
         self._state = ""
@@ -71,10 +71,10 @@ class ControllerMetrics:
         for heal in heals[self._heals:]:
             exported.record("job_replica_heals_total", 1, {**self._tags, "cause": heal["kind"]})
         self._heals = len(heals)
-        restarts = ctrl.restarts - len(heals)  # a heal spends the restart budget; it is not a restart
-        if restarts > self._restarts and failures:
-            exported.record("job_restarts_total", restarts - self._restarts, {**self._tags, "cause": failures[-1].kind})
-            self._restarts = restarts
+        for cause, n in ctrl.result.restarts.items():  # whole-group restarts only: a heal is not one
+            if n > self._restarts.get(cause, 0):
+                exported.record("job_restarts_total", n - self._restarts.get(cause, 0), {**self._tags, "cause": cause})
+                self._restarts[cause] = n
         self._ledger(ctrl)
         poll = ctrl.last_poll
         if poll is not None and not self.checkpointing:  # everything this attempt trained is at risk

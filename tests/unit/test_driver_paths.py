@@ -1,5 +1,5 @@
-"""The driver's path for Ray workers (every entry absolute, none empty, each once), and Ray
-addresses it cannot join said in one line."""
+"""The driver's path for Ray workers (every entry absolute, none empty, each once), Ray
+addresses it cannot join said in one line, and the job's checkpoints read after the end's settle."""
 
 from __future__ import annotations
 
@@ -46,3 +46,107 @@ def test_a_ray_address_that_cannot_be_joined_is_one_line_and_exit_2_within_secon
     assert len(errors) == 1 and expected in errors[0] and "--address local" in errors[0], proc.stderr[-3000:]
     assert time.monotonic() - started < 60
     assert not (tmp_path / "ckpt").exists()  # nothing created for a run that never started
+
+
+class _ActorService:
+    """The driver's handle on checkpointing (``CheckpointService``) over a real CheckpointActor
+    driven without Ray: its status and the end check (``CheckpointService.unsaved``) as they are."""
+
+    def __init__(self, spec, actor) -> None:
+        self.spec, self.actor, self.started_unix = spec, actor, time.time() - 60
+
+    def status(self):
+        import asyncio
+
+        return asyncio.run(self.actor.status())
+
+    def unsaved(self, results, status):
+        from raytrain_ckpt.checkpoint.roles.service import CheckpointService
+
+        return CheckpointService.unsaved(self, results, status)
+
+
+def _ended(spec, finish: bool):
+    """A controller whose job ended: finished (SUCCEEDED), or failed on a crash (no restarts)."""
+    from raytrain_ckpt.control.controller import Controller
+    from tests.unit.test_controller import FakeWorkerGroup
+
+    FakeWorkerGroup.created = []
+    ctrl = Controller(spec, FakeWorkerGroup, sleep=lambda s: None)
+    ctrl.step()
+    group = FakeWorkerGroup.created[-1]
+    group.step = spec.training.steps
+    if finish:
+        group.finish()
+    else:
+        group.kill(1)
+    ctrl.run()
+    return ctrl
+
+
+def test_the_job_result_lists_a_save_the_settle_aborted_as_failed_not_in_flight(tmp_path):
+    """Rank 1 crashed before it handed step 2 off: the settle at the job's end aborts the save.
+    ``JobResult.checkpoints`` is read after it: step 2 failed, nothing in flight."""
+    import asyncio
+
+    from raytrain_ckpt.control.controller import JobState
+    from raytrain_ckpt.control.driver import _end_checkpoints
+    from raytrain_ckpt.spec import JobSpec
+    from tests.unit.test_checkpoint_actor import _actor
+
+    spec = JobSpec(name="t", training={"steps": 4}, checkpoint={"dir": str(tmp_path), "interval_steps": 2},
+                   fault_tolerance={"max_restarts": 0})
+    actor = _actor(tmp_path / "root")
+    asyncio.run(actor.accepted(2, rank=0, attempt=0))
+    ctrl = _ended(spec, finish=False)
+    assert ctrl.state is JobState.FAILED
+    _end_checkpoints(ctrl, _ActorService(spec, actor), lambda: asyncio.run(actor.settle(5)))
+    checkpoints = ctrl.result.checkpoints
+    assert checkpoints["in_flight"] == [] and "never handed it off" in checkpoints["failed"][2]
+
+
+def test_a_final_save_that_commits_in_the_settle_is_in_the_job_result_and_passes_the_end_check(tmp_path):
+    """The last step's save was handed off when the ranks finished; its writer reports while the
+    end-of-job settle waits: the job succeeded, and its result lists the step as committed."""
+    import asyncio
+    import zlib
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from raytrain_ckpt.checkpoint.records import RankReport
+    from raytrain_ckpt.control.controller import JobState
+    from raytrain_ckpt.control.driver import _end_checkpoints
+    from raytrain_ckpt.spec import JobSpec
+    from tests.unit.test_checkpoint_actor import _single_rank_actor
+
+    spec = JobSpec(name="t", training={"steps": 4}, checkpoint={"dir": str(tmp_path), "interval_steps": 2},
+                   fault_tolerance={"max_restarts": 0})
+    actor = _single_rank_actor(tmp_path / "root", None)
+
+    async def hand_off() -> RankReport:  # plan, hand off and write step 4; its report comes later
+        state, planner = {"w": torch.arange(64.0), "step": 4}, DefaultSavePlanner()
+        planner.set_up_planner(state, is_coordinator=True)
+        central = await actor.plan(0, 4, 0, planner.create_local_plan(), timeout_s=5)
+        tmp = Path(await actor.accepted(4, 0, 0))
+        writer = FileSystemWriter(tmp, sync_files=False)
+        writer.set_up_storage_writer(False, rank=0)
+        results = writer.write_data(planner.finish_plan(central.plan), planner).wait()
+        files = {p.name: {"size": p.stat().st_size, "crc32": zlib.crc32(p.read_bytes())} for p in tmp.iterdir()}
+        return RankReport(4, 0, 0, central.plan_id, results, files)
+
+    report = asyncio.run(hand_off())
+
+    async def settle_while_the_writer_reports() -> None:
+        async def late_report() -> None:
+            await asyncio.sleep(0.2)
+            assert await actor.report(report) == "committed"
+
+        await asyncio.gather(actor.settle(5), late_report())
+
+    ctrl = _ended(spec, finish=True)
+    assert ctrl.state is JobState.SUCCEEDED
+    _end_checkpoints(ctrl, _ActorService(spec, actor), lambda: asyncio.run(settle_while_the_writer_reports()))
+    assert ctrl.result.state is JobState.SUCCEEDED, ctrl.result.error
+    assert ctrl.result.checkpoints["committed"] == [4] and ctrl.result.checkpoints["save_error"] is None

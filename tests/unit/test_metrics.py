@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,124 @@ def test_a_replica_groups_heal_is_counted_as_a_heal_not_a_restart(monkeypatch):
 
     assert values("job_replica_heals_total", cause="crash") == [1]
     assert values("job_restarts_total", cause="crash") == [1] and values("job_failures_total") == [1, 1]
+
+
+def _recorded(monkeypatch) -> tuple[list[tuple[str, float, dict]], Callable[..., list[float]]]:
+    from raytrain_ckpt.observe import metrics
+
+    recorded: list[tuple[str, float, dict]] = []
+    monkeypatch.setattr(metrics, "record", lambda name, value, tags: recorded.append((name, value, dict(tags))))
+
+    def values(name: str, **tags: str) -> list[float]:
+        return [v for n, v, t in recorded if n == name and tags.items() <= t.items()]
+
+    return recorded, values
+
+
+def test_a_finished_job_the_driver_rejects_reads_failed_in_the_metrics(monkeypatch):
+    """The end check fails a job whose final checkpoint did not commit after ``run()`` returned:
+    the job's state and failures by cause say FAILED and "checkpoint", as the JobResult does."""
+    from raytrain_ckpt.control.controller import Controller, JobState
+    from raytrain_ckpt.control.metrics import ControllerMetrics
+    from raytrain_ckpt.spec import JobSpec
+    from tests.unit.test_controller import FakeWorkerGroup
+
+    _, values = _recorded(monkeypatch)
+    FakeWorkerGroup.created = []
+    ctrl = Controller(JobSpec(name="obs"), FakeWorkerGroup, sleep=lambda s: None, observer=ControllerMetrics("obs"))
+    ctrl.step()
+    FakeWorkerGroup.created[-1].finish()
+    assert ctrl.run().state is JobState.SUCCEEDED and values("job_state", state="SUCCEEDED")[-1] == 1
+    ctrl.reject("checkpoint", "the final checkpoint (step 10) did not commit: disk full")
+    assert ctrl.result.state is JobState.FAILED
+    assert values("job_state", state="FAILED")[-1] == 1 and values("job_state", state="SUCCEEDED")[-1] == 0
+    assert values("job_failures_total", cause="checkpoint") == [1]
+
+
+def test_a_job_its_observer_stops_reads_failed_in_the_metrics(monkeypatch):
+    """Another run took the checkpoint root over: the driver's observer stops the job after the
+    poll it observed; the metrics see the FAILED state and its failure, not the RUNNING before."""
+    from raytrain_ckpt.control.controller import Controller, JobState
+    from raytrain_ckpt.control.metrics import ControllerMetrics
+    from raytrain_ckpt.spec import JobSpec
+    from tests.unit.test_controller import FakeWorkerGroup
+
+    _, values = _recorded(monkeypatch)
+    metrics_of = ControllerMetrics("obs")
+    lost: list[str] = []
+
+    def observe(ctrl: Controller) -> None:  # as the driver's: metrics, then the run lock's check
+        metrics_of(ctrl)
+        if lost:
+            ctrl.stop("checkpoint", lost[0])
+
+    FakeWorkerGroup.created = []
+    ctrl = Controller(JobSpec(name="obs"), FakeWorkerGroup, sleep=lambda s: None, observer=observe)
+    ctrl.step()
+    lost.append("the run lock was taken over by another run")
+    assert ctrl.run().state is JobState.FAILED
+    assert values("job_state", state="FAILED")[-1] == 1 and values("job_state", state="RUNNING")[-1] == 0
+    assert values("job_failures_total", cause="checkpoint") == [1]
+
+
+class _HealFails:
+    """A replica group whose replacement cannot start: the restart the heal spent restarts the job."""
+
+    def heal(self, replica: int) -> None:
+        from raytrain_ckpt.control.poll import GroupStartError
+
+        raise GroupStartError("no bundle for the replacement")
+
+
+def test_a_heal_whose_replacement_did_not_start_is_counted_as_the_restart_it_became(monkeypatch):
+    from raytrain_ckpt.control.controller import Controller, JobState
+    from raytrain_ckpt.control.metrics import ControllerMetrics
+    from raytrain_ckpt.spec import JobSpec
+    from tests.unit.test_controller import FakeWorkerGroup, HealingGroup
+
+    class Group(_HealFails, HealingGroup):
+        pass
+
+    _, values = _recorded(monkeypatch)
+    FakeWorkerGroup.created = []
+    spec = JobSpec(name="obs", resources={"num_workers": 2}, parallelism={"dp_replicate": 2, "dp_shard": 1},
+                   fault_tolerance={"max_restarts": 2})
+    ctrl = Controller(spec, Group, sleep=lambda s: None, observer=ControllerMetrics("obs"))
+    ctrl.step()
+    FakeWorkerGroup.created[-1].kill(1)
+    ctrl.step()  # replica group 1's replacement does not start: the whole job restarts
+    assert ctrl.state is JobState.RECOVERING and ctrl.restarts == 1 and len(ctrl.result.heals) == 1
+    assert values("job_restarts_total", cause="crash") == [1]
+    assert ctrl.result.restarts == {"crash": 1}
+
+
+def test_a_drains_heal_spends_no_restart_and_takes_none_from_the_count(monkeypatch):
+    """A replica group moved off a draining node spends no restart; the crash restart after it is
+    counted, and the counter never goes back."""
+    from raytrain_ckpt.control.controller import Controller, JobState
+    from raytrain_ckpt.control.metrics import ControllerMetrics
+    from raytrain_ckpt.control.watch.replicas import ReplicaHeals
+    from raytrain_ckpt.spec import JobSpec
+    from tests.unit.test_controller import FakeWorkerGroup, HealingGroup
+
+    class Group(HealingGroup):
+        def heal(self, replica: int, off_node: bool = False) -> None:
+            super().heal(replica)
+
+    _, values = _recorded(monkeypatch)
+    FakeWorkerGroup.created = []
+    spec = JobSpec(name="obs", resources={"num_workers": 2}, parallelism={"dp_replicate": 2, "dp_shard": 1},
+                   fault_tolerance={"max_restarts": 2})
+    ctrl = Controller(spec, Group, sleep=lambda s: None, observer=ControllerMetrics("obs"))
+    ctrl.step()
+    group = FakeWorkerGroup.created[-1]
+    heals = ctrl.watch(ReplicaHeals)
+    assert heals is not None and heals.move_off(group, "n1", (1,), 0, 0, "drain")
+    assert group.healed == [1] and ctrl.restarts == 0
+    group.kill(0)
+    group.kill(1)
+    ctrl.step()  # ranks of both groups: a whole-job restart
+    assert ctrl.state is JobState.RECOVERING and ctrl.restarts == 1 and len(ctrl.result.heals) == 1
+    assert values("job_restarts_total", cause="crash") == [1]
+    assert ctrl.result.restarts == {"crash": 1}
+    assert all(v > 0 for v in values("job_restarts_total"))
