@@ -15,6 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 
+from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy, newest_certified
 from raytrain_ckpt.checkpoint.roles.steps import StepRegistry
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout, LeftoverWatch
@@ -85,15 +86,17 @@ class Retainer:
             self._purge()
 
     def _purge(self) -> None:
-        committed = self.steps.committed
         try:
             # Under the lease lock: an exporter outside the job either sees its step gone or we see its lease file.
             with self.purge_lock():
                 self._drop_missing()
+                # a copy (one C call, atomic under the GIL): the event loop registers commits while this
+                # thread decides, and iterating the registry itself then raised mid-pass
+                committed = dict(self.steps.committed)
                 leased = [*self.leases.values(), *self.file_leased_steps()]
                 doomed = self.retention.to_delete(committed, leased, self.steps.pending,
                                                   {s: m.metrics() for s, m in committed.items()},
-                                                  self._newest_certified())
+                                                  self._newest_certified(committed))
                 removed = [step for step in doomed if self._delete(step)]
         except Exception as exc:  # see the docstring: retention is retried, the commit stands
             self.purge_errors += 1
@@ -104,10 +107,11 @@ class Retainer:
             self.metrics.purged(len(removed))
         self._remove_stale_leftovers()
 
-    def _newest_certified(self) -> int | None:
-        """The newest certified step that is committed: as the manifests record it, or as the
-        trainers reported it since (``certify``), whichever is newer."""
-        committed = self.steps.committed
+    def _newest_certified(self, committed: dict[int, Manifest] | None = None) -> int | None:
+        """The newest certified step that is committed (``committed``, default the registry's
+        steps): as the manifests record it, or as the trainers reported it since (``certify``),
+        whichever is newer."""
+        committed = dict(self.steps.committed) if committed is None else committed
         recorded = newest_certified({s: m.certified_step for s, m in committed.items()})
         told = max((s for s in self.told_certified if s in committed), default=None)
         return max((s for s in (recorded, told) if s is not None), default=None)
@@ -139,7 +143,7 @@ class Retainer:
 
     def _drop_missing(self) -> None:
         """Forget committed steps whose directory is gone: retention must count what is on disk."""
-        for step in sorted(self.steps.committed):
+        for step in sorted(dict(self.steps.committed)):
             if not self.layout.is_committed_name(step):
                 logger.warning("checkpoint step %d vanished from %s (removed by hand?); dropped from the registry",
                                step, self.layout.root)
