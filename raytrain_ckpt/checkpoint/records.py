@@ -371,6 +371,9 @@ class ActorStatus:
     job_info: JobNote | None
     at_risk: WorkAtRisk
     interval: IntervalChoice | None
+    resume_refused: dict[int, str] = field(default_factory=dict)
+    """Committed steps a restart would not resume from, and why (``ResumeCheck``: checked as the
+    resume plan checks, right after each commit): intact files, a ``.metadata`` the reader refuses."""
 
     @property
     def latest(self) -> int | None:
@@ -389,7 +392,8 @@ class ActorStatus:
                 "job_info": asdict(self.job_info) if self.job_info is not None else {},
                 "at_risk": {"seconds": self.at_risk.seconds, "steps": self.at_risk.steps},
                 "interval": ({"step": self.interval.step, **asdict(self.interval.decision)}
-                             if self.interval is not None else None)}
+                             if self.interval is not None else None),
+                "resume_refused": dict(self.resume_refused)}
 
 
 __all__ += ["CommittedCopy"]

@@ -19,7 +19,7 @@ from raytrain_ckpt.report import jobrecord
 from raytrain_ckpt.checkpoint.roles import bulletin
 from raytrain_ckpt.checkpoint.roles.service import CheckpointService
 from raytrain_ckpt.checkpoint.storage.backends import job_root
-from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text
+from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text, resume_refused_text
 from raytrain_ckpt.checkpoint.policy.schedule import saves_before_last
 from raytrain_ckpt.control.controller import Controller, JobResult, JobState
 from raytrain_ckpt.observe.dashboard import install_dashboard
@@ -240,9 +240,9 @@ def _warn_restarts_without_checkpoints(spec: JobSpec) -> None:
 
 def _warn_failed_saves(checkpoints: dict) -> None:
     """A job that ends with its newest saves failed says so, even when it succeeded."""
-    text = failed_saves_text(checkpoints)
-    if text is not None:
-        logger.warning("checkpoints: %s", text)
+    for text in (failed_saves_text(checkpoints), resume_refused_text(checkpoints)):
+        if text is not None:
+            logger.warning("checkpoints: %s", text)
 
 
 def _init_ray(address: str | None, job_config: JobConfig | None = None) -> None:

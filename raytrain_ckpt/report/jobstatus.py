@@ -25,7 +25,7 @@ from typing import Any
 
 from raytrain_ckpt.report import jobrecord
 from raytrain_ckpt.checkpoint.errors import StorageUnavailable
-from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text, summary_line
+from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text, resume_refused_text, summary_line
 from raytrain_ckpt.report.clusteraddress import resolve
 from raytrain_ckpt.report.inventory import UsageError, ending_line, interval_text, live_rows, live_status, root_dir, scan, table
 
@@ -127,11 +127,16 @@ def job_report(view: JobView) -> tuple[str, dict[str, Any]]:
     failing = failed_saves_text(st)
     if failing is not None:
         head += f"\nsaves failing: {failing}"
+    refused = resume_refused_text(st)
+    if refused is not None:
+        head += f"\nnot resumable: {refused}"
     if st.get("interval") is not None:
         head += f"\n{interval_text(st['interval'])}"
     if not view.ended and (hangs := status_line(info)) is not None:
         head += f"\n{hangs}"
     point = f"step {latest}" if latest is not None else "none (a fresh start)"
+    if latest is not None and str(latest) in {str(s) for s in st.get("resume_refused") or {}}:
+        point += " (its .metadata was refused: a restart skips it, see above)"
     data = {"root": root, "job": info, "summary": summary_line({**st, "latest": latest}), "at_risk": risk,
             "failed_saves": st.get("failed_saves") or {}, "interval": st.get("interval"), "ended": view.ended,
             "source": view.source, "cluster": view.cluster, "note": view.note, "ended_unix": st.get("ended_unix"), "error": st.get("error"),

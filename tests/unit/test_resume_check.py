@@ -163,3 +163,28 @@ def test_a_step_retention_takes_away_while_it_is_checked_is_not_called_unresumab
     with caplog.at_level(logging.WARNING):
         actor.resume_check._check(5)
     assert "unreadable" in actor.resume_check.refused[5] and "step 5 is committed" in caplog.text
+
+
+def test_a_step_a_restart_would_not_resume_from_is_in_the_status_and_its_texts(tmp_path: Path,
+                                                                              decodes: list[str]) -> None:
+    """The refusal is not only a log line: ``status`` (the actor's ``ActorStatus`` and its JSON view,
+    ``JobResult.checkpoints``) names the step and why, and so do the job's end warning and
+    ``status --job``; a step retention removed since is no longer named."""
+    from raytrain_ckpt.checkpoint.roles.summary import resume_refused_text
+
+    actor = _actor(tmp_path)
+    assert _save(actor, 5) == "committed"
+    assert actor.resume_check.wait(60)
+    assert asyncio.run(actor.status()).resume_refused == {}
+    assert resume_refused_text(asyncio.run(actor.status()).to_dict()) is None
+    assert _save(actor, 6, cut=100) == "committed"
+    assert actor.resume_check.wait(60)
+    status = asyncio.run(actor.status())
+    assert list(status.resume_refused) == [6] and "past the end of __0_0.distcp" in status.resume_refused[6]
+    as_json = status.to_dict()
+    assert as_json["resume_refused"] == {6: status.resume_refused[6]}
+    text = resume_refused_text(as_json)
+    assert text is not None and text.startswith("a restart would not resume from step 6: ")
+    assert resume_refused_text({"resume_refused": {str(k): v for k, v in as_json["resume_refused"].items()}}) == text
+    del actor.committed[6]  # (gone from the registry, as retention leaves it)
+    assert asyncio.run(actor.status()).resume_refused == {}

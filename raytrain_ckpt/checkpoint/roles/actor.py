@@ -82,7 +82,7 @@ class CheckpointActor:
         self.coordinator = SaveCoordinator(self.layout, options, self.steps, retention, self.metrics, group,
                                            lambda step: self.board.stall(step))
         self.board = StatusBoard(self.layout.name, str(self.layout.root), self.steps, self.retainer, self.metrics,
-                                 group, self.coordinator.planning)
+                                 group, self.coordinator.planning, lambda: dict(self.resume_check.refused))
         self.metrics.start(self.committed, self.steps.saves.consecutive)
         logger.info("checkpoint actor for %s: %d committed step(s) %s", root, len(self.committed),
                     sorted(self.committed)[-5:])

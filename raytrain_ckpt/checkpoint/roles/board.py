@@ -24,9 +24,11 @@ class StatusBoard:
     """Progress reporting: metrics, ``raytrain-ckpt status``, the job's notes."""
 
     def __init__(self, job: str, root: str, steps: StepRegistry, retainer: Retainer, metrics: CheckpointMetrics,
-                 group: Callable[[], GroupLayout], planning: Callable[[], list[int]]) -> None:
+                 group: Callable[[], GroupLayout], planning: Callable[[], list[int]],
+                 refused: Callable[[], dict[int, str]] = dict) -> None:
+        """``refused``: the committed steps a restart would not resume from (``ResumeCheck.refused``)."""
         self.job, self.root, self.steps, self.retainer, self.metrics = job, root, steps, retainer, metrics
-        self._group, self._planning = group, planning
+        self._group, self._planning, self._refused = group, planning, refused
         self.stalls: dict[int, dict[int, float]] = {}
         self.job_info: JobNote | None = None
         self.interval: IntervalChoice | None = None
@@ -43,7 +45,8 @@ class StatusBoard:
             steps={s: CommittedStep(m.total_bytes, {**m.wall, **self.stall(s)}, m.created_unix)
                    for s, m in steps.committed.items()},
             inflight=steps.inflight(self._planning()), job_info=self.job_info, at_risk=self.metrics.at_risk(),
-            interval=self.interval)
+            interval=self.interval,
+            resume_refused={s: why for s, why in self._refused().items() if s in steps.committed})
 
     def progress(self, step: int | None = None, rank: int | None = None) -> None:
         """Publish the in-flight step's phase and ranks; ``step``, ``rank``: only that rank of the

@@ -10,7 +10,7 @@ from typing import Any
 
 from raytrain_ckpt.checkpoint.records import StepPhase
 
-__all__ = ["failed_saves_text", "phase_text", "summary_line"]
+__all__ = ["failed_saves_text", "phase_text", "resume_refused_text", "summary_line"]
 
 
 def phase_text(phase: str, ranks: dict[int, int], world_size: int) -> str:
@@ -39,3 +39,14 @@ def failed_saves_text(status: dict[str, Any]) -> str | None:
         return None
     return (f"{saves['consecutive']} save(s) failed in a row since the last commit ({saves['total']} in all); "
             f"the newest: step {saves['last_step']}: {saves['last_error']}")
+
+
+def resume_refused_text(status: dict[str, Any]) -> str | None:
+    """``a restart would not resume from step 30: <why>`` for the newest committed step the
+    CheckpointActor's check refused (``ActorStatus.resume_refused``), or None."""
+    refused = {int(s): why for s, why in (status.get("resume_refused") or {}).items()}
+    if not refused:
+        return None
+    newest = max(refused)
+    more = f" (and {len(refused) - 1} older step(s))" if len(refused) > 1 else ""
+    return f"a restart would not resume from step {newest}{more}: {refused[newest]}"
