@@ -179,7 +179,7 @@ def one(model: str, n: int) -> dict[str, Any]:
     gc.collect()
     with tempfile.TemporaryDirectory(prefix="scale-", dir=os.environ.get("SCALE_DIR")) as root:
         rss0 = _rss_mb()
-        actor = CheckpointActor(root, RetentionPolicy(2))
+        actor = CheckpointActor(root, RetentionPolicy(2), seal_key=SEAL_KEY)
         asyncio.run(actor.configure(GroupLayout(n, n, "scale", {"name": model})))
         first, later, changed, sent = _Calls(), _Calls(), _Calls(), SentResults()
 
@@ -253,7 +253,35 @@ def one(model: str, n: int) -> dict[str, Any]:
         point = asyncio.run(actor.acquire("bench", "latest", "size"))
         out["resume_next_s"] = time.perf_counter() - t0
         assert point is not None and point.step == 10000, point
+        # A fresh actor on another machine (Ray restarted it there; nothing checked in its process):
+        # started and its resume plan made, with the run's seal key (it takes the checks the run's
+        # actor sealed, roles/seals.py) and without (another run's actor, checking every step).
+        for name, key in (("fresh_actor_cold_s", None), ("fresh_actor_sealed_s", SEAL_KEY)):
+            _cold()
+            t0 = time.perf_counter()
+            fresh = CheckpointActor(root, RetentionPolicy(2), seal_key=key)
+            point = asyncio.run(fresh.acquire("bench-fresh", "latest", "size"))
+            out[name] = time.perf_counter() - t0
+            assert point is not None and point.step == 10000, point
+            asyncio.run(fresh.release("bench-fresh"))
+        # A rank on another node loading that step: DCP's read of .metadata, decoded in a reader
+        # process of the rank's own first, or taken as done on the plan's word (ResumePoint.metadata_key).
+        from raytrain_ckpt.checkpoint.format.metadata import load_metadata
+        from raytrain_ckpt.checkpoint.format.unpickling import vouch_for
+
+        md_path = os.path.join(actor.layout.step_dir(10000), ".metadata")
+        for name, keys in (("rank_read_cold_s", []), ("rank_read_vouched_s", [point.metadata_key])):
+            _cold()
+            vouch_for(keys)
+            t0 = time.perf_counter()
+            with open(md_path, "rb") as f:
+                load_metadata(f, md_path)
+            out[name] = time.perf_counter() - t0
     return out
+
+
+SEAL_KEY = "5e" * 32
+"""The benchmark run's seal key (a job's driver makes a random one per run)."""
 
 
 def _cold() -> None:
@@ -493,6 +521,10 @@ COLUMNS = [("plan_s", "plan+metadata s", "{:.3f}"), ("global_plan_s", "global pl
            ("resume_cold_s", "resume plan cold s", "{:.3f}"), ("ls_status_s", "ls/status cold s", "{:.3f}"),
            ("resume_again_s", "resume again s", "{:.3f}"), ("ls_status_again_s", "ls/status again s", "{:.3f}"),
            ("resume_next_check_s", "next check s", "{:.3f}"), ("resume_next_s", "resume after next save s", "{:.3f}"),
+           ("fresh_actor_cold_s", "fresh actor + plan cold s", "{:.3f}"),
+           ("fresh_actor_sealed_s", "fresh actor + plan sealed s", "{:.3f}"),
+           ("rank_read_cold_s", "rank .metadata read cold s", "{:.3f}"),
+           ("rank_read_vouched_s", "rank .metadata read vouched s", "{:.3f}"),
            ("plans_mb", "RSS w/ plans MB", "{:.0f}"),
            ("poll_s", "poll s", "{:.3f}"), ("ray_first_save_s", "Ray actor 1st save s", "{:.3f}"),
            ("ray_save_s", "Ray actor save s", "{:.3f}")]

@@ -10,6 +10,7 @@ plan can find is one this process made.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import zlib
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from raytrain_ckpt.checkpoint.format import sandbox, scancache
+from raytrain_ckpt.checkpoint.format.manifest import describe_file
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport
 from raytrain_ckpt.checkpoint.roles import resumecheck
@@ -188,3 +190,65 @@ def test_a_step_a_restart_would_not_resume_from_is_in_the_status_and_its_texts(t
     assert resume_refused_text({"resume_refused": {str(k): v for k, v in as_json["resume_refused"].items()}}) == text
     del actor.committed[6]  # (gone from the registry, as retention leaves it)
     assert asyncio.run(actor.status()).resume_refused == {}
+
+
+def _sealed_actor(root: Path, key: str) -> CheckpointActor:
+    actor = CheckpointActor(str(root), RetentionPolicy(None), seal_key=key)
+    asyncio.run(actor.configure(GroupLayout(world_size=1, dp_size=1, spec_hash="h")))
+    return actor
+
+
+def test_an_actor_of_the_same_run_started_elsewhere_takes_the_sealed_check_and_no_one_else_does(
+        tmp_path: Path, decodes: list[str]) -> None:
+    """Ray restarts a crashed actor on any node (a process that has checked nothing, no user cache
+    there): with the run's seal key it takes the check its predecessor sealed and the resume plan
+    decodes nothing; an actor with another key (another run), a forged or altered line, and a
+    ``.metadata`` changed since the check all mean the check runs, as before."""
+    from raytrain_ckpt.checkpoint.format import sandbox
+
+    real = sandbox.submit_decodes  # (an actor's start checks its steps in a batch: counted too)
+    sandbox.submit_decodes = lambda kind, jobs, *a, **k: (decodes.extend(w for _, w, _ in jobs),
+                                                          real(kind, jobs, *a, **k))[1]
+    try:
+        _sealed_checks_taken_by_the_run_only(tmp_path, decodes)
+    finally:
+        sandbox.submit_decodes = real
+
+
+def _sealed_checks_taken_by_the_run_only(tmp_path: Path, decodes: list[str]) -> None:
+    from raytrain_ckpt.checkpoint.roles.seals import SEALS_FILE
+
+    run, other = "ab" * 32, "cd" * 32
+    first = _sealed_actor(tmp_path, run)
+    assert _save(first, 5) == "committed"
+    assert first.resume_check.wait(60) and first.resume_check.passed == [5]
+    assert len(decodes) == 1
+    sealed = (tmp_path / SEALS_FILE).read_text()
+    assert len(sealed.splitlines()) == 2  # the check's key and the decode's
+    scancache.forget()  # a new process on another node
+    again = _sealed_actor(tmp_path, run)
+    assert asyncio.run(again.acquire("attempt-1", "latest", "size")).step == 5
+    assert len(decodes) == 1  # taken from the seal: not decoded
+    scancache.forget()
+    stranger = _sealed_actor(tmp_path, other)
+    assert asyncio.run(stranger.acquire("attempt-2", "latest", "size")).step == 5
+    assert len(decodes) == 2  # another run's key: checked itself
+    scancache.forget()  # a line written by someone without the key: ignored
+    lines = sealed.splitlines()
+    forged = [f"{line.split()[0]} {'0' * 64}" for line in lines]
+    (tmp_path / SEALS_FILE).write_text("\n".join(forged) + "\n")
+    assert asyncio.run(_sealed_actor(tmp_path, run).acquire("attempt-3", "latest", "size")).step == 5
+    assert len(decodes) == 3
+    # the bytes changed after the seal (same size, intact by the manifest's sizes): another key
+    (tmp_path / SEALS_FILE).write_text(sealed)
+    scancache.forget()
+    step = first.layout.step_dir(5)
+    data = bytearray((step / ".metadata").read_bytes())
+    at = data.index(b"step")  # a key of the saved state: the same length, another name
+    data[at:at + 4] = b"stEp"
+    (step / ".metadata").write_bytes(bytes(data))
+    manifest = json.loads((step / "manifest.json").read_text())  # and its manifest entry made to agree
+    manifest["files"][".metadata"] = describe_file(step / ".metadata")
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    assert asyncio.run(_sealed_actor(tmp_path, run).acquire("attempt-4", "latest", "size")).step == 5
+    assert len(decodes) == 4  # other bytes: checked, not taken from the seal

@@ -81,22 +81,29 @@ _VOUCH = threading.local()
 
 
 @contextlib.contextmanager
-def vouching() -> Iterator[list[str]]:
+def vouching(every: bool = False) -> Iterator[list[str]]:
     """The decode keys (``metadata_decode_key``) of every ``.metadata`` whose check passed on this
     thread inside the block: what a resume plan that verified a step can vouch for to the ranks
-    that load it (``vouch_for``)."""
+    that load it (``vouch_for``). ``every``: each pass's check key too, before its decode key
+    (what a later check of the same bytes against the same files asks for: ``roles/seals.py``)."""
     keys: list[str] = []
-    outer, _VOUCH.keys = getattr(_VOUCH, "keys", None), keys
+    sinks = getattr(_VOUCH, "sinks", None)
+    if sinks is None:
+        sinks = _VOUCH.sinks = []
+    sinks.append((keys, every))
     try:
         yield keys
     finally:
-        _VOUCH.keys = outer
+        sinks[:] = [sink for sink in sinks if sink[0] is not keys]
 
 
-def _vouchable(data: bytes, key: str | None = None) -> None:
-    keys = getattr(_VOUCH, "keys", None)
-    if keys is not None:
-        keys.append(key or _decode_key(data))
+def _vouchable(data: bytes, check: str, decode: str | None = None) -> None:
+    sinks = getattr(_VOUCH, "sinks", None)
+    if not sinks:
+        return
+    decode = decode or _decode_key(data)
+    for keys, every in sinks:
+        keys.extend((check, decode) if every else (decode,))
 
 
 def vouch_for(keys: Iterable[str]) -> None:
@@ -239,7 +246,7 @@ def check_metadata_stream(f: BinaryIO, name: str, files: Collection[str] | Mappi
     data = read_bounded(f, name)
     key = _check_key(data, files)
     if not chunks and scancache.passed_before(key):
-        _vouchable(data)
+        _vouchable(data, key)
         return None
     result = sandbox.decode_in_sandbox("metadata", data, name, _check_args(files, chunks))
     _remember_check(key, data)
@@ -263,6 +270,7 @@ class MetadataChecks:
         for i, (data, name, files) in enumerate(items):
             key = _check_key(data, files)
             if not chunks and scancache.passed_before(key):
+                _vouchable(data, key)
                 continue
             if key in first:  # the steps of one plan often hold the same bytes: checked once
                 self._same.append((i, first[key]))
@@ -285,6 +293,7 @@ class MetadataChecks:
             for (i, key), answer in zip(self._todo, answers):
                 if not isinstance(answer, Exception):
                     passed += [key, _decode_key(self._data[i])]
+                    _vouchable(self._data[i], key, passed[-1])
                 self._answers[i] = answer
             scancache.remember_passes(passed)
             for i, j in self._same:
@@ -299,7 +308,7 @@ def _remember_check(key: str, data: bytes) -> None:
     registry's check does not decode the file in the reader process again."""
     decode = _decode_key(data)
     scancache.remember_passes([key, decode])
-    _vouchable(data, decode)
+    _vouchable(data, key, decode)
 
 
 def _decode_key(data: bytes) -> str:

@@ -30,6 +30,8 @@ from raytrain_ckpt.checkpoint.roles.board import StatusBoard
 from raytrain_ckpt.checkpoint.roles.coordinator import SaveCoordinator
 from raytrain_ckpt.checkpoint.roles.resumecheck import ResumeCheck
 from raytrain_ckpt.checkpoint.roles.retainer import Retainer, out_of_space
+from raytrain_ckpt.checkpoint.roles.seals import SealedChecks
+from raytrain_ckpt.checkpoint.format.unpickling import vouching
 from raytrain_ckpt.checkpoint.roles.steps import FailedSavesFile, StepRegistry
 from raytrain_ckpt.checkpoint.roles.timeline import ResumeTimeline
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
@@ -60,9 +62,10 @@ class CheckpointActor:
 
     def __init__(self, root: str, retention: RetentionPolicy, storage_options: dict[str, Any] | None = None,
                  leftover_grace_s: float = LEFTOVER_GRACE_S, fault_env: dict[str, str] | None = None,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, seal_key: str | None = None) -> None:
         """``run_id``: the driver's run; an actor Ray restarts gets the same one and carries over the
-        run's failed saves (``FailedSavesFile``). None: they are kept in memory only."""
+        run's failed saves (``FailedSavesFile``). None: they are kept in memory only. ``seal_key``
+        (hex): the run's secret for its sealed checks (``seals.py``); None: none are kept."""
         setup_logging()
         adopt_fault_env(fault_env)  # an argument, not a runtime_env: see TrainWorker.__init__
         self.layout = CheckpointLayout(root, options=storage_options)
@@ -71,14 +74,21 @@ class CheckpointActor:
         # The group's layout arrives with configure(); a restarted actor reads the last one back.
         self.group = self._load_group()
         self.layout.remove_leftover_tmp()
+        seals = SealedChecks(self.layout, bytes.fromhex(seal_key)) if seal_key else None
+        if seals is not None:  # before the registry reads the steps: checks an earlier actor of the run sealed
+            seals.load()
         self.metrics = CheckpointMetrics(self.layout.name)
         group = lambda: self.group  # noqa: E731 - members read the layout configure() set last
         failures = FailedSavesFile(self.layout, run_id) if run_id else None
-        self.steps = StepRegistry(self.layout, self.metrics, group, lambda *moved: self.board.progress(*moved),
-                                  failures)
+        with vouching(every=True) as passed:  # the steps' checks, sealed for the next actor of the run
+            self.steps = StepRegistry(self.layout, self.metrics, group, lambda *moved: self.board.progress(*moved),
+                                      failures)
+        if seals is not None:
+            seals.add(passed)
         self.retainer = Retainer(self.layout, retention, self.steps, self.metrics, leftover_grace_s)
         self.timeline = ResumeTimeline(self.layout, options, self.steps, self.retainer)
-        self.resume_check = ResumeCheck(self.layout, self.steps.committed)
+        self.resume_check = ResumeCheck(self.layout, self.steps.committed, seals.add if seals else None)
+        self.timeline.on_pass = seals.add if seals else None
         self.coordinator = SaveCoordinator(self.layout, options, self.steps, retention, self.metrics, group,
                                            lambda step: self.board.stall(step))
         self.board = StatusBoard(self.layout.name, str(self.layout.root), self.steps, self.retainer, self.metrics,

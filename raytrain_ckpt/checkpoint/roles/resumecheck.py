@@ -29,10 +29,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.sandbox import decode_deadline_s
+from raytrain_ckpt.checkpoint.format.unpickling import vouching
 from raytrain_ckpt.checkpoint.format.verify import metadata_problem
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 
@@ -48,8 +49,10 @@ deadline (``sandbox.decode_deadline_s``)."""
 class ResumeCheck:
     """Checks the newest committed step's ``.metadata`` off the save path (see the module docstring)."""
 
-    def __init__(self, layout: CheckpointLayout, committed: Mapping[int, Manifest]) -> None:
-        self.layout, self._committed = layout, committed
+    def __init__(self, layout: CheckpointLayout, committed: Mapping[int, Manifest],
+                 on_pass: Callable[[list[str]], None] | None = None) -> None:
+        """``on_pass(keys)``: a step's check passed with these scan keys (``seals.SealedChecks.add``)."""
+        self.layout, self._committed, self._on_pass = layout, committed, on_pass
         self._lock = threading.Lock()
         self._next: int | None = None
         self._idle = threading.Event()
@@ -111,10 +114,13 @@ class ResumeCheck:
             self._keep(self.passed, step)
             return
         path = self.layout.step_dir(step)
-        problem = metadata_problem(self.layout.storage, path, manifest)
+        with vouching(every=True) as keys:
+            problem = metadata_problem(self.layout.storage, path, manifest)
         if problem is None:
             self._last_pass = key
             self._keep(self.passed, step)
+            if self._on_pass is not None:
+                self._on_pass(keys)
         elif step in self._committed and self.layout.storage.is_file(self.layout.storage.join(path, MANIFEST)):
             # (retention and a new timeline take the manifest out of the step's place before they
             # forget the step: a file they removed while it was read is not the step's problem)

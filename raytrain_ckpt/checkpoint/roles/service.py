@@ -5,6 +5,7 @@ up at the end of the job."""
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -56,11 +57,11 @@ class CheckpointService:
         self.started_unix = time.time()
         cfg = spec.checkpoint
         self.root = job_root(cfg.dir, spec.name)
-        # fault settings go as an argument, not a runtime_env (see TrainWorker.__init__)
-        env = dict(fault_env or {})
+        env = dict(fault_env or {})  # fault settings: an argument, not a runtime_env (see TrainWorker.__init__)
         self.actor = ray.remote(CheckpointActor).options(
             name=actor_name(spec.name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1, max_task_retries=0,
-        ).remote(str(self.root), _retention(cfg), cfg.storage_options, cfg.leftover_grace_s, env, self.run_id)
+        ).remote(str(self.root), _retention(cfg), cfg.storage_options, cfg.leftover_grace_s, env, self.run_id,
+                 secrets.token_hex(32))  # the run's seal key: Ray restarts the actor with it (``seals.py``)
         self.fleet = WriterFleet(spec, str(self.root), self.actor, env)
         self.sources = CopySources(spec, self.fleet, self._ask)
         self.ram = RamTier(self.fleet.writers)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from raytrain_ckpt.checkpoint.records import ResumePoint
@@ -43,6 +44,8 @@ class ResumeTimeline:
         self.layout, self.storage_options, self.steps, self.retainer = layout, storage_options, steps, retainer
         self._skipped: set[int] = set()
         """Steps ``acquire`` dropped for failing verification (still on disk under their step-N name)."""
+        self.on_pass: Callable[[list[str]], None] | None = None
+        """Called with the scan keys of each step the resume plan's check passed (``seals.py``)."""
 
     async def acquire(self, holder: str, resume: str, verify: Verify) -> ResumePoint | None:
         """Pick and verify the checkpoint to resume from, newest valid first, and lease it.
@@ -189,6 +192,8 @@ class ResumeTimeline:
         """Verify a step, which may live on another storage than this root (``checkpoint.resume``)."""
         same = protocol_for(path) is type(self.layout.protocol)
         storage = self.layout.storage if same else open_storage(path, self.storage_options if is_uri(path) else None)
-        with vouching() as keys:
+        with vouching(every=True) as keys:
             m = verify_step(path, verify, storage)
+        if keys and self.on_pass is not None:
+            self.on_pass(keys)
         return ResumePoint(m.step, str(path), m.world_size, m.samples_seen, keys[-1] if keys else None)
