@@ -31,7 +31,6 @@ from raytrain_ckpt.checkpoint.roles.coordinator import SaveCoordinator
 from raytrain_ckpt.checkpoint.roles.resumecheck import ResumeCheck
 from raytrain_ckpt.checkpoint.roles.retainer import Retainer, out_of_space
 from raytrain_ckpt.checkpoint.roles.seals import SealedChecks
-from raytrain_ckpt.checkpoint.format.unpickling import vouching
 from raytrain_ckpt.checkpoint.roles.steps import FailedSavesFile, StepRegistry
 from raytrain_ckpt.checkpoint.roles.timeline import ResumeTimeline
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
@@ -80,11 +79,9 @@ class CheckpointActor:
         self.metrics = CheckpointMetrics(self.layout.name)
         group = lambda: self.group  # noqa: E731 - members read the layout configure() set last
         failures = FailedSavesFile(self.layout, run_id) if run_id else None
-        with vouching(every=True) as passed:  # the steps' checks, sealed for the next actor of the run
-            self.steps = StepRegistry(self.layout, self.metrics, group, lambda *moved: self.board.progress(*moved),
-                                      failures)
-        if seals is not None:
-            seals.add(passed)
+        # (an actor's start writes nothing: what the run sealed is its commits' and resume plans' checks)
+        self.steps = StepRegistry(self.layout, self.metrics, group, lambda *moved: self.board.progress(*moved),
+                                  failures)
         self.retainer = Retainer(self.layout, retention, self.steps, self.metrics, leftover_grace_s)
         self.timeline = ResumeTimeline(self.layout, options, self.steps, self.retainer)
         self.resume_check = ResumeCheck(self.layout, self.steps.committed, seals.add if seals else None)
