@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["Failure", "FailureKind", "NodeProgress", "Progress", "RankPlace", "RollbackRecord", "Trip", "WorkerResult", "cause_text",
+__all__ = ["printable", "Failure", "FailureKind", "NodeProgress", "Progress", "RankPlace", "RollbackRecord", "Trip", "WorkerResult", "cause_text",
            "headline"]
 
 FailureKind = Literal["start", "crash", "exception", "hang", "checkpoint", "mismatch", "preemption", "rollback",
@@ -199,3 +199,11 @@ def cause_text(exc: BaseException) -> str:
             break
         exc, wrapped = cause, True
     return f"{type(exc).__name__}: {headline(str(exc))}" if wrapped else headline(str(exc))
+
+
+def printable(line: str) -> str:
+    """``line`` with control and separator characters (a NUL, an escape sequence, a newline, U+2028)
+    escaped: text that came from a file or a peer stays one visible line on a terminal."""
+    if line.isprintable():
+        return line
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in line)

@@ -19,7 +19,7 @@ import pytest
 from raytrain_ckpt.checkpoint.records import GroupLayout
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
 from raytrain_ckpt.checkpoint.roles.service import CheckpointService
-from raytrain_ckpt.checkpoint.roles.steps import FAILED_FILE, MAX_FAILED_BYTES
+from raytrain_ckpt.checkpoint.roles.steps import FAILED_FILE, MAX_FAILED_BYTES, FailedSavesFile
 from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text
 from raytrain_ckpt.common.events import WorkerResult
 from raytrain_ckpt.control.preflight import load_spec
@@ -30,8 +30,12 @@ from tests.unit.test_checkpoint_actor import _save
 from tests.unit.test_checkpoint_layout import _commit
 
 
+RUN_KEY = "9a" * 32
+"""The runs' secret (a driver makes one per run: the same here, so two run ids are told apart by id)."""
+
+
 def _one_rank(root: Path | str, k: int | None = None, run_id: str | None = "run-a") -> CheckpointActor:
-    actor = CheckpointActor(str(root), RetentionPolicy(k), run_id=run_id)
+    actor = CheckpointActor(str(root), RetentionPolicy(k), run_id=run_id, seal_key=RUN_KEY if run_id else None)
     asyncio.run(actor.configure(GroupLayout(world_size=1, dp_size=1, spec_hash="h")))
     return actor
 
@@ -135,10 +139,32 @@ def _record(**fields) -> bytes:
     pytest.param(b"null", id="not-a-record"),
 ])
 def test_a_damaged_or_hostile_record_of_failed_saves_is_logged_and_ignored(tmp_path: Path, caplog, content) -> None:
-    (tmp_path / FAILED_FILE).write_bytes(content)
+    # sealed with the run's key, as only an actor of the run could: what its parse refuses
+    (tmp_path / FAILED_FILE).write_bytes(_sealed(tmp_path, content))
     status = asyncio.run(_one_rank(tmp_path).status())
     assert status.failed == {} and status.failed_saves.total == 0
     assert f"ignoring {tmp_path / FAILED_FILE}" in caplog.text
+
+
+def _sealed(root: Path, body: bytes) -> bytes:
+    return body + b"\n" + FailedSavesFile(CheckpointLayout(root), "run-a", bytes.fromhex(RUN_KEY))._mac(body).encode() + b"\n"
+
+
+def test_a_record_of_the_run_that_its_actors_did_not_seal_is_not_taken(tmp_path: Path, caplog) -> None:
+    """The run id is in the file, not a secret: a record with it, written by anyone without the
+    run's key (a forged count, reasons with terminal escapes), is ignored; the same record sealed
+    is taken, its reasons shown as one visible line."""
+    forged = _record(total=7, consecutive=7, last_step=40, last_error="\x1b]0;pwned\x07\x1b[2Jfake",
+                     failed={"40": "\x1b[31mforged"})
+    (tmp_path / FAILED_FILE).write_bytes(forged + b"\n" + b"0" * 64 + b"\n")
+    status = asyncio.run(_one_rank(tmp_path).status())
+    assert status.failed == {} and status.failed_saves.total == 0
+    assert "its seal does not hold" in caplog.text
+    (tmp_path / FAILED_FILE).write_bytes(_sealed(tmp_path, forged))
+    status = asyncio.run(_one_rank(tmp_path).status())
+    assert status.failed_saves.total == 7 and "\x1b" not in status.failed[40] and "\x1b" not in (
+        status.failed_saves.last_error or "")
+    assert "\x1b" not in (failed_saves_text(status.to_dict()) or "x\x1b")
 
 
 def test_a_pickle_in_place_of_the_record_is_never_unpickled_and_an_unwritable_record_is_not_fatal(
@@ -239,3 +265,32 @@ def test_the_failed_saves_outlive_the_actor_on_an_object_store() -> None:
     assert status.failed_saves.consecutive == 1
     layout.storage.write_bytes(f"{root}/{FAILED_FILE}", b"{" * (MAX_FAILED_BYTES + 1))   # over the limit
     assert asyncio.run(_one_rank(root).status()).failed == {}
+
+
+def test_a_fifo_planted_at_the_actors_own_files_neither_blocks_its_start_nor_is_read(tmp_path: Path) -> None:
+    """``.group.json``, ``.failed-saves.json`` and ``.checked-sealed`` are opened without following a
+    link and without blocking: a FIFO at each name (no writer: a blocking open never returns) is
+    refused as not a file of ours, and the actor starts at once."""
+    import os
+
+    from raytrain_ckpt.checkpoint.roles.actor import GROUP_FILE
+    from raytrain_ckpt.checkpoint.roles.seals import SEALS_FILE
+
+    for name in (GROUP_FILE, FAILED_FILE, SEALS_FILE):
+        os.mkfifo(tmp_path / name)
+    started: list[CheckpointActor] = []
+    t = threading.Thread(target=lambda: started.append(_one_rank(tmp_path)), daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the actor's start blocked on a FIFO"
+    assert started and asyncio.run(started[0].status()).failed == {}
+    # a FIFO renamed over the name between its check and its open: the open itself refuses it
+    from raytrain_ckpt.checkpoint.errors import NotOwnFile
+    from raytrain_ckpt.checkpoint.storage.posix import read_small_file
+
+    layout = CheckpointLayout(tmp_path)
+    for name in (GROUP_FILE, FAILED_FILE, SEALS_FILE):
+        (tmp_path / name).unlink()  # (configure() put a file of its own at .group.json)
+        os.mkfifo(tmp_path / name)
+        with pytest.raises(NotOwnFile, match="not a regular file"):
+            read_small_file(layout.storage, tmp_path / name, 1024)

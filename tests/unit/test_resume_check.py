@@ -252,3 +252,19 @@ def _sealed_checks_taken_by_the_run_only(tmp_path: Path, decodes: list[str]) -> 
     (step / "manifest.json").write_text(json.dumps(manifest))
     assert asyncio.run(_sealed_actor(tmp_path, run).acquire("attempt-4", "latest", "size")).step == 5
     assert len(decodes) == 4  # other bytes: checked, not taken from the seal
+
+
+def test_a_seal_whose_write_failed_is_written_when_the_same_check_passes_again(tmp_path: Path) -> None:
+    from raytrain_ckpt.checkpoint.roles.seals import SEALS_FILE, SealedChecks
+    from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+
+    layout = CheckpointLayout(tmp_path)
+    seals, keys = SealedChecks(layout, b"k" * 32), ["a" * 64, "b" * 64]
+    (tmp_path / SEALS_FILE).mkdir()  # a real failure of the write
+    seals.add(keys)
+    (tmp_path / SEALS_FILE).rmdir()
+    seals.add(keys)
+    assert [line.split()[0] for line in (tmp_path / SEALS_FILE).read_text().splitlines()] == keys
+    scancache.forget()
+    assert SealedChecks(layout, b"k" * 32).load() == 2 and all(scancache.passed_before(k) for k in keys)
+    assert SealedChecks(layout, b"x" * 32).load() == 0

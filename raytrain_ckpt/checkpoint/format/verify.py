@@ -285,6 +285,11 @@ def _small_file(f: IO[bytes]) -> bytes | None:
     """All of the local file ``f`` if it holds at most ``_WHOLE_MAX`` bytes (None: larger, and ``f``
     is back at its start). A checksum-level check has just read every byte of it; one read, then
     each chunk's header bytes cut out of it (``ChunkParses.known``), in place of reads per chunk."""
+    try:
+        if os.fstat(f.fileno()).st_size > _WHOLE_MAX:
+            return None  # (not read: a large file's chunks are read one by one)
+    except (OSError, AttributeError, ValueError):  # no descriptor: read and see
+        pass
     data = f.read(_WHOLE_MAX + 1)
     if len(data) > _WHOLE_MAX:
         f.seek(0)

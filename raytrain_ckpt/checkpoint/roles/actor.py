@@ -31,6 +31,7 @@ from raytrain_ckpt.checkpoint.roles.coordinator import SaveCoordinator
 from raytrain_ckpt.checkpoint.roles.resumecheck import ResumeCheck
 from raytrain_ckpt.checkpoint.roles.retainer import Retainer, out_of_space
 from raytrain_ckpt.checkpoint.roles.seals import SealedChecks
+from raytrain_ckpt.checkpoint.storage.posix import read_small_file
 from raytrain_ckpt.checkpoint.roles.steps import FailedSavesFile, StepRegistry
 from raytrain_ckpt.checkpoint.roles.timeline import ResumeTimeline
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
@@ -46,6 +47,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["GROUP_FILE", "CheckpointActor"]
 
 GROUP_FILE = ".group.json"
+GROUP_MAX_BYTES = 1 << 20
+"""The most of ``GROUP_FILE`` a starting actor reads (the layout and the model section: a few KB)."""
 """The layout of the group last configured, under the job's root (not a step: nothing scans it)."""
 
 RESTART_RETRIES = 3
@@ -78,7 +81,7 @@ class CheckpointActor:
             seals.load()
         self.metrics = CheckpointMetrics(self.layout.name)
         group = lambda: self.group  # noqa: E731 - members read the layout configure() set last
-        failures = FailedSavesFile(self.layout, run_id) if run_id else None
+        failures = FailedSavesFile(self.layout, run_id, bytes.fromhex(seal_key)) if run_id and seal_key else None
         # (an actor's start writes nothing: what the run sealed is its commits' and resume plans' checks)
         self.steps = StepRegistry(self.layout, self.metrics, group, lambda *moved: self.board.progress(*moved),
                                   failures)
@@ -148,7 +151,10 @@ class CheckpointActor:
         if not storage.is_file(path):
             return GroupLayout()
         try:
-            g = json.loads(storage.read_bytes(path).decode("utf-8"))
+            data = read_small_file(storage, path, GROUP_MAX_BYTES)
+            if len(data) > GROUP_MAX_BYTES:
+                raise ValueError(f"over {GROUP_MAX_BYTES} bytes")
+            g = json.loads(data.decode("utf-8"))
             return GroupLayout(int(g["world_size"]), int(g["dp_size"]), str(g["spec_hash"]), g.get("model"))
         except (ValueError, KeyError, TypeError, OSError) as exc:  # unreadable: the next configure() rewrites it
             logger.warning("ignoring %s: %s", path, exc)

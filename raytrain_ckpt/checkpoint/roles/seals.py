@@ -28,6 +28,7 @@ from collections import OrderedDict
 
 from raytrain_ckpt.checkpoint.format import scancache
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+from raytrain_ckpt.checkpoint.storage.posix import read_small_file
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,7 @@ class SealedChecks:
         try:
             if not storage.is_file(self.path):
                 return 0
-            with storage.open_read(self.path) as f:
-                data = f.read(MAX_BYTES + 1)
+            data = read_small_file(storage, self.path, MAX_BYTES)
         except OSError as exc:
             logger.info("sealed checks not read from %s (%s): steps are checked again", self.path, exc)
             return 0
@@ -75,7 +75,7 @@ class SealedChecks:
             if m is not None and hmac.compare_digest(m.group(2), self._seal(m.group(1))):
                 good.append(m.group(1))
         with self._lock:
-            self._keep(good)
+            self._keep(good, self._lines)
         scancache.remember_in_process(good)
         if good:
             logger.info("%d check(s) of this run's steps taken from %s", len(good), self.path)
@@ -89,18 +89,21 @@ class SealedChecks:
             return
         with self._lock:
             if all(k in self._lines for k in keys):
-                return  # sealed already (an actor's start finds the sealed steps passed)
-            self._keep(keys)
-            data = "".join(f"{line}\n" for line in self._lines.values()).encode("ascii")
+                return  # sealed already (the same .metadata committed again)
+            lines = OrderedDict(self._lines)
+            self._keep(keys, lines)
+            data = "".join(f"{line}\n" for line in lines.values()).encode("ascii")
             try:
                 self.layout.protocol.replace_small_file(self.path, data)
             except Exception as exc:  # noqa: BLE001 - see the docstring
                 logger.warning("could not seal this run's check in %s (%s): an actor started elsewhere checks "
                                "the step again", self.path, exc)
+                return  # not sealed: the next pass of these keys tries again
+            self._lines = lines
 
-    def _keep(self, keys: list[str]) -> None:
+    def _keep(self, keys: list[str], lines: OrderedDict[str, str]) -> None:
         for k in keys:
-            self._lines.pop(k, None)
-            self._lines[k] = f"{k} {self._seal(k)}"
-        while len(self._lines) > MAX_LINES:
-            self._lines.popitem(last=False)
+            lines.pop(k, None)
+            lines[k] = f"{k} {self._seal(k)}"
+        while len(lines) > MAX_LINES:
+            lines.popitem(last=False)

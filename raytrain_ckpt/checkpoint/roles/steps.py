@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import math
@@ -24,6 +26,8 @@ from pathlib import Path
 from raytrain_ckpt.checkpoint.records import FailedSaves, GroupLayout, InFlight, RankReport, StepPhase, WriterRef
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+from raytrain_ckpt.checkpoint.storage.posix import read_small_file
+from raytrain_ckpt.common.events import printable
 from raytrain_ckpt.checkpoint.roles.metrics import CheckpointMetrics
 from raytrain_ckpt.checkpoint.errors import StepAborted
 
@@ -75,6 +79,8 @@ FAILED_FILE = ".failed-saves.json"
 """The run's failed saves, under the job's root beside ``.group.json`` (not a step: nothing scans
 it): written when a save fails, read when an actor of the same run starts (Ray restarted it, or
 the driver moved it off a draining node), so that the job's end still sees them."""
+RECORD_WAIT_S = 2.0
+"""How long an abort waits for the record of its failure to be written (it goes on after that)."""
 MAX_FAILED_BYTES = 64 << 10
 """The most of ``FAILED_FILE`` a starting actor reads; a larger file is ignored (logged)."""
 FAILED_KEPT, REASON_CHARS = 32, 1000
@@ -91,7 +97,7 @@ def _count(value: object) -> int:
 def _text(value: object) -> str:
     if not isinstance(value, str):
         raise ValueError("not a text")
-    return value[:REASON_CHARS]
+    return printable(value[:REASON_CHARS])
 
 
 def _refuse(name: str) -> None:
@@ -103,8 +109,10 @@ class FailedSavesFile:
     not this run's: ignored. Read as JSON (never unpickled), at most ``MAX_FAILED_BYTES``; a damaged
     file is logged and ignored. Written only when a save fails, off the event loop, the newest last."""
 
-    def __init__(self, layout: CheckpointLayout, run_id: str) -> None:
-        self.layout, self.run_id = layout, run_id
+    def __init__(self, layout: CheckpointLayout, run_id: str, secret: bytes) -> None:
+        """``secret``: the run's key (the actor's seal key): the file is the record and its HMAC,
+        so a record anyone else wrote (the run id is in the file, no secret) is not taken."""
+        self.layout, self.run_id, self._secret = layout, run_id, secret
         self.path = layout.storage.join(layout.root, FAILED_FILE)
         self._lock, self._asked, self._written = threading.Lock(), 0, 0
 
@@ -114,10 +122,14 @@ class FailedSavesFile:
         kept = list(failed.items())[-FAILED_KEPT:]  # in the order they failed
         if newest_commit_unix is not None and not math.isfinite(newest_commit_unix):
             newest_commit_unix = None
-        return json.dumps({"version": 1, "run": self.run_id, "total": saves.total, "consecutive": saves.consecutive,
+        body = json.dumps({"version": 1, "run": self.run_id, "total": saves.total, "consecutive": saves.consecutive,
                            "last_step": saves.last_step, "last_error": (saves.last_error or "")[:REASON_CHARS],
                            "failed": {str(s): why[:REASON_CHARS] for s, why in kept},
                            "newest_commit_unix": newest_commit_unix}, allow_nan=False).encode()
+        return body + b"\n" + self._mac(body).encode("ascii") + b"\n"
+
+    def _mac(self, body: bytes) -> str:
+        return hmac.new(self._secret, b"raytrain_ckpt failed saves v1\0" + body, hashlib.sha256).hexdigest()
 
     async def write(self, data: bytes) -> None:
         """Replace the file with ``data``; never raises (a save that failed stays failed; the
@@ -144,14 +156,13 @@ class FailedSavesFile:
         try:
             if not storage.is_file(self.path):
                 return None
-            size = storage.size(self.path)
-            if size is not None and size > MAX_FAILED_BYTES:
-                raise ValueError(f"{size} bytes, over the {MAX_FAILED_BYTES} it may be")
-            with storage.open_read(self.path) as f:
-                data = f.read(MAX_FAILED_BYTES + 1)
+            data = read_small_file(storage, self.path, MAX_FAILED_BYTES)
             if len(data) > MAX_FAILED_BYTES:
                 raise ValueError(f"over the {MAX_FAILED_BYTES} bytes it may be")
-            value = json.loads(data.decode("utf-8"), parse_constant=_refuse)
+            body, _, mac = data.rstrip(b"\n").rpartition(b"\n")
+            if not hmac.compare_digest(mac, self._mac(body).encode("ascii")):
+                raise ValueError("not written by an actor of this run (its seal does not hold)")
+            value = json.loads(body.decode("utf-8"), parse_constant=_refuse)
             if not isinstance(value, dict) or value.get("version") != 1:
                 raise ValueError("not a record of failed saves")
             if value.get("run") != self.run_id:
@@ -350,7 +361,9 @@ class StepRegistry:
         logger.warning("checkpoint step %d aborted: %s", step, reason)
         if counted and self._failures is not None:  # for an actor of this run started after this one
             newest = max((m.created_unix for m in list(self.committed.values())), default=None)
-            await self._failures.write(self._failures.record(self.saves, self.failed, newest))
+            write = asyncio.ensure_future(self._failures.write(self._failures.record(self.saves, self.failed, newest)))
+            with contextlib.suppress(asyncio.TimeoutError):  # storage that just failed may hang: the abort does not
+                await asyncio.wait_for(asyncio.shield(write), RECORD_WAIT_S)
 
     async def wait_committed(self, step: int, timeout_s: float | None) -> None:
         """Block until ``step`` is committed; raises StepAborted or TimeoutError."""

@@ -10,6 +10,8 @@ from typing import Any
 
 from raytrain_ckpt.checkpoint.records import StepPhase
 
+from raytrain_ckpt.common.events import printable
+
 __all__ = ["failed_saves_text", "phase_text", "resume_refused_text", "summary_line"]
 
 
@@ -37,8 +39,8 @@ def failed_saves_text(status: dict[str, Any]) -> str | None:
     saves = status.get("failed_saves") or {}
     if not saves.get("consecutive"):
         return None
-    return (f"{saves['consecutive']} save(s) failed in a row since the last commit ({saves['total']} in all); "
-            f"the newest: step {saves['last_step']}: {saves['last_error']}")
+    return printable(f"{saves['consecutive']} save(s) failed in a row since the last commit ({saves['total']} in "
+                     f"all); the newest: step {saves['last_step']}: {saves['last_error']}")
 
 
 def resume_refused_text(status: dict[str, Any]) -> str | None:
@@ -49,4 +51,4 @@ def resume_refused_text(status: dict[str, Any]) -> str | None:
         return None
     newest = max(refused)
     more = f" (and {len(refused) - 1} older step(s))" if len(refused) > 1 else ""
-    return f"a restart would not resume from step {newest}{more}: {refused[newest]}"
+    return printable(f"a restart would not resume from step {newest}{more}: {refused[newest]}")

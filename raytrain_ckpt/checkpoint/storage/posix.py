@@ -10,13 +10,13 @@ import stat
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from raytrain_ckpt.checkpoint.format.manifest import Checksum, checksum_file
 from raytrain_ckpt.checkpoint.format.names import Location
 from raytrain_ckpt.checkpoint.errors import NotOwnFile
 
-__all__ = ["PosixStorage", "fsync_dir", "open_own_file", "replace_file"]
+__all__ = ["PosixStorage", "fsync_dir", "open_own_file", "read_small_file", "replace_file"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -135,3 +135,22 @@ class PosixStorage:
                 continue  # removed while listing
             out.add((str(f.relative_to(path)), st.st_size, str(st.st_mtime_ns)))
         return frozenset(out)
+
+
+def read_small_file(storage: Any, path: Location, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of a small file this code keeps under a checkpoint root
+    (``.group.json``, ``.failed-saves.json``, ``.checked-sealed``): on POSIX never through a link,
+    and never blocked on a FIFO or a device planted at its name (``open_own_file``: non-blocking,
+    a regular file of one name or NotOwnFile); from an object store, one bounded read."""
+    if isinstance(storage, PosixStorage):
+        fd = open_own_file(Path(path), os.O_RDONLY)
+        try:
+            chunks, left = [], limit + 1
+            while left > 0 and (chunk := os.read(fd, left)):
+                chunks.append(chunk)
+                left -= len(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+    with storage.open_read(path) as f:
+        return f.read(limit + 1)

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
+from raytrain_ckpt.common.events import printable
 from raytrain_ckpt.common.locations import home_problem, mask_uri
 from raytrain_ckpt.data.suffixes import TEXT_SUFFIXES, input_files
 from raytrain_ckpt.models import resolve_factory
@@ -25,12 +26,7 @@ class SpecError(ValueError):
         self.problems = problems
 
 
-def _printable(line: str) -> str:
-    """``line`` with control and separator characters (a NUL, a newline, U+2028) escaped: one
-    problem stays one line, and a NUL in a value is seen."""
-    if line.isprintable():
-        return line
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in line)
+_printable = printable
 
 
 class FieldProblems(ValueError):
