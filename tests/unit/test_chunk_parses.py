@@ -130,30 +130,3 @@ def test_reads_at_a_pattern_are_the_bytes_each_read_alone_returns():
                 s.seek(pos)
                 alone.append(s.read(n))
             assert FileSlice(f, offset, length).read_at(pattern) == tuple(alone), pattern
-
-
-@pytest.mark.parametrize("shape", [(64, 16), (3, 50, 7)])
-def test_a_header_known_from_the_files_bytes_is_the_parses_own_verdict(shape):
-    """``ChunkParses.known`` (a file read once, each blob's header bytes cut out of it) gives a header
-    only where the parse of that blob would give the same one: blobs changed in their tensor bytes,
-    in their headers, cut short by the file's end (a file shorter than its chunks' slices)."""
-    rng = random.Random(f"known{shape}")
-    original = _blob(torch.randn(*shape))
-    primed = ChunkParses()
-    _verdict(lambda f: primed.parse(f, "c"), original)
-    hits = misses = 0
-    for case in range(600):
-        derived = _mutate(original, rng)
-        n = len(original)  # the manifest's length of the chunk; the bytes there may be another blob's
-        head = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 100)))
-        tail = b"" if rng.random() < 0.2 else bytes(rng.randrange(256) for _ in range(rng.randrange(0, 100)))
-        whole = head + derived + tail
-        want = _verdict(lambda f: ChunkParses(entries=0, max_trace=-1).parse(f, "c"),
-                        whole[len(head):len(head) + n])
-        got = primed.known(whole, len(head), n)
-        if got is not None:
-            assert got == want, (case, derived)
-            hits += 1
-        else:
-            misses += 1
-    assert hits > 100 and misses > 50, (hits, misses)

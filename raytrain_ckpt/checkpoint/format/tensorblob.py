@@ -283,18 +283,6 @@ class ChunkParses:
         self._headers: dict[tuple, ChunkHeader] = {}
         self._patterns: dict[int, list[tuple[tuple[int, int], ...]]] = {}
 
-    def known(self, data: bytes, offset: int, n: int) -> ChunkHeader | None:
-        """The header of the ``n``-byte blob at ``offset`` of ``data`` (a whole file's bytes) if it
-        reads as one parsed before, else None (parse it): ``parse`` of a ``FileSlice`` of that file
-        without its reads, each pattern's bytes cut out of ``data`` as ``read_at`` would read them
-        (clamped to the blob, short where the file ends)."""
-        for pattern in tuple(self._patterns.get(n, ())):
-            cuts = _cuts(pattern, n)
-            header = self._headers.get((n, pattern, tuple(data[offset + a:offset + b] for a, b in cuts)))
-            if header is not None:
-                return header
-        return None
-
     def parse(self, f: FileSlice, where: str) -> ChunkHeader:
         """``parse_chunk(f, where)``."""
         n = f.length
@@ -363,17 +351,6 @@ def _read_plan(pattern: tuple[tuple[int, int], ...], length: int) -> tuple[tuple
         first = spans[-1][0]
         cuts[k] = (len(spans) - 1, pos - first, pos - first + n)
     return tuple(spans), tuple(cuts)
-
-
-@functools.lru_cache(maxsize=256)
-def _cuts(pattern: tuple[tuple[int, int], ...], length: int) -> tuple[tuple[int, int], ...]:
-    """Each read of ``pattern`` in a blob of ``length`` bytes as (start, end) within the blob, clamped
-    as ``readinto`` clamps it (``_read_plan``'s clamp)."""
-    out = []
-    for pos, n in pattern:
-        pos = max(0, pos)
-        out.append((pos, pos + max(0, min(n, length - pos))))
-    return tuple(out)
 
 
 class FileSlice(io.RawIOBase):

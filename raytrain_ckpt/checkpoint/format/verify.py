@@ -23,7 +23,7 @@ from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 
 from raytrain_ckpt.checkpoint.format.manifest import Checksum, checksum_name, FileEntry, MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.names import Location, parse_entry
-from raytrain_ckpt.checkpoint.format.tensorblob import CHUNK_PARSES, FileSlice, parse_chunk
+from raytrain_ckpt.checkpoint.format.tensorblob import FileSlice, parse_chunk
 from raytrain_ckpt.checkpoint.format.prescan import read_bounded
 from raytrain_ckpt.checkpoint.format.unpickling import MetadataChecks, check_metadata_stream
 
@@ -265,36 +265,13 @@ def _chunk_problems(files: StepFiles, path: Location, ranges: list | None) -> It
         by_file.setdefault(name, []).append((offset, length))
     try:
         for name, spans in sorted(by_file.items()):
-            where = files.join(path, name)
-            with files.open_read(where) as f:
-                whole = _small_file(f) if isinstance(where, Path) else None
+            with files.open_read(files.join(path, name)) as f:
                 for offset, length in sorted(spans):
-                    if whole is None or CHUNK_PARSES.known(whole, offset, length) is None:
-                        parse_chunk(FileSlice(f, offset, length), f"{name} (the chunk at byte {offset})")
+                    parse_chunk(FileSlice(f, offset, length), f"{name} (the chunk at byte {offset})")
     except InvalidCheckpoint as exc:
         yield str(exc).replace(f"{path}/", "", 1)
     except OSError as exc:
         yield f".metadata or a data file is unreadable ({exc})"
-
-
-_WHOLE_MAX = 32 << 20
-"""A local data file up to this size is read once for its chunks' headers (``_small_file``)."""
-
-
-def _small_file(f: IO[bytes]) -> bytes | None:
-    """All of the local file ``f`` if it holds at most ``_WHOLE_MAX`` bytes (None: larger, and ``f``
-    is back at its start). A checksum-level check has just read every byte of it; one read, then
-    each chunk's header bytes cut out of it (``ChunkParses.known``), in place of reads per chunk."""
-    try:
-        if os.fstat(f.fileno()).st_size > _WHOLE_MAX:
-            return None  # (not read: a large file's chunks are read one by one)
-    except (OSError, AttributeError, ValueError):  # no descriptor: read and see
-        pass
-    data = f.read(_WHOLE_MAX + 1)
-    if len(data) > _WHOLE_MAX:
-        f.seek(0)
-        return None
-    return data
 
 
 def _advance(progress: Callable[[int], None] | None, n: int) -> None:
