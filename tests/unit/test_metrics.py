@@ -256,21 +256,31 @@ class _HealFails:
         raise GroupStartError("no bundle for the replacement")
 
 
-def test_a_heal_whose_replacement_did_not_start_is_counted_as_the_restart_it_became(monkeypatch):
-    from raytrain_ckpt.control.controller import Controller, JobState
+def _replica_job(monkeypatch, group_class):
+    """A 2-replica job on ``group_class`` (fake groups), its controller observed by the metrics and
+    stepped once; with the recorded metric values."""
+    from raytrain_ckpt.control.controller import Controller
     from raytrain_ckpt.control.metrics import ControllerMetrics
     from raytrain_ckpt.spec import JobSpec
-    from tests.unit.test_controller import FakeWorkerGroup, HealingGroup
-
-    class Group(_HealFails, HealingGroup):
-        pass
+    from tests.unit.test_controller import FakeWorkerGroup
 
     _, values = _recorded(monkeypatch)
     FakeWorkerGroup.created = []
     spec = JobSpec(name="obs", resources={"num_workers": 2}, parallelism={"dp_replicate": 2, "dp_shard": 1},
                    fault_tolerance={"max_restarts": 2})
-    ctrl = Controller(spec, Group, sleep=lambda s: None, observer=ControllerMetrics("obs"))
+    ctrl = Controller(spec, group_class, sleep=lambda s: None, observer=ControllerMetrics("obs"))
     ctrl.step()
+    return ctrl, values
+
+
+def test_a_heal_whose_replacement_did_not_start_is_counted_as_the_restart_it_became(monkeypatch):
+    from raytrain_ckpt.control.controller import JobState
+    from tests.unit.test_controller import FakeWorkerGroup, HealingGroup
+
+    class Group(_HealFails, HealingGroup):
+        pass
+
+    ctrl, values = _replica_job(monkeypatch, Group)
     FakeWorkerGroup.created[-1].kill(1)
     ctrl.step()  # replica group 1's replacement does not start: the whole job restarts
     assert ctrl.state is JobState.RECOVERING and ctrl.restarts == 1 and len(ctrl.result.heals) == 1
@@ -281,22 +291,15 @@ def test_a_heal_whose_replacement_did_not_start_is_counted_as_the_restart_it_bec
 def test_a_drains_heal_spends_no_restart_and_takes_none_from_the_count(monkeypatch):
     """A replica group moved off a draining node spends no restart; the crash restart after it is
     counted, and the counter never goes back."""
-    from raytrain_ckpt.control.controller import Controller, JobState
-    from raytrain_ckpt.control.metrics import ControllerMetrics
+    from raytrain_ckpt.control.controller import JobState
     from raytrain_ckpt.control.watch.replicas import ReplicaHeals
-    from raytrain_ckpt.spec import JobSpec
     from tests.unit.test_controller import FakeWorkerGroup, HealingGroup
 
     class Group(HealingGroup):
         def heal(self, replica: int, off_node: bool = False) -> None:
             super().heal(replica)
 
-    _, values = _recorded(monkeypatch)
-    FakeWorkerGroup.created = []
-    spec = JobSpec(name="obs", resources={"num_workers": 2}, parallelism={"dp_replicate": 2, "dp_shard": 1},
-                   fault_tolerance={"max_restarts": 2})
-    ctrl = Controller(spec, Group, sleep=lambda s: None, observer=ControllerMetrics("obs"))
-    ctrl.step()
+    ctrl, values = _replica_job(monkeypatch, Group)
     group = FakeWorkerGroup.created[-1]
     heals = ctrl.watch(ReplicaHeals)
     assert heals is not None and heals.move_off(group, "n1", (1,), 0, 0, "drain")

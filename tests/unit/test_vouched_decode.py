@@ -9,33 +9,19 @@ import asyncio
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
 
 from raytrain_ckpt.checkpoint.format import scancache
-from raytrain_ckpt.checkpoint.format.manifest import Manifest, describe_file
 from raytrain_ckpt.checkpoint.format.unpickling import metadata_decode_key, vouching
 from raytrain_ckpt.checkpoint.format.verify import verify_step
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
 from raytrain_ckpt.checkpoint.storage.backends import open_storage
-from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+from tests.unit.test_paper_cuts import _step
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _step(root: Path, step: int = 2) -> Path:
-    layout = CheckpointLayout(root)
-    tmp = layout.new_tmp_dir(step)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save({"model": torch.nn.Linear(4, 3).state_dict()}, checkpoint_id=str(tmp), no_dist=True)
-    files = {p.name: describe_file(p) for p in sorted(tmp.iterdir())}
-    return layout.commit(tmp, Manifest(step=step, world_size=1, dp_size=1, spec_hash="h", files=files))
 
 
 @pytest.mark.parametrize("level", ["size", "checksum"])
