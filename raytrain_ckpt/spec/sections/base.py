@@ -21,12 +21,9 @@ class SpecError(ValueError):
     """A user mistake in a job spec: one human-readable line per problem (a secret in a URI masked)."""
 
     def __init__(self, problems: list[str]) -> None:
-        problems = [_printable(mask_uri(p)) for p in problems]
+        problems = [printable(mask_uri(p)) for p in problems]
         super().__init__("\n".join(problems))
         self.problems = problems
-
-
-_printable = printable
 
 
 class FieldProblems(ValueError):
