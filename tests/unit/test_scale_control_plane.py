@@ -266,3 +266,30 @@ def test_a_restarted_actor_aborts_a_plan_no_committed_step_has(tmp_path: Path, p
 
     asyncio.run(report())
     assert again.steps.failed[10] == "plan unknown after a checkpoint actor restart"
+
+
+def test_a_gather_outlives_neither_its_ranks_nor_a_failed_plan(tmp_path: Path, plans: list) -> None:
+    """Every rank's local plan and central plan are O(ranks x tensors): once every rank took its
+    central plan, or the last rank waiting for an incomplete gather gave up (its attempt's ranks
+    died), the coordinator holds neither, and no step stays ``planning`` in the status. The plans
+    sent back carry no planner data (it is in the metadata the coordinator keeps)."""
+    actor = CheckpointActor(str(tmp_path / "job"), RetentionPolicy(None))
+    asyncio.run(actor.configure(GroupLayout(N, N, "h", None)))
+    coordinator = actor.coordinator
+
+    async def scenario() -> None:
+        # attempt 0: two ranks arrive, the rest died; both give up
+        waiting = [actor.plan(0, 10, r, plans[r], 0.2) for r in (0, 1)]
+        outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+        assert all(isinstance(o, StepAborted) and "only ranks [0, 1] of 32" in str(o) for o in outcomes), outcomes
+        assert coordinator._gathers == {} and coordinator.planning() == []
+        # attempt 1: every rank plans; each takes its plan and the gather is gone
+        centrals = await asyncio.gather(*(actor.plan(1, 20, r, plans[r], 30) for r in range(N)))
+        assert coordinator._gathers == {} and coordinator.planning() == []
+        assert all(c.plan.planner_data is None for c in centrals)
+        assert coordinator._metadata[centrals[0].plan_id].planner_data  # the flattened keys' paths, kept once
+        _, outcomes = await _hand_off(actor, 20, centrals, set(), attempt=1)
+        assert outcomes[-1] == "committed"
+
+    asyncio.run(scenario())
+    assert sorted(actor.layout.valid_steps("size")) == [20]

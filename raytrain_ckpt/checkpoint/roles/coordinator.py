@@ -12,6 +12,7 @@ registry's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -42,8 +43,11 @@ __all__ = ["SaveCoordinator"]
 @dataclass
 class _Gather:
     plans: dict[int, SavePlan] = field(default_factory=dict)
+    arrived: set[int] = field(default_factory=set)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     central: list[SavePlan] | None = None
+    taken: set[int] = field(default_factory=set)
+    """Ranks that took their central plan: once all have, the gather is dropped."""
     plan_id: str = ""
     started: float = field(default_factory=time.monotonic)
 
@@ -70,13 +74,21 @@ class SaveCoordinator:
     async def plan(self, attempt: int, step: int, rank: int, local_plan: SavePlan, timeout_s: float) -> CentralPlan:
         """Gather every rank's local plan for the save of ``step`` in ``attempt`` (the first save
         of a layout; later saves reuse it), then return this rank's central plan and the id of
-        the global plan (its cached metadata)."""
+        the global plan (its cached metadata). A gather is dropped once every rank took its plan,
+        or once the last rank waiting for it gave up: neither its plans nor its central plans
+        (each O(ranks x tensors)) outlive it."""
         world = self._group().world_size
-        g = self._gathers.setdefault((attempt, step), _Gather())
+        key = (attempt, step)
+        g = self._gathers.setdefault(key, _Gather())
         g.plans[rank] = local_plan
+        g.arrived.add(rank)
+        del local_plan  # this call's frame waits below: it must not keep the rank's plan alive
         if len(g.plans) == world and g.central is None:
             # DCP's planner, its chunk check O(n log n) instead of pairwise (``planchecks.py``)
             central, metadata = global_plan([g.plans[r] for r in range(world)])
+            # The ranks write from their plan's items and prefix; its planner data (the flattened
+            # keys' paths, as many as the rank's items) is in the metadata now, not sent back.
+            central = [dataclasses.replace(p, planner_data=None) for p in central]
             g.central = FileSystemWriter(self.layout.root).prepare_global_plan(central)
             g.plan_id = f"{attempt}.{step}"
             self._metadata[g.plan_id] = metadata
@@ -87,10 +99,17 @@ class SaveCoordinator:
         try:
             await asyncio.wait_for(g.ready.wait(), timeout_s)
         except asyncio.TimeoutError:
-            raise StepAborted(f"save planning: only ranks {sorted(g.plans)} of {world} arrived "
+            g.plans.pop(rank, None)
+            if not g.plans and self._gathers.get(key) is g:  # the last one waiting: nobody will finish it
+                del self._gathers[key]
+            raise StepAborted(f"save planning: only ranks {sorted(g.arrived)} of {world} arrived "
                               f"within {timeout_s:g}s") from None
         assert g.central is not None
-        return CentralPlan(g.central[rank], g.plan_id)
+        mine = CentralPlan(g.central[rank], g.plan_id)
+        g.taken.add(rank)
+        if len(g.taken) == len(g.central) and self._gathers.get(key) is g:
+            del self._gathers[key]
+        return mine
 
     async def report(self, report: RankReport) -> str:
         """A writer finished rank ``report.rank`` of its step; commits when all ranks are in:
