@@ -23,7 +23,7 @@ from raytrain_ckpt.checkpoint.roles.summary import failed_saves_text, resume_ref
 from raytrain_ckpt.checkpoint.policy.schedule import saves_before_last
 from raytrain_ckpt.control.controller import Controller, JobResult, JobState
 from raytrain_ckpt.observe.dashboard import install_dashboard
-from raytrain_ckpt.common.events import headline
+from raytrain_ckpt.common.events import cause_text, headline
 from raytrain_ckpt.common.faults import fault_env
 from raytrain_ckpt.control.group import RayWorkerGroup
 from raytrain_ckpt.control.metrics import ControllerMetrics
@@ -130,12 +130,7 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         with stop_signals(guard, spec.fault_tolerance.stop_grace_s):
             result = controller.run()
         if service is not None:
-            _end_checkpoints(controller, service, lambda: _settle(service))
-        if service is not None and spec.checkpoint.final_export is not None and result.state.value == "SUCCEEDED":
-            from raytrain_ckpt.checkpoint.interchange.export import final_export
-
-            out = final_export(spec, service.root)  # leased by a lease file, while the actor still runs
-            result.checkpoints["final_export"] = str(out) if out is not None else None
+            _finish(spec, controller, service)
         return result
     except KeyboardInterrupt:  # Ctrl-C: stop now; what is committed stays, what is in flight is not waited for
         interrupted = True
@@ -150,6 +145,25 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         if service is not None:
             _record_end(spec, service, record, result, interrupted)
             service.shutdown(settle=not interrupted)
+
+
+def _finish(spec: JobSpec, controller: Controller, service: CheckpointService) -> None:
+    """The job's end on the checkpoint side: its checkpoints as the run leaves them, then the final
+    export of a job that succeeded. Either failing (the actor unreachable, the export's storage
+    full) fails the job that had succeeded: the result, the metrics and the job's record say
+    FAILED with the error, and the error goes on to the caller."""
+    result = controller.result
+    try:
+        _end_checkpoints(controller, service, lambda: _settle(service))
+        if spec.checkpoint.final_export is not None and result.state is JobState.SUCCEEDED:
+            from raytrain_ckpt.checkpoint.interchange.export import final_export
+
+            out = final_export(spec, service.root)  # leased by a lease file, while the actor still runs
+            result.checkpoints["final_export"] = str(out) if out is not None else None
+    except Exception as exc:
+        if result.state is JobState.SUCCEEDED:
+            controller.reject("checkpoint", f"the job's end failed: {cause_text(exc)}")
+        raise
 
 
 def _end_checkpoints(controller: Controller, service: CheckpointService, settle: Callable[[], None]) -> None:

@@ -150,3 +150,40 @@ def test_a_final_save_that_commits_in_the_settle_is_in_the_job_result_and_passes
     _end_checkpoints(ctrl, _ActorService(spec, actor), lambda: asyncio.run(settle_while_the_writer_reports()))
     assert ctrl.result.state is JobState.SUCCEEDED, ctrl.result.error
     assert ctrl.result.checkpoints["committed"] == [4] and ctrl.result.checkpoints["save_error"] is None
+
+
+def test_a_job_whose_end_fails_after_it_succeeded_is_failed_in_its_result_and_record(tmp_path, monkeypatch):
+    """The workers finished, then the job's end failed (here the actor's status call raises, as
+    an unreachable actor's does): the error goes on to the caller, and the result, and so the
+    job's record and metrics, say FAILED with that error, not SUCCEEDED."""
+    import asyncio
+
+    from raytrain_ckpt.control import driver
+    from raytrain_ckpt.control.controller import JobState
+    from raytrain_ckpt.report import jobrecord
+    from raytrain_ckpt.spec import JobSpec
+    from tests.unit.test_checkpoint_actor import _actor
+
+    spec = JobSpec(name="t", training={"steps": 4}, checkpoint={"dir": str(tmp_path), "interval_steps": 2},
+                   fault_tolerance={"max_restarts": 0})
+    actor = _actor(tmp_path / "root")
+    ctrl = _ended(spec, finish=True)
+    assert ctrl.state is JobState.SUCCEEDED
+
+    class Unreachable(_ActorService):
+        def status(self):
+            raise ConnectionError("the actor's node is gone")
+
+    service = Unreachable(spec, actor)
+    monkeypatch.setattr(driver, "_settle", lambda s: asyncio.run(actor.settle(5)))
+    with pytest.raises(ConnectionError):
+        driver._finish(spec, ctrl, service)
+    result = ctrl.result
+    assert result.state is JobState.FAILED and "the job's end failed" in result.error
+    assert "the actor's node is gone" in result.error
+    written = {}
+    monkeypatch.setattr(driver.bulletin, "post", lambda job, record: None)
+    monkeypatch.setattr(driver.jobrecord, "write", lambda root, job, record: written.update(record))
+    service.root = str(tmp_path / "root")
+    driver._record_end(spec, service, jobrecord.started("t", service.root), result, False)
+    assert written["job_info"]["state"] == "FAILED" and "the job's end failed" in written["error"]
