@@ -45,6 +45,7 @@ than a real group has).
     .venv/bin/python bench/scale.py                       # 8b and 70b at 8, 64, 512 ranks
     .venv/bin/python bench/scale.py --check-only --sizes 8 64 512 4096   # the first save's plan check
     .venv/bin/python bench/scale.py --prefixes --sizes 512 4096          # object-store requests a save
+    .venv/bin/python bench/scale.py --wire --sizes 64 512 4096           # the first save's plans on the wire
     .venv/bin/python bench/scale.py --sizes 8 64 512 --models 70b --poll
     .venv/bin/python bench/scale.py --sizes 8 64 512 4096 --poll-only
 """
@@ -323,6 +324,33 @@ def _capped(work: Any, cap_s: float) -> float | None:
         proc.join()
 
 
+def wire_row(model: str, n: int, sample: int = 32) -> dict[str, Any]:
+    """What the first save's plans cost on the wire at ``n`` ranks of ``model``: each rank's local
+    plan pickled (the rank, Ray's argument serialisation) and unpickled (the CheckpointActor, one
+    process, every rank's plan), measured on ``sample`` ranks spread over the ``n`` (a rank's plan
+    differs from another's only in its shards' offsets and its own keys) and multiplied by ``n``."""
+    from raytrain_ckpt.common.gcpause import collector_paused
+
+    shape = template(_spec(), MODELS[model])
+    ranks = sorted({round(i * (n - 1) / max(1, sample - 1)) for i in range(min(sample, n))})
+    encode = decode = size = items = planner = 0.0
+    for r in ranks:
+        plan = local_plan(shape, r, n)
+        t0 = time.perf_counter()
+        data = pickle.dumps((0, 10, r, plan, 600.0), protocol=5)
+        encode += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with collector_paused():  # the most favourable case for the actor: no collection meanwhile
+            pickle.loads(data)
+        decode += time.perf_counter() - t0
+        size += len(data)
+        items += len(plan.items)
+        planner += len(pickle.dumps(plan.planner_data, protocol=5))
+    k = n / len(ranks)
+    return {"model": model, "n": n, "items": int(items * k), "mb": size * k / 1e6, "planner_mb": planner * k / 1e6,
+            "rank_encode_s": encode / len(ranks), "actor_decode_s": decode * k}
+
+
 def check_row(model: str, n: int) -> dict[str, Any]:
     """The first save's global-plan check alone at ``n`` ranks of ``model``: the ``.metadata`` of
     the FSDP2-sharded tensors (each rank's chunk by DTensor's own shard arithmetic, one chunk list
@@ -569,6 +597,8 @@ def main() -> None:
                     help="only the object-store write requests per save under the step's prefix, per model and N")
     ap.add_argument("--check-only", action="store_true",
                     help="only the first save's global-plan check (ours and DCP's) per model and N")
+    ap.add_argument("--wire", action="store_true",
+                    help="only the first save's local plans on the wire: pickled by each rank, unpickled by the actor")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -584,6 +614,15 @@ def main() -> None:
                 print(f"{model} N={n:>5}: {r['bytes'] / 1e9:.0f} GB a save, files of {r['file_mb']:.0f} MB: "
                       f"{r['requests']} write requests under the step's prefix, {r['prefix_s']:.1f} s of one "
                       f"prefix's {S3_PUTS_PER_PREFIX_S}/s", flush=True)
+        return
+    if args.wire:
+        for model in args.models:
+            for n in args.sizes:
+                r = wire_row(model, n)
+                print(f"{model} N={n:>5}: {r['items']} local-plan items, {r['mb']:.0f} MB into the actor "
+                      f"({r['planner_mb']:.0f} MB of it planner data); a rank pickles its plan in "
+                      f"{r['rank_encode_s']:.3f} s, the actor unpickles them all in {r['actor_decode_s']:.1f} s",
+                      flush=True)
         return
     if args.check_only:
         for model in args.models:
