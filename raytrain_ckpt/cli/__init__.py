@@ -1,17 +1,20 @@
 """The commands of ``raytrain-ckpt`` (``main.py``: the parser and ``run``/``validate``/``schema``/``export``/``import``;
 the others one command family each). Runs in the user's shell; may import every other room.
 
-``os_error_exit``: the exit code and the one line of an OS error met on a path a command was given.
+``os_error_exit``: the exit code and the one line of an OS error met on a path a command was given;
+``file_uris_as_paths``: the paths a command was given, as every command reads them.
 """
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
+from pathlib import Path
 
 from raytrain_ckpt.checkpoint.errors import ExitCode
 
-__all__ = ["os_error_exit"]
+__all__ = ["file_uris_as_paths", "os_error_exit"]
 
 _PATH_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.ELOOP})
 """What makes a given path (or a file under it) unreadable by the user's doing: no permission, a
@@ -52,3 +55,22 @@ def _under(name: str | os.PathLike, given: tuple[object, ...]) -> bool:
             if any(t == base or t.startswith(base.rstrip(os.sep) + os.sep) for t in targets):
                 return True
     return False
+
+
+_PATH_ARGS = ("ckpt", "out", "file", "to", "dir", "step_dir")
+"""The arguments that name a checkpoint, a step or an output: a path or an object-store URI."""
+
+
+def file_uris_as_paths(args: argparse.Namespace) -> str | None:
+    """``file:///x`` on the command line is the local path ``/x``, as in a spec's checkpoint.dir:
+    every check and command after this sees the path. A store URI missing a slash is refused (the
+    problem), not taken as a local folder ``s3:``."""
+    from raytrain_ckpt.common.locations import mangled_uri
+
+    for name in _PATH_ARGS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value.startswith("file://"):
+            setattr(args, name, value.removeprefix("file://"))
+        elif isinstance(value, (str, Path)) and (problem := mangled_uri(str(value))):
+            return f"{value}: {problem}"
+    return None

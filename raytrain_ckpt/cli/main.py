@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from raytrain_ckpt.checkpoint.errors import USAGE_ERRORS, ExitCode
-from raytrain_ckpt.cli import os_error_exit
+from raytrain_ckpt.cli import file_uris_as_paths, os_error_exit
 from raytrain_ckpt.common.locations import mask_uri, uri_secrets
 from raytrain_ckpt.common.logs import setup_logging
 
@@ -130,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             except OSError:
                 pass  # no process to be had now (EAGAIN, ENOMEM): the first decode starts it, or says why
         args = _parser().parse_args(argv)
-        _file_uris_as_paths(args)
+        problem = file_uris_as_paths(args)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return ExitCode.USAGE
         return _dispatch(args)
     except ImportError as exc:  # an optional extra missing: one line, not a traceback
         line = missing_extra_line(exc)
@@ -397,19 +400,6 @@ def _conversion_os_error(args: argparse.Namespace, exc: OSError) -> int:
     code, line = os_error_exit(exc, args.file if args.command == "import" else args.ckpt, out, shown=out)
     print(f"error: {args.command}: {line}", file=sys.stderr)
     return code
-
-
-_PATH_ARGS = ("ckpt", "out", "file", "to", "dir", "step_dir")
-"""The arguments that name a checkpoint, a step or an output: a path or an object-store URI."""
-
-
-def _file_uris_as_paths(args: argparse.Namespace) -> None:
-    """``file:///x`` on the command line is the local path ``/x``, as in a spec's checkpoint.dir:
-    every check and command after this sees the path."""
-    for name in _PATH_ARGS:
-        value = getattr(args, name, None)
-        if isinstance(value, str) and value.startswith("file://"):
-            setattr(args, name, value.removeprefix("file://"))
 
 
 def _conversion_path_problem(args: argparse.Namespace) -> str | None:

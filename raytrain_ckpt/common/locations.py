@@ -10,11 +10,25 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["STORE_SCHEMES", "home_problem", "is_uri", "mask_uri", "uri_secrets"]
+__all__ = ["MANGLED_URI", "STORE_SCHEMES", "home_problem", "is_uri", "mangled_uri", "mask_uri", "uri_secrets"]
 
 STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "memory")
 """The URI schemes a checkpoint, an export or a command's path may name (memory:// only where one
 process is all there is); any other scheme is refused by name, before any filesystem is made."""
+
+
+MANGLED_URI = re.compile(r"^(s3a?|gs|gcs|file):/?(?!/)", re.IGNORECASE)
+"""A store's scheme with one slash or none (``s3:/bucket``, ``gs:bucket``): a URI mistyped, or
+folded by ``pathlib`` (``Path("s3://b")`` is ``s3:/b``)."""
+
+
+def mangled_uri(text: str) -> str | None:
+    """The line a user reads when ``text`` is a store URI missing a slash (``s3:/b/x``), taken
+    as written it would be a local folder named ``s3:``; None otherwise."""
+    m = MANGLED_URI.match(text)
+    if m is None:
+        return None
+    return f"looks like a URI missing a slash; write {m.group(1)}://{text[m.end():]}"
 
 
 def is_uri(root: str | os.PathLike) -> bool:

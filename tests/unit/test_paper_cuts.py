@@ -172,6 +172,23 @@ def test_prepare_data_into_an_object_store_uri_is_refused_and_writes_nothing(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
 
 
+@pytest.mark.parametrize(("argv", "shown"), [
+    (["prepare-data", "a.txt", "--out", "s3:/bucket/tokens", "--vocab-size", "300"], "s3:/bucket/tokens"),
+    (["prepare-data", "a.txt", "--out", "gs:bucket/tokens", "--vocab-size", "300"], "gs:bucket/tokens"),
+    (["ls", "s3:/bucket/job"], "s3:/bucket/job"),
+    (["export", "s3:/bucket/job/step-00000010", "--out", "hf"], "s3:/bucket/job/step-00000010")])
+def test_a_store_uri_missing_a_slash_is_refused_not_made_a_local_folder(tmp_path, monkeypatch, capsys, argv, shown):
+    """``--out s3:/bucket/x`` (one slash) made a local folder named ``s3:``; as a checkpoint to read it
+    said "no such directory". Every command refuses it, naming the URI it meant, and writes nothing."""
+    (tmp_path / "a.txt").write_text("hello world, hello tokens\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    fixed = shown.replace(":/", "://", 1) if ":/" in shown else shown.replace(":", "://", 1)
+    assert err == f"error: {shown}: looks like a URI missing a slash; write {fixed}\n", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
 def test_clean_buffers_with_an_empty_dir_sweeps_nothing(tmp_path, monkeypatch, capsys):
     """``--dir ''`` (an unset variable in a script) swept the default directory."""
     orphan = tmp_path / "rtc-job-a0-rank0.buf"

@@ -198,7 +198,7 @@ BAD = [
     ("checkpoint_dir_ftp", {"checkpoint": {"enabled": True, "dir": "ftp://host/x"}},
      "checkpoint.dir=ftp://host/x: ftp:// is not a store checkpoints can live on; use a local"),
     ("checkpoint_dir_uri_missing_a_slash", {"checkpoint": {"enabled": True, "dir": "s3:/bucket/ck"}},
-     "checkpoint.dir=s3:/bucket/ck: looks like a s3:// URI missing a slash; write s3://bucket/ck"),
+     "checkpoint.dir=s3:/bucket/ck: looks like a URI missing a slash; write s3://bucket/ck"),
     ("checkpoint_dir_env_var", {"checkpoint": {"enabled": True, "dir": "$HOME/ck"}},
      "checkpoint.dir=$HOME/ck: $HOME is not expanded"),
     ("final_export_dir_env_var", {"checkpoint": {"enabled": True, "dir": "@TMP/ck", "final_export": {

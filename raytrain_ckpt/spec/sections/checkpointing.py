@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from raytrain_ckpt.common.locations import STORE_SCHEMES, is_uri
+from raytrain_ckpt.common.locations import MANGLED_URI, STORE_SCHEMES, is_uri, mangled_uri
 from raytrain_ckpt.spec.sections.base import (
     FieldProblems,
     MAX_SECONDS,
@@ -31,7 +31,6 @@ __all__ = ["CheckpointSpec", "DEFAULT_RESULTS", "FinalExportSpec", "KeepBestSpec
 
 _STORES = STORE_SCHEMES
 """URI schemes a checkpoint or export may name (memory:// only where one process is all there is)."""
-_MANGLED_URI = re.compile(r"^(s3a?|gs|gcs|file):/?(?!/)", re.IGNORECASE)
 _ENV_VAR = re.compile(r"\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")
 
 
@@ -48,7 +47,7 @@ def _path_or_uri(value: Path | str) -> Path | str:
         raise ValueError("contains a NUL byte, which no path or URI can hold; write the path out")
     if not text.strip():  # Path("") is the working directory: never meant
         raise ValueError("is empty; give a directory such as checkpoints, or an object-store URI")
-    folded = _MANGLED_URI.match(text) if isinstance(value, Path) else None
+    folded = MANGLED_URI.match(text) if isinstance(value, Path) else None
     if folded and folded.group(1).lower() == "file":
         text = text[len("file:"):]  # file:///x folds to file:/x: the local path /x
     elif folded:
@@ -63,10 +62,9 @@ def _path_or_uri(value: Path | str) -> Path | str:
             raise ValueError(f"{scheme}:// is not a store checkpoints can live on; use a local or shared file "
                              "system path, s3://bucket/prefix or gs://bucket/prefix")
         return text
-    mangled = _MANGLED_URI.match(text)
+    mangled = mangled_uri(text)
     if mangled:
-        scheme = mangled.group(1)
-        raise ValueError(f"looks like a {scheme}:// URI missing a slash; write {scheme}://{text[mangled.end():]}")
+        raise ValueError(mangled)
     variable = _ENV_VAR.search(text)
     if variable:
         raise ValueError(f"{variable.group(0)} is not expanded (a spec reads paths as written); write the path out, "
