@@ -115,7 +115,7 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         if problem is not None:  # two runs could train into one root: this one gives way
             ctrl.stop("checkpoint", problem)
 
-    interrupted, result = False, None
+    interrupted, result, settled = False, None, True
     record = jobrecord.started(spec.name, str(service.root), _gcs_address()) if service is not None else None
     if service is not None:
         jobrecord.write(service.root, spec.name, record)
@@ -130,7 +130,7 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         with stop_signals(guard, spec.fault_tolerance.stop_grace_s):
             result = controller.run()
         if service is not None:
-            _finish(spec, controller, service)
+            settled = _finish(spec, controller, service)
         return result
     except KeyboardInterrupt:  # Ctrl-C: stop now; what is committed stays, what is in flight is not waited for
         interrupted = True
@@ -144,22 +144,24 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
             scalars.out.close()
         if service is not None:
             _record_end(spec, service, record, result, interrupted)
-            service.shutdown(settle=not interrupted)
+            # a settle that gave up at the job's end is not waited for a second time
+            service.shutdown(settle=not interrupted and settled)
 
 
-def _finish(spec: JobSpec, controller: Controller, service: CheckpointService) -> None:
+def _finish(spec: JobSpec, controller: Controller, service: CheckpointService) -> bool:
     """The job's end on the checkpoint side: its checkpoints as the run leaves them, then the final
     export of a job that succeeded. Either failing (the actor unreachable, the export's storage
     full) fails the job that had succeeded: the result, the metrics and the job's record say
-    FAILED with the error, and the error goes on to the caller."""
-    result = controller.result
+    FAILED with the error, and the error goes on to the caller. Whether the saves in flight settled."""
+    result, settled = controller.result, [True]
     try:
-        _end_checkpoints(controller, service, lambda: _settle(service))
+        _end_checkpoints(controller, service, lambda: settled.__setitem__(0, _settle(service)))
         if spec.checkpoint.final_export is not None and result.state is JobState.SUCCEEDED:
             from raytrain_ckpt.checkpoint.interchange.export import final_export
 
             out = final_export(spec, service.root)  # leased by a lease file, while the actor still runs
             result.checkpoints["final_export"] = str(out) if out is not None else None
+        return settled[0]
     except Exception as exc:
         if result.state is JobState.SUCCEEDED:
             controller.reject("checkpoint", f"the job's end failed: {cause_text(exc)}")
@@ -182,14 +184,17 @@ def _end_checkpoints(controller: Controller, service: CheckpointService, settle:
     _warn_failed_saves(result.checkpoints)
 
 
-def _settle(service: CheckpointService) -> None:
+def _settle(service: CheckpointService) -> bool:
     """Let the saves in flight commit or abort (bounded by ``checkpoint.settle_timeout_s``); the
-    shutdown's own settle then finds nothing left to wait for."""
+    shutdown's own settle then finds nothing left to wait for. False: the actor did not answer
+    (gone or stuck), and the shutdown does not wait for it again."""
     timeout = service.spec.checkpoint.settle_timeout_s
     try:
         ray.get(service.actor.settle.remote(timeout), timeout=timeout + 30)
     except Exception as exc:  # noqa: BLE001 - the actor is gone or stuck: the status says what is left
         logger.warning("could not settle in-flight checkpoints: %s", exc)
+        return False
+    return True
 
 
 def _progress_line(spec: JobSpec) -> ProgressLine:

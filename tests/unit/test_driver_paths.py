@@ -187,3 +187,38 @@ def test_a_job_whose_end_fails_after_it_succeeded_is_failed_in_its_result_and_re
     service.root = str(tmp_path / "root")
     driver._record_end(spec, service, jobrecord.started("t", service.root), result, False)
     assert written["job_info"]["state"] == "FAILED" and "the job's end failed" in written["error"]
+
+
+def test_a_settle_that_gave_up_at_the_jobs_end_is_not_waited_for_again(tmp_path, monkeypatch):
+    """The actor did not answer the settle at the job's end (gone or stuck: ``ray.get`` timed out):
+    ``_finish`` says so, and the driver's shutdown then does not wait ``settle_timeout_s`` again."""
+    import ray
+
+    from raytrain_ckpt.control import driver
+    from raytrain_ckpt.control.controller import JobState
+    from raytrain_ckpt.spec import JobSpec
+    from tests.unit.test_checkpoint_actor import _actor
+
+    spec = JobSpec(name="t", training={"steps": 4}, checkpoint={"dir": str(tmp_path), "interval_steps": 2},
+                   fault_tolerance={"max_restarts": 0})
+    ctrl = _ended(spec, finish=False)
+    assert ctrl.state is JobState.FAILED
+
+    class Stuck:
+        class settle:  # noqa: N801 - the actor method's shape
+            @staticmethod
+            def remote(timeout):
+                return "ref"
+
+    waited = []
+
+    def get(ref, timeout=None):
+        waited.append(timeout)
+        raise ray.exceptions.GetTimeoutError("timed out")
+
+    monkeypatch.setattr(ray, "get", get)
+    service = _ActorService(spec, _actor(tmp_path / "root"))
+    service.actor_for_status, service.actor = service.actor, Stuck
+    service.status = lambda: __import__("asyncio").run(service.actor_for_status.status())
+    assert driver._finish(spec, ctrl, service) is False
+    assert waited == [spec.checkpoint.settle_timeout_s + 30]

@@ -288,7 +288,7 @@ class CheckpointService:
             if settle:
                 ray.get(self.actor.settle.remote(timeout), timeout=timeout + 30)
             else:
-                logger.warning("interrupted: a checkpoint still in flight is not waited for")
+                logger.warning("a checkpoint still in flight is not waited for (interrupted, or its settle gave up)")
         except Exception as exc:  # the actor is gone or stuck: nothing in flight can commit anyway
             logger.warning("could not settle in-flight checkpoints: %s", exc)
         for w in self.fleet.writers.values():
