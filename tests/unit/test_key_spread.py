@@ -12,14 +12,23 @@ from pathlib import Path
 
 import crc32c
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from bench.scale_ranks import local_plan, template, write_results
-from raytrain_ckpt.checkpoint.format.metadata import load_metadata
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.format.manifest import Manifest
+from raytrain_ckpt.checkpoint.format.metadata import SafeLoadPlanner, load_metadata, safe_reader
+from raytrain_ckpt.checkpoint.format.verify import verify_step
 from raytrain_ckpt.checkpoint.format.unpickling import check_data_files
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
-from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport
+from raytrain_ckpt.checkpoint.recovery.memcopy import CopyFacts, choose_sources
+from raytrain_ckpt.checkpoint.records import CommittedCopy, GroupLayout, RankReport
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
-from raytrain_ckpt.checkpoint.storage.dcp import key_spread
+from raytrain_ckpt.checkpoint.storage.dcp import key_spread, spread_names
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+from raytrain_ckpt.cli.main import main
 from raytrain_ckpt.control.preflight import load_spec
 from raytrain_ckpt.models.config import PRESETS
 
@@ -74,3 +83,46 @@ def test_the_spread_is_even_over_the_first_hex_digit() -> None:
     counts = Counter(key_spread(r)[0] for r in range(4096))
     assert len(counts) == 16 and max(counts.values()) < 1.15 * 4096 / 16
     assert len({key_spread(r) for r in range(4096)}) == 256
+    assert [key_spread(r) for r in (0, 1, 17)] == ["b6", "35", "07"]  # the names README and ARCHITECTURE show
+
+
+
+class _SpreadWriter(FsspecWriter):
+    """DCP's object-store writer naming each rank's files as the coordinator does on an object store."""
+
+    def prepare_global_plan(self, plans: list) -> list:
+        return spread_names(super().prepare_global_plan(plans))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_spread_names_verify_list_and_match_in_memory_copies(tmp_path: Path, capsys) -> None:
+    """What reads a step's files by name takes the spread names as DCP's (a real DCP save of a
+    small state, committed manifest last): ``verify`` and ``ls --checksum`` check every file and
+    name a flipped byte in the spread one, the state loads back, and a rank's in-memory copy
+    matches the manifest's entry of its spread file."""
+    layout = CheckpointLayout(f"memory://{tmp_path.name}/job")
+    storage, step = layout.storage, layout.new_tmp_dir(10)
+    state = {"w": torch.arange(8, dtype=torch.float32), "train": {"step": 10}}
+    dcp.save(state, storage_writer=_SpreadWriter(str(step)), no_dist=True)
+    name = f"{key_spread(0)}__0_0.distcp"
+    files = {n: {"size": len(b := storage.read_bytes(storage.join(step, n))), "crc32c": crc32c.crc32c(b)}
+             for n in storage.listdir(step)}
+    assert sorted(files) == sorted([".metadata", name])
+    layout.commit(step, Manifest(step=10, world_size=1, dp_size=1, spec_hash="h", files=files))
+    assert verify_step(step, "checksum", storage).files.keys() == files.keys()
+    assert sorted(layout.valid_steps("checksum")) == [10]
+    capsys.readouterr()
+    assert main(["ls", "--checksum", str(layout.root)]) == 0
+    assert "valid" in capsys.readouterr().out
+    loaded = {"w": torch.zeros(8), "train": {"step": 0}}
+    dcp.load(loaded, storage_reader=safe_reader(str(step)), planner=SafeLoadPlanner(), no_dist=True)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["train"] == {"step": 10}
+    copy = CommittedCopy(10, 0, "k", 64, [], b"", 0, "/dev/shm/rtc-x-rank0.buf", {name: files[name]})
+    assert [s.source for s in choose_sources(10, 1, 1, 2, [CopyFacts(0, copy)], files)] == ["memory"]
+    shard = storage.join(step, name)
+    data = bytearray(storage.read_bytes(shard))
+    data[len(data) // 2] ^= 0xFF
+    storage.write_bytes(shard, bytes(data))
+    with pytest.raises(InvalidCheckpoint, match=name):
+        verify_step(step, "checksum", storage)
+    assert sorted(layout.valid_steps("checksum")) == []

@@ -35,11 +35,11 @@ def key_spread(rank: int) -> str:
 
 def spread_names(plans: list[SavePlan]) -> list[SavePlan]:
     """``FileSystemWriter.prepare_global_plan``'s plans with each rank's file names starting with
-    ``key_spread(rank)`` (``3f__17_0.distcp`` for DCP's ``__17_0.distcp``): an object store
+    ``key_spread(rank)`` (``07__17_0.distcp`` for DCP's ``__17_0.distcp``): an object store
     partitions its keys by range, and DCP's names order the ranks by their leading digit (at 4096
     ranks, 1,111 ranks start ``__1``, 207 ``__4``); hashed, each of 16 first characters after the
     step's prefix takes about 1/16 of the save's requests. Still plain names in the step's
-    directory: the commit, the readers and older versions are unchanged."""
+    directory: the commit and every reader (DCP's included, by ``.metadata``) take them as they are."""
     return [dataclasses.replace(p, storage_data=_StoragePrefix(f"{key_spread(i)}__{i}_"))
             for i, p in enumerate(plans)]
 
