@@ -425,9 +425,21 @@ def prefix_row(model: str, n: int) -> dict[str, Any]:
                 sizes, _ = _compute_local_shape_and_global_offset(tuple(value.shape), (n,), lambda d, r=r: r,
                                                                   (Shard(0),))
                 per_rank[r] += math.prod(sizes) * value.dtype.itemsize
-    requests = sum(1 if b < PART_SIZE else 2 + -(-b // PART_SIZE) for b in per_rank) + 2
+    from raytrain_ckpt.checkpoint.storage.dcp import key_spread
+
+    by_rank = [1 if b < PART_SIZE else 2 + -(-b // PART_SIZE) for b in per_rank]
+    requests = sum(by_rank) + 2
+    # Requests per key range of the step's prefix, by the first character where the keys differ:
+    # DCP's names (``__<rank>_0.distcp``: the rank's leading digit, after ``step-N/__``) and the
+    # spread names (``<2 hex>__<rank>_0.distcp``, ``storage/dcp.py``: the first hex digit, after
+    # ``step-N/``). ``.metadata`` and the manifest add one each (``.`` and ``m``).
+    flat: dict[str, int] = {".": 1, "m": 1}
+    spread: dict[str, int] = {".": 1, "m": 1}
+    for r, k in enumerate(by_rank):
+        flat[str(r)[0]] = flat.get(str(r)[0], 0) + k
+        spread[key_spread(r)[0]] = spread.get(key_spread(r)[0], 0) + k
     return {"model": model, "n": n, "bytes": sum(per_rank), "file_mb": max(per_rank) / 1e6, "requests": requests,
-            "prefix_s": requests / S3_PUTS_PER_PREFIX_S}
+            "prefix_s": requests / S3_PUTS_PER_PREFIX_S, "flat": flat, "spread": spread}
 
 
 def ray_saves(model: str, n: int) -> dict[str, float]:
@@ -594,7 +606,8 @@ def main() -> None:
     ap.add_argument("--ray", action="store_true",
                     help=f"also the two saves through the actor as a Ray actor (N <= {RAY_MAX_N})")
     ap.add_argument("--prefixes", action="store_true",
-                    help="only the object-store write requests per save under the step's prefix, per model and N")
+                    help="only the object-store write requests per save under the step's prefix, per model and N, "
+                         "and per first key character after it (DCP's names and the spread ones)")
     ap.add_argument("--check-only", action="store_true",
                     help="only the first save's global-plan check (ours and DCP's) per model and N")
     ap.add_argument("--wire", action="store_true",
@@ -614,6 +627,13 @@ def main() -> None:
                 print(f"{model} N={n:>5}: {r['bytes'] / 1e9:.0f} GB a save, files of {r['file_mb']:.0f} MB: "
                       f"{r['requests']} write requests under the step's prefix, {r['prefix_s']:.1f} s of one "
                       f"prefix's {S3_PUTS_PER_PREFIX_S}/s", flush=True)
+                for scheme in ("flat", "spread"):
+                    counts = dict(sorted(r[scheme].items(), key=lambda kv: -kv[1]))
+                    top = max(counts.values())
+                    where = "step-N/__" if scheme == "flat" else "step-N/"
+                    print(f"    {scheme:>6} names, requests per key range (first character after {where}; "
+                          f"{len(counts)} of them, the busiest {top}: {top / S3_PUTS_PER_PREFIX_S:.2f} s of "
+                          f"{S3_PUTS_PER_PREFIX_S}/s): " + ", ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
         return
     if args.wire:
         for model in args.models:

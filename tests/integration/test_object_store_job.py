@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from raytrain_ckpt.checkpoint.storage.dcp import key_spread
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.cli.main import main
 from raytrain_ckpt.control.controller import JobResult, JobState
@@ -86,7 +87,10 @@ def _cli_against_the_bucket(layout: CheckpointLayout, tmp_path: Path, cli_stderr
     for name in uploaded:
         assert layout.storage.read_bytes(f"{other}/{name}") == (local / name).read_bytes(), name
     # a flipped byte in a shard: verify says CORRUPT (exit 1), and export refuses the step
-    shard = layout.storage.join(layout.step_dir(20), "__1_0.distcp")
+    # each rank's file names start with its two hex digits: the save's keys spread over the store's key ranges
+    names = sorted(n for n in layout.storage.listdir(layout.step_dir(20)) if n.endswith(".distcp"))
+    assert names == sorted(f"{key_spread(r)}__{r}_0.distcp" for r in range(2)), names
+    shard = layout.storage.join(layout.step_dir(20), f"{key_spread(1)}__1_0.distcp")
     data = bytearray(layout.storage.read_bytes(shard))
     data[len(data) // 2] ^= 0xFF
     layout.storage.write_bytes(shard, bytes(data))

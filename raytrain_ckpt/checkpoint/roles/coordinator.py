@@ -28,6 +28,7 @@ from raytrain_ckpt.checkpoint.errors import StepAborted
 from raytrain_ckpt.checkpoint.roles.metadatafile import MetadataFiles
 from raytrain_ckpt.checkpoint.roles.repeats import RESEND, ResultsCache, committed_plan, copy_metadata
 from raytrain_ckpt.checkpoint.roles.steps import InFlightStep, StepRegistry
+from raytrain_ckpt.checkpoint.storage.dcp import spread_names
 from raytrain_ckpt.checkpoint.format.fingerprints import merge_shard_sums
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.format.planchecks import global_plan
@@ -90,6 +91,8 @@ class SaveCoordinator:
             # keys' paths, as many as the rank's items) is in the metadata now, not sent back.
             central = [dataclasses.replace(p, planner_data=None) for p in central]
             g.central = FileSystemWriter(self.layout.root).prepare_global_plan(central)
+            if not self.layout.protocol.renames:  # an object store: keys spread over its ranges
+                g.central = spread_names(g.central)
             g.plan_id = f"{attempt}.{step}"
             self._metadata[g.plan_id] = metadata
             self.repeats.keep_only(g.plan_id)
