@@ -156,7 +156,8 @@ class CheckpointActor:
                 raise ValueError(f"over {GROUP_MAX_BYTES} bytes")
             g = json.loads(data.decode("utf-8"))
             return GroupLayout(int(g["world_size"]), int(g["dp_size"]), str(g["spec_hash"]), g.get("model"))
-        except (ValueError, KeyError, TypeError, OSError) as exc:  # unreadable: the next configure() rewrites it
+        except (ValueError, KeyError, TypeError, OSError, OverflowError, RecursionError) as exc:
+            # unreadable (int(Infinity), nesting past the decoder's depth too): the next configure() rewrites it
             logger.warning("ignoring %s: %s", path, exc)
             return GroupLayout()
 

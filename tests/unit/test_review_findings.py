@@ -1,0 +1,30 @@
+"""Review findings on this round's changes: each test fails on the code before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
+from raytrain_ckpt.checkpoint.records import GroupLayout
+from raytrain_ckpt.checkpoint.roles.actor import GROUP_FILE, CheckpointActor
+from raytrain_ckpt.checkpoint.roles.steps import MAX_FAILED_BYTES, FailedSavesFile, SaveFailures
+from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
+
+RUN_KEY = "9a" * 32
+
+
+@pytest.mark.parametrize("content", [
+    '{"world_size": Infinity, "dp_size": 1, "spec_hash": "h"}',   # int(inf): OverflowError
+    '{"world_size": 1e999, "dp_size": 1, "spec_hash": "h"}',      # the same, spelled as a number
+    "[" * 100_000,                                                # RecursionError in the JSON decoder
+])
+def test_a_hostile_group_file_does_not_stop_the_actor_from_starting(tmp_path: Path, content: str) -> None:
+    """``.group.json`` lies in the shared root and is not sealed: anything planted there must be
+    ignored (logged), as ``_load_group`` intends ("unreadable: the next configure() rewrites it"),
+    not raise out of the constructor (Ray restarts the actor forever, the job never starts)."""
+    (tmp_path / GROUP_FILE).write_text(content)
+    actor = CheckpointActor(str(tmp_path), RetentionPolicy(None))
+    assert actor.group == GroupLayout()
