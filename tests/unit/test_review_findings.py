@@ -28,3 +28,24 @@ def test_a_hostile_group_file_does_not_stop_the_actor_from_starting(tmp_path: Pa
     (tmp_path / GROUP_FILE).write_text(content)
     actor = CheckpointActor(str(tmp_path), RetentionPolicy(None))
     assert actor.group == GroupLayout()
+
+
+@pytest.mark.parametrize("reason", [
+    "OSError: [Errno 28] デバイスに空き領域がありません: '/ckpt/" + "ジョブ" * 300 + "'",  # non-ASCII: 6 bytes a char
+])
+def test_the_runs_own_record_of_32_failed_saves_is_read_back(tmp_path: Path, reason: str) -> None:
+    """The record an actor writes must fit the bound its restarted successor reads it under: with
+    32 failed saves whose reasons JSON escapes (ensure_ascii), the body outgrows MAX_FAILED_BYTES
+    and the restarted actor drops every failure of the run (the job's end check then passes)."""
+    record = FailedSavesFile(CheckpointLayout(tmp_path), "run-a", bytes.fromhex(RUN_KEY))
+    saves, failed = SaveFailures(), {}
+    for step in range(40):
+        saves.failed(step, reason)
+        failed[step] = reason
+    data = record.record(saves, failed, None)
+    (tmp_path / ".failed-saves.json").write_bytes(data)
+    back = record.read({})
+    assert back is not None, f"record of {len(data)} bytes not read back (limit {MAX_FAILED_BYTES})"
+    carried, steps = back
+    assert carried.total == 40 and carried.consecutive == 40 and carried.last_step == 39
+    assert steps and max(steps) == 39
