@@ -49,3 +49,50 @@ def test_the_runs_own_record_of_32_failed_saves_is_read_back(tmp_path: Path, rea
     carried, steps = back
     assert carried.total == 40 and carried.consecutive == 40 and carried.last_step == 39
     assert steps and max(steps) == 39
+
+
+def test_a_fifo_or_a_link_in_the_lease_directory_neither_hangs_retention_nor_is_read(tmp_path: Path) -> None:
+    """``<root>/leases/*.json`` is read by every retention pass (after each commit, holding the
+    retainer's one_pass lock and the root's lease lock; ``report`` awaits it) with a plain
+    ``read_bytes``: a FIFO planted there blocks the open forever (the committing rank's report
+    never returns, the new timeline waits on the lock), and a link to /dev/zero reads without bound.
+    Lease files are written by replace (a regular file of one name): read them like the actor's
+    other root files (``read_small_file``)."""
+    import os
+    import threading
+
+    from raytrain_ckpt.checkpoint.storage.leases import LEASE_DIR
+
+    actor = CheckpointActor(str(tmp_path), RetentionPolicy(1))
+    (tmp_path / LEASE_DIR).mkdir(exist_ok=True)
+    os.mkfifo(tmp_path / LEASE_DIR / "export-planted.json")
+    done: list[bool] = []
+    t = threading.Thread(target=lambda: (actor.retainer.purge(), done.append(True)), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # unblock the test process's thread (a writer opens the FIFO; it reads EOF)
+        fd = os.open(tmp_path / LEASE_DIR / "export-planted.json", os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        t.join(10)
+        pytest.fail("a retention pass blocked on a FIFO planted in the lease directory")
+    assert done and actor.purge_errors == 0
+    # a link to a file outside the root (here: a large file) is not followed either
+    big = tmp_path.parent / f"{tmp_path.name}-big"
+    big.write_bytes(b'{"step": 5, "beat": 0}' + b" " * (8 << 20))
+    (tmp_path / LEASE_DIR / "export-planted.json").unlink()
+    (tmp_path / LEASE_DIR / "export-link.json").symlink_to(big)
+    assert actor.retainer.file_leased_steps() == set()
+
+
+@pytest.mark.parametrize("content", ['{"step": Infinity, "beat": 0}', "[" * 4000])
+def test_a_garbage_lease_file_is_skipped_not_a_retention_error(tmp_path: Path, content: str) -> None:
+    """A lease file whose step is Infinity (int(): OverflowError) or that nests past the JSON
+    decoder's depth (RecursionError) fails every retention pass (counted, nothing deleted, the disk
+    fills) instead of being skipped as the garbage it is."""
+    from raytrain_ckpt.checkpoint.storage.leases import LEASE_DIR
+
+    actor = CheckpointActor(str(tmp_path), RetentionPolicy(1))
+    (tmp_path / LEASE_DIR).mkdir(exist_ok=True)
+    (tmp_path / LEASE_DIR / "export-planted.json").write_text(content)
+    actor.retainer.purge()
+    assert actor.purge_errors == 0
