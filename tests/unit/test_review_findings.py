@@ -96,3 +96,27 @@ def test_a_garbage_lease_file_is_skipped_not_a_retention_error(tmp_path: Path, c
     (tmp_path / LEASE_DIR / "export-planted.json").write_text(content)
     actor.retainer.purge()
     assert actor.purge_errors == 0
+
+
+def test_a_restarted_actor_does_not_take_a_group_layout_its_run_never_configured(tmp_path: Path) -> None:
+    """``.group.json`` is the only root file a restarted actor trusts without a seal (the failed
+    saves and the sealed checks carry the run's HMAC). A layout planted there (world_size 1 where
+    the run configured 2) makes the restarted actor commit a save of the 2-rank group on one rank's
+    report: a step whose .metadata names files it does not hold counts as a commit, ends the row of
+    failed saves and lets retention delete intact steps."""
+    import json
+
+    from raytrain_ckpt.checkpoint.errors import StepAborted
+    from tests.unit.test_checkpoint_actor import _save
+
+    run = CheckpointActor(str(tmp_path), RetentionPolicy(None), run_id="run-a", seal_key=RUN_KEY)
+    asyncio.run(run.configure(GroupLayout(world_size=2, dp_size=2, spec_hash="h")))
+    # a restart of the run's actor reads back the layout the run configured
+    assert CheckpointActor(str(tmp_path), RetentionPolicy(None), run_id="run-a", seal_key=RUN_KEY).world_size == 2
+    (tmp_path / GROUP_FILE).write_text(json.dumps({"world_size": 1, "dp_size": 1, "spec_hash": "h"}))
+    restarted = CheckpointActor(str(tmp_path), RetentionPolicy(None), run_id="run-a", seal_key=RUN_KEY)
+    try:
+        out = asyncio.run(_save(restarted, 5))  # rank 0 of the 2-rank group saves alone
+    except (StepAborted, asyncio.TimeoutError):
+        out = "aborted"
+    assert out != "committed" and 5 not in restarted.committed
