@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 from dataclasses import asdict
@@ -73,6 +75,7 @@ class CheckpointActor:
         self.layout = CheckpointLayout(root, options=storage_options)
         options = dict(storage_options or {})
         self.layout.storage.makedirs(self.layout.root)
+        self._group_key = bytes.fromhex(seal_key) if seal_key else None
         # The group's layout arrives with configure(); a restarted actor reads the last one back.
         self.group = self._load_group()
         self.layout.remove_leftover_tmp()
@@ -132,11 +135,13 @@ class CheckpointActor:
         constructor arguments only, and saves in flight need the group's world size.
         """
         self.group = group
-        text = json.dumps(asdict(group))
+        data = json.dumps(asdict(group)).encode()
+        if self._group_key is not None:  # sealed with the run's key, as the failed saves are
+            data += b"\n" + self._group_mac(data).encode("ascii") + b"\n"
         storage = self.layout.storage
         path = storage.join(self.layout.root, GROUP_FILE)
         try:
-            await asyncio.to_thread(self.layout.protocol.replace_small_file, path, text.encode())
+            await asyncio.to_thread(self.layout.protocol.replace_small_file, path, data)
         except Exception as exc:  # noqa: BLE001 - a full disk, a root moved away: the group still starts
             # The layout is in memory for this actor's life; the file only serves an actor Ray
             # restarts, which must not read the previous group's layout instead.
@@ -144,6 +149,10 @@ class CheckpointActor:
                            "until the storage takes writes again", path, exc)
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(storage.remove_file, path)
+
+    def _group_mac(self, body: bytes) -> str:
+        assert self._group_key is not None
+        return hmac.new(self._group_key, b"raytrain_ckpt group layout v1\0" + body, hashlib.sha256).hexdigest()
 
     def _load_group(self) -> GroupLayout:
         storage = self.layout.storage
@@ -154,9 +163,14 @@ class CheckpointActor:
             data = read_small_file(storage, path, GROUP_MAX_BYTES)
             if len(data) > GROUP_MAX_BYTES:
                 raise ValueError(f"over {GROUP_MAX_BYTES} bytes")
+            if self._group_key is not None:  # a layout this run's actors did not write is not taken
+                data, _, mac = data.rstrip(b"\n").rpartition(b"\n")
+                if not hmac.compare_digest(mac, self._group_mac(data).encode("ascii")):
+                    raise ValueError("not written by an actor of this run (its seal does not hold)")
             g = json.loads(data.decode("utf-8"))
             return GroupLayout(int(g["world_size"]), int(g["dp_size"]), str(g["spec_hash"]), g.get("model"))
-        except (ValueError, KeyError, TypeError, OSError) as exc:  # unreadable: the next configure() rewrites it
+        except (ValueError, KeyError, TypeError, OSError, OverflowError, RecursionError) as exc:
+            # unreadable (int(Infinity), nesting past the decoder's depth too): the next configure() rewrites it
             logger.warning("ignoring %s: %s", path, exc)
             return GroupLayout()
 

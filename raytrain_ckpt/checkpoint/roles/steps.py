@@ -122,10 +122,17 @@ class FailedSavesFile:
         kept = list(failed.items())[-FAILED_KEPT:]  # in the order they failed
         if newest_commit_unix is not None and not math.isfinite(newest_commit_unix):
             newest_commit_unix = None
-        body = json.dumps({"version": 1, "run": self.run_id, "total": saves.total, "consecutive": saves.consecutive,
-                           "last_step": saves.last_step, "last_error": (saves.last_error or "")[:REASON_CHARS],
-                           "failed": {str(s): why[:REASON_CHARS] for s, why in kept},
-                           "newest_commit_unix": newest_commit_unix}, allow_nan=False).encode()
+        while True:
+            body = json.dumps({"version": 1, "run": self.run_id, "total": saves.total,
+                               "consecutive": saves.consecutive, "last_step": saves.last_step,
+                               "last_error": (saves.last_error or "")[:REASON_CHARS],
+                               "failed": {str(s): why[:REASON_CHARS] for s, why in kept},
+                               "newest_commit_unix": newest_commit_unix}, allow_nan=False).encode()
+            # within what ``read`` takes (JSON escapes a character into up to 6 bytes): the oldest
+            # reasons go first, the counts stay
+            if len(body) + 66 <= MAX_FAILED_BYTES or not kept:
+                break
+            kept = kept[1:]
         return body + b"\n" + self._mac(body).encode("ascii") + b"\n"
 
     def _mac(self, body: bytes) -> str:

@@ -59,7 +59,7 @@ from raytrain_ckpt.checkpoint.format.names import Location
 from raytrain_ckpt.checkpoint.storage.backends import Storage, open_storage
 from raytrain_ckpt.checkpoint.storage.commit import protocol_for
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
-from raytrain_ckpt.checkpoint.storage.posix import open_own_file
+from raytrain_ckpt.checkpoint.storage.posix import open_own_file, read_small_file
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,8 @@ LEASE_TTL_S = 60.0
 stale (its holder died) and no longer protects its step."""
 HEARTBEAT_S = 5.0
 """How often a holder bumps its lease file's beat."""
+LEASE_MAX_BYTES = 4096
+"""The most of a lease file a reader takes (one is a line of JSON: step, beat, pid, host)."""
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+\.json$")
 
 
@@ -144,10 +146,14 @@ def _read_leases(storage: Storage, d: Location) -> dict[str, tuple[int, int]]:
             continue
         path = storage.join(d, name)
         try:
-            body = json.loads(storage.read_bytes(path).decode("utf-8"))
+            # never through a link, never blocked on a FIFO, bounded (a lease is a line of JSON)
+            data = read_small_file(storage, path, LEASE_MAX_BYTES)
+            if len(data) > LEASE_MAX_BYTES:
+                raise ValueError(f"over {LEASE_MAX_BYTES} bytes")
+            body = json.loads(data.decode("utf-8"))
             out[name] = (int(body["step"]), int(body.get("beat", 0)))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            # Removed right now, or garbage: it protects nothing.
+        except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
+            # Removed right now, or garbage (a FIFO, a link, Infinity, deep nesting): it protects nothing.
             logger.debug("ignoring lease file %s: %s", path, exc)
     return out
 
