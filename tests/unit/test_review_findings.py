@@ -23,7 +23,7 @@ RUN_KEY = "9a" * 32
 ])
 def test_a_hostile_group_file_does_not_stop_the_actor_from_starting(tmp_path: Path, content: str) -> None:
     """``.group.json`` lies in the shared root and is not sealed: anything planted there must be
-    ignored (logged), as ``_load_group`` intends ("unreadable: the next configure() rewrites it"),
+    ignored (logged), as ``GroupFile.read`` intends ("unreadable: the next configure() rewrites it"),
     not raise out of the constructor (Ray restarts the actor forever, the job never starts)."""
     (tmp_path / GROUP_FILE).write_text(content)
     actor = CheckpointActor(str(tmp_path), RetentionPolicy(None))

@@ -13,12 +13,7 @@ directory (the group's layout from ``.group.json``, the run's failed saves from
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
-import hmac
-import json
 import logging
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +25,10 @@ from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.records import ActorStatus, CentralPlan, FileSum, GroupLayout, JobNote, ProbesSeen, RankReport, ResumePoint, SaveCosts, WriterRef
 from raytrain_ckpt.checkpoint.roles.board import StatusBoard
 from raytrain_ckpt.checkpoint.roles.coordinator import SaveCoordinator
+from raytrain_ckpt.checkpoint.roles.groupfile import GROUP_FILE, GroupFile
 from raytrain_ckpt.checkpoint.roles.resumecheck import ResumeCheck
 from raytrain_ckpt.checkpoint.roles.retainer import Retainer, out_of_space
 from raytrain_ckpt.checkpoint.roles.seals import SealedChecks
-from raytrain_ckpt.checkpoint.storage.posix import read_small_file
 from raytrain_ckpt.checkpoint.roles.steps import FailedSavesFile, StepRegistry
 from raytrain_ckpt.checkpoint.roles.timeline import ResumeTimeline
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
@@ -47,11 +42,6 @@ from raytrain_ckpt.checkpoint.roles.metrics import CheckpointMetrics
 logger = logging.getLogger(__name__)
 
 __all__ = ["GROUP_FILE", "CheckpointActor"]
-
-GROUP_FILE = ".group.json"
-GROUP_MAX_BYTES = 1 << 20
-"""The most of ``GROUP_FILE`` a starting actor reads (the layout and the model section: a few KB)."""
-"""The layout of the group last configured, under the job's root (not a step: nothing scans it)."""
 
 RESTART_RETRIES = 3
 """How many restarts of this actor a call of a save in flight outlives (``open_step``, ``accepted``,
@@ -75,9 +65,9 @@ class CheckpointActor:
         self.layout = CheckpointLayout(root, options=storage_options)
         options = dict(storage_options or {})
         self.layout.storage.makedirs(self.layout.root)
-        self._group_key = bytes.fromhex(seal_key) if seal_key else None
         # The group's layout arrives with configure(); a restarted actor reads the last one back.
-        self.group = self._load_group()
+        self._group_file = GroupFile(self.layout, bytes.fromhex(seal_key) if seal_key else None)
+        self.group = self._group_file.read()
         self.layout.remove_leftover_tmp()
         seals = SealedChecks(self.layout, bytes.fromhex(seal_key)) if seal_key else None
         if seals is not None:  # before the registry reads the steps: checks an earlier actor of the run sealed
@@ -135,44 +125,7 @@ class CheckpointActor:
         constructor arguments only, and saves in flight need the group's world size.
         """
         self.group = group
-        data = json.dumps(asdict(group)).encode()
-        if self._group_key is not None:  # sealed with the run's key, as the failed saves are
-            data += b"\n" + self._group_mac(data).encode("ascii") + b"\n"
-        storage = self.layout.storage
-        path = storage.join(self.layout.root, GROUP_FILE)
-        try:
-            await asyncio.to_thread(self.layout.protocol.replace_small_file, path, data)
-        except Exception as exc:  # noqa: BLE001 - a full disk, a root moved away: the group still starts
-            # The layout is in memory for this actor's life; the file only serves an actor Ray
-            # restarts, which must not read the previous group's layout instead.
-            logger.warning("could not record the group's layout in %s (%s); training goes on, saves fail "
-                           "until the storage takes writes again", path, exc)
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(storage.remove_file, path)
-
-    def _group_mac(self, body: bytes) -> str:
-        assert self._group_key is not None
-        return hmac.new(self._group_key, b"raytrain_ckpt group layout v1\0" + body, hashlib.sha256).hexdigest()
-
-    def _load_group(self) -> GroupLayout:
-        storage = self.layout.storage
-        path = storage.join(self.layout.root, GROUP_FILE)
-        if not storage.is_file(path):
-            return GroupLayout()
-        try:
-            data = read_small_file(storage, path, GROUP_MAX_BYTES)
-            if len(data) > GROUP_MAX_BYTES:
-                raise ValueError(f"over {GROUP_MAX_BYTES} bytes")
-            if self._group_key is not None:  # a layout this run's actors did not write is not taken
-                data, _, mac = data.rstrip(b"\n").rpartition(b"\n")
-                if not hmac.compare_digest(mac, self._group_mac(data).encode("ascii")):
-                    raise ValueError("not written by an actor of this run (its seal does not hold)")
-            g = json.loads(data.decode("utf-8"))
-            return GroupLayout(int(g["world_size"]), int(g["dp_size"]), str(g["spec_hash"]), g.get("model"))
-        except (ValueError, KeyError, TypeError, OSError, OverflowError, RecursionError) as exc:
-            # unreadable (int(Infinity), nesting past the decoder's depth too): the next configure() rewrites it
-            logger.warning("ignoring %s: %s", path, exc)
-            return GroupLayout()
+        await self._group_file.write(group)
 
     # --- saving (SaveCoordinator, StepRegistry) -------------------------------------------
 
