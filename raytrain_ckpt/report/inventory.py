@@ -24,6 +24,7 @@ from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.sandbox import start_reader
 from raytrain_ckpt.checkpoint.format.names import EntryKind, Location, parent_of, parse_entry, step_name
+from raytrain_ckpt.common.events import printable
 from raytrain_ckpt.common.locations import is_uri
 from raytrain_ckpt.checkpoint.format.verify import Verify, step_problems
 from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
@@ -265,7 +266,8 @@ def ending_line(record: dict[str, Any], now: float | None = None) -> str:
             f"{latest if latest is not None else '-'}")
     if record.get("stopped"):
         line += f"; stopped by {record['stopped']}"
-    return line + (f"; error: {record['error']}" if record.get("error") else "")
+    # the record is a file in the root: what anyone who can write there put in it stays one visible line
+    return printable(line + (f"; error: {record['error']}" if record.get("error") else ""))
 
 
 def interval_text(interval: dict[str, Any]) -> str:

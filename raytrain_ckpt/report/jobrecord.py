@@ -27,6 +27,7 @@ from typing import Any
 
 from raytrain_ckpt.checkpoint.format.names import Location
 from raytrain_ckpt.checkpoint.storage.backends import open_storage
+from raytrain_ckpt.checkpoint.storage.posix import read_small_file
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ def read_root(root: Location) -> dict[str, Any] | None:
         logger.warning("ignoring the job record %s: %d bytes, over the %d a record may be", path, size,
                        MAX_RECORD_BYTES)
         return None
-    return _parse(lambda: storage.read_bytes(path), str(path))
+    # no link followed, no FIFO swapped in since the check blocked on, bounded (``read_small_file``)
+    return _parse(lambda: read_small_file(storage, path, MAX_RECORD_BYTES), str(path))
 
 
 def _parse(read: Any, where: str) -> dict[str, Any] | None:

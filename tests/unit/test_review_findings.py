@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,22 @@ def test_a_restarted_actor_does_not_take_a_group_layout_its_run_never_configured
     except (StepAborted, asyncio.TimeoutError):
         out = "aborted"
     assert out != "committed" and 5 not in restarted.committed
+
+
+def test_a_job_record_planted_in_the_root_prints_as_one_visible_line_and_a_link_there_is_not_read(tmp_path: Path) -> None:
+    """``status DIR`` reads ``.job.json`` from the root, which anyone who can write the root could
+    have made: its fields' escape sequences print escaped, and a link planted at its name (to a file
+    the user can read, but the root's writer cannot) is not followed."""
+    from raytrain_ckpt.report import jobrecord
+    from raytrain_ckpt.report.inventory import ending_line
+
+    record = jobrecord.started("j\x1b]0;pwned\x07", str(tmp_path))
+    record |= {"error": "boom\x1b[2J\nfake line", "job_info": {"state": "FAILED\x1b[31m"}}
+    (tmp_path / jobrecord.RECORD).write_text(json.dumps(record))
+    line = ending_line(jobrecord.read_root(str(tmp_path)))
+    assert line.isprintable() and "\\x1b]0;pwned" in line and "\\nfake line" in line, line
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps(jobrecord.started("private", "/elsewhere")))
+    (tmp_path / jobrecord.RECORD).unlink()
+    (tmp_path / jobrecord.RECORD).symlink_to(secret)
+    assert jobrecord.read_root(str(tmp_path)) is None
