@@ -54,13 +54,17 @@ def input_files(root: Path, suffixes: Collection[str]) -> list[Path]:
     Raises:
         ValueError: One of them is not a regular file (a FIFO, a device, a socket, a link to
             nothing): reading a FIFO blocks until someone writes to it, so it is refused by its
-            name, never opened.
+            name, never opened. Or a directory below ``root`` (or ``root``) cannot be listed.
     """
+    def unreadable(err: OSError) -> None:  # a directory not listed would drop its files without a word
+        raise ValueError(f"{err.filename}: cannot be listed ({err.strerror}); fix its permissions or leave it out")
+
     files = []
-    for p in sorted(root.rglob("*")):
-        if p.suffix.lower() not in suffixes or p.is_dir():
-            continue
-        if not p.is_file():  # (is_file follows a link: a link to a regular file is read)
-            raise ValueError(f"{p} {NOT_REGULAR}; remove it from the input directory")
-        files.append(p)
-    return files
+    for top, dirs, names in os.walk(root, onerror=unreadable):  # links to directories are not followed
+        for p in (Path(top) / n for n in names):
+            if p.suffix.lower() not in suffixes or p.is_dir():
+                continue
+            if not p.is_file():  # (is_file follows a link: a link to a regular file is read)
+                raise ValueError(f"{p} {NOT_REGULAR}; remove it from the input directory")
+            files.append(p)
+    return sorted(files)

@@ -70,3 +70,44 @@ def test_a_fifo_among_prepare_data_inputs_is_refused(fifo_dir: Path, capsys):
     assert main(["prepare-data", str(fifo_dir), "--out", str(fifo_dir.parent / "out"), "--vocab-size", "300"]) == 2
     err = capsys.readouterr().err
     assert "c.jsonl is not a regular file" in err and "Traceback" not in err
+
+
+def test_an_input_directory_that_cannot_be_listed_is_named_not_silently_empty(tmp_path: Path) -> None:
+    """A directory below the input (or the input itself) that cannot be listed dropped its files
+    without a word: ``prepare-data`` then said "no input files", and a text source trained on the
+    rest. It is refused by name. Root lists any directory, so as root the listing runs as another
+    user (``nobody``), on a copy of the torch-free module where that user can read it."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from raytrain_ckpt.data import suffixes
+
+    base = Path(tempfile.mkdtemp(prefix="rtc-unlistable-"))
+    try:
+        base.chmod(0o755)
+        top = base / "in"
+        (top / "locked").mkdir(parents=True)
+        (top / "a.txt").write_text("seen\n")
+        (top / "locked" / "b.txt").write_text("dropped before\n")
+        top.chmod(0o755)
+        (top / "a.txt").chmod(0o644)
+        (top / "locked").chmod(0o000)
+        if os.geteuid() != 0:
+            with pytest.raises(ValueError) as exc:
+                suffixes.input_files(top, {".txt"})
+            message = str(exc.value)
+        else:
+            shutil.copyfile(suffixes.__file__, base / "suffixes.py")
+            (base / "suffixes.py").chmod(0o644)
+            code = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); import suffixes\n"
+                    "try:\n    suffixes.input_files(Path(sys.argv[2]), {'.txt'})\nexcept ValueError as e:\n"
+                    "    print(e); sys.exit(3)\n")
+            out = subprocess.run(["/usr/bin/python3", "-I", "-c", code, str(base), str(top)], user=65534, cwd="/", capture_output=True,
+                                 text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+            assert out.returncode == 3, (out.stdout, out.stderr)
+            message = out.stdout.strip()
+        assert message == f"{top / 'locked'}: cannot be listed (Permission denied); fix its permissions or leave it out"
+    finally:
+        (base / "in" / "locked").chmod(0o755)
+        shutil.rmtree(base, ignore_errors=True)
