@@ -597,6 +597,32 @@ def _table(rows: list[dict[str, Any]]) -> None:
               f"{math.log(b['items'] / a['items']) / math.log(b['n'] / a['n']):.2f}): " + ", ".join(slopes))
 
 
+def _prefix_lines(r: dict[str, Any]) -> list[str]:
+    out = [f"{r['bytes'] / 1e9:.0f} GB a save, files of {r['file_mb']:.0f} MB: {r['requests']} write requests "
+           f"under the step's prefix, {r['prefix_s']:.1f} s of one prefix's {S3_PUTS_PER_PREFIX_S}/s"]
+    for scheme in ("flat", "spread"):
+        counts = dict(sorted(r[scheme].items(), key=lambda kv: -kv[1]))
+        top = max(counts.values())
+        where = "step-N/__" if scheme == "flat" else "step-N/"
+        out.append(f"    {scheme:>6} names, requests per key range (first character after {where}; "
+                   f"{len(counts)} of them, the busiest {top}: {top / S3_PUTS_PER_PREFIX_S:.2f} s of "
+                   f"{S3_PUTS_PER_PREFIX_S}/s): " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    return out
+
+
+def _wire_lines(r: dict[str, Any]) -> list[str]:
+    return [f"{r['items']} local-plan items, {r['mb']:.0f} MB into the actor ({r['planner_mb']:.0f} MB of it "
+            f"planner data); a rank pickles its plan in {r['rank_encode_s']:.3f} s, the actor unpickles them all "
+            f"in {r['actor_decode_s']:.1f} s"]
+
+
+def _check_lines(r: dict[str, Any]) -> list[str]:
+    dcp = f"{r['dcp_check_s']:.2f} s" if "dcp_check_s" in r else f"> {DCP_CAP_S:g} s (cap)"
+    wide = f"{r['wide_dcp_check_s']:.3f} s" if "wide_dcp_check_s" in r else f"> {DCP_CAP_S:g} s (cap)"
+    return [f"{r['tensors']} sharded tensors, {r['chunks']} chunks: plan check {r['check_s']:.2f} s, DCP's {dcp}; "
+            f"one wide tensor ({r.get('wide_tensors', 0)} of them) {r.get('wide_check_s', 0):.3f} s, DCP's {wide}"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 512])
@@ -620,40 +646,15 @@ def main() -> None:
             row.update(ray_saves(args.one[0], row["n"]))
         print(json.dumps(row))
         return
-    if args.prefixes:
-        for model in args.models:
-            for n in args.sizes:
-                r = prefix_row(model, n)
-                print(f"{model} N={n:>5}: {r['bytes'] / 1e9:.0f} GB a save, files of {r['file_mb']:.0f} MB: "
-                      f"{r['requests']} write requests under the step's prefix, {r['prefix_s']:.1f} s of one "
-                      f"prefix's {S3_PUTS_PER_PREFIX_S}/s", flush=True)
-                for scheme in ("flat", "spread"):
-                    counts = dict(sorted(r[scheme].items(), key=lambda kv: -kv[1]))
-                    top = max(counts.values())
-                    where = "step-N/__" if scheme == "flat" else "step-N/"
-                    print(f"    {scheme:>6} names, requests per key range (first character after {where}; "
-                          f"{len(counts)} of them, the busiest {top}: {top / S3_PUTS_PER_PREFIX_S:.2f} s of "
-                          f"{S3_PUTS_PER_PREFIX_S}/s): " + ", ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
-        return
-    if args.wire:
-        for model in args.models:
-            for n in args.sizes:
-                r = wire_row(model, n)
-                print(f"{model} N={n:>5}: {r['items']} local-plan items, {r['mb']:.0f} MB into the actor "
-                      f"({r['planner_mb']:.0f} MB of it planner data); a rank pickles its plan in "
-                      f"{r['rank_encode_s']:.3f} s, the actor unpickles them all in {r['actor_decode_s']:.1f} s",
-                      flush=True)
-        return
-    if args.check_only:
-        for model in args.models:
-            for n in args.sizes:
-                r = check_row(model, n)
-                dcp = f"{r['dcp_check_s']:.2f} s" if "dcp_check_s" in r else f"> {DCP_CAP_S:g} s (cap)"
-                wide = f"{r['wide_dcp_check_s']:.3f} s" if "wide_dcp_check_s" in r else f"> {DCP_CAP_S:g} s (cap)"
-                print(f"{model} N={n:>5}: {r['tensors']} sharded tensors, {r['chunks']} chunks: plan check "
-                      f"{r['check_s']:.2f} s, DCP's {dcp}; one wide tensor ({r.get('wide_tensors', 0)} of them) "
-                      f"{r.get('wide_check_s', 0):.3f} s, DCP's {wide}", flush=True)
-        return
+    single = {"prefixes": (prefix_row, _prefix_lines), "wire": (wire_row, _wire_lines),
+              "check_only": (check_row, _check_lines)}
+    for mode, (row_of, lines_of) in single.items():
+        if getattr(args, mode):
+            for model in args.models:
+                for n in args.sizes:
+                    for line in lines_of(row_of(model, n)):
+                        print(f"{model} N={n:>5}: {line}" if not line.startswith(" ") else line, flush=True)
+            return
     if args.poll_only:
         for n, seconds in poll_rounds(args.sizes).items():
             print(f"N={n:>5}: one controller poll round {seconds:.3f}s")
