@@ -50,3 +50,81 @@ def test_a_retried_plan_call_after_every_rank_took_its_plan_gets_it_again(tmp_pa
         assert again.plan.storage_data == first[1].plan.storage_data
 
     asyncio.run(scenario())
+
+
+# --- driver: a failed settle followed by a failing end is still not waited for twice ----------
+
+
+def test_a_settle_that_gave_up_is_not_waited_for_again_when_the_jobs_end_then_fails(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """The actor is stuck or gone: the settle at the job's end gives up (False), and then the
+    status call in ``_end_checkpoints`` raises too (the same unreachable actor). ``_finish``
+    raises before its return value reaches ``settled`` in ``_run_controller``, which stays True:
+    the shutdown waits for the settle a second time (up to ``settle_timeout_s + 30``)."""
+    from raytrain_ckpt.control import driver
+    from raytrain_ckpt.control.controller import JobState
+    from raytrain_ckpt.spec import JobSpec
+
+    spec = JobSpec(name="t", training={"steps": 4}, checkpoint={"dir": str(tmp_path), "interval_steps": 2},
+                   fault_tolerance={"max_restarts": 0})
+    shutdowns: list[bool] = []
+
+    class Service:
+        root = str(tmp_path / "t")
+
+        def __init__(self, *a, **k) -> None:
+            self.spec = spec
+
+        def preflight(self) -> None:
+            pass
+
+        def status(self):
+            raise ConnectionError("the actor's node is gone")
+
+        def shutdown(self, settle: bool = True) -> None:
+            shutdowns.append(settle)
+
+    class Result:
+        state, checkpoints, results, failures, error = JobState.SUCCEEDED, {}, [], [], None
+
+    class Ctrl:
+        def __init__(self, *a, **k) -> None:
+            self.result = Result()
+            self.state = JobState.SUCCEEDED
+
+        def run(self):
+            return self.result
+
+        def reject(self, kind, message) -> None:
+            self.state = self.result.state = JobState.FAILED
+            self.result.error = message
+
+    class Pool:
+        def __init__(self, *a, **k) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    class Progress:
+        def update(self, *a) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(driver, "CheckpointService", Service)
+    monkeypatch.setattr(driver, "WorkerPool", Pool)
+    monkeypatch.setattr(driver, "Controller", Ctrl)
+    monkeypatch.setattr(driver, "ControllerMetrics", lambda *a, **k: (lambda ctrl: None))
+    monkeypatch.setattr(driver, "_progress_line", lambda spec: Progress())
+    monkeypatch.setattr(driver, "_job_scalars", lambda spec, service: None)
+    monkeypatch.setattr(driver, "preemption_guard", lambda spec, service: None)
+    monkeypatch.setattr(driver, "stop_signals", lambda guard, grace: contextlib.nullcontext())
+    monkeypatch.setattr(driver.jobrecord, "write", lambda *a, **k: None)
+    monkeypatch.setattr(driver, "_record_end", lambda *a, **k: None)
+    monkeypatch.setattr(driver, "_settle", lambda service: False)  # ray.get timed out: the actor is stuck
+
+    with pytest.raises(ConnectionError):
+        driver._run_controller(spec)
+    assert shutdowns == [False]
