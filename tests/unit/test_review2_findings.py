@@ -128,3 +128,16 @@ def test_a_settle_that_gave_up_is_not_waited_for_again_when_the_jobs_end_then_fa
     with pytest.raises(ConnectionError):
         driver._run_controller(spec)
     assert shutdowns == [False]
+
+
+# --- cli: the URI a mangled file: path is told to be ---------------------------------------------
+
+
+def test_a_mangled_file_uri_is_told_the_uri_of_its_absolute_path() -> None:
+    """``file:/tmp/x`` (one slash, as ``pathlib`` folds ``file:///tmp/x``) is refused, and the line
+    says what to write instead. It said ``file://tmp/x``: the CLI takes that as the relative path
+    ``tmp/x`` (``file_uris_as_paths`` strips ``file://``), not ``/tmp/x``."""
+    from raytrain_ckpt.common.locations import mangled_uri
+
+    assert mangled_uri("file:/tmp/x") == "looks like a URI missing a slash; write file:///tmp/x"
+    assert mangled_uri("s3:/bucket/x") == "looks like a URI missing a slash; write s3://bucket/x"
