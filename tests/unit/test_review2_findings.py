@@ -141,3 +141,17 @@ def test_a_mangled_file_uri_is_told_the_uri_of_its_absolute_path() -> None:
 
     assert mangled_uri("file:/tmp/x") == "looks like a URI missing a slash; write file:///tmp/x"
     assert mangled_uri("s3:/bucket/x") == "looks like a URI missing a slash; write s3://bucket/x"
+
+
+@pytest.mark.parametrize("argv", [["diff", "s3:/bucket/job/step-00000010", "s3:/bucket/job/step-00000020"],
+                                  ["diagnostics", "s3:/bucket/job"]])
+def test_every_command_refuses_a_store_uri_missing_a_slash(tmp_path, monkeypatch, capsys, argv):
+    """``file_uris_as_paths`` covers ``ckpt out file to dir step_dir``, not ``diff``'s two steps or
+    ``diagnostics``' root: there ``s3:/bucket/x`` is a local path (no such directory) and
+    ``file:///x`` is not the path ``/x``, unlike in ``stats``, ``verify`` or ``ls``."""
+    from raytrain_ckpt.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "looks like a URI missing a slash; write s3://bucket/job" in err, err
