@@ -120,6 +120,7 @@ class SaveCoordinator:
         g.taken.add(rank)
         if len(g.taken) == len(g.central) and self._gathers.get(key) is g:
             del self._gathers[key]
+            g.plans.clear()  # (a call sent again before the drop put its local plan back)
             self._taken = (key, g)
         return mine
 
