@@ -57,7 +57,7 @@ def _under(name: str | os.PathLike, given: tuple[object, ...]) -> bool:
     return False
 
 
-_PATH_ARGS = ("ckpt", "out", "file", "to", "dir", "step_dir")
+_PATH_ARGS = ("ckpt", "out", "file", "to", "dir", "step_dir", "step_a", "step_b", "root")
 """The arguments that name a checkpoint, a step or an output: a path or an object-store URI."""
 
 

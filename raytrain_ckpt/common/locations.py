@@ -28,6 +28,8 @@ def mangled_uri(text: str) -> str | None:
     m = MANGLED_URI.match(text)
     if m is None:
         return None
+    if m.group(1).lower() == "file":  # file:/x meant the absolute /x: file:///x (file://x is the relative x)
+        return f"looks like a URI missing a slash; write file://{text[len('file:'):]}"
     return f"looks like a URI missing a slash; write {m.group(1)}://{text[m.end():]}"
 
 

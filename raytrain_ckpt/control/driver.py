@@ -115,7 +115,7 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         if problem is not None:  # two runs could train into one root: this one gives way
             ctrl.stop("checkpoint", problem)
 
-    interrupted, result, settled = False, None, True
+    interrupted, result, settled = False, None, [True]  # settled[0]: set by _finish even when it raises
     record = jobrecord.started(spec.name, str(service.root), _gcs_address()) if service is not None else None
     if service is not None:
         jobrecord.write(service.root, spec.name, record)
@@ -130,7 +130,7 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         with stop_signals(guard, spec.fault_tolerance.stop_grace_s):
             result = controller.run()
         if service is not None:
-            settled = _finish(spec, controller, service)
+            _finish(spec, controller, service, settled)
         return result
     except KeyboardInterrupt:  # Ctrl-C: stop now; what is committed stays, what is in flight is not waited for
         interrupted = True
@@ -145,15 +145,19 @@ def _run_controller(spec: JobSpec, lock: ObjectRunLock | FileRunLock | None = No
         if service is not None:
             _record_end(spec, service, record, result, interrupted)
             # a settle that gave up at the job's end is not waited for a second time
-            service.shutdown(settle=not interrupted and settled)
+            service.shutdown(settle=not interrupted and settled[0])
 
 
-def _finish(spec: JobSpec, controller: Controller, service: CheckpointService) -> bool:
+def _finish(spec: JobSpec, controller: Controller, service: CheckpointService,
+            settled: list[bool] | None = None) -> bool:
     """The job's end on the checkpoint side: its checkpoints as the run leaves them, then the final
     export of a job that succeeded. Either failing (the actor unreachable, the export's storage
     full) fails the job that had succeeded: the result, the metrics and the job's record say
-    FAILED with the error, and the error goes on to the caller. Whether the saves in flight settled."""
-    result, settled = controller.result, [True]
+    FAILED with the error, and the error goes on to the caller. Whether the saves in flight settled,
+    also in ``settled[0]`` (when given): set before anything after the settle can raise, so a
+    settle that gave up is not waited for again by the shutdown when the job's end then fails."""
+    result = controller.result
+    settled = settled if settled is not None else [True]
     try:
         _end_checkpoints(controller, service, lambda: settled.__setitem__(0, _settle(service)))
         if spec.checkpoint.final_export is not None and result.state is JobState.SUCCEEDED:

@@ -62,6 +62,9 @@ class SaveCoordinator:
         self.layout, self.storage_options, self.steps = layout, storage_options, steps
         self.retention, self.metrics, self._group, self._stall = retention, metrics, group, stall
         self._gathers: dict[tuple[int, int], _Gather] = {}
+        self._taken: tuple[tuple[int, int], _Gather] | None = None
+        """The last gather every rank took its plan from: a call sent again (``call_restarting``
+        after the reply was lost) gets its plan from it. One, replaced by the next."""
         self._metadata: dict[str, Metadata] = {}
         self.repeats = ResultsCache()
         self.files = MetadataFiles()
@@ -77,9 +80,14 @@ class SaveCoordinator:
         of a layout; later saves reuse it), then return this rank's central plan and the id of
         the global plan (its cached metadata). A gather is dropped once every rank took its plan,
         or once the last rank waiting for it gave up: neither its plans nor its central plans
-        (each O(ranks x tensors)) outlive it."""
+        (each O(ranks x tensors)) outlive it, but for the central plans of the last gather every
+        rank took (``_taken``), so that a call sent again gets its plan instead of a new gather."""
         world = self._group().world_size
         key = (attempt, step)
+        if key not in self._gathers and self._taken is not None and self._taken[0] == key:
+            done = self._taken[1]  # every rank took its plan: this rank's call, sent again
+            assert done.central is not None
+            return CentralPlan(done.central[rank], done.plan_id)
         g = self._gathers.setdefault(key, _Gather())
         g.plans[rank] = local_plan
         g.arrived.add(rank)
@@ -112,6 +120,8 @@ class SaveCoordinator:
         g.taken.add(rank)
         if len(g.taken) == len(g.central) and self._gathers.get(key) is g:
             del self._gathers[key]
+            g.plans.clear()  # (a call sent again before the drop put its local plan back)
+            self._taken = (key, g)
         return mine
 
     async def report(self, report: RankReport) -> str:
