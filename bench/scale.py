@@ -328,14 +328,24 @@ def wire_row(model: str, n: int, sample: int = 32) -> dict[str, Any]:
     """What the first save's plans cost on the wire at ``n`` ranks of ``model``: each rank's local
     plan pickled (the rank, Ray's argument serialisation) and unpickled (the CheckpointActor, one
     process, every rank's plan), measured on ``sample`` ranks spread over the ``n`` (a rank's plan
-    differs from another's only in its shards' offsets and its own keys) and multiplied by ``n``."""
+    differs from another's only in its shards' offsets and its own keys) and multiplied by ``n``;
+    then the same for each plan's difference from rank 0's (``_difference``)."""
     from raytrain_ckpt.common.gcpause import collector_paused
 
     shape = template(_spec(), MODELS[model])
     ranks = sorted({round(i * (n - 1) / max(1, sample - 1)) for i in range(min(sample, n))})
     encode = decode = size = items = planner = 0.0
+    base = local_plan(shape, 0, n)
+    delta_size = delta_encode = delta_decode = 0.0
     for r in ranks:
         plan = local_plan(shape, r, n)
+        t0 = time.perf_counter()
+        delta = pickle.dumps(_difference(plan, base), protocol=5)
+        delta_encode += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pickle.loads(delta)
+        delta_decode += time.perf_counter() - t0
+        delta_size += len(delta)
         t0 = time.perf_counter()
         data = pickle.dumps((0, 10, r, plan, 600.0), protocol=5)
         encode += time.perf_counter() - t0
@@ -348,7 +358,33 @@ def wire_row(model: str, n: int, sample: int = 32) -> dict[str, Any]:
         planner += len(pickle.dumps(plan.planner_data, protocol=5))
     k = n / len(ranks)
     return {"model": model, "n": n, "items": int(items * k), "mb": size * k / 1e6, "planner_mb": planner * k / 1e6,
-            "rank_encode_s": encode / len(ranks), "actor_decode_s": decode * k}
+            "rank_encode_s": encode / len(ranks), "actor_decode_s": decode * k,
+            "delta_mb": delta_size * k / 1e6, "delta_encode_s": delta_encode / len(ranks), "delta_decode_s": delta_decode * k}
+
+
+def _difference(plan: Any, base: Any) -> tuple:
+    """The wire form the plan-as-numbers design would send (ARCHITECTURE, "A plan on paper beyond
+    4096", item 0; not the product's): a mark per item (1 equal to the base's item at its place, 2 a
+    shard of the same tensor, its chunk's offsets and sizes in ``numbers``), the items that are
+    neither, and the planner data that differs from the base's."""
+    from array import array
+
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    marks, numbers, other = bytearray(len(plan.items)), array("q"), []
+    for i, item in enumerate(plan.items):
+        b = base.items[i] if i < len(base.items) else None
+        if b is not None and item == b:
+            marks[i] = 1
+        elif (b is not None and item.type == b.type == WriteItemType.SHARD and item.index.fqn == b.index.fqn
+              and item.tensor_data.size == b.tensor_data.size and item.tensor_data.properties == b.tensor_data.properties):
+            marks[i] = 2
+            numbers.extend(item.tensor_data.chunk.offsets)
+            numbers.extend(item.tensor_data.chunk.sizes)
+        else:
+            other.append((i, item))
+    keys = {k: v for k, v in plan.planner_data.items() if base.planner_data.get(k) != v}
+    return bytes(marks), numbers, other, keys
 
 
 def check_row(model: str, n: int) -> dict[str, Any]:
@@ -613,7 +649,9 @@ def _prefix_lines(r: dict[str, Any]) -> list[str]:
 def _wire_lines(r: dict[str, Any]) -> list[str]:
     return [f"{r['items']} local-plan items, {r['mb']:.0f} MB into the actor ({r['planner_mb']:.0f} MB of it "
             f"planner data); a rank pickles its plan in {r['rank_encode_s']:.3f} s, the actor unpickles them all "
-            f"in {r['actor_decode_s']:.1f} s"]
+            f"in {r['actor_decode_s']:.1f} s",
+            f"    as differences from rank 0's plan: {r['delta_mb']:.1f} MB into the actor; a rank makes and pickles "
+            f"its own in {r['delta_encode_s']:.3f} s, the actor unpickles them all in {r['delta_decode_s']:.2f} s"]
 
 
 def _check_lines(r: dict[str, Any]) -> list[str]:
