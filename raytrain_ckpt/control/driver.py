@@ -168,7 +168,10 @@ def _finish(spec: JobSpec, controller: Controller, service: CheckpointService,
         return settled[0]
     except Exception as exc:
         if result.state is JobState.SUCCEEDED:
-            controller.reject("checkpoint", f"the job's end failed: {cause_text(exc)}")
+            try:
+                controller.reject("checkpoint", f"the job's end failed: {cause_text(exc)}")
+            except Exception:  # noqa: BLE001 - its observer (metrics, the job's note) failing too: the
+                logger.exception("could not report the failed end of the job")  # first error is the one raised
         raise
 
 

@@ -4,6 +4,7 @@ spec checks paths with them)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import stat
@@ -57,6 +58,8 @@ def input_files(root: Path, suffixes: Collection[str]) -> list[Path]:
             name, never opened. Or a directory below ``root`` (or ``root``) cannot be listed.
     """
     def unreadable(err: OSError) -> None:  # a directory not listed would drop its files without a word
+        if err.errno == errno.ENOTDIR:  # the input itself is a FIFO, a device, a socket
+            raise ValueError(f"{err.filename} {NOT_REGULAR}; give a file or a directory")
         raise ValueError(f"{err.filename}: cannot be listed ({err.strerror}); fix its permissions or leave it out")
 
     files = []

@@ -222,3 +222,30 @@ def test_a_settle_that_gave_up_at_the_jobs_end_is_not_waited_for_again(tmp_path,
     service.status = lambda: __import__("asyncio").run(service.actor_for_status.status())
     assert driver._finish(spec, ctrl, service) is False
     assert waited == [spec.checkpoint.settle_timeout_s + 30]
+
+
+def test_a_job_end_whose_failure_report_fails_too_raises_the_first_error(tmp_path, monkeypatch):
+    """The job's end failed, and rejecting the job failed as well (its observer: metrics, the job's
+    note): the error raised is the job's end's, not the report's."""
+    import asyncio
+
+    from raytrain_ckpt.control import driver
+    from raytrain_ckpt.spec import JobSpec
+    from tests.unit.test_checkpoint_actor import _actor
+
+    spec = JobSpec(name="t", training={"steps": 4}, checkpoint={"dir": str(tmp_path), "interval_steps": 2},
+                   fault_tolerance={"max_restarts": 0})
+    actor = _actor(tmp_path / "root")
+    ctrl = _ended(spec, finish=True)
+
+    class Unreachable(_ActorService):
+        def status(self):
+            raise ConnectionError("the actor's node is gone")
+
+    def observer(_):
+        raise RuntimeError("the metrics agent is gone too")
+
+    ctrl._observer = observer
+    monkeypatch.setattr(driver, "_settle", lambda s: asyncio.run(actor.settle(5)) or True)
+    with pytest.raises(ConnectionError, match="the actor's node is gone"):
+        driver._finish(spec, ctrl, Unreachable(spec, actor))

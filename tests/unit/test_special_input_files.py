@@ -111,3 +111,17 @@ def test_an_input_directory_that_cannot_be_listed_is_named_not_silently_empty(tm
     finally:
         (base / "in" / "locked").chmod(0o755)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_fifo_given_as_the_input_itself_is_named_as_one(tmp_path: Path) -> None:
+    """A FIFO passed as ``prepare-data``'s input (not inside a directory) is said to be no regular
+    file, not a directory whose permissions to fix."""
+    from raytrain_ckpt.cli.prepare import PrepareError, prepare_data
+    from raytrain_ckpt.data.suffixes import NOT_REGULAR
+
+    fifo = tmp_path / "in.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(PrepareError) as exc:
+        prepare_data([fifo], tmp_path / "out", vocab_size=300, progress=False)
+    assert str(exc.value) == f"{fifo} {NOT_REGULAR}; give a file or a directory"
+    assert not (tmp_path / "out").exists()
