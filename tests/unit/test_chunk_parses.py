@@ -130,3 +130,55 @@ def test_reads_at_a_pattern_are_the_bytes_each_read_alone_returns():
                 s.seek(pos)
                 alone.append(s.read(n))
             assert FileSlice(f, offset, length).read_at(pattern) == tuple(alone), pattern
+
+
+def _file_verdict(parse_file, data: bytes, chunks: list[tuple[int, int]]):
+    try:
+        parse_file(io.BytesIO(data), chunks, lambda at: f"c at {at}")
+        return None
+    except InvalidCheckpoint as exc:
+        return str(exc)
+
+
+def test_a_file_confirmed_at_once_is_the_chunk_by_chunk_verdict_on_mutated_files():
+    """``ChunkParses.parse_file`` confirms a file whose chunks' header bytes are those of a file it
+    confirmed before in one read and one comparison: differential against parsing every chunk
+    alone with nothing remembered, on files whose tensor bytes, headers, lengths and ends are
+    mutated (a file read short, a chunk list that no longer fits the bytes)."""
+    rng = random.Random(11)
+    blobs = [_blob(torch.randn(16, 8)) for _ in range(6)] + [_blob(torch.randn(5, 3).t()) for _ in range(3)]
+    chunks, at = [], 0
+    for blob in blobs:
+        chunks.append((at, len(blob)))
+        at += len(blob)
+    original = b"".join(blobs)
+    primed = ChunkParses()
+    assert _file_verdict(primed.parse_file, original, chunks) is None
+    assert primed._files, "the file's reads were not kept"
+    fresh = ChunkParses(entries=0, max_trace=-1)
+    carried = refused = 0
+    for case in range(400):
+        # another step's file (new tensor bytes, the same headers), or the original's bytes mutated
+        derived = _mutate(original, rng) if rng.random() < 0.6 else b"".join(
+            [_blob(torch.randn(16, 8)) for _ in range(6)] + [_blob(torch.randn(5, 3).t()) for _ in range(3)])
+        parses = ChunkParses()
+        parses._files = dict(primed._files)  # the file's reads only: any chunk it must parse is parsed
+        got = _file_verdict(parses.parse_file, derived, chunks)
+        want = _file_verdict(fresh.parse_file, derived, chunks)
+        assert got == want, case
+        carried += parses.full_parses == 0
+        refused += want is not None
+    assert carried > 50 and refused > 50, (carried, refused)
+    again = ChunkParses()
+    again._files = dict(primed._files)
+    assert _file_verdict(again.parse_file, original, chunks) is None and again.full_parses == 0
+    short = original[:chunks[-1][0] + 10]  # the last chunk's bytes cut off: parsed, and refused
+    assert _file_verdict(again.parse_file, short, chunks) == _file_verdict(fresh.parse_file, short, chunks) is not None
+
+
+def test_the_kept_reads_of_files_are_bounded():
+    parses = ChunkParses(entries=4, max_trace=256)
+    for n in range(1, 40):
+        blob = _blob(torch.zeros(n))
+        parses.parse_file(io.BytesIO(blob), [(0, len(blob))], str)
+        assert parses._file_bytes <= 4 * 256

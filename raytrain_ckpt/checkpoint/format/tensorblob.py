@@ -23,6 +23,7 @@ import io
 import struct
 import zipfile
 from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, TensorHeaderRefused
@@ -282,14 +283,52 @@ class ChunkParses:
         self.full_parses = 0
         self._headers: dict[tuple, ChunkHeader] = {}
         self._patterns: dict[int, list[tuple[tuple[int, int], ...]]] = {}
+        self._files: dict[tuple[tuple[int, int], ...], tuple[tuple, tuple, bytes]] = {}
+        self._file_bytes = 0
 
     def parse(self, f: FileSlice, where: str) -> ChunkHeader:
         """``parse_chunk(f, where)``."""
+        return self._parse(f, where)[0]
+
+    def parse_file(self, f: BinaryIO, chunks: Sequence[tuple[int, int]], where: Callable[[int], str]) -> None:
+        """``parse_chunk`` of each chunk (offset, length) of the file ``f``, in the order given
+        (raising for the first one refused, named by ``where(offset)``). The reads that confirmed
+        every chunk's header are kept for the file's chunk list: a file with the same chunks that
+        holds the same bytes at every one of those places (every step's file of one rank of a job)
+        is confirmed by reading them as a few spans and comparing once, each chunk's parse being
+        a function of exactly the bytes it read (see the class). A file read short compares
+        unequal and is parsed chunk by chunk."""
+        key = tuple(chunks)
+        known = self._files.get(key)
+        if known is not None and _read_spans(f, known[0], known[1]) == known[2]:
+            return
+        reads: list[tuple[int, bytes]] | None = []
+        for offset, length in key:
+            _, confirmed = self._parse(FileSlice(f, offset, length), where(offset))
+            if confirmed is None or reads is None:
+                reads = None
+            else:
+                reads.extend((offset + pos, data) for pos, data in confirmed)
+        if not reads:
+            return
+        want = b"".join(data for _, data in reads)
+        if self._file_bytes + len(want) > self.entries * self.max_trace:
+            self._files.clear()
+            self._file_bytes = 0
+        end = max(offset + length for offset, length in key)
+        spans, cuts = _read_plan.__wrapped__(tuple((pos, len(data)) for pos, data in reads), end)
+        self._files[key] = (spans, cuts, want)
+        self._file_bytes += len(want)
+
+    def _parse(self, f: FileSlice, where: str) -> tuple[ChunkHeader, tuple[tuple[int, bytes], ...] | None]:
+        """The header, and the reads (position in the slice, bytes) it is a function of; None for
+        those when the header is not kept."""
         n = f.length
         for pattern in tuple(self._patterns.get(n, ())):  # (threads of one verify may add to it)
-            header = self._headers.get((n, pattern, f.read_at(pattern)))
+            got = f.read_at(pattern)
+            header = self._headers.get((n, pattern, got))
             if header is not None:
-                return header
+                return header, tuple(zip((pos for pos, _ in pattern), got))
         self.full_parses += 1
         trace: list[tuple[int, int, bytes]] = []
         archive, header, _ = _open(f.traced(trace), where)
@@ -306,7 +345,8 @@ class ChunkParses:
             if pattern not in known:
                 known.insert(0, pattern)
                 del known[self.shapes:]
-        return header
+            return header, tuple((pos, data) for pos, _, data in trace)
+        return header, None
 
 
 CHUNK_PARSES = ChunkParses()
@@ -351,6 +391,15 @@ def _read_plan(pattern: tuple[tuple[int, int], ...], length: int) -> tuple[tuple
         first = spans[-1][0]
         cuts[k] = (len(spans) - 1, pos - first, pos - first + n)
     return tuple(spans), tuple(cuts)
+
+
+def _read_spans(f: BinaryIO, spans: tuple, cuts: tuple) -> bytes:
+    """The bytes a ``_read_plan`` (spans, cuts) of ``f`` reads, its reads joined in order."""
+    read = []
+    for first, last in spans:
+        f.seek(first)
+        read.append(f.read(last - first))
+    return b"".join([read[span][a:b] for span, a, b in cuts])
 
 
 class FileSlice(io.RawIOBase):

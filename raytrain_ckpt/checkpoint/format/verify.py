@@ -23,7 +23,7 @@ from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 
 from raytrain_ckpt.checkpoint.format.manifest import Checksum, checksum_name, FileEntry, MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.names import Location, parse_entry
-from raytrain_ckpt.checkpoint.format.tensorblob import FileSlice, parse_chunk
+from raytrain_ckpt.checkpoint.format.tensorblob import CHUNK_PARSES
 from raytrain_ckpt.checkpoint.format.prescan import read_bounded
 from raytrain_ckpt.checkpoint.format.unpickling import MetadataChecks, check_metadata_stream
 
@@ -266,8 +266,7 @@ def _chunk_problems(files: StepFiles, path: Location, ranges: list | None) -> It
     try:
         for name, spans in sorted(by_file.items()):
             with files.open_read(files.join(path, name)) as f:
-                for offset, length in sorted(spans):
-                    parse_chunk(FileSlice(f, offset, length), f"{name} (the chunk at byte {offset})")
+                CHUNK_PARSES.parse_file(f, sorted(spans), lambda at, name=name: f"{name} (the chunk at byte {at})")
     except InvalidCheckpoint as exc:
         yield str(exc).replace(f"{path}/", "", 1)
     except OSError as exc:
