@@ -108,9 +108,12 @@ def _problems(files: StepFiles, path: Location, manifest: Manifest, level: Verif
 
 
 def _file_problems(files: StepFiles, path: Location, manifest: Manifest, level: Verify,
-                   progress: Callable[[int], None] | None = None) -> Generator[str, None, bool]:
+                   progress: Callable[[int], None] | None = None,
+                   pool: ThreadPoolExecutor | None = None) -> Generator[str, None, bool]:
     """The problems of a step's name and files (all but what ``.metadata`` holds); returns
-    whether every listed file is intact."""
+    whether every listed file is intact. A checksum-level check runs on ``pool`` (one of its own
+    when None: ``verify_steps`` passes one for all its steps, each step's threads no longer
+    started and joined)."""
     name = files.name(path)
     entry = parse_entry(name)
     if entry is None or not entry.kind.is_loadable or entry.step != manifest.step:
@@ -128,15 +131,20 @@ def _file_problems(files: StepFiles, path: Location, manifest: Manifest, level: 
                 yield problem
         return intact
     # Files are checked on a few threads (CRC-32C releases the GIL), results in manifest order.
-    pool = ThreadPoolExecutor(max_workers=min(_VERIFY_THREADS, len(items) or 1))
+    own = pool is None
+    if pool is None:
+        pool = ThreadPoolExecutor(max_workers=min(_VERIFY_THREADS, len(items) or 1))
+    checks = pool.map(lambda item: check_file(files, files.join(path, item[0]), item[1], True, progress), items)
     try:
-        checks = pool.map(lambda item: check_file(files, files.join(path, item[0]), item[1], True, progress), items)
         for problem in checks:
             if problem is not None:
                 intact = False
                 yield problem
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        if own:
+            pool.shutdown(wait=True, cancel_futures=True)
+        else:  # stopped at a problem: this step's checks not begun are dropped, not left to the next step's
+            checks.close()
     return intact
 
 
@@ -149,6 +157,19 @@ def verify_steps(paths: list[Location], level: Verify, files: StepFiles,
     out: list[Manifest | InvalidCheckpoint | None] = [None] * len(paths)
     group: list[tuple[int, Manifest, bytes]] = []
     sent: deque[tuple[list[tuple[int, Manifest, bytes]], MetadataChecks]] = deque()
+    pool = ThreadPoolExecutor(max_workers=_VERIFY_THREADS) if level == "checksum" else None
+    try:
+        _check_steps(paths, level, files, progress, pool, out, group, sent)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    return out  # type: ignore[return-value]  (every entry is set above)
+
+
+def _check_steps(paths: list[Location], level: Verify, files: StepFiles, progress: Callable[[int], None] | None,
+                 pool: ThreadPoolExecutor | None, out: list, group: list, sent: deque) -> None:
+    """``verify_steps``'s loop: each step's files checked (on ``pool`` at the checksum level), its
+    ``.metadata`` sent in groups, each answer settled into ``out``."""
     size = 0
     for i, path in enumerate(paths):
         if progress is not None:
@@ -158,7 +179,7 @@ def verify_steps(paths: list[Location], level: Verify, files: StepFiles,
         except InvalidCheckpoint as exc:
             out[i] = exc
             continue
-        checks = _file_problems(files, path, manifest, level)
+        checks = _file_problems(files, path, manifest, level, pool=pool)
         problem = next(checks, None)
         checks.close()
         if problem is None:
@@ -177,7 +198,6 @@ def verify_steps(paths: list[Location], level: Verify, files: StepFiles,
         sent.append((group, _send(group, paths, files, level)))
     while sent:
         _settle(sent.popleft(), out, paths, files)
-    return out  # type: ignore[return-value]  (every entry is set above)
 
 
 _GROUP_FILES, _GROUP_BYTES = 32, 64 << 20
