@@ -115,7 +115,8 @@ def read_root(root: Location) -> dict[str, Any] | None:
         logger.warning("ignoring the job record %s: %d bytes, over the %d a record may be", path, size,
                        MAX_RECORD_BYTES)
         return None
-    # no link followed, no FIFO swapped in since the check blocked on, bounded (``read_small_file``)
+    # no link followed, no FIFO swapped in since the check blocked on, bounded (``read_small_file``:
+    # a larger file is a ValueError, as ``_parse`` makes it of the other reads)
     return _parse(lambda: read_small_file(storage, path, MAX_RECORD_BYTES), str(path))
 
 

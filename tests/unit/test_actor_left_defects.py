@@ -294,3 +294,19 @@ def test_a_fifo_planted_at_the_actors_own_files_neither_blocks_its_start_nor_is_
         os.mkfifo(tmp_path / name)
         with pytest.raises(NotOwnFile, match="not a regular file"):
             read_small_file(layout.storage, tmp_path / name, 1024)
+
+
+def test_a_small_root_file_over_its_limit_is_refused_by_the_read_itself(tmp_path):
+    """``read_small_file`` refuses a file longer than its limit (on POSIX and from an object
+    store), so no caller can take a truncated prefix for the file."""
+    from raytrain_ckpt.checkpoint.storage.backends import open_storage
+    from raytrain_ckpt.checkpoint.storage.posix import read_small_file
+
+    for root in (str(tmp_path), "memory://rtc-small-file-test"):
+        storage = open_storage(root)
+        storage.makedirs(root)
+        path = storage.join(root, "f.json")
+        storage.write_bytes(path, b"x" * 64)
+        assert read_small_file(storage, path, 64) == b"x" * 64
+        with pytest.raises(ValueError, match="over the 63 bytes"):
+            read_small_file(storage, path, 63)

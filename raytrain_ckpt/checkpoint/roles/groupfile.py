@@ -65,8 +65,6 @@ class GroupFile:
             return GroupLayout()
         try:
             data = read_small_file(storage, self.path, GROUP_MAX_BYTES)
-            if len(data) > GROUP_MAX_BYTES:
-                raise ValueError(f"over {GROUP_MAX_BYTES} bytes")
             if self._key is not None:  # a layout this run's actors did not write is not taken
                 data, _, mac = data.rstrip(b"\n").rpartition(b"\n")
                 if not hmac.compare_digest(mac, self._mac(data)):

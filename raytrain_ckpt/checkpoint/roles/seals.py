@@ -66,8 +66,8 @@ class SealedChecks:
         except OSError as exc:
             logger.info("sealed checks not read from %s (%s): steps are checked again", self.path, exc)
             return 0
-        if len(data) > MAX_BYTES:
-            logger.warning("ignoring %s: over %d bytes", self.path, MAX_BYTES)
+        except ValueError as exc:
+            logger.warning("ignoring %s: %s", self.path, exc)
             return 0
         good = []
         for line in data.decode("ascii", "replace").splitlines()[-2 * MAX_LINES:]:

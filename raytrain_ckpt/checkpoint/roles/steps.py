@@ -164,8 +164,6 @@ class FailedSavesFile:
             if not storage.is_file(self.path):
                 return None
             data = read_small_file(storage, self.path, MAX_FAILED_BYTES)
-            if len(data) > MAX_FAILED_BYTES:
-                raise ValueError(f"over the {MAX_FAILED_BYTES} bytes it may be")
             body, _, mac = data.rstrip(b"\n").rpartition(b"\n")
             if not hmac.compare_digest(mac, self._mac(body).encode("ascii")):
                 raise ValueError("not written by an actor of this run (its seal does not hold)")

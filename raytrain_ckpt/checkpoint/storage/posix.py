@@ -138,10 +138,11 @@ class PosixStorage:
 
 
 def read_small_file(storage: Any, path: Location, limit: int) -> bytes:
-    """At most ``limit + 1`` bytes of a small file this code keeps under a checkpoint root
-    (``.group.json``, ``.failed-saves.json``, ``.checked-sealed``): on POSIX never through a link,
-    and never blocked on a FIFO or a device planted at its name (``open_own_file``: non-blocking,
-    a regular file of one name or NotOwnFile); from an object store, one bounded read."""
+    """A small file this code keeps under a checkpoint root (``.group.json``, ``.failed-saves.json``,
+    ``.checked-sealed``, a lease): on POSIX never through a link, and never blocked on a FIFO or a
+    device planted at its name (``open_own_file``: non-blocking, a regular file of one name or
+    NotOwnFile); from an object store, one bounded read. Raises ValueError for a file of more than
+    ``limit`` bytes (at most ``limit + 1`` are read)."""
     if isinstance(storage, PosixStorage):
         fd = open_own_file(Path(path), os.O_RDONLY)
         try:
@@ -149,8 +150,12 @@ def read_small_file(storage: Any, path: Location, limit: int) -> bytes:
             while left > 0 and (chunk := os.read(fd, left)):
                 chunks.append(chunk)
                 left -= len(chunk)
-            return b"".join(chunks)
+            data = b"".join(chunks)
         finally:
             os.close(fd)
-    with storage.open_read(path) as f:
-        return f.read(limit + 1)
+    else:
+        with storage.open_read(path) as f:
+            data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"over the {limit} bytes it may be")
+    return data
