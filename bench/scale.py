@@ -357,9 +357,45 @@ def wire_row(model: str, n: int, sample: int = 32) -> dict[str, Any]:
         items += len(plan.items)
         planner += len(pickle.dumps(plan.planner_data, protocol=5))
     k = n / len(ranks)
+    held, shared = _held_mb(shape, ranks, n)
     return {"model": model, "n": n, "items": int(items * k), "mb": size * k / 1e6, "planner_mb": planner * k / 1e6,
             "rank_encode_s": encode / len(ranks), "actor_decode_s": decode * k,
-            "delta_mb": delta_size * k / 1e6, "delta_encode_s": delta_encode / len(ranks), "delta_decode_s": delta_decode * k}
+            "delta_mb": delta_size * k / 1e6, "delta_encode_s": delta_encode / len(ranks), "delta_decode_s": delta_decode * k,
+            "held_mb": held * k, "held_shared_mb": shared * k}
+
+
+def _held_mb(shape: Any, ranks: list[int], n: int) -> tuple[float, float]:
+    """The memory the CheckpointActor holds for the sampled ranks' unpickled local plans until the
+    global plan is built (Python's allocations, ``tracemalloc``, MB), as they arrive and with the
+    items and planner data equal on every rank held once (one object for each byte item and each
+    key's path: what sharing alone would save; the rest is the ranks' own shards). The first
+    sampled rank is left out of both (the shared copy is paid once, not per rank)."""
+    import dataclasses
+    import tracemalloc
+
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    blobs = [pickle.dumps(local_plan(shape, r, n), protocol=5) for r in ranks]
+
+    def fold(plan: Any, items: dict, paths: dict) -> Any:
+        kept = [items.setdefault(i, i) if i.type == WriteItemType.BYTE_IO else i for i in plan.items]
+        data = {paths.setdefault(key, key): paths.setdefault((key,), path) for key, path in plan.planner_data.items()}
+        return dataclasses.replace(plan, items=kept, planner_data=data)
+
+    out = []
+    for share in (False, True):
+        items: dict = {}
+        paths: dict = {}
+        held = [fold(pickle.loads(blobs[0]), items, paths) if share else pickle.loads(blobs[0])]
+        tracemalloc.start()
+        for blob in blobs[1:]:
+            plan = pickle.loads(blob)
+            held.append(fold(plan, items, paths) if share else plan)
+            del plan
+        out.append(tracemalloc.get_traced_memory()[0] / 1e6 / max(1, len(blobs) - 1) * len(blobs))
+        tracemalloc.stop()
+        del held, items, paths
+    return out[0], out[1]
 
 
 def _difference(plan: Any, base: Any) -> tuple:
@@ -651,7 +687,9 @@ def _wire_lines(r: dict[str, Any]) -> list[str]:
             f"planner data); a rank pickles its plan in {r['rank_encode_s']:.3f} s, the actor unpickles them all "
             f"in {r['actor_decode_s']:.1f} s",
             f"    as differences from rank 0's plan: {r['delta_mb']:.1f} MB into the actor; a rank makes and pickles "
-            f"its own in {r['delta_encode_s']:.3f} s, the actor unpickles them all in {r['delta_decode_s']:.2f} s"]
+            f"its own in {r['delta_encode_s']:.3f} s, the actor unpickles them all in {r['delta_decode_s']:.2f} s",
+            f"    held by the actor until the plan: {r['held_mb']:.0f} MB as unpickled; {r['held_shared_mb']:.0f} MB with "
+            f"the items and planner data equal on every rank held once"]
 
 
 def _check_lines(r: dict[str, Any]) -> list[str]:
