@@ -312,13 +312,14 @@ class ChunkParses:
         if not reads:
             return
         want = b"".join(data for _, data in reads)
-        if self._file_bytes + len(want) > self.entries * self.max_trace:
+        cost = len(want) + 64 * (len(reads) + len(key))  # (the plan's tuples: about 64 bytes a read)
+        if self._file_bytes + cost > self.entries * self.max_trace:
             self._files.clear()
             self._file_bytes = 0
         end = max(offset + length for offset, length in key)
         spans, cuts = _read_plan.__wrapped__(tuple((pos, len(data)) for pos, data in reads), end)
         self._files[key] = (spans, cuts, want)
-        self._file_bytes += len(want)
+        self._file_bytes += cost
 
     def _parse(self, f: FileSlice, where: str) -> tuple[ChunkHeader, tuple[tuple[int, bytes], ...] | None]:
         """The header, and the reads (position in the slice, bytes) it is a function of; None for
