@@ -44,6 +44,14 @@ class InvalidCheckpoint(ValueError):
     """A step directory that must not be loaded, with the reason."""
 
 
+__all__ += ["StepUnreadable"]
+
+
+class StepUnreadable(InvalidCheckpoint):
+    """A step whose manifest this process may not read (its permissions): not loaded, and not
+    called corrupt either (the fault is the reader's access, not the step)."""
+
+
 __all__ += ["UnsafeCheckpoint"]
 
 

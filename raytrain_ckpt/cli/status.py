@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, StorageUnavailable
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, StepUnreadable, StorageUnavailable
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST
 from raytrain_ckpt.checkpoint.format.names import Location, parse_entry
 from raytrain_ckpt.common.locations import is_uri
@@ -183,5 +183,7 @@ def _verify(path: Location, as_json: bool) -> int:
 def _manifest_bytes(path: Location) -> int:
     try:
         return read_manifest(open_storage(path), path).total_bytes
+    except StepUnreadable as exc:  # this user's access, not the step: a usage error, as for its other files
+        raise UsageError(str(exc)) from None
     except InvalidCheckpoint:
         return 0

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_ckpt.report import jobrecord
-from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, StepUnreadable
 
 from raytrain_ckpt.checkpoint.format.manifest import MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.sandbox import start_reader
@@ -94,7 +94,8 @@ def scan(root: Location, level: Verify = "size", now: float | None = None) -> li
 def _row(layout: CheckpointLayout, path: Location, step: int, m: Manifest | InvalidCheckpoint, now: float) -> StepRow:
     name = layout.storage.name(path)
     if isinstance(m, InvalidCheckpoint):
-        status = "torn" if not layout.storage.is_file(layout.storage.join(path, MANIFEST)) else "corrupt"
+        status = "unreadable" if isinstance(m, StepUnreadable) else \
+            "torn" if not layout.storage.is_file(layout.storage.join(path, MANIFEST)) else "corrupt"
         return StepRow(step, name, status, detail=str(m))
     return StepRow(step, name, "valid", m.total_bytes, m.wall.get("total_s"), m.wall.get("stall_s"),
                    now - m.created_unix if m.created_unix else None, eval_loss=m.eval_loss)

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Literal, Protocol
 
-from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
+from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint, StepUnreadable
 
 from raytrain_ckpt.checkpoint.format.manifest import Checksum, checksum_name, FileEntry, MANIFEST, Manifest
 from raytrain_ckpt.checkpoint.format.names import Location, parse_entry
@@ -95,6 +95,9 @@ def read_manifest(files: StepFiles, path: Location) -> Manifest:
     try:
         text = files.read_bytes(mpath).decode("utf-8")
         return Manifest.from_json(text)
+    except PermissionError as exc:
+        raise StepUnreadable(f"{mpath}: {exc.strerror}; fix its permissions or run as a user who can read "
+                             "the checkpoint") from None
     except (InvalidCheckpoint, OSError, UnicodeDecodeError) as exc:
         raise InvalidCheckpoint(f"{mpath} is unreadable: {exc}") from None
 
