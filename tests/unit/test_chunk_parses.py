@@ -182,3 +182,48 @@ def test_the_kept_reads_of_files_are_bounded():
         blob = _blob(torch.zeros(n))
         parses.parse_file(io.BytesIO(blob), [(0, len(blob))], str)
         assert parses._file_bytes <= 4 * 256
+
+
+class _Reads(io.BytesIO):
+    """A data file that notes the largest single read asked of it."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.largest = 0
+
+    def read(self, n: int | None = -1) -> bytes:
+        out = super().read(n)
+        self.largest = max(self.largest, len(out))
+        return out
+
+
+def _file(nchunks: int, numel: int) -> tuple[bytes, list[tuple[int, int]]]:
+    blobs = [_blob(torch.randn(numel)) for _ in range(nchunks)]
+    chunks, at = [], 0
+    for blob in blobs:
+        chunks.append((at, len(blob)))
+        at += len(blob)
+    return b"".join(blobs), chunks
+
+
+def test_a_file_confirmed_at_once_is_never_read_whole():
+    """Chunks of small tensors lie close together: their reads would merge into one span of the
+    whole file (GBs for a data file). No span of the one-read confirmation is longer than 256 KiB."""
+    first, chunks = _file(64, 15_000)  # 64 chunks of about 60 KB: 3.9 MB
+    second, again = _file(64, 15_000)  # the next step's file of the rank: the same chunk list
+    assert chunks == again
+    parses = ChunkParses()
+    parses.parse_file(_Reads(first), chunks, str)
+    g = _Reads(second)
+    parses.parse_file(g, chunks, str)
+    assert parses.full_parses == 1  # the second file was confirmed at once
+    assert 0 < g.largest <= 256 << 10, (g.largest, len(second))
+
+
+def test_a_file_whose_reads_alone_are_over_the_bound_is_not_kept():
+    parses = ChunkParses(entries=4, max_trace=4096)
+    data, chunks = _file(40, 1)  # 40 chunks' reads: more than 16 KiB
+    parses.parse_file(io.BytesIO(data), chunks, str)
+    assert parses._file_bytes <= 4 * 4096 and not parses._files
+    parses.parse_file(io.BytesIO(data), chunks[:4], str)  # a small one still is
+    assert parses._files and parses._file_bytes <= 4 * 4096

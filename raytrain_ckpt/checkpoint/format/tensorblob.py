@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import io
 import struct
+import threading
 import zipfile
 from dataclasses import dataclass
 from collections.abc import Callable, Sequence
@@ -285,6 +286,7 @@ class ChunkParses:
         self._patterns: dict[int, list[tuple[tuple[int, int], ...]]] = {}
         self._files: dict[tuple[tuple[int, int], ...], tuple[tuple, tuple, bytes]] = {}
         self._file_bytes = 0
+        self._files_lock = threading.Lock()
 
     def parse(self, f: FileSlice, where: str) -> ChunkHeader:
         """``parse_chunk(f, where)``."""
@@ -297,29 +299,36 @@ class ChunkParses:
         holds the same bytes at every one of those places (every step's file of one rank of a job)
         is confirmed by reading them as a few spans and comparing once, each chunk's parse being
         a function of exactly the bytes it read (see the class). A file read short compares
-        unequal and is parsed chunk by chunk."""
+        unequal and is parsed chunk by chunk. Bounded: no read of more than ``_FILE_SPAN`` bytes
+        (a chunk's reads near the next chunk's are one span up to that size, never the whole file),
+        and the kept files cost at most what the kept headers may (``entries`` x ``max_trace``
+        bytes, counting about 64 bytes a read for the plan); a file whose reads alone are more is
+        not kept."""
         key = tuple(chunks)
         known = self._files.get(key)
         if known is not None and _read_spans(f, known[0], known[1]) == known[2]:
             return
+        budget = self.entries * self.max_trace
         reads: list[tuple[int, bytes]] | None = []
+        cost = 64 * len(key)
         for offset, length in key:
             _, confirmed = self._parse(FileSlice(f, offset, length), where(offset))
-            if confirmed is None or reads is None:
-                reads = None
-            else:
-                reads.extend((offset + pos, data) for pos, data in confirmed)
-        if not reads:
+            if confirmed is None or reads is None or cost > budget:
+                reads = None  # (the remaining chunks are still parsed, for their verdicts)
+                continue
+            reads.extend((offset + pos, data) for pos, data in confirmed)
+            cost += sum(64 + len(data) for _, data in confirmed)
+        if not reads or cost > budget:
             return
         want = b"".join(data for _, data in reads)
-        cost = len(want) + 64 * (len(reads) + len(key))  # (the plan's tuples: about 64 bytes a read)
-        if self._file_bytes + cost > self.entries * self.max_trace:
-            self._files.clear()
-            self._file_bytes = 0
         end = max(offset + length for offset, length in key)
-        spans, cuts = _read_plan.__wrapped__(tuple((pos, len(data)) for pos, data in reads), end)
-        self._files[key] = (spans, cuts, want)
-        self._file_bytes += cost
+        spans, cuts = _read_plan.__wrapped__(tuple((pos, len(data)) for pos, data in reads), end, _FILE_SPAN)
+        with self._files_lock:
+            if self._file_bytes + cost > budget:
+                self._files.clear()
+                self._file_bytes = 0
+            self._files[key] = (spans, cuts, want)
+            self._file_bytes += cost
 
     def _parse(self, f: FileSlice, where: str) -> tuple[ChunkHeader, tuple[tuple[int, bytes], ...] | None]:
         """The header, and the reads (position in the slice, bytes) it is a function of; None for
@@ -376,16 +385,21 @@ _SPAN_GAP = 64 << 10
 """``FileSlice.read_at`` reads two reads at most this far apart as one span."""
 
 
+_FILE_SPAN = 256 << 10
+"""``ChunkParses.parse_file`` reads no span longer than this (but a single read that is)."""
+
+
 @functools.lru_cache(maxsize=256)
-def _read_plan(pattern: tuple[tuple[int, int], ...], length: int) -> tuple[tuple, tuple]:
+def _read_plan(pattern: tuple[tuple[int, int], ...], length: int, cap: int = 0) -> tuple[tuple, tuple]:
     """For ``FileSlice.read_at`` of ``pattern`` in a slice of ``length`` bytes: the spans to read
     (start, end) and, per read of the pattern, (its span, where it starts and ends in the span's
-    bytes). Each read is first clamped to the slice as ``readinto`` clamps it."""
+    bytes). Each read is first clamped to the slice as ``readinto`` clamps it. With ``cap``, a read
+    that would make its span longer than ``cap`` bytes starts a span of its own."""
     reads = sorted((max(0, pos), max(0, min(n, length - max(0, pos))), k) for k, (pos, n) in enumerate(pattern))
     spans: list[tuple[int, int]] = []
     cuts: list[tuple[int, int, int]] = [(0, 0, 0)] * len(pattern)
     for pos, n, k in reads:
-        if not spans or pos > spans[-1][1] + _SPAN_GAP:
+        if not spans or pos > spans[-1][1] + _SPAN_GAP or (cap and pos + n - spans[-1][0] > cap):
             spans.append((pos, pos + n))
         else:
             spans[-1] = (spans[-1][0], max(spans[-1][1], pos + n))

@@ -137,8 +137,9 @@ def _file_problems(files: StepFiles, path: Location, manifest: Manifest, level: 
     own = pool is None
     if pool is None:
         pool = ThreadPoolExecutor(max_workers=min(_VERIFY_THREADS, len(items) or 1))
-    checks = pool.map(lambda item: check_file(files, files.join(path, item[0]), item[1], True, progress), items)
+    checks = None
     try:
+        checks = pool.map(lambda item: check_file(files, files.join(path, item[0]), item[1], True, progress), items)
         for problem in checks:
             if problem is not None:
                 intact = False
@@ -146,7 +147,7 @@ def _file_problems(files: StepFiles, path: Location, manifest: Manifest, level: 
     finally:
         if own:
             pool.shutdown(wait=True, cancel_futures=True)
-        else:  # stopped at a problem: this step's checks not begun are dropped, not left to the next step's
+        elif checks is not None:  # stopped at a problem: this step's checks not begun are dropped
             checks.close()
     return intact
 
