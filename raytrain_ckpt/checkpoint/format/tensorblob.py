@@ -306,7 +306,7 @@ class ChunkParses:
         not kept."""
         key = tuple(chunks)
         known = self._files.get(key)
-        if known is not None and _read_spans(f, known[0], known[1]) == known[2]:
+        if known is not None and b"".join(_cut_reads(f, 0, known[0], known[1])) == known[2]:
             return
         budget = self.entries * self.max_trace
         reads: list[tuple[int, bytes]] | None = []
@@ -408,13 +408,14 @@ def _read_plan(pattern: tuple[tuple[int, int], ...], length: int, cap: int = 0) 
     return tuple(spans), tuple(cuts)
 
 
-def _read_spans(f: BinaryIO, spans: tuple, cuts: tuple) -> bytes:
-    """The bytes a ``_read_plan`` (spans, cuts) of ``f`` reads, its reads joined in order."""
+def _cut_reads(f: BinaryIO, start: int, spans: tuple, cuts: tuple) -> tuple[bytes, ...]:
+    """The reads of a ``_read_plan`` (spans, cuts) of ``f`` from byte ``start`` on: each span read
+    once, each read cut out of its span."""
     read = []
     for first, last in spans:
-        f.seek(first)
+        f.seek(start + first)
         read.append(f.read(last - first))
-    return b"".join([read[span][a:b] for span, a, b in cuts])
+    return tuple(read[span][a:b] for span, a, b in cuts)
 
 
 class FileSlice(io.RawIOBase):
@@ -440,12 +441,7 @@ class FileSlice(io.RawIOBase):
         one read of the span they cover, each cut out of it: the same bytes (a span that reaches
         past the file's end ends where the file does, as each read would), a few calls in place of
         one per read."""
-        spans, cuts = _read_plan(pattern, self._len)
-        read = []
-        for first, last in spans:
-            self._f.seek(self._start + first)
-            read.append(self._f.read(last - first))
-        return tuple(read[span][a:b] for span, a, b in cuts)
+        return _cut_reads(self._f, self._start, *_read_plan(pattern, self._len))
 
     def readable(self) -> bool:
         return True

@@ -13,6 +13,7 @@ calls ``verify_step`` or ``step_problems`` here, with the storage the step lives
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -161,47 +162,37 @@ def verify_steps(paths: list[Location], level: Verify, files: StepFiles,
     out: list[Manifest | InvalidCheckpoint | None] = [None] * len(paths)
     group: list[tuple[int, Manifest, bytes]] = []
     sent: deque[tuple[list[tuple[int, Manifest, bytes]], MetadataChecks]] = deque()
-    pool = ThreadPoolExecutor(max_workers=_VERIFY_THREADS) if level == "checksum" else None
-    try:
-        _check_steps(paths, level, files, progress, pool, out, group, sent)
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-    return out  # type: ignore[return-value]  (every entry is set above)
-
-
-def _check_steps(paths: list[Location], level: Verify, files: StepFiles, progress: Callable[[int], None] | None,
-                 pool: ThreadPoolExecutor | None, out: list, group: list, sent: deque) -> None:
-    """``verify_steps``'s loop: each step's files checked (on ``pool`` at the checksum level), its
-    ``.metadata`` sent in groups, each answer settled into ``out``."""
-    size = 0
-    for i, path in enumerate(paths):
-        if progress is not None:
-            progress(1)
-        try:
-            manifest = read_manifest(files, path)
-        except InvalidCheckpoint as exc:
-            out[i] = exc
-            continue
-        checks = _file_problems(files, path, manifest, level, pool=pool)
-        problem = next(checks, None)
-        checks.close()
-        if problem is None:
-            data, problem = _metadata_bytes(files, path)
-        if problem is not None:
-            out[i] = InvalidCheckpoint(f"{path}: {problem}")
-            continue
-        group.append((i, manifest, data))
-        size += len(data)
-        if len(group) >= _GROUP_FILES or size >= _GROUP_BYTES:
-            if len(sent) >= _IN_FLIGHT:
-                _settle(sent.popleft(), out, paths, files)
+    # one pool for every step's checksum reads (CRC-32C releases the GIL); not started per step
+    with ThreadPoolExecutor(max_workers=_VERIFY_THREADS) if level == "checksum" else nullcontext() as pool:
+        size = 0
+        for i, path in enumerate(paths):
+            if progress is not None:
+                progress(1)
+            try:
+                manifest = read_manifest(files, path)
+            except InvalidCheckpoint as exc:
+                out[i] = exc
+                continue
+            checks = _file_problems(files, path, manifest, level, pool=pool)
+            problem = next(checks, None)
+            checks.close()
+            if problem is None:
+                data, problem = _metadata_bytes(files, path)
+            if problem is not None:
+                out[i] = InvalidCheckpoint(f"{path}: {problem}")
+                continue
+            group.append((i, manifest, data))
+            size += len(data)
+            if len(group) >= _GROUP_FILES or size >= _GROUP_BYTES:
+                if len(sent) >= _IN_FLIGHT:
+                    _settle(sent.popleft(), out, paths, files)
+                sent.append((group, _send(group, paths, files, level)))
+                group, size = [], 0
+        if group:
             sent.append((group, _send(group, paths, files, level)))
-            group, size = [], 0
-    if group:
-        sent.append((group, _send(group, paths, files, level)))
-    while sent:
-        _settle(sent.popleft(), out, paths, files)
+        while sent:
+            _settle(sent.popleft(), out, paths, files)
+    return out  # type: ignore[return-value]  (every entry is set above)
 
 
 _GROUP_FILES, _GROUP_BYTES = 32, 64 << 20
