@@ -70,6 +70,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.scale_numbers import numbers_lines, numbers_row  # noqa: E402
 from bench.scale_ranks import MODELS, local_plan, template, write_results  # noqa: E402
 
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy  # noqa: E402
@@ -714,6 +715,8 @@ def main() -> None:
                     help="only the first save's global-plan check (ours and DCP's) per model and N")
     ap.add_argument("--wire", action="store_true",
                     help="only the first save's local plans on the wire: pickled by each rank, unpickled by the actor")
+    ap.add_argument("--numbers", action="store_true",
+                    help="only the first save's global plan computed on the ranks' plans as numbers")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -723,7 +726,8 @@ def main() -> None:
         print(json.dumps(row))
         return
     single = {"prefixes": (prefix_row, _prefix_lines), "wire": (wire_row, _wire_lines),
-              "check_only": (check_row, _check_lines)}
+              "check_only": (check_row, _check_lines),
+              "numbers": (lambda model, n: numbers_row(_spec(), model, n), numbers_lines)}
     for mode, (row_of, lines_of) in single.items():
         if getattr(args, mode):
             for model in args.models:
