@@ -73,8 +73,9 @@ sys.path.insert(0, str(REPO))
 from bench.scale_numbers import numbers_lines, numbers_row  # noqa: E402
 from bench.scale_ranks import MODELS, local_plan, template, write_results  # noqa: E402
 
+from raytrain_ckpt.checkpoint.format.plannumbers import difference_from, own_central
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy  # noqa: E402
-from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport, TrainingPoint  # noqa: E402
+from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, RankReport, TrainingPoint  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.repeats import SentResults, byte_keys  # noqa: E402
 from raytrain_ckpt.control.preflight import load_spec  # noqa: E402
@@ -156,7 +157,9 @@ async def _plan(actor: CheckpointActor, n: int, step: int, attempt: int, plans: 
         calls.add("plan", attempt, step, rank, plans[rank], 600.0)
     t0 = time.perf_counter()
     centrals = await asyncio.gather(*(actor.plan(attempt, step, r, plans[r], 600.0) for r in range(n)))
-    return list(centrals), time.perf_counter() - t0
+    spent = time.perf_counter() - t0
+    # Each rank makes its central plan from its own local plan (on the ranks, in parallel: not timed here).
+    return [CentralPlan(own_central(c.plan, plans[r]), c.plan_id) for r, c in enumerate(centrals)], spent
 
 
 def one(model: str, n: int) -> dict[str, Any]:
@@ -330,7 +333,8 @@ def wire_row(model: str, n: int, sample: int = 32) -> dict[str, Any]:
     plan pickled (the rank, Ray's argument serialisation) and unpickled (the CheckpointActor, one
     process, every rank's plan), measured on ``sample`` ranks spread over the ``n`` (a rank's plan
     differs from another's only in its shards' offsets and its own keys) and multiplied by ``n``;
-    then the same for each plan's difference from rank 0's (``_difference``)."""
+    then the same for what each rank sends since (``roles/planning.py``'s ``plan_to_send``: its
+    difference from rank 0's plan, ``plannumbers.difference_from``)."""
     from raytrain_ckpt.common.gcpause import collector_paused
 
     shape = template(_spec(), MODELS[model])
@@ -341,7 +345,7 @@ def wire_row(model: str, n: int, sample: int = 32) -> dict[str, Any]:
     for r in ranks:
         plan = local_plan(shape, r, n)
         t0 = time.perf_counter()
-        delta = pickle.dumps(_difference(plan, base), protocol=5)
+        delta = pickle.dumps(difference_from(base, plan, 0) or plan, protocol=5)
         delta_encode += time.perf_counter() - t0
         t0 = time.perf_counter()
         pickle.loads(delta)
@@ -397,31 +401,6 @@ def _held_mb(shape: Any, ranks: list[int], n: int) -> tuple[float, float]:
         tracemalloc.stop()
         del held, items, paths
     return out[0], out[1]
-
-
-def _difference(plan: Any, base: Any) -> tuple:
-    """The wire form the plan-as-numbers design would send (ARCHITECTURE, "A plan on paper beyond
-    4096", item 0; not the product's): a mark per item (1 equal to the base's item at its place, 2 a
-    shard of the same tensor, its chunk's offsets and sizes in ``numbers``), the items that are
-    neither, and the planner data that differs from the base's."""
-    from array import array
-
-    from torch.distributed.checkpoint.planner import WriteItemType
-
-    marks, numbers, other = bytearray(len(plan.items)), array("q"), []
-    for i, item in enumerate(plan.items):
-        b = base.items[i] if i < len(base.items) else None
-        if b is not None and item == b:
-            marks[i] = 1
-        elif (b is not None and item.type == b.type == WriteItemType.SHARD and item.index.fqn == b.index.fqn
-              and item.tensor_data.size == b.tensor_data.size and item.tensor_data.properties == b.tensor_data.properties):
-            marks[i] = 2
-            numbers.extend(item.tensor_data.chunk.offsets)
-            numbers.extend(item.tensor_data.chunk.sizes)
-        else:
-            other.append((i, item))
-    keys = {k: v for k, v in plan.planner_data.items() if base.planner_data.get(k) != v}
-    return bytes(marks), numbers, other, keys
 
 
 def check_row(model: str, n: int) -> dict[str, Any]:
@@ -534,6 +513,7 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
             sent = SentResults()
             t0 = time.perf_counter()
             centrals = ray.get([actor.plan.remote(0, 10, r, plans[r], 600.0) for r in range(n)])
+            centrals = [CentralPlan(own_central(c.plan, plans[r]), c.plan_id) for r, c in enumerate(centrals)]
             plan_s = time.perf_counter() - t0
             for key, step in (("ray_first_save_s", 10), ("ray_save_s", 20)):
                 tmp = ray.get([actor.open_step.remote(step, 0) for _ in range(n)])[0]

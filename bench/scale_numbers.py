@@ -1,17 +1,19 @@
-"""``bench/scale.py --numbers``: the first save's global plan computed on the ranks' plans as
-numbers (``checkpoint/format/plannumbers.py``) at N simulated ranks.
+"""``bench/scale.py --numbers``: the CheckpointActor's first-save plan at N simulated ranks, with
+the ranks' plans sent as they are (``roles/planning.py``'s ``plan_to_send``): rank 0 its plan, every
+other rank its difference from it (``checkpoint/format/plannumbers.py``).
 
-Sampled ranks (0, 1, N/2, N-1) make their real local plans (``scale_ranks.local_plan``, DCP's
-planner) and are turned into numbers by ``PlanBook.add``, as the coordinator would on arrival.
-Every other rank's numbers are what its plan would give: rank 1's marks and own items (its RNG
-states, renamed for the rank) and its shards' offsets and sizes by ``Shard(0)``'s arithmetic,
-checked against the sampled ranks' real numbers. Then ``plan_on_numbers`` (dedup, indices,
-``Metadata``) and one rank's central plan expanded, timed, with the process's memory.
+Sampled ranks (1, N/2, N-1) make their differences from their real local plans
+(``scale_ranks.local_plan``, DCP's planner); every other rank's is rank 1's with its shards'
+offsets and sizes by ``Shard(0)``'s arithmetic (checked against the sampled ranks') and its own
+items (its RNG states) renamed for the rank. Then the actor's ``GatheredPlans``: each rank's
+arrival, then the global plan (DCP's dedup and global plan on the numbers, DCP's chunk check, each
+rank's ``CentralNumbers``), timed, with the sizes each way and the process's peak memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import resource
 import time
 from array import array
@@ -20,9 +22,8 @@ from typing import Any
 import numpy as np
 
 from bench.scale_ranks import MODELS, local_plan, template
-from raytrain_ckpt.checkpoint.format.plannumbers import PlanBook, PlanNumbers, central
-from raytrain_ckpt.checkpoint.format.plannumbers_global import plan_on_numbers
-from raytrain_ckpt.common.gcpause import collector_paused
+from raytrain_ckpt.checkpoint.format.plannumbers import PlanBook, SharedPlan, difference_from
+from raytrain_ckpt.checkpoint.roles.planning import GatheredPlans
 
 __all__ = ["numbers_lines", "numbers_row"]
 
@@ -57,46 +58,53 @@ def _numbers_of(book: PlanBook, n: int) -> np.ndarray:
 
 
 def numbers_row(spec: Any, model: str, n: int) -> dict[str, Any]:
+    """The CheckpointActor's whole first-save plan at ``n`` ranks, as the ranks send it: rank 0 its
+    plan (``SharedPlan``), every other rank its difference from it (``difference_from``). Sampled
+    ranks make theirs from their real plans; the others' are rank 1's, their shards' numbers by
+    ``Shard(0)``'s arithmetic (checked against the sampled ranks') and its own items renamed."""
     shape = template(spec, MODELS[model])
     sample = sorted({r for r in (0, 1, n // 2, n - 1) if 0 <= r < n})
-    book, pns = PlanBook(), [None] * n
+    plans = {r: local_plan(shape, r, n) for r in sample}
+    sent: list[Any] = [None] * n
+    sent[0] = SharedPlan(plans[0])
     t0 = time.perf_counter()
-    for r in sample:
-        pns[r] = book.add(local_plan(shape, r, n))
-    add_s = (time.perf_counter() - t0) / len(sample)  # (the plan's own making included)
+    for r in sample[1:]:
+        sent[r] = difference_from(plans[0], plans[r], 0)
+    rank_s = (time.perf_counter() - t0) / max(1, len(sample) - 1)
+    book = PlanBook()
+    book.add_base(plans[0])
     rows = _numbers_of(book, n)
-    for r in sample:  # the arithmetic is DTensor's: the sampled ranks' real numbers
-        assert np.array_equal(np.frombuffer(pns[r].numbers.tobytes(), dtype=np.int64), rows[r]), r
+    for r in sample[1:]:  # the arithmetic is DTensor's: the sampled ranks' real numbers
+        assert np.array_equal(np.frombuffer(sent[r].numbers.tobytes(), dtype=np.int64), rows[r]), r
+    wire = sum(len(pickle.dumps(sent[r], protocol=5)) for r in sample[1:]) / max(1, len(sample) - 1)
     if n > 1:
-        one = pns[1]
-        for r in range(n):
-            if pns[r] is not None:
+        one = sent[1]
+        for r in range(2, n):
+            if sent[r] is not None:
                 continue
             own = {p: dataclasses.replace(item, index=dataclasses.replace(
                 item.index, fqn=item.index.fqn.replace("rank1.", f"rank{r}."))) for p, item in one.own.items()}
             planner = {p: (_renamed(k, "rank1.", f"rank{r}."), _renamed(v, "rank1.", f"rank{r}."))
                        for p, (k, v) in one.planner.items()}
-            pns[r] = PlanNumbers(one.base, one.marks, array("q", rows[r].tobytes()), own, planner, None,
-                                 one.storage_data, one.usable)
-    held = sum(len(p.marks) + p.numbers.itemsize * len(p.numbers) for p in pns) / 1e6
+            sent[r] = dataclasses.replace(one, numbers=array("q", rows[r].tobytes()), own=own, planner=planner)
+    held = sum(len(p.marks) + p.numbers.itemsize * len(p.numbers) for p in sent[1:]) / 1e6
+    gathered = GatheredPlans()
     t0 = time.perf_counter()
-    with collector_paused():
-        got = plan_on_numbers(book, pns)
+    for r in range(n):
+        gathered.add(r, sent[r])
+    add_s = time.perf_counter() - t0
+    del plans, sent
+    t0 = time.perf_counter()
+    parts, metadata = gathered.build(n, spread=False)
     plan_s = time.perf_counter() - t0
-    assert got is not None
-    centrals, metadata = got
-    t0 = time.perf_counter()
-    with collector_paused():
-        mine = central(book, pns[n - 1], centrals[n - 1])
-    central_s = time.perf_counter() - t0
     chunks = sum(len(v.chunks) for v in metadata.state_dict_metadata.values() if hasattr(v, "chunks"))
-    items = sum(len(p.marks) for p in pns)
-    return {"model": model, "n": n, "items": items, "chunks": chunks, "add_s": add_s, "plan_s": plan_s,
-            "central_s": central_s, "central_items": len(mine.items), "held_mb": held, "peak_mb": _peak_mb()}
+    back = sum(len(pickle.dumps(parts[r], protocol=5)) for r in (0, n - 1)) / 2
+    return {"model": model, "n": n, "chunks": chunks, "rank_s": rank_s, "wire_kb": wire / 1e3, "held_mb": held,
+            "add_s": add_s, "plan_s": plan_s, "back_kb": back / 1e3, "peak_mb": _peak_mb()}
 
 
 def numbers_lines(r: dict[str, Any]) -> list[str]:
-    return [f"{r['items']} local-plan items as numbers ({r['held_mb']:.0f} MB of the process's peak for the "
-            f"ranks'); global plan on numbers {r['plan_s']:.2f} s ({r['chunks']} chunks in .metadata), one rank's "
-            f"central plan expanded in {r['central_s']:.3f} s ({r['central_items']} items); process peak "
+    return [f"a rank makes its difference in {r['rank_s']:.3f} s, {r['wire_kb']:.0f} KB to the actor; the actor "
+            f"takes them all in {r['add_s']:.2f} s ({r['held_mb']:.0f} MB held) and plans in {r['plan_s']:.2f} s "
+            f"({r['chunks']} chunks in .metadata), {r['back_kb']:.0f} KB back to a rank; process peak "
             f"{r['peak_mb']:.0f} MB"]

@@ -248,7 +248,8 @@ class CentralPlan:
     """A rank's part of the global save plan, and the plan's id (its cached metadata)."""
 
     plan: Any
-    """DCP's ``SavePlan``."""
+    """``CentralNumbers`` (``format/plannumbers.py``), or DCP's central ``SavePlan`` itself where
+    DCP's planner made the plan: ``plannumbers.own_central`` gives the rank its ``SavePlan``."""
     plan_id: str
 
 

@@ -58,3 +58,52 @@ def test_a_simulated_rank_plans_what_a_real_rank_plans() -> None:
         assert simulated == real[rank]
     sizes = {i.tensor_data.chunk.sizes[0] for p in real for i in p.items if i.index.fqn == "model.output.weight"}
     assert sizes == {128, 127}, sizes  # vocab 255 over 2 ranks: the shards really are uneven
+
+
+def sent_plan(spec_json: str) -> bytes:
+    """What a real rank's checkpoint client sends the coordinator of its first save's plan
+    (``planning.plan_to_send``: one broadcast of rank 0's plan over the real process
+    group), and the local plan it stands for."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from raytrain_ckpt.checkpoint.recovery.state import app_state
+    from raytrain_ckpt.checkpoint.roles.planning import plan_to_send
+    from raytrain_ckpt.rank.trainer import Trainer
+    from raytrain_ckpt.spec import JobSpec
+
+    torch.set_num_threads(1)
+    trainer = Trainer(JobSpec.model_validate_json(spec_json), torch.device("cpu"))
+    trainer.train_step()
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(app_state(trainer), is_coordinator=dist.get_rank() == 0)
+    local, sent = plan_to_send(planner.create_local_plan, dist.get_rank(), torch.device("cpu"))
+    return pickle.dumps((sent, local))
+
+
+def test_real_ranks_send_their_plans_as_differences_and_get_dcps_global_plan() -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from raytrain_ckpt.checkpoint.format.planchecks import global_plan
+    from raytrain_ckpt.checkpoint.format.plannumbers import PlanNumbers, SharedPlan, own_central
+    from raytrain_ckpt.checkpoint.roles.planning import GatheredPlans
+
+    world = 4
+    spec = _spec("model.overrides.dim=96", "model.overrides.n_heads=2", "model.overrides.n_kv_heads=1",
+                 "model.overrides.ffn_dim=200", "model.overrides.vocab_size=255", "training.global_batch_size=8",
+                 "resources.num_workers=4", "parallelism.dp_shard=4")
+    got = [pickle.loads(b) for b in run_ranks(sent_plan, world, spec.model_dump_json())]
+    sent, local = [g[0] for g in got], [g[1] for g in got]
+    assert isinstance(sent[0], SharedPlan) and all(isinstance(s, PlanNumbers) and s.against == 0 for s in sent[1:])
+    assert all(len(pickle.dumps(s)) * 3 < len(pickle.dumps(p)) for s, p in zip(sent[1:], local[1:]))
+    gathered = GatheredPlans()
+    for r in (2, 0, 3, 1):
+        gathered.add(r, sent[r])
+    parts, metadata = gathered.build(world, False)
+    want, want_metadata = global_plan(local)
+    want = FileSystemWriter("/unused").prepare_global_plan([p.__class__(p.items, p.storage_data, None, p.usable)
+                                                            for p in want])
+    assert metadata == want_metadata
+    for r in range(world):
+        assert own_central(parts[r], local[r]) == want[r]
+        assert [i.index.index for i in own_central(parts[r], local[r]).items] == [i.index.index for i in want[r].items]

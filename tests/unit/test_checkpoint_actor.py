@@ -15,6 +15,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from raytrain_ckpt.checkpoint.format.plannumbers import own_central
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
@@ -36,8 +37,9 @@ async def _save(actor: CheckpointActor, step: int, attempt: int = 0) -> str:
     state = {"w": torch.arange(64.0) + step, "step": step}
     planner = DefaultSavePlanner()
     planner.set_up_planner(state, is_coordinator=True)
-    central = await actor.plan(attempt, step, 0, planner.create_local_plan(), timeout_s=5)
-    plan_id, plan = central.plan_id, planner.finish_plan(central.plan)
+    local = planner.create_local_plan()
+    central = await actor.plan(attempt, step, 0, local, timeout_s=5)
+    plan_id, plan = central.plan_id, planner.finish_plan(own_central(central.plan, local))
     tmp = Path(await actor.accepted(step, 0, attempt))
     writer = FileSystemWriter(tmp, sync_files=False)
     writer.set_up_storage_writer(False, rank=0)

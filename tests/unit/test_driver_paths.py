@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from raytrain_ckpt.checkpoint.format.plannumbers import own_central
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -128,11 +130,12 @@ def test_a_final_save_that_commits_in_the_settle_is_in_the_job_result_and_passes
     async def hand_off() -> RankReport:  # plan, hand off and write step 4; its report comes later
         state, planner = {"w": torch.arange(64.0), "step": 4}, DefaultSavePlanner()
         planner.set_up_planner(state, is_coordinator=True)
-        central = await actor.plan(0, 4, 0, planner.create_local_plan(), timeout_s=5)
+        local = planner.create_local_plan()
+        central = await actor.plan(0, 4, 0, local, timeout_s=5)
         tmp = Path(await actor.accepted(4, 0, 0))
         writer = FileSystemWriter(tmp, sync_files=False)
         writer.set_up_storage_writer(False, rank=0)
-        results = writer.write_data(planner.finish_plan(central.plan), planner).wait()
+        results = writer.write_data(planner.finish_plan(own_central(central.plan, local)), planner).wait()
         files = {p.name: {"size": p.stat().st_size, "crc32": zlib.crc32(p.read_bytes())} for p in tmp.iterdir()}
         return RankReport(4, 0, 0, central.plan_id, results, files)
 

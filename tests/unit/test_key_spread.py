@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from bench.scale_ranks import local_plan, template, write_results
+from raytrain_ckpt.checkpoint.format.plannumbers import own_central
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.format.metadata import SafeLoadPlanner, load_metadata, safe_reader
@@ -52,7 +53,7 @@ def _save(root: str, plans: list) -> CheckpointActor:
         for r in range(N):
             await actor.accepted(10, r, 0, None)
         for r in range(N):
-            results = write_results(centrals[r].plan, 10)
+            results = write_results(own_central(centrals[r].plan, plans[r]), 10)
             name = results[0].storage_data.relative_path
             size = results[-1].storage_data.offset + results[-1].storage_data.length
             data = b"\0" * size

@@ -9,6 +9,7 @@ rows at 48), replicas holding equal shards (HSDP: every shard deduplicated), and
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
@@ -84,3 +85,100 @@ def test_a_tensor_sharded_at_two_places_is_left_to_dcps_planner(shape) -> None:
     pns = [book.add(local_plan(shape, 0, 2)), book.add(dataclasses.replace(one, items=one.items[:-1]))]
     assert len(book.bases) == 2  # a plan of another length: a base of its own, naming the same tensors
     assert plan_on_numbers(book, pns) is None
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_each_rank_makes_from_its_own_plan_the_central_plan_the_coordinator_made_before(shape, spread: bool) -> None:
+    """What the coordinator sends back (``GatheredPlans``: the plans added in any order, the first
+    to arrive a base) and the rank's own local plan give the central plan of DCP's planner with the
+    planner data left out and the storage prefix DCP's writer (and, on an object store,
+    ``spread_names``) gives it."""
+    import random
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from raytrain_ckpt.checkpoint.format.plannumbers import own_central
+    from raytrain_ckpt.checkpoint.roles.planning import GatheredPlans
+    from raytrain_ckpt.checkpoint.storage.dcp import spread_names
+
+    world = 6
+    plans = [local_plan(shape, r, world) for r in range(world)]
+    gathered = GatheredPlans()
+    for r in random.Random(7).sample(range(world), world):
+        gathered.add(r, plans[r])
+    parts, metadata = gathered.build(world, spread)
+    want, want_metadata = global_plan(plans)
+    want = FileSystemWriter("/unused").prepare_global_plan([dataclasses.replace(p, planner_data=None) for p in want])
+    want = spread_names(want) if spread else want
+    assert metadata == want_metadata
+    for r in range(world):
+        mine = own_central(parts[r], plans[r])
+        assert mine == want[r] and mine.storage_data == want[r].storage_data and mine.planner_data is None
+        assert [i.index.index for i in mine.items] == [i.index.index for i in want[r].items]
+        assert len(pickle.dumps(parts[r])) * 10 < len(pickle.dumps(want[r]))  # numbers, not the plan
+
+
+def test_a_plan_dcps_check_refuses_is_refused_with_dcps_error(shape) -> None:
+    from raytrain_ckpt.checkpoint.roles.planning import GatheredPlans
+
+    plans = [local_plan(shape, r, 2) for r in range(2)]
+    plans[1] = local_plan(shape, 0, 2)  # two ranks writing the same shards: rows 0.. twice, the rest never
+    plans[1] = dataclasses.replace(plans[1], items=[i for i in plans[1].items if i.type == WriteItemType.SHARD])
+    with pytest.raises(ValueError, match="Failed to validate global plan"):
+        global_plan(plans)
+    gathered = GatheredPlans()
+    for r in range(2):
+        gathered.add(r, plans[r])
+    with pytest.raises(ValueError, match="Failed to validate global plan"):
+        gathered.build(2, False)
+
+
+@pytest.mark.parametrize("order", ["rank 0 first", "rank 0 last"])
+def test_ranks_sending_their_differences_from_rank_0s_plan_get_dcps_plan(shape, order: str) -> None:
+    """The wire form: rank 0 sends its plan, every other rank its difference from it
+    (``difference_from``, rank 0's plan shared by a broadcast), or its whole plan where that is no
+    smaller (a pipeline stage's); the coordinator's plan equals DCP's on the whole plans."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from raytrain_ckpt.checkpoint.format.plannumbers import SharedPlan, difference_from, own_central
+    from raytrain_ckpt.checkpoint.roles.planning import GatheredPlans
+
+    stage0 = [local_plan(shape, r, 2) for r in range(2)]
+    stage1 = [_renamed(local_plan(shape, r, 2), "s1.") for r in range(2)]
+    plans = [stage0[0], stage0[1], stage1[0], stage1[1]]
+    sent = [SharedPlan(plans[0])] + [difference_from(plans[0], p, 0) or p for p in plans[1:]]
+    assert [type(s).__name__ for s in sent] == ["SharedPlan", "PlanNumbers", "SavePlan", "SavePlan"]
+    assert len(pickle.dumps(sent[1])) * 3 < len(pickle.dumps(plans[1]))
+    gathered = GatheredPlans()
+    arrival = list(range(4)) if order == "rank 0 first" else [3, 1, 2, 0]
+    for r in arrival:
+        gathered.add(r, pickle.loads(pickle.dumps(sent[r])))  # as the actor gets them: unpickled
+    parts, metadata = gathered.build(4, False)
+    want, want_metadata = global_plan(plans)
+    want = FileSystemWriter("/unused").prepare_global_plan([dataclasses.replace(p, planner_data=None) for p in want])
+    assert metadata == want_metadata and list(metadata.state_dict_metadata) == list(want_metadata.state_dict_metadata)
+    for r in range(4):
+        mine = own_central(parts[r], plans[r])
+        assert mine == want[r] and [i.index.index for i in mine.items] == [i.index.index for i in want[r].items]
+
+
+def test_a_difference_that_does_not_fit_rank_0s_plan_is_refused(shape) -> None:
+    from raytrain_ckpt.checkpoint.format.plannumbers import OWN, SharedPlan, difference_from
+    from raytrain_ckpt.checkpoint.roles.planning import GatheredPlans
+
+    plans = [local_plan(shape, r, 2) for r in range(2)]
+    diff = difference_from(plans[0], plans[1], 0)
+    bad = [dataclasses.replace(diff, marks=diff.marks[:-1]),  # another length
+           dataclasses.replace(diff, marks=bytes([OWN]) + diff.marks[1:]),  # an own item it does not carry
+           dataclasses.replace(diff, marks=bytes([9]) + diff.marks[1:])]  # no such mark
+    for d in bad:
+        gathered = GatheredPlans()
+        gathered.add(0, SharedPlan(plans[0]))
+        gathered.add(1, d)
+        with pytest.raises(ValueError, match="does not fit that plan"):
+            gathered.build(2, False)
+    gathered = GatheredPlans()  # rank 0 sent its plan, but not as the plan its group shares
+    gathered.add(0, plans[0])
+    gathered.add(1, diff)
+    with pytest.raises(ValueError, match="which that rank did not send"):
+        gathered.build(2, False)

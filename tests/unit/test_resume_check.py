@@ -21,6 +21,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from raytrain_ckpt.checkpoint.format.plannumbers import own_central
 from raytrain_ckpt.checkpoint.format import sandbox, scancache
 from raytrain_ckpt.checkpoint.format.manifest import describe_file
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
@@ -66,7 +67,7 @@ def _save(actor: CheckpointActor, step: int, cut: int = 0, plans: dict | None = 
         central = (plans or {}).get("central") or await actor.plan(0, step, 0, local, timeout_s=5)
         if plans is not None:
             plans["central"] = central
-        plan = planner.finish_plan(central.plan)
+        plan = planner.finish_plan(own_central(central.plan, local))
         tmp = Path(await actor.accepted(step, 0, 0))
         writer = FileSystemWriter(tmp, sync_files=False)
         writer.set_up_storage_writer(False, rank=0)

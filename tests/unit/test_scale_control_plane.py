@@ -20,11 +20,12 @@ import pytest
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from bench.scale_ranks import local_plan, template, write_results
+from raytrain_ckpt.checkpoint.format.plannumbers import own_central
 from raytrain_ckpt.observe import metrics
 from raytrain_ckpt.checkpoint.errors import StepAborted
 from raytrain_ckpt.checkpoint.format.metadata import read_metadata
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
-from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport, StepPhase
+from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, RankReport, StepPhase
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
 from raytrain_ckpt.checkpoint.roles.repeats import RESEND, SentResults
 from raytrain_ckpt.models.config import PRESETS
@@ -66,6 +67,11 @@ async def _hand_off(actor: CheckpointActor, step: int, centrals: list, skip: set
     return tmp, outcomes
 
 
+def _made(centrals: list, plans: list) -> list:
+    """Each rank's central plan made from its own local plan, as the rank makes it."""
+    return [CentralPlan(own_central(c.plan, plans[r]), c.plan_id) for r, c in enumerate(centrals)]
+
+
 def _written(tmp: str, central, rank: int, step: int, attempt: int = 0) -> RankReport:
     """Rank ``rank``'s file of ``step`` in ``tmp`` (sparse, of the size its results name) and the
     report its writer sends for it."""
@@ -85,7 +91,7 @@ def test_one_missing_report_of_many_ranks_still_aborts_the_step(tmp_path: Path, 
     sent = SentResults()
 
     async def scenario() -> None:
-        centrals = await asyncio.gather(*(actor.plan(0, 10, r, plans[r], 30) for r in range(N)))
+        centrals = _made(await asyncio.gather(*(actor.plan(0, 10, r, plans[r], 30) for r in range(N))), plans)
         assert (await _hand_off(actor, 10, centrals, set(), sent))[1] == ["pending"] * (N - 1) + ["committed"]
         # The next save of the attempt reuses the plan and its results: every writer sends a
         # digest alone; rank 17's report never comes.
@@ -129,7 +135,7 @@ def _saves(root: Path, plans: list, steps: list[int], reuse: bool) -> Checkpoint
     sent = SentResults()
 
     async def scenario() -> None:
-        centrals = await asyncio.gather(*(actor.plan(0, steps[0], r, plans[r], 30) for r in range(N)))
+        centrals = _made(await asyncio.gather(*(actor.plan(0, steps[0], r, plans[r], 30) for r in range(N))), plans)
         for step in steps:
             if not reuse:
                 actor.coordinator.repeats.built.clear()
@@ -169,7 +175,7 @@ def test_changed_results_or_a_new_plan_rebuild_the_metadata(tmp_path: Path, plan
     sent = SentResults()
 
     async def next_attempt() -> None:
-        centrals = await asyncio.gather(*(actor.plan(1, 110, r, plans[r], 30) for r in range(N)))
+        centrals = _made(await asyncio.gather(*(actor.plan(1, 110, r, plans[r], 30) for r in range(N))), plans)
         assert centrals[0].plan_id != "0.10"
         assert (await _hand_off(actor, 110, centrals, set(), sent, attempt=1))[1][-1] == "committed"
         assert all(_digest_only(sent, r, centrals[r].plan_id, 110, centrals[r].plan) for r in range(N))
@@ -185,7 +191,7 @@ def test_a_digest_the_actor_does_not_hold_is_sent_again_in_full(tmp_path: Path, 
     asyncio.run(actor.configure(GroupLayout(N, N, "h", None)))
 
     async def scenario() -> None:
-        centrals = await asyncio.gather(*(actor.plan(0, 10, r, plans[r], 30) for r in range(N)))
+        centrals = _made(await asyncio.gather(*(actor.plan(0, 10, r, plans[r], 30) for r in range(N))), plans)
         await actor.open_step(10, 0)
         # A report by digest with no earlier full report (as from a writer that outlived an actor's
         # state): answered RESEND, the step still in flight, nothing recorded for the rank.
@@ -226,7 +232,7 @@ def test_a_save_in_flight_through_a_restart_of_the_actor_commits(tmp_path: Path,
     sent, answers = SentResults(), []
 
     async def planned() -> list:
-        return await asyncio.gather(*(first.plan(0, 10, r, plans[r], 30) for r in range(N)))
+        return _made(await asyncio.gather(*(first.plan(0, 10, r, plans[r], 30) for r in range(N))), plans)
 
     centrals = asyncio.run(planned())
     _report_all(first, 10, centrals, sent, answers)
@@ -253,7 +259,7 @@ def test_a_restarted_actor_aborts_a_plan_no_committed_step_has(tmp_path: Path, p
     asyncio.run(first.configure(GroupLayout(N, N, "h", None)))
 
     async def planned() -> list:
-        return await asyncio.gather(*(first.plan(0, 10, r, plans[r], 30) for r in range(N)))
+        return _made(await asyncio.gather(*(first.plan(0, 10, r, plans[r], 30) for r in range(N))), plans)
 
     centrals = asyncio.run(planned())
     again = CheckpointActor(str(tmp_path), RetentionPolicy(None))   # restarted before step 10 committed
@@ -284,7 +290,7 @@ def test_a_gather_outlives_neither_its_ranks_nor_a_failed_plan(tmp_path: Path, p
         assert all(isinstance(o, StepAborted) and "only ranks [0, 1] of 32" in str(o) for o in outcomes), outcomes
         assert coordinator._gathers == {} and coordinator.planning() == []
         # attempt 1: every rank plans; each takes its plan and the gather is gone
-        centrals = await asyncio.gather(*(actor.plan(1, 20, r, plans[r], 30) for r in range(N)))
+        centrals = _made(await asyncio.gather(*(actor.plan(1, 20, r, plans[r], 30) for r in range(N))), plans)
         assert coordinator._gathers == {} and coordinator.planning() == []
         assert all(c.plan.planner_data is None for c in centrals)
         assert coordinator._metadata[centrals[0].plan_id].planner_data  # the flattened keys' paths, kept once

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from raytrain_ckpt.checkpoint.format.chunks import _overlap, _overlap_by_sweep
 from raytrain_ckpt.common.gcpause import collector_paused
 
-__all__ = ["LinearCheckPlanner", "global_plan", "plan_problems"]
+__all__ = ["LinearCheckPlanner", "check_global_plan", "global_plan", "plan_problems"]
 
 
 def plan_problems(global_plan: list[SavePlan], metadata: Metadata) -> list[str]:
@@ -113,12 +113,17 @@ class LinearCheckPlanner(DefaultSavePlanner):
         if self.flatten_state_dict:
             merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
             metadata = dataclasses.replace(metadata, planner_data=merged)
-        problems = plan_problems(global_plan, metadata)
-        if problems:
-            summary = "; ".join(problems)
-            raise ValueError(f"Failed to validate global plan: {summary[:500]}"
-                             + ("... (truncated)" if len(summary) > 500 else ""))
+        check_global_plan(global_plan, metadata)
         return global_plan, metadata
+
+
+def check_global_plan(global_plan: list, metadata: Metadata) -> None:
+    """Raise DCP's error for what ``plan_problems`` finds (``global_plan``: one entry per rank)."""
+    problems = plan_problems(global_plan, metadata)
+    if problems:
+        summary = "; ".join(problems)
+        raise ValueError(f"Failed to validate global plan: {summary[:500]}"
+                         + ("... (truncated)" if len(summary) > 500 else ""))
 
 
 def global_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:

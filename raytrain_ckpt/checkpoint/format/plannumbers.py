@@ -34,10 +34,13 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    MetadataIndex, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["Central", "PlanBook", "PlanNumbers", "central", "planner_of"]
+__all__ = ["Central", "CentralNumbers", "PlanBook", "PlanNumbers", "SHARED", "SharedPlan", "apply_central", "central", "difference_from", "own_central", "planner_of", "wire_central"]
 
 SAME, NUMBERS, OWN = 1, 2, 0
 """Marks: the base's item; the base's shard with offsets and sizes of its own; an item of its own."""
+
+SHARED = -1
+"""``PlanNumbers.base`` of a rank's difference from its process group's shared plan (``against``)."""
 
 MAX_BASES = 64
 """Plans kept whole as bases (one per pipeline stage, say); beyond, a plan's items are its own."""
@@ -51,6 +54,13 @@ class _Base:
     """Positions of the base's shard items, in order; the numbers of a rank hold 2 x ndim per position."""
     width: list[int]
     """Per shard position, where its numbers start (the last entry: the row's width)."""
+
+    @property
+    def shard_mask(self) -> np.ndarray:
+        """Per item: whether it is one of the base's shard items."""
+        mask = np.zeros(len(self.plan.items), dtype=bool)
+        mask[self.shard_at] = True
+        return mask
 
 
 @dataclass
@@ -67,6 +77,16 @@ class PlanNumbers:
     planner_full: Any = None
     storage_data: Any = None
     usable: bool = True
+    against: int = -1
+    """For a difference a rank sent (base ``SHARED``): the rank whose plan it is from."""
+
+
+@dataclass(frozen=True)
+class SharedPlan:
+    """A rank's local plan that the other ranks of its process group got by a broadcast and sent
+    their differences from (``difference_from``): the coordinator keeps it whole."""
+
+    plan: SavePlan
 
 
 class PlanBook:
@@ -79,18 +99,38 @@ class PlanBook:
         """``plan`` as numbers against the first base it matches closely, else as a new base."""
         for i, base in enumerate(self.bases):
             if len(base.plan.items) == len(plan.items):
-                got = _difference(i, base, plan)
-                if len(got.own) * 8 <= len(plan.items):
+                got = _difference(i, base, plan, len(plan.items) // 8)
+                if got is not None:
                     return got
-        if len(self.bases) >= MAX_BASES and self.bases:
-            return _difference(0, self.bases[0], plan)
+        if len(self.bases) >= MAX_BASES:
+            got = _difference(0, self.bases[0], plan, None)
+            assert got is not None
+            return got
+        return self.add_base(plan)
+
+    def add_base(self, plan: SavePlan) -> PlanNumbers:
+        """``plan`` as a base of its own (rank 0's, which the other ranks' differences name)."""
         shard_at = [p for p, item in enumerate(plan.items) if item.type == WriteItemType.SHARD]
         width = [0]
         for p in shard_at:
             width.append(width[-1] + 2 * len(plan.items[p].tensor_data.size))
         keys = list(plan.planner_data) if isinstance(plan.planner_data, dict) else []
         self.bases.append(_Base(plan, keys, shard_at, width))
-        return _difference(len(self.bases) - 1, self.bases[-1], plan)
+        got = _difference(len(self.bases) - 1, self.bases[-1], plan, None)
+        assert got is not None
+        return got
+
+    def resolve(self, pn: PlanNumbers, base: int) -> PlanNumbers:
+        """A rank's difference from a shared plan (``difference_from``), that plan being base
+        ``base`` here; ValueError if it does not fit that base."""
+        b = self.bases[base]
+        marks = np.frombuffer(pn.marks, dtype=np.uint8)
+        if (len(marks) != len(b.plan.items) or len(pn.numbers) != b.width[-1] or (len(marks) and marks.max() > NUMBERS)
+                or int((marks == OWN).sum()) != len(pn.own) or any(not 0 <= p < len(marks) or marks[p] != OWN for p in pn.own)
+                or bool(((marks == NUMBERS) & ~b.shard_mask).any())
+                or (pn.planner is not None and any(not 0 <= p < len(b.keys) for p in pn.planner))):
+            raise ValueError(f"a rank's plan, sent as its difference from rank {pn.against}'s, does not fit that plan")
+        return dataclasses.replace(pn, base=base)
 
     def expand(self, pn: PlanNumbers) -> SavePlan:
         """The local plan ``pn`` stands for, equal to the one added."""
@@ -99,7 +139,8 @@ class PlanBook:
         return SavePlan(items, pn.storage_data, planner_of(base, pn), pn.usable)
 
 
-def _difference(b: int, base: _Base, plan: SavePlan) -> PlanNumbers:
+def _difference(b: int, base: _Base, plan: SavePlan, limit: int | None) -> PlanNumbers | None:
+    """``plan`` against ``base``; None once more than ``limit`` of its items are its own."""
     marks, own = bytearray(len(plan.items)), {}
     numbers = array("q", bytes(8 * base.width[-1]))
     s = 0
@@ -117,6 +158,8 @@ def _difference(b: int, base: _Base, plan: SavePlan) -> PlanNumbers:
             _put(numbers, at, item)
         else:
             own[p] = item
+            if limit is not None and len(own) > limit:
+                return None
             if shard:
                 _put(numbers, at, ref)
     planner, full = _planner_difference(base, plan.planner_data)
@@ -206,3 +249,64 @@ def central(book: PlanBook, pn: PlanNumbers, c: Central) -> SavePlan:
         items.append(item)
     return SavePlan(items, pn.storage_data, planner_of(base, pn), pn.usable)
 
+
+
+@dataclass(frozen=True)
+class CentralNumbers:
+    """What a rank needs of the global plan to make its central plan from its own local plan:
+    which of its items it writes, the chunk index of each tensor item it writes (in order), and
+    its storage prefix. About 30 KB a rank of 70B, against 9 MB for the central plan itself."""
+
+    keep: bytes
+    indices: array
+    storage_data: Any
+
+
+def wire_central(book: PlanBook, pn: PlanNumbers, c: Central, storage_data: Any) -> CentralNumbers:
+    """Rank's ``CentralNumbers`` from its ``Central`` (see ``apply_central``)."""
+    base = book.bases[pn.base]
+    keep = np.frombuffer(c.keep, dtype=np.uint8).astype(bool)
+    marks = np.frombuffer(pn.marks, dtype=np.uint8)
+    at = np.asarray(base.shard_at, dtype=np.int64)
+    mine = keep[at] & (marks[at] != OWN) if len(at) else np.zeros(0, dtype=bool)
+    pos = np.concatenate([at[mine], np.asarray([p for p in c.index if keep[p]], dtype=np.int64)])
+    val = np.concatenate([np.asarray(c.shard_index, dtype=np.int64)[mine],
+                          np.asarray([c.index[p] for p in c.index if keep[p]], dtype=np.int64)])
+    indices = array("q", val[np.argsort(pos, kind="stable")].tobytes())
+    return CentralNumbers(c.keep, indices, storage_data)
+
+
+def apply_central(local: SavePlan, cn: CentralNumbers) -> SavePlan:
+    """The rank's central plan, as the coordinator's global plan has it (planner data left out,
+    ``storage_data`` the prefix it was given), from its own local plan."""
+    if len(cn.keep) != len(local.items):
+        raise ValueError(f"a central plan of {len(cn.keep)} items for a local plan of {len(local.items)}")
+    items, it = [], iter(cn.indices)
+    for item, keep in zip(local.items, cn.keep):
+        if not keep:
+            continue
+        if item.type != WriteItemType.BYTE_IO:
+            item = dataclasses.replace(item, index=dataclasses.replace(item.index, index=next(it)))
+        items.append(item)
+    if next(it, None) is not None:
+        raise ValueError("a central plan with more chunk indices than the local plan has tensor items")
+    return dataclasses.replace(local, items=items, storage_data=cn.storage_data, planner_data=None)
+
+
+def own_central(part: Any, local: SavePlan) -> SavePlan:
+    """A rank's central ``SavePlan`` from what the coordinator sent back (``CentralNumbers``, or
+    the plan itself where DCP's planner made it) and the local plan the rank sent."""
+    return apply_central(local, part) if isinstance(part, CentralNumbers) else part
+
+
+def difference_from(shared: SavePlan, plan: SavePlan, against: int) -> PlanNumbers | None:
+    """What a rank sends in place of its local plan: its difference from ``shared``, rank
+    ``against``'s plan, which the ranks of its process group got by one broadcast; None when that
+    is no smaller (another length, more than an eighth of its items its own: another pipeline
+    stage's plan, say)."""
+    if len(shared.items) != len(plan.items):
+        return None
+    book = PlanBook()
+    book.add_base(shared)
+    got = _difference(0, book.bases[0], plan, len(plan.items) // 8)
+    return None if got is None else dataclasses.replace(got, base=SHARED, against=against)

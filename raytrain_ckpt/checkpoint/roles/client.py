@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
+from raytrain_ckpt.checkpoint.format.plannumbers import own_central
+from raytrain_ckpt.checkpoint.roles.planning import plan_to_send
 from raytrain_ckpt.checkpoint.records import PersistRequest, TrainingPoint
 from raytrain_ckpt.checkpoint.roles.client_asks import ClientAsks
 from raytrain_ckpt.checkpoint.roles.names import call_restarting
@@ -341,12 +343,12 @@ class CheckpointClient:
         if not self._any_rank(self._replan or self._layout is None or self._layout.key != key):
             assert self._layout is not None
             return self._layout
-        local = self._planner.create_local_plan()
+        local, sent = plan_to_send(self._planner.create_local_plan, self.rank, self.device)  # a broadcast
         central = call_restarting(
-            lambda: self.actor.plan.remote(self.attempt, step, self.rank, local, self.cfg.commit_timeout_s),
+            lambda: self.actor.plan.remote(self.attempt, step, self.rank, sent, self.cfg.commit_timeout_s),
             RESTART_WAIT_S)
         plan_id = central.plan_id
-        plan = self._planner.finish_plan(central.plan)
+        plan = self._planner.finish_plan(own_central(central.plan, local))  # from its own items (``plannumbers.py``)
         paths = [call_restarting(lambda c=c: self.writer.allocate.remote(self.rank, self.attempt, nbytes, c),
                                  RESTART_WAIT_S) for c in range(self.cfg.memory_copies)]
         if self._layout is not None:  # before mapping: closing any fd of the file would drop it anyway

@@ -12,13 +12,12 @@ registry's.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
@@ -28,10 +27,9 @@ from raytrain_ckpt.checkpoint.errors import StepAborted
 from raytrain_ckpt.checkpoint.roles.metadatafile import MetadataFiles
 from raytrain_ckpt.checkpoint.roles.repeats import RESEND, ResultsCache, committed_plan, copy_metadata
 from raytrain_ckpt.checkpoint.roles.steps import InFlightStep, StepRegistry
-from raytrain_ckpt.checkpoint.storage.dcp import spread_names
 from raytrain_ckpt.checkpoint.format.fingerprints import merge_shard_sums
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
-from raytrain_ckpt.checkpoint.format.planchecks import global_plan
+from raytrain_ckpt.checkpoint.roles.planning import GatheredPlans
 from raytrain_ckpt.checkpoint.storage.layout import CheckpointLayout
 from raytrain_ckpt.common.faults import maybe_inject
 from raytrain_ckpt.checkpoint.roles.metrics import CheckpointMetrics
@@ -43,10 +41,11 @@ __all__ = ["SaveCoordinator"]
 
 @dataclass
 class _Gather:
-    plans: dict[int, SavePlan] = field(default_factory=dict)
+    plans: GatheredPlans = field(default_factory=GatheredPlans)
     arrived: set[int] = field(default_factory=set)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
-    central: list[SavePlan] | None = None
+    central: list[Any] | None = None
+    """Per rank: its ``CentralNumbers`` (or its central ``SavePlan``, when DCP's planner planned)."""
     taken: set[int] = field(default_factory=set)
     """Ranks that took their central plan: once all have, the gather is dropped."""
     plan_id: str = ""
@@ -89,18 +88,15 @@ class SaveCoordinator:
             assert done.central is not None
             return CentralPlan(done.central[rank], done.plan_id)
         g = self._gathers.setdefault(key, _Gather())
-        g.plans[rank] = local_plan
+        g.plans.add(rank, local_plan)  # kept as numbers (``planning.py``)
         g.arrived.add(rank)
         del local_plan  # this call's frame waits below: it must not keep the rank's plan alive
         if len(g.plans) == world and g.central is None:
-            # DCP's planner, its chunk check O(n log n) instead of pairwise (``planchecks.py``)
-            central, metadata = global_plan([g.plans[r] for r in range(world)])
-            # The ranks write from their plan's items and prefix; its planner data (the flattened
-            # keys' paths, as many as the rank's items) is in the metadata now, not sent back.
-            central = [dataclasses.replace(p, planner_data=None) for p in central]
-            g.central = FileSystemWriter(self.layout.root).prepare_global_plan(central)
-            if not self.layout.protocol.renames:  # an object store: keys spread over its ranges
-                g.central = spread_names(g.central)
+            # DCP's global plan on the ranks' numbers (or DCP's planner, its chunk check O(n log n)
+            # instead of pairwise). The ranks write from their plan's items and prefix; its planner
+            # data (the flattened keys' paths) is in the metadata, not sent back. On an object store
+            # the file names spread over its key ranges (``spread_names``).
+            g.central, metadata = g.plans.build(world, spread=not self.layout.protocol.renames)
             g.plan_id = f"{attempt}.{step}"
             self._metadata[g.plan_id] = metadata
             self.repeats.keep_only(g.plan_id)
@@ -110,7 +106,7 @@ class SaveCoordinator:
         try:
             await asyncio.wait_for(g.ready.wait(), timeout_s)
         except asyncio.TimeoutError:
-            g.plans.pop(rank, None)
+            g.plans.pop(rank)
             if not g.plans and self._gathers.get(key) is g:  # the last one waiting: nobody will finish it
                 del self._gathers[key]
             raise StepAborted(f"save planning: only ranks {sorted(g.arrived)} of {world} arrived "

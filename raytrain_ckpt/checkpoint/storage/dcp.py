@@ -24,7 +24,7 @@ from raytrain_ckpt.checkpoint.format.names import Location
 from raytrain_ckpt.common.locations import is_uri
 from raytrain_ckpt.checkpoint.storage.objects import checksummed_upload
 
-__all__ = ["UploadingWriter", "dcp_writer", "key_spread", "spread_names"]
+__all__ = ["UploadingWriter", "dcp_writer", "key_spread", "rank_prefix", "spread_names"]
 
 
 def key_spread(rank: int) -> str:
@@ -42,6 +42,14 @@ def spread_names(plans: list[SavePlan]) -> list[SavePlan]:
     directory: the commit and every reader (DCP's included, by ``.metadata``) take them as they are."""
     return [dataclasses.replace(p, storage_data=_StoragePrefix(f"{key_spread(i)}__{i}_"))
             for i, p in enumerate(plans)]
+
+
+def rank_prefix(rank: int, storage_data: Any, spread: bool) -> Any:
+    """Rank ``rank``'s central plan's ``storage_data``, as ``FileSystemWriter.prepare_global_plan``
+    (a plan's own, else ``__<rank>_``) and then, on an object store, ``spread_names`` give it."""
+    if spread:
+        return _StoragePrefix(f"{key_spread(rank)}__{rank}_")
+    return _StoragePrefix(f"__{rank}_") if storage_data is None else storage_data
 
 
 def dcp_writer(path: Location, options: dict[str, Any] | None = None, threads: int = 1) -> FileSystemWriter:
