@@ -73,7 +73,7 @@ sys.path.insert(0, str(REPO))
 from bench.scale_numbers import numbers_lines, numbers_row  # noqa: E402
 from bench.scale_ranks import MODELS, local_plan, template, write_results  # noqa: E402
 
-from raytrain_ckpt.checkpoint.format.plannumbers import difference_from, own_central
+from raytrain_ckpt.checkpoint.format.plannumbers import SharedPlan, difference_from, own_central
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy  # noqa: E402
 from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, RankReport, TrainingPoint  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor  # noqa: E402
@@ -153,10 +153,13 @@ async def _save(actor: CheckpointActor, n: int, step: int, attempt: int, central
 
 async def _plan(actor: CheckpointActor, n: int, step: int, attempt: int, plans: list[Any],
                 calls: _Calls) -> tuple[list[Any], float]:
+    # What each rank sends (``planning.plan_to_send``, made on the ranks in parallel: not timed):
+    # rank 0 its plan, shared with the others by a broadcast; each other rank its difference from it.
+    sent = [SharedPlan(plans[0])] + [difference_from(plans[0], p, 0) or p for p in plans[1:]]
     for rank in range(n):
-        calls.add("plan", attempt, step, rank, plans[rank], 600.0)
+        calls.add("plan", attempt, step, rank, sent[rank], 600.0)
     t0 = time.perf_counter()
-    centrals = await asyncio.gather(*(actor.plan(attempt, step, r, plans[r], 600.0) for r in range(n)))
+    centrals = await asyncio.gather(*(actor.plan(attempt, step, r, sent[r], 600.0) for r in range(n)))
     spent = time.perf_counter() - t0
     # Each rank makes its central plan from its own local plan (on the ranks, in parallel: not timed here).
     return [CentralPlan(own_central(c.plan, plans[r]), c.plan_id) for r, c in enumerate(centrals)], spent
@@ -512,7 +515,8 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
             ray.get(actor.configure.remote(GroupLayout(n, n, "scale", {"name": model})))
             sent = SentResults()
             t0 = time.perf_counter()
-            centrals = ray.get([actor.plan.remote(0, 10, r, plans[r], 600.0) for r in range(n)])
+            sent = [SharedPlan(plans[0])] + [difference_from(plans[0], p, 0) or p for p in plans[1:]]
+            centrals = ray.get([actor.plan.remote(0, 10, r, sent[r], 600.0) for r in range(n)])
             centrals = [CentralPlan(own_central(c.plan, plans[r]), c.plan_id) for r, c in enumerate(centrals)]
             plan_s = time.perf_counter() - t0
             for key, step in (("ray_first_save_s", 10), ("ray_save_s", 20)):
