@@ -177,8 +177,93 @@ def test_a_difference_that_does_not_fit_rank_0s_plan_is_refused(shape) -> None:
         gathered.add(1, d)
         with pytest.raises(ValueError, match="does not fit that plan"):
             gathered.build(2, False)
+    for d in (dataclasses.replace(diff, marks=list(diff.marks)), dataclasses.replace(diff, numbers=list(diff.numbers)),
+              dataclasses.replace(diff, own={0: "not an item"}), dataclasses.replace(diff, planner={0: "not a pair"})):
+        gathered = GatheredPlans()
+        gathered.add(0, SharedPlan(plans[0]))
+        gathered.add(1, d)
+        with pytest.raises(ValueError, match="is not one"):
+            gathered.build(2, False)
     gathered = GatheredPlans()  # rank 0 sent its plan, but not as the plan its group shares
     gathered.add(0, plans[0])
     gathered.add(1, diff)
     with pytest.raises(ValueError, match="which that rank did not send"):
         gathered.build(2, False)
+
+
+# --- small layouts made by hand: where DCP's rules are subtle ---------------------------------
+
+
+def _byte(fqn: str):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
+
+    return WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
+
+
+def _tensor(fqn: str, dtype=None):
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem
+
+    return WriteItem(index=MetadataIndex(fqn, (0,)), type=WriteItemType.TENSOR,
+                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size([0]), torch.Size([4])),
+                                                 properties=TensorProperties(dtype=dtype or torch.float32),
+                                                 size=torch.Size([4])))
+
+
+def _plan(items: list, planner: dict | None = None) -> SavePlan:
+    return SavePlan(items, planner_data=planner if planner is not None else {i.index.fqn: (i.index.fqn,) for i in items})
+
+
+def _assert_plans_as_dcp(plans: list[SavePlan]) -> None:
+    from raytrain_ckpt.checkpoint.format.plannumbers import own_central
+    from raytrain_ckpt.checkpoint.roles.planning import GatheredPlans
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    gathered = GatheredPlans()
+    for r, p in enumerate(plans):
+        gathered.add(r, p)
+    parts, metadata = gathered.build(len(plans), False)
+    want, want_metadata = global_plan(plans)
+    want = FileSystemWriter("/unused").prepare_global_plan([dataclasses.replace(p, planner_data=None) for p in want])
+    for r, p in enumerate(plans):
+        mine = own_central(parts[r], p)
+        assert mine == want[r] and [i.index.index for i in mine.items] == [i.index.index for i in want[r].items], r
+    assert metadata == want_metadata and list(metadata.state_dict_metadata) == list(want_metadata.state_dict_metadata)
+    assert list(metadata.planner_data.items()) == list(want_metadata.planner_data.items())
+
+
+def test_a_tie_goes_where_dcps_set_of_holders_puts_it_first() -> None:
+    # DCP's min() over a set of plan indices: {1, 8} iterates 8 first, so x goes to rank 8, not rank 1.
+    plans = [_plan([_byte("a")]) for _ in range(9)]
+    plans[1] = plans[8] = _plan([_byte("x"), _byte("y")])
+    _assert_plans_as_dcp(plans)
+    # Many holders, as a group's: the set of 100 ranks iterates in another order than its ranks'.
+    plans = [_plan([_byte("a")] + ([_byte(f"r{r}")] if r % 7 == 0 else []) + [_byte("b"), _byte("c")])
+             for r in range(100)]
+    _assert_plans_as_dcp(plans)
+
+
+def test_more_bases_than_are_compared_and_plans_of_every_length() -> None:
+    _assert_plans_as_dcp([_plan([_byte(f"r{r}.{k}") for k in range(r + 1)]) for r in range(70)])
+    _assert_plans_as_dcp([_plan([_byte(f"r{r}")]) for r in range(69)] + [_plan([_byte("x"), _byte("y")])])
+
+
+def test_a_key_is_sized_by_the_last_rank_holding_it_and_planner_values_come_from_the_first() -> None:
+    import torch
+
+    plans = [_plan([_tensor("rr0"), _tensor("g0.r0", torch.float16), _tensor("r0")]),
+             _plan([_tensor("g0.r0"), _tensor("r0", torch.float16)])]
+    _assert_plans_as_dcp(plans)  # "r0" differs between the ranks: DCP sizes it by rank 1's item
+    plans = [_plan([_byte("a")], {"a": ("x",)}), _plan([_byte("a"), _byte("b")], {"a": ("y",), "b": ("b",)}),
+             _plan([_byte("a")], {"a": ("x",)})]
+    _assert_plans_as_dcp(plans)
+
+
+def test_planner_data_not_of_its_bases_shape_is_left_to_dcps_planner() -> None:
+    from raytrain_ckpt.checkpoint.format.plannumbers_global import plan_on_numbers
+
+    book = PlanBook()
+    pns = [book.add(_plan([_byte("a")], {"a": ("a",)})), book.add(SavePlan([_byte("a")], planner_data=None))]
+    assert plan_on_numbers(book, pns) is None

@@ -43,7 +43,8 @@ SHARED = -1
 """``PlanNumbers.base`` of a rank's difference from its process group's shared plan (``against``)."""
 
 MAX_BASES = 64
-"""Plans kept whole as bases (one per pipeline stage, say); beyond, a plan's items are its own."""
+"""How many bases of its length a plan is compared with before it becomes a base of its own
+(bounds the comparisons per plan where plans of many shapes arrive)."""
 
 
 @dataclass
@@ -96,16 +97,15 @@ class PlanBook:
         self.bases: list[_Base] = []
 
     def add(self, plan: SavePlan) -> PlanNumbers:
-        """``plan`` as numbers against the first base it matches closely, else as a new base."""
+        """``plan`` as numbers against the first base of its length it matches closely (of the
+        first ``MAX_BASES`` such), else as a new base."""
+        tried = 0
         for i, base in enumerate(self.bases):
-            if len(base.plan.items) == len(plan.items):
+            if len(base.plan.items) == len(plan.items) and tried < MAX_BASES:
+                tried += 1
                 got = _difference(i, base, plan, len(plan.items) // 8)
                 if got is not None:
                     return got
-        if len(self.bases) >= MAX_BASES:
-            got = _difference(0, self.bases[0], plan, None)
-            assert got is not None
-            return got
         return self.add_base(plan)
 
     def add_base(self, plan: SavePlan) -> PlanNumbers:
@@ -124,6 +124,12 @@ class PlanBook:
         """A rank's difference from a shared plan (``difference_from``), that plan being base
         ``base`` here; ValueError if it does not fit that base."""
         b = self.bases[base]
+        if (not isinstance(pn.marks, bytes) or not isinstance(pn.numbers, array) or pn.numbers.typecode != "q"
+                or not isinstance(pn.own, dict) or not all(isinstance(p, int) and isinstance(i, WriteItem)
+                                                           for p, i in pn.own.items())
+                or not (pn.planner is None or isinstance(pn.planner, dict) and all(
+                    isinstance(p, int) and isinstance(v, tuple) and len(v) == 2 for p, v in pn.planner.items()))):
+            raise ValueError(f"a rank's plan, sent as its difference from rank {pn.against}'s, is not one")
         marks = np.frombuffer(pn.marks, dtype=np.uint8)
         if (len(marks) != len(b.plan.items) or len(pn.numbers) != b.width[-1] or (len(marks) and marks.max() > NUMBERS)
                 or int((marks == OWN).sum()) != len(pn.own) or any(not 0 <= p < len(marks) or marks[p] != OWN for p in pn.own)

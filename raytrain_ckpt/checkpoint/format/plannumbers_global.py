@@ -53,6 +53,8 @@ def plan_on_numbers(book: PlanBook, pns: list[PlanNumbers]) -> tuple[list[Centra
     ``DefaultSavePlanner`` (load-balanced dedup) would make them from the expanded plans; None for
     a layout the numbers do not model (then DCP's planner decides, and raises what it raises)."""
     n = len(pns)
+    if any(pn.planner is None for pn in pns):  # planner data of another shape than its base's: DCP's to merge
+        return None
     groups: dict[int, list[int]] = {}
     for r, pn in enumerate(pns):
         groups.setdefault(pn.base, []).append(r)
@@ -87,13 +89,13 @@ def plan_on_numbers(book: PlanBook, pns: list[PlanNumbers]) -> tuple[list[Centra
     n_events: dict[int, list[tuple[int, tuple]]] = {}
     unique_sum = [0] * n
     holders_of: dict[tuple, np.ndarray] = {}
-    for k, (size, sites) in keys.items():
-        parts, first = [], None
-        for tag, a, p in sites:
+    for k, rec in keys.items():
+        parts, first, last = [], None, None
+        for tag, a, p in rec[1]:
             if tag == "r":
-                r = a
-                parts.append(np.asarray([r], dtype=np.int64))
-                first = min(first, (r, p)) if first else (r, p)
+                parts.append(np.asarray([a], dtype=np.int64))
+                first = min(first, (a, p)) if first else (a, p)
+                last = max(last, (a, _size(pns[a].own[p]))) if last else (a, _size(pns[a].own[p]))
             else:
                 g = gs[a]
                 rows = np.nonzero(g.marks[:, p] == SAME)[0]
@@ -101,8 +103,11 @@ def plan_on_numbers(book: PlanBook, pns: list[PlanNumbers]) -> tuple[list[Centra
                     parts.append(g.ranks[rows])
                     cand = (int(g.ranks[rows[0]]), p)
                     first = min(first, cand) if first else cand
+                    top = (int(g.ranks[rows[-1]]), _size(g.base.plan.items[p]))
+                    last = max(last, top) if last else top
         if first is None:
             continue
+        rec[0] = size = last[1]  # DCP sizes a key by the item of the last plan that holds it
         holders = np.sort(np.concatenate(parts)) if len(parts) > 1 else parts[0]
         if len(np.unique(holders)) != len(holders):
             return None
@@ -136,6 +141,7 @@ def plan_on_numbers(book: PlanBook, pns: list[PlanNumbers]) -> tuple[list[Centra
 
     # DCP's dedup, in the order it meets the keys.
     sizes = np.zeros(n, dtype=np.int64)
+    orders: dict[bytes, np.ndarray] = {}
     chosen: dict[tuple, int] = {k: int(h[0]) for k, h in holders_of.items() if len(h) == 1}
     for r in range(n):
         todo = n_events.get(r)
@@ -160,15 +166,14 @@ def plan_on_numbers(book: PlanBook, pns: list[PlanNumbers]) -> tuple[list[Centra
             if kind == "one":
                 sizes[r] += size
             elif kind == "key":
-                holders = holders_of[k]
-                pick = int(holders[int(np.argmin(sizes[holders]))])
+                pick = _pick(holders_of[k], sizes, orders)
                 sizes[pick] += size
                 chosen[k] = pick
             else:
                 h = gs[k]
-                ranks = h.ranks[members]
-                pick_row = int(members[int(np.argmin(sizes[ranks]))])
-                sizes[int(h.ranks[pick_row])] += size
+                pick = _pick(h.ranks[members], sizes, orders)
+                pick_row = h.row[pick]
+                sizes[pick] += size
                 h.keep[members, p] = 0
                 h.keep[pick_row, p] = 1
 
@@ -185,6 +190,27 @@ def plan_on_numbers(book: PlanBook, pns: list[PlanNumbers]) -> tuple[list[Centra
                 col = g.marks[:, p] == SAME
                 g.keep[col, p] = (g.ranks[col] == pick).astype(np.uint8)
     return _global(book, pns, gs, n)
+
+
+def _pick(holders: np.ndarray, sizes: np.ndarray, orders: dict[bytes, np.ndarray]) -> int:
+    """DCP's choice among a key's holders (ascending ranks): ``min(set_of_holders, key=size)``,
+    so among holders of equal size the first in the order that set iterates (not always the
+    lowest rank: ``list({1, 8}) == [8, 1]``)."""
+    sz = sizes[holders]
+    tied = holders[sz == sz.min()]
+    if len(tied) == 1:
+        return int(tied[0])
+    key = holders.tobytes()
+    place = orders.get(key)
+    if place is None:
+        in_order = set()
+        for h in holders.tolist():  # added one by one in rank order, as DCP adds them
+            in_order.add(h)
+        place = np.empty(int(holders.max()) + 1, dtype=np.int64)
+        place[np.fromiter(in_order, dtype=np.int64, count=len(in_order))] = np.arange(len(in_order))
+        if len(holders) > 64:  # (a few sets of many ranks repeat: a group's; small ones are cheap again)
+            orders[key] = place
+    return int(tied[int(np.argmin(place[tied]))])
 
 
 def _global(book: PlanBook, pns: list[PlanNumbers], gs: dict[int, _Group], n: int) -> tuple[list[Central], Metadata] | None:
@@ -248,21 +274,31 @@ def _merged_planner_data(book: PlanBook, pns: list[PlanNumbers], gs: dict[int, _
     first, each with the value of the first rank that has it."""
     merged: dict = {}
     touched: dict[int, set[int]] = {}
-    for r in range(len(pns) - 1, -1, -1):
+    for r in range(len(pns) - 1, -1, -1):  # the keys' order
         pn = pns[r]
         base = book.bases[pn.base]
-        if pn.planner is None or pn.base not in touched:
-            data = planner_of(base, pn) if pn.planner is not None else pn.planner_full
-            if not isinstance(data, dict):
-                return None
-            merged.update(data)
-            if pn.planner is not None:
-                touched[pn.base] = set(pn.planner)
+        if pn.base not in touched:
+            merged.update(planner_of(base, pn))
+            touched[pn.base] = set(pn.planner)
             continue
         places = touched[pn.base] | set(pn.planner)
         touched[pn.base] = places
         ref = base.plan.planner_data
         for p in sorted(places):
             k, v = pn.planner[p] if p in pn.planner else (base.keys[p], ref[base.keys[p]])
-            merged[k] = v
+            if k not in merged:
+                merged[k] = v
+    # The values: each key's from the lowest rank that has it (set last, lowest rank last).
+    values: list[tuple[int, Any, Any]] = []
+    for b, g in gs.items():
+        ranks = g.ranks.tolist()
+        ref = g.base.plan.planner_data
+        for p, k in enumerate(g.base.keys):  # a base key: from the group's lowest rank that kept it
+            r = next((r for r in ranks if p not in pns[r].planner), None)
+            if r is not None:
+                values.append((r, k, ref[k]))
+        for r in ranks:
+            values.extend((r, k, v) for k, v in pns[r].planner.values())
+    for _, k, v in sorted(values, key=lambda e: -e[0]):
+        merged[k] = v
     return merged
