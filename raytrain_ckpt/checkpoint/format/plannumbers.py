@@ -10,9 +10,9 @@ of the same tensor whose offsets and sizes are numbers, or an item of its own), 
 array, its own items, and the planner keys that differ from the base's. A plan that matches no
 base closely becomes a base (a pipeline stage's first rank, say).
 
-``plannumbers_global.plan_on_numbers`` is DCP's ``dedup_save_plans`` (the load-balancing rule: a duplicated item goes
-to the holder that has planned the fewest bytes so far, the lowest rank among equals, in the order
-DCP meets the items) and ``create_default_global_save_plan`` (chunk indices, ``.metadata``'s
+``plannumbers_global.plan_on_numbers`` is DCP's ``dedup_save_plans`` (the load-balancing rule: a
+duplicated item goes to the holder that has planned the fewest bytes so far, among equals the
+first in the order DCP's set of holders iterates, in the order DCP meets the items) and ``create_default_global_save_plan`` (chunk indices, ``.metadata``'s
 entries in DCP's order, the merged planner data) computed on the numbers: per rank, which items it
 keeps and its chunks' indices, no item object per rank and item. ``central`` expands one rank's
 central plan from them. ``tests/unit/test_plannumbers.py`` asserts the expanded plans and the

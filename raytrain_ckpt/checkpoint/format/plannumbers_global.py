@@ -3,10 +3,11 @@
 What DCP does item by item over every rank's plan, done per item of a base for all of its ranks
 at once (``numpy`` over the ranks' marks and numbers): ``dedup_save_plans`` (each key an item's
 ``MetadataIndex``; a key held by several ranks goes to the holder with the fewest bytes planned so
-far, the lowest rank among equals, keys taken in the order DCP first meets them: by the first
-holder's rank, then its place in that rank's plan) and ``create_default_global_save_plan`` (each
-tensor's chunks in rank order, their indices, ``.metadata``'s entries in the order the deduplicated
-plans first name them, and ``dict(ChainMap(...))`` of the ranks' planner data).
+far, among equals the first in the order DCP's set of holders iterates (``_pick``), keys taken in
+the order DCP first meets them: by the first holder's rank, then its place in that rank's plan)
+and ``create_default_global_save_plan`` (each tensor's chunks in rank order, their indices,
+``.metadata``'s entries in the order the deduplicated plans first name them, and
+``dict(ChainMap(...))`` of the ranks' planner data).
 """
 
 from __future__ import annotations
