@@ -40,7 +40,7 @@ def spread_names(plans: list[SavePlan]) -> list[SavePlan]:
     ranks, 1,111 ranks start ``__1``, 207 ``__4``); hashed, each of 16 first characters after the
     step's prefix takes about 1/16 of the save's requests. Still plain names in the step's
     directory: the commit and every reader (DCP's included, by ``.metadata``) take them as they are."""
-    return [dataclasses.replace(p, storage_data=_StoragePrefix(f"{key_spread(i)}__{i}_"))
+    return [dataclasses.replace(p, storage_data=rank_prefix(i, p.storage_data, spread=True))
             for i, p in enumerate(plans)]
 
 
