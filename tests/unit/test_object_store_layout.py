@@ -404,3 +404,55 @@ def test_a_failed_lookup_of_a_manifest_never_deletes_its_committed_step(error, m
     monkeypatch.undo()
     assert [layout.storage.name(p) for p in removed] == ["step-00000003"]
     assert sorted(layout.valid_steps("checksum")) == [1, 2]
+
+
+def test_a_lease_object_replaced_while_it_is_read_is_read_whole_old_or_new(s3_endpoint) -> None:
+    """A reader on another host holds no lock against the heartbeat's PUTs: one read of a lease
+    object racing its replacement must still see the old or the new object, never nothing (an
+    unread lease protects no step)."""
+    import threading
+
+    from raytrain_ckpt.checkpoint.storage.leases import LEASE_DIR, LEASE_MAX_BYTES, _read_leases
+    from raytrain_ckpt.checkpoint.storage.posix import read_small_file
+
+    _, layout = _s3_actor(s3_endpoint, [1])
+    storage = layout.storage
+    d = storage.join(layout.root, LEASE_DIR)
+    path = storage.join(d, "export-0000abcd.json")
+    put = layout.protocol.replace_small_file
+    put(path, b'{"step": 1, "beat": 0}')
+    stop, beats = threading.Event(), [0]
+
+    def beat() -> None:                                     # a heartbeat as fast as the store takes it
+        while not stop.is_set():
+            beats[0] += 1
+            put(path, ('{"step": 1, "beat": %d%s}' % (beats[0], " " * (beats[0] % 7))).encode())
+
+    writer = threading.Thread(target=beat, daemon=True)
+    writer.start()
+    try:
+        missed = 0
+        for _ in range(150):
+            missed += _read_leases(storage, d).get("export-0000abcd.json", (None,))[0] != 1
+            read_small_file(storage, path, LEASE_MAX_BYTES)  # raises where a read saw two objects
+    finally:
+        stop.set()
+        writer.join()
+    assert beats[0] > 20 and missed == 0
+
+
+def test_a_small_object_read_is_bounded_and_an_empty_one_reads_empty(s3_endpoint) -> None:
+    from raytrain_ckpt.checkpoint.storage.posix import read_small_file
+
+    _, layout = _s3_actor(s3_endpoint, [1])
+    storage = layout.storage
+    path = storage.join(layout.root, ".group.json")
+    layout.protocol.replace_small_file(path, b"")
+    assert read_small_file(storage, path, 16) == b""
+    layout.protocol.replace_small_file(path, b"x" * 17)
+    with pytest.raises(ValueError, match="over the 16 bytes"):
+        read_small_file(storage, path, 16)
+    layout.protocol.replace_small_file(path, b"x" * 16)
+    assert read_small_file(storage, path, 16) == b"x" * 16
+    with pytest.raises(FileNotFoundError):
+        read_small_file(storage, storage.join(layout.root, "absent.json"), 16)

@@ -180,6 +180,18 @@ class ObjectStorage:
     def open_read(self, path: Location) -> IO[bytes]:
         return self.fs.open(str(path), "rb")
 
+    def read_at_most(self, path: Location, n: int) -> bytes:
+        """The first ``n`` bytes of an object in one ranged GET: one version of it, never parts of
+        two (a file object's HEAD then GET fails when a writer replaces the object in between)."""
+        try:
+            return self.fs.cat_file(str(path), start=0, end=n)
+        except FileNotFoundError:
+            raise
+        except OSError:
+            if self.size(path) == 0:  # no range of an empty object is satisfiable (416)
+                return b""
+            raise
+
     def makedirs(self, path: Location) -> None:
         """Nothing to create on an object store (prefixes exist through their objects)."""
 

@@ -105,6 +105,19 @@ class PosixStorage:
     def open_read(self, path: Location) -> IO[bytes]:
         return open(path, "rb")
 
+    def read_at_most(self, path: Location, n: int) -> bytes:
+        """The first ``n`` bytes of a file: never through a link, never blocked on a FIFO or a
+        device planted at its name (``open_own_file``: non-blocking, a regular file or NotOwnFile)."""
+        fd = open_own_file(Path(path), os.O_RDONLY)
+        try:
+            chunks, left = [], n
+            while left > 0 and (chunk := os.read(fd, left)):
+                chunks.append(chunk)
+                left -= len(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
     def makedirs(self, path: Location) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
 
@@ -139,23 +152,9 @@ class PosixStorage:
 
 def read_small_file(storage: Any, path: Location, limit: int) -> bytes:
     """A small file this code keeps under a checkpoint root (``.group.json``, ``.failed-saves.json``,
-    ``.checked-sealed``, a lease): on POSIX never through a link, and never blocked on a FIFO or a
-    device planted at its name (``open_own_file``: non-blocking, a regular file of one name or
-    NotOwnFile); from an object store, one bounded read. Raises ValueError for a file of more than
-    ``limit`` bytes (at most ``limit + 1`` are read)."""
-    if isinstance(storage, PosixStorage):
-        fd = open_own_file(Path(path), os.O_RDONLY)
-        try:
-            chunks, left = [], limit + 1
-            while left > 0 and (chunk := os.read(fd, left)):
-                chunks.append(chunk)
-                left -= len(chunk)
-            data = b"".join(chunks)
-        finally:
-            os.close(fd)
-    else:
-        with storage.open_read(path) as f:
-            data = f.read(limit + 1)
+    ``.checked-sealed``, a lease), read once and bounded (``read_at_most``: at most ``limit + 1``
+    bytes). Raises ValueError for a file of more than ``limit`` bytes."""
+    data = storage.read_at_most(path, limit + 1)
     if len(data) > limit:
         raise ValueError(f"over the {limit} bytes it may be")
     return data
