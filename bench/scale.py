@@ -701,6 +701,8 @@ def main() -> None:
                     help="only the first save's local plans on the wire: pickled by each rank, unpickled by the actor")
     ap.add_argument("--numbers", action="store_true",
                     help="only the first save's global plan computed on the ranks' plans as numbers")
+    ap.add_argument("--commit", action="store_true",
+                    help="with --numbers: the first commit's .metadata built from every rank's write results too")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -711,7 +713,7 @@ def main() -> None:
         return
     single = {"prefixes": (prefix_row, _prefix_lines), "wire": (wire_row, _wire_lines),
               "check_only": (check_row, _check_lines),
-              "numbers": (lambda model, n: numbers_row(_spec(), model, n), numbers_lines)}
+              "numbers": (lambda model, n: numbers_row(_spec(), model, n, args.commit), numbers_lines)}
     for mode, (row_of, lines_of) in single.items():
         if getattr(args, mode):
             for model in args.models:

@@ -8,6 +8,11 @@ offsets and sizes by ``Shard(0)``'s arithmetic (checked against the sampled rank
 items (its RNG states) renamed for the rank. Then the actor's ``GatheredPlans``: each rank's
 arrival, then the global plan (DCP's dedup and global plan on the numbers, DCP's chunk check, each
 rank's ``CentralNumbers``), timed, with the sizes each way and the process's peak memory.
+
+Then the first commit's ``.metadata`` as the coordinator builds it today (``metapickle.build``):
+each rank's write results (one ``WriteResult`` per chunk of the global plan, in the file of the
+rank that writes it, byte items after its tensors) pickled as a report carries them, unpickled as
+the actor receives them, and the file built from them, each timed.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def _numbers_of(book: PlanBook, n: int) -> np.ndarray:
     return rows
 
 
-def numbers_row(spec: Any, model: str, n: int) -> dict[str, Any]:
+def numbers_row(spec: Any, model: str, n: int, commit: bool = False) -> dict[str, Any]:
     """The CheckpointActor's whole first-save plan at ``n`` ranks, as the ranks send it: rank 0 its
     plan (``SharedPlan``), every other rank its difference from it (``difference_from``). Sampled
     ranks make theirs from their real plans; the others' are rank 1's, their shards' numbers by
@@ -100,11 +105,65 @@ def numbers_row(spec: Any, model: str, n: int) -> dict[str, Any]:
     chunks = sum(len(v.chunks) for v in metadata.state_dict_metadata.values() if hasattr(v, "chunks"))
     back = sum(len(pickle.dumps(parts[r], protocol=5)) for r in (0, n - 1)) / 2
     return {"model": model, "n": n, "chunks": chunks, "rank_s": rank_s, "wire_kb": wire / 1e3, "held_mb": held,
-            "add_s": add_s, "plan_s": plan_s, "back_kb": back / 1e3, "peak_mb": _peak_mb()}
+            "add_s": add_s, "plan_s": plan_s, "back_kb": back / 1e3, "peak_mb": _peak_mb(),
+            **(commit_row(metadata, n) if commit else {})}
+
+
+def _rank_results(metadata: Any, n: int) -> list[list[Any]]:
+    """Each rank's write results for ``metadata``: chunk ``i`` of a tensor written by rank ``i``
+    (FSDP2's ``Shard(0)``: one chunk a rank), a byte item by the rank its key names or rank 0."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    out: list[list[Any]] = [[] for _ in range(n)]
+    offsets = [0] * n
+    byte_items = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            byte_items.append(fqn)
+            continue
+        width = md.properties.dtype.itemsize
+        for i, chunk in enumerate(md.chunks):
+            r = i % n
+            length = width * int(np.prod(chunk.sizes))
+            out[r].append(WriteResult(MetadataIndex(fqn, chunk.offsets, i), length,
+                                      _StorageInfo(f"__{r}_0.distcp", offsets[r], length)))
+            offsets[r] += length
+    for fqn in byte_items:
+        digits = fqn.split("rank", 1)[-1].split(".", 1)[0]
+        r = int(digits) if digits.isdigit() and int(digits) < n else 0
+        out[r].append(WriteResult(MetadataIndex(fqn), 600,
+                                  _StorageInfo(f"__{r}_0.distcp", offsets[r], 600)))
+        offsets[r] += 600
+    return out
+
+
+def commit_row(metadata: Any, n: int) -> dict[str, Any]:
+    """The first commit's ``.metadata`` at ``n`` ranks: the reports' results in, the file built."""
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+    from raytrain_ckpt.checkpoint.format.metapickle import build
+    from raytrain_ckpt.checkpoint.roles.repeats import plan_storage_meta
+
+    wires = [pickle.dumps(r, protocol=5) for r in _rank_results(metadata, n)]
+    t0 = time.perf_counter()
+    results = [pickle.loads(w) for w in wires]
+    in_s = time.perf_counter() - t0
+    wire_mb = sum(len(w) for w in wires) / 1e6
+    del wires
+    t0 = time.perf_counter()
+    file = build(metadata, results, CURRENT_DCP_VERSION, plan_storage_meta("bench"))
+    build_s = time.perf_counter() - t0
+    return {"results_mb": wire_mb, "results_in_s": in_s, "build_s": build_s, "metadata_mb": len(file.data) / 1e6,
+            "commit_peak_mb": _peak_mb()}
 
 
 def numbers_lines(r: dict[str, Any]) -> list[str]:
     return [f"a rank makes its difference in {r['rank_s']:.3f} s, {r['wire_kb']:.0f} KB to the actor; the actor "
             f"takes them all in {r['add_s']:.2f} s ({r['held_mb']:.0f} MB held) and plans in {r['plan_s']:.2f} s "
             f"({r['chunks']} chunks in .metadata), {r['back_kb']:.0f} KB back to a rank; process peak "
-            f"{r['peak_mb']:.0f} MB"]
+            f"{r['peak_mb']:.0f} MB"] + ([
+        f"first commit: the reports' results {r['results_mb']:.0f} MB, unpickled in {r['results_in_s']:.2f} s; "
+        f".metadata ({r['metadata_mb']:.0f} MB) built in {r['build_s']:.2f} s; process peak "
+        f"{r['commit_peak_mb']:.0f} MB"] if "build_s" in r else [])

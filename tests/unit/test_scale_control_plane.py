@@ -299,3 +299,39 @@ def test_a_gather_outlives_neither_its_ranks_nor_a_failed_plan(tmp_path: Path, p
 
     asyncio.run(scenario())
     assert sorted(actor.layout.valid_steps("size")) == [20]
+
+
+def test_the_benchmarks_first_commit_is_a_metadata_the_reader_accepts() -> None:
+    """``bench/scale.py --numbers --commit`` times the first commit's ``.metadata`` from results it
+    makes up per rank: they must be a real layout (every chunk stored once, in its rank's file, its
+    bytes where the file has them), or the figure measures nothing a save builds."""
+    import io
+
+    from bench.scale import _spec
+    from bench.scale_numbers import _rank_results, numbers_row
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+    from raytrain_ckpt.checkpoint.format.chunks import layout_problem
+    from raytrain_ckpt.checkpoint.format.metadata import load_metadata
+    from raytrain_ckpt.checkpoint.format.metapickle import build
+    from raytrain_ckpt.checkpoint.roles.planning import GatheredPlans
+    from raytrain_ckpt.checkpoint.format.plannumbers import SharedPlan, difference_from
+
+    n = 4
+    shape = template(_spec(), PRESETS["debug"])
+    local = [local_plan(shape, r, n) for r in range(n)]
+    gathered = GatheredPlans()
+    for r in range(n):
+        gathered.add(r, SharedPlan(local[0]) if r == 0 else difference_from(local[0], local[r], 0))
+    _, metadata = gathered.build(n, spread=False)
+    results = _rank_results(metadata, n)
+    assert all(results) and sum(map(len, results)) == len(metadata.state_dict_metadata) - sum(
+        hasattr(v, "chunks") for v in metadata.state_dict_metadata.values()) + sum(
+        len(v.chunks) for v in metadata.state_dict_metadata.values() if hasattr(v, "chunks"))
+    data = build(metadata, results, CURRENT_DCP_VERSION, None).data
+    read = load_metadata(io.BytesIO(data), ".metadata")
+    sizes = {f"__{r}_0.distcp": sum(wr.size_in_bytes for wr in results[r]) for r in range(n)}
+    assert layout_problem(read, sizes) is None
+    assert layout_problem(read, {name: size // 2 for name, size in sizes.items()}) is not None  # bytes past the end
+    row = numbers_row(_spec(), "8b", n, commit=True)
+    assert row["metadata_mb"] > 0 and row["build_s"] > 0 and row["results_in_s"] > 0
