@@ -325,9 +325,8 @@ def test_the_benchmarks_first_commit_is_a_metadata_the_reader_accepts() -> None:
         gathered.add(r, SharedPlan(local[0]) if r == 0 else difference_from(local[0], local[r], 0))
     _, metadata = gathered.build(n, spread=False)
     results = _rank_results(metadata, n)
-    assert all(results) and sum(map(len, results)) == len(metadata.state_dict_metadata) - sum(
-        hasattr(v, "chunks") for v in metadata.state_dict_metadata.values()) + sum(
-        len(v.chunks) for v in metadata.state_dict_metadata.values() if hasattr(v, "chunks"))
+    entries = sum(len(v.chunks) if hasattr(v, "chunks") else 1 for v in metadata.state_dict_metadata.values())
+    assert all(results) and sum(map(len, results)) == entries   # a result per chunk and per byte item
     data = build(metadata, results, CURRENT_DCP_VERSION, None).data
     read = load_metadata(io.BytesIO(data), ".metadata")
     sizes = {f"__{r}_0.distcp": sum(wr.size_in_bytes for wr in results[r]) for r in range(n)}
