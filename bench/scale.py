@@ -6,8 +6,9 @@ shard of the 8B or 70B model, computed from its shape, no tensor bytes) drive th
 for N <= 64, timed from the caller) through two saves of one attempt, as the ranks' and writers' calls would:
 
 * the first save of the attempt: every rank's ``plan`` (the global plan and ``.metadata``,
-  built once per layout), then ``open_step``, ``accepted``, ``report`` (the last one commits)
-  and ``record_stall`` from every rank;
+  built once per layout) and ``open_step``, then, per node of ``--per-node`` ranks, the calls its
+  writer makes for them (``roles/courier.py``): one ``node_report`` with its ranks' hand-offs and
+  one with their reports and stalls (the last one commits);
 * a later save of the same attempt: the same calls without ``plan`` (the plan is cached); each
   rank's results equal the first save's, so the writers send them as a digest
   (``roles/repeats.py``) and the actor copies the first save's ``.metadata``;
@@ -75,7 +76,7 @@ from bench.scale_ranks import MODELS, local_plan, template, write_results  # noq
 
 from raytrain_ckpt.checkpoint.format.plannumbers import SharedPlan, difference_from, own_central
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy  # noqa: E402
-from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, RankReport, TrainingPoint  # noqa: E402
+from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, NodeBatch, RankReport, TrainingPoint  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.repeats import SentResults, byte_keys  # noqa: E402
 from raytrain_ckpt.control.preflight import load_spec  # noqa: E402
@@ -95,6 +96,8 @@ class _Calls:
     def __init__(self) -> None:
         self.count: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
+        self.report_bytes = 0
+        """Of ``bytes``, the ranks' reports."""
 
     def add(self, method: str, *args: Any) -> None:
         self.count[method] = self.count.get(method, 0) + 1
@@ -102,6 +105,14 @@ class _Calls:
 
     def total(self) -> tuple[int, int]:
         return sum(self.count.values()), sum(self.bytes.values())
+
+
+PER_NODE = 8
+"""Ranks per node (``--per-node``): each node's writer carries its ranks' calls into the actor."""
+
+
+def _nodes(n: int) -> list[list[int]]:
+    return [list(range(a, min(a + PER_NODE, n))) for a in range(0, n, PER_NODE)]
 
 
 WRITER_S: dict[int, float] = {}
@@ -131,23 +142,22 @@ async def _save(actor: CheckpointActor, n: int, step: int, attempt: int, central
                                             {name: {"size": size, "crc32c": 0}}, TrainingPoint(samples_seen=step)),
                                  byte_keys(centrals[rank].plan)))
         WRITER_S[step] = max(WRITER_S.get(step, 0.0), time.perf_counter() - t0)
-    for rank in range(n):
-        calls.add("accepted", step, rank, attempt, None)
+    for ranks in _nodes(n):
+        batch = NodeBatch(None, tuple((step, r, attempt) for r in ranks))
+        calls.add("node_report", batch)
         t0 = time.perf_counter()
-        await actor.accepted(step, rank, attempt, None)
+        await actor.node_report(batch)
         spent += time.perf_counter() - t0
-    for rank in range(n):
-        calls.add("report", reports[rank])
+    for ranks in _nodes(n):
+        batch = NodeBatch(None, (), tuple(reports[r] for r in ranks), tuple((step, r, 0.01) for r in ranks))
+        calls.add("node_report", batch)
+        calls.report_bytes += len(pickle.dumps(batch.reports, protocol=5))
         t0 = time.perf_counter()
-        out = await actor.report(reports[rank])
+        answer = await actor.node_report(batch)
         spent += time.perf_counter() - t0
-        sent.delivered(reports[rank])
-    assert out == "committed", out
-    for rank in range(n):
-        calls.add("record_stall", step, rank, 0.01)
-        t0 = time.perf_counter()
-        await actor.record_stall(step, rank, 0.01)
-        spent += time.perf_counter() - t0
+        for r in ranks:
+            sent.delivered(reports[r])
+    assert answer.reports[-1] == "committed", answer
     return spent
 
 
@@ -218,7 +228,7 @@ def one(model: str, n: int) -> dict[str, Any]:
         out["peak_mb"] = _rss_mb() - rss0
         out["first_calls"], out["first_mb"] = first.total()[0], first.total()[1] / 1e6
         out["calls"], out["mb"] = later.total()[0], later.total()[1] / 1e6
-        out["report_mb"] = later.bytes["report"] / 1e6
+        out["report_mb"] = later.report_bytes / 1e6
         out["changed_mb"] = changed.total()[1] / 1e6
         step_dir = actor.layout.step_dir(1000)
         out["metadata_mb"] = os.path.getsize(os.path.join(step_dir, ".metadata")) / 1e6
@@ -497,6 +507,32 @@ def prefix_row(model: str, n: int) -> dict[str, Any]:
             "prefix_s": requests / S3_PUTS_PER_PREFIX_S, "flat": flat, "spread": spread}
 
 
+def calls_row(n: int) -> dict[str, Any]:
+    """The calls into the actor and their pickled bytes for a later save of ``n`` ranks (the plan
+    cached, every rank's results unchanged, so its report goes as a digest, as ``_save`` sends
+    them): made per rank, as the ranks and writers made them before, and carried per node
+    (``roles/courier.py``: each rank's ``open_step``, then per node one call with its hand-offs and
+    one with its reports and stalls). No planning: a report's size does not depend on the model
+    once its results go as a digest."""
+    def report(r: int) -> RankReport:
+        return RankReport(20, r, 0, "0.10", None, {f"{r:02x}__{r}_0.distcp": {"size": 1 << 30, "crc32c": 0}},
+                          TrainingPoint(samples_seen=20), digest="0" * 64)
+
+    per_rank, per_node = _Calls(), _Calls()
+    for r in range(n):
+        per_rank.add("open_step", 20, 0)
+        per_rank.add("accepted", 20, r, 0, None)
+        per_rank.add("report", report(r))
+        per_rank.add("record_stall", 20, r, 0.01)
+        per_node.add("open_step", 20, 0)
+    for ranks in _nodes(n):
+        per_node.add("node_report", NodeBatch(None, tuple((20, r, 0) for r in ranks)))
+        per_node.add("node_report", NodeBatch(None, (), tuple(report(r) for r in ranks),
+                                              tuple((20, r, 0.01) for r in ranks)))
+    (c0, b0), (c1, b1) = per_rank.total(), per_node.total()
+    return {"n": n, "rank_calls": c0, "rank_mb": b0 / 1e6, "node_calls": c1, "node_mb": b1 / 1e6}
+
+
 def ray_saves(model: str, n: int) -> dict[str, float]:
     """The same two saves through the CheckpointActor as a Ray actor (every call a real Ray call,
     the ranks' calls in flight together, as the trainers and writers make them): seconds from
@@ -515,8 +551,8 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
             ray.get(actor.configure.remote(GroupLayout(n, n, "scale", {"name": model})))
             sent = SentResults()
             t0 = time.perf_counter()
-            sent = [SharedPlan(plans[0])] + [difference_from(plans[0], p, 0) or p for p in plans[1:]]
-            centrals = ray.get([actor.plan.remote(0, 10, r, sent[r], 600.0) for r in range(n)])
+            shared = [SharedPlan(plans[0])] + [difference_from(plans[0], p, 0) or p for p in plans[1:]]
+            centrals = ray.get([actor.plan.remote(0, 10, r, shared[r], 600.0) for r in range(n)])
             centrals = [CentralPlan(own_central(c.plan, plans[r]), c.plan_id) for r, c in enumerate(centrals)]
             plan_s = time.perf_counter() - t0
             for key, step in (("ray_first_save_s", 10), ("ray_save_s", 20)):
@@ -532,9 +568,12 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
                                                     {name: {"size": size, "crc32c": 0}},
                                                     TrainingPoint(samples_seen=step)), byte_keys(centrals[rank].plan)))
                 t0 = time.perf_counter()
-                ray.get([actor.accepted.remote(step, r, 0, None) for r in range(n)])
-                outcomes = ray.get([actor.report.remote(rep) for rep in reports])
-                ray.get([actor.record_stall.remote(step, r, 0.01) for r in range(n)])
+                nodes = _nodes(n)
+                ray.get([actor.node_report.remote(NodeBatch(None, tuple((step, r, 0) for r in rs))) for rs in nodes])
+                answers = ray.get([actor.node_report.remote(NodeBatch(None, (), tuple(reports[r] for r in rs),
+                                                                      tuple((step, r, 0.01) for r in rs)))
+                                   for rs in nodes])
+                outcomes = [o for a in answers for o in a.reports]
                 out[key] = time.perf_counter() - t0 + (plan_s if step == 10 else 0.0)
                 assert outcomes.count("committed") == 1, outcomes
                 for rep in reports:
@@ -685,6 +724,7 @@ def _check_lines(r: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
+    global PER_NODE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 512])
     ap.add_argument("--models", nargs="+", default=["8b", "70b"], choices=sorted(MODELS))
@@ -703,8 +743,20 @@ def main() -> None:
                     help="only the first save's global plan computed on the ranks' plans as numbers")
     ap.add_argument("--commit", action="store_true",
                     help="with --numbers: the first commit's .metadata built from every rank's write results too")
+    ap.add_argument("--per-node", type=int, default=PER_NODE,
+                    help=f"ranks per node, whose writer carries their calls into the actor (default {PER_NODE})")
+    ap.add_argument("--calls-only", action="store_true",
+                    help="only the calls and bytes into the actor of a later save, per rank and per node, per N")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    PER_NODE = args.per_node
+    if args.calls_only:
+        for n in args.sizes:
+            r = calls_row(n)
+            print(f"N={n:>5}: a later save's calls into the actor: {r['rank_calls']} ({r['rank_mb']:.2f} MB) made "
+                  f"per rank, {r['node_calls']} ({r['node_mb']:.2f} MB) with a node's writer carrying its "
+                  f"{PER_NODE} ranks' hand-offs, reports and stalls", flush=True)
+        return
     if args.one:
         row = one(args.one[0], int(args.one[1]))
         if args.ray and row["n"] <= RAY_MAX_N:
@@ -729,7 +781,8 @@ def main() -> None:
     for model in args.models:
         for n in args.sizes:
             t0 = time.monotonic()
-            proc = subprocess.run([sys.executable, __file__, "--one", model, str(n), *(["--ray"] if args.ray else [])],
+            proc = subprocess.run([sys.executable, __file__, "--one", model, str(n), "--per-node", str(PER_NODE),
+                                   *(["--ray"] if args.ray else [])],
                                   capture_output=True, text=True,
                                   # Each N reads its steps as for the first time: the saves of one plan write
                                   # the same .metadata bytes in every run, which the scan cache under the
