@@ -47,6 +47,7 @@ than a real group has).
     .venv/bin/python bench/scale.py --check-only --sizes 8 64 512 4096   # the first save's plan check
     .venv/bin/python bench/scale.py --prefixes --sizes 512 4096          # object-store requests a save
     .venv/bin/python bench/scale.py --wire --sizes 64 512 4096           # the first save's plans on the wire
+    .venv/bin/python bench/scale.py --calls-only --ray --sizes 512 4096  # a later save's calls into the actor
     .venv/bin/python bench/scale.py --sizes 8 64 512 --models 70b --poll
     .venv/bin/python bench/scale.py --sizes 8 64 512 4096 --poll-only
 """
@@ -77,7 +78,7 @@ from bench.scale_ranks import MODELS, local_plan, template, write_results  # noq
 from raytrain_ckpt.checkpoint.format.plannumbers import SharedPlan, difference_from, own_central
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy  # noqa: E402
 from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, NodeBatch, RankReport, TrainingPoint  # noqa: E402
-from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor  # noqa: E402
+from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor, actor_concurrency  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.repeats import SentResults, byte_keys  # noqa: E402
 from raytrain_ckpt.control.preflight import load_spec  # noqa: E402
 
@@ -533,6 +534,24 @@ def calls_row(n: int) -> dict[str, Any]:
     return {"n": n, "rank_calls": c0, "rank_mb": b0 / 1e6, "node_calls": c1, "node_mb": b1 / 1e6}
 
 
+def calls_timed(n: int, per_nodes: tuple[int, ...]) -> dict[int, float]:
+    """Seconds from a later save's first call into a real Ray CheckpointActor to its last answer
+    (``ray_saves``: each rank's ``open_step``, then its node's hand-offs and its reports with their
+    stalls, each node's calls in flight together), with ``per_nodes`` ranks to a node: 1 is a call
+    of each kind per rank (3 a rank, as before the node's writer carried them, less the separate
+    stall), more are the node's writer speaking for its ranks. The debug model's plan (a few KB a
+    rank): the calls are what is measured, not the plan or the copy of a large ``.metadata``."""
+    global PER_NODE
+    kept, out = PER_NODE, {}
+    try:
+        for per_node in per_nodes:
+            PER_NODE = per_node
+            out[per_node] = ray_saves("debug", n)["ray_save_s"]
+    finally:
+        PER_NODE = kept
+    return out
+
+
 def ray_saves(model: str, n: int) -> dict[str, float]:
     """The same two saves through the CheckpointActor as a Ray actor (every call a real Ray call,
     the ranks' calls in flight together, as the trainers and writers make them): seconds from
@@ -547,7 +566,8 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
     out: dict[str, float] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="scale-ray-", dir=os.environ.get("SCALE_DIR")) as root:
-            actor = ray.remote(num_cpus=0)(CheckpointActor).remote(root, RetentionPolicy(2))
+            actor = ray.remote(CheckpointActor).options(num_cpus=0, max_concurrency=actor_concurrency(n)).remote(
+                root, RetentionPolicy(2))
             ray.get(actor.configure.remote(GroupLayout(n, n, "scale", {"name": model})))
             sent = SentResults()
             t0 = time.perf_counter()
@@ -556,7 +576,9 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
             centrals = [CentralPlan(own_central(c.plan, plans[r]), c.plan_id) for r, c in enumerate(centrals)]
             plan_s = time.perf_counter() - t0
             for key, step in (("ray_first_save_s", 10), ("ray_save_s", 20)):
+                t0 = time.perf_counter()
                 tmp = ray.get([actor.open_step.remote(step, 0) for _ in range(n)])[0]
+                open_s = time.perf_counter() - t0
                 reports = []
                 for rank in range(n):
                     results = write_results(centrals[rank].plan, step)
@@ -574,7 +596,7 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
                                                                       tuple((step, r, 0.01) for r in rs)))
                                    for rs in nodes])
                 outcomes = [o for a in answers for o in a.reports]
-                out[key] = time.perf_counter() - t0 + (plan_s if step == 10 else 0.0)
+                out[key] = open_s + time.perf_counter() - t0 + (plan_s if step == 10 else 0.0)
                 assert outcomes.count("committed") == 1, outcomes
                 for rep in reports:
                     sent.delivered(rep)
@@ -731,7 +753,8 @@ def main() -> None:
     ap.add_argument("--poll", action="store_true", help="also one controller poll round per N (starts Ray)")
     ap.add_argument("--poll-only", action="store_true", help="only the controller poll round per N")
     ap.add_argument("--ray", action="store_true",
-                    help=f"also the two saves through the actor as a Ray actor (N <= {RAY_MAX_N})")
+                    help=f"also the two saves through the actor as a Ray actor (N <= {RAY_MAX_N}); with --calls-only, "
+                         "a later save's calls timed through one, the debug model's plan, any N")
     ap.add_argument("--prefixes", action="store_true",
                     help="only the object-store write requests per save under the step's prefix, per model and N, "
                          "and per first key character after it (DCP's names and the spread ones)")
@@ -756,6 +779,10 @@ def main() -> None:
             print(f"N={n:>5}: a later save's calls into the actor: {r['rank_calls']} ({r['rank_mb']:.2f} MB) made "
                   f"per rank, {r['node_calls']} ({r['node_mb']:.2f} MB) with a node's writer carrying its "
                   f"{PER_NODE} ranks' hand-offs, reports and stalls", flush=True)
+            if args.ray:  # the calls timed through a real Ray actor, the debug model's plan (see calls_timed)
+                for per_node, seconds in calls_timed(n, (1, PER_NODE)).items():
+                    print(f"    through a Ray actor, {per_node} rank(s) a node: a later save's calls answered in "
+                          f"{seconds:.3f}s", flush=True)
         return
     if args.one:
         row = one(args.one[0], int(args.one[1]))

@@ -1,5 +1,5 @@
-"""A save's calls into the CheckpointActor, one per node: a real CheckpointActor as a Ray actor,
-each node's ``NodeCourier`` (what runs in the node's writer) sending its ranks' hand-offs, reports
+"""A save's calls into the CheckpointActor, one per node, and as many as thousands of ranks make: a
+real CheckpointActor as a Ray actor, each node's ``NodeCourier`` (what runs in the node's writer) sending its ranks' hand-offs, reports
 and stalls to it, real DCP plans of the debug model, real (sparse) files.
 
 The actor counts ranks, not calls: a node's report missing one rank leaves the step uncommitted
@@ -21,7 +21,7 @@ from raytrain_ckpt.checkpoint.errors import StepAborted
 from raytrain_ckpt.checkpoint.format.plannumbers import SharedPlan, difference_from, own_central
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
 from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, RankReport, StepPhase
-from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
+from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor, actor_concurrency
 from raytrain_ckpt.checkpoint.roles.courier import NodeCourier
 from raytrain_ckpt.control.preflight import load_spec
 from raytrain_ckpt.models.config import PRESETS
@@ -95,3 +95,30 @@ def test_a_node_report_missing_one_rank_leaves_the_step_uncommitted(ray_cluster,
             couriers[0].accepted(20, 0, 0)
     finally:
         ray.kill(actor)
+
+
+def test_a_first_save_of_more_ranks_than_rays_default_concurrency_plans(ray_cluster, tmp_path: Path) -> None:
+    """Every rank's ``plan`` waits in the actor for every other rank's. Ray runs 1,000 calls of an
+    async actor at once unless told otherwise, so with more ranks than that the first 1,000 waited
+    for ranks queued behind them until the plan's timeout. The actor as the service creates it
+    (``actor_concurrency``) takes them all; with Ray's default, the same plan times out."""
+    world = 1100
+    shape = template(load_spec("jobs/llama_debug_fsdp.yaml", []), PRESETS["debug"])
+    first = local_plan(shape, 0, world)
+    sent = [SharedPlan(first)] + [difference_from(first, local_plan(shape, r, world), 0) or local_plan(shape, r, world)
+                                  for r in range(1, world)]
+
+    def planned(concurrency: int | None, timeout_s: float) -> list:
+        options = {"num_cpus": 0} | ({"max_concurrency": concurrency} if concurrency else {})
+        actor = ray.remote(CheckpointActor).options(**options).remote(str(tmp_path / str(concurrency)),
+                                                                      RetentionPolicy(None))
+        try:
+            ray.get(actor.configure.remote(GroupLayout(world, world, "h", None)))
+            return ray.get([actor.plan.remote(0, 10, r, sent[r], timeout_s) for r in range(world)])
+        finally:
+            ray.kill(actor)
+
+    answers = planned(actor_concurrency(world), 300)
+    assert len({a.plan_id for a in answers}) == 1 and len(answers) == world
+    with pytest.raises(StepAborted, match=f"only ranks .* of {world} arrived"):
+        planned(None, 20)

@@ -42,7 +42,20 @@ from raytrain_ckpt.checkpoint.roles.metrics import CheckpointMetrics
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GROUP_FILE", "CheckpointActor"]
+__all__ = ["GROUP_FILE", "CheckpointActor", "actor_concurrency"]
+
+
+def actor_concurrency(world: int) -> int:
+    """How many calls the actor runs at once for a group of ``world`` ranks (its ``max_concurrency``).
+
+    A rank can hold a few calls waiting in it at once: the first save's ``plan`` waits for every
+    rank's plan, ``open_step`` and a final save's ``wait_committed`` for the step, a restart's
+    ``acquire`` for the check of the newest step. Ray runs at most 1,000 calls of an async actor at
+    once by default, so a first save of more than 1,000 ranks had 1,000 ``plan`` calls waiting for
+    ranks whose calls were queued behind them, until the plan's timeout aborted the save (measured:
+    1,000 of 4,096 ranks arrived in 600 s, ``bench/scale.py --calls-only --ray``). Waiting calls are
+    coroutines, not threads: the limit costs nothing until calls arrive."""
+    return 1000 + 4 * world
 
 RESTART_RETRIES = 3
 """How many restarts of this actor a call of a save in flight outlives (``open_step``, ``accepted``,
