@@ -6,8 +6,9 @@ shard of the 8B or 70B model, computed from its shape, no tensor bytes) drive th
 for N <= 64, timed from the caller) through two saves of one attempt, as the ranks' and writers' calls would:
 
 * the first save of the attempt: every rank's ``plan`` (the global plan and ``.metadata``,
-  built once per layout), then ``open_step``, ``accepted``, ``report`` (the last one commits)
-  and ``record_stall`` from every rank;
+  built once per layout) and ``open_step``, then, per node of ``--per-node`` ranks, the calls its
+  writer makes for them (``roles/courier.py``): one ``node_report`` with its ranks' hand-offs and
+  one with their reports and stalls (the last one commits);
 * a later save of the same attempt: the same calls without ``plan`` (the plan is cached); each
   rank's results equal the first save's, so the writers send them as a digest
   (``roles/repeats.py``) and the actor copies the first save's ``.metadata``;
@@ -46,6 +47,7 @@ than a real group has).
     .venv/bin/python bench/scale.py --check-only --sizes 8 64 512 4096   # the first save's plan check
     .venv/bin/python bench/scale.py --prefixes --sizes 512 4096          # object-store requests a save
     .venv/bin/python bench/scale.py --wire --sizes 64 512 4096           # the first save's plans on the wire
+    .venv/bin/python bench/scale.py --calls-only --ray --sizes 512 4096  # a later save's calls into the actor
     .venv/bin/python bench/scale.py --sizes 8 64 512 --models 70b --poll
     .venv/bin/python bench/scale.py --sizes 8 64 512 4096 --poll-only
 """
@@ -75,8 +77,8 @@ from bench.scale_ranks import MODELS, local_plan, template, write_results  # noq
 
 from raytrain_ckpt.checkpoint.format.plannumbers import SharedPlan, difference_from, own_central
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy  # noqa: E402
-from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, RankReport, TrainingPoint  # noqa: E402
-from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor  # noqa: E402
+from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, NodeBatch, RankReport, TrainingPoint  # noqa: E402
+from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor, actor_concurrency  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.repeats import SentResults, byte_keys  # noqa: E402
 from raytrain_ckpt.control.preflight import load_spec  # noqa: E402
 
@@ -95,6 +97,8 @@ class _Calls:
     def __init__(self) -> None:
         self.count: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
+        self.report_bytes = 0
+        """Of ``bytes``, the ranks' reports."""
 
     def add(self, method: str, *args: Any) -> None:
         self.count[method] = self.count.get(method, 0) + 1
@@ -102,6 +106,14 @@ class _Calls:
 
     def total(self) -> tuple[int, int]:
         return sum(self.count.values()), sum(self.bytes.values())
+
+
+PER_NODE = 8
+"""Ranks per node (``--per-node``): each node's writer carries its ranks' calls into the actor."""
+
+
+def _nodes(n: int) -> list[list[int]]:
+    return [list(range(a, min(a + PER_NODE, n))) for a in range(0, n, PER_NODE)]
 
 
 WRITER_S: dict[int, float] = {}
@@ -131,23 +143,22 @@ async def _save(actor: CheckpointActor, n: int, step: int, attempt: int, central
                                             {name: {"size": size, "crc32c": 0}}, TrainingPoint(samples_seen=step)),
                                  byte_keys(centrals[rank].plan)))
         WRITER_S[step] = max(WRITER_S.get(step, 0.0), time.perf_counter() - t0)
-    for rank in range(n):
-        calls.add("accepted", step, rank, attempt, None)
+    for ranks in _nodes(n):
+        batch = NodeBatch(None, tuple((step, r, attempt) for r in ranks))
+        calls.add("node_report", batch)
         t0 = time.perf_counter()
-        await actor.accepted(step, rank, attempt, None)
+        await actor.node_report(batch)
         spent += time.perf_counter() - t0
-    for rank in range(n):
-        calls.add("report", reports[rank])
+    for ranks in _nodes(n):
+        batch = NodeBatch(None, (), tuple(reports[r] for r in ranks), tuple((step, r, 0.01) for r in ranks))
+        calls.add("node_report", batch)
+        calls.report_bytes += len(pickle.dumps(batch.reports, protocol=5))
         t0 = time.perf_counter()
-        out = await actor.report(reports[rank])
+        answer = await actor.node_report(batch)
         spent += time.perf_counter() - t0
-        sent.delivered(reports[rank])
-    assert out == "committed", out
-    for rank in range(n):
-        calls.add("record_stall", step, rank, 0.01)
-        t0 = time.perf_counter()
-        await actor.record_stall(step, rank, 0.01)
-        spent += time.perf_counter() - t0
+        for r in ranks:
+            sent.delivered(reports[r])
+    assert answer.reports[-1] == "committed", answer
     return spent
 
 
@@ -218,7 +229,7 @@ def one(model: str, n: int) -> dict[str, Any]:
         out["peak_mb"] = _rss_mb() - rss0
         out["first_calls"], out["first_mb"] = first.total()[0], first.total()[1] / 1e6
         out["calls"], out["mb"] = later.total()[0], later.total()[1] / 1e6
-        out["report_mb"] = later.bytes["report"] / 1e6
+        out["report_mb"] = later.report_bytes / 1e6
         out["changed_mb"] = changed.total()[1] / 1e6
         step_dir = actor.layout.step_dir(1000)
         out["metadata_mb"] = os.path.getsize(os.path.join(step_dir, ".metadata")) / 1e6
@@ -497,6 +508,50 @@ def prefix_row(model: str, n: int) -> dict[str, Any]:
             "prefix_s": requests / S3_PUTS_PER_PREFIX_S, "flat": flat, "spread": spread}
 
 
+def calls_row(n: int) -> dict[str, Any]:
+    """The calls into the actor and their pickled bytes for a later save of ``n`` ranks (the plan
+    cached, every rank's results unchanged, so its report goes as a digest, as ``_save`` sends
+    them): made per rank, as the ranks and writers made them before, and carried per node
+    (``roles/courier.py``: each rank's ``open_step``, then per node one call with its hand-offs and
+    one with its reports and stalls). No planning: a report's size does not depend on the model
+    once its results go as a digest."""
+    def report(r: int) -> RankReport:
+        return RankReport(20, r, 0, "0.10", None, {f"{r:02x}__{r}_0.distcp": {"size": 1 << 30, "crc32c": 0}},
+                          TrainingPoint(samples_seen=20), digest="0" * 64)
+
+    per_rank, per_node = _Calls(), _Calls()
+    for r in range(n):
+        per_rank.add("open_step", 20, 0)
+        per_rank.add("accepted", 20, r, 0, None)
+        per_rank.add("report", report(r))
+        per_rank.add("record_stall", 20, r, 0.01)
+        per_node.add("open_step", 20, 0)
+    for ranks in _nodes(n):
+        per_node.add("node_report", NodeBatch(None, tuple((20, r, 0) for r in ranks)))
+        per_node.add("node_report", NodeBatch(None, (), tuple(report(r) for r in ranks),
+                                              tuple((20, r, 0.01) for r in ranks)))
+    (c0, b0), (c1, b1) = per_rank.total(), per_node.total()
+    return {"n": n, "rank_calls": c0, "rank_mb": b0 / 1e6, "node_calls": c1, "node_mb": b1 / 1e6}
+
+
+def calls_timed(n: int, per_nodes: tuple[int, ...]) -> dict[int, float]:
+    """Seconds from a later save's first call into a real Ray CheckpointActor to its last answer
+    (``ray_saves``: each rank's ``open_step``, then its node's hand-offs and its reports with their
+    stalls, each node's calls in flight together), with ``per_nodes`` ranks to a node: 1 is a call
+    of each kind per rank (3 a rank, as before the node's writer carried them, less the separate
+    stall), more are the node's writer speaking for its ranks. The debug model's plan (a few KB a
+    rank): the calls are what is measured, not the plan or the copy of a large ``.metadata``."""
+    global PER_NODE
+    kept, out = PER_NODE, {}
+    try:
+        for per_node in per_nodes:
+            PER_NODE = per_node
+            out[per_node] = ray_saves("debug", n)["ray_save_s"]
+    finally:
+        PER_NODE = kept
+    return out
+
+
 def ray_saves(model: str, n: int) -> dict[str, float]:
     """The same two saves through the CheckpointActor as a Ray actor (every call a real Ray call,
     the ranks' calls in flight together, as the trainers and writers make them): seconds from
@@ -511,16 +566,19 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
     out: dict[str, float] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="scale-ray-", dir=os.environ.get("SCALE_DIR")) as root:
-            actor = ray.remote(num_cpus=0)(CheckpointActor).remote(root, RetentionPolicy(2))
+            actor = ray.remote(CheckpointActor).options(num_cpus=0, max_concurrency=actor_concurrency(n)).remote(
+                root, RetentionPolicy(2))
             ray.get(actor.configure.remote(GroupLayout(n, n, "scale", {"name": model})))
             sent = SentResults()
             t0 = time.perf_counter()
-            sent = [SharedPlan(plans[0])] + [difference_from(plans[0], p, 0) or p for p in plans[1:]]
-            centrals = ray.get([actor.plan.remote(0, 10, r, sent[r], 600.0) for r in range(n)])
+            shared = [SharedPlan(plans[0])] + [difference_from(plans[0], p, 0) or p for p in plans[1:]]
+            centrals = ray.get([actor.plan.remote(0, 10, r, shared[r], 600.0) for r in range(n)])
             centrals = [CentralPlan(own_central(c.plan, plans[r]), c.plan_id) for r, c in enumerate(centrals)]
             plan_s = time.perf_counter() - t0
             for key, step in (("ray_first_save_s", 10), ("ray_save_s", 20)):
+                t0 = time.perf_counter()
                 tmp = ray.get([actor.open_step.remote(step, 0) for _ in range(n)])[0]
+                open_s = time.perf_counter() - t0
                 reports = []
                 for rank in range(n):
                     results = write_results(centrals[rank].plan, step)
@@ -532,10 +590,13 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
                                                     {name: {"size": size, "crc32c": 0}},
                                                     TrainingPoint(samples_seen=step)), byte_keys(centrals[rank].plan)))
                 t0 = time.perf_counter()
-                ray.get([actor.accepted.remote(step, r, 0, None) for r in range(n)])
-                outcomes = ray.get([actor.report.remote(rep) for rep in reports])
-                ray.get([actor.record_stall.remote(step, r, 0.01) for r in range(n)])
-                out[key] = time.perf_counter() - t0 + (plan_s if step == 10 else 0.0)
+                nodes = _nodes(n)
+                ray.get([actor.node_report.remote(NodeBatch(None, tuple((step, r, 0) for r in rs))) for rs in nodes])
+                answers = ray.get([actor.node_report.remote(NodeBatch(None, (), tuple(reports[r] for r in rs),
+                                                                      tuple((step, r, 0.01) for r in rs)))
+                                   for rs in nodes])
+                outcomes = [o for a in answers for o in a.reports]
+                out[key] = open_s + time.perf_counter() - t0 + (plan_s if step == 10 else 0.0)
                 assert outcomes.count("committed") == 1, outcomes
                 for rep in reports:
                     sent.delivered(rep)
@@ -685,13 +746,15 @@ def _check_lines(r: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
+    global PER_NODE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 512])
     ap.add_argument("--models", nargs="+", default=["8b", "70b"], choices=sorted(MODELS))
     ap.add_argument("--poll", action="store_true", help="also one controller poll round per N (starts Ray)")
     ap.add_argument("--poll-only", action="store_true", help="only the controller poll round per N")
     ap.add_argument("--ray", action="store_true",
-                    help=f"also the two saves through the actor as a Ray actor (N <= {RAY_MAX_N})")
+                    help=f"also the two saves through the actor as a Ray actor (N <= {RAY_MAX_N}); with --calls-only, "
+                         "a later save's calls timed through one, the debug model's plan, any N")
     ap.add_argument("--prefixes", action="store_true",
                     help="only the object-store write requests per save under the step's prefix, per model and N, "
                          "and per first key character after it (DCP's names and the spread ones)")
@@ -703,8 +766,24 @@ def main() -> None:
                     help="only the first save's global plan computed on the ranks' plans as numbers")
     ap.add_argument("--commit", action="store_true",
                     help="with --numbers: the first commit's .metadata built from every rank's write results too")
+    ap.add_argument("--per-node", type=int, default=PER_NODE,
+                    help=f"ranks per node, whose writer carries their calls into the actor (default {PER_NODE})")
+    ap.add_argument("--calls-only", action="store_true",
+                    help="only the calls and bytes into the actor of a later save, per rank and per node, per N")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    PER_NODE = args.per_node
+    if args.calls_only:
+        for n in args.sizes:
+            r = calls_row(n)
+            print(f"N={n:>5}: a later save's calls into the actor: {r['rank_calls']} ({r['rank_mb']:.2f} MB) made "
+                  f"per rank, {r['node_calls']} ({r['node_mb']:.2f} MB) with a node's writer carrying its "
+                  f"{PER_NODE} ranks' hand-offs, reports and stalls", flush=True)
+            if args.ray:  # the calls timed through a real Ray actor, the debug model's plan (see calls_timed)
+                for per_node, seconds in calls_timed(n, (1, PER_NODE)).items():
+                    print(f"    through a Ray actor, {per_node} rank(s) a node: a later save's calls answered in "
+                          f"{seconds:.3f}s", flush=True)
+        return
     if args.one:
         row = one(args.one[0], int(args.one[1]))
         if args.ray and row["n"] <= RAY_MAX_N:
@@ -729,7 +808,8 @@ def main() -> None:
     for model in args.models:
         for n in args.sizes:
             t0 = time.monotonic()
-            proc = subprocess.run([sys.executable, __file__, "--one", model, str(n), *(["--ray"] if args.ray else [])],
+            proc = subprocess.run([sys.executable, __file__, "--one", model, str(n), "--per-node", str(PER_NODE),
+                                   *(["--ray"] if args.ray else [])],
                                   capture_output=True, text=True,
                                   # Each N reads its steps as for the first time: the saves of one plan write
                                   # the same .metadata bytes in every run, which the scan cache under the

@@ -41,6 +41,9 @@ MODELS: dict[str, LlamaConfig] = {
     # Llama 3 70B's shape (not a preset: no CPU job trains it; its plan is what scales).
     "70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_dim=28672,
                        max_seq_len=8192, rope_theta=500000.0),
+    # The CPU demo's model: a plan small enough to drive thousands of ranks' calls through a real Ray
+    # actor on this box (``scale.py --calls-only --ray``), where the calls, not the plan, are measured.
+    "debug": PRESETS["debug"],
 }
 _PLACEMENTS = (Shard(0),)
 

@@ -211,6 +211,31 @@ class WriterRef:
     node_id: str
 
 
+__all__ += ["NodeAnswer", "NodeBatch"]
+
+
+@dataclass(frozen=True)
+class NodeBatch:
+    """What a node's writer tells the CheckpointActor for its ranks in one call (``roles/courier.py``)."""
+
+    writer: WriterRef | None = None
+    accepted: tuple[tuple[int, int, int], ...] = ()
+    """(step, rank, attempt) of each hand-off the writer took over."""
+    reports: tuple[RankReport, ...] = ()
+    stalls: tuple[tuple[int, int, float], ...] = ()
+    """(step, rank, seconds): how long the save of step blocked that rank's training thread."""
+
+
+@dataclass(frozen=True)
+class NodeAnswer:
+    """The actor's answer to a ``NodeBatch``, entry by entry: a value, or the error raised for it."""
+
+    accepted: tuple[Any, ...] = ()
+    """Per hand-off: the step's temporary directory, or an exception."""
+    reports: tuple[Any, ...] = ()
+    """Per report: ``"committed"`` or ``"pending"``, or an exception."""
+
+
 @dataclass(frozen=True)
 class RankCheckpointPlan:
     """What one rank of an attempt needs to checkpoint: the CheckpointActor, its node's writer,

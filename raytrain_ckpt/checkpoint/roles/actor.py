@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from raytrain_ckpt.checkpoint.policy.interval import IntervalDecision
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
-from raytrain_ckpt.checkpoint.records import ActorStatus, CentralPlan, FileSum, GroupLayout, JobNote, ProbesSeen, RankReport, ResumePoint, SaveCosts, WriterRef
+from raytrain_ckpt.checkpoint.records import (ActorStatus, CentralPlan, FileSum, GroupLayout, JobNote, NodeAnswer, NodeBatch,
+                                              ProbesSeen, RankReport, ResumePoint, SaveCosts, WriterRef)
 from raytrain_ckpt.checkpoint.roles.board import StatusBoard
 from raytrain_ckpt.checkpoint.roles.coordinator import SaveCoordinator
 from raytrain_ckpt.checkpoint.roles.groupfile import GROUP_FILE, GroupFile
@@ -41,11 +42,24 @@ from raytrain_ckpt.checkpoint.roles.metrics import CheckpointMetrics
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GROUP_FILE", "CheckpointActor"]
+__all__ = ["GROUP_FILE", "CheckpointActor", "actor_concurrency"]
+
+
+def actor_concurrency(world: int) -> int:
+    """How many calls the actor runs at once for a group of ``world`` ranks (its ``max_concurrency``).
+
+    A rank can hold a few calls waiting in it at once: the first save's ``plan`` waits for every
+    rank's plan, ``open_step`` and a final save's ``wait_committed`` for the step, a restart's
+    ``acquire`` for the check of the newest step. Ray runs at most 1,000 calls of an async actor at
+    once by default, so a first save of more than 1,000 ranks had 1,000 ``plan`` calls waiting for
+    ranks whose calls were queued behind them, until the plan's timeout aborted the save (measured:
+    1,000 of 4,096 ranks arrived in 600 s, ``bench/scale.py --calls-only --ray``). Waiting calls are
+    coroutines, not threads: the limit costs nothing until calls arrive."""
+    return 1000 + 4 * world
 
 RESTART_RETRIES = 3
 """How many restarts of this actor a call of a save in flight outlives (``open_step``, ``accepted``,
-``record_stall``: each does the same again when it runs twice). The actor is created with
+``node_accepted``: each does the same again when it runs twice). The actor is created with
 ``max_task_retries=0``, so any other call made while it restarts (a drain of its node moves it)
 fails, and a save whose calls failed is aborted; these run on the restarted actor instead, which
 reads back the plan the ranks save with (``SaveCoordinator._plan_back``), so that save commits."""
@@ -153,6 +167,35 @@ class CheckpointActor:
             await asyncio.to_thread(self.retainer.purge)
         return out
 
+    @ray.method(max_task_retries=RESTART_RETRIES)
+    async def node_accepted(self, batch: NodeBatch) -> NodeAnswer:
+        """``node_report`` of a batch without reports (hand-offs and stalls, which do the same
+        again when they run twice): outlives a restart of this actor as ``accepted`` does."""
+        if batch.reports:
+            raise ValueError("node_accepted takes no reports: a report is not made twice")
+        return await self.node_report(batch)
+
+    async def node_report(self, batch: NodeBatch) -> NodeAnswer:
+        """A node's writer speaking for its ranks in one call (``roles/courier.py``): their stalls,
+        then their hand-offs (``accepted``), then their reports (``report``), each as its own call
+        would be taken. A step commits once every rank of the group reported, however many calls
+        brought the reports; an entry's error is its answer, not the call's."""
+        for step, rank, seconds in batch.stalls:
+            self.board.record_stall(step, rank, seconds)
+        accepted: list[object] = []
+        for step, rank, attempt in batch.accepted:
+            try:
+                accepted.append(self.steps.accepted(step, rank, attempt, batch.writer))
+            except Exception as exc:  # noqa: BLE001 - that rank's answer (a step aborted meanwhile)
+                accepted.append(exc)
+        reports: list[object] = []
+        for report in batch.reports:
+            try:
+                reports.append(await self.report(report))
+            except Exception as exc:  # noqa: BLE001 - that rank's answer (its step aborted, the commit failed)
+                reports.append(exc)
+        return NodeAnswer(tuple(accepted), tuple(reports))
+
     async def settle(self, timeout_s: float) -> None:
         """See ``StepRegistry.settle``."""
         await self.steps.settle(timeout_s)
@@ -227,11 +270,6 @@ class CheckpointActor:
         each committed step's manifest summary, the in-flight step's phase, the job's state and
         the work at risk."""
         return self.board.snapshot()
-
-    @ray.method(max_task_retries=RESTART_RETRIES)
-    async def record_stall(self, step: int, rank: int, seconds: float) -> None:
-        """A rank's training thread was blocked ``seconds`` by the save of ``step``."""
-        self.board.record_stall(step, rank, seconds)
 
     async def record_interval(self, step: int, decision: IntervalDecision) -> None:
         """The interval the trainers chose at ``step`` (``interval_steps: auto``), and why."""

@@ -235,8 +235,8 @@ class CheckpointClient:
         self._handed_off()  # counted in this save's stall
         if not self._previous_settled(step, final=final or step == self.total_steps):
             return False
-        # The step's temporary directory, opened while this rank plans and starts its copy: the
-        # writer gets the reply, and its first write does not wait for a round trip of its own.
+        # Opened by the rank (not its node's writer, which may stop answering) while it plans and
+        # copies: the writer gets the reply and starts its first write without a round trip.
         opened = self.actor.open_step.remote(step, self.attempt) if tier == "durable" else None
         tensors, self._planner, objects = _flat_state(state, self.rank == 0)
         try:
@@ -295,9 +295,9 @@ class CheckpointClient:
         return True
 
     def _report_stall(self, step: int) -> None:
-        """The actor keeps each step's stall in its manifest (``wall.stall_s``, max over ranks)."""
+        """The actor keeps each step's stall in its manifest (``wall.stall_s``, max over ranks), carried there by the node's writer."""
         self.stats.last_stall_s, self._stall_reported = self.stats.stall_s - self._stall_reported, self.stats.stall_s
-        self.actor.record_stall.remote(step, self.rank, self.stats.last_stall_s)
+        self.writer.record_stall.remote(step, self.rank, self.stats.last_stall_s)
 
     def _previous_settled(self, step: int, final: bool) -> bool:
         """Apply on_busy to a save still writing; returns False when this save is skipped (on every rank).

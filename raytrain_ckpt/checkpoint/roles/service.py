@@ -20,7 +20,7 @@ from raytrain_ckpt.checkpoint.policy.schedule import SaveSchedule
 from raytrain_ckpt.checkpoint.policy.retention import KeepBest, RetentionPolicy
 from raytrain_ckpt.checkpoint.records import ActorStatus, AttemptPlan, CommittedCopy, GroupLayout, JobNote, RankCheckpointPlan, ResumePoint
 from raytrain_ckpt.checkpoint.recovery.memcopy import choose_sources, CopyFacts, RankSource
-from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor
+from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor, actor_concurrency
 from raytrain_ckpt.checkpoint.roles.fleet import WriterFleet
 from raytrain_ckpt.checkpoint.roles.ramtier import MemoryStep, RamTier, draining
 from raytrain_ckpt.checkpoint.roles.names import NAMESPACE, actor_name, call_restarting
@@ -48,6 +48,11 @@ def _retention(cfg: CheckpointSpec) -> RetentionPolicy:
     return RetentionPolicy(cfg.keep_latest_k, cfg.keep_every_n_steps, keep_best)
 
 
+def _actor_options(spec: JobSpec) -> dict[str, object]:
+    return dict(name=actor_name(spec.name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1, max_task_retries=0,
+                max_concurrency=actor_concurrency(spec.world_size))  # more waiting calls than Ray's default 1,000
+
+
 class CheckpointService:
     """Job-scoped: lives as long as the driver, across every attempt of the worker group."""
 
@@ -58,10 +63,9 @@ class CheckpointService:
         cfg = spec.checkpoint
         self.root = job_root(cfg.dir, spec.name)
         env = dict(fault_env or {})  # fault settings: an argument, not a runtime_env (see TrainWorker.__init__)
-        self.actor = ray.remote(CheckpointActor).options(
-            name=actor_name(spec.name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1, max_task_retries=0,
-        ).remote(str(self.root), _retention(cfg), cfg.storage_options, cfg.leftover_grace_s, env, self.run_id,
-                 secrets.token_hex(32))  # the run's seal key: Ray restarts the actor with it (``seals.py``)
+        self.actor = ray.remote(CheckpointActor).options(**_actor_options(spec)).remote(
+            str(self.root), _retention(cfg), cfg.storage_options, cfg.leftover_grace_s, env, self.run_id,
+            secrets.token_hex(32))  # the run's seal key: Ray restarts the actor with it (``seals.py``)
         self.fleet = WriterFleet(spec, str(self.root), self.actor, env)
         self.sources = CopySources(spec, self.fleet, self._ask)
         self.ram = RamTier(self.fleet.writers)

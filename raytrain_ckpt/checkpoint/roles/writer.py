@@ -36,6 +36,7 @@ from raytrain_ckpt.checkpoint.records import CommittedCopy, NodeProbe, PersistRe
 from raytrain_ckpt.checkpoint.datapath.sink import ShardSink, pick_sink
 from raytrain_ckpt.checkpoint.datapath.staging import StagedPlanner
 from raytrain_ckpt.checkpoint.format.fingerprints import shard_sums
+from raytrain_ckpt.checkpoint.roles.courier import NodeCourier
 from raytrain_ckpt.checkpoint.roles.repeats import SentResults, byte_keys
 from raytrain_ckpt.checkpoint.roles.replication import Replication
 from raytrain_ckpt.checkpoint.roles.writer_buffers import Mapped, WriterBuffers
@@ -94,6 +95,11 @@ class CheckpointWriter:
         self._last_phases: dict[int, dict[str, float]] = {}
         self._sent = SentResults()  # a rank's results that did not change go to the actor as a digest
         node_id = ray.get_runtime_context().get_node_id()
+        # The node's ranks' hand-offs, reports and stalls go to the actor together (``courier.py``).
+        # A batch of hand-offs and stalls alone is retried across a restart of the actor (``node_accepted``).
+        self.courier = NodeCourier(
+            lambda batch: ray.get((coordinator.node_report if batch.reports else coordinator.node_accepted).remote(batch)),
+            lambda: WriterRef(ray.get_runtime_context().current_actor, node_id))
         prefix = buffer_prefix(job, root)
         self.buffers = WriterBuffers(shm_dir(), prefix, node_id, self._pool)
         self.metrics = WriterMetrics(job, node_id[:12])
@@ -118,6 +124,7 @@ class CheckpointWriter:
         """The rank's staging file number ``copy`` for this attempt, reused across its saves and,
         unless a write or an old process still holds it, across a restart (``WriterBuffers.allocate``:
         its pages are allocated already, so the first save after a restart costs what any save costs)."""
+        self.courier.expect(attempt, rank)  # a rank of this node: its calls wait for one another's
         return self.buffers.allocate(rank, attempt, nbytes, copy, self._busy())
 
     def _busy(self) -> set[str]:
@@ -140,10 +147,10 @@ class CheckpointWriter:
 
         ``opened``: the trainer's call opening the step (``CheckpointActor.open_step``, made while
         it planned and started its copy). With its reply, the step's temporary directory, the
-        write starts at once, while the actor is told of the hand-off; without one (the call
-        failed: the actor was restarting, the step was aborted) it starts after that.
+        write starts at once, while the actor is told of the hand-off with the node's other ranks'
+        (``courier.py``); without one (the call failed: the actor was restarting, the step was
+        aborted) it starts after that.
         """
-        tmp = self._opened(opened)
         key = (req.rank, req.step)
         with self.buffers.lock:
             held = self.buffers.held.get(req.buffer_path)
@@ -156,12 +163,11 @@ class CheckpointWriter:
         if req.tier == "ram":  # a preemption's RAM tier: recorded in memory, storage and the actor untouched
             self._jobs[key] = self._pool.submit(_hold_in_ram, self, req)
             return
+        tmp = _opened(opened)
         if tmp is not None:
             self._start(req, tmp)
         try:
-            me = ray.get_runtime_context()
-            registered = ray.get(self.coordinator.accepted.remote(req.step, req.rank, req.attempt,
-                                                                  WriterRef(me.current_actor, me.get_node_id())))
+            registered = self.courier.accepted(req.step, req.rank, req.attempt)
         except BaseException:
             if tmp is None:  # else the write started: it ends (its report is refused) and lets go itself
                 self._running.pop(key, None)
@@ -178,15 +184,9 @@ class CheckpointWriter:
         self._tmp[key] = tmp
         self._jobs[key] = self._pool.submit(self._persist_and_forget, req)
 
-    @staticmethod
-    def _opened(opened: list[ray.ObjectRef] | None) -> str | None:
-        if not opened:
-            return None
-        try:
-            return ray.get(opened[0])
-        except Exception as exc:  # the hand-off's own call to the actor says what is wrong, if anything
-            logger.debug("opening the step ahead failed: %s", exc)
-            return None
+    def record_stall(self, step: int, rank: int, seconds: float) -> None:
+        """A rank's stall in the save of ``step``: to the actor with the node's next call."""
+        self.courier.stall(step, rank, seconds)
 
     def holds(self, rank: int, step: int) -> bool:
         """Whether this writer still has rank ``rank``'s hand-off of ``step`` to write and report.
@@ -255,7 +255,7 @@ class CheckpointWriter:
         t_report = time.monotonic()
         out = self._sent.send(RankReport(req.step, req.rank, req.attempt, req.plan_id, written.results,
                                          written.files, req.point, timings, sums),
-                              lambda report: ray.get(self.coordinator.report.remote(report)), byte_keys(req.plan))
+                              self.courier.report, byte_keys(req.plan))
         self._last_phases[req.rank] = {**phases, "report_s": time.monotonic() - t_report}
         return out
 
@@ -319,6 +319,16 @@ class CheckpointWriter:
 
     def __repr__(self) -> str:  # the dashboard's actor list and log prefix: short and fixed (Ray computes it once)
         return f"CheckpointWriter({self.metrics.job if hasattr(self, 'metrics') else 'not started'})"
+
+
+def _opened(opened: list[ray.ObjectRef] | None) -> str | None:
+    if not opened:
+        return None
+    try:
+        return ray.get(opened[0])
+    except Exception as exc:  # the hand-off's own call to the actor says what is wrong, if anything
+        logger.debug("opening the step ahead failed: %s", exc)
+        return None
 
 
 def _hold_in_ram(writer: CheckpointWriter, req: PersistRequest) -> str:
