@@ -9,9 +9,8 @@ report and stall and sends what is queued as one ``NodeBatch`` (``CheckpointActo
 for hand-offs and stalls, retried across a restart of the actor; ``node_report`` for reports,
 never made twice) once every rank of the node the writer knows of has sent the same kind for the
 step, or once the oldest entry has waited its window: 4096 + 1024 calls a save at 4096 ranks of
-8 a node. Each
-caller blocks until the answer for its own entry comes (an entry's error is raised to its caller
-alone); a stall is not waited for and rides with the next batch. The actor counts ranks, not
+8 a node. Each caller blocks until the answer for its own entry comes (an entry's error is raised
+to its caller alone); a stall is not waited for and rides with the next batch. The actor counts ranks, not
 calls: a step commits when every rank of the group reported, whichever calls brought them.
 """
 
@@ -57,9 +56,8 @@ class NodeCourier:
     """Batches one node's calls into the CheckpointActor; see the module docstring.
 
     ``send(batch)`` makes the call (a blocking Ray call in the writer); ``writer()`` is the
-    writer's ``WriterRef``. A rank still opens a step with its own call (``CheckpointClient.save``):
-    the actor then knows the step is in flight even when this writer stops answering. The ranks of the node, per attempt, are what ``expect`` was told
-    (the writer tells it each rank whose staging buffer it allocates).
+    writer's ``WriterRef``. The ranks of the node, per attempt, are what ``expect`` was told (the
+    writer tells it each rank whose staging buffer it allocates).
     """
 
     def __init__(self, send: Callable[[NodeBatch], NodeAnswer], writer: Callable[[], WriterRef | None],
