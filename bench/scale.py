@@ -79,7 +79,8 @@ from raytrain_ckpt.checkpoint.format.plannumbers import SharedPlan, difference_f
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy  # noqa: E402
 from raytrain_ckpt.checkpoint.records import CentralPlan, GroupLayout, NodeBatch, RankReport, TrainingPoint  # noqa: E402
 from raytrain_ckpt.checkpoint.roles.actor import CheckpointActor, actor_concurrency  # noqa: E402
-from raytrain_ckpt.checkpoint.roles.repeats import SentResults, byte_keys  # noqa: E402
+from raytrain_ckpt.checkpoint.roles.repeats import SentResults  # noqa: E402
+from raytrain_ckpt.checkpoint.format.rankresults import RankResults  # noqa: E402
 from raytrain_ckpt.control.preflight import load_spec  # noqa: E402
 
 
@@ -138,10 +139,9 @@ async def _save(actor: CheckpointActor, n: int, step: int, attempt: int, central
         size = results[-1].storage_data.offset + results[-1].storage_data.length
         with open(os.path.join(tmp, name), "wb") as f:  # sparse: the writer's file, without its bytes
             f.truncate(size)
-        t0 = time.perf_counter()  # the writer's digests (each writer does its ranks'), not the actor's time
-        reports.append(sent.slim(RankReport(step, rank, attempt, centrals[rank].plan_id, results,
-                                            {name: {"size": size, "crc32c": 0}}, TrainingPoint(samples_seen=step)),
-                                 byte_keys(centrals[rank].plan)))
+        t0 = time.perf_counter()  # the writer's numbers and digest (each writer does its ranks'), not the actor's time
+        reports.append(sent.slim(RankReport(step, rank, attempt, centrals[rank].plan_id, RankResults.of(results),
+                                            {name: {"size": size, "crc32c": 0}}, TrainingPoint(samples_seen=step))))
         WRITER_S[step] = max(WRITER_S.get(step, 0.0), time.perf_counter() - t0)
     for ranks in _nodes(n):
         batch = NodeBatch(None, tuple((step, r, attempt) for r in ranks))
@@ -586,9 +586,9 @@ def ray_saves(model: str, n: int) -> dict[str, float]:
                     size = results[-1].storage_data.offset + results[-1].storage_data.length
                     with open(os.path.join(tmp, name), "wb") as f:
                         f.truncate(size)
-                    reports.append(sent.slim(Report(step, rank, 0, centrals[rank].plan_id, results,
+                    reports.append(sent.slim(Report(step, rank, 0, centrals[rank].plan_id, RankResults.of(results),
                                                     {name: {"size": size, "crc32c": 0}},
-                                                    TrainingPoint(samples_seen=step)), byte_keys(centrals[rank].plan)))
+                                                    TrainingPoint(samples_seen=step))))
                 t0 = time.perf_counter()
                 nodes = _nodes(n)
                 ray.get([actor.node_report.remote(NodeBatch(None, tuple((step, r, 0) for r in rs))) for rs in nodes])

@@ -9,10 +9,11 @@ items (its RNG states) renamed for the rank. Then the actor's ``GatheredPlans``:
 arrival, then the global plan (DCP's dedup and global plan on the numbers, DCP's chunk check, each
 rank's ``CentralNumbers``), timed, with the sizes each way and the process's peak memory.
 
-Then the first commit's ``.metadata`` as the coordinator builds it today (``metapickle.build``):
-each rank's write results (one ``WriteResult`` per chunk of the global plan, in the file of the
-rank that writes it, byte items after its tensors) pickled as a report carries them, unpickled as
-the actor receives them, and the file built from them, each timed.
+Then the first commit's ``.metadata`` as the coordinator makes it (``roles/metadatafile.py``):
+each rank's write results as its writer reports them (``RankResults``: one entry per chunk of the
+global plan, in the file of the rank that writes it, byte items after its tensors) pickled in a
+report, unpickled as the actor receives them, the file laid out from them (``metaemit``), then
+filled, written and fsynced; and a later save whose every byte item grew, spliced; each timed.
 """
 
 from __future__ import annotations
@@ -100,63 +101,119 @@ def numbers_row(spec: Any, model: str, n: int, commit: bool = False) -> dict[str
     add_s = time.perf_counter() - t0
     del plans, sent
     t0 = time.perf_counter()
-    parts, metadata = gathered.build(n, spread=False)
+    arrays: dict = {}
+    parts, metadata = gathered.build(n, spread=False, chunk_arrays=arrays)
     plan_s = time.perf_counter() - t0
     chunks = sum(len(v.chunks) for v in metadata.state_dict_metadata.values() if hasattr(v, "chunks"))
     back = sum(len(pickle.dumps(parts[r], protocol=5)) for r in (0, n - 1)) / 2
     return {"model": model, "n": n, "chunks": chunks, "rank_s": rank_s, "wire_kb": wire / 1e3, "held_mb": held,
             "add_s": add_s, "plan_s": plan_s, "back_kb": back / 1e3, "peak_mb": _peak_mb(),
-            **(commit_row(metadata, n) if commit else {})}
+            **(commit_row(metadata, n, arrays) if commit else {})}
 
 
-def _rank_results(metadata: Any, n: int) -> list[list[Any]]:
-    """Each rank's write results for ``metadata``: chunk ``i`` of a tensor written by rank ``i``
-    (FSDP2's ``Shard(0)``: one chunk a rank), a byte item by the rank its key names or rank 0."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-    from torch.distributed.checkpoint.storage import WriteResult
+def rank_numbers(metadata: Any, n: int, chunks: dict | None = None) -> list[Any]:
+    """Each rank's write results for ``metadata`` as its writer reports them (``RankResults``):
+    chunk ``i`` of a tensor written by rank ``i % n`` (FSDP2's ``Shard(0)``: one chunk a rank) into
+    the rank's one file, its byte items (those its key names, the rest rank 0's) after its tensors.
+    Made from the plan's arrays, a few numpy operations per rank."""
+    from raytrain_ckpt.checkpoint.format.metarows import PlanArrays
+    from raytrain_ckpt.checkpoint.format.rankresults import RankResults
 
-    out: list[list[Any]] = [[] for _ in range(n)]
-    offsets = [0] * n
-    byte_items = []
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, BytesStorageMetadata):
-            byte_items.append(fqn)
-            continue
-        width = md.properties.dtype.itemsize
-        for i, chunk in enumerate(md.chunks):
-            r = i % n
-            length = width * int(np.prod(chunk.sizes))
-            out[r].append(WriteResult(MetadataIndex(fqn, chunk.offsets, i), length,
-                                      _StorageInfo(f"__{r}_0.distcp", offsets[r], length)))
-            offsets[r] += length
-    for fqn in byte_items:
+    plan = PlanArrays.of(metadata, chunks)
+    width = max((len(t.size) for t in plan.tensors), default=0)
+    cols: dict[str, list[np.ndarray]] = {"fqn": [], "index": [], "nd": [], "off": [], "len": [], "rank": []}
+    for gid, t in enumerate(plan.tensors):
+        k, nd = t.offsets.shape
+        off = np.zeros((k, width), dtype=np.int64)
+        off[:, :nd] = t.offsets
+        cols["fqn"].append(np.full(k, gid, dtype=np.int64))
+        cols["index"].append(np.arange(k, dtype=np.int64))
+        cols["nd"].append(np.full(k, nd, dtype=np.int64))
+        cols["off"].append(off)
+        cols["len"].append(t.properties.dtype.itemsize * np.prod(t.sizes, axis=1, dtype=np.int64))
+        cols["rank"].append(np.arange(k, dtype=np.int64) % n)
+    c = {name: np.concatenate(v) if v else np.zeros((0, width) if name == "off" else 0, dtype=np.int64)
+         for name, v in cols.items()}
+    order = np.argsort(c["rank"], kind="stable")
+    bounds = np.searchsorted(c["rank"][order], np.arange(n + 1))
+    byte_of: list[list[str]] = [[] for _ in range(n)]
+    for fqn in plan.byte_fqns:
         digits = fqn.split("rank", 1)[-1].split(".", 1)[0]
-        r = int(digits) if digits.isdigit() and int(digits) < n else 0
-        out[r].append(WriteResult(MetadataIndex(fqn), 600,
-                                  _StorageInfo(f"__{r}_0.distcp", offsets[r], 600)))
-        offsets[r] += 600
+        byte_of[int(digits) if digits.isdigit() and int(digits) < n else 0].append(fqn)
+    names = tuple(plan.fqns)
+    out = []
+    for r in range(n):
+        seg = order[bounds[r]:bounds[r + 1]]
+        k, b = len(seg), len(byte_of[r])
+        keys = np.zeros((k + b, 3 + width), dtype=np.int64)
+        keys[:k, 0], keys[:k, 1], keys[:k, 2], keys[:k, 3:] = c["fqn"][seg], c["index"][seg], c["nd"][seg], c["off"][seg]
+        keys[k:, 0] = len(names) + np.arange(b)
+        keys[k:, 1:3] = -1
+        length = np.concatenate([c["len"][seg], np.full(b, 600, dtype=np.int64)])
+        where = np.zeros((k + b, 3), dtype=np.int64)
+        where[:, 1] = np.cumsum(length) - length
+        where[:, 2] = length
+        out.append(RankResults(names, tuple(byte_of[r]), (f"__{r}_0.distcp",), keys, where))
     return out
 
 
-def commit_row(metadata: Any, n: int) -> dict[str, Any]:
-    """The first commit's ``.metadata`` at ``n`` ranks: the reports' results in, the file built."""
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+def _longer_byte_items(results: Any, plan: Any) -> Any:
+    """``results`` with each byte item (laid after the tensors) 7 bytes longer: what a pickled
+    counter or RNG state of a new length does to a save's results."""
+    import dataclasses as dc
 
-    from raytrain_ckpt.checkpoint.format.metapickle import build
-    from raytrain_ckpt.checkpoint.roles.repeats import plan_storage_meta
+    from raytrain_ckpt.checkpoint.format.metarows import byte_rows
 
-    wires = [pickle.dumps(r, protocol=5) for r in _rank_results(metadata, n)]
+    where = results.where.copy()
+    own = byte_rows(plan, results)
+    where[own, 2] += 7
+    where[:, 1] = np.cumsum(where[:, 2]) - where[:, 2]
+    return dc.replace(results, where=where)
+
+
+def commit_row(metadata: Any, n: int, chunks: dict | None = None) -> dict[str, Any]:
+    """The first commit's ``.metadata`` at ``n`` ranks: the reports' results in, the file made and
+    written (fsynced); then a save whose byte items all moved, spliced."""
+    import os
+    import tempfile
+
+    from raytrain_ckpt.checkpoint.records import RankReport
+    from raytrain_ckpt.checkpoint.roles.metadatafile import MetadataFiles
+
+    numbers = rank_numbers(metadata, n, chunks)
+    # as the writers send them: a node's reports in one batch (8 a node), its shared names pickled once
+    made = [RankReport(1, r, 0, "bench", rr, digest=rr.digest()) for r, rr in enumerate(numbers)]
+    wires = [pickle.dumps(tuple(made[at:at + 8]), protocol=5) for at in range(0, n, 8)]
+    del numbers, made
     t0 = time.perf_counter()
-    results = [pickle.loads(w) for w in wires]
+    reports = [rep for w in wires for rep in pickle.loads(w)]
+    reports = [dataclasses.replace(rep, results=rep.results.interned()) for rep in reports]
     in_s = time.perf_counter() - t0
     wire_mb = sum(len(w) for w in wires) / 1e6
     del wires
+    files = MetadataFiles()
+    files.planned("bench", chunks or {})
     t0 = time.perf_counter()
-    file = build(metadata, results, CURRENT_DCP_VERSION, plan_storage_meta("bench"))
+    file = files.make("bench", metadata, reports)
     build_s = time.perf_counter() - t0
-    return {"results_mb": wire_mb, "results_in_s": in_s, "build_s": build_s, "metadata_mb": len(file.data) / 1e6,
-            "commit_peak_mb": _peak_mb()}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("SCALE_TMP")) as d:
+        t0 = time.perf_counter()
+        with open(os.path.join(d, ".metadata"), "wb") as f:
+            file.write_to(f)
+            f.flush()
+            os.fsync(f.fileno())
+        write_s = time.perf_counter() - t0
+    plan = files._arrays("bench", metadata)
+    moved = []
+    for rep in reports:
+        rr = _longer_byte_items(rep.results, plan)
+        moved.append(dataclasses.replace(rep, step=2, results=rr, digest=rr.digest()))
+    t0 = time.perf_counter()
+    spliced = files.make("bench", metadata, moved)
+    splice_s = time.perf_counter() - t0
+    assert files.spliced == 1 and spliced.size == file.size
+    return {"results_mb": wire_mb, "results_in_s": in_s, "build_s": build_s, "write_s": write_s,
+            "splice_s": splice_s, "metadata_mb": file.size / 1e6, "commit_peak_mb": _peak_mb()}
 
 
 def numbers_lines(r: dict[str, Any]) -> list[str]:
@@ -165,5 +222,6 @@ def numbers_lines(r: dict[str, Any]) -> list[str]:
             f"({r['chunks']} chunks in .metadata), {r['back_kb']:.0f} KB back to a rank; process peak "
             f"{r['peak_mb']:.0f} MB"] + ([
         f"first commit: the reports' results {r['results_mb']:.0f} MB, unpickled in {r['results_in_s']:.2f} s; "
-        f".metadata ({r['metadata_mb']:.0f} MB) built in {r['build_s']:.2f} s; process peak "
-        f"{r['commit_peak_mb']:.0f} MB"] if "build_s" in r else [])
+        f".metadata ({r['metadata_mb']:.0f} MB) laid out in {r['build_s']:.2f} s, filled, written and fsynced "
+        f"in {r['write_s']:.2f} s; a save whose byte items all moved spliced in {r['splice_s']:.3f} s; "
+        f"process peak {r['commit_peak_mb']:.0f} MB"] if "build_s" in r else [])

@@ -59,9 +59,10 @@ class RankReport:
     rank: int
     attempt: int
     plan_id: str
-    results: list[Any] | None
-    """DCP's ``WriteResult`` of every item the rank wrote (what ``.metadata`` is finished from);
-    None: the same as this rank's last delivered report for the plan (``digest`` says which)."""
+    results: Any
+    """The rank's write results as numbers (``format.rankresults.RankResults``: each item's key, file,
+    offset and length; what ``.metadata`` is written from); None: the same as this rank's last
+    delivered report for the plan (``digest`` says which)."""
     files: dict[str, Any] = field(default_factory=dict)
     """File name -> ``format.manifest.FileEntry`` (size and CRC-32C) of each file the rank wrote."""
     point: TrainingPoint = TrainingPoint()
@@ -70,12 +71,7 @@ class RankReport:
     """fqn -> ``format.fingerprints.ShardSums`` of each floating-point tensor the rank wrote,
     summed by its writer off the training path; merged into the manifest's ``tensors``."""
     digest: str = ""
-    """``roles.repeats.results_digests`` of ``results`` ("": not computed; the coordinator computes it)."""
-    tensor_digest: str = ""
-    """The digest of ``results`` with the byte items (at ``byte_at``) left out: what tells the
-    coordinator that only byte items moved (``roles/metadatafile.py``) ("": not computed)."""
-    byte_at: tuple[int, ...] | None = None
-    """Positions of the byte items among ``results`` (None: not sent)."""
+    """``RankResults.digest`` of ``results`` ("": not computed; the coordinator computes it)."""
 
 
 __all__ += ["STALLED"]

@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from bench.scale_ranks import local_plan, template, write_results
+from raytrain_ckpt.checkpoint.format.rankresults import RankResults
 from raytrain_ckpt.checkpoint.errors import StepAborted
 from raytrain_ckpt.checkpoint.format.plannumbers import SharedPlan, difference_from, own_central
 from raytrain_ckpt.checkpoint.policy.retention import RetentionPolicy
@@ -39,7 +40,7 @@ def _report(central, step: int, rank: int, tmp: str) -> RankReport:
     size = results[-1].storage_data.offset + results[-1].storage_data.length
     with open(os.path.join(tmp, name), "wb") as f:
         f.truncate(size)
-    return RankReport(step, rank, 0, central.plan_id, results, {name: {"size": size, "crc32c": 0}})
+    return RankReport(step, rank, 0, central.plan_id, RankResults.of(results), {name: {"size": size, "crc32c": 0}})
 
 
 def test_a_node_report_missing_one_rank_leaves_the_step_uncommitted(ray_cluster, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from raytrain_ckpt.checkpoint.format.rankresults import RankResults
 from raytrain_ckpt.checkpoint.format.plannumbers import own_central
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.records import GroupLayout, RankReport
@@ -45,7 +46,7 @@ async def _save(actor: CheckpointActor, step: int, attempt: int = 0) -> str:
     writer.set_up_storage_writer(False, rank=0)
     results = writer.write_data(plan, planner).wait()
     files = {p.name: {"size": p.stat().st_size, "crc32": zlib.crc32(p.read_bytes())} for p in tmp.iterdir()}
-    return await actor.report(RankReport(step, 0, attempt, plan_id, results, files))
+    return await actor.report(RankReport(step, 0, attempt, plan_id, RankResults.of(results), files))
 
 
 def test_a_group_whose_layout_cannot_be_recorded_still_starts(tmp_path: Path, caplog) -> None:
@@ -439,7 +440,7 @@ def test_a_late_failure_or_report_of_an_earlier_attempts_save_does_not_touch_the
         await actor.abort(20, "rank 0: the trainer went away (attempt 1)", attempt=1)
         assert actor.steps.pending[20].attempt == 2 and actor.steps.pending[20].error is None
         with pytest.raises(StepAborted, match="attempt 1's save"):
-            await actor.report(RankReport(20, 0, 1, "1.20", [], {}))
+            await actor.report(RankReport(20, 0, 1, "1.20", RankResults.of([]), {}))
         assert 20 in actor.steps.pending and 20 not in actor.steps.committed
 
     asyncio.run(scenario())

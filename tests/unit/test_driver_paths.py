@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from raytrain_ckpt.checkpoint.format.rankresults import RankResults
 from raytrain_ckpt.checkpoint.format.plannumbers import own_central
 
 REPO = Path(__file__).resolve().parents[2]
@@ -137,7 +138,7 @@ def test_a_final_save_that_commits_in_the_settle_is_in_the_job_result_and_passes
         writer.set_up_storage_writer(False, rank=0)
         results = writer.write_data(planner.finish_plan(own_central(central.plan, local)), planner).wait()
         files = {p.name: {"size": p.stat().st_size, "crc32": zlib.crc32(p.read_bytes())} for p in tmp.iterdir()}
-        return RankReport(4, 0, 0, central.plan_id, results, files)
+        return RankReport(4, 0, 0, central.plan_id, RankResults.of(results), files)
 
     report = asyncio.run(hand_off())
 

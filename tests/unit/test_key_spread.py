@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from bench.scale_ranks import local_plan, template, write_results
+from raytrain_ckpt.checkpoint.format.rankresults import RankResults
 from raytrain_ckpt.checkpoint.format.plannumbers import own_central
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
@@ -58,7 +59,7 @@ def _save(root: str, plans: list) -> CheckpointActor:
             size = results[-1].storage_data.offset + results[-1].storage_data.length
             data = b"\0" * size
             actor.layout.storage.write_bytes(actor.layout.storage.join(tmp, name), data)
-            out = await actor.report(RankReport(10, r, 0, centrals[r].plan_id, results,
+            out = await actor.report(RankReport(10, r, 0, centrals[r].plan_id, RankResults.of(results),
                                                 {name: {"size": size, "crc32c": crc32c.crc32c(data)}}))
         assert out == "committed"
 

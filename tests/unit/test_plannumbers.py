@@ -47,9 +47,13 @@ def _assert_same_as_dcp(plans: list[SavePlan]) -> PlanBook:
         assert back == plan and back.planner_data == plan.planner_data
         assert [i.index.index for i in back.items] == [i.index.index for i in plan.items]
     want, metadata = global_plan(plans)
-    got = plan_on_numbers(book, pns)
+    arrays: dict = {}
+    got = plan_on_numbers(book, pns, arrays)
     assert got is not None
     centrals, ours = got
+    for fqn, (offsets, sizes) in arrays.items():  # the chunks .metadata can be written from: the same
+        chunks = ours.state_dict_metadata[fqn].chunks
+        assert offsets.tolist() == [list(c.offsets) for c in chunks] and sizes.tolist() == [list(c.sizes) for c in chunks]
     for r, (pn, c) in enumerate(zip(pns, centrals)):
         mine = central(book, pn, c)
         assert mine.items == want[r].items, r

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from raytrain_ckpt.checkpoint.format.rankresults import RankResults
 from raytrain_ckpt.checkpoint.format.plannumbers import own_central
 from raytrain_ckpt.checkpoint.format import sandbox, scancache
 from raytrain_ckpt.checkpoint.format.manifest import describe_file
@@ -75,7 +76,7 @@ def _save(actor: CheckpointActor, step: int, cut: int = 0, plans: dict | None = 
         for p in tmp.glob("*.distcp"):
             os.truncate(p, p.stat().st_size - cut)
         files = {p.name: {"size": p.stat().st_size, "crc32": zlib.crc32(p.read_bytes())} for p in tmp.iterdir()}
-        return await actor.report(RankReport(step, 0, 0, central.plan_id, results, files))
+        return await actor.report(RankReport(step, 0, 0, central.plan_id, RankResults.of(results), files))
 
     return asyncio.run(save())
 

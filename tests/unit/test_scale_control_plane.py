@@ -20,6 +20,7 @@ import pytest
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from bench.scale_ranks import local_plan, template, write_results
+from raytrain_ckpt.checkpoint.format.rankresults import RankResults
 from raytrain_ckpt.checkpoint.format.plannumbers import own_central
 from raytrain_ckpt.observe import metrics
 from raytrain_ckpt.checkpoint.errors import StepAborted
@@ -80,7 +81,7 @@ def _written(tmp: str, central, rank: int, step: int, attempt: int = 0) -> RankR
     size = results[-1].storage_data.offset + results[-1].storage_data.length
     with open(os.path.join(tmp, name), "wb") as f:
         f.truncate(size)
-    return RankReport(step, rank, attempt, central.plan_id, results, {name: {"size": size, "crc32c": 0}})
+    return RankReport(step, rank, attempt, central.plan_id, RankResults.of(results), {name: {"size": size, "crc32c": 0}})
 
 
 def test_one_missing_report_of_many_ranks_still_aborts_the_step(tmp_path: Path, plans: list) -> None:
@@ -124,7 +125,7 @@ def test_one_missing_report_of_many_ranks_still_aborts_the_step(tmp_path: Path, 
 def _digest_only(sent: SentResults, rank: int, plan_id: str, step: int, central) -> bool:
     """Whether the writer side would send rank ``rank``'s results of ``step`` as a digest alone."""
     results = write_results(central, step)
-    return sent.slim(RankReport(step, rank, 0, plan_id, results)).results is None
+    return sent.slim(RankReport(step, rank, 0, plan_id, RankResults.of(results))).results is None
 
 
 def _saves(root: Path, plans: list, steps: list[int], reuse: bool) -> CheckpointActor:
@@ -268,7 +269,7 @@ def test_a_restarted_actor_aborts_a_plan_no_committed_step_has(tmp_path: Path, p
         await again.open_step(10, 0)
         results = write_results(centrals[0].plan, 10)
         with pytest.raises(StepAborted, match="unknown"):
-            await again.report(RankReport(10, 0, 0, centrals[0].plan_id, results, {}))
+            await again.report(RankReport(10, 0, 0, centrals[0].plan_id, RankResults.of(results), {}))
 
     asyncio.run(report())
     assert again.steps.failed[10] == "plan unknown after a checkpoint actor restart"
@@ -308,12 +309,12 @@ def test_the_benchmarks_first_commit_is_a_metadata_the_reader_accepts() -> None:
     import io
 
     from bench.scale import _spec
-    from bench.scale_numbers import _rank_results, numbers_row
+    from bench.scale_numbers import numbers_row, rank_numbers
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
     from raytrain_ckpt.checkpoint.format.chunks import layout_problem
     from raytrain_ckpt.checkpoint.format.metadata import load_metadata
-    from raytrain_ckpt.checkpoint.format.metapickle import build
+    from raytrain_ckpt.checkpoint.format.metarows import PlanArrays, from_ranks
     from raytrain_ckpt.checkpoint.roles.planning import GatheredPlans
     from raytrain_ckpt.checkpoint.format.plannumbers import SharedPlan, difference_from
 
@@ -324,13 +325,14 @@ def test_the_benchmarks_first_commit_is_a_metadata_the_reader_accepts() -> None:
     for r in range(n):
         gathered.add(r, SharedPlan(local[0]) if r == 0 else difference_from(local[0], local[r], 0))
     _, metadata = gathered.build(n, spread=False)
-    results = _rank_results(metadata, n)
+    results = rank_numbers(metadata, n)
     entries = sum(len(v.chunks) if hasattr(v, "chunks") else 1 for v in metadata.state_dict_metadata.values())
-    assert all(results) and sum(map(len, results)) == entries   # a result per chunk and per byte item
-    data = build(metadata, results, CURRENT_DCP_VERSION, None).data
+    assert all(len(r) for r in results) and sum(map(len, results)) == entries   # a result per chunk and per byte item
+    data = from_ranks(PlanArrays.of(metadata), results, None, CURRENT_DCP_VERSION).data
     read = load_metadata(io.BytesIO(data), ".metadata")
-    sizes = {f"__{r}_0.distcp": sum(wr.size_in_bytes for wr in results[r]) for r in range(n)}
+    assert len(read.storage_data) == entries
+    sizes = {f"__{r}_0.distcp": int(results[r].where[:, 2].sum()) for r in range(n)}
     assert layout_problem(read, sizes) is None
     assert layout_problem(read, {name: size // 2 for name, size in sizes.items()}) is not None  # bytes past the end
     row = numbers_row(_spec(), "8b", n, commit=True)
-    assert row["metadata_mb"] > 0 and row["build_s"] > 0 and row["results_in_s"] > 0
+    assert row["metadata_mb"] > 0 and row["build_s"] > 0 and row["results_in_s"] > 0 and row["splice_s"] > 0

@@ -49,10 +49,15 @@ class _Group:
         self.row = {r: i for i, r in enumerate(ranks)}
 
 
-def plan_on_numbers(book: PlanBook, pns: list[PlanNumbers]) -> tuple[list[Central], Metadata] | None:
+def plan_on_numbers(book: PlanBook, pns: list[PlanNumbers],
+                    chunk_arrays: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+                    ) -> tuple[list[Central], Metadata] | None:
     """Each rank's central plan (as numbers) and the global ``Metadata``, as DCP's
     ``DefaultSavePlanner`` (load-balanced dedup) would make them from the expanded plans; None for
-    a layout the numbers do not model (then DCP's planner decides, and raises what it raises)."""
+    a layout the numbers do not model (then DCP's planner decides, and raises what it raises).
+    ``chunk_arrays``: filled with fqn -> (offsets, sizes), arrays of shape (chunks, dims), for each
+    tensor whose chunks are a base's shards (the same chunks as the ``Metadata``'s, in order), so
+    that ``.metadata`` can be written from them (``format/metaemit.py``)."""
     n = len(pns)
     if any(pn.planner is None for pn in pns):  # planner data of another shape than its base's: DCP's to merge
         return None
@@ -190,7 +195,7 @@ def plan_on_numbers(book: PlanBook, pns: list[PlanNumbers]) -> tuple[list[Centra
                 g = gs[a]
                 col = g.marks[:, p] == SAME
                 g.keep[col, p] = (g.ranks[col] == pick).astype(np.uint8)
-    return _global(book, pns, gs, n)
+    return _global(book, pns, gs, n, chunk_arrays)
 
 
 def _pick(holders: np.ndarray, sizes: np.ndarray, orders: dict[bytes, np.ndarray]) -> int:
@@ -214,7 +219,9 @@ def _pick(holders: np.ndarray, sizes: np.ndarray, orders: dict[bytes, np.ndarray
     return int(tied[int(np.argmin(place[tied]))])
 
 
-def _global(book: PlanBook, pns: list[PlanNumbers], gs: dict[int, _Group], n: int) -> tuple[list[Central], Metadata] | None:
+def _global(book: PlanBook, pns: list[PlanNumbers], gs: dict[int, _Group], n: int,
+            chunk_arrays: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+            ) -> tuple[list[Central], Metadata] | None:
     """Chunk indices, ``.metadata``'s entries and the merged planner data of the deduplicated plans."""
     md: dict[str, Any] = {}
     shard_index: dict[int, np.ndarray] = {}
@@ -231,9 +238,11 @@ def _global(book: PlanBook, pns: list[PlanNumbers], gs: dict[int, _Group], n: in
                 ref = g.base.plan.items[p]
                 nd = len(ref.tensor_data.size)
                 at = g.base.width[s]
-                block = g.numbers[rows, at:at + 2 * nd].tolist()
+                numbers = g.numbers[rows, at:at + 2 * nd]
                 chunks_of[(b, s)] = [ChunkStorageMetadata(offsets=torch.Size(v[:nd]), sizes=torch.Size(v[nd:]))
-                                     for v in block]
+                                     for v in numbers.tolist()]
+                if chunk_arrays is not None:
+                    chunk_arrays[ref.index.fqn] = (numbers[:, :nd].astype(np.int64), numbers[:, nd:].astype(np.int64))
         shard_index[b] = idx
     centrals: list[Central] = []
     for r, pn in enumerate(pns):
@@ -267,6 +276,9 @@ def _global(book: PlanBook, pns: list[PlanNumbers], gs: dict[int, _Group], n: in
             index[p] = len(entry.chunks)
             entry.chunks.append(item.tensor_data.chunk)
         centrals.append(Central(bytes(keep.tobytes()), shard_index[pn.base][row].copy(), index))
+    if chunk_arrays is not None:  # a rank's own item of the same tensor appended a chunk: its arrays are not all
+        for fqn in [f for f, (o, _) in chunk_arrays.items() if len(md[f].chunks) != len(o)]:
+            del chunk_arrays[fqn]
     return centrals, Metadata(md, planner_data=_merged_planner_data(book, pns, gs))
 
 

@@ -96,9 +96,11 @@ class SaveCoordinator:
             # instead of pairwise). The ranks write from their plan's items and prefix; its planner
             # data (the flattened keys' paths) is in the metadata, not sent back. On an object store
             # the file names spread over its key ranges (``spread_names``).
-            g.central, metadata = g.plans.build(world, spread=not self.layout.protocol.renames)
+            chunks: dict = {}  # the tensors' chunks as arrays, what .metadata is written from
+            g.central, metadata = g.plans.build(world, spread=not self.layout.protocol.renames, chunk_arrays=chunks)
             g.plan_id = f"{attempt}.{step}"
             self._metadata[g.plan_id] = metadata
+            self.files.planned(g.plan_id, chunks)
             self.repeats.keep_only(g.plan_id)
             g.plans.clear()  # every rank's local plan (O(ranks x tensors)): not needed once the global plan is
             g.ready.set()
@@ -206,9 +208,9 @@ class SaveCoordinator:
             self.repeats.reused += 1
             return dict(last.entry)
         self.repeats.rebuilt += 1
-        # The cached plan's metadata is read, not changed: its tensor entries (every rank's chunks:
-        # O(ranks x tensors)) are pickled from where they are.
-        self.layout.storage.write_bytes(path, self.files.make(plan_id, self._metadata[plan_id], reports))
+        # Written from the plan's and the ranks' arrays (``format/metaemit.py``); the cached plan's
+        # metadata is read, not changed.
+        self.layout.storage.write_bytes(path, self.files.make(plan_id, self._metadata[plan_id], reports).data)
         return self.layout.describe(path)
 
     def _manifest(self, step: int, files: dict[str, dict[str, int]], wall: dict[str, float],

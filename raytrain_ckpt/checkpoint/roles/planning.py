@@ -114,15 +114,16 @@ class GatheredPlans:
         self._book = PlanBook()
         self._shared.clear()
 
-    def build(self, world: int, spread: bool) -> tuple[list[Any], Metadata]:
+    def build(self, world: int, spread: bool, chunk_arrays: dict | None = None) -> tuple[list[Any], Metadata]:
         """Per rank what it gets back (``CentralNumbers``, or its central ``SavePlan`` when DCP's
         planner made the plan) and the global ``Metadata``; raises DCP's error for a plan its
-        check refuses. ``spread``: an object store's file names (``storage/dcp.py``'s ``spread_names``)."""
+        check refuses. ``spread``: an object store's file names (``storage/dcp.py``'s ``spread_names``).
+        ``chunk_arrays``: filled with the chunks of each base-sharded tensor as arrays (``plan_on_numbers``)."""
         pns = [self._numbers[r] for r in range(world)]
         if any(pn.base == SHARED for pn in pns):
             pns = [self._rebased(pn) if pn.base == SHARED else pn for pn in pns]
         with collector_paused():
-            got = plan_on_numbers(self._book, pns)
+            got = plan_on_numbers(self._book, pns, chunk_arrays)
             if got is None:
                 central, metadata = global_plan([self._book.expand(pn) for pn in pns])
                 return [dataclasses.replace(p, planner_data=None, storage_data=rank_prefix(r, p.storage_data, spread))

@@ -2,13 +2,14 @@
 built from them.
 
 Within an attempt every save of a layout writes the same items to the same files; a rank's
-``WriteResult``s (each item's file, offset and length) change only when a byte item's pickled
+results (each item's file, offset and length: ``format/rankresults.py``) change only when a byte item's pickled
 length changes (a counter that gains a digit, a longer RNG state), which moves every item
 written after it. Rebuilding ``.metadata`` from every rank's results is O(ranks x tensors) per
 save (4.5 s at 64 ranks of 70B), so both ends remember what they last exchanged:
 
 - the writer sends a digest of a rank's results with each report, and leaves the results out
-  when they equal those it last delivered for the same rank and plan (``SentResults``);
+  when they equal those it last delivered for the same rank and plan (``SentResults``), or sends
+  only the rows that differ (``ResultsDelta``: a save whose byte items grew moves a few rows);
 - the coordinator keeps each rank's last results per plan (``ResultsCache``), fills a report
   sent without them from there, and when every rank's digest equals those of the step it
   last committed for the plan, copies that step's ``.metadata`` into the new step instead of
@@ -21,7 +22,8 @@ for the newest plan only.
 
 The commit protocol does not change: a step commits only when every rank's report is in; a
 report sent by digest that the coordinator cannot resolve (it restarted since) is answered
-``RESEND`` and the writer sends the same report again with its results, the step still in
+``RESEND`` (so is a delta whose base it does not hold) and the writer sends the same report
+again with its results, the step still in
 flight; any changed digest makes ``.metadata`` again (``metadatafile.py``: spliced from the
 last one when only byte items moved, else built in full).
 
@@ -34,62 +36,36 @@ restart of the CheckpointActor (a drain of its node) still commits.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from raytrain_ckpt.checkpoint.errors import InvalidCheckpoint
 from raytrain_ckpt.checkpoint.format.manifest import Manifest
 from raytrain_ckpt.checkpoint.format.metadata import load_metadata
 from raytrain_ckpt.checkpoint.format.names import Location
+from raytrain_ckpt.checkpoint.format.rankresults import RankResults, ResultsDelta
 from raytrain_ckpt.checkpoint.format.verify import check_file
 from raytrain_ckpt.checkpoint.records import RankReport
 from raytrain_ckpt.common.locations import is_uri
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RESEND", "ResultsCache", "SentResults", "byte_keys", "committed_plan", "copy_metadata",
-           "plan_storage_meta", "results_digest", "results_digests", "tensor_digest"]
+__all__ = ["RESEND", "ResultsCache", "SentResults", "committed_plan", "copy_metadata", "plan_storage_meta",
+           "results_digest"]
 
 RESEND = "resend"
 """The coordinator's answer to a report sent by digest whose results it does not hold (it
 restarted since the writer last delivered them): the writer sends the report again in full."""
 
 
-def results_digest(results: list[Any]) -> str:
-    """A digest of a rank's ``WriteResult``s: equal digests, equal results (and ``.metadata`` entries)."""
-    return results_digests(results, ())[0]
-
-
-def tensor_digest(results: list[Any], byte_at: tuple[int, ...]) -> str:
-    """A digest of ``results`` with the items at ``byte_at`` (its byte items) left out, their
-    places kept: equal digests, the same tensor results at the same positions."""
-    masked = list(results)
-    for i in byte_at:
-        masked[i] = None
-    return hashlib.blake2b(pickle.dumps(masked, protocol=5), digest_size=16).hexdigest()
-
-
-def results_digests(results: list[Any], byte_at: tuple[int, ...]) -> tuple[str, str]:
-    """(digest of every result, ``tensor_digest``): the first covers the second and the byte
-    items' results, so ``results`` are pickled about once for both."""
-    tensors = tensor_digest(results, byte_at)
-    whole = hashlib.blake2b(tensors.encode(), digest_size=16)
-    whole.update(pickle.dumps([results[i] for i in byte_at], protocol=5))
-    return whole.hexdigest(), tensors
-
-
-def byte_keys(plan: SavePlan) -> frozenset[MetadataIndex]:
-    """The indexes of ``plan``'s byte items (DCP's ``BYTE_IO`` write items: the same items its
-    global plan describes as ``BytesStorageMetadata``, which ``.metadata`` records apart)."""
-    return frozenset(item.index for item in plan.items if item.type == WriteItemType.BYTE_IO)
+def results_digest(results: RankResults) -> str:
+    """A digest of a rank's results: equal digests, equal results (and ``.metadata`` entries)."""
+    return results.digest()
 
 
 def plan_storage_meta(plan_id: str) -> StorageMeta:
@@ -101,40 +77,46 @@ def plan_storage_meta(plan_id: str) -> StorageMeta:
 
 
 class SentResults:
-    """Writer side: the digest of the results last delivered per rank, to send a digest alone
-    when a rank's next results are the same."""
+    """Writer side: the results last delivered per rank, to send a digest alone when a rank's next
+    results are the same, and the rows that differ when only where items lie changed."""
 
     def __init__(self) -> None:
-        self._sent: dict[int, tuple[str, str]] = {}
-        """rank -> (plan id, digest) of the results the coordinator last accepted from this writer."""
+        self._sent: dict[int, tuple[str, str, RankResults]] = {}
+        """rank -> (plan id, digest, results) the coordinator last accepted from this writer."""
+        self._slimmed: dict[int, tuple[str, str, RankResults]] = {}
+        """rank -> the same of the report last slimmed (``delivered`` takes it over)."""
 
-    def slim(self, report: RankReport, byte_items: frozenset[MetadataIndex] = frozenset()) -> RankReport:
-        """``report`` with its digests set, and without its results when the coordinator holds
-        them. ``byte_items``: the plan's byte items (``byte_keys``), whose positions and the
-        digest of every other result go with the report, so that the coordinator can tell a save
-        where only byte items moved without reading every result (``roles/metadatafile.py``)."""
-        byte_at = tuple(i for i, wr in enumerate(report.results) if wr.index in byte_items) if byte_items else ()
-        digest, tensors = results_digests(report.results, byte_at)
-        slim = replace(report, digest=digest, tensor_digest=tensors if byte_items else "",
-                       byte_at=byte_at if byte_items else None)
-        if self._sent.get(report.rank) == (report.plan_id, digest):
+    def slim(self, report: RankReport) -> RankReport:
+        """``report`` with its digest set, and its results as the coordinator can take them: none
+        when it holds them, the rows that differ from the ones it holds (``ResultsDelta``), or all."""
+        digest = results_digest(report.results)
+        slim = replace(report, digest=digest)
+        self._slimmed[report.rank] = (report.plan_id, digest, report.results)
+        held = self._sent.get(report.rank)
+        if held is None or held[0] != report.plan_id:
+            return slim
+        if held[1] == digest:
             return replace(slim, results=None)
-        return slim
+        delta = report.results.delta_from(held[2], held[1])
+        return slim if delta is None else replace(slim, results=delta)
 
     def delivered(self, report: RankReport) -> None:
         """The coordinator answered ``report`` (committed or pending): it holds its results."""
-        self._sent[report.rank] = (report.plan_id, report.digest)
+        slimmed = self._slimmed.get(report.rank)
+        if slimmed is not None and slimmed[:2] == (report.plan_id, report.digest):
+            self._sent[report.rank] = slimmed
+        else:
+            self._sent.pop(report.rank, None)
 
     def lost(self, rank: int) -> None:
         """A report of ``rank`` was not answered normally: send its results in full next time."""
         self._sent.pop(rank, None)
 
-    def send(self, report: RankReport, call: Callable[[RankReport], Any],
-             byte_items: frozenset[MetadataIndex] = frozenset()) -> Any:
+    def send(self, report: RankReport, call: Callable[[RankReport], Any]) -> Any:
         """``call(report)`` with the report slimmed (``slim``), remembering what the coordinator
         holds when it answers and forgetting it when it does not; sent again with its results
         when the coordinator answers ``RESEND``."""
-        slim = self.slim(report, byte_items)
+        slim = self.slim(report)
         try:
             out = call(slim)
             if out == RESEND:  # only ever the answer to a report sent by digest
@@ -163,7 +145,7 @@ class _Built:
 class ResultsCache:
     """Coordinator side: per plan, every rank's last results and the last ``.metadata`` built."""
 
-    results: dict[str, dict[int, tuple[str, list[Any]]]] = field(default_factory=dict)
+    results: dict[str, dict[int, tuple[str, RankResults]]] = field(default_factory=dict)
     built: dict[str, _Built] = field(default_factory=dict)
     reused: int = 0
     """How many commits copied an earlier ``.metadata`` (read by tests and the benchmark)."""
@@ -179,9 +161,16 @@ class ResultsCache:
         """Record ``report``'s results, or fill them in from the last ones its rank sent for the
         plan; None when a report sent by digest does not match them (the writer sends them again)."""
         ranks = self.results.setdefault(report.plan_id, {})
+        if isinstance(report.results, ResultsDelta):
+            held = ranks.get(report.rank)
+            if held is None or held[0] != report.results.base:
+                return None
+            ranks[report.rank] = (report.digest, report.results.apply(held[1]))
+            return replace(report, results=ranks[report.rank][1])
         if report.results is not None:
-            ranks[report.rank] = (report.digest or results_digest(report.results), report.results)
-            return report if report.digest else replace(report, digest=ranks[report.rank][0])
+            results = report.results.interned()
+            ranks[report.rank] = (report.digest or results_digest(results), results)
+            return replace(report, results=results, digest=ranks[report.rank][0])
         held = ranks.get(report.rank)
         if held is None or held[0] != report.digest:
             return None

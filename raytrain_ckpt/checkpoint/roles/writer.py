@@ -29,6 +29,7 @@ from ray.actor import ActorHandle
 from raytrain_ckpt.checkpoint.datapath.buffers import is_leased, shm_dir, sweep_orphans
 
 from raytrain_ckpt.checkpoint.errors import StagingFileError
+from raytrain_ckpt.checkpoint.format.rankresults import RankResults, sharded_names
 from raytrain_ckpt.checkpoint.datapath.filewrite import RankFiles, WriteProgress, WriteWatch
 from raytrain_ckpt.checkpoint.datapath.progress import StageProgress
 from raytrain_ckpt.checkpoint.errors import StagingAborted
@@ -37,7 +38,7 @@ from raytrain_ckpt.checkpoint.datapath.sink import ShardSink, pick_sink
 from raytrain_ckpt.checkpoint.datapath.staging import StagedPlanner
 from raytrain_ckpt.checkpoint.format.fingerprints import shard_sums
 from raytrain_ckpt.checkpoint.roles.courier import NodeCourier
-from raytrain_ckpt.checkpoint.roles.repeats import SentResults, byte_keys
+from raytrain_ckpt.checkpoint.roles.repeats import SentResults
 from raytrain_ckpt.checkpoint.roles.replication import Replication
 from raytrain_ckpt.checkpoint.roles.writer_buffers import Mapped, WriterBuffers
 from raytrain_ckpt.checkpoint.storage.posix import replace_file
@@ -93,6 +94,7 @@ class CheckpointWriter:
         self.writes = WriteWatch()
         self._tmp: dict[tuple[int, int], str] = {}
         self._last_phases: dict[int, dict[str, float]] = {}
+        self._shards: dict[int, tuple[str, frozenset[str]]] = {}  # (``_sharded``)
         self._sent = SentResults()  # a rank's results that did not change go to the actor as a digest
         node_id = ray.get_runtime_context().get_node_id()
         # The node's ranks' hand-offs, reports and stalls go to the actor together (``courier.py``).
@@ -253,9 +255,9 @@ class CheckpointWriter:
                               phases=tuple(phases.items()))
         self.metrics.wrote(req.rank, sum(f["size"] for f in written.files.values()), timings.persist_s)
         t_report = time.monotonic()
-        out = self._sent.send(RankReport(req.step, req.rank, req.attempt, req.plan_id, written.results,
-                                         written.files, req.point, timings, sums),
-                              self.courier.report, byte_keys(req.plan))
+        results = RankResults.of(written.results, _sharded(self._shards, req))
+        out = self._sent.send(RankReport(req.step, req.rank, req.attempt, req.plan_id, results,
+                                         written.files, req.point, timings, sums), self.courier.report)
         self._last_phases[req.rank] = {**phases, "report_s": time.monotonic() - t_report}
         return out
 
@@ -374,3 +376,12 @@ def _staged(req: PersistRequest, mapped: Mapped) -> float:
     if not req.token:
         return 0.0
     return _wait_staged(req, mapped, req.buffer_bytes).copy_s()
+
+
+def _sharded(shards: dict[int, tuple[str, frozenset[str]]], req: PersistRequest) -> frozenset[str]:
+    """``sharded_names`` of the rank's plan (the names its reports share with other ranks'), kept
+    per rank for its plan id."""
+    held = shards.get(req.rank)
+    if held is None or held[0] != req.plan_id:
+        held = shards[req.rank] = (req.plan_id, sharded_names(req.plan))
+    return held[1]
