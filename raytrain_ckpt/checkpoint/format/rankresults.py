@@ -46,6 +46,7 @@ def sharded_names(plan: Any) -> frozenset[str]:
     return frozenset(item.index.fqn for item in plan.items
                      if item.tensor_data is not None and tuple(item.tensor_data.chunk.sizes) != tuple(item.tensor_data.size))
 
+
 _NAMES: dict[tuple[str, ...], tuple[str, ...]] = {}
 """The names tuples the coordinator holds, one object per distinct tuple (``interned``)."""
 
@@ -55,7 +56,7 @@ class RankResults:
     """One rank's write results, in the order it wrote them (see the module's note)."""
 
     fqns: tuple[str, ...]
-    """Names of the chunks of tensors of a dimension or more (``keys[:, 0]`` below ``len(fqns)``)."""
+    """Names of the sharded tensors' chunks (``keys[:, 0]`` below ``len(fqns)``): shared by the ranks of a layout."""
     own: tuple[str, ...]
     """Names of the other items (``keys[:, 0] - len(fqns)``)."""
     files: tuple[str, ...]
@@ -99,9 +100,9 @@ class RankResults:
     def digest(self) -> str:
         """Equal digests, equal results (every key and every storage)."""
         h = hashlib.blake2b(digest_size=16)
-        for part in ("\0".join(self.fqns), "\0".join(self.own), "\0".join(self.files)):
-            h.update(part.encode("utf-8", "surrogatepass"))
-            h.update(b"\1")
+        for names in (self.fqns, self.own, self.files):
+            h.update(f"{len(names)}:".encode())
+            h.update("\0".join(names).encode("utf-8", "surrogatepass"))
         for a in (self.keys, self.where):
             h.update(str(a.shape).encode())
             h.update(np.ascontiguousarray(a).tobytes())
