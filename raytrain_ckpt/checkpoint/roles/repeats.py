@@ -55,17 +55,11 @@ from raytrain_ckpt.common.locations import is_uri
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RESEND", "ResultsCache", "SentResults", "committed_plan", "copy_metadata", "plan_storage_meta",
-           "results_digest"]
+__all__ = ["RESEND", "ResultsCache", "SentResults", "committed_plan", "copy_metadata", "plan_storage_meta"]
 
 RESEND = "resend"
 """The coordinator's answer to a report sent by digest whose results it does not hold (it
 restarted since the writer last delivered them): the writer sends the report again in full."""
-
-
-def results_digest(results: RankResults) -> str:
-    """A digest of a rank's results: equal digests, equal results (and ``.metadata`` entries)."""
-    return results.digest()
 
 
 def plan_storage_meta(plan_id: str) -> StorageMeta:
@@ -89,7 +83,7 @@ class SentResults:
     def slim(self, report: RankReport) -> RankReport:
         """``report`` with its digest set, and its results as the coordinator can take them: none
         when it holds them, the rows that differ from the ones it holds (``ResultsDelta``), or all."""
-        digest = results_digest(report.results)
+        digest = report.results.digest()
         slim = replace(report, digest=digest)
         self._slimmed[report.rank] = (report.plan_id, digest, report.results)
         held = self._sent.get(report.rank)
@@ -169,7 +163,7 @@ class ResultsCache:
             return replace(report, results=ranks[report.rank][1])
         if report.results is not None:
             results = report.results.interned()
-            ranks[report.rank] = (report.digest or results_digest(results), results)
+            ranks[report.rank] = (report.digest or results.digest(), results)
             return replace(report, results=results, digest=ranks[report.rank][0])
         held = ranks.get(report.rank)
         if held is None or held[0] != report.digest:
